@@ -1,0 +1,342 @@
+/* tandem.h: the public API of tandem, stream-ordered asynchronous work on accelerators.
+ *
+ * Conventions
+ * - Every fallible call returns 0 on success or a negative TDM_E* code. Out-parameters are
+ *   written only on success. tdm_last_error() gives this thread's message for the last failure.
+ * - Handles are opaque. Objects made by a _create call are freed by the matching _destroy call;
+ *   events are reference counted (tdm_event_retain / tdm_event_release).
+ * - Every call is safe from any thread. Submissions to one queue from several threads take effect
+ *   in the order the calls took the queue's lock.
+ * - "Submission" functions take an optional dependency list (ndeps, deps): the command starts
+ *   only after every listed event has completed, without blocking the caller. When `out` is not
+ *   NULL it receives a new event (one reference, owned by the caller) that completes when the
+ *   command has completed, carrying its status.
+ * - If a command fails, its event completes with the error; commands that depend on it (through
+ *   a dependency list, or by queue order on an in-order queue) complete with TDM_EDEP without
+ *   running. tdm_queue_sync() returns the queue's first error and clears it; the queue stays
+ *   usable.
+ */
+#ifndef TANDEM_H
+#define TANDEM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define TDM_API __attribute__((visibility("default")))
+#define TDM_NODISCARD __attribute__((warn_unused_result))
+#else
+#define TDM_API
+#define TDM_NODISCARD
+#endif
+
+/* ---- Version ---------------------------------------------------------------------------- */
+
+#define TDM_VERSION_MAJOR 0
+#define TDM_VERSION_MINOR 1
+#define TDM_VERSION_PATCH 0
+#define TDM_VERSION ((TDM_VERSION_MAJOR << 16) | (TDM_VERSION_MINOR << 8) | TDM_VERSION_PATCH)
+
+/* The version of the library loaded at run time, encoded as TDM_VERSION. */
+TDM_API unsigned tdm_version(void);
+/* "MAJOR.MINOR.PATCH"; static storage. */
+TDM_API const char *tdm_version_string(void);
+
+/* ---- Errors ----------------------------------------------------------------------------- */
+
+/* X(name, value, message): one table for codes, names and messages. */
+#define TDM_ERRNO_MAP(X)                                                                      \
+  X(EINVAL, -1, "invalid argument")                                                            \
+  X(ENOMEM, -2, "out of memory")                                                               \
+  X(ENODEV, -3, "no such device")                                                              \
+  X(EHANDLE, -4, "invalid, destroyed or foreign handle")                                       \
+  X(ERANGE, -5, "range extends past the end of an allocation")                                 \
+  X(EDIRECTION, -6, "copy direction does not match the memory involved")                       \
+  X(EXDEV, -7, "objects belong to different devices")                                          \
+  X(EDEP, -8, "a dependency failed, so the command did not run")                               \
+  X(EDEADLK, -9, "the call would wait for itself")                                             \
+  X(EDEVLOST, -10, "device lost")                                                              \
+  X(ENOTSUP, -11, "operation not supported by this backend or device")                         \
+  X(EBACKEND, -12, "native backend error")                                                     \
+  X(ETASK, -13, "host task reported failure")                                                  \
+  X(EFORK, -14, "tandem cannot be used in a forked child")                                     \
+  X(ENOTINIT, -15, "tandem is not initialized")                                                \
+  X(EAGAIN, -16, "not complete yet")                                                           \
+  X(EBUSY, -17, "object is in use")                                                            \
+  X(EVERSION, -18, "version mismatch")                                                         \
+  X(ESTATE, -19, "operation not valid in the object's current state")
+
+enum {
+#define TDM__ERRNO_ENUM(name, value, msg) TDM_##name = (value),
+  TDM_ERRNO_MAP(TDM__ERRNO_ENUM)
+#undef TDM__ERRNO_ENUM
+  TDM_OK = 0
+};
+
+/* "TDM_EINVAL" and so on; "TDM_OK" for 0; "TDM_UNKNOWN" otherwise. Static storage. */
+TDM_API const char *tdm_err_name(int code);
+/* A short message for a code. Static storage. */
+TDM_API const char *tdm_strerror(int code);
+/* This thread's message for its last failed call (or for the failure a sync or wait
+ * reported), naming the operation and, where there is one, the native error. Valid until this
+ * thread's next tandem call. Never NULL. */
+TDM_API const char *tdm_last_error(void);
+/* The native error code (cudaError_t, cl_int, errno) behind this thread's last failure, or 0. */
+TDM_API int tdm_last_native_error(void);
+
+/* ---- Lifecycle -------------------------------------------------------------------------- */
+
+/* Reference-counted: each successful tdm_init() needs one tdm_shutdown(). The first init
+ * enumerates devices and loads backend modules; the last shutdown drains and destroys every
+ * queue tandem still owns, joins its threads, then unloads modules. Objects the caller still
+ * holds at the last shutdown become invalid. In a child forked after init every call returns
+ * TDM_EFORK. */
+TDM_API TDM_NODISCARD int tdm_init(void);
+TDM_API int tdm_shutdown(void);
+
+/* ---- Backends and devices --------------------------------------------------------------- */
+
+typedef struct tdm_device tdm_device;
+typedef struct tdm_queue tdm_queue;
+typedef struct tdm_event tdm_event;
+
+typedef struct tdm_backend_info {
+  char name[16];     /* "cpu", "cuda", "opencl" */
+  int status;        /* 0 when loaded, else why not (TDM_ENODEV: module or driver absent) */
+  int device_count;  /* devices it contributed */
+  char detail[256];  /* module path, or why it was refused */
+} tdm_backend_info;
+
+/* Backends tandem knows of (loaded or refused). */
+TDM_API int tdm_backend_count(int *count);
+TDM_API int tdm_backend_get(int index, tdm_backend_info *info);
+
+enum {
+  TDM_DEVICE_CAP_TIMING = 1u << 0,    /* queues can be created with TDM_QUEUE_TIMING */
+  TDM_DEVICE_CAP_OUT_OF_ORDER = 1u << 1,
+  TDM_DEVICE_CAP_ADOPT = 1u << 2,     /* tdm_queue_adopt works */
+  TDM_DEVICE_CAP_HOST_MEMORY = 1u << 3 /* device memory is host memory (the CPU backend) */
+};
+
+typedef struct tdm_device_info {
+  char id[32];           /* "cpu:0", "cuda:1": backend name and index within the backend */
+  char backend[16];
+  char name[128];        /* the device's own name */
+  int index;             /* index among all devices, as tdm_device_get takes it */
+  int backend_index;     /* index within its backend */
+  uint64_t total_memory; /* bytes of device memory */
+  unsigned caps;         /* TDM_DEVICE_CAP_* */
+} tdm_device_info;
+
+/* Devices are owned by tandem and valid until the last tdm_shutdown(). */
+TDM_API int tdm_device_count(int *count);
+TDM_API int tdm_device_get(int index, tdm_device **out);
+/* By id ("cpu:0"), or NULL / "" for the default device: $TANDEM_DEVICE if set, else the first
+ * GPU device, else cpu:0. */
+TDM_API int tdm_device_find(const char *id, tdm_device **out);
+TDM_API int tdm_device_info_get(tdm_device *dev, tdm_device_info *info);
+
+/* ---- Queues ----------------------------------------------------------------------------- */
+
+enum {
+  TDM_QUEUE_IN_ORDER = 0,          /* the default: commands take effect in submission order */
+  TDM_QUEUE_OUT_OF_ORDER = 1u << 0, /* ordered only by dependency lists, waits and barriers */
+  TDM_QUEUE_TIMING = 1u << 1        /* events recorded on it carry timestamps */
+};
+
+/* The caller owns the queue and destroys it with tdm_queue_destroy. It is never an alias of
+ * another queue: two queues created here never share a native queue. */
+TDM_API TDM_NODISCARD int tdm_queue_create(tdm_device *dev, unsigned flags, tdm_queue **out);
+/* Drains the queue (nothing submitted is lost), then frees it. Events from it stay valid.
+ * Called from a host task running on this queue: TDM_EDEADLK. On a queue tandem owns (a
+ * cached default queue): TDM_EBUSY. If the queue is installed as its device's default, it is
+ * uninstalled first. Returns the queue's first unreported error, if any, after destroying it. */
+TDM_API int tdm_queue_destroy(tdm_queue *q);
+/* Wraps a native queue (cudaStream_t, cl_command_queue, tdm_cpu_stream *). tandem never
+ * destroys it; the caller keeps it alive until tdm_queue_destroy() on the wrapper returns. */
+TDM_API TDM_NODISCARD int tdm_queue_adopt(tdm_device *dev, void *native, unsigned flags,
+                                          tdm_queue **out);
+/* The native queue, for user kernels. Valid as long as the queue. */
+TDM_API int tdm_queue_native(tdm_queue *q, void **native);
+TDM_API int tdm_queue_device(tdm_queue *q, tdm_device **dev);
+TDM_API int tdm_queue_flags(tdm_queue *q, unsigned *flags);
+
+/* Device-side wait: work submitted to q after this call starts after ev completes. The caller
+ * returns at once. ev may come from any queue or device. */
+TDM_API TDM_NODISCARD int tdm_queue_wait(tdm_queue *q, tdm_event *ev);
+/* Barrier: the command waits for the listed events, or for every earlier command of the queue
+ * when ndeps is 0, and every later command waits for it. */
+TDM_API TDM_NODISCARD int tdm_queue_barrier(tdm_queue *q, size_t ndeps, tdm_event *const *deps,
+                                            tdm_event **out);
+/* Host wait for everything submitted to q before the call, including work other code put on
+ * the native queue (it waits on a native queue-wide marker). Returns the queue's first error
+ * since the last sync, and clears it. From a host task running on q: TDM_EDEADLK. */
+TDM_API int tdm_queue_sync(tdm_queue *q);
+
+/* ---- Events ----------------------------------------------------------------------------- */
+
+/* A queue-wide marker: *out completes when all work submitted to q before it has completed,
+ * including work submitted through the native handle by other code. Its status is the queue's
+ * first error since the last sync (0 if none), so a marker reports a failure even if the
+ * failed command's own event was released. */
+TDM_API TDM_NODISCARD int tdm_event_record(tdm_queue *q, tdm_event **out);
+/* 0 if the event completed successfully, TDM_EAGAIN if not complete yet, else the error the
+ * work completed with. Never blocks. */
+TDM_API int tdm_event_query(tdm_event *ev);
+/* Blocks the calling thread until ev completes; returns its status as tdm_event_query does.
+ * Waiting, from a host task, on an event its own queue will only complete later: TDM_EDEADLK. */
+TDM_API int tdm_event_wait(tdm_event *ev);
+/* Milliseconds between two completed events recorded on the same TDM_QUEUE_TIMING queue or
+ * queues of one device. Not timed: TDM_ENOTSUP; other devices: TDM_EXDEV; pending: TDM_EAGAIN. */
+TDM_API int tdm_event_elapsed(tdm_event *start, tdm_event *end, double *ms);
+TDM_API int tdm_event_retain(tdm_event *ev);
+/* Drops one reference; the event is freed when the last one goes, even if still pending. */
+TDM_API int tdm_event_release(tdm_event *ev);
+/* The queue that submitted ev. The returned pointer is borrowed and may be destroyed. */
+TDM_API int tdm_event_queue(tdm_event *ev, tdm_queue **q);
+
+/* ---- Memory ----------------------------------------------------------------------------- */
+
+typedef enum tdm_mem_kind {
+  TDM_MEM_DEVICE = 1,   /* device memory */
+  TDM_MEM_PINNED = 2,   /* page-locked host memory: the fast copy path */
+  TDM_MEM_HOST = 3,     /* ordinary pageable host memory */
+  TDM_MEM_REGISTERED = 4 /* caller's host memory registered with tdm_host_register */
+} tdm_mem_kind;
+
+typedef struct tdm_mem_info {
+  tdm_mem_kind kind;
+  tdm_device *device; /* device memory: its device; host kinds: the allocating device */
+  void *base;         /* start of the allocation or registration containing the pointer */
+  size_t size;        /* its size in bytes */
+} tdm_mem_info;
+
+/* The caller frees with tdm_free or tdm_free_async. Zero bytes: TDM_EINVAL. */
+TDM_API TDM_NODISCARD int tdm_malloc(tdm_device *dev, tdm_mem_kind kind, size_t size, void **ptr);
+/* Frees at once; the caller guarantees no pending work uses the memory. */
+TDM_API int tdm_free(void *ptr);
+/* Stream-ordered free: the memory is freed once earlier work on q (and deps) is done. Using the
+ * pointer in a submission after this call: TDM_EINVAL. */
+TDM_API TDM_NODISCARD int tdm_free_async(tdm_queue *q, void *ptr, size_t ndeps,
+                                         tdm_event *const *deps, tdm_event **out);
+/* Registers caller-owned host memory for fast copies; the caller unregisters before freeing. */
+TDM_API TDM_NODISCARD int tdm_host_register(tdm_device *dev, void *ptr, size_t size);
+TDM_API int tdm_host_unregister(void *ptr);
+/* Describes memory tandem knows about; any other pointer is TDM_MEM_HOST with base NULL. */
+TDM_API int tdm_mem_query(const void *ptr, tdm_mem_info *info);
+
+/* ---- Copies and fill -------------------------------------------------------------------- */
+
+typedef enum tdm_copy_dir {
+  TDM_COPY_AUTO = 0, /* inferred from the memory involved */
+  TDM_COPY_H2D = 1,
+  TDM_COPY_D2H = 2,
+  TDM_COPY_D2D = 3, /* same device, or peer devices of one backend */
+  TDM_COPY_H2H = 4
+} tdm_copy_dir;
+
+/* Copies n bytes in stream order. Device memory must belong to q's device, except the source
+ * of a D2D copy, which may be on a peer device. Host memory (source of H2D, destination of
+ * D2H) must stay untouched until the copy's event completes. A direction that does not match
+ * the memory: TDM_EDIRECTION; past the end of an allocation: TDM_ERANGE. n == 0 is a no-op
+ * command. */
+TDM_API TDM_NODISCARD int tdm_memcpy(tdm_queue *q, void *dst, const void *src, size_t n,
+                                     tdm_copy_dir dir, size_t ndeps, tdm_event *const *deps,
+                                     tdm_event **out);
+/* Cross-queue copy: the copy runs on src_q (after its earlier work and deps), and dst_q waits
+ * for it device-side, so work submitted to dst_q afterwards sees the data. dst may be on
+ * dst_q's device and src on src_q's device (a peer copy when they differ). Either both steps
+ * are submitted or neither. The calling thread never blocks, and never holds both queues'
+ * locks at once, so A-to-B and B-to-A copies from two threads cannot deadlock. */
+TDM_API TDM_NODISCARD int tdm_memcpy_cross(tdm_queue *src_q, tdm_queue *dst_q, void *dst,
+                                           const void *src, size_t n, size_t ndeps,
+                                           tdm_event *const *deps, tdm_event **out);
+/* Sets n bytes of device or host memory to the byte value. */
+TDM_API TDM_NODISCARD int tdm_memset(tdm_queue *q, void *dst, int value, size_t n, size_t ndeps,
+                                     tdm_event *const *deps, tdm_event **out);
+
+/* ---- Host work -------------------------------------------------------------------------- */
+
+/* A host task returns 0, or a negative TDM_E* code that becomes its event's status (any other
+ * value is recorded as TDM_ETASK). */
+typedef int (*tdm_host_fn)(void *arg);
+
+/* Runs fn(arg) on a tandem thread once earlier work on q (and deps) is done; later work on q
+ * waits for it to return. fn may call tandem, but syncing or destroying q from it returns
+ * TDM_EDEADLK. On the CPU backend it runs on the queue's worker thread. Never run inside a
+ * driver callback. */
+TDM_API TDM_NODISCARD int tdm_host_task(tdm_queue *q, tdm_host_fn fn, void *arg, size_t ndeps,
+                                        tdm_event *const *deps, tdm_event **out);
+
+/* Calls release(obj) on tandem's release thread once all work submitted to q before this call
+ * has completed (including native work by other code), whatever its status. It is called
+ * exactly once if this returns 0, never if it fails. It may call tandem, but must not wait on
+ * work that is not yet submitted. */
+TDM_API TDM_NODISCARD int tdm_keep_alive(tdm_queue *q, void (*release)(void *obj), void *obj);
+
+/* ---- Order tracking --------------------------------------------------------------------- */
+
+/* Order tracker. Per queue, tandem keeps the events of its own recent submissions (on an
+ * in-order queue, only the last one, which implies the others) and the events handed to it
+ * with tdm_queue_track(). Completed entries are pruned. The tracker is bounded
+ * ($TANDEM_TRACKER_CAPACITY, default 64): when full, its entries collapse into one barrier
+ * submitted to q that waits for all of them (so later work on q also waits for them). */
+
+/* Adds a foreign event (work submitted to q's native queue, or related work elsewhere) to q's
+ * tracker; tandem takes its own reference. */
+TDM_API TDM_NODISCARD int tdm_queue_track(tdm_queue *q, tdm_event *ev);
+/* The events a new external submission on q must wait on to follow everything tandem knows of
+ * on q: the tracker's incomplete entries, at most `cap` of them, each a new reference the
+ * caller releases; *n receives the count. If more than cap are needed they are first collapsed
+ * into one barrier, so cap >= 1 always suffices. */
+TDM_API TDM_NODISCARD int tdm_queue_dependencies(tdm_queue *q, tdm_event **deps, size_t cap,
+                                                 size_t *n);
+
+/* ---- Default and current queues --------------------------------------------------------- */
+
+/* The device's default queue (dev NULL: the default device), created on first use with the
+ * flags of $TANDEM_DEFAULT_QUEUE (in_order unless set to out_of_order), or the queue the
+ * program installed. Borrowed: do not destroy it. */
+TDM_API TDM_NODISCARD int tdm_default_queue(tdm_device *dev, tdm_queue **out);
+/* Installs the program's own queue as dev's default (NULL reverts to the cached one). The
+ * caller keeps ownership; destroying it uninstalls it. */
+TDM_API int tdm_default_queue_set(tdm_device *dev, tdm_queue *q);
+/* This thread's current queue: the top of its push/pop stack, else the default device's
+ * default queue. Borrowed. */
+TDM_API TDM_NODISCARD int tdm_current_queue(tdm_queue **out);
+/* Push and pop this thread's current queue (depth up to 64). Pop on an empty stack: TDM_ESTATE. */
+TDM_API TDM_NODISCARD int tdm_current_queue_push(tdm_queue *q);
+TDM_API int tdm_current_queue_pop(void);
+
+/* ---- Testing hooks ---------------------------------------------------------------------- */
+
+enum {
+  TDM_FAULT_ALLOC = 1u << 0,  /* tandem's own host allocations */
+  TDM_FAULT_BACKEND = 1u << 1 /* calls through the backend table */
+};
+
+/* Makes the nth (0-based) matching operation from now fail with `code` (TDM_ENOMEM for
+ * allocations unless given); faults fire once. nth < 0 disables. Counts are global. */
+TDM_API int tdm_fault_inject(unsigned kinds, long nth, int code);
+/* Whether an injected fault has fired since the last tdm_fault_inject(). */
+TDM_API int tdm_fault_fired(void);
+
+typedef struct tdm_stats {
+  long queues;      /* live queues, including tandem's cached default queues */
+  long events;      /* events not yet freed (held by callers or by pending work) */
+  long allocations; /* live tdm_malloc allocations and registrations */
+  long pending;     /* submitted commands not yet completed */
+} tdm_stats;
+
+/* Counts of live objects, for leak checks in tests. */
+TDM_API int tdm_stats_get(tdm_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TANDEM_H */

@@ -1,0 +1,130 @@
+/* backend.h: the backend table, the one interface between tandem's core and a backend.
+ *
+ * A backend (the built-in CPU backend, or a module such as libtandem-cuda.so) fills one
+ * tdm__backend with designated initializers. Only src/core/ calls through it: that is where
+ * arguments are validated, missing optional entries fall back, and faults are injected.
+ *
+ * A module exports `const void *tdm_backend_module(void)` returning its table; the core refuses
+ * a table whose abi_version differs from TDM__BACKEND_ABI (the first member, so any version's
+ * table can be checked).
+ *
+ * Commands. The core turns every submission into a tdm__cmd and hands it to `submit`. The
+ * backend owns the command until it calls svc->cmd_done (directly, or through svc->cmd_run,
+ * which waits for the dependencies, applies the error rules, executes the command on the host
+ * and completes it). A backend never frees a command or its event itself.
+ */
+#ifndef TANDEM_BACKEND_H
+#define TANDEM_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tandem.h"
+
+#define TDM__BACKEND_ABI 0x00010001u
+
+typedef struct tdm__bqueue tdm__bqueue; /* a backend's queue; opaque to the core */
+
+typedef enum tdm__cmd_kind {
+  TDM__CMD_COPY,    /* copy.dst <- copy.src, copy.n bytes */
+  TDM__CMD_FILL,    /* fill.dst set to fill.value, fill.n bytes */
+  TDM__CMD_HOST,    /* host.fn(host.arg) on a host thread */
+  TDM__CMD_MARKER,  /* completes after all earlier work on the native queue */
+  TDM__CMD_BARRIER, /* waits for its deps (the core lists them); later work waits for it */
+  TDM__CMD_FREE     /* frees free_.ptr (the core's registry entry) */
+} tdm__cmd_kind;
+
+enum {
+  TDM__CMD_SYNC = 1u << 0 /* a marker made by tdm_queue_sync: clears the queue's error */
+};
+
+typedef struct tdm__cmd tdm__cmd;
+
+/* A continuation run when an event completes, on the completing thread, outside every lock.
+ * It must not block. */
+typedef struct tdm__waiter {
+  struct tdm__waiter *next;
+  void (*fn)(struct tdm__waiter *w, tdm_event *ev);
+} tdm__waiter;
+
+typedef struct tdm__dep {
+  tdm_event *ev;    /* one reference held by the command */
+  tdm__waiter w;    /* for backends that resolve dependencies by continuation */
+  tdm__cmd *cmd;
+} tdm__dep;
+
+#define TDM__INLINE_DEPS 4
+
+struct tdm__cmd {
+  tdm__cmd *next;          /* free for the backend's FIFO while it owns the command */
+  tdm__cmd_kind kind;
+  unsigned flags;
+  tdm_event *ev;           /* completes with the command's status */
+  size_t ndeps;
+  tdm__dep *deps;          /* inline_deps, or heap storage for larger lists */
+  tdm__dep inline_deps[TDM__INLINE_DEPS];
+  union {
+    struct { void *dst; const void *src; size_t n; } copy;
+    struct { void *dst; int value; size_t n; } fill;
+    struct { tdm_host_fn fn; void *arg; } host;
+    struct { void *ptr; } free_;
+  } u;
+  void *bdata;             /* scratch for the backend */
+  long bcount;             /* scratch for the backend (pending dependency count) */
+};
+
+/* Services the core offers backends (a module cannot link against the core's hidden symbols). */
+typedef struct tdm__services {
+  /* Runs cmd on the calling host thread: waits for its deps (blocking the caller), applies the
+   * error rules (a failed dependency or, on an in-order queue, an earlier failure completes it
+   * with TDM_EDEP without running), executes it, and completes it. */
+  void (*cmd_run)(tdm__cmd *cmd);
+  /* Completes cmd with status (0 or TDM_E*) and the native code, and gives it back. */
+  void (*cmd_done)(tdm__cmd *cmd, int status, int native);
+  /* Registers w to run when ev completes; returns 1 (and does not register) if it already has. */
+  int (*event_on_complete)(tdm_event *ev, tdm__waiter *w);
+  /* Sets this thread's error message; returns code. */
+  int (*error)(int code, int native, const char *fmt, ...);
+  /* Reads an option of the environment table ("TANDEM_CPU_DEVICES"), or def if unset. */
+  long (*option_long)(const char *name, long def);
+} tdm__services;
+
+/* Every entry returns 0 or a TDM_E* code and sets the message through svc->error. "Required"
+ * entries are never NULL; the core falls back or returns TDM_ENOTSUP where optional ones are. */
+typedef struct tdm__backend {
+  unsigned abi_version; /* TDM__BACKEND_ABI; must stay the first member */
+  const char *name;     /* "cpu", "cuda", "opencl": device ids are "<name>:<index>" */
+
+  /* Required. Called once per context, before anything else; finds the devices. */
+  int (*init)(const tdm__services *svc, int *ndevices);
+  /* Required. Called at the last shutdown after every queue is destroyed; joins threads. */
+  void (*shutdown)(void);
+  /* Required. Fills everything but index. */
+  int (*device_info)(int bdev, tdm_device_info *info);
+
+  /* Required. adopt is NULL for a new queue, else the native queue to wrap (never destroyed
+   * by the backend). May block briefly (thread creation); the core holds no lock. */
+  int (*queue_create)(int bdev, unsigned flags, void *adopt, tdm__bqueue **out);
+  /* Required. The core has drained the queue; frees it (an adopted native queue survives). */
+  void (*queue_destroy)(tdm__bqueue *bq);
+  /* Optional. The native handle for user code; NULL entry: TDM_ENOTSUP. */
+  int (*queue_native)(tdm__bqueue *bq, void **native);
+  /* Required. Takes ownership of cmd on success and must eventually complete it with
+   * svc->cmd_done (possibly from another thread, possibly before returning). Called with the
+   * queue's submission lock held, so it must not wait for device work or call back into the
+   * public API; on failure it leaves cmd untouched. */
+  int (*submit)(tdm__bqueue *bq, tdm__cmd *cmd);
+
+  /* Required. Allocates size bytes of the kind (TDM_MEM_DEVICE, _PINNED or _HOST). */
+  int (*mem_alloc)(int bdev, tdm_mem_kind kind, size_t size, void **ptr);
+  /* Required. Never called while a command may still use the memory. */
+  void (*mem_free)(int bdev, tdm_mem_kind kind, void *ptr);
+  /* Optional. Pins caller memory; a NULL entry means registration is bookkeeping only. */
+  int (*host_register)(int bdev, void *ptr, size_t size);
+  void (*host_unregister)(int bdev, void *ptr);
+} tdm__backend;
+
+/* The built-in CPU backend. */
+extern const tdm__backend tdm__cpu_backend;
+
+#endif /* TANDEM_BACKEND_H */

@@ -1,0 +1,50 @@
+/* errors.c: error names and messages from the one table in tandem.h, and the thread-local
+ * message that says what went wrong in words. */
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "internal.h"
+
+static _Thread_local char tls_msg[512];
+static _Thread_local int tls_native;
+
+const char *tdm_err_name(int code) {
+  switch (code) {
+    case 0: return "TDM_OK";
+#define TDM__ERR_NAME(name, value, msg) \
+  case TDM_##name: return "TDM_" #name;
+    TDM_ERRNO_MAP(TDM__ERR_NAME)
+#undef TDM__ERR_NAME
+    default: return "TDM_UNKNOWN";
+  }
+}
+
+const char *tdm_strerror(int code) {
+  switch (code) {
+    case 0: return "success";
+#define TDM__ERR_MSG(name, value, msg) \
+  case TDM_##name: return msg;
+    TDM_ERRNO_MAP(TDM__ERR_MSG)
+#undef TDM__ERR_MSG
+    default: return "unknown error";
+  }
+}
+
+const char *tdm_last_error(void) { return tls_msg[0] ? tls_msg : "no error"; }
+
+int tdm_last_native_error(void) { return tls_native; }
+
+int tdm__error(int code, int native, const char *fmt, ...) {
+  char detail[400];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(detail, sizeof detail, fmt, ap);
+  va_end(ap);
+  if (native)
+    snprintf(tls_msg, sizeof tls_msg, "%s: %s (native error %d)", tdm_err_name(code), detail,
+             native);
+  else
+    snprintf(tls_msg, sizeof tls_msg, "%s: %s", tdm_err_name(code), detail);
+  tls_native = native;
+  return code;
+}

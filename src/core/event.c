@@ -1,0 +1,185 @@
+/* event.c: events (reference counted, pooled per queue, completed once with a status) and the
+ * pools that make submission allocation-free in steady state. */
+#include <stdlib.h>
+#include <time.h>
+
+#include "internal.h"
+
+/* ---- pools: a local list popped under the owner's lock, and a lock-free stack that any
+ * thread pushes onto; the owner takes the whole stack with one exchange, so there is no ABA. */
+
+typedef struct link { struct link *next; } link;
+
+void *tdm__pool_get(tdm__pool *p) {
+  if (!p->local) p->local = atomic_exchange(&p->returned, NULL);
+  link *it = p->local;
+  if (it) p->local = it->next;
+  return it;
+}
+
+void tdm__pool_put(tdm__pool *p, void *item) {
+  link *it = item;
+  void *head = atomic_load(&p->returned);
+  do it->next = head;
+  while (!atomic_compare_exchange_weak(&p->returned, &head, it));
+}
+
+void tdm__pool_drain(tdm__pool *p, void (*destroy)(void *)) {
+  link *lists[2] = {p->local, atomic_exchange(&p->returned, NULL)};
+  p->local = NULL;
+  for (int i = 0; i < 2; i++)
+    for (link *it = lists[i], *n; it; it = n) {
+      n = it->next;
+      destroy(it);
+    }
+}
+
+uint64_t tdm__now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* ---- events ---- */
+
+int tdm__event_check(tdm_event *ev) {
+  if (!ev) return tdm__error(TDM_EINVAL, 0, "event is NULL");
+  if (atomic_load(&ev->magic) != TDM__MAGIC_EVENT)
+    return tdm__error(TDM_EHANDLE, 0, "%p is not a live event (released or foreign)",
+                      (void *)ev);
+  return 0;
+}
+
+void tdm__event_ref(tdm_event *ev) { atomic_fetch_add(&ev->refs, 1); }
+
+void tdm__event_free(tdm_event *ev) {
+  tdm_queue *q = ev->q;
+  atomic_store(&ev->magic, TDM__MAGIC_DEAD);
+  ev->q = NULL;
+  tdm__pool_put(&q->events, ev);
+  atomic_fetch_sub(&tdm__g.n_events, 1);
+  tdm__queue_unref(q);
+}
+
+void tdm__event_unref(tdm_event *ev) {
+  if (atomic_fetch_sub(&ev->refs, 1) == 1) tdm__event_free(ev);
+}
+
+void tdm__event_complete_unref(tdm_event *ev, int status, int native) {
+  tdm_queue *q = ev->q;
+  if (ev->timed) ev->t_ns = tdm__now_ns();
+  pthread_mutex_lock(&q->mu);
+  ev->status = status;
+  ev->native = native;
+  atomic_store_explicit(&ev->done, 1, memory_order_release);
+  tdm__waiter *w = ev->waiters;
+  ev->waiters = NULL;
+  int last = atomic_fetch_sub(&ev->refs, 1) == 1;
+  pthread_cond_broadcast(&q->cv);
+  pthread_mutex_unlock(&q->mu);
+  /* Continuations run outside the lock. Each belongs to a holder of a reference, so ev
+   * outlives the loop; a node may be freed by its own fn, hence next is read first. */
+  while (w) {
+    tdm__waiter *next = w->next;
+    w->fn(w, ev);
+    w = next;
+  }
+  if (last) tdm__event_free(ev);
+}
+
+int tdm__event_on_complete(tdm_event *ev, tdm__waiter *w) {
+  if (atomic_load_explicit(&ev->done, memory_order_acquire)) return 1;
+  tdm_queue *q = ev->q;
+  pthread_mutex_lock(&q->mu);
+  int done = atomic_load_explicit(&ev->done, memory_order_relaxed);
+  if (!done) {
+    w->next = ev->waiters;
+    ev->waiters = w;
+  }
+  pthread_mutex_unlock(&q->mu);
+  return done;
+}
+
+int tdm__event_wait_raw(tdm_event *ev) {
+  if (!atomic_load_explicit(&ev->done, memory_order_acquire)) {
+    tdm_queue *q = ev->q;
+    pthread_mutex_lock(&q->mu);
+    while (!atomic_load_explicit(&ev->done, memory_order_relaxed))
+      pthread_cond_wait(&q->cv, &q->mu);
+    pthread_mutex_unlock(&q->mu);
+  }
+  return ev->status;
+}
+
+/* ---- public ---- */
+
+static int report(tdm_event *ev) {
+  int st = ev->status;
+  if (st < 0)
+    tdm__error(st, ev->native, "%s on %s (command #%llu) failed", ev->op ? ev->op : "command",
+               ev->q->label, (unsigned long long)ev->seq);
+  return st;
+}
+
+int tdm_event_query(tdm_event *ev) {
+  TDM__ENTER();
+  int rc = tdm__event_check(ev);
+  if (rc) return rc;
+  if (!atomic_load_explicit(&ev->done, memory_order_acquire)) return TDM_EAGAIN;
+  return report(ev);
+}
+
+int tdm_event_wait(tdm_event *ev) {
+  TDM__ENTER();
+  int rc = tdm__event_check(ev);
+  if (rc) return rc;
+  if (!atomic_load_explicit(&ev->done, memory_order_acquire) && tdm__tls_queue == ev->q &&
+      !(ev->q->flags & TDM_QUEUE_OUT_OF_ORDER) && ev->seq > tdm__tls_seq)
+    return tdm__error(TDM_EDEADLK, 0,
+                      "a host task of %s waits for command #%llu, which runs after it",
+                      ev->q->label, (unsigned long long)ev->seq);
+  tdm__event_wait_raw(ev);
+  return report(ev);
+}
+
+int tdm_event_elapsed(tdm_event *start, tdm_event *end, double *ms) {
+  TDM__ENTER();
+  int rc;
+  if ((rc = tdm__event_check(start)) || (rc = tdm__event_check(end))) return rc;
+  if (!ms) return tdm__error(TDM_EINVAL, 0, "tdm_event_elapsed: ms is NULL");
+  if (start->q->dev != end->q->dev)
+    return tdm__error(TDM_EXDEV, 0, "events come from %s and %s", start->q->label,
+                      end->q->label);
+  if (!start->timed || !end->timed)
+    return tdm__error(TDM_ENOTSUP, 0, "an event was not recorded on a TDM_QUEUE_TIMING queue");
+  if (!atomic_load_explicit(&start->done, memory_order_acquire) ||
+      !atomic_load_explicit(&end->done, memory_order_acquire))
+    return tdm__error(TDM_EAGAIN, 0, "an event is still pending");
+  *ms = ((double)end->t_ns - (double)start->t_ns) / 1e6;
+  return 0;
+}
+
+int tdm_event_retain(tdm_event *ev) {
+  TDM__ENTER();
+  int rc = tdm__event_check(ev);
+  if (rc) return rc;
+  tdm__event_ref(ev);
+  return 0;
+}
+
+int tdm_event_release(tdm_event *ev) {
+  TDM__ENTER();
+  int rc = tdm__event_check(ev);
+  if (rc) return rc;
+  tdm__event_unref(ev);
+  return 0;
+}
+
+int tdm_event_queue(tdm_event *ev, tdm_queue **q) {
+  TDM__ENTER();
+  int rc = tdm__event_check(ev);
+  if (rc) return rc;
+  if (!q) return tdm__error(TDM_EINVAL, 0, "tdm_event_queue: q is NULL");
+  *q = ev->q;
+  return 0;
+}

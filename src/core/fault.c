@@ -1,0 +1,71 @@
+/* fault.c: fault injection and live-object counts for tests. Every host allocation of the
+ * core and every call through the backend table passes tdm__fault(), so a test can make the
+ * Nth one fail and check that the operation fails cleanly. */
+#include <stdlib.h>
+
+#include "internal.h"
+
+static pthread_mutex_t fault_mu = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic int fault_armed;
+static unsigned fault_kinds;
+static long fault_left;
+static int fault_code;
+static int fault_fired;
+static _Thread_local int tls_taken_code;
+
+int tdm_fault_inject(unsigned kinds, long nth, int code) {
+  pthread_mutex_lock(&fault_mu);
+  fault_kinds = kinds;
+  fault_left = nth;
+  fault_code = code;
+  fault_fired = 0;
+  atomic_store(&fault_armed, nth >= 0 && kinds != 0);
+  pthread_mutex_unlock(&fault_mu);
+  return 0;
+}
+
+int tdm_fault_fired(void) {
+  pthread_mutex_lock(&fault_mu);
+  int f = fault_fired;
+  pthread_mutex_unlock(&fault_mu);
+  return f;
+}
+
+int tdm__fault(unsigned kind) {
+  if (!atomic_load_explicit(&fault_armed, memory_order_relaxed)) return 0;
+  int hit = 0;
+  pthread_mutex_lock(&fault_mu);
+  if (atomic_load(&fault_armed) && (fault_kinds & kind)) {
+    if (fault_left-- == 0) {
+      hit = 1;
+      fault_fired = 1;
+      atomic_store(&fault_armed, 0);
+      tls_taken_code = fault_code ? fault_code
+                                  : (kind == TDM_FAULT_ALLOC ? TDM_ENOMEM : TDM_EBACKEND);
+    }
+  }
+  pthread_mutex_unlock(&fault_mu);
+  if (hit) tdm__error(tls_taken_code, 0, "injected fault");
+  return hit;
+}
+
+int tdm__fault_code_taken(void) { return tls_taken_code; }
+
+void *tdm__malloc(size_t n) {
+  if (tdm__fault(TDM_FAULT_ALLOC)) return NULL;
+  return malloc(n);
+}
+
+void *tdm__calloc(size_t n, size_t size) {
+  if (tdm__fault(TDM_FAULT_ALLOC)) return NULL;
+  return calloc(n, size);
+}
+
+int tdm_stats_get(tdm_stats *out) {
+  if (!out) return tdm__error(TDM_EINVAL, 0, "tdm_stats_get: out is NULL");
+  out->queues = atomic_load(&tdm__g.n_queues);
+  out->events = atomic_load(&tdm__g.n_events);
+  out->allocations = atomic_load(&tdm__g.n_allocs);
+  out->pending = atomic_load(&tdm__g.n_pending);
+  return 0;
+}

@@ -1,0 +1,246 @@
+/* internal.h: the core's private structures and the functions its files share.
+ *
+ * Locking, in one place:
+ * - ctx.mu guards the device table, the default queues and the list of queues. Never held
+ *   across a backend call that may block on device work.
+ * - q->submit_mu serializes submissions to one queue (their order is the order of taking it)
+ *   and guards the queue's pools' local lists, its tracker and its sequence numbers. It is held
+ *   across backend->submit, never across a wait.
+ * - q->mu guards completion state of q's events (status, waiter lists) and q->cv. Held only for
+ *   a few instructions; never while calling a backend or a continuation.
+ * - No thread holds two queues' locks at once.
+ */
+#ifndef TANDEM_CORE_INTERNAL_H
+#define TANDEM_CORE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "tandem.h"
+
+#define TDM__MAX_DEVICES 64
+#define TDM__MAX_BACKENDS 8
+
+enum {
+  TDM__MAGIC_QUEUE = 0x51554555u, /* "QUEU" */
+  TDM__MAGIC_EVENT = 0x45564e54u, /* "EVNT" */
+  TDM__MAGIC_DEAD = 0xdeadbeefu
+};
+
+/* ---- options.c ---- */
+typedef struct tdm__options {
+  char device[32];        /* TANDEM_DEVICE */
+  unsigned default_flags; /* TANDEM_DEFAULT_QUEUE */
+  long cpu_devices;       /* TANDEM_CPU_DEVICES */
+  long cpu_pool_threads;  /* TANDEM_CPU_POOL_THREADS */
+  long tracker_capacity;  /* TANDEM_TRACKER_CAPACITY */
+  char backend_path[1024];/* TANDEM_BACKEND_PATH */
+} tdm__options;
+void tdm__options_load(tdm__options *o);
+long tdm__option_long(const char *name, long def);
+
+/* ---- lock-free return stack + locked local list (pool.c in core: event.c) ---- */
+typedef struct tdm__pool {
+  void *local;               /* popped under the owner's lock */
+  _Atomic(void *) returned;  /* pushed from any thread, taken whole by exchange */
+} tdm__pool;
+/* Items start with a `void *next` link. */
+void *tdm__pool_get(tdm__pool *p);
+void tdm__pool_put(tdm__pool *p, void *item);
+void tdm__pool_drain(tdm__pool *p, void (*destroy)(void *));
+
+/* ---- devices and context (context.c) ---- */
+typedef struct tdm__backend_slot {
+  const tdm__backend *be; /* NULL when refused */
+  void *dl;               /* dlopen handle for modules */
+  tdm_backend_info info;
+  int first_device;
+} tdm__backend_slot;
+
+struct tdm_device {
+  const tdm__backend *be;
+  int bindex;             /* index within the backend */
+  int index;
+  _Atomic int lost;
+  tdm_device_info info;
+  tdm_queue *default_cached;    /* created on first use, owned by tandem */
+  tdm_queue *default_installed; /* the program's, borrowed */
+};
+
+typedef struct tdm__ctx {
+  pthread_mutex_t mu;
+  int refs;                 /* init count; guarded by the init lock */
+  _Atomic int live;         /* 1 between the first init and the last shutdown */
+  tdm__options opts;
+  tdm__services svc;
+  tdm__backend_slot backends[TDM__MAX_BACKENDS];
+  int nbackends;
+  tdm_device devices[TDM__MAX_DEVICES];
+  int ndevices;
+  tdm_queue *queues;        /* every queue struct, live or recycled; freed at shutdown */
+  tdm_queue *free_queues;   /* recycled structs */
+  int next_queue_id;
+  _Atomic long n_queues, n_events, n_allocs, n_pending;
+} tdm__ctx;
+
+extern tdm__ctx tdm__g;
+extern _Atomic int tdm__forked;
+
+/* Entry check for every public call: forked child, then initialized. */
+int tdm__enter(void);
+#define TDM__ENTER()                         \
+  do {                                       \
+    int enter_rc_ = tdm__enter();            \
+    if (enter_rc_ < 0) return enter_rc_;     \
+  } while (0)
+
+int tdm__device_check(tdm_device *dev);
+/* Marks the device lost if code is TDM_EDEVLOST; returns code. */
+int tdm__device_note(tdm_device *dev, int code);
+
+/* ---- errors.c ---- */
+int tdm__error(int code, int native, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* ---- fault.c: fault injection; every backend call and host allocation goes through here ---- */
+int tdm__fault(unsigned kind);
+void *tdm__malloc(size_t n);
+void *tdm__calloc(size_t n, size_t size);
+#define TDM__BCALL(dev, expr)                                                         \
+  (tdm__fault(TDM_FAULT_BACKEND) ? tdm__device_note((dev), tdm__fault_code_taken()) \
+                                 : tdm__device_note((dev), (expr)))
+int tdm__fault_code_taken(void);
+
+/* ---- event.c ---- */
+struct tdm_event {
+  void *next;               /* pool link; must be first */
+  _Atomic uint32_t magic;   /* checked before anything else */
+  _Atomic int refs;
+  _Atomic int done;
+  int status;
+  int native;
+  bool timed;
+  uint64_t t_ns;            /* completion time on the monotonic clock, when timed */
+  uint64_t seq;             /* position in its queue */
+  const char *op;           /* what the command was, for messages */
+  tdm_queue *q;             /* holds a reference on q */
+  tdm__waiter *waiters;     /* under q->mu */
+};
+int tdm__event_check(tdm_event *ev);
+void tdm__event_ref(tdm_event *ev);
+void tdm__event_unref(tdm_event *ev);
+/* Completes ev and drops one reference (the command's) in the same critical section, so a
+ * thread woken by the completion never sees that reference. */
+void tdm__event_complete_unref(tdm_event *ev, int status, int native);
+void tdm__event_free(tdm_event *ev);
+int tdm__event_on_complete(tdm_event *ev, tdm__waiter *w);
+/* Blocks until ev completes; returns its status. No deadlock check. */
+int tdm__event_wait_raw(tdm_event *ev);
+uint64_t tdm__now_ns(void);
+
+/* ---- queue.c ---- */
+struct tdm_queue {
+  _Atomic uint32_t magic;   /* first member */
+  tdm_queue *next_all;      /* ctx.queues */
+  tdm_queue *next_free;     /* ctx.free_queues */
+  _Atomic int refs;         /* 1 for the handle while live, 1 per event */
+  tdm_device *dev;
+  unsigned flags;
+  bool owned_by_tandem;     /* a cached default queue */
+  bool adopted;
+  _Atomic bool destroying;
+  int id;
+  char label[48];           /* "cpu:0/q3", for messages */
+  tdm__bqueue *bq;
+  pthread_mutex_t submit_mu;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  uint64_t seq;             /* under submit_mu */
+  tdm__pool events, cmds;
+  _Atomic int first_error;  /* first failure since the last sync */
+  int chain_error;          /* in-order: an earlier failure; touched only in execution order */
+  /* tracker (tracker.c), under submit_mu */
+  tdm_event **trk;
+  size_t ntrk, trk_cap;
+  tdm_event *gate;          /* out-of-order: the last barrier or wait; later work waits on it */
+};
+int tdm__queue_check(tdm_queue *q);
+int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, bool owned,
+                               tdm_queue **out);
+int tdm__queue_destroy_internal(tdm_queue *q);
+void tdm__queue_unref(tdm_queue *q);
+void tdm__queues_free_all(void);
+
+/* ---- submit.c ---- */
+typedef struct tdm__spec {
+  tdm__cmd_kind kind;
+  unsigned flags;      /* TDM__CMD_* */
+  const char *op;      /* for messages: "memcpy", "host task"... */
+  bool gate;           /* out-of-order: later commands wait for this one */
+  bool all_prior;      /* out-of-order: waits for every tracked entry (marker, full barrier) */
+  bool untracked;      /* not added to the tracker (the tracker's own collapse barrier) */
+  void *u_ptr0;        /* copy.dst, fill.dst, host.fn (as a function pointer), free_.ptr */
+  const void *u_ptr1;  /* copy.src, host.arg */
+  size_t u_n;
+  int u_value;
+  tdm_host_fn fn;
+} tdm__spec;
+int tdm__deps_check(size_t ndeps, tdm_event *const *deps);
+/* The common submission path: takes q->submit_mu, reserves everything, hands the command to
+ * the backend, tracks it. q and deps must have been checked. */
+int tdm__submit(tdm_queue *q, const tdm__spec *spec, size_t ndeps, tdm_event *const *deps,
+                tdm_event **out);
+/* The same with q->submit_mu already held. */
+int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
+                       tdm_event *const *deps, tdm_event **out);
+void tdm__cmd_run(tdm__cmd *cmd);
+void tdm__cmd_done(tdm__cmd *cmd, int status, int native);
+/* Thread-local: the queue and sequence number of the host task running on this thread. */
+extern _Thread_local tdm_queue *tdm__tls_queue;
+extern _Thread_local uint64_t tdm__tls_seq;
+
+/* ---- tracker.c ---- */
+int tdm__tracker_init(tdm_queue *q);
+void tdm__tracker_fini(tdm_queue *q);
+/* Makes room for one more entry (pruning, or collapsing into a barrier); submit_mu held. */
+int tdm__tracker_reserve(tdm_queue *q);
+/* Records ev (referenced by the tracker); cannot fail after a successful reserve. */
+void tdm__tracker_add(tdm_queue *q, tdm_event *ev, bool own);
+/* Out-of-order barrier with no list: references to the incomplete own entries. */
+size_t tdm__tracker_pending(tdm_queue *q, tdm_event **out, size_t cap);
+
+/* ---- memory.c ---- */
+typedef struct tdm__alloc {
+  uintptr_t base;
+  size_t size;
+  tdm_mem_kind kind;
+  tdm_device *dev;
+  bool freeing;             /* a stream-ordered free is pending */
+} tdm__alloc;
+/* Checks a copy or fill on q and resolves TDM_COPY_AUTO. alt: a second device whose memory
+ * may also take part (the destination queue's of a cross-queue copy), or NULL. */
+int tdm__mem_check_copy(tdm_queue *q, tdm_device *alt, void *dst, const void *src, size_t n,
+                        tdm_copy_dir *dir);
+int tdm__mem_check_fill(tdm_queue *q, void *dst, size_t n);
+int tdm__mem_begin_free(tdm_queue *q, void *ptr);
+void tdm__mem_cancel_free(void *ptr);
+void tdm__mem_finish_free(void *ptr);
+void tdm__mem_free_all(void);
+
+/* ---- release.c ---- */
+int tdm__release_start(void);
+void tdm__release_stop(void);
+
+/* ---- defaults.c ---- */
+void tdm__defaults_forget(tdm_queue *q);
+void tdm__defaults_destroy_all(void);
+
+/* ---- modules.c ---- */
+void tdm__modules_load(void);
+void tdm__backend_add(const tdm__backend *be, void *dl, const char *detail);
+void tdm__modules_unload(void);
+
+#endif /* TANDEM_CORE_INTERNAL_H */

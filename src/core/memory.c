@@ -1,0 +1,286 @@
+/* memory.c: allocation, registration and the registry that resolves any pointer to the
+ * allocation holding it, so copies are checked (kind, device, range) before they are queued. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static pthread_rwlock_t reg_lock = PTHREAD_RWLOCK_INITIALIZER;
+static tdm__alloc *reg;   /* sorted by base, non-overlapping */
+static size_t reg_n, reg_cap;
+
+/* Index of the entry containing p, or -1. Caller holds reg_lock. */
+static long find(uintptr_t p) {
+  size_t lo = 0, hi = reg_n;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (reg[mid].base + reg[mid].size <= p)
+      lo = mid + 1;
+    else if (reg[mid].base > p)
+      hi = mid;
+    else
+      return (long)mid;
+  }
+  return -1;
+}
+
+static int reg_insert(const tdm__alloc *a) {
+  pthread_rwlock_wrlock(&reg_lock);
+  if (reg_n == reg_cap) {
+    size_t cap = reg_cap ? reg_cap * 2 : 64;
+    tdm__alloc *n = tdm__malloc(cap * sizeof *n);
+    if (!n) {
+      pthread_rwlock_unlock(&reg_lock);
+      return tdm__error(TDM_ENOMEM, 0, "no memory to record an allocation");
+    }
+    if (reg_n) memcpy(n, reg, reg_n * sizeof *n);
+    free(reg);
+    reg = n;
+    reg_cap = cap;
+  }
+  size_t i = 0;
+  while (i < reg_n && reg[i].base < a->base) i++;
+  if ((i < reg_n && reg[i].base < a->base + a->size) ||
+      (i > 0 && reg[i - 1].base + reg[i - 1].size > a->base)) {
+    pthread_rwlock_unlock(&reg_lock);
+    return tdm__error(TDM_EINVAL, 0, "%p overlaps memory tandem already knows",
+                      (void *)a->base);
+  }
+  memmove(&reg[i + 1], &reg[i], (reg_n - i) * sizeof *reg);
+  reg[i] = *a;
+  reg_n++;
+  pthread_rwlock_unlock(&reg_lock);
+  atomic_fetch_add(&tdm__g.n_allocs, 1);
+  return 0;
+}
+
+/* Removes the entry starting exactly at p; returns it in *out. */
+static int reg_remove(uintptr_t p, tdm__alloc *out, bool allow_freeing) {
+  pthread_rwlock_wrlock(&reg_lock);
+  long i = find(p);
+  if (i < 0 || reg[i].base != p || (reg[i].freeing && !allow_freeing)) {
+    pthread_rwlock_unlock(&reg_lock);
+    return tdm__error(TDM_EINVAL, 0, "%p is not the start of a live tandem allocation",
+                      (void *)p);
+  }
+  *out = reg[i];
+  memmove(&reg[i], &reg[i + 1], (reg_n - (size_t)i - 1) * sizeof *reg);
+  reg_n--;
+  pthread_rwlock_unlock(&reg_lock);
+  atomic_fetch_sub(&tdm__g.n_allocs, 1);
+  return 0;
+}
+
+static const char *kind_name(tdm_mem_kind k) {
+  switch (k) {
+    case TDM_MEM_DEVICE: return "device";
+    case TDM_MEM_PINNED: return "pinned host";
+    case TDM_MEM_HOST: return "pageable host";
+    case TDM_MEM_REGISTERED: return "registered host";
+  }
+  return "unknown";
+}
+
+int tdm_malloc(tdm_device *dev, tdm_mem_kind kind, size_t size, void **ptr) {
+  TDM__ENTER();
+  int rc = tdm__device_check(dev);
+  if (rc) return rc;
+  if (!ptr) return tdm__error(TDM_EINVAL, 0, "tdm_malloc: ptr is NULL");
+  if (size == 0) return tdm__error(TDM_EINVAL, 0, "tdm_malloc: size is 0");
+  if (kind != TDM_MEM_DEVICE && kind != TDM_MEM_PINNED && kind != TDM_MEM_HOST)
+    return tdm__error(TDM_EINVAL, 0, "tdm_malloc: kind %d cannot be allocated", (int)kind);
+  void *p = NULL;
+  rc = TDM__BCALL(dev, dev->be->mem_alloc(dev->bindex, kind, size, &p));
+  if (rc)
+    return tdm__error(rc, tdm_last_native_error(), "allocating %zu bytes of %s memory on %s: %s",
+                      size, kind_name(kind), dev->info.id, tdm_last_error());
+  tdm__alloc a = {.base = (uintptr_t)p, .size = size, .kind = kind, .dev = dev};
+  if ((rc = reg_insert(&a))) {
+    dev->be->mem_free(dev->bindex, kind, p);
+    return rc;
+  }
+  *ptr = p;
+  return 0;
+}
+
+static void release_entry(const tdm__alloc *a) {
+  if (a->kind == TDM_MEM_REGISTERED) {
+    if (a->dev->be->host_unregister) a->dev->be->host_unregister(a->dev->bindex, (void *)a->base);
+  } else {
+    a->dev->be->mem_free(a->dev->bindex, a->kind, (void *)a->base);
+  }
+}
+
+int tdm_free(void *ptr) {
+  TDM__ENTER();
+  if (!ptr) return tdm__error(TDM_EINVAL, 0, "tdm_free: ptr is NULL");
+  tdm__alloc a;
+  int rc = reg_remove((uintptr_t)ptr, &a, false);
+  if (rc) return rc;
+  if (a.kind == TDM_MEM_REGISTERED) {
+    reg_insert(&a); /* cannot fail: the slot was just freed */
+    return tdm__error(TDM_EINVAL, 0, "%p is registered memory: use tdm_host_unregister", ptr);
+  }
+  release_entry(&a);
+  return 0;
+}
+
+int tdm__mem_begin_free(tdm_queue *q, void *ptr) {
+  if (!ptr) return tdm__error(TDM_EINVAL, 0, "tdm_free_async: ptr is NULL");
+  pthread_rwlock_wrlock(&reg_lock);
+  long i = find((uintptr_t)ptr);
+  int rc = 0;
+  if (i < 0 || reg[i].base != (uintptr_t)ptr || reg[i].freeing)
+    rc = tdm__error(TDM_EINVAL, 0, "%p is not the start of a live tandem allocation", ptr);
+  else if (reg[i].kind == TDM_MEM_REGISTERED)
+    rc = tdm__error(TDM_EINVAL, 0, "%p is registered memory: use tdm_host_unregister", ptr);
+  else
+    reg[i].freeing = true;
+  pthread_rwlock_unlock(&reg_lock);
+  return rc;
+}
+
+void tdm__mem_cancel_free(void *ptr) {
+  pthread_rwlock_wrlock(&reg_lock);
+  long i = find((uintptr_t)ptr);
+  if (i >= 0) reg[i].freeing = false;
+  pthread_rwlock_unlock(&reg_lock);
+}
+
+void tdm__mem_finish_free(void *ptr) {
+  tdm__alloc a;
+  if (reg_remove((uintptr_t)ptr, &a, true) == 0) release_entry(&a);
+}
+
+void tdm__mem_free_all(void) {
+  pthread_rwlock_wrlock(&reg_lock);
+  for (size_t i = 0; i < reg_n; i++) release_entry(&reg[i]);
+  atomic_fetch_sub(&tdm__g.n_allocs, (long)reg_n);
+  free(reg);
+  reg = NULL;
+  reg_n = reg_cap = 0;
+  pthread_rwlock_unlock(&reg_lock);
+}
+
+int tdm_host_register(tdm_device *dev, void *ptr, size_t size) {
+  TDM__ENTER();
+  int rc = tdm__device_check(dev);
+  if (rc) return rc;
+  if (!ptr || !size) return tdm__error(TDM_EINVAL, 0, "tdm_host_register: empty range");
+  if (dev->be->host_register &&
+      (rc = TDM__BCALL(dev, dev->be->host_register(dev->bindex, ptr, size))))
+    return tdm__error(rc, tdm_last_native_error(), "registering %zu bytes at %p on %s: %s",
+                      size, ptr, dev->info.id, tdm_last_error());
+  tdm__alloc a = {.base = (uintptr_t)ptr, .size = size, .kind = TDM_MEM_REGISTERED, .dev = dev};
+  if ((rc = reg_insert(&a)) && dev->be->host_unregister)
+    dev->be->host_unregister(dev->bindex, ptr);
+  return rc;
+}
+
+int tdm_host_unregister(void *ptr) {
+  TDM__ENTER();
+  if (!ptr) return tdm__error(TDM_EINVAL, 0, "tdm_host_unregister: ptr is NULL");
+  tdm__alloc a;
+  int rc = reg_remove((uintptr_t)ptr, &a, false);
+  if (rc) return rc;
+  if (a.kind != TDM_MEM_REGISTERED) {
+    reg_insert(&a);
+    return tdm__error(TDM_EINVAL, 0, "%p was allocated, not registered: use tdm_free", ptr);
+  }
+  release_entry(&a);
+  return 0;
+}
+
+int tdm_mem_query(const void *ptr, tdm_mem_info *info) {
+  TDM__ENTER();
+  if (!ptr || !info) return tdm__error(TDM_EINVAL, 0, "tdm_mem_query: NULL argument");
+  pthread_rwlock_rdlock(&reg_lock);
+  long i = find((uintptr_t)ptr);
+  tdm_mem_info r = {.kind = TDM_MEM_HOST};
+  if (i >= 0 && !reg[i].freeing)
+    r = (tdm_mem_info){reg[i].kind, reg[i].dev, (void *)reg[i].base, reg[i].size};
+  pthread_rwlock_unlock(&reg_lock);
+  *info = r;
+  return 0;
+}
+
+/* ---- checks before queueing ---- */
+
+typedef struct side {
+  const char *role; /* "source", "destination" */
+  bool known, device, freeing;
+  tdm__alloc a;
+} side;
+
+/* Caller holds reg_lock for reading. */
+static int resolve(const void *p, size_t n, const char *role, side *s) {
+  memset(s, 0, sizeof *s);
+  s->role = role;
+  long i = find((uintptr_t)p);
+  if (i < 0) return 0; /* unknown memory is pageable host memory */
+  s->known = true;
+  s->a = reg[i];
+  s->device = reg[i].kind == TDM_MEM_DEVICE;
+  if (reg[i].freeing)
+    return tdm__error(TDM_EINVAL, 0, "%s %p belongs to memory already given to tdm_free_async",
+                      role, p);
+  if ((uintptr_t)p + n > reg[i].base + reg[i].size || (uintptr_t)p + n < (uintptr_t)p)
+    return tdm__error(TDM_ERANGE, 0, "%s %p + %zu bytes runs past its %zu-byte allocation", role,
+                      p, n, reg[i].size);
+  return 0;
+}
+
+/* Device memory must live on q's device or alt; or, where peer is allowed, on any device of
+ * the same backend. */
+static int device_ok(const side *s, tdm_queue *q, tdm_device *alt, bool peer) {
+  tdm_device *d = s->a.dev;
+  if (d == q->dev || d == alt) return 0;
+  if (peer && d->be == q->dev->be) return 0;
+  return tdm__error(TDM_EXDEV, 0, "%s is memory of %s, but the queue %s is on %s", s->role,
+                    d->info.id, q->label, q->dev->info.id);
+}
+
+static const char *dir_name(tdm_copy_dir d) {
+  static const char *names[] = {"auto", "host-to-device", "device-to-host", "device-to-device",
+                                "host-to-host"};
+  return (unsigned)d < 5 ? names[d] : "invalid";
+}
+
+static int check_copy(tdm_queue *q, tdm_device *alt, const side *d, const side *s,
+                      tdm_copy_dir *dir) {
+  tdm_copy_dir want = s->device ? (d->device ? TDM_COPY_D2D : TDM_COPY_D2H)
+                                : (d->device ? TDM_COPY_H2D : TDM_COPY_H2H);
+  if (*dir == TDM_COPY_AUTO) *dir = want;
+  if ((unsigned)*dir > TDM_COPY_H2H)
+    return tdm__error(TDM_EINVAL, 0, "copy direction %d is not a tdm_copy_dir", (int)*dir);
+  if (*dir != want)
+    return tdm__error(TDM_EDIRECTION, 0, "a %s copy from %s memory to %s memory",
+                      dir_name(*dir), s->device ? "device" : "host",
+                      d->device ? "device" : "host");
+  int rc = 0;
+  if (d->device && (rc = device_ok(d, q, alt, false))) return rc;
+  if (s->device && (rc = device_ok(s, q, alt, want == TDM_COPY_D2D))) return rc;
+  return 0;
+}
+
+int tdm__mem_check_copy(tdm_queue *q, tdm_device *alt, void *dst, const void *src, size_t n,
+                        tdm_copy_dir *dir) {
+  if (!dst || !src) return tdm__error(TDM_EINVAL, 0, "memcpy: NULL %s", dst ? "src" : "dst");
+  side d, s;
+  pthread_rwlock_rdlock(&reg_lock);
+  int rc = resolve(dst, n, "destination", &d);
+  if (!rc) rc = resolve(src, n, "source", &s);
+  pthread_rwlock_unlock(&reg_lock);
+  if (rc) return rc;
+  return check_copy(q, alt, &d, &s, dir);
+}
+
+int tdm__mem_check_fill(tdm_queue *q, void *dst, size_t n) {
+  if (!dst) return tdm__error(TDM_EINVAL, 0, "memset: dst is NULL");
+  side d;
+  pthread_rwlock_rdlock(&reg_lock);
+  int rc = resolve(dst, n, "destination", &d);
+  pthread_rwlock_unlock(&reg_lock);
+  if (rc) return rc;
+  return d.device ? device_ok(&d, q, NULL, false) : 0;
+}

@@ -1,0 +1,102 @@
+/* modules.c: finds backend modules (libtandem-<name>.so) next to libtandem and on
+ * $TANDEM_BACKEND_PATH, refuses a table of another version, and unloads them at the last
+ * shutdown, after every backend has joined its threads. */
+#include <dirent.h>
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+typedef const void *(*entry_fn)(void);
+
+static void refuse(const char *name, int status, const char *detail) {
+  if (tdm__g.nbackends == TDM__MAX_BACKENDS) return;
+  tdm__backend_slot *slot = &tdm__g.backends[tdm__g.nbackends++];
+  memset(slot, 0, sizeof *slot);
+  snprintf(slot->info.name, sizeof slot->info.name, "%s", name);
+  slot->info.status = status;
+  snprintf(slot->info.detail, sizeof slot->info.detail, "%.*s", (int)sizeof slot->info.detail - 1, detail);
+}
+
+static bool known(const char *name) {
+  for (int i = 0; i < tdm__g.nbackends; i++)
+    if (strcmp(tdm__g.backends[i].info.name, name) == 0) return true;
+  return false;
+}
+
+static void load_one(const char *dir, const char *file) {
+  char name[16], path[1200], msg[1400];
+  const char *start = file + strlen("libtandem-");
+  size_t len = strlen(start) - strlen(".so");
+  if (len == 0 || len >= sizeof name) return;
+  memcpy(name, start, len);
+  name[len] = 0;
+  if (known(name)) return; /* the first folder that has it wins */
+  snprintf(path, sizeof path, "%s/%s", dir, file);
+  void *dl = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (!dl) {
+    snprintf(msg, sizeof msg, "%s", dlerror());
+    refuse(name, TDM_ENODEV, msg);
+    return;
+  }
+  entry_fn entry = (entry_fn)dlsym(dl, "tdm_backend_module");
+  const tdm__backend *be = entry ? entry() : NULL;
+  if (!be) {
+    snprintf(msg, sizeof msg, "%s has no tdm_backend_module table", path);
+    refuse(name, TDM_EVERSION, msg);
+    dlclose(dl);
+    return;
+  }
+  if (be->abi_version != TDM__BACKEND_ABI) {
+    snprintf(msg, sizeof msg, "%s: table version 0x%x, this libtandem needs 0x%x", path,
+             be->abi_version, TDM__BACKEND_ABI);
+    refuse(name, TDM_EVERSION, msg);
+    dlclose(dl);
+    return;
+  }
+  tdm__backend_add(be, dl, path);
+}
+
+static void scan(const char *dir) {
+  DIR *d = opendir(dir);
+  if (!d) return;
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    size_t n = strlen(e->d_name);
+    if (n > 13 && strncmp(e->d_name, "libtandem-", 10) == 0 &&
+        strcmp(e->d_name + n - 3, ".so") == 0)
+      load_one(dir, e->d_name);
+  }
+  closedir(d);
+}
+
+void tdm__modules_load(void) {
+  char paths[sizeof tdm__g.opts.backend_path];
+  snprintf(paths, sizeof paths, "%s", tdm__g.opts.backend_path);
+  char *save = NULL;
+  for (char *dir = strtok_r(paths, ":", &save); dir; dir = strtok_r(NULL, ":", &save)) scan(dir);
+  /* Then the folder libtandem itself was loaded from. */
+  Dl_info info;
+  if (dladdr((void *)tdm__modules_load, &info) && info.dli_fname) {
+    char self[1024];
+    snprintf(self, sizeof self, "%s", info.dli_fname);
+    char *slash = strrchr(self, '/');
+    if (slash) {
+      *slash = 0;
+      scan(self);
+    }
+  }
+}
+
+void tdm__modules_unload(void) {
+  for (int i = tdm__g.nbackends - 1; i >= 0; i--) {
+    tdm__backend_slot *s = &tdm__g.backends[i];
+    if (s->be) s->be->shutdown();
+    if (s->dl) dlclose(s->dl);
+    s->be = NULL;
+    s->dl = NULL;
+  }
+  tdm__g.nbackends = 0;
+  tdm__g.ndevices = 0;
+}

@@ -1,0 +1,193 @@
+/* queue.c: queue objects. A queue struct is never returned to malloc while the context lives
+ * (destroyed ones are recycled once no event refers to them), so a stale handle is detected by
+ * its magic instead of being a use-after-free. */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "internal.h"
+
+int tdm__queue_check(tdm_queue *q) {
+  if (!q) return tdm__error(TDM_EINVAL, 0, "queue is NULL");
+  if (atomic_load(&q->magic) != TDM__MAGIC_QUEUE)
+    return tdm__error(TDM_EHANDLE, 0, "%p is not a live queue (destroyed or foreign)", (void *)q);
+  if (atomic_load(&q->destroying))
+    return tdm__error(TDM_EHANDLE, 0, "%s is being destroyed", q->label);
+  if (atomic_load(&q->dev->lost))
+    return tdm__error(TDM_EDEVLOST, 0, "%s: device %s was lost", q->label, q->dev->info.id);
+  return 0;
+}
+
+static void free_event_mem(void *p) { free(p); }
+static void free_cmd_mem(void *p) { free(p); }
+
+void tdm__queue_unref(tdm_queue *q) {
+  if (atomic_fetch_sub(&q->refs, 1) != 1) return;
+  pthread_mutex_lock(&tdm__g.mu);
+  q->next_free = tdm__g.free_queues;
+  tdm__g.free_queues = q;
+  pthread_mutex_unlock(&tdm__g.mu);
+}
+
+static tdm_queue *queue_struct(void) {
+  pthread_mutex_lock(&tdm__g.mu);
+  tdm_queue *q = tdm__g.free_queues;
+  if (q) {
+    tdm__g.free_queues = q->next_free;
+  } else if ((q = tdm__calloc(1, sizeof *q))) {
+    pthread_mutex_init(&q->submit_mu, NULL);
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->cv, NULL);
+    q->next_all = tdm__g.queues;
+    tdm__g.queues = q;
+  }
+  if (q) q->id = tdm__g.next_queue_id++;
+  pthread_mutex_unlock(&tdm__g.mu);
+  return q;
+}
+
+int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, bool owned,
+                               tdm_queue **out) {
+  if (flags & ~(unsigned)(TDM_QUEUE_OUT_OF_ORDER | TDM_QUEUE_TIMING))
+    return tdm__error(TDM_EINVAL, 0, "unknown queue flags 0x%x", flags);
+  if ((flags & TDM_QUEUE_OUT_OF_ORDER) && !(dev->info.caps & TDM_DEVICE_CAP_OUT_OF_ORDER))
+    return tdm__error(TDM_ENOTSUP, 0, "%s has no out-of-order queues", dev->info.id);
+  if ((flags & TDM_QUEUE_TIMING) && !(dev->info.caps & TDM_DEVICE_CAP_TIMING))
+    return tdm__error(TDM_ENOTSUP, 0, "%s has no timing", dev->info.id);
+  tdm_queue *q = queue_struct();
+  if (!q) return tdm__error(TDM_ENOMEM, 0, "no memory for a queue");
+  q->dev = dev;
+  q->flags = flags;
+  q->owned_by_tandem = owned;
+  q->adopted = adopt != NULL;
+  atomic_store(&q->destroying, false);
+  atomic_store(&q->first_error, 0);
+  q->chain_error = 0;
+  q->seq = 0;
+  snprintf(q->label, sizeof q->label, "%s/q%d", dev->info.id, q->id);
+  int rc = tdm__tracker_init(q);
+  if (!rc) {
+    rc = TDM__BCALL(dev, dev->be->queue_create(dev->bindex, flags, adopt, &q->bq));
+    if (rc) {
+      tdm__error(rc, tdm_last_native_error(), "creating a queue on %s: %s", dev->info.id,
+                 tdm_last_error());
+      tdm__tracker_fini(q);
+    }
+  }
+  if (rc) {
+    atomic_store(&q->refs, 1);
+    tdm__queue_unref(q);
+    return rc;
+  }
+  atomic_store(&q->refs, 1);
+  atomic_fetch_add(&tdm__g.n_queues, 1);
+  atomic_store(&q->magic, TDM__MAGIC_QUEUE);
+  *out = q;
+  return 0;
+}
+
+int tdm__queue_destroy_internal(tdm_queue *q) {
+  if (tdm__tls_queue == q)
+    return tdm__error(TDM_EDEADLK, 0, "a host task of %s destroys its own queue", q->label);
+  /* Drain: a marker covers everything submitted, by tandem or through the native handle. */
+  tdm__spec s = {.kind = TDM__CMD_MARKER, .op = "drain", .all_prior = true};
+  tdm_event *ev;
+  int rc = tdm__submit(q, &s, 0, NULL, &ev);
+  if (rc && !atomic_load(&q->dev->lost)) return rc; /* nothing destroyed; retry later */
+  pthread_mutex_lock(&q->submit_mu);
+  atomic_store(&q->destroying, true);
+  pthread_mutex_unlock(&q->submit_mu);
+  int status = 0;
+  if (!rc) {
+    status = tdm__event_wait_raw(ev);
+    tdm__event_unref(ev);
+  }
+  tdm__defaults_forget(q);
+  q->dev->be->queue_destroy(q->bq);
+  q->bq = NULL;
+  pthread_mutex_lock(&q->submit_mu);
+  tdm__tracker_fini(q);
+  pthread_mutex_unlock(&q->submit_mu);
+  atomic_store(&q->magic, TDM__MAGIC_DEAD);
+  atomic_fetch_sub(&tdm__g.n_queues, 1);
+  tdm__queue_unref(q);
+  if (status < 0) tdm__error(status, 0, "%s had an unreported error", q->label);
+  return status;
+}
+
+/* Frees every queue struct and its pools; the last shutdown calls this after destroying
+ * every live queue. */
+void tdm__queues_free_all(void) {
+  tdm_queue *q = tdm__g.queues;
+  while (q) {
+    tdm_queue *n = q->next_all;
+    tdm__pool_drain(&q->events, free_event_mem);
+    tdm__pool_drain(&q->cmds, free_cmd_mem);
+    pthread_mutex_destroy(&q->submit_mu);
+    pthread_mutex_destroy(&q->mu);
+    pthread_cond_destroy(&q->cv);
+    free(q);
+    q = n;
+  }
+  tdm__g.queues = tdm__g.free_queues = NULL;
+}
+
+/* ---- public ---- */
+
+int tdm_queue_create(tdm_device *dev, unsigned flags, tdm_queue **out) {
+  TDM__ENTER();
+  int rc = tdm__device_check(dev);
+  if (rc) return rc;
+  if (!out) return tdm__error(TDM_EINVAL, 0, "tdm_queue_create: out is NULL");
+  return tdm__queue_create_internal(dev, flags, NULL, false, out);
+}
+
+int tdm_queue_adopt(tdm_device *dev, void *native, unsigned flags, tdm_queue **out) {
+  TDM__ENTER();
+  int rc = tdm__device_check(dev);
+  if (rc) return rc;
+  if (!native || !out) return tdm__error(TDM_EINVAL, 0, "tdm_queue_adopt: NULL argument");
+  if (!(dev->info.caps & TDM_DEVICE_CAP_ADOPT))
+    return tdm__error(TDM_ENOTSUP, 0, "%s cannot adopt native queues", dev->info.id);
+  return tdm__queue_create_internal(dev, flags, native, false, out);
+}
+
+int tdm_queue_destroy(tdm_queue *q) {
+  TDM__ENTER();
+  if (!q) return tdm__error(TDM_EINVAL, 0, "queue is NULL");
+  if (atomic_load(&q->magic) != TDM__MAGIC_QUEUE || atomic_load(&q->destroying))
+    return tdm__error(TDM_EHANDLE, 0, "%p is not a live queue (destroyed or foreign)", (void *)q);
+  if (q->owned_by_tandem)
+    return tdm__error(TDM_EBUSY, 0, "%s is a default queue owned by tandem", q->label);
+  return tdm__queue_destroy_internal(q);
+}
+
+int tdm_queue_native(tdm_queue *q, void **native) {
+  TDM__ENTER();
+  int rc = tdm__queue_check(q);
+  if (rc) return rc;
+  if (!native) return tdm__error(TDM_EINVAL, 0, "tdm_queue_native: native is NULL");
+  if (!q->dev->be->queue_native)
+    return tdm__error(TDM_ENOTSUP, 0, "%s backend has no native queues", q->dev->be->name);
+  void *n = NULL;
+  if ((rc = q->dev->be->queue_native(q->bq, &n))) return rc;
+  *native = n;
+  return 0;
+}
+
+int tdm_queue_device(tdm_queue *q, tdm_device **dev) {
+  TDM__ENTER();
+  int rc = tdm__queue_check(q);
+  if (rc) return rc;
+  if (!dev) return tdm__error(TDM_EINVAL, 0, "tdm_queue_device: dev is NULL");
+  *dev = q->dev;
+  return 0;
+}
+
+int tdm_queue_flags(tdm_queue *q, unsigned *flags) {
+  TDM__ENTER();
+  int rc = tdm__queue_check(q);
+  if (rc) return rc;
+  if (!flags) return tdm__error(TDM_EINVAL, 0, "tdm_queue_flags: flags is NULL");
+  *flags = q->flags;
+  return 0;
+}

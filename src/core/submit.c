@@ -1,0 +1,350 @@
+/* submit.c: the one submission path every command takes (validate, reserve, hand to the
+ * backend, track), the execution and error rules applied when a command runs, and the public
+ * submission calls built on them. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+_Thread_local tdm_queue *tdm__tls_queue;
+_Thread_local uint64_t tdm__tls_seq;
+
+int tdm__deps_check(size_t ndeps, tdm_event *const *deps) {
+  if (ndeps && !deps) return tdm__error(TDM_EINVAL, 0, "ndeps is %zu but deps is NULL", ndeps);
+  for (size_t i = 0; i < ndeps; i++) {
+    int rc = tdm__event_check(deps[i]);
+    if (rc) return tdm__error(rc, 0, "dependency %zu: %s", i, tdm_last_error());
+  }
+  return 0;
+}
+
+static bool ooo(const tdm_queue *q) { return (q->flags & TDM_QUEUE_OUT_OF_ORDER) != 0; }
+
+static void cmd_release_deps(tdm__cmd *cmd) {
+  for (size_t i = 0; i < cmd->ndeps; i++) tdm__event_unref(cmd->deps[i].ev);
+  if (cmd->deps != cmd->inline_deps) free(cmd->deps);
+  cmd->deps = cmd->inline_deps;
+  cmd->ndeps = 0;
+}
+
+/* Reserves a command and its event from q's pools (allocating only when they are empty). */
+static int reserve(tdm_queue *q, size_t total, tdm__cmd **cmd_out, tdm_event **ev_out) {
+  tdm__cmd *cmd = tdm__pool_get(&q->cmds);
+  if (!cmd && !(cmd = tdm__calloc(1, sizeof *cmd)))
+    return tdm__error(TDM_ENOMEM, 0, "no memory for a command on %s", q->label);
+  cmd->deps = cmd->inline_deps;
+  if (total > TDM__INLINE_DEPS && !(cmd->deps = tdm__malloc(total * sizeof(tdm__dep)))) {
+    cmd->deps = cmd->inline_deps;
+    tdm__pool_put(&q->cmds, cmd);
+    return tdm__error(TDM_ENOMEM, 0, "no memory for %zu dependencies on %s", total, q->label);
+  }
+  tdm_event *ev = tdm__pool_get(&q->events);
+  if (!ev && !(ev = tdm__calloc(1, sizeof *ev))) {
+    if (cmd->deps != cmd->inline_deps) free(cmd->deps);
+    cmd->deps = cmd->inline_deps;
+    tdm__pool_put(&q->cmds, cmd);
+    return tdm__error(TDM_ENOMEM, 0, "no memory for an event on %s", q->label);
+  }
+  *cmd_out = cmd;
+  *ev_out = ev;
+  return 0;
+}
+
+static void add_dep(tdm__cmd *cmd, tdm_event *ev) {
+  tdm__event_ref(ev);
+  tdm__dep *d = &cmd->deps[cmd->ndeps++];
+  d->ev = ev;
+  d->cmd = cmd;
+  d->w.next = NULL;
+  d->w.fn = NULL;
+}
+
+int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
+                       tdm_event *const *deps, tdm_event **out) {
+  int rc;
+  if (!spec->untracked && (rc = tdm__tracker_reserve(q))) return rc;
+
+  /* Out-of-order queues: implicit dependencies on the gate (last barrier or wait) and, for
+   * markers and full barriers, on every tracked entry. */
+  tdm_event *implicit[1];
+  size_t nimplicit = 0, nall = 0;
+  if (ooo(q)) {
+    if (q->gate && !atomic_load(&q->gate->done)) implicit[nimplicit++] = q->gate;
+    if (spec->all_prior) nall = q->ntrk;
+  }
+  size_t total = ndeps + nimplicit + nall;
+
+  tdm__cmd *cmd;
+  tdm_event *ev;
+  if ((rc = reserve(q, total, &cmd, &ev))) return rc;
+
+  cmd->kind = spec->kind;
+  cmd->flags = spec->flags;
+  cmd->ndeps = 0;
+  cmd->bdata = NULL;
+  cmd->bcount = 0;
+  cmd->next = NULL;
+  switch (spec->kind) {
+    case TDM__CMD_COPY:
+      cmd->u.copy.dst = spec->u_ptr0;
+      cmd->u.copy.src = spec->u_ptr1;
+      cmd->u.copy.n = spec->u_n;
+      break;
+    case TDM__CMD_FILL:
+      cmd->u.fill.dst = spec->u_ptr0;
+      cmd->u.fill.value = spec->u_value;
+      cmd->u.fill.n = spec->u_n;
+      break;
+    case TDM__CMD_HOST:
+      cmd->u.host.fn = spec->fn;
+      cmd->u.host.arg = (void *)spec->u_ptr1;
+      break;
+    case TDM__CMD_FREE: cmd->u.free_.ptr = spec->u_ptr0; break;
+    default: break;
+  }
+  for (size_t i = 0; i < ndeps; i++) add_dep(cmd, deps[i]);
+  for (size_t i = 0; i < nimplicit; i++) add_dep(cmd, implicit[i]);
+  for (size_t i = 0; i < nall; i++)
+    if (q->trk[i] != q->gate) add_dep(cmd, q->trk[i]);
+
+  /* Every reference the event will have is taken before the backend sees the command: the
+   * command may complete (and drop its own) before submit returns. */
+  bool track = !spec->untracked;
+  bool gate = spec->gate && ooo(q);
+  atomic_store(&ev->refs, 1 + (track ? 1 : 0) + (gate ? 1 : 0) + (out ? 1 : 0));
+  atomic_store(&ev->done, 0);
+  ev->status = 0;
+  ev->native = 0;
+  ev->timed = (q->flags & TDM_QUEUE_TIMING) != 0;
+  ev->t_ns = 0;
+  ev->seq = q->seq + 1;
+  ev->op = spec->op;
+  ev->q = q;
+  ev->waiters = NULL;
+  atomic_fetch_add(&q->refs, 1);
+  atomic_store(&ev->magic, TDM__MAGIC_EVENT);
+  cmd->ev = ev;
+  atomic_fetch_add(&tdm__g.n_events, 1);
+  atomic_fetch_add(&tdm__g.n_pending, 1);
+
+  rc = TDM__BCALL(q->dev, q->dev->be->submit(q->bq, cmd));
+  if (rc) {
+    atomic_fetch_sub(&tdm__g.n_pending, 1);
+    cmd_release_deps(cmd);
+    atomic_store(&ev->refs, 1);
+    tdm__event_unref(ev);
+    tdm__pool_put(&q->cmds, cmd);
+    return tdm__error(rc, tdm_last_native_error(), "submitting %s to %s: %s", spec->op,
+                      q->label, tdm_last_error());
+  }
+  q->seq++;
+  if (track) tdm__tracker_add(q, ev, true);
+  if (gate) {
+    if (q->gate) tdm__event_unref(q->gate);
+    q->gate = ev;
+  }
+  if (out) *out = ev;
+  return 0;
+}
+
+int tdm__submit(tdm_queue *q, const tdm__spec *spec, size_t ndeps, tdm_event *const *deps,
+                tdm_event **out) {
+  pthread_mutex_lock(&q->submit_mu);
+  int rc = atomic_load(&q->destroying)
+               ? tdm__error(TDM_EHANDLE, 0, "%s is being destroyed", q->label)
+               : tdm__submit_locked(q, spec, ndeps, deps, out);
+  pthread_mutex_unlock(&q->submit_mu);
+  return rc;
+}
+
+/* ---- execution ---- */
+
+void tdm__cmd_done(tdm__cmd *cmd, int status, int native) {
+  tdm_event *ev = cmd->ev;
+  tdm_queue *q = ev->q;
+  /* A marker's status reports earlier failures; it is not a failure of its own. */
+  if (status < 0 && cmd->kind != TDM__CMD_MARKER) {
+    int zero = 0;
+    atomic_compare_exchange_strong(&q->first_error, &zero, status);
+    if (!ooo(q)) q->chain_error = status;
+  }
+  cmd_release_deps(cmd);
+  cmd->ev = NULL;
+  tdm__pool_put(&q->cmds, cmd);
+  atomic_fetch_sub(&tdm__g.n_pending, 1);
+  tdm__event_complete_unref(ev, status, native);
+}
+
+static int run_host_task(tdm__cmd *cmd) {
+  tdm_queue *q = cmd->ev->q;
+  tdm_queue *saved_q = tdm__tls_queue;
+  uint64_t saved_seq = tdm__tls_seq;
+  tdm__tls_queue = q;
+  tdm__tls_seq = cmd->ev->seq;
+  int r = cmd->u.host.fn(cmd->u.host.arg);
+  tdm__tls_queue = saved_q;
+  tdm__tls_seq = saved_seq;
+  if (r == 0) return 0;
+  /* A negative value inside the code table is kept; anything else says only "failed". */
+  return (r < 0 && strcmp(tdm_err_name(r), "TDM_UNKNOWN") != 0) ? r : TDM_ETASK;
+}
+
+void tdm__cmd_run(tdm__cmd *cmd) {
+  tdm_queue *q = cmd->ev->q;
+  int status = 0;
+  for (size_t i = 0; i < cmd->ndeps; i++)
+    if (tdm__event_wait_raw(cmd->deps[i].ev) < 0) status = TDM_EDEP;
+
+  if (cmd->kind == TDM__CMD_MARKER) {
+    /* A marker reports the queue's first error since the last sync; a sync marker clears it. */
+    status = (cmd->flags & TDM__CMD_SYNC) ? atomic_exchange(&q->first_error, 0)
+                                           : atomic_load(&q->first_error);
+    if (cmd->flags & TDM__CMD_SYNC) q->chain_error = 0;
+    tdm__cmd_done(cmd, status, 0);
+    return;
+  }
+  if (status == 0 && !ooo(q) && q->chain_error) status = TDM_EDEP;
+  if (status == 0) {
+    switch (cmd->kind) {
+      case TDM__CMD_COPY: memmove(cmd->u.copy.dst, cmd->u.copy.src, cmd->u.copy.n); break;
+      case TDM__CMD_FILL: memset(cmd->u.fill.dst, cmd->u.fill.value, cmd->u.fill.n); break;
+      case TDM__CMD_HOST: status = run_host_task(cmd); break;
+      case TDM__CMD_FREE: tdm__mem_finish_free(cmd->u.free_.ptr); break;
+      default: break;
+    }
+  } else if (cmd->kind == TDM__CMD_FREE) {
+    /* The memory is still freed: the caller gave it up when it submitted the free. */
+    tdm__mem_finish_free(cmd->u.free_.ptr);
+  }
+  tdm__cmd_done(cmd, status, 0);
+}
+
+/* ---- public submission calls ---- */
+
+#define CHECK_Q(q)                         \
+  do {                                     \
+    int check_rc_ = tdm__queue_check(q);   \
+    if (check_rc_) return check_rc_;       \
+  } while (0)
+
+#define CHECK_DEPS(n, d)                        \
+  do {                                          \
+    int check_rc_ = tdm__deps_check((n), (d));  \
+    if (check_rc_) return check_rc_;            \
+  } while (0)
+
+int tdm_memcpy(tdm_queue *q, void *dst, const void *src, size_t n, tdm_copy_dir dir,
+               size_t ndeps, tdm_event *const *deps, tdm_event **out) {
+  TDM__ENTER();
+  CHECK_Q(q);
+  CHECK_DEPS(ndeps, deps);
+  int rc = tdm__mem_check_copy(q, NULL, dst, src, n, &dir);
+  if (rc) return rc;
+  tdm__spec s = {.kind = TDM__CMD_COPY, .op = "memcpy", .u_ptr0 = dst, .u_ptr1 = src, .u_n = n};
+  return tdm__submit(q, &s, ndeps, deps, out);
+}
+
+int tdm_memset(tdm_queue *q, void *dst, int value, size_t n, size_t ndeps,
+               tdm_event *const *deps, tdm_event **out) {
+  TDM__ENTER();
+  CHECK_Q(q);
+  CHECK_DEPS(ndeps, deps);
+  int rc = tdm__mem_check_fill(q, dst, n);
+  if (rc) return rc;
+  tdm__spec s = {.kind = TDM__CMD_FILL, .op = "memset", .u_ptr0 = dst, .u_value = value,
+                 .u_n = n};
+  return tdm__submit(q, &s, ndeps, deps, out);
+}
+
+int tdm_host_task(tdm_queue *q, tdm_host_fn fn, void *arg, size_t ndeps,
+                  tdm_event *const *deps, tdm_event **out) {
+  TDM__ENTER();
+  CHECK_Q(q);
+  CHECK_DEPS(ndeps, deps);
+  if (!fn) return tdm__error(TDM_EINVAL, 0, "tdm_host_task: fn is NULL");
+  tdm__spec s = {.kind = TDM__CMD_HOST, .op = "host task", .fn = fn, .u_ptr1 = arg};
+  return tdm__submit(q, &s, ndeps, deps, out);
+}
+
+int tdm_free_async(tdm_queue *q, void *ptr, size_t ndeps, tdm_event *const *deps,
+                   tdm_event **out) {
+  TDM__ENTER();
+  CHECK_Q(q);
+  CHECK_DEPS(ndeps, deps);
+  int rc = tdm__mem_begin_free(q, ptr);
+  if (rc) return rc;
+  tdm__spec s = {.kind = TDM__CMD_FREE, .op = "free", .u_ptr0 = ptr};
+  rc = tdm__submit(q, &s, ndeps, deps, out);
+  if (rc) tdm__mem_cancel_free(ptr);
+  return rc;
+}
+
+int tdm_memcpy_cross(tdm_queue *src_q, tdm_queue *dst_q, void *dst, const void *src, size_t n,
+                     size_t ndeps, tdm_event *const *deps, tdm_event **out) {
+  TDM__ENTER();
+  CHECK_Q(src_q);
+  CHECK_Q(dst_q);
+  CHECK_DEPS(ndeps, deps);
+  tdm_copy_dir dir = TDM_COPY_AUTO;
+  int rc = tdm__mem_check_copy(src_q, dst_q->dev, dst, src, n, &dir);
+  if (rc) return rc;
+  tdm__spec copy = {.kind = TDM__CMD_COPY, .op = "cross-queue memcpy", .u_ptr0 = dst,
+                    .u_ptr1 = src, .u_n = n};
+  tdm_event *ev;
+  if ((rc = tdm__submit(src_q, &copy, ndeps, deps, &ev))) return rc;
+  /* The source queue's lock is released before the destination's is taken. */
+  tdm__spec wait = {.kind = TDM__CMD_BARRIER, .op = "wait", .gate = true};
+  if (src_q != dst_q && (rc = tdm__submit(dst_q, &wait, 1, &ev, NULL))) {
+    /* The copy is in flight and cannot be taken back: finish it so dst holds the data. */
+    tdm__event_wait_raw(ev);
+    tdm__event_unref(ev);
+    return rc;
+  }
+  if (out)
+    *out = ev;
+  else
+    tdm__event_unref(ev);
+  return 0;
+}
+
+int tdm_event_record(tdm_queue *q, tdm_event **out) {
+  TDM__ENTER();
+  CHECK_Q(q);
+  if (!out) return tdm__error(TDM_EINVAL, 0, "tdm_event_record: out is NULL");
+  tdm__spec s = {.kind = TDM__CMD_MARKER, .op = "marker", .all_prior = true};
+  return tdm__submit(q, &s, 0, NULL, out);
+}
+
+int tdm_queue_wait(tdm_queue *q, tdm_event *ev) {
+  TDM__ENTER();
+  CHECK_Q(q);
+  int rc = tdm__event_check(ev);
+  if (rc) return rc;
+  tdm__spec s = {.kind = TDM__CMD_BARRIER, .op = "wait", .gate = true};
+  return tdm__submit(q, &s, 1, &ev, NULL);
+}
+
+int tdm_queue_barrier(tdm_queue *q, size_t ndeps, tdm_event *const *deps, tdm_event **out) {
+  TDM__ENTER();
+  CHECK_Q(q);
+  CHECK_DEPS(ndeps, deps);
+  tdm__spec s = {.kind = TDM__CMD_BARRIER, .op = "barrier", .gate = true,
+                 .all_prior = ndeps == 0};
+  return tdm__submit(q, &s, ndeps, deps, out);
+}
+
+int tdm_queue_sync(tdm_queue *q) {
+  TDM__ENTER();
+  CHECK_Q(q);
+  if (tdm__tls_queue == q)
+    return tdm__error(TDM_EDEADLK, 0, "a host task of %s syncs its own queue", q->label);
+  tdm__spec s = {.kind = TDM__CMD_MARKER, .flags = TDM__CMD_SYNC, .op = "sync",
+                 .all_prior = true};
+  tdm_event *ev;
+  int rc = tdm__submit(q, &s, 0, NULL, &ev);
+  if (rc) return rc;
+  rc = tdm__event_wait_raw(ev);
+  tdm__event_unref(ev);
+  if (rc) tdm__error(rc, 0, "%s: first error since the last sync", q->label);
+  return rc;
+}

@@ -1,0 +1,109 @@
+/* tracker.c: the order tracker. Per queue, the events of tandem's own recent submissions (on
+ * an in-order queue only the last, which implies the rest) and foreign events handed in with
+ * tdm_queue_track. Bounded: completed entries are pruned, and when it is still full every
+ * entry collapses into one barrier. All functions run with q->submit_mu held. */
+#include <stdlib.h>
+
+#include "internal.h"
+
+
+int tdm__tracker_init(tdm_queue *q) {
+  size_t cap = (size_t)tdm__g.opts.tracker_capacity;
+  q->trk = tdm__calloc(cap, sizeof *q->trk);
+  if (!q->trk) return tdm__error(TDM_ENOMEM, 0, "no memory for a queue's tracker");
+  q->trk_cap = cap;
+  q->ntrk = 0;
+  q->gate = NULL;
+  return 0;
+}
+
+void tdm__tracker_fini(tdm_queue *q) {
+  for (size_t i = 0; i < q->ntrk; i++) tdm__event_unref(q->trk[i]);
+  free(q->trk);
+  q->trk = NULL;
+  q->ntrk = q->trk_cap = 0;
+  if (q->gate) tdm__event_unref(q->gate);
+  q->gate = NULL;
+}
+
+static void prune(tdm_queue *q) {
+  size_t k = 0;
+  for (size_t i = 0; i < q->ntrk; i++) {
+    if (atomic_load(&q->trk[i]->done))
+      tdm__event_unref(q->trk[i]);
+    else
+      q->trk[k++] = q->trk[i];
+  }
+  q->ntrk = k;
+}
+
+/* Replaces every entry with one barrier that waits for all of them. */
+static int collapse(tdm_queue *q) {
+  tdm__spec s = {.kind = TDM__CMD_BARRIER, .op = "tracker barrier", .gate = true,
+                 .untracked = true};
+  tdm_event *ev;
+  int rc = tdm__submit_locked(q, &s, q->ntrk, q->trk, &ev);
+  if (rc) return rc;
+  for (size_t i = 0; i < q->ntrk; i++) tdm__event_unref(q->trk[i]);
+  q->trk[0] = ev;
+  q->ntrk = 1;
+  return 0;
+}
+
+int tdm__tracker_reserve(tdm_queue *q) {
+  if (q->ntrk < q->trk_cap) return 0;
+  prune(q);
+  return q->ntrk < q->trk_cap ? 0 : collapse(q);
+}
+
+/* On an in-order queue a new own event makes the previous own event redundant: it is
+ * replaced. The caller's event reference is taken over by the tracker. */
+void tdm__tracker_add(tdm_queue *q, tdm_event *ev, bool own) {
+  if (own && !(q->flags & TDM_QUEUE_OUT_OF_ORDER)) {
+    for (size_t i = 0; i < q->ntrk; i++) {
+      if (q->trk[i]->q == q) {
+        tdm__event_unref(q->trk[i]);
+        q->trk[i] = q->trk[--q->ntrk];
+        break;
+      }
+    }
+  }
+  q->trk[q->ntrk++] = ev;
+}
+
+int tdm_queue_track(tdm_queue *q, tdm_event *ev) {
+  TDM__ENTER();
+  int rc = tdm__queue_check(q);
+  if (rc || (rc = tdm__event_check(ev))) return rc;
+  pthread_mutex_lock(&q->submit_mu);
+  rc = tdm__tracker_reserve(q);
+  if (!rc) {
+    tdm__event_ref(ev);
+    tdm__tracker_add(q, ev, false);
+  }
+  pthread_mutex_unlock(&q->submit_mu);
+  return rc;
+}
+
+int tdm_queue_dependencies(tdm_queue *q, tdm_event **deps, size_t cap, size_t *n) {
+  TDM__ENTER();
+  int rc = tdm__queue_check(q);
+  if (rc) return rc;
+  if (!n || (cap && !deps))
+    return tdm__error(TDM_EINVAL, 0, "tdm_queue_dependencies: NULL output");
+  pthread_mutex_lock(&q->submit_mu);
+  prune(q);
+  if (q->ntrk > cap) {
+    if (cap == 0) rc = tdm__error(TDM_EINVAL, 0, "cap is 0 but %zu events are needed", q->ntrk);
+    else rc = collapse(q);
+  }
+  if (!rc) {
+    for (size_t i = 0; i < q->ntrk; i++) {
+      tdm__event_ref(q->trk[i]);
+      deps[i] = q->trk[i];
+    }
+    *n = q->ntrk;
+  }
+  pthread_mutex_unlock(&q->submit_mu);
+  return rc;
+}
