@@ -139,6 +139,10 @@ TDM_API int tdm_device_get(int index, tdm_device **out);
  * GPU device, else cpu:0. */
 TDM_API int tdm_device_find(const char *id, tdm_device **out);
 TDM_API int tdm_device_info_get(tdm_device *dev, tdm_device_info *info);
+/* The device's native handle for interop, as the backend's interop header defines it
+ * (OpenCL: its cl_context; CUDA: a pointer to the int device ordinal; CPU: TDM_ENOTSUP).
+ * Borrowed: valid until the last tdm_shutdown(). */
+TDM_API int tdm_device_native(tdm_device *dev, void **native);
 
 /* ---- Queues ----------------------------------------------------------------------------- */
 
@@ -166,7 +170,8 @@ TDM_API int tdm_queue_device(tdm_queue *q, tdm_device **dev);
 TDM_API int tdm_queue_flags(tdm_queue *q, unsigned *flags);
 
 /* Device-side wait: work submitted to q after this call starts after ev completes. The caller
- * returns at once. ev may come from any queue or device. */
+ * returns at once. ev may come from any queue or device; tandem keeps its own reference for
+ * as long as it needs one (so do dependency lists), and the caller may release ev at once. */
 TDM_API TDM_NODISCARD int tdm_queue_wait(tdm_queue *q, tdm_event *ev);
 /* Barrier: the command waits for the listed events, or for every earlier command of the queue
  * when ndeps is 0, and every later command waits for it. */
@@ -196,6 +201,9 @@ TDM_API int tdm_event_elapsed(tdm_event *start, tdm_event *end, double *ms);
 TDM_API int tdm_event_retain(tdm_event *ev);
 /* Drops one reference; the event is freed when the last one goes, even if still pending. */
 TDM_API int tdm_event_release(tdm_event *ev);
+/* The native event behind ev, for user code that submits natively (OpenCL: a cl_event; CUDA:
+ * a cudaEvent_t), or TDM_ENOTSUP if it has none (CPU events). Borrowed: valid while ev is. */
+TDM_API int tdm_event_native(tdm_event *ev, void **native);
 /* The queue that submitted ev. The returned pointer is borrowed and may be destroyed. */
 TDM_API int tdm_event_queue(tdm_event *ev, tdm_queue **q);
 
@@ -228,6 +236,13 @@ TDM_API TDM_NODISCARD int tdm_host_register(tdm_device *dev, void *ptr, size_t s
 TDM_API int tdm_host_unregister(void *ptr);
 /* Describes memory tandem knows about; any other pointer is TDM_MEM_HOST with base NULL. */
 TDM_API int tdm_mem_query(const void *ptr, tdm_mem_info *info);
+/* The native object behind a pointer into tandem device memory, and the pointer's offset in
+ * it (OpenCL: the cl_mem; CUDA: the device pointer itself, offset 0). Borrowed. */
+TDM_API int tdm_mem_native(const void *ptr, void **native, size_t *offset);
+/* Makes foreign device memory (a cl_mem, a CUDA device pointer from another library) usable
+ * by tandem copies: *ptr is a tandem pointer to its first byte, freed with tdm_free, which
+ * drops tandem's hold on it but never frees the foreign memory itself. */
+TDM_API TDM_NODISCARD int tdm_mem_import(tdm_device *dev, void *native, size_t size, void **ptr);
 
 /* ---- Copies and fill -------------------------------------------------------------------- */
 
@@ -249,9 +264,10 @@ TDM_API TDM_NODISCARD int tdm_memcpy(tdm_queue *q, void *dst, const void *src, s
                                      tdm_event **out);
 /* Cross-queue copy: the copy runs on src_q (after its earlier work and deps), and dst_q waits
  * for it device-side, so work submitted to dst_q afterwards sees the data. dst may be on
- * dst_q's device and src on src_q's device (a peer copy when they differ). Either both steps
- * are submitted or neither. The calling thread never blocks, and never holds both queues'
- * locks at once, so A-to-B and B-to-A copies from two threads cannot deadlock. */
+ * dst_q's device and src on src_q's device (a peer copy when they differ). It happens whole or
+ * not at all: on failure nothing was submitted. The calling thread never blocks, and never
+ * holds both queues' locks at once, so A-to-B and B-to-A copies from two threads cannot
+ * deadlock. *out completes when the copy has. */
 TDM_API TDM_NODISCARD int tdm_memcpy_cross(tdm_queue *src_q, tdm_queue *dst_q, void *dst,
                                            const void *src, size_t n, size_t ndeps,
                                            tdm_event *const *deps, tdm_event **out);

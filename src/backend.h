@@ -9,9 +9,16 @@
  * table can be checked).
  *
  * Commands. The core turns every submission into a tdm__cmd and hands it to `submit`. The
- * backend owns the command until it calls svc->cmd_done (directly, or through svc->cmd_run,
- * which waits for the dependencies, applies the error rules, executes the command on the host
- * and completes it). A backend never frees a command or its event itself.
+ * backend owns the command until it gives it back in one of two ways:
+ * - host-executed backends (CPU) call svc->cmd_run, which waits for the dependencies, applies
+ *   the error rules, executes the command on the host and completes it;
+ * - native backends (CUDA, OpenCL) enqueue the command on the native queue, set cmd->wait to
+ *   a native handle that completes with it (and, for host tasks, cmd->gate to what holds the
+ *   native queue until the task has run), and call svc->cmd_native. The queue's executor, a
+ *   tandem thread, then waits for the handle with native_wait in submission order, runs host
+ *   tasks, opens their gates with gate_open, and completes the command. Driver callbacks are
+ *   never needed and never run tandem code.
+ * A backend never frees a command or its event itself.
  */
 #ifndef TANDEM_BACKEND_H
 #define TANDEM_BACKEND_H
@@ -35,7 +42,11 @@ typedef enum tdm__cmd_kind {
 } tdm__cmd_kind;
 
 enum {
-  TDM__CMD_SYNC = 1u << 0 /* a marker made by tdm_queue_sync: clears the queue's error */
+  TDM__CMD_SYNC = 1u << 0,        /* a marker made by tdm_queue_sync: clears the queue's error */
+  TDM__CMD_NATIVE_FREED = 1u << 1, /* set by a native backend that freed the memory itself
+                                      (stream-ordered); the core only forgets the pointer */
+  TDM__CMD_ALL_PRIOR = 1u << 2      /* a marker or barrier that covers every earlier command of
+                                      the queue, besides its deps */
 };
 
 typedef struct tdm__cmd tdm__cmd;
@@ -69,9 +80,13 @@ struct tdm__cmd {
     struct { tdm_host_fn fn; void *arg; } host;
     struct { void *ptr; } free_;
   } u;
+  void *wait;              /* native backends: handle native_wait waits for */
+  void *gate;              /* native backends, host tasks: handle gate_open releases */
   void *bdata;             /* scratch for the backend */
   long bcount;             /* scratch for the backend (pending dependency count) */
 };
+
+struct tdm__backend;
 
 /* Services the core offers backends (a module cannot link against the core's hidden symbols). */
 typedef struct tdm__services {
@@ -87,6 +102,20 @@ typedef struct tdm__services {
   int (*error)(int code, int native, const char *fmt, ...);
   /* Reads an option of the environment table ("TANDEM_CPU_DEVICES"), or def if unset. */
   long (*option_long)(const char *name, long def);
+  /* Native backends: hands a command enqueued natively to the core, which completes it in
+   * order on the queue's executor (in-order queues) or, on out-of-order queues, on a pool
+   * thread once native_notify reports its handle complete. */
+  void (*cmd_native)(tdm__cmd *cmd);
+  /* Host-executed backends: runs cmd_run on a pool thread once its deps have completed
+   * (out-of-order queues), without occupying a thread while it waits. */
+  void (*pool_submit)(tdm__cmd *cmd);
+  /* Native backends: attaches a native event to ev (released with native_release when ev is
+   * freed), so other queues of the same backend can wait for it natively. */
+  void (*event_set_native)(tdm_event *ev, void *handle);
+  /* The native event attached to ev if a queue of backend `be` recorded it, else NULL. */
+  void *(*event_native)(tdm_event *ev, const struct tdm__backend *be);
+  /* The device index (within its backend) of the queue that submitted ev, and its backend. */
+  int (*event_device)(tdm_event *ev, const struct tdm__backend **be);
 } tdm__services;
 
 /* Every entry returns 0 or a TDM_E* code and sets the message through svc->error. "Required"
@@ -122,6 +151,28 @@ typedef struct tdm__backend {
   /* Optional. Pins caller memory; a NULL entry means registration is bookkeeping only. */
   int (*host_register)(int bdev, void *ptr, size_t size);
   void (*host_unregister)(int bdev, void *ptr);
+
+  /* Optional interop entries (NULL: TDM_ENOTSUP). */
+  int (*device_native)(int bdev, void **native);
+  /* The native object and offset for a pointer inside the allocation starting at base. */
+  int (*mem_native)(int bdev, void *base, void *ptr, void **native, size_t *offset);
+  /* Wraps foreign device memory; freed later through mem_free(bdev, TDM_MEM_DEVICE, ptr). */
+  int (*mem_import)(int bdev, void *native, size_t size, void **ptr);
+
+  /* Native backends only (NULL for host-executed ones). A command that needs host work (a
+   * host task, or a copy or fill the device cannot do) gets a gate: the executor does the work
+   * on the host, then opens the gate. */
+  /* Blocks the executor until the handle's work completes; returns 0 or the mapped error and
+   * its native code. Must not call back into the core. */
+  int (*native_wait)(void *handle, int *native);
+  /* Optional: calls fn(arg) once the handle completes, from any thread, possibly at once in
+   * the caller's. fn only pushes onto a list and wakes a thread. Returns 0 if registered. */
+  int (*native_notify)(void *handle, void (*fn)(void *arg), void *arg);
+  /* Releases a handle given in cmd->wait or event_set_native. Never blocks. */
+  void (*native_release)(void *handle);
+  /* Lets the native queue run past a host task's gate (called once per gate, by the
+   * executor, after the task ran or was skipped). */
+  void (*gate_open)(void *gate);
 } tdm__backend;
 
 /* The built-in CPU backend. */

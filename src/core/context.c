@@ -82,12 +82,28 @@ void tdm__backend_add(const tdm__backend *be, void *dl, const char *detail) {
 }
 
 /* Set up by the first init; services backends use instead of linking to the core. */
+static void event_set_native(tdm_event *ev, void *handle) { ev->bev = handle; }
+
+static void *event_native(tdm_event *ev, const tdm__backend *be) {
+  return ev->q->dev->be == be ? ev->bev : NULL;
+}
+
+static int event_device(tdm_event *ev, const tdm__backend **be) {
+  *be = ev->q->dev->be;
+  return ev->q->dev->bindex;
+}
+
 static void fill_services(tdm__services *s) {
   s->cmd_run = tdm__cmd_run;
   s->cmd_done = tdm__cmd_done;
   s->event_on_complete = tdm__event_on_complete;
   s->error = tdm__error;
   s->option_long = tdm__option_long;
+  s->cmd_native = tdm__cmd_native;
+  s->pool_submit = tdm__pool_after_deps;
+  s->event_set_native = event_set_native;
+  s->event_native = event_native;
+  s->event_device = event_device;
 }
 
 int tdm_init(void) {
@@ -104,7 +120,7 @@ int tdm_init(void) {
   tdm__g.nbackends = 0;
   tdm__g.ndevices = 0;
   tdm__g.next_queue_id = 0;
-  tdm__backend_add(&tdm__cpu_backend, NULL, "built in");
+  if (tdm__backend_allowed("cpu")) tdm__backend_add(&tdm__cpu_backend, NULL, "built in");
   tdm__modules_load();
   int rc = tdm__release_start();
   if (rc) {
@@ -137,6 +153,7 @@ int tdm_shutdown(void) {
       tdm__queue_destroy_internal(q);
     }
   tdm__release_stop();
+  tdm__pool_stop();
   atomic_store(&tdm__g.live, 0);
   tdm__mem_free_all();
   tdm__modules_unload();
@@ -208,5 +225,18 @@ int tdm_device_info_get(tdm_device *dev, tdm_device_info *info) {
   if (rc) return rc;
   if (!info) return tdm__error(TDM_EINVAL, 0, "tdm_device_info_get: info is NULL");
   *info = dev->info;
+  return 0;
+}
+
+int tdm_device_native(tdm_device *dev, void **native) {
+  TDM__ENTER();
+  int rc = tdm__device_check(dev);
+  if (rc) return rc;
+  if (!native) return tdm__error(TDM_EINVAL, 0, "tdm_device_native: native is NULL");
+  if (!dev->be->device_native)
+    return tdm__error(TDM_ENOTSUP, 0, "%s has no native device handle", dev->info.id);
+  void *n = NULL;
+  if ((rc = dev->be->device_native(dev->bindex, &n))) return rc;
+  *native = n;
   return 0;
 }

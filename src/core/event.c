@@ -54,6 +54,8 @@ void tdm__event_ref(tdm_event *ev) { atomic_fetch_add(&ev->refs, 1); }
 
 void tdm__event_free(tdm_event *ev) {
   tdm_queue *q = ev->q;
+  if (ev->bev) q->dev->be->native_release(ev->bev);
+  ev->bev = NULL;
   atomic_store(&ev->magic, TDM__MAGIC_DEAD);
   ev->q = NULL;
   tdm__pool_put(&q->events, ev);
@@ -181,5 +183,15 @@ int tdm_event_queue(tdm_event *ev, tdm_queue **q) {
   if (rc) return rc;
   if (!q) return tdm__error(TDM_EINVAL, 0, "tdm_event_queue: q is NULL");
   *q = ev->q;
+  return 0;
+}
+
+int tdm_event_native(tdm_event *ev, void **native) {
+  TDM__ENTER();
+  int rc = tdm__event_check(ev);
+  if (rc) return rc;
+  if (!native) return tdm__error(TDM_EINVAL, 0, "tdm_event_native: native is NULL");
+  if (!ev->bev) return tdm__error(TDM_ENOTSUP, 0, "this event has no native event");
+  *native = ev->bev;
   return 0;
 }

@@ -6,9 +6,11 @@
  * - q->submit_mu serializes submissions to one queue (their order is the order of taking it)
  *   and guards the queue's pools' local lists, its tracker and its sequence numbers. It is held
  *   across backend->submit, never across a wait.
- * - q->mu guards completion state of q's events (status, waiter lists) and q->cv. Held only for
- *   a few instructions; never while calling a backend or a continuation.
- * - No thread holds two queues' locks at once.
+ * - q->mu guards completion state of q's events (status, waiter lists) and q->cv. A leaf lock:
+ *   held for a few instructions, never while calling a backend or a continuation, never while
+ *   taking another lock.
+ * - No thread holds two queues' submission locks at once (a cross-queue copy submits to one,
+ *   releases it, then submits to the other).
  */
 #ifndef TANDEM_CORE_INTERNAL_H
 #define TANDEM_CORE_INTERNAL_H
@@ -37,7 +39,9 @@ typedef struct tdm__options {
   long cpu_devices;       /* TANDEM_CPU_DEVICES */
   long cpu_pool_threads;  /* TANDEM_CPU_POOL_THREADS */
   long tracker_capacity;  /* TANDEM_TRACKER_CAPACITY */
+  long opencl_defer;      /* TANDEM_OPENCL_DEFER */
   char backend_path[1024];/* TANDEM_BACKEND_PATH */
+  char backends[128];     /* TANDEM_BACKENDS: comma-separated allow list, empty = all */
 } tdm__options;
 void tdm__options_load(tdm__options *o);
 long tdm__option_long(const char *name, long def);
@@ -113,6 +117,8 @@ void *tdm__calloc(size_t n, size_t size);
   (tdm__fault(TDM_FAULT_BACKEND) ? tdm__device_note((dev), tdm__fault_code_taken()) \
                                  : tdm__device_note((dev), (expr)))
 int tdm__fault_code_taken(void);
+/* Whether $TANDEM_BACKENDS allows the named backend. */
+bool tdm__backend_allowed(const char *name);
 
 /* ---- event.c ---- */
 struct tdm_event {
@@ -128,6 +134,7 @@ struct tdm_event {
   const char *op;           /* what the command was, for messages */
   tdm_queue *q;             /* holds a reference on q */
   tdm__waiter *waiters;     /* under q->mu */
+  void *bev;                /* native event, owned (native backends) */
 };
 int tdm__event_check(tdm_event *ev);
 void tdm__event_ref(tdm_event *ev);
@@ -166,6 +173,12 @@ struct tdm_queue {
   tdm_event **trk;
   size_t ntrk, trk_cap;
   tdm_event *gate;          /* out-of-order: the last barrier or wait; later work waits on it */
+  /* Copies from other queues (tdm_memcpy_cross) that later work on this queue must wait for:
+   * they become dependencies of the next submission (in-order) or of every submission until
+   * a barrier (out-of-order). Capacity trk_cap; nxres slots are reserved by copies underway. */
+  tdm_event **xwait;
+  size_t nxwait, nxres;
+  struct tdm__exec *exec;   /* native backends: the executor thread (exec.c) */
 };
 int tdm__queue_check(tdm_queue *q);
 int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, bool owned,
@@ -202,6 +215,22 @@ void tdm__cmd_done(tdm__cmd *cmd, int status, int native);
 extern _Thread_local tdm_queue *tdm__tls_queue;
 extern _Thread_local uint64_t tdm__tls_seq;
 
+/* ---- exec.c: per-queue executor for native backends ---- */
+int tdm__exec_start(tdm_queue *q);
+/* Runs what is queued, then joins the thread. */
+void tdm__exec_stop(tdm_queue *q);
+void tdm__exec_push(tdm__cmd *cmd);
+
+/* ---- pool.c: shared host threads for out-of-order queues ---- */
+int tdm__pool_start(void);
+void tdm__pool_stop(void);
+/* Runs cmd (tdm__cmd_run) on a pool thread once every dependency has completed. */
+void tdm__pool_after_deps(tdm__cmd *cmd);
+void tdm__pool_ready(tdm__cmd *cmd);
+/* A natively enqueued command: to the queue's executor (in-order) or, on an out-of-order
+ * queue of a backend with native_notify, to the pool when the driver says it completed. */
+void tdm__cmd_native(tdm__cmd *cmd);
+
 /* ---- tracker.c ---- */
 int tdm__tracker_init(tdm_queue *q);
 void tdm__tracker_fini(tdm_queue *q);
@@ -209,8 +238,12 @@ void tdm__tracker_fini(tdm_queue *q);
 int tdm__tracker_reserve(tdm_queue *q);
 /* Records ev (referenced by the tracker); cannot fail after a successful reserve. */
 void tdm__tracker_add(tdm_queue *q, tdm_event *ev, bool own);
-/* Out-of-order barrier with no list: references to the incomplete own entries. */
-size_t tdm__tracker_pending(tdm_queue *q, tdm_event **out, size_t cap);
+/* Cross-queue copies: reserve a slot (may submit a barrier to make room), then fill it. */
+int tdm__xwait_reserve(tdm_queue *q);
+void tdm__xwait_fill(tdm_queue *q, tdm_event *ev);
+void tdm__xwait_cancel(tdm_queue *q);
+/* After a submission: drops entries the queue's order now covers. */
+void tdm__xwait_consumed(tdm_queue *q, bool covers_all);
 
 /* ---- memory.c ---- */
 typedef struct tdm__alloc {
@@ -227,7 +260,8 @@ int tdm__mem_check_copy(tdm_queue *q, tdm_device *alt, void *dst, const void *sr
 int tdm__mem_check_fill(tdm_queue *q, void *dst, size_t n);
 int tdm__mem_begin_free(tdm_queue *q, void *ptr);
 void tdm__mem_cancel_free(void *ptr);
-void tdm__mem_finish_free(void *ptr);
+/* freed: the backend already freed it natively; only the registry entry goes. */
+void tdm__mem_finish_free(void *ptr, bool freed);
 void tdm__mem_free_all(void);
 
 /* ---- release.c ---- */

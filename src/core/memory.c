@@ -147,9 +147,9 @@ void tdm__mem_cancel_free(void *ptr) {
   pthread_rwlock_unlock(&reg_lock);
 }
 
-void tdm__mem_finish_free(void *ptr) {
+void tdm__mem_finish_free(void *ptr, bool freed) {
   tdm__alloc a;
-  if (reg_remove((uintptr_t)ptr, &a, true) == 0) release_entry(&a);
+  if (reg_remove((uintptr_t)ptr, &a, true) == 0 && !freed) release_entry(&a);
 }
 
 void tdm__mem_free_all(void) {
@@ -283,4 +283,44 @@ int tdm__mem_check_fill(tdm_queue *q, void *dst, size_t n) {
   pthread_rwlock_unlock(&reg_lock);
   if (rc) return rc;
   return d.device ? device_ok(&d, q, NULL, false) : 0;
+}
+
+int tdm_mem_native(const void *ptr, void **native, size_t *offset) {
+  TDM__ENTER();
+  if (!ptr || !native || !offset) return tdm__error(TDM_EINVAL, 0, "tdm_mem_native: NULL argument");
+  pthread_rwlock_rdlock(&reg_lock);
+  long i = find((uintptr_t)ptr);
+  tdm__alloc a = {0};
+  if (i >= 0) a = reg[i];
+  pthread_rwlock_unlock(&reg_lock);
+  if (i < 0 || a.kind != TDM_MEM_DEVICE)
+    return tdm__error(TDM_EINVAL, 0, "%p is not tandem device memory", ptr);
+  if (!a.dev->be->mem_native)
+    return tdm__error(TDM_ENOTSUP, 0, "%s memory has no native object", a.dev->info.id);
+  void *n = NULL;
+  size_t off = 0;
+  int rc = a.dev->be->mem_native(a.dev->bindex, (void *)a.base, (void *)ptr, &n, &off);
+  if (rc) return rc;
+  *native = n;
+  *offset = off;
+  return 0;
+}
+
+int tdm_mem_import(tdm_device *dev, void *native, size_t size, void **ptr) {
+  TDM__ENTER();
+  int rc = tdm__device_check(dev);
+  if (rc) return rc;
+  if (!native || !size || !ptr) return tdm__error(TDM_EINVAL, 0, "tdm_mem_import: bad argument");
+  if (!dev->be->mem_import)
+    return tdm__error(TDM_ENOTSUP, 0, "%s cannot import foreign memory", dev->info.id);
+  void *p = NULL;
+  rc = TDM__BCALL(dev, dev->be->mem_import(dev->bindex, native, size, &p));
+  if (rc) return rc;
+  tdm__alloc a = {.base = (uintptr_t)p, .size = size, .kind = TDM_MEM_DEVICE, .dev = dev};
+  if ((rc = reg_insert(&a))) {
+    dev->be->mem_free(dev->bindex, TDM_MEM_DEVICE, p);
+    return rc;
+  }
+  *ptr = p;
+  return 0;
 }

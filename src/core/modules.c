@@ -32,7 +32,7 @@ static void load_one(const char *dir, const char *file) {
   if (len == 0 || len >= sizeof name) return;
   memcpy(name, start, len);
   name[len] = 0;
-  if (known(name)) return; /* the first folder that has it wins */
+  if (known(name) || !tdm__backend_allowed(name)) return; /* the first folder wins */
   snprintf(path, sizeof path, "%s/%s", dir, file);
   void *dl = dlopen(path, RTLD_NOW | RTLD_LOCAL);
   if (!dl) {

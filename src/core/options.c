@@ -33,6 +33,10 @@ static const opt_def opt_table[] = {
      "order-tracker entries per queue before they collapse"},
     {"TANDEM_BACKEND_PATH", OPT_STRING, 0, 0, 0, OFF(backend_path),
      sizeof(((tdm__options *)0)->backend_path), "colon-separated folders with backend modules"},
+    {"TANDEM_OPENCL_DEFER", OPT_LONG, -1, -1, 1, OFF(opencl_defer), 0,
+     "OpenCL host-task gates: 1 on the host, 0 with user events, -1 (default) by driver"},
+    {"TANDEM_BACKENDS", OPT_STRING, 0, 0, 0, OFF(backends), sizeof(((tdm__options *)0)->backends),
+     "comma-separated backends to load (cpu,opencl,cuda); all when unset"},
 };
 
 static long parse_long(const opt_def *d, const char *v) {
@@ -83,4 +87,18 @@ long tdm__option_long(const char *name, long def) {
     if (strcmp(opt_table[i].name, name) == 0 && opt_table[i].type == OPT_LONG)
       return *(const long *)((const char *)&tdm__g.opts + opt_table[i].offset);
   return def;
+}
+
+bool tdm__backend_allowed(const char *name) {
+  const char *list = tdm__g.opts.backends;
+  if (!*list) return true;
+  size_t n = strlen(name);
+  for (const char *p = list; *p;) {
+    const char *end = strchr(p, ',');
+    size_t len = end ? (size_t)(end - p) : strlen(p);
+    if (len == n && strncmp(p, name, n) == 0) return true;
+    if (!end) break;
+    p = end + 1;
+  }
+  return false;
 }

@@ -64,13 +64,17 @@ int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, boo
   q->chain_error = 0;
   q->seq = 0;
   snprintf(q->label, sizeof q->label, "%s/q%d", dev->info.id, q->id);
-  int rc = tdm__tracker_init(q);
+  q->exec = NULL;
+  int rc = (flags & TDM_QUEUE_OUT_OF_ORDER) ? tdm__pool_start() : 0;
+  if (!rc) rc = tdm__tracker_init(q);
+  if (!rc && dev->be->native_wait && (rc = tdm__exec_start(q))) tdm__tracker_fini(q);
   if (!rc) {
     rc = TDM__BCALL(dev, dev->be->queue_create(dev->bindex, flags, adopt, &q->bq));
     if (rc) {
       tdm__error(rc, tdm_last_native_error(), "creating a queue on %s: %s", dev->info.id,
                  tdm_last_error());
       tdm__tracker_fini(q);
+      tdm__exec_stop(q);
     }
   }
   if (rc) {
@@ -102,6 +106,7 @@ int tdm__queue_destroy_internal(tdm_queue *q) {
     tdm__event_unref(ev);
   }
   tdm__defaults_forget(q);
+  tdm__exec_stop(q);
   q->dev->be->queue_destroy(q->bq);
   q->bq = NULL;
   pthread_mutex_lock(&q->submit_mu);

@@ -64,22 +64,23 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
   int rc;
   if (!spec->untracked && (rc = tdm__tracker_reserve(q))) return rc;
 
-  /* Out-of-order queues: implicit dependencies on the gate (last barrier or wait) and, for
-   * markers and full barriers, on every tracked entry. */
-  tdm_event *implicit[1];
-  size_t nimplicit = 0, nall = 0;
+  /* Implicit dependencies: copies from other queues that this queue must wait for, and on
+   * out-of-order queues the gate (last barrier or wait) and, for markers and full barriers,
+   * every tracked entry. */
+  tdm_event *gate_dep = NULL;
+  size_t nall = 0;
   if (ooo(q)) {
-    if (q->gate && !atomic_load(&q->gate->done)) implicit[nimplicit++] = q->gate;
+    if (q->gate && !atomic_load(&q->gate->done)) gate_dep = q->gate;
     if (spec->all_prior) nall = q->ntrk;
   }
-  size_t total = ndeps + nimplicit + nall;
+  size_t total = ndeps + (gate_dep ? 1 : 0) + nall + q->nxwait;
 
-  tdm__cmd *cmd;
-  tdm_event *ev;
+  tdm__cmd *cmd = NULL;
+  tdm_event *ev = NULL;
   if ((rc = reserve(q, total, &cmd, &ev))) return rc;
 
   cmd->kind = spec->kind;
-  cmd->flags = spec->flags;
+  cmd->flags = spec->flags | (spec->all_prior ? TDM__CMD_ALL_PRIOR : 0);
   cmd->ndeps = 0;
   cmd->bdata = NULL;
   cmd->bcount = 0;
@@ -103,9 +104,11 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
     default: break;
   }
   for (size_t i = 0; i < ndeps; i++) add_dep(cmd, deps[i]);
-  for (size_t i = 0; i < nimplicit; i++) add_dep(cmd, implicit[i]);
+  if (gate_dep) add_dep(cmd, gate_dep);
   for (size_t i = 0; i < nall; i++)
     if (q->trk[i] != q->gate) add_dep(cmd, q->trk[i]);
+  for (size_t i = 0; i < q->nxwait; i++)
+    if (!atomic_load(&q->xwait[i]->done)) add_dep(cmd, q->xwait[i]);
 
   /* Every reference the event will have is taken before the backend sees the command: the
    * command may complete (and drop its own) before submit returns. */
@@ -121,6 +124,9 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
   ev->op = spec->op;
   ev->q = q;
   ev->waiters = NULL;
+  ev->bev = NULL;
+  cmd->wait = NULL;
+  cmd->gate = NULL;
   atomic_fetch_add(&q->refs, 1);
   atomic_store(&ev->magic, TDM__MAGIC_EVENT);
   cmd->ev = ev;
@@ -138,6 +144,7 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
                       q->label, tdm_last_error());
   }
   q->seq++;
+  if (q->nxwait) tdm__xwait_consumed(q, !ooo(q) || gate);
   if (track) tdm__tracker_add(q, ev, true);
   if (gate) {
     if (q->gate) tdm__event_unref(q->gate);
@@ -189,9 +196,22 @@ static int run_host_task(tdm__cmd *cmd) {
   return (r < 0 && strcmp(tdm_err_name(r), "TDM_UNKNOWN") != 0) ? r : TDM_ETASK;
 }
 
+/* Applies the execution rules to one command, on a host thread, in the queue's order:
+ * - wait for the native work (native backends) and for every dependency;
+ * - a failed dependency, or on an in-order queue an earlier failure, makes the command
+ *   complete with TDM_EDEP without running (native work already queued still runs, but is
+ *   reported so);
+ * - markers report the queue's first error since the last sync; a sync marker clears it;
+ * - host tasks and frees run here; copies and fills run here unless the backend is native. */
 void tdm__cmd_run(tdm__cmd *cmd) {
   tdm_queue *q = cmd->ev->q;
-  int status = 0;
+  const tdm__backend *be = q->dev->be;
+  int status = 0, native = 0, nstatus = 0;
+  if (cmd->wait) {
+    nstatus = be->native_wait(cmd->wait, &native);
+    be->native_release(cmd->wait);
+    cmd->wait = NULL;
+  }
   for (size_t i = 0; i < cmd->ndeps; i++)
     if (tdm__event_wait_raw(cmd->deps[i].ev) < 0) status = TDM_EDEP;
 
@@ -199,24 +219,34 @@ void tdm__cmd_run(tdm__cmd *cmd) {
     /* A marker reports the queue's first error since the last sync; a sync marker clears it. */
     status = (cmd->flags & TDM__CMD_SYNC) ? atomic_exchange(&q->first_error, 0)
                                            : atomic_load(&q->first_error);
-    if (cmd->flags & TDM__CMD_SYNC) q->chain_error = 0;
-    tdm__cmd_done(cmd, status, 0);
+    if ((cmd->flags & TDM__CMD_SYNC) && !ooo(q)) q->chain_error = 0;
+    if (!status && nstatus) status = nstatus;
+    tdm__cmd_done(cmd, status, native);
     return;
   }
   if (status == 0 && !ooo(q) && q->chain_error) status = TDM_EDEP;
+  if (status == 0 && nstatus) status = nstatus;
+  bool host = be->native_wait == NULL || cmd->gate != NULL;
   if (status == 0) {
     switch (cmd->kind) {
-      case TDM__CMD_COPY: memmove(cmd->u.copy.dst, cmd->u.copy.src, cmd->u.copy.n); break;
-      case TDM__CMD_FILL: memset(cmd->u.fill.dst, cmd->u.fill.value, cmd->u.fill.n); break;
+      case TDM__CMD_COPY:
+        if (host) memmove(cmd->u.copy.dst, cmd->u.copy.src, cmd->u.copy.n);
+        break;
+      case TDM__CMD_FILL:
+        if (host) memset(cmd->u.fill.dst, cmd->u.fill.value, cmd->u.fill.n);
+        break;
       case TDM__CMD_HOST: status = run_host_task(cmd); break;
-      case TDM__CMD_FREE: tdm__mem_finish_free(cmd->u.free_.ptr); break;
       default: break;
     }
-  } else if (cmd->kind == TDM__CMD_FREE) {
-    /* The memory is still freed: the caller gave it up when it submitted the free. */
-    tdm__mem_finish_free(cmd->u.free_.ptr);
   }
-  tdm__cmd_done(cmd, status, 0);
+  /* Freed whatever the status: the caller gave the memory up when it submitted the free. */
+  if (cmd->kind == TDM__CMD_FREE)
+    tdm__mem_finish_free(cmd->u.free_.ptr, (cmd->flags & TDM__CMD_NATIVE_FREED) != 0);
+  if (cmd->gate) {
+    be->gate_open(cmd->gate);
+    cmd->gate = NULL;
+  }
+  tdm__cmd_done(cmd, status, status == nstatus ? native : 0);
 }
 
 /* ---- public submission calls ---- */
@@ -273,7 +303,7 @@ int tdm_free_async(tdm_queue *q, void *ptr, size_t ndeps, tdm_event *const *deps
   CHECK_DEPS(ndeps, deps);
   int rc = tdm__mem_begin_free(q, ptr);
   if (rc) return rc;
-  tdm__spec s = {.kind = TDM__CMD_FREE, .op = "free", .u_ptr0 = ptr};
+  tdm__spec s = {.kind = TDM__CMD_FREE, .op = "free", .u_ptr0 = ptr, .all_prior = true};
   rc = tdm__submit(q, &s, ndeps, deps, out);
   if (rc) tdm__mem_cancel_free(ptr);
   return rc;
@@ -290,15 +320,19 @@ int tdm_memcpy_cross(tdm_queue *src_q, tdm_queue *dst_q, void *dst, const void *
   if (rc) return rc;
   tdm__spec copy = {.kind = TDM__CMD_COPY, .op = "cross-queue memcpy", .u_ptr0 = dst,
                     .u_ptr1 = src, .u_n = n};
+  /* dst_q's side is reserved first and filled last, and filling cannot fail: the call either
+   * happens whole or not at all. The copy becomes a dependency of dst_q's next submissions,
+   * so dst_q waits for it device-side. The two queue locks are never held together. */
+  bool cross = src_q != dst_q;
+  if (cross && (rc = tdm__xwait_reserve(dst_q))) return rc;
   tdm_event *ev;
-  if ((rc = tdm__submit(src_q, &copy, ndeps, deps, &ev))) return rc;
-  /* The source queue's lock is released before the destination's is taken. */
-  tdm__spec wait = {.kind = TDM__CMD_BARRIER, .op = "wait", .gate = true};
-  if (src_q != dst_q && (rc = tdm__submit(dst_q, &wait, 1, &ev, NULL))) {
-    /* The copy is in flight and cannot be taken back: finish it so dst holds the data. */
-    tdm__event_wait_raw(ev);
-    tdm__event_unref(ev);
+  if ((rc = tdm__submit(src_q, &copy, ndeps, deps, &ev))) {
+    if (cross) tdm__xwait_cancel(dst_q);
     return rc;
+  }
+  if (cross) {
+    tdm__event_ref(ev);
+    tdm__xwait_fill(dst_q, ev);
   }
   if (out)
     *out = ev;

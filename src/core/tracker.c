@@ -10,7 +10,13 @@
 int tdm__tracker_init(tdm_queue *q) {
   size_t cap = (size_t)tdm__g.opts.tracker_capacity;
   q->trk = tdm__calloc(cap, sizeof *q->trk);
-  if (!q->trk) return tdm__error(TDM_ENOMEM, 0, "no memory for a queue's tracker");
+  q->xwait = q->trk ? tdm__calloc(cap, sizeof *q->xwait) : NULL;
+  if (!q->xwait) {
+    free(q->trk);
+    q->trk = NULL;
+    return tdm__error(TDM_ENOMEM, 0, "no memory for a queue's tracker");
+  }
+  q->nxwait = q->nxres = 0;
   q->trk_cap = cap;
   q->ntrk = 0;
   q->gate = NULL;
@@ -22,6 +28,10 @@ void tdm__tracker_fini(tdm_queue *q) {
   free(q->trk);
   q->trk = NULL;
   q->ntrk = q->trk_cap = 0;
+  for (size_t i = 0; i < q->nxwait; i++) tdm__event_unref(q->xwait[i]);
+  free(q->xwait);
+  q->xwait = NULL;
+  q->nxwait = q->nxres = 0;
   if (q->gate) tdm__event_unref(q->gate);
   q->gate = NULL;
 }
@@ -71,6 +81,61 @@ void tdm__tracker_add(tdm_queue *q, tdm_event *ev, bool own) {
   q->trk[q->ntrk++] = ev;
 }
 
+/* ---- cross-queue copies waiting to be covered by this queue's order ---- */
+
+static void xwait_prune(tdm_queue *q) {
+  size_t k = 0;
+  for (size_t i = 0; i < q->nxwait; i++) {
+    if (atomic_load(&q->xwait[i]->done))
+      tdm__event_unref(q->xwait[i]);
+    else
+      q->xwait[k++] = q->xwait[i];
+  }
+  q->nxwait = k;
+}
+
+int tdm__xwait_reserve(tdm_queue *q) {
+  pthread_mutex_lock(&q->submit_mu);
+  int rc = 0;
+  if (atomic_load(&q->destroying)) {
+    rc = tdm__error(TDM_EHANDLE, 0, "%s is being destroyed", q->label);
+  } else {
+    if (q->nxwait + q->nxres >= q->trk_cap) xwait_prune(q);
+    if (q->nxwait + q->nxres >= q->trk_cap && q->nxwait) {
+      /* Make room: a barrier takes the waiting copies as dependencies. */
+      tdm__spec s = {.kind = TDM__CMD_BARRIER, .op = "cross-copy barrier", .gate = true};
+      rc = tdm__submit_locked(q, &s, 0, NULL, NULL);
+    }
+    if (!rc && q->nxwait + q->nxres >= q->trk_cap)
+      rc = tdm__error(TDM_EBUSY, 0, "%s has %zu cross-queue copies underway", q->label, q->nxres);
+    if (!rc) q->nxres++;
+  }
+  pthread_mutex_unlock(&q->submit_mu);
+  return rc;
+}
+
+void tdm__xwait_fill(tdm_queue *q, tdm_event *ev) {
+  pthread_mutex_lock(&q->submit_mu);
+  q->nxres--;
+  q->xwait[q->nxwait++] = ev; /* takes over the caller's reference */
+  pthread_mutex_unlock(&q->submit_mu);
+}
+
+void tdm__xwait_cancel(tdm_queue *q) {
+  pthread_mutex_lock(&q->submit_mu);
+  q->nxres--;
+  pthread_mutex_unlock(&q->submit_mu);
+}
+
+void tdm__xwait_consumed(tdm_queue *q, bool covers_all) {
+  if (!covers_all) {
+    xwait_prune(q);
+    return;
+  }
+  for (size_t i = 0; i < q->nxwait; i++) tdm__event_unref(q->xwait[i]);
+  q->nxwait = 0;
+}
+
 int tdm_queue_track(tdm_queue *q, tdm_event *ev) {
   TDM__ENTER();
   int rc = tdm__queue_check(q);
@@ -93,16 +158,19 @@ int tdm_queue_dependencies(tdm_queue *q, tdm_event **deps, size_t cap, size_t *n
     return tdm__error(TDM_EINVAL, 0, "tdm_queue_dependencies: NULL output");
   pthread_mutex_lock(&q->submit_mu);
   prune(q);
-  if (q->ntrk > cap) {
-    if (cap == 0) rc = tdm__error(TDM_EINVAL, 0, "cap is 0 but %zu events are needed", q->ntrk);
-    else rc = collapse(q);
+  xwait_prune(q);
+  if (q->ntrk + q->nxwait > cap) {
+    if (cap == 0)
+      rc = tdm__error(TDM_EINVAL, 0, "cap is 0 but %zu events are needed", q->ntrk + q->nxwait);
+    else
+      rc = collapse(q); /* its barrier also takes the pending cross-queue copies */
   }
   if (!rc) {
-    for (size_t i = 0; i < q->ntrk; i++) {
-      tdm__event_ref(q->trk[i]);
-      deps[i] = q->trk[i];
-    }
-    *n = q->ntrk;
+    size_t k = 0;
+    for (size_t i = 0; i < q->ntrk; i++) deps[k++] = q->trk[i];
+    for (size_t i = 0; i < q->nxwait; i++) deps[k++] = q->xwait[i];
+    for (size_t i = 0; i < k; i++) tdm__event_ref(deps[i]);
+    *n = k;
   }
   pthread_mutex_unlock(&q->submit_mu);
   return rc;

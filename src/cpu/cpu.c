@@ -47,7 +47,7 @@ static int cpu_init(const tdm__services *svc, int *ndevices) {
   return 0;
 }
 
-static void cpu_shutdown(void) { tdm__cpu_pool_stop(); }
+static void cpu_shutdown(void) {}
 
 static int cpu_device_info(int bdev, tdm_device_info *info) {
   memset(info, 0, sizeof *info);
@@ -68,8 +68,7 @@ static int cpu_queue_create(int bdev, unsigned flags, void *adopt, tdm__bqueue *
   if (!bq) return svc->error(TDM_ENOMEM, 0, "no memory for a CPU queue");
   int rc = 0;
   if (flags & TDM_QUEUE_OUT_OF_ORDER) {
-    rc = tdm__cpu_pool_start(svc->option_long("TANDEM_CPU_POOL_THREADS", 4));
-    if (rc) svc->error(rc, 0, "cannot start the CPU pool's threads");
+    /* served by the core's pool */
   } else if (adopt) {
     bq->stream = adopt;
   } else {
@@ -99,7 +98,7 @@ static int cpu_queue_native(tdm__bqueue *bq, void **native) {
 
 static int cpu_submit(tdm__bqueue *bq, tdm__cmd *cmd) {
   if (!bq->stream) {
-    tdm__cpu_pool_submit(cmd);
+    tdm__cpu_svc->pool_submit(cmd);
     return 0;
   }
   int rc = tdm__cpu_stream_push(bq->stream, cmd);

@@ -13,9 +13,4 @@ void tdm__cpu_stream_free(tdm_cpu_stream *s);
 int tdm__cpu_stream_valid(const tdm_cpu_stream *s);
 int tdm__cpu_stream_push(tdm_cpu_stream *s, tdm__cmd *cmd);
 
-/* pool.c: threads shared by out-of-order queues; a command runs once its deps completed. */
-int tdm__cpu_pool_start(long threads);
-void tdm__cpu_pool_stop(void);
-void tdm__cpu_pool_submit(tdm__cmd *cmd);
-
 #endif

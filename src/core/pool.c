@@ -1,11 +1,11 @@
-/* pool.c: the threads that run out-of-order CPU queues. A command is held back, without
- * occupying a thread, until its dependencies complete (each completion decrements its count
- * through a continuation); then any pool thread runs it. */
-#include <pthread.h>
-#include <stdbool.h>
+/* pool.c: tandem's shared host threads. They run commands of out-of-order queues: a command
+ * is held back, without occupying a thread, until its dependencies complete (each completion
+ * decrements its count through a continuation), or, for native backends, until the driver
+ * notifies that its native work completed; then any pool thread runs it with tdm__cmd_run.
+ * The driver notification only pushes onto the ready list and wakes a thread. */
 #include <stdlib.h>
 
-#include "cpu.h"
+#include "internal.h"
 
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
@@ -14,7 +14,7 @@ static pthread_t *threads;
 static long nthreads;
 static bool stopping;
 
-static void push_ready(tdm__cmd *cmd) {
+void tdm__pool_ready(tdm__cmd *cmd) {
   pthread_mutex_lock(&pool_mu);
   cmd->next = NULL;
   if (ready_tail)
@@ -27,7 +27,7 @@ static void push_ready(tdm__cmd *cmd) {
 }
 
 static void release_one(tdm__cmd *cmd) {
-  if (__atomic_sub_fetch(&cmd->bcount, 1, __ATOMIC_ACQ_REL) == 0) push_ready(cmd);
+  if (__atomic_sub_fetch(&cmd->bcount, 1, __ATOMIC_ACQ_REL) == 0) tdm__pool_ready(cmd);
 }
 
 static void dep_done(tdm__waiter *w, tdm_event *ev) {
@@ -44,14 +44,15 @@ static void *pool_main(void *arg) {
     ready_head = c->next;
     if (!ready_head) ready_tail = NULL;
     pthread_mutex_unlock(&pool_mu);
-    tdm__cpu_svc->cmd_run(c);
+    tdm__cmd_run(c);
     pthread_mutex_lock(&pool_mu);
   }
   pthread_mutex_unlock(&pool_mu);
   return NULL;
 }
 
-int tdm__cpu_pool_start(long n) {
+int tdm__pool_start(void) {
+  long n = tdm__g.opts.cpu_pool_threads;
   pthread_mutex_lock(&pool_mu);
   int rc = 0;
   if (!threads) {
@@ -65,13 +66,14 @@ int tdm__cpu_pool_start(long n) {
       }
       nthreads++;
     }
+    if (rc && nthreads > 0) rc = 0; /* the threads that started serve */
   }
-  if (rc && nthreads > 0) rc = 0; /* the threads that started serve */
   pthread_mutex_unlock(&pool_mu);
-  return rc;
+  return rc ? tdm__error(rc, 0, "cannot start tandem's host threads") : 0;
 }
 
-void tdm__cpu_pool_stop(void) {
+/* Runs after every queue has drained. */
+void tdm__pool_stop(void) {
   pthread_mutex_lock(&pool_mu);
   stopping = true;
   pthread_cond_broadcast(&pool_cv);
@@ -82,13 +84,26 @@ void tdm__cpu_pool_stop(void) {
   nthreads = 0;
 }
 
-void tdm__cpu_pool_submit(tdm__cmd *cmd) {
+void tdm__pool_after_deps(tdm__cmd *cmd) {
   /* One extra count, dropped last, so the command cannot start while deps are registered. */
   cmd->bcount = (long)cmd->ndeps + 1;
   for (size_t i = 0; i < cmd->ndeps; i++) {
     tdm__dep *d = &cmd->deps[i];
     d->w.fn = dep_done;
-    if (tdm__cpu_svc->event_on_complete(d->ev, &d->w)) release_one(cmd);
+    if (tdm__event_on_complete(d->ev, &d->w)) release_one(cmd);
   }
   release_one(cmd);
+}
+
+/* Driver notification for native commands of out-of-order queues: push, wake, return. */
+static void native_done(void *arg) { tdm__pool_ready(arg); }
+
+void tdm__cmd_native(tdm__cmd *cmd) {
+  tdm_queue *q = cmd->ev->q;
+  const tdm__backend *be = q->dev->be;
+  if (!(q->flags & TDM_QUEUE_OUT_OF_ORDER) || !be->native_notify) {
+    tdm__exec_push(cmd);
+  } else if (!cmd->wait || be->native_notify(cmd->wait, native_done, cmd)) {
+    tdm__pool_ready(cmd); /* nothing to wait for, or no notification: a thread waits */
+  }
 }

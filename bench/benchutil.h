@@ -1,0 +1,120 @@
+/* benchutil.h: the small pieces every tandem benchmark shares (bench/bench-runtime.c and the
+ * tool's `tandem bench overlap`): a monotonic clock, the median, JSON string output, and a
+ * description of the machine and the date for result files.
+ *
+ * Header-only (static inline) so that the tool can include it without a library of its own.
+ * Needs _GNU_SOURCE (the build defines it) for gethostname and gmtime_r.
+ */
+#ifndef TANDEM_BENCHUTIL_H
+#define TANDEM_BENCHUTIL_H
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef TANDEM_GIT_COMMIT
+#define TANDEM_GIT_COMMIT "unknown"
+#endif
+
+/* Seconds on the monotonic clock: only differences mean anything. */
+static inline double bu_seconds(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static inline int bu__cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* The median of v[0..n); sorts v in place. n == 0 gives 0. */
+static inline double bu_median(double *v, size_t n) {
+  if (n == 0)
+    return 0.0;
+  qsort(v, n, sizeof *v, bu__cmp_double);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Writes s as a quoted JSON string. */
+static inline void bu_json_string(FILE *f, const char *s) {
+  fputc('"', f);
+  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+    switch (*p) {
+    case '"': fputs("\\\"", f); break;
+    case '\\': fputs("\\\\", f); break;
+    case '\n': fputs("\\n", f); break;
+    case '\r': fputs("\\r", f); break;
+    case '\t': fputs("\\t", f); break;
+    default:
+      if (*p < 0x20)
+        fprintf(f, "\\u%04x", *p);
+      else
+        fputc(*p, f);
+    }
+  }
+  fputc('"', f);
+}
+
+/* Joins argv with spaces into buf (truncated to size), for the "command" field of results. */
+static inline void bu_join_argv(int argc, char **argv, char *buf, size_t size) {
+  size_t used = 0;
+  buf[0] = '\0';
+  for (int i = 0; i < argc && used + 1 < size; i++) {
+    int n = snprintf(buf + used, size - used, "%s%s", i ? " " : "", argv[i]);
+    if (n < 0)
+      break;
+    used += (size_t)n;
+  }
+}
+
+/* The current UTC time as ISO 8601, "2026-11-30T06:14:00Z". */
+static inline void bu_utc_date(char *buf, size_t size) {
+  time_t now = time(NULL);
+  struct tm tm;
+  gmtime_r(&now, &tm);
+  strftime(buf, size, "%Y-%m-%dT%H:%M:%SZ", &tm);
+}
+
+typedef struct bu_machine {
+  char hostname[256];
+  char cpu[256]; /* "model name" from /proc/cpuinfo, or "unknown" */
+  long cores;    /* online logical CPUs */
+} bu_machine;
+
+static inline void bu_machine_get(bu_machine *m) {
+  if (gethostname(m->hostname, sizeof m->hostname) != 0)
+    strcpy(m->hostname, "unknown");
+  m->hostname[sizeof m->hostname - 1] = '\0';
+  strcpy(m->cpu, "unknown");
+  FILE *f = fopen("/proc/cpuinfo", "r");
+  if (f) {
+    char line[512];
+    while (fgets(line, sizeof line, f)) {
+      const char *colon = strchr(line, ':');
+      if (strncmp(line, "model name", 10) != 0 || !colon)
+        continue;
+      colon++;
+      while (*colon == ' ' || *colon == '\t')
+        colon++;
+      snprintf(m->cpu, sizeof m->cpu, "%s", colon);
+      m->cpu[strcspn(m->cpu, "\n")] = '\0';
+      break;
+    }
+    fclose(f);
+  }
+  m->cores = sysconf(_SC_NPROCESSORS_ONLN);
+}
+
+/* Writes the machine as a JSON object. */
+static inline void bu_machine_json(FILE *f, const bu_machine *m) {
+  fputs("{\"hostname\": ", f);
+  bu_json_string(f, m->hostname);
+  fputs(", \"cpu\": ", f);
+  bu_json_string(f, m->cpu);
+  fprintf(f, ", \"cores\": %ld}", m->cores);
+}
+
+#endif /* TANDEM_BENCHUTIL_H */

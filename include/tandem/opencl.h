@@ -1,0 +1,29 @@
+/* tandem/opencl.h: interop with the OpenCL backend (the module libtandem-opencl.so).
+ *
+ * What the generic interop calls of tandem.h return on an OpenCL device:
+ * - tdm_device_native(dev, &p):   p is the device's cl_context. tandem creates one context per
+ *                                 device; other code (pyopencl, user kernels) creates its queues
+ *                                 and buffers in it. Borrowed: do not release it.
+ * - tdm_queue_native(q, &p):      p is the queue's cl_command_queue. Borrowed.
+ * - tdm_queue_adopt(dev, cq, ...): wraps a cl_command_queue created in the device's context
+ *                                 (another context: TDM_EINVAL); tandem retains it while the
+ *                                 wrapper lives and never releases the caller's reference. Its
+ *                                 out-of-order property must match TDM_QUEUE_OUT_OF_ORDER, and
+ *                                 TDM_QUEUE_TIMING needs CL_QUEUE_PROFILING_ENABLE.
+ * - tdm_event_native(ev, &p):     p is a cl_event that completes with ev's command, for the
+ *                                 wait list of a user kernel. Borrowed: valid while ev is.
+ * - tdm_mem_native(ptr, &m, &o):  m is the cl_mem holding ptr, o its offset in bytes. tandem's
+ *                                 device pointers are addresses in a reserved range that is never
+ *                                 reused, one cl_mem each; they cannot be dereferenced.
+ * - tdm_mem_import(dev, m, n, &p): a tandem pointer for a foreign cl_mem of n bytes, created in
+ *                                 the device's context; tandem retains it until tdm_free(p).
+ *
+ * Pinned memory (TDM_MEM_PINNED) is a CL_MEM_ALLOC_HOST_PTR buffer mapped for the host. Host
+ * memory given to a copy must stay untouched until the copy's event completes.
+ */
+#ifndef TANDEM_OPENCL_H
+#define TANDEM_OPENCL_H
+
+#include "../tandem.h"
+
+#endif /* TANDEM_OPENCL_H */

@@ -1,0 +1,378 @@
+/* clsubmit.c: turns tandem commands into OpenCL commands. Every command gets a native event
+ * (attached to its tandem event, so other OpenCL queues wait for it natively) and is handed to
+ * the queue's executor, which waits for it with clWaitForEvents: no OpenCL callback is used.
+ *
+ * The queue's submission lock is held across these enqueues. That is safe even with PoCL's
+ * basic driver, which may run commands inline in this thread, because no tandem code ever runs
+ * inside an OpenCL call (gates are user events opened by the executor). */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ocl.h"
+
+/* A dependency from another backend or context: a user event, completed by a continuation
+ * when the tandem event completes. */
+typedef struct bridge {
+  tdm__waiter w; /* first */
+  cl_event uev;
+} bridge;
+
+static void bridge_fire(tdm__waiter *w, tdm_event *ev) {
+  bridge *b = (bridge *)w;
+  /* Always CL_COMPLETE: a failure is reported by tandem (TDM_EDEP), not by the driver. */
+  clSetUserEventStatus(b->uev, CL_COMPLETE);
+  clReleaseEvent(b->uev);
+  free(b);
+}
+
+typedef struct waitlist {
+  cl_event *ev;
+  cl_uint n;
+  cl_event inline_ev[16];
+} waitlist;
+
+static void waitlist_free(waitlist *wl) {
+  if (wl->ev != wl->inline_ev) free(wl->ev);
+}
+
+/* Builds the wait list of cmd's dependencies on queue bq. */
+static int waitlist_build(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl) {
+  wl->n = 0;
+  wl->ev = cmd->ndeps + 1 <= 16 ? wl->inline_ev : malloc((cmd->ndeps + 1) * sizeof(cl_event));
+  if (!wl->ev) return ocl_svc->error(TDM_ENOMEM, 0, "no memory for a wait list");
+  for (size_t i = 0; i < cmd->ndeps; i++) {
+    tdm_event *dep = cmd->deps[i].ev;
+    const tdm__backend *be;
+    int bdev = ocl_svc->event_device(dep, &be);
+    cl_event native = ocl_svc->event_native(dep, &tdm__opencl_backend);
+    if (native && bdev == bq->bdev) {
+      /* A cross-queue wait needs the producer flushed, or it may never start. */
+      cl_command_queue producer;
+      if (clGetEventInfo(native, CL_EVENT_COMMAND_QUEUE, sizeof producer, &producer, NULL) ==
+              CL_SUCCESS &&
+          producer && producer != bq->q)
+        clFlush(producer);
+      wl->ev[wl->n++] = native;
+      continue;
+    }
+    bridge *b = malloc(sizeof *b);
+    cl_int err = CL_OUT_OF_HOST_MEMORY;
+    if (b) b->uev = clCreateUserEvent(ocl_devs[bq->bdev].ctx, &err);
+    if (!b || !b->uev) {
+      free(b);
+      waitlist_free(wl);
+      return ocl_error(err, "clCreateUserEvent for a cross-device dependency");
+    }
+    b->w.fn = bridge_fire;
+    clRetainEvent(b->uev); /* the wait list's reference; the bridge keeps its own */
+    wl->ev[wl->n++] = b->uev;
+    if (ocl_svc->event_on_complete(dep, &b->w)) bridge_fire(&b->w, dep);
+  }
+  return 0;
+}
+
+static void waitlist_release_bridges(waitlist *wl, tdm__cmd *cmd) {
+  /* Bridge events were retained for the wait list; the enqueue retained what it needs. */
+  cl_uint k = 0;
+  for (size_t i = 0; i < cmd->ndeps && k < wl->n; i++) {
+    if (ocl_svc->event_native(cmd->deps[i].ev, &tdm__opencl_backend) != wl->ev[k])
+      clReleaseEvent(wl->ev[k]);
+    k++;
+  }
+}
+
+/* Gives the command to tandem. done: the native event that completes with it (attached to the
+ * tandem event, so other queues wait for it natively; NULL when it has none). wait: what the
+ * core waits for before completing it (a reference it releases; NULL: nothing). gate: what the
+ * core opens after host work. One reference to done is taken here when it is also waited. */
+static void hand_over(tdm__cmd *cmd, cl_event done, cl_event wait, void *gate) {
+  if (done) ocl_svc->event_set_native(cmd->ev, done);
+  if (wait && wait == done) clRetainEvent(wait);
+  cmd->wait = wait;
+  cmd->gate = gate;
+  ocl_svc->cmd_native(cmd);
+}
+
+/* Work the executor does on the host (host tasks, host-to-host copies, host fills, frees):
+ * a marker before it (what it waits for), a user event as the gate, and a barrier (in-order)
+ * or marker (out-of-order) on the gate that later work orders after. */
+static int host_work(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl, bool gated) {
+  cl_event pre = NULL, gate = NULL, done = NULL;
+  cl_int err = CL_SUCCESS;
+  /* On an out-of-order queue only the dependencies are waited for (a free lists every
+   * earlier command among them). */
+  if (!bq->ooo || wl->n) err = clEnqueueMarkerWithWaitList(bq->q, wl->n, wl->n ? wl->ev : NULL, &pre);
+  if (err != CL_SUCCESS) return ocl_error(err, "clEnqueueMarkerWithWaitList");
+  if (!gated) {
+    /* A free: after earlier work, on the host; later work need not wait for it. */
+    hand_over(cmd, pre, pre, NULL);
+    return 0;
+  }
+  gate = clCreateUserEvent(ocl_devs[bq->bdev].ctx, &err);
+  if (gate)
+    err = bq->ooo ? clEnqueueMarkerWithWaitList(bq->q, 1, &gate, &done)
+                  : clEnqueueBarrierWithWaitList(bq->q, 1, &gate, &done);
+  if (err != CL_SUCCESS) {
+    if (gate) {
+      clSetUserEventStatus(gate, CL_COMPLETE);
+      clReleaseEvent(gate);
+    }
+    if (pre) clReleaseEvent(pre);
+    return ocl_error(err, "gating a host task");
+  }
+  hand_over(cmd, done, pre, gate);
+  return 0;
+}
+
+static int enqueue(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl) {
+  cl_command_queue q = bq->q;
+  cl_event ev = NULL;
+  cl_int err = CL_SUCCESS;
+  const char *what = "enqueue";
+  ocl_buf d, s;
+  switch (cmd->kind) {
+    case TDM__CMD_COPY: {
+      size_t n = cmd->u.copy.n;
+      bool dd = ocl_mem_find(cmd->u.copy.dst, &d) && d.kind == TDM_MEM_DEVICE;
+      bool sd = ocl_mem_find(cmd->u.copy.src, &s) && s.kind == TDM_MEM_DEVICE;
+      if (n == 0 || (!dd && !sd)) return host_work(bq, cmd, wl, n != 0);
+      if (dd && sd && d.bdev != s.bdev)
+        return ocl_svc->error(TDM_ENOTSUP, 0, "copies between OpenCL devices are not supported");
+      size_t doff = (uintptr_t)cmd->u.copy.dst - d.base, soff = (uintptr_t)cmd->u.copy.src - s.base;
+      const cl_event *w = wl->n ? wl->ev : NULL;
+      if (dd && sd) {
+        what = "clEnqueueCopyBuffer";
+        err = clEnqueueCopyBuffer(q, s.mem, d.mem, soff, doff, n, wl->n, w, &ev);
+      } else if (dd) {
+        what = "clEnqueueWriteBuffer";
+        err = clEnqueueWriteBuffer(q, d.mem, CL_FALSE, doff, n, cmd->u.copy.src, wl->n, w, &ev);
+      } else {
+        what = "clEnqueueReadBuffer";
+        err = clEnqueueReadBuffer(q, s.mem, CL_FALSE, soff, n, cmd->u.copy.dst, wl->n, w, &ev);
+      }
+      break;
+    }
+    case TDM__CMD_FILL: {
+      size_t n = cmd->u.fill.n;
+      if (n == 0 || !ocl_mem_find(cmd->u.fill.dst, &d) || d.kind != TDM_MEM_DEVICE)
+        return host_work(bq, cmd, wl, n != 0);
+      cl_uchar byte = (cl_uchar)cmd->u.fill.value;
+      what = "clEnqueueFillBuffer";
+      err = clEnqueueFillBuffer(q, d.mem, &byte, 1, (uintptr_t)cmd->u.fill.dst - d.base, n,
+                                wl->n, wl->n ? wl->ev : NULL, &ev);
+      break;
+    }
+    case TDM__CMD_HOST: return host_work(bq, cmd, wl, true);
+    case TDM__CMD_FREE: return host_work(bq, cmd, wl, false);
+    case TDM__CMD_MARKER:
+    case TDM__CMD_BARRIER: {
+      /* An empty wait list covers every earlier command of the queue, whoever enqueued it.
+       * With a list, the list is waited for as well. */
+      bool all = cmd->kind == TDM__CMD_MARKER || (cmd->flags & TDM__CMD_ALL_PRIOR);
+      cl_event first = NULL;
+      if (all && wl->n) {
+        err = clEnqueueMarkerWithWaitList(q, 0, NULL, &first);
+        if (err != CL_SUCCESS) return ocl_error(err, "clEnqueueMarkerWithWaitList");
+        wl->ev[wl->n++] = first;
+      }
+      what = cmd->kind == TDM__CMD_MARKER ? "clEnqueueMarkerWithWaitList"
+                                           : "clEnqueueBarrierWithWaitList";
+      err = cmd->kind == TDM__CMD_MARKER
+                ? clEnqueueMarkerWithWaitList(q, wl->n, wl->n ? wl->ev : NULL, &ev)
+                : clEnqueueBarrierWithWaitList(q, wl->n, wl->n ? wl->ev : NULL, &ev);
+      if (first) {
+        clReleaseEvent(first);
+        wl->n--;
+      }
+      break;
+    }
+  }
+  if (err != CL_SUCCESS) return ocl_error(err, what);
+  hand_over(cmd, ev, ev, NULL);
+  return 0;
+}
+
+static int submit_now(tdm__bqueue *bq, tdm__cmd *cmd) {
+  waitlist wl;
+  int rc = waitlist_build(bq, cmd, &wl);
+  if (rc) return rc;
+  rc = enqueue(bq, cmd, &wl);
+  waitlist_release_bridges(&wl, cmd);
+  waitlist_free(&wl);
+  return rc;
+}
+
+/* ---- host-side deferral (drivers whose user events hang) ----
+ * A command whose dependencies are not all native waits, unsubmitted, until they complete; a
+ * host task is enqueued as a marker (what it waits for) and holds the queue until the executor
+ * has run it. Meanwhile later commands wait in bq->held, in order. The gate handed to the
+ * executor is the queue itself, tagged in its low bit. */
+
+#define DEFER_GATE(bq) ((void *)((uintptr_t)(bq) | 1u))
+
+static bool needs_gate(const tdm__cmd *cmd) {
+  ocl_buf b;
+  switch (cmd->kind) {
+    case TDM__CMD_HOST: return true;
+    case TDM__CMD_COPY:
+      return cmd->u.copy.n && !(ocl_mem_find(cmd->u.copy.dst, &b) && b.kind == TDM_MEM_DEVICE) &&
+             !(ocl_mem_find(cmd->u.copy.src, &b) && b.kind == TDM_MEM_DEVICE);
+    case TDM__CMD_FILL:
+      return cmd->u.fill.n && !(ocl_mem_find(cmd->u.fill.dst, &b) && b.kind == TDM_MEM_DEVICE);
+    default: return false;
+  }
+}
+
+static void drain_locked(tdm__bqueue *bq);
+static void resume(tdm__bqueue *bq, tdm__cmd *cmd);
+
+/* Enqueues a command whose non-native dependencies have completed. */
+static int enqueue_deferred(tdm__bqueue *bq, tdm__cmd *cmd) {
+  waitlist wl;
+  wl.n = 0;
+  wl.ev = cmd->ndeps <= 16 ? wl.inline_ev : malloc(cmd->ndeps * sizeof(cl_event));
+  if (!wl.ev) return ocl_svc->error(TDM_ENOMEM, 0, "no memory for a wait list");
+  for (size_t i = 0; i < cmd->ndeps; i++) {
+    const tdm__backend *be;
+    tdm_event *dep = cmd->deps[i].ev;
+    cl_event native = ocl_svc->event_native(dep, &tdm__opencl_backend);
+    if (native && ocl_svc->event_device(dep, &be) == bq->bdev) wl.ev[wl.n++] = native;
+  }
+  int rc = 0;
+  if (needs_gate(cmd)) {
+    /* No native event: other queues must not take the marker before the task for the task.
+     * In-order: the task holds the queue until the executor has run it. */
+    cl_event pre = NULL;
+    cl_int err = CL_SUCCESS;
+    if (!bq->ooo || wl.n)
+      err = clEnqueueMarkerWithWaitList(bq->q, wl.n, wl.n ? wl.ev : NULL, &pre);
+    rc = err == CL_SUCCESS ? 0 : ocl_error(err, "clEnqueueMarkerWithWaitList");
+    if (!rc) {
+      if (!bq->ooo) bq->blocker = cmd;
+      hand_over(cmd, NULL, pre, bq->ooo ? NULL : DEFER_GATE(bq));
+    }
+  } else {
+    rc = enqueue(bq, cmd, &wl);
+  }
+  waitlist_free(&wl);
+  return rc;
+}
+
+static void dep_ready(tdm__waiter *w, tdm_event *ev) {
+  tdm__dep *d = (tdm__dep *)((char *)w - offsetof(tdm__dep, w));
+  if (__atomic_sub_fetch(&d->cmd->bcount, 1, __ATOMIC_ACQ_REL) == 0)
+    resume((tdm__bqueue *)d->cmd->bdata, d->cmd);
+}
+
+/* Starts a command on a queue nothing holds: it either enqueues now, or becomes the blocker
+ * until its non-native dependencies complete. */
+static int start_locked(tdm__bqueue *bq, tdm__cmd *cmd) {
+  cmd->bdata = bq;
+  cmd->bcount = 1;
+  for (size_t i = 0; i < cmd->ndeps; i++) {
+    const tdm__backend *be;
+    tdm__dep *d = &cmd->deps[i];
+    if (ocl_svc->event_native(d->ev, &tdm__opencl_backend) &&
+        ocl_svc->event_device(d->ev, &be) == bq->bdev)
+      continue;
+    __atomic_add_fetch(&cmd->bcount, 1, __ATOMIC_ACQ_REL);
+    d->w.fn = dep_ready;
+    if (ocl_svc->event_on_complete(d->ev, &d->w))
+      __atomic_sub_fetch(&cmd->bcount, 1, __ATOMIC_ACQ_REL);
+  }
+  if (__atomic_sub_fetch(&cmd->bcount, 1, __ATOMIC_ACQ_REL) == 0)
+    return enqueue_deferred(bq, cmd);
+  if (!bq->ooo) bq->blocker = cmd; /* out-of-order: it waits alone */
+  return 0;
+}
+
+/* A held command that cannot be enqueued completes with the error; it was accepted earlier. */
+static void fail_held(tdm__cmd *cmd, int rc) { ocl_svc->cmd_done(cmd, rc, 0); }
+
+static void drain_locked(tdm__bqueue *bq) {
+  while (!bq->blocker && bq->held_head) {
+    tdm__cmd *c = bq->held_head;
+    bq->held_head = c->next;
+    if (!bq->held_head) bq->held_tail = NULL;
+    int rc = start_locked(bq, c);
+    if (rc) fail_held(c, rc);
+  }
+}
+
+/* cmd's dependencies completed (on an in-order queue it is the blocker), or, with cmd NULL,
+ * an in-order queue's host task ran. */
+static void resume(tdm__bqueue *bq, tdm__cmd *cmd) {
+  pthread_mutex_lock(&bq->mu);
+  if (!bq->ooo) bq->blocker = NULL;
+  if (cmd) {
+    int rc = enqueue_deferred(bq, cmd);
+    if (rc) fail_held(cmd, rc);
+  }
+  drain_locked(bq);
+  pthread_mutex_unlock(&bq->mu);
+}
+
+int ocl_submit(tdm__bqueue *bq, tdm__cmd *cmd) {
+  if (!bq->defer) return submit_now(bq, cmd);
+  pthread_mutex_lock(&bq->mu);
+  int rc = 0;
+  if (!bq->ooo && (bq->blocker || bq->held_head)) {
+    cmd->next = NULL;
+    if (bq->held_tail)
+      bq->held_tail->next = cmd;
+    else
+      bq->held_head = cmd;
+    bq->held_tail = cmd;
+  } else {
+    rc = start_locked(bq, cmd);
+  }
+  pthread_mutex_unlock(&bq->mu);
+  return rc;
+}
+
+int ocl_native_wait(void *handle, int *native) {
+  cl_event ev = handle;
+  cl_int err = clWaitForEvents(1, &ev);
+  cl_int st = CL_COMPLETE;
+  clGetEventInfo(ev, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL);
+  if (err == CL_SUCCESS && st >= 0) return 0;
+  *native = st < 0 ? st : err;
+  return TDM_EBACKEND;
+}
+
+void ocl_native_release(void *handle) { clReleaseEvent((cl_event)handle); }
+
+typedef struct notify {
+  void (*fn)(void *);
+  void *arg;
+} notify;
+
+/* A driver callback: it only hands the notification to tandem, which pushes and wakes. */
+static void CL_CALLBACK on_complete(cl_event ev, cl_int status, void *user) {
+  notify n = *(notify *)user;
+  free(user);
+  n.fn(n.arg);
+}
+
+int ocl_native_notify(void *handle, void (*fn)(void *), void *arg) {
+  notify *n = malloc(sizeof *n);
+  if (!n) return TDM_ENOMEM;
+  n->fn = fn;
+  n->arg = arg;
+  if (clSetEventCallback((cl_event)handle, CL_COMPLETE, on_complete, n) != CL_SUCCESS) {
+    free(n);
+    return TDM_EBACKEND;
+  }
+  return 0;
+}
+
+void ocl_gate_open(void *gate) {
+  if ((uintptr_t)gate & 1u) {
+    resume((tdm__bqueue *)((uintptr_t)gate & ~(uintptr_t)1u), NULL);
+    return;
+  }
+  clSetUserEventStatus((cl_event)gate, CL_COMPLETE);
+  clReleaseEvent((cl_event)gate);
+}

@@ -1,0 +1,69 @@
+/* ocl.h: private pieces shared by the OpenCL backend's files. */
+#ifndef TANDEM_OCL_H
+#define TANDEM_OCL_H
+
+#define CL_TARGET_OPENCL_VERSION 120
+#include <CL/cl.h>
+#include <pthread.h>
+#include <stdbool.h>
+
+#include "backend.h"
+
+typedef struct ocl_device {
+  cl_platform_id platform;
+  cl_device_id id;
+  cl_context ctx;
+  cl_command_queue internal; /* for mapping pinned buffers */
+  char name[128];
+  cl_ulong memory;
+  bool ooo;
+  bool defer; /* user events hang on this driver: gate on the host instead */
+} ocl_device;
+
+struct tdm__bqueue {
+  cl_command_queue q;
+  int bdev;
+  bool ooo;
+  /* Host-side deferral, for drivers whose user events hang (PoCL's basic driver): a host task
+   * or a dependency without a native event holds the queue, and later commands wait in
+   * `held` until the blocker is released. Guarded by mu. */
+  bool defer;
+  pthread_mutex_t mu;
+  tdm__cmd *blocker;
+  tdm__cmd *held_head, *held_tail;
+};
+
+extern const tdm__services *ocl_svc;
+extern const tdm__backend tdm__opencl_backend;
+extern ocl_device *ocl_devs;
+extern int ocl_ndevs;
+
+/* Maps an OpenCL error to a tandem code and sets the message. */
+int ocl_error(cl_int err, const char *what);
+
+/* clmem.c: tandem pointers <-> (cl_mem, offset). */
+typedef struct ocl_buf {
+  uintptr_t base;
+  size_t size;
+  cl_mem mem;
+  int bdev;
+  tdm_mem_kind kind;
+  bool imported;
+} ocl_buf;
+int ocl_mem_init(void);
+void ocl_mem_fini(void);
+/* The buffer holding p (device memory or pinned host memory), or false. */
+bool ocl_mem_find(const void *p, ocl_buf *out);
+int ocl_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr);
+void ocl_mem_free(int bdev, tdm_mem_kind kind, void *ptr);
+int ocl_mem_native(int bdev, void *base, void *ptr, void **native, size_t *offset);
+int ocl_mem_import(int bdev, void *native, size_t size, void **ptr);
+
+/* clsubmit.c */
+int ocl_submit(tdm__bqueue *bq, tdm__cmd *cmd);
+int ocl_native_wait(void *handle, int *native);
+void ocl_native_release(void *handle);
+int ocl_native_notify(void *handle, void (*fn)(void *), void *arg);
+void ocl_gate_open(void *gate);
+
+#endif

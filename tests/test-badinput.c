@@ -1,0 +1,456 @@
+/* test-badinput.c: bad input gets an error code, never a crash (cpu:0).
+ *
+ * NULL handles and out-parameters, destroyed and foreign handles, ranges past an allocation,
+ * wrong copy directions, memory of another device, bad frees, calls before tdm_init, unknown
+ * devices, and the error-name tables. Every failing call must leave its out-parameters
+ * untouched (they hold sentinels here) and a non-empty tdm_last_error() (CHECK_RC checks it).
+ * Stale handles are safe to pass because tandem pools queue and event memory; each stale check
+ * runs right after the handle died, before anything could reuse its slot.
+ */
+#include "harness.h"
+
+#include <tandem/cpu.h>
+
+#define SENTINEL_PTR ((void *)(uintptr_t)0x5e)
+#define SENTINEL_QUEUE ((tdm_queue *)SENTINEL_PTR)
+#define SENTINEL_EVENT ((tdm_event *)SENTINEL_PTR)
+#define SENTINEL_DEVICE ((tdm_device *)SENTINEL_PTR)
+
+static int task_count(void *arg) {
+  atomic_fetch_add((atomic_int *)arg, 1);
+  return 0;
+}
+
+static void release_count(void *obj) { atomic_fetch_add((atomic_int *)obj, 1); }
+
+static tdm_queue *new_queue(tdm_device *dev) {
+  tdm_queue *q = NULL;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  return q;
+}
+
+/* An event that has completed and that only the caller references. */
+static tdm_event *completed_event(tdm_queue *q) {
+  tdm_event *ev = NULL;
+  atomic_int dummy = 0;
+  CHECK_OK(tdm_event_record(q, &ev));
+  /* A later command, so the tracker's reference moves off ev. */
+  CHECK_OK(tdm_host_task(q, task_count, &dummy, 0, NULL, NULL));
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_event_query(ev));
+  return ev;
+}
+
+/* ---- NULL -------------------------------------------------------------------------------- */
+
+TEST_CASE(null_handles) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev), *qo = SENTINEL_QUEUE;
+  tdm_event *ev = completed_event(q), *eo = SENTINEL_EVENT;
+  void *p = SENTINEL_PTR;
+  unsigned char buf[16];
+  double ms = -1.0;
+  atomic_int ran = 0;
+
+  CHECK_RC(tdm_queue_create(NULL, 0, &qo), TDM_EINVAL);
+  CHECK(qo == SENTINEL_QUEUE);
+  CHECK_RC(tdm_queue_destroy(NULL), TDM_EINVAL);
+  CHECK_RC(tdm_queue_sync(NULL), TDM_EINVAL);
+  CHECK_RC(tdm_queue_wait(NULL, ev), TDM_EINVAL);
+  CHECK_RC(tdm_queue_wait(q, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_queue_barrier(NULL, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_queue_adopt(dev, NULL, 0, &qo), TDM_EINVAL);
+  CHECK_RC(tdm_queue_adopt(NULL, SENTINEL_PTR, 0, &qo), TDM_EINVAL);
+  CHECK(qo == SENTINEL_QUEUE);
+  CHECK_RC(tdm_event_record(NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_event_query(NULL), TDM_EINVAL);
+  CHECK_RC(tdm_event_wait(NULL), TDM_EINVAL);
+  CHECK_RC(tdm_event_retain(NULL), TDM_EINVAL);
+  CHECK_RC(tdm_event_release(NULL), TDM_EINVAL);
+  CHECK_RC(tdm_event_elapsed(NULL, ev, &ms), TDM_EINVAL);
+  CHECK_RC(tdm_event_elapsed(ev, NULL, &ms), TDM_EINVAL);
+  CHECK(ms == -1.0);
+  CHECK_RC(tdm_event_queue(NULL, &qo), TDM_EINVAL);
+  CHECK(eo == SENTINEL_EVENT && qo == SENTINEL_QUEUE);
+  CHECK_RC(tdm_malloc(NULL, TDM_MEM_DEVICE, 16, &p), TDM_EINVAL);
+  CHECK(p == SENTINEL_PTR);
+  CHECK_RC(tdm_memcpy(NULL, buf, buf + 8, 8, TDM_COPY_H2H, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_memcpy(q, NULL, buf, 8, TDM_COPY_H2H, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_memcpy(q, buf, NULL, 8, TDM_COPY_H2H, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_memcpy_cross(NULL, q, buf, buf + 8, 8, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_memcpy_cross(q, NULL, buf, buf + 8, 8, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_memset(NULL, buf, 1, 8, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_memset(q, NULL, 1, 8, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_host_task(NULL, task_count, &ran, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_host_task(q, NULL, &ran, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_keep_alive(NULL, release_count, &ran), TDM_EINVAL);
+  CHECK_RC(tdm_keep_alive(q, NULL, &ran), TDM_EINVAL);
+  CHECK_RC(tdm_free_async(NULL, SENTINEL_PTR, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_free_async(q, NULL, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_host_register(NULL, buf, sizeof buf), TDM_EINVAL);
+  CHECK_RC(tdm_host_register(dev, NULL, 4096), TDM_EINVAL);
+  CHECK_RC(tdm_queue_track(NULL, ev), TDM_EINVAL);
+  CHECK_RC(tdm_queue_track(q, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_current_queue_push(NULL), TDM_EINVAL);
+  tdm_device_info info;
+  CHECK_RC(tdm_device_info_get(NULL, &info), TDM_EINVAL);
+  CHECK(eo == SENTINEL_EVENT);
+
+  /* A dependency list with a NULL array or a NULL entry. */
+  tdm_event *with_null[2] = {ev, NULL};
+  CHECK_RC(tdm_host_task(q, task_count, &ran, 1, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_host_task(q, task_count, &ran, 2, with_null, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_queue_barrier(q, 2, with_null, &eo), TDM_EINVAL);
+  CHECK(eo == SENTINEL_EVENT);
+
+  CHECK_OK(tdm_queue_sync(q)); /* refused calls are not queue errors */
+  CHECK_EQ(atomic_load(&ran), 0);
+  CHECK_OK(tdm_event_release(ev));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+  CHECK_EQ(atomic_load(&ran), 0); /* no keep-alive release ran either */
+}
+
+TEST_CASE(null_out_params) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev);
+  tdm_event *ev = completed_event(q);
+  void *p = NULL;
+  size_t n = 0;
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, 64, &p));
+  CHECK_RC(tdm_queue_create(dev, 0, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_queue_native(q, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_queue_device(q, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_queue_flags(q, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_event_record(q, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_event_elapsed(ev, ev, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_event_queue(ev, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_malloc(dev, TDM_MEM_DEVICE, 16, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_mem_query(p, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_device_count(NULL), TDM_EINVAL);
+  CHECK_RC(tdm_device_get(0, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_device_find("cpu:0", NULL), TDM_EINVAL);
+  CHECK_RC(tdm_device_info_get(dev, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_backend_count(NULL), TDM_EINVAL);
+  CHECK_RC(tdm_backend_get(0, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_default_queue(dev, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_current_queue(NULL), TDM_EINVAL);
+  CHECK_RC(tdm_stats_get(NULL), TDM_EINVAL);
+  CHECK_RC(tdm_queue_dependencies(q, NULL, 4, &n), TDM_EINVAL);
+  tdm_event *deps[4];
+  CHECK_RC(tdm_queue_dependencies(q, deps, 4, NULL), TDM_EINVAL);
+  CHECK_OK(tdm_event_release(ev));
+  CHECK_OK(tdm_free(p));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* ---- Stale and foreign handles ----------------------------------------------------------- */
+
+TEST_CASE(stale_queue) {
+  tdm_device *dev = th_open();
+  tdm_queue *live = new_queue(dev), *q = new_queue(dev), *qo = SENTINEL_QUEUE;
+  tdm_event *ev = completed_event(live), *eo = SENTINEL_EVENT;
+  unsigned char buf[16];
+  unsigned flags = 99;
+  void *native = SENTINEL_PTR;
+  tdm_device *d = SENTINEL_DEVICE;
+  atomic_int ran = 0;
+  CHECK_OK(tdm_queue_destroy(q));
+  /* No queue is created from here until the checks end, so q's slot stays dead. */
+  CHECK_RC(tdm_queue_destroy(q), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_sync(q), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_flags(q, &flags), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_native(q, &native), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_device(q, &d), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_wait(q, ev), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_barrier(q, 0, NULL, &eo), TDM_EHANDLE);
+  CHECK_RC(tdm_event_record(q, &eo), TDM_EHANDLE);
+  CHECK_RC(tdm_memcpy(q, buf, buf + 8, 8, TDM_COPY_H2H, 0, NULL, &eo), TDM_EHANDLE);
+  CHECK_RC(tdm_memcpy_cross(live, q, buf, buf + 8, 8, 0, NULL, &eo), TDM_EHANDLE);
+  CHECK_RC(tdm_memset(q, buf, 1, 8, 0, NULL, &eo), TDM_EHANDLE);
+  CHECK_RC(tdm_host_task(q, task_count, &ran, 0, NULL, &eo), TDM_EHANDLE);
+  CHECK_RC(tdm_keep_alive(q, release_count, &ran), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_track(q, ev), TDM_EHANDLE);
+  CHECK_RC(tdm_current_queue_push(q), TDM_EHANDLE);
+  CHECK_RC(tdm_default_queue_set(dev, q), TDM_EHANDLE);
+  CHECK(flags == 99 && native == SENTINEL_PTR && d == SENTINEL_DEVICE && eo == SENTINEL_EVENT);
+  CHECK(qo == SENTINEL_QUEUE);
+  CHECK_OK(tdm_queue_sync(live));
+  CHECK_OK(tdm_event_release(ev));
+  CHECK_OK(tdm_queue_destroy(live));
+  th_close();
+  CHECK_EQ(atomic_load(&ran), 0);
+}
+
+TEST_CASE(stale_event) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev);
+  tdm_event *ev = completed_event(q), *eo = SENTINEL_EVENT, *ok_ev = completed_event(q);
+  tdm_queue *qo = SENTINEL_QUEUE;
+  atomic_int ran = 0;
+  double ms = -1.0;
+  CHECK_OK(tdm_event_release(ev)); /* the last reference: ev is freed */
+  CHECK_RC(tdm_event_query(ev), TDM_EHANDLE);
+  CHECK_RC(tdm_event_wait(ev), TDM_EHANDLE);
+  CHECK_RC(tdm_event_retain(ev), TDM_EHANDLE);
+  CHECK_RC(tdm_event_release(ev), TDM_EHANDLE);
+  CHECK_RC(tdm_event_queue(ev, &qo), TDM_EHANDLE);
+  CHECK_RC(tdm_event_elapsed(ev, ok_ev, &ms), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_wait(q, ev), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_track(q, ev), TDM_EHANDLE);
+  /* As a dependency: the submission is refused. */
+  CHECK_RC(tdm_host_task(q, task_count, &ran, 1, &ev, &eo), TDM_EHANDLE);
+  CHECK(eo == SENTINEL_EVENT && qo == SENTINEL_QUEUE && ms == -1.0);
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_EQ(atomic_load(&ran), 0);
+  CHECK_OK(tdm_event_release(ok_ev));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+TEST_CASE(foreign_handles) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev);
+  tdm_event *ev = completed_event(q), *eo = SENTINEL_EVENT;
+  void *zero = calloc(1, 4096);
+  unsigned flags = 99;
+  atomic_int ran = 0;
+  CHECK(zero != NULL);
+  /* An event passed as a queue, and a queue passed as an event. */
+  CHECK_RC(tdm_queue_sync((tdm_queue *)ev), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_flags((tdm_queue *)ev, &flags), TDM_EHANDLE);
+  CHECK_RC(tdm_host_task((tdm_queue *)ev, task_count, &ran, 0, NULL, &eo), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_destroy((tdm_queue *)ev), TDM_EHANDLE);
+  CHECK_RC(tdm_event_query((tdm_event *)q), TDM_EHANDLE);
+  CHECK_RC(tdm_event_release((tdm_event *)q), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_wait(q, (tdm_event *)q), TDM_EHANDLE);
+  /* Zero-filled memory tandem never handed out. */
+  CHECK_RC(tdm_queue_sync(zero), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_destroy(zero), TDM_EHANDLE);
+  CHECK_RC(tdm_event_record(zero, &eo), TDM_EHANDLE);
+  CHECK_RC(tdm_memset(zero, zero, 1, 16, 0, NULL, &eo), TDM_EHANDLE);
+  CHECK_RC(tdm_event_query(zero), TDM_EHANDLE);
+  CHECK_RC(tdm_event_wait(zero), TDM_EHANDLE);
+  CHECK_RC(tdm_event_release(zero), TDM_EHANDLE);
+  tdm_event *dep = zero;
+  CHECK_RC(tdm_host_task(q, task_count, &ran, 1, &dep, &eo), TDM_EHANDLE);
+  CHECK(flags == 99 && eo == SENTINEL_EVENT);
+  for (size_t i = 0; i < 4096; i++) CHECK(((unsigned char *)zero)[i] == 0);
+  /* The real objects are unharmed. */
+  CHECK_OK(tdm_event_query(ev));
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_EQ(atomic_load(&ran), 0);
+  CHECK_OK(tdm_event_release(ev));
+  CHECK_OK(tdm_queue_destroy(q));
+  free(zero);
+  th_close();
+}
+
+/* ---- Copies ------------------------------------------------------------------------------ */
+
+TEST_CASE(copy_range) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev);
+  unsigned char *d = NULL, *h = NULL, *reg = aligned_alloc(4096, 4096);
+  tdm_event *eo = SENTINEL_EVENT;
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, 64, (void **)&d));
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, 64, (void **)&h));
+  CHECK_OK(tdm_host_register(dev, reg, 4096));
+  CHECK_RC(tdm_memcpy(q, d, h, 65, TDM_COPY_H2D, 0, NULL, &eo), TDM_ERANGE);
+  CHECK_RC(tdm_memcpy(q, d + 1, h, 64, TDM_COPY_H2D, 0, NULL, &eo), TDM_ERANGE);
+  CHECK_RC(tdm_memcpy(q, d, h + 1, 64, TDM_COPY_H2D, 0, NULL, &eo), TDM_ERANGE);
+  CHECK_RC(tdm_memcpy(q, h, d + 32, 33, TDM_COPY_D2H, 0, NULL, &eo), TDM_ERANGE);
+  CHECK_RC(tdm_memcpy(q, d, reg + 4000, 97, TDM_COPY_H2D, 0, NULL, &eo), TDM_ERANGE);
+  CHECK_RC(tdm_memcpy(q, d, h, SIZE_MAX, TDM_COPY_H2D, 0, NULL, &eo), TDM_ERANGE);
+  CHECK_RC(tdm_memcpy(q, d + 8, h, SIZE_MAX - 4, TDM_COPY_AUTO, 0, NULL, &eo), TDM_ERANGE);
+  CHECK_RC(tdm_memset(q, d + 60, 1, 5, 0, NULL, &eo), TDM_ERANGE);
+  CHECK_RC(tdm_memset(q, h, 1, 65, 0, NULL, &eo), TDM_ERANGE);
+  CHECK(eo == SENTINEL_EVENT);
+  /* Exactly to the end is fine. */
+  CHECK_OK(tdm_memcpy(q, d + 1, h, 63, TDM_COPY_H2D, 0, NULL, NULL));
+  CHECK_OK(tdm_memcpy(q, d, reg + 4032, 64, TDM_COPY_H2D, 0, NULL, NULL));
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_host_unregister(reg));
+  free(reg);
+  CHECK_OK(tdm_free(d));
+  CHECK_OK(tdm_free(h));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+TEST_CASE(copy_direction) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev);
+  unsigned char *d = NULL, *d2 = NULL, *h = NULL, *h2 = NULL, *pageable = malloc(64);
+  tdm_event *eo = SENTINEL_EVENT;
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, 64, (void **)&d));
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, 64, (void **)&d2));
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, 64, (void **)&h));
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, 64, (void **)&h2));
+  CHECK_RC(tdm_memcpy(q, h2, h, 16, TDM_COPY_H2D, 0, NULL, &eo), TDM_EDIRECTION);
+  CHECK_RC(tdm_memcpy(q, pageable, h, 16, TDM_COPY_H2D, 0, NULL, &eo), TDM_EDIRECTION);
+  CHECK_RC(tdm_memcpy(q, d, d2, 16, TDM_COPY_H2D, 0, NULL, &eo), TDM_EDIRECTION);
+  CHECK_RC(tdm_memcpy(q, d, d2, 16, TDM_COPY_D2H, 0, NULL, &eo), TDM_EDIRECTION);
+  CHECK_RC(tdm_memcpy(q, h, h2, 16, TDM_COPY_D2H, 0, NULL, &eo), TDM_EDIRECTION);
+  CHECK_RC(tdm_memcpy(q, d, h, 16, TDM_COPY_D2D, 0, NULL, &eo), TDM_EDIRECTION);
+  CHECK_RC(tdm_memcpy(q, h, d, 16, TDM_COPY_D2D, 0, NULL, &eo), TDM_EDIRECTION);
+  CHECK_RC(tdm_memcpy(q, h, d, 16, TDM_COPY_H2H, 0, NULL, &eo), TDM_EDIRECTION);
+  CHECK_RC(tdm_memcpy(q, d, pageable, 16, TDM_COPY_H2H, 0, NULL, &eo), TDM_EDIRECTION);
+  CHECK(eo == SENTINEL_EVENT);
+  CHECK_OK(tdm_queue_sync(q));
+  free(pageable);
+  CHECK_OK(tdm_free(d));
+  CHECK_OK(tdm_free(d2));
+  CHECK_OK(tdm_free(h));
+  CHECK_OK(tdm_free(h2));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* With two CPU devices, device memory of cpu:1 cannot be used on a cpu:0 queue. */
+TEST_CASE(other_device) {
+  CHECK(setenv("TANDEM_CPU_DEVICES", "2", 1) == 0);
+  tdm_device *dev0 = th_open(), *dev1 = NULL;
+  CHECK_OK(tdm_device_find("cpu:1", &dev1));
+  CHECK(dev1 != dev0);
+  tdm_queue *q0 = new_queue(dev0), *q1 = new_queue(dev1), *t0 = NULL, *t1 = NULL;
+  unsigned char *d0 = NULL, *d1 = NULL, *h = NULL;
+  tdm_event *eo = SENTINEL_EVENT, *e0 = NULL, *e1 = NULL;
+  double ms = -1.0;
+  CHECK_OK(tdm_malloc(dev0, TDM_MEM_DEVICE, 64, (void **)&d0));
+  CHECK_OK(tdm_malloc(dev1, TDM_MEM_DEVICE, 64, (void **)&d1));
+  CHECK_OK(tdm_malloc(dev0, TDM_MEM_PINNED, 64, (void **)&h));
+  CHECK_RC(tdm_memcpy(q0, d1, h, 16, TDM_COPY_H2D, 0, NULL, &eo), TDM_EXDEV);
+  CHECK_RC(tdm_memcpy(q0, h, d1, 16, TDM_COPY_D2H, 0, NULL, &eo), TDM_EXDEV);
+  CHECK_RC(tdm_memcpy(q0, d1, d0, 16, TDM_COPY_D2D, 0, NULL, &eo), TDM_EXDEV);
+  CHECK_RC(tdm_memset(q0, d1, 1, 16, 0, NULL, &eo), TDM_EXDEV);
+  CHECK(eo == SENTINEL_EVENT);
+
+  /* Timing across devices. */
+  CHECK_OK(tdm_queue_create(dev0, TDM_QUEUE_TIMING, &t0));
+  CHECK_OK(tdm_queue_create(dev1, TDM_QUEUE_TIMING, &t1));
+  CHECK_OK(tdm_event_record(t0, &e0));
+  CHECK_OK(tdm_event_record(t1, &e1));
+  CHECK_OK(tdm_event_wait(e0));
+  CHECK_OK(tdm_event_wait(e1));
+  CHECK_RC(tdm_event_elapsed(e0, e1, &ms), TDM_EXDEV);
+  CHECK(ms == -1.0);
+
+  /* Waiting across devices is allowed. */
+  CHECK_OK(tdm_queue_wait(q0, e1));
+  CHECK_OK(tdm_queue_sync(q0));
+  CHECK_OK(tdm_event_release(e0));
+  CHECK_OK(tdm_event_release(e1));
+  CHECK_OK(tdm_free(d0));
+  CHECK_OK(tdm_free(d1));
+  CHECK_OK(tdm_free(h));
+  CHECK_OK(tdm_queue_destroy(q0));
+  CHECK_OK(tdm_queue_destroy(q1));
+  CHECK_OK(tdm_queue_destroy(t0));
+  CHECK_OK(tdm_queue_destroy(t1));
+  th_close();
+}
+
+/* ---- Memory ------------------------------------------------------------------------------ */
+
+TEST_CASE(memory_errors) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev);
+  void *p = SENTINEL_PTR, *d = NULL;
+  char *foreign = malloc(64);
+  int on_stack = 0;
+  tdm_event *eo = SENTINEL_EVENT;
+  CHECK_RC(tdm_malloc(dev, TDM_MEM_DEVICE, 0, &p), TDM_EINVAL);
+  CHECK_RC(tdm_malloc(dev, TDM_MEM_PINNED, 0, &p), TDM_EINVAL);
+  CHECK_RC(tdm_malloc(dev, (tdm_mem_kind)99, 16, &p), TDM_EINVAL);
+  CHECK(p == SENTINEL_PTR);
+  CHECK_RC(tdm_free(foreign), TDM_EINVAL);
+  CHECK_RC(tdm_free(&on_stack), TDM_EINVAL);
+  CHECK_RC(tdm_free_async(q, foreign, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_host_unregister(foreign), TDM_EINVAL);
+  CHECK_RC(tdm_host_register(dev, foreign, 0), TDM_EINVAL);
+  CHECK(eo == SENTINEL_EVENT);
+
+  /* Double free, immediate and stream-ordered. */
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, 64, &d));
+  CHECK_OK(tdm_free(d));
+  CHECK_RC(tdm_free(d), TDM_EINVAL);
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, 64, &d));
+  CHECK_OK(tdm_free_async(q, d, 0, NULL, NULL));
+  CHECK_RC(tdm_free_async(q, d, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_free(d), TDM_EINVAL);
+  CHECK(eo == SENTINEL_EVENT);
+  CHECK_OK(tdm_queue_sync(q));
+
+  tdm_stats st;
+  CHECK_OK(tdm_stats_get(&st));
+  CHECK_EQ(st.allocations, 0);
+  free(foreign);
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* ---- Lifecycle and lookup ---------------------------------------------------------------- */
+
+TEST_CASE(before_init) {
+  int count = -7;
+  tdm_device *d = SENTINEL_DEVICE;
+  tdm_queue *q = SENTINEL_QUEUE;
+  tdm_backend_info bi;
+  memset(&bi, 0x5e, sizeof bi);
+  CHECK_RC(tdm_device_count(&count), TDM_ENOTINIT);
+  CHECK_RC(tdm_device_get(0, &d), TDM_ENOTINIT);
+  CHECK_RC(tdm_device_find("cpu:0", &d), TDM_ENOTINIT);
+  CHECK_RC(tdm_backend_count(&count), TDM_ENOTINIT);
+  CHECK_RC(tdm_backend_get(0, &bi), TDM_ENOTINIT);
+  CHECK_RC(tdm_default_queue(NULL, &q), TDM_ENOTINIT);
+  CHECK_RC(tdm_current_queue(&q), TDM_ENOTINIT);
+  CHECK_RC(tdm_current_queue_pop(), TDM_ENOTINIT);
+  CHECK_RC(tdm_shutdown(), TDM_ENOTINIT);
+  CHECK(count == -7 && d == SENTINEL_DEVICE && q == SENTINEL_QUEUE);
+  CHECK(((unsigned char *)&bi)[0] == 0x5e);
+  /* What needs no runtime works. */
+  CHECK(tdm_version() == TDM_VERSION);
+  CHECK(strcmp(tdm_err_name(TDM_ENOTINIT), "TDM_ENOTINIT") == 0);
+  th_open();
+  th_close();
+}
+
+TEST_CASE(unknown_device) {
+  th_open();
+  tdm_device *d = SENTINEL_DEVICE;
+  CHECK_RC(tdm_device_find("cpu:9", &d), TDM_ENODEV);
+  CHECK_RC(tdm_device_find("nosuch:0", &d), TDM_ENODEV);
+  CHECK_RC(tdm_device_find("cpu:0x", &d), TDM_ENODEV);
+  CHECK_RC(tdm_device_get(999, &d), TDM_ENODEV);
+  CHECK(d == SENTINEL_DEVICE);
+  th_close();
+}
+
+/* ---- Error names ------------------------------------------------------------------------- */
+
+TEST_CASE(error_names) {
+  struct {
+    int code;
+    const char *name, *msg;
+  } table[] = {
+#define ROW(name, value, msg) {TDM_##name, "TDM_" #name, msg},
+      TDM_ERRNO_MAP(ROW)
+#undef ROW
+  };
+  size_t n = sizeof table / sizeof table[0];
+  for (size_t i = 0; i < n; i++) {
+    CHECK(table[i].code < 0);
+    CHECK_MSG(strcmp(tdm_err_name(table[i].code), table[i].name) == 0, "%s named %s",
+              table[i].name, tdm_err_name(table[i].code));
+    CHECK_MSG(strcmp(tdm_strerror(table[i].code), table[i].msg) == 0, "%s: \"%s\"",
+              table[i].name, tdm_strerror(table[i].code));
+    for (size_t j = 0; j < i; j++) CHECK(table[j].code != table[i].code);
+  }
+  CHECK(strcmp(tdm_err_name(0), "TDM_OK") == 0);
+  CHECK(strcmp(tdm_err_name(-1000), "TDM_UNKNOWN") == 0);
+  CHECK(strcmp(tdm_err_name(5), "TDM_UNKNOWN") == 0);
+  CHECK(tdm_strerror(0) != NULL && tdm_strerror(-1000) != NULL && tdm_strerror(-1000)[0]);
+  CHECK(tdm_last_error() != NULL);
+}
