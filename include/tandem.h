@@ -119,7 +119,8 @@ enum {
   TDM_DEVICE_CAP_TIMING = 1u << 0,    /* queues can be created with TDM_QUEUE_TIMING */
   TDM_DEVICE_CAP_OUT_OF_ORDER = 1u << 1,
   TDM_DEVICE_CAP_ADOPT = 1u << 2,     /* tdm_queue_adopt works */
-  TDM_DEVICE_CAP_HOST_MEMORY = 1u << 3 /* device memory is host memory (the CPU backend) */
+  TDM_DEVICE_CAP_HOST_MEMORY = 1u << 3, /* device memory is host memory (the CPU backend) */
+  TDM_DEVICE_CAP_GPU = 1u << 4          /* a GPU or other accelerator (not a CPU device) */
 };
 
 typedef struct tdm_device_info {

@@ -45,8 +45,10 @@ enum {
   TDM__CMD_SYNC = 1u << 0,        /* a marker made by tdm_queue_sync: clears the queue's error */
   TDM__CMD_NATIVE_FREED = 1u << 1, /* set by a native backend that freed the memory itself
                                       (stream-ordered); the core only forgets the pointer */
-  TDM__CMD_ALL_PRIOR = 1u << 2      /* a marker or barrier that covers every earlier command of
+  TDM__CMD_ALL_PRIOR = 1u << 2,     /* a marker or barrier that covers every earlier command of
                                       the queue, besides its deps */
+  TDM__CMD_ON_HOST = 1u << 3        /* set by a native backend: the core does this copy or fill
+                                      on the host (host memory on both sides) */
 };
 
 typedef struct tdm__cmd tdm__cmd;
@@ -104,7 +106,8 @@ typedef struct tdm__services {
   long (*option_long)(const char *name, long def);
   /* Native backends: hands a command enqueued natively to the core, which completes it in
    * order on the queue's executor (in-order queues) or, on out-of-order queues, on a pool
-   * thread once native_notify reports its handle complete. */
+   * thread once native_notify reports its handle complete. From this call on, the core owns
+   * cmd->bcount and cmd->deps[].w. */
   void (*cmd_native)(tdm__cmd *cmd);
   /* Host-executed backends: runs cmd_run on a pool thread once its deps have completed
    * (out-of-order queues), without occupying a thread while it waits. */
@@ -159,9 +162,9 @@ typedef struct tdm__backend {
   /* Wraps foreign device memory; freed later through mem_free(bdev, TDM_MEM_DEVICE, ptr). */
   int (*mem_import)(int bdev, void *native, size_t size, void **ptr);
 
-  /* Native backends only (NULL for host-executed ones). A command that needs host work (a
-   * host task, or a copy or fill the device cannot do) gets a gate: the executor does the work
-   * on the host, then opens the gate. */
+  /* Native backends only (NULL for host-executed ones). Host tasks, and copies or fills the
+   * backend marks TDM__CMD_ON_HOST, are done by the core on the host once cmd->wait completes;
+   * then the core opens cmd->gate, if the backend set one. */
   /* Blocks the executor until the handle's work completes; returns 0 or the mapped error and
    * its native code. Must not call back into the core. */
   int (*native_wait)(void *handle, int *native);
@@ -173,6 +176,12 @@ typedef struct tdm__backend {
   /* Lets the native queue run past a host task's gate (called once per gate, by the
    * executor, after the task ran or was skipped). */
   void (*gate_open)(void *gate);
+  /* Optional: does a TDM__CMD_ON_HOST copy that memmove cannot (pageable host memory on one
+   * side, device memory on the other), on the executor; returns 0 or a TDM_E* code. It may
+   * wait for its own private stream, never for a gated one. NULL: memmove. */
+  int (*host_copy)(tdm__cmd *cmd);
+  /* Optional: milliseconds between two native events of timed queues; NULL: host clock. */
+  int (*event_elapsed)(void *start, void *end, double *ms);
 } tdm__backend;
 
 /* The built-in CPU backend. */

@@ -818,6 +818,64 @@ TEST_CASE(copy_256mib) {
   th_close();
 }
 
+/* Pageable memory is read and written in stream order, not at call time: a host task placed
+ * before an H2D fills the source, and a host task placed after a D2H reads the destination. */
+struct pageable_io {
+  th_gate gate;
+  unsigned char *buf;
+  const unsigned char *want;
+  size_t n;
+  atomic_int ok;
+};
+
+static int task_gate_then_fill(void *arg) {
+  struct pageable_io *p = arg;
+  if (!th_gate_wait(&p->gate, TH_HANG_MS)) return 1;
+  memcpy(p->buf, p->want, p->n);
+  return 0;
+}
+
+static int task_check_pageable(void *arg) {
+  struct pageable_io *p = arg;
+  atomic_store(&p->ok, memcmp(p->buf, p->want, p->n) == 0 ? 1 : -1);
+  return 0;
+}
+
+TEST_CASE(copy_pageable_stream_order) {
+  const size_t n = (1u << 20) + 7;
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  unsigned char *src = malloc(n), *dst = malloc(n), *want = malloc(n);
+  unsigned char *out = dev_alloc(dev, TDM_MEM_PINNED, n);
+  void *d = dev_alloc(dev, TDM_MEM_DEVICE, n);
+  CHECK(src && dst && want);
+  th_fill_random(src, n, &rng);
+  th_fill_random(dst, n, &rng);
+  th_fill_random(want, n, &rng);
+  struct pageable_io in = {.buf = src, .want = want, .n = n}, back = {.buf = dst, .want = want, .n = n};
+  th_gate_init(&in.gate);
+  CHECK_OK(tdm_host_task(q, task_gate_then_fill, &in, 0, NULL, NULL));
+  CHECK_OK(tdm_memcpy(q, d, src, n, TDM_COPY_H2D, 0, NULL, NULL));
+  CHECK_OK(tdm_memcpy(q, out, d, n, TDM_COPY_D2H, 0, NULL, NULL));
+  CHECK_OK(tdm_memcpy(q, dst, d, n, TDM_COPY_D2H, 0, NULL, NULL));
+  CHECK_OK(tdm_host_task(q, task_check_pageable, &back, 0, NULL, NULL));
+  th_gate_open(&in.gate);
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_MSG(th_first_diff(out, want, n) < 0, "the pageable source was read at call time");
+  CHECK_MSG(atomic_load(&back.ok) == 1, "the D2H into pageable memory had not landed when the "
+            "next host task ran");
+  CHECK_MEM_EQ(dst, want, n);
+  CHECK_OK(tdm_free(out));
+  CHECK_OK(tdm_free(d));
+  free(src);
+  free(dst);
+  free(want);
+  CHECK_OK(tdm_queue_destroy(q));
+  th_gate_destroy(&in.gate);
+  th_close();
+}
+
 /* n == 0 is a no-op command: its event completes and nothing changes. */
 TEST_CASE(copy_zero_bytes) {
   uint64_t rng = th_seed();
@@ -953,8 +1011,13 @@ TEST_CASE(memcpy_cross) {
   struct flag_task f = {&g2, 0, 0};
   tdm_event *ec = NULL;
   CHECK_OK(tdm_host_task(qc, task_gate_then_done, &f, 0, NULL, &ec));
-  CHECK_OK(tdm_memset(qa, da, 0x42, n, 0, NULL, NULL));
-  CHECK_OK(tdm_memcpy_cross(qb, qa, da, db, n, 1, &ec, &ex));
+  /* The copy runs on qb: it must wait for qa's memset of da explicitly (a cross-queue copy
+   * orders after the source queue's work and its dependencies, not the destination's). */
+  tdm_event *ems = NULL;
+  CHECK_OK(tdm_memset(qa, da, 0x42, n, 0, NULL, &ems));
+  tdm_event *deps2[2] = {ec, ems};
+  CHECK_OK(tdm_memcpy_cross(qb, qa, da, db, n, 2, deps2, &ex));
+  CHECK_OK(tdm_event_release(ems));
   CHECK_OK(tdm_host_task(qa, task_record_done, &f, 0, NULL, NULL));
   CHECK_OK(tdm_memcpy(qa, out.p, da, n, TDM_COPY_D2H, 0, NULL, NULL));
   CHECK_RC(tdm_event_query(ex), TDM_EAGAIN);

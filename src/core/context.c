@@ -60,7 +60,7 @@ void tdm__backend_add(const tdm__backend *be, void *dl, const char *detail) {
   int rc = be->init(&tdm__g.svc, &n);
   if (rc) {
     slot->info.status = rc;
-    snprintf(slot->info.detail, sizeof slot->info.detail, "%s", tdm_last_error());
+    snprintf(slot->info.detail, sizeof slot->info.detail, "%s", tdm__last_detail());
     return;
   }
   slot->be = be;
@@ -158,7 +158,6 @@ int tdm_shutdown(void) {
   tdm__mem_free_all();
   tdm__modules_unload();
   tdm__queues_free_all();
-  atomic_store(&tdm__g.n_events, 0);
   atomic_store(&tdm__g.n_queues, 0);
   pthread_mutex_unlock(&init_mu);
   return 0;
@@ -204,7 +203,7 @@ int tdm_device_find(const char *id, tdm_device **out) {
     /* The first GPU device, else cpu:0. */
     tdm_device *pick = NULL;
     for (int i = 0; i < tdm__g.ndevices && !pick; i++)
-      if (!(tdm__g.devices[i].info.caps & TDM_DEVICE_CAP_HOST_MEMORY)) pick = &tdm__g.devices[i];
+      if (tdm__g.devices[i].info.caps & TDM_DEVICE_CAP_GPU) pick = &tdm__g.devices[i];
     for (int i = 0; i < tdm__g.ndevices && !pick; i++)
       if (strcmp(tdm__g.devices[i].info.backend, "cpu") == 0) pick = &tdm__g.devices[i];
     if (!pick) return tdm__error(TDM_ENODEV, 0, "no devices");

@@ -2,10 +2,12 @@
  * message that says what went wrong in words. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "internal.h"
 
 static _Thread_local char tls_msg[512];
+static _Thread_local char tls_detail[480]; /* tls_msg without the code name */
 static _Thread_local int tls_native;
 
 const char *tdm_err_name(int code) {
@@ -34,12 +36,16 @@ const char *tdm_last_error(void) { return tls_msg[0] ? tls_msg : "no error"; }
 
 int tdm_last_native_error(void) { return tls_native; }
 
+const char *tdm__last_detail(void) { return tls_detail; }
+
+/* The detail may quote tdm__last_detail() (a nested failure), so it is formatted aside. */
 int tdm__error(int code, int native, const char *fmt, ...) {
-  char detail[400];
+  char detail[sizeof tls_detail];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(detail, sizeof detail, fmt, ap);
   va_end(ap);
+  memcpy(tls_detail, detail, sizeof detail);
   if (native)
     snprintf(tls_msg, sizeof tls_msg, "%s: %s (native error %d)", tdm_err_name(code), detail,
              native);

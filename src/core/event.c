@@ -59,7 +59,7 @@ void tdm__event_free(tdm_event *ev) {
   atomic_store(&ev->magic, TDM__MAGIC_DEAD);
   ev->q = NULL;
   tdm__pool_put(&q->events, ev);
-  atomic_fetch_sub(&tdm__g.n_events, 1);
+  atomic_fetch_sub(&q->n_events, 1);
   tdm__queue_unref(q);
 }
 
@@ -157,6 +157,8 @@ int tdm_event_elapsed(tdm_event *start, tdm_event *end, double *ms) {
   if (!atomic_load_explicit(&start->done, memory_order_acquire) ||
       !atomic_load_explicit(&end->done, memory_order_acquire))
     return tdm__error(TDM_EAGAIN, 0, "an event is still pending");
+  const tdm__backend *be = start->q->dev->be;
+  if (be->event_elapsed && start->bev && end->bev) return be->event_elapsed(start->bev, end->bev, ms);
   *ms = ((double)end->t_ns - (double)start->t_ns) / 1e6;
   return 0;
 }

@@ -64,8 +64,13 @@ void *tdm__calloc(size_t n, size_t size) {
 int tdm_stats_get(tdm_stats *out) {
   if (!out) return tdm__error(TDM_EINVAL, 0, "tdm_stats_get: out is NULL");
   out->queues = atomic_load(&tdm__g.n_queues);
-  out->events = atomic_load(&tdm__g.n_events);
   out->allocations = atomic_load(&tdm__g.n_allocs);
-  out->pending = atomic_load(&tdm__g.n_pending);
+  out->events = out->pending = 0;
+  pthread_mutex_lock(&tdm__g.mu);
+  for (tdm_queue *q = tdm__g.queues; q; q = q->next_all) {
+    out->events += atomic_load(&q->n_events);
+    out->pending += atomic_load(&q->n_pending);
+  }
+  pthread_mutex_unlock(&tdm__g.mu);
   return 0;
 }

@@ -87,7 +87,7 @@ typedef struct tdm__ctx {
   tdm_queue *queues;        /* every queue struct, live or recycled; freed at shutdown */
   tdm_queue *free_queues;   /* recycled structs */
   int next_queue_id;
-  _Atomic long n_queues, n_events, n_allocs, n_pending;
+  _Atomic long n_queues, n_allocs;  /* events and pending commands are counted per queue */
 } tdm__ctx;
 
 extern tdm__ctx tdm__g;
@@ -106,6 +106,8 @@ int tdm__device_check(tdm_device *dev);
 int tdm__device_note(tdm_device *dev, int code);
 
 /* ---- errors.c ---- */
+/* This thread's last message without the code name, for quoting in an outer message. */
+const char *tdm__last_detail(void);
 int tdm__error(int code, int native, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
@@ -135,6 +137,7 @@ struct tdm_event {
   tdm_queue *q;             /* holds a reference on q */
   tdm__waiter *waiters;     /* under q->mu */
   void *bev;                /* native event, owned (native backends) */
+  tdm_event *next_all;      /* every event q ever allocated, so shutdown frees them all */
 };
 int tdm__event_check(tdm_event *ev);
 void tdm__event_ref(tdm_event *ev);
@@ -167,6 +170,8 @@ struct tdm_queue {
   pthread_cond_t cv;
   uint64_t seq;             /* under submit_mu */
   tdm__pool events, cmds;
+  tdm_event *all_events;    /* under submit_mu */
+  _Atomic long n_events, n_pending; /* per queue, so submitters share no counter */
   _Atomic int first_error;  /* first failure since the last sync */
   int chain_error;          /* in-order: an earlier failure; touched only in execution order */
   /* tracker (tracker.c), under submit_mu */

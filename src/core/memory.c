@@ -93,7 +93,7 @@ int tdm_malloc(tdm_device *dev, tdm_mem_kind kind, size_t size, void **ptr) {
   rc = TDM__BCALL(dev, dev->be->mem_alloc(dev->bindex, kind, size, &p));
   if (rc)
     return tdm__error(rc, tdm_last_native_error(), "allocating %zu bytes of %s memory on %s: %s",
-                      size, kind_name(kind), dev->info.id, tdm_last_error());
+                      size, kind_name(kind), dev->info.id, tdm__last_detail());
   tdm__alloc a = {.base = (uintptr_t)p, .size = size, .kind = kind, .dev = dev};
   if ((rc = reg_insert(&a))) {
     dev->be->mem_free(dev->bindex, kind, p);
@@ -170,7 +170,7 @@ int tdm_host_register(tdm_device *dev, void *ptr, size_t size) {
   if (dev->be->host_register &&
       (rc = TDM__BCALL(dev, dev->be->host_register(dev->bindex, ptr, size))))
     return tdm__error(rc, tdm_last_native_error(), "registering %zu bytes at %p on %s: %s",
-                      size, ptr, dev->info.id, tdm_last_error());
+                      size, ptr, dev->info.id, tdm__last_detail());
   tdm__alloc a = {.base = (uintptr_t)ptr, .size = size, .kind = TDM_MEM_REGISTERED, .dev = dev};
   if ((rc = reg_insert(&a)) && dev->be->host_unregister)
     dev->be->host_unregister(dev->bindex, ptr);

@@ -34,7 +34,9 @@ static void load_one(const char *dir, const char *file) {
   name[len] = 0;
   if (known(name) || !tdm__backend_allowed(name)) return; /* the first folder wins */
   snprintf(path, sizeof path, "%s/%s", dir, file);
-  void *dl = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  /* NODELETE: a driver stack (an OpenCL ICD loader, say) may keep process-lifetime state
+   * that must stay mapped; the module's threads are joined before it is closed anyway. */
+  void *dl = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
   if (!dl) {
     snprintf(msg, sizeof msg, "%s", dlerror());
     refuse(name, TDM_ENODEV, msg);
@@ -76,7 +78,7 @@ void tdm__modules_load(void) {
   snprintf(paths, sizeof paths, "%s", tdm__g.opts.backend_path);
   char *save = NULL;
   for (char *dir = strtok_r(paths, ":", &save); dir; dir = strtok_r(NULL, ":", &save)) scan(dir);
-  /* Then the folder libtandem itself was loaded from. */
+  /* Then the folder libtandem itself was loaded from; known backends not found are listed. */
   Dl_info info;
   if (dladdr((void *)tdm__modules_load, &info) && info.dli_fname) {
     char self[1024];
@@ -87,6 +89,14 @@ void tdm__modules_load(void) {
       scan(self);
     }
   }
+  static const char *const known_names[] = {"cuda", "opencl"};
+  for (size_t i = 0; i < sizeof known_names / sizeof known_names[0]; i++)
+    if (!known(known_names[i]) && tdm__backend_allowed(known_names[i])) {
+      char msg[128];
+      snprintf(msg, sizeof msg, "libtandem-%s.so not found (not built, or not on "
+               "TANDEM_BACKEND_PATH)", known_names[i]);
+      refuse(known_names[i], TDM_ENODEV, msg);
+    }
 }
 
 void tdm__modules_unload(void) {

@@ -95,15 +95,26 @@ void tdm__pool_after_deps(tdm__cmd *cmd) {
   release_one(cmd);
 }
 
-/* Driver notification for native commands of out-of-order queues: push, wake, return. */
-static void native_done(void *arg) { tdm__pool_ready(arg); }
+/* Driver notification for native commands of out-of-order queues: count down, return. */
+static void native_done(void *arg) { release_one(arg); }
 
+/* On an out-of-order queue a command reaches a pool thread only once its native work and every
+ * dependency have completed, so pool threads never block on each other (a pool of waiting
+ * threads could otherwise starve the completions they wait for). */
 void tdm__cmd_native(tdm__cmd *cmd) {
   tdm_queue *q = cmd->ev->q;
   const tdm__backend *be = q->dev->be;
   if (!(q->flags & TDM_QUEUE_OUT_OF_ORDER) || !be->native_notify) {
     tdm__exec_push(cmd);
-  } else if (!cmd->wait || be->native_notify(cmd->wait, native_done, cmd)) {
-    tdm__pool_ready(cmd); /* nothing to wait for, or no notification: a thread waits */
+    return;
   }
+  cmd->bcount = (long)cmd->ndeps + 2; /* deps, the native work, and a guard dropped last */
+  for (size_t i = 0; i < cmd->ndeps; i++) {
+    tdm__dep *d = &cmd->deps[i];
+    d->w.fn = dep_done;
+    if (tdm__event_on_complete(d->ev, &d->w)) release_one(cmd);
+  }
+  /* Without a handle, or a notification, a pool thread waits for the native work itself. */
+  if (!cmd->wait || be->native_notify(cmd->wait, native_done, cmd)) release_one(cmd);
+  release_one(cmd);
 }

@@ -17,7 +17,6 @@ int tdm__queue_check(tdm_queue *q) {
   return 0;
 }
 
-static void free_event_mem(void *p) { free(p); }
 static void free_cmd_mem(void *p) { free(p); }
 
 void tdm__queue_unref(tdm_queue *q) {
@@ -72,7 +71,7 @@ int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, boo
     rc = TDM__BCALL(dev, dev->be->queue_create(dev->bindex, flags, adopt, &q->bq));
     if (rc) {
       tdm__error(rc, tdm_last_native_error(), "creating a queue on %s: %s", dev->info.id,
-                 tdm_last_error());
+                 tdm__last_detail());
       tdm__tracker_fini(q);
       tdm__exec_stop(q);
     }
@@ -125,7 +124,13 @@ void tdm__queues_free_all(void) {
   tdm_queue *q = tdm__g.queues;
   while (q) {
     tdm_queue *n = q->next_all;
-    tdm__pool_drain(&q->events, free_event_mem);
+    /* Events still held by the caller are freed too: they became invalid at shutdown. */
+    for (tdm_event *ev = q->all_events, *nx; ev; ev = nx) {
+      nx = ev->next_all;
+      free(ev);
+    }
+    q->events.local = NULL;
+    atomic_store(&q->events.returned, NULL);
     tdm__pool_drain(&q->cmds, free_cmd_mem);
     pthread_mutex_destroy(&q->submit_mu);
     pthread_mutex_destroy(&q->mu);

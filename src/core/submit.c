@@ -13,7 +13,7 @@ int tdm__deps_check(size_t ndeps, tdm_event *const *deps) {
   if (ndeps && !deps) return tdm__error(TDM_EINVAL, 0, "ndeps is %zu but deps is NULL", ndeps);
   for (size_t i = 0; i < ndeps; i++) {
     int rc = tdm__event_check(deps[i]);
-    if (rc) return tdm__error(rc, 0, "dependency %zu: %s", i, tdm_last_error());
+    if (rc) return tdm__error(rc, 0, "dependency %zu: %s", i, tdm__last_detail());
   }
   return 0;
 }
@@ -39,7 +39,11 @@ static int reserve(tdm_queue *q, size_t total, tdm__cmd **cmd_out, tdm_event **e
     return tdm__error(TDM_ENOMEM, 0, "no memory for %zu dependencies on %s", total, q->label);
   }
   tdm_event *ev = tdm__pool_get(&q->events);
-  if (!ev && !(ev = tdm__calloc(1, sizeof *ev))) {
+  if (!ev && (ev = tdm__calloc(1, sizeof *ev))) {
+    ev->next_all = q->all_events;
+    q->all_events = ev;
+  }
+  if (!ev) {
     if (cmd->deps != cmd->inline_deps) free(cmd->deps);
     cmd->deps = cmd->inline_deps;
     tdm__pool_put(&q->cmds, cmd);
@@ -130,18 +134,18 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
   atomic_fetch_add(&q->refs, 1);
   atomic_store(&ev->magic, TDM__MAGIC_EVENT);
   cmd->ev = ev;
-  atomic_fetch_add(&tdm__g.n_events, 1);
-  atomic_fetch_add(&tdm__g.n_pending, 1);
+  atomic_fetch_add_explicit(&q->n_events, 1, memory_order_relaxed);
+  atomic_fetch_add_explicit(&q->n_pending, 1, memory_order_relaxed);
 
   rc = TDM__BCALL(q->dev, q->dev->be->submit(q->bq, cmd));
   if (rc) {
-    atomic_fetch_sub(&tdm__g.n_pending, 1);
+    atomic_fetch_sub(&q->n_pending, 1);
     cmd_release_deps(cmd);
     atomic_store(&ev->refs, 1);
     tdm__event_unref(ev);
     tdm__pool_put(&q->cmds, cmd);
     return tdm__error(rc, tdm_last_native_error(), "submitting %s to %s: %s", spec->op,
-                      q->label, tdm_last_error());
+                      q->label, tdm__last_detail());
   }
   q->seq++;
   if (q->nxwait) tdm__xwait_consumed(q, !ooo(q) || gate);
@@ -178,7 +182,7 @@ void tdm__cmd_done(tdm__cmd *cmd, int status, int native) {
   cmd_release_deps(cmd);
   cmd->ev = NULL;
   tdm__pool_put(&q->cmds, cmd);
-  atomic_fetch_sub(&tdm__g.n_pending, 1);
+  atomic_fetch_sub_explicit(&q->n_pending, 1, memory_order_relaxed);
   tdm__event_complete_unref(ev, status, native);
 }
 
@@ -208,7 +212,7 @@ void tdm__cmd_run(tdm__cmd *cmd) {
   const tdm__backend *be = q->dev->be;
   int status = 0, native = 0, nstatus = 0;
   if (cmd->wait) {
-    nstatus = be->native_wait(cmd->wait, &native);
+    nstatus = tdm__device_note(q->dev, be->native_wait(cmd->wait, &native));
     be->native_release(cmd->wait);
     cmd->wait = NULL;
   }
@@ -226,11 +230,14 @@ void tdm__cmd_run(tdm__cmd *cmd) {
   }
   if (status == 0 && !ooo(q) && q->chain_error) status = TDM_EDEP;
   if (status == 0 && nstatus) status = nstatus;
-  bool host = be->native_wait == NULL || cmd->gate != NULL;
+  bool host = be->native_wait == NULL || (cmd->flags & TDM__CMD_ON_HOST);
   if (status == 0) {
     switch (cmd->kind) {
       case TDM__CMD_COPY:
-        if (host) memmove(cmd->u.copy.dst, cmd->u.copy.src, cmd->u.copy.n);
+        if (host && be->host_copy)
+          status = be->host_copy(cmd);
+        else if (host)
+          memmove(cmd->u.copy.dst, cmd->u.copy.src, cmd->u.copy.n);
         break;
       case TDM__CMD_FILL:
         if (host) memset(cmd->u.fill.dst, cmd->u.fill.value, cmd->u.fill.n);

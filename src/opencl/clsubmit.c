@@ -30,6 +30,7 @@ static void bridge_fire(tdm__waiter *w, tdm_event *ev) {
 typedef struct waitlist {
   cl_event *ev;
   cl_uint n;
+  cl_uint nbridges;   /* the first nbridges entries of ev hold a reference of the list's */
   cl_event inline_ev[16];
 } waitlist;
 
@@ -37,9 +38,14 @@ static void waitlist_free(waitlist *wl) {
   if (wl->ev != wl->inline_ev) free(wl->ev);
 }
 
+/* The command may already be complete and recycled here: only the list is used. */
+static void waitlist_release_bridges(waitlist *wl) {
+  for (cl_uint i = 0; i < wl->nbridges; i++) clReleaseEvent(wl->ev[i]);
+}
+
 /* Builds the wait list of cmd's dependencies on queue bq. */
 static int waitlist_build(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl) {
-  wl->n = 0;
+  wl->n = wl->nbridges = 0;
   wl->ev = cmd->ndeps + 1 <= 16 ? wl->inline_ev : malloc((cmd->ndeps + 1) * sizeof(cl_event));
   if (!wl->ev) return ocl_svc->error(TDM_ENOMEM, 0, "no memory for a wait list");
   for (size_t i = 0; i < cmd->ndeps; i++) {
@@ -57,31 +63,26 @@ static int waitlist_build(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl) {
       wl->ev[wl->n++] = native;
       continue;
     }
+    /* Bridges go first, so they can be released without looking at cmd again. */
+    if (wl->n > wl->nbridges) wl->ev[wl->n] = wl->ev[wl->nbridges];
     bridge *b = malloc(sizeof *b);
     cl_int err = CL_OUT_OF_HOST_MEMORY;
     if (b) b->uev = clCreateUserEvent(ocl_devs[bq->bdev].ctx, &err);
     if (!b || !b->uev) {
       free(b);
+      waitlist_release_bridges(wl);
       waitlist_free(wl);
       return ocl_error(err, "clCreateUserEvent for a cross-device dependency");
     }
     b->w.fn = bridge_fire;
     clRetainEvent(b->uev); /* the wait list's reference; the bridge keeps its own */
-    wl->ev[wl->n++] = b->uev;
+    wl->ev[wl->nbridges++] = b->uev;
+    wl->n++;
     if (ocl_svc->event_on_complete(dep, &b->w)) bridge_fire(&b->w, dep);
   }
   return 0;
 }
 
-static void waitlist_release_bridges(waitlist *wl, tdm__cmd *cmd) {
-  /* Bridge events were retained for the wait list; the enqueue retained what it needs. */
-  cl_uint k = 0;
-  for (size_t i = 0; i < cmd->ndeps && k < wl->n; i++) {
-    if (ocl_svc->event_native(cmd->deps[i].ev, &tdm__opencl_backend) != wl->ev[k])
-      clReleaseEvent(wl->ev[k]);
-    k++;
-  }
-}
 
 /* Gives the command to tandem. done: the native event that completes with it (attached to the
  * tandem event, so other queues wait for it natively; NULL when it has none). wait: what the
@@ -110,6 +111,7 @@ static int host_work(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl, bool gated) {
     hand_over(cmd, pre, pre, NULL);
     return 0;
   }
+  if (cmd->kind != TDM__CMD_HOST) cmd->flags |= TDM__CMD_ON_HOST; /* host copy or fill */
   gate = clCreateUserEvent(ocl_devs[bq->bdev].ctx, &err);
   if (gate)
     err = bq->ooo ? clEnqueueMarkerWithWaitList(bq->q, 1, &gate, &done)
@@ -199,7 +201,7 @@ static int submit_now(tdm__bqueue *bq, tdm__cmd *cmd) {
   int rc = waitlist_build(bq, cmd, &wl);
   if (rc) return rc;
   rc = enqueue(bq, cmd, &wl);
-  waitlist_release_bridges(&wl, cmd);
+  waitlist_release_bridges(&wl);
   waitlist_free(&wl);
   return rc;
 }
@@ -231,7 +233,7 @@ static void resume(tdm__bqueue *bq, tdm__cmd *cmd);
 /* Enqueues a command whose non-native dependencies have completed. */
 static int enqueue_deferred(tdm__bqueue *bq, tdm__cmd *cmd) {
   waitlist wl;
-  wl.n = 0;
+  wl.n = wl.nbridges = 0;
   wl.ev = cmd->ndeps <= 16 ? wl.inline_ev : malloc(cmd->ndeps * sizeof(cl_event));
   if (!wl.ev) return ocl_svc->error(TDM_ENOMEM, 0, "no memory for a wait list");
   for (size_t i = 0; i < cmd->ndeps; i++) {
@@ -250,6 +252,7 @@ static int enqueue_deferred(tdm__bqueue *bq, tdm__cmd *cmd) {
       err = clEnqueueMarkerWithWaitList(bq->q, wl.n, wl.n ? wl.ev : NULL, &pre);
     rc = err == CL_SUCCESS ? 0 : ocl_error(err, "clEnqueueMarkerWithWaitList");
     if (!rc) {
+      if (cmd->kind != TDM__CMD_HOST) cmd->flags |= TDM__CMD_ON_HOST;
       if (!bq->ooo) bq->blocker = cmd;
       hand_over(cmd, NULL, pre, bq->ooo ? NULL : DEFER_GATE(bq));
     }

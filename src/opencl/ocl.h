@@ -18,6 +18,7 @@ typedef struct ocl_device {
   cl_ulong memory;
   bool ooo;
   bool defer; /* user events hang on this driver: gate on the host instead */
+  bool gpu;   /* CL_DEVICE_TYPE_GPU or _ACCELERATOR */
 } ocl_device;
 
 struct tdm__bqueue {

@@ -57,6 +57,9 @@ static int add_device(cl_platform_id p, cl_device_id id) {
   cl_command_queue_properties qp = 0;
   clGetDeviceInfo(id, CL_DEVICE_QUEUE_PROPERTIES, sizeof qp, &qp, NULL);
   d->ooo = (qp & CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE) != 0;
+  cl_device_type type = 0;
+  clGetDeviceInfo(id, CL_DEVICE_TYPE, sizeof type, &type, NULL);
+  d->gpu = (type & (CL_DEVICE_TYPE_GPU | CL_DEVICE_TYPE_ACCELERATOR)) != 0;
   /* PoCL 3.1's basic driver deadlocks inside clSetUserEventStatus when a command waits on the
    * user event, so on it tandem gates host work on the host. TANDEM_OPENCL_DEFER forces it. */
   long force = ocl_svc->option_long("TANDEM_OPENCL_DEFER", -1);
@@ -114,7 +117,7 @@ static int ocl_device_info(int bdev, tdm_device_info *info) {
   snprintf(info->name, sizeof info->name, "%s", d->name);
   info->total_memory = d->memory;
   info->caps = TDM_DEVICE_CAP_TIMING | TDM_DEVICE_CAP_ADOPT |
-               (d->ooo ? TDM_DEVICE_CAP_OUT_OF_ORDER : 0);
+               (d->ooo ? TDM_DEVICE_CAP_OUT_OF_ORDER : 0) | (d->gpu ? TDM_DEVICE_CAP_GPU : 0);
   return 0;
 }
 

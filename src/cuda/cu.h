@@ -1,0 +1,120 @@
+/* cu.h: private pieces shared by the CUDA backend's files. */
+#ifndef TANDEM_CU_H
+#define TANDEM_CU_H
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backend.h"
+
+#define CU_OOO_STREAMS 4 /* an out-of-order queue round-robins over this many streams */
+#define CU_GATES 4096    /* gate slots per device */
+
+/* A pooled native event. refs: one per holder (the tandem event, the core's wait). */
+typedef struct cu_event {
+  struct cu_event *next;
+  cudaEvent_t e;
+  _Atomic int refs;
+  int dev;
+  bool timed;
+  int stream;             /* index of the stream it was recorded on (out-of-order queues) */
+  struct tdm__bqueue *bq; /* the queue that recorded it */
+} cu_event;
+
+/* A gate: the stream waits until *host reaches target (cuStreamWaitValue32), or, without stream
+ * memory operations, a host function blocks until the gate opens. */
+typedef struct cu_gate {
+  tdm__waiter w; /* first: a bridge for a dependency of another backend opens it */
+  int dev;
+  int slot;
+  uint32_t target;
+  bool open;     /* fallback path, under the device's gate lock */
+} cu_gate;
+
+typedef struct cu_device {
+  int ordinal;
+  char name[128];
+  size_t memory;
+  bool wait_value;         /* cuStreamWaitValue32 works on this device */
+  cudaStream_t internal;   /* allocation, frees and staging: never gated */
+  pthread_mutex_t ev_mu;   /* event pool */
+  cu_event *ev_free;
+  pthread_mutex_t gate_mu; /* gate slots */
+  pthread_cond_t gate_cv;  /* fallback host functions wait here */
+  volatile uint32_t *gate_host;
+  CUdeviceptr gate_dev;
+  uint32_t gate_val[CU_GATES];
+  int gate_free[CU_GATES];
+  int ngate_free;
+  cu_gate gates[CU_GATES];
+  pthread_mutex_t stage_mu; /* pageable copies: two pinned staging buffers */
+  void *stage[2];
+  cudaEvent_t stage_done[2];
+} cu_device;
+
+/* Per out-of-order stream: a thread that waits for events in order and notifies the core. */
+typedef struct cu_notifier {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  struct cu_note *head, *tail;
+  bool stop;
+  pthread_t thread;
+} cu_notifier;
+
+struct tdm__bqueue {
+  int bdev;
+  bool ooo, adopted, timed;
+  int nstreams;
+  cudaStream_t s[CU_OOO_STREAMS];
+  unsigned rr; /* next stream (out-of-order) */
+  cu_notifier note[CU_OOO_STREAMS];
+};
+
+extern const tdm__services *cu_svc;
+extern const tdm__backend tdm__cuda_backend;
+extern cu_device *cu_devs;
+extern int cu_ndevs;
+
+/* Maps a CUDA error, sets the message; sticky errors mean the device is lost. */
+int cu_error(cudaError_t err, const char *what);
+
+/* Saves the caller's current device and makes dev current; cu_leave restores it. */
+int cu_enter(int dev, int *saved);
+void cu_leave(int saved);
+
+cu_event *cu_event_get(int dev, bool timed);
+void cu_event_put(cu_event *ev);
+cu_gate *cu_gate_get(int dev);
+int cu_gate_enqueue(cu_gate *g, cudaStream_t s);
+void cu_gate_open(cu_gate *g);
+
+/* cumem.c */
+int cu_mem_init(cu_device *d);
+void cu_mem_fini(cu_device *d);
+int cu_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr);
+void cu_mem_free(int bdev, tdm_mem_kind kind, void *ptr);
+int cu_host_register(int bdev, void *ptr, size_t size);
+void cu_host_unregister(int bdev, void *ptr);
+int cu_mem_native(int bdev, void *base, void *ptr, void **native, size_t *offset);
+int cu_mem_import(int bdev, void *native, size_t size, void **ptr);
+/* Whether p is host memory the GPU cannot reach by DMA (pageable). */
+bool cu_is_pageable(const void *p);
+bool cu_is_device(const void *p);
+bool cu_is_imported(const void *p);
+int cu_host_copy(tdm__cmd *cmd);
+
+/* cusubmit.c */
+int cu_submit(tdm__bqueue *bq, tdm__cmd *cmd);
+int cu_native_wait(void *handle, int *native);
+void cu_native_release(void *handle);
+int cu_native_notify(void *handle, void (*fn)(void *), void *arg);
+void cu_gate_open_entry(void *gate);
+int cu_event_elapsed(void *a, void *b, double *ms);
+void cu_notifier_start(cu_notifier *n);
+void cu_notifier_stop(cu_notifier *n);
+
+#endif

@@ -1,0 +1,366 @@
+/* cuda.c: the CUDA backend's table (the module libtandem-cuda.so): devices, queues (owned
+ * non-blocking streams, or adopted ones), pooled events, gates, error mapping, and the
+ * current-device discipline (every entry saves and restores the caller's device). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cu.h"
+
+const tdm__services *cu_svc;
+cu_device *cu_devs;
+int cu_ndevs;
+
+static bool sticky(cudaError_t e) {
+  switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorDevicesUnavailable: return true;
+    default: return false;
+  }
+}
+
+int cu_error(cudaError_t err, const char *what) {
+  int code;
+  if (sticky(err))
+    code = TDM_EDEVLOST;
+  else if (err == cudaErrorMemoryAllocation)
+    code = TDM_ENOMEM;
+  else if (err == cudaErrorInvalidValue || err == cudaErrorInvalidResourceHandle ||
+           err == cudaErrorInvalidDevicePointer)
+    code = TDM_EINVAL;
+  else if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver)
+    code = TDM_ENODEV;
+  else if (err == cudaErrorNotSupported)
+    code = TDM_ENOTSUP;
+  else if (err == cudaErrorStreamCaptureUnsupported || err == cudaErrorStreamCaptureInvalidated)
+    code = TDM_ESTATE;
+  else
+    code = TDM_EBACKEND;
+  return cu_svc->error(code, (int)err, "%s: %s (%s)", what, cudaGetErrorString(err),
+                       cudaGetErrorName(err));
+}
+
+int cu_enter(int dev, int *saved) {
+  if (cudaGetDevice(saved) != cudaSuccess) *saved = -1;
+  if (*saved == cu_devs[dev].ordinal) return 0;
+  cudaError_t e = cudaSetDevice(cu_devs[dev].ordinal);
+  return e == cudaSuccess ? 0 : cu_error(e, "cudaSetDevice");
+}
+
+void cu_leave(int saved) {
+  int now;
+  if (saved >= 0 && cudaGetDevice(&now) == cudaSuccess && now != saved) cudaSetDevice(saved);
+}
+
+/* ---- events: pooled per device, timing only where asked ---- */
+
+cu_event *cu_event_get(int dev, bool timed) {
+  cu_device *d = &cu_devs[dev];
+  cu_event *ev = NULL;
+  if (!timed) {
+    pthread_mutex_lock(&d->ev_mu);
+    ev = d->ev_free;
+    if (ev) d->ev_free = ev->next;
+    pthread_mutex_unlock(&d->ev_mu);
+  }
+  if (!ev) {
+    ev = calloc(1, sizeof *ev);
+    if (!ev) return NULL;
+    unsigned flags = cudaEventBlockingSync | (timed ? 0 : cudaEventDisableTiming);
+    if (cudaEventCreateWithFlags(&ev->e, flags) != cudaSuccess) {
+      free(ev);
+      return NULL;
+    }
+    ev->dev = dev;
+    ev->timed = timed;
+  }
+  atomic_store(&ev->refs, 1);
+  return ev;
+}
+
+void cu_event_put(cu_event *ev) {
+  if (atomic_fetch_sub(&ev->refs, 1) != 1) return;
+  if (ev->timed) {
+    /* Timed events are rare (timing queues): not pooled. cudaEventDestroy does not block. */
+    cudaEventDestroy(ev->e);
+    free(ev);
+    return;
+  }
+  cu_device *d = &cu_devs[ev->dev];
+  pthread_mutex_lock(&d->ev_mu);
+  ev->next = d->ev_free;
+  d->ev_free = ev;
+  pthread_mutex_unlock(&d->ev_mu);
+}
+
+/* ---- gates ---- */
+
+cu_gate *cu_gate_get(int dev) {
+  cu_device *d = &cu_devs[dev];
+  pthread_mutex_lock(&d->gate_mu);
+  cu_gate *g = NULL;
+  if (d->ngate_free) {
+    int slot = d->gate_free[--d->ngate_free];
+    g = &d->gates[slot];
+    g->dev = dev;
+    g->slot = slot;
+    g->target = d->gate_val[slot] + 1; /* values only grow, so a slot is reusable at once */
+    g->open = false;
+  }
+  pthread_mutex_unlock(&d->gate_mu);
+  return g;
+}
+
+/* Fallback without stream memory operations: a host function that blocks the stream. */
+static void CUDART_CB gate_block(void *arg) {
+  cu_gate *g = arg;
+  cu_device *d = &cu_devs[g->dev];
+  pthread_mutex_lock(&d->gate_mu);
+  while (!g->open) pthread_cond_wait(&d->gate_cv, &d->gate_mu);
+  d->gate_free[d->ngate_free++] = g->slot;
+  pthread_mutex_unlock(&d->gate_mu);
+}
+
+int cu_gate_enqueue(cu_gate *g, cudaStream_t s) {
+  cu_device *d = &cu_devs[g->dev];
+  if (d->wait_value) {
+    CUresult r = cuStreamWaitValue32((CUstream)s, d->gate_dev + (CUdeviceptr)(g->slot * 4),
+                                     g->target, CU_STREAM_WAIT_VALUE_GEQ);
+    if (r == CUDA_SUCCESS) return 0;
+    return cu_svc->error(TDM_EBACKEND, (int)r, "cuStreamWaitValue32 failed (%d)", (int)r);
+  }
+  cudaError_t e = cudaLaunchHostFunc(s, gate_block, g);
+  return e == cudaSuccess ? 0 : cu_error(e, "cudaLaunchHostFunc");
+}
+
+void cu_gate_open(cu_gate *g) {
+  cu_device *d = &cu_devs[g->dev];
+  pthread_mutex_lock(&d->gate_mu);
+  if (d->wait_value) {
+    __atomic_store_n(&d->gate_host[g->slot], g->target, __ATOMIC_RELEASE);
+    d->gate_val[g->slot] = g->target;
+    d->gate_free[d->ngate_free++] = g->slot;
+  } else {
+    g->open = true; /* the host function frees the slot */
+    d->gate_val[g->slot] = g->target;
+    pthread_cond_broadcast(&d->gate_cv);
+  }
+  pthread_mutex_unlock(&d->gate_mu);
+}
+
+/* ---- devices ---- */
+
+static int init_device(cu_device *d, int ordinal) {
+  memset(d, 0, sizeof *d);
+  d->ordinal = ordinal;
+  struct cudaDeviceProp p;
+  cudaError_t e = cudaGetDeviceProperties(&p, ordinal);
+  if (e != cudaSuccess) return cu_error(e, "cudaGetDeviceProperties");
+  snprintf(d->name, sizeof d->name, "%.*s", (int)sizeof d->name - 1, p.name);
+  d->memory = p.totalGlobalMem;
+  pthread_mutex_init(&d->ev_mu, NULL);
+  pthread_mutex_init(&d->gate_mu, NULL);
+  pthread_cond_init(&d->gate_cv, NULL);
+  pthread_mutex_init(&d->stage_mu, NULL);
+  if ((e = cudaSetDevice(ordinal)) != cudaSuccess) return cu_error(e, "cudaSetDevice");
+  if ((e = cudaStreamCreateWithFlags(&d->internal, cudaStreamNonBlocking)) != cudaSuccess)
+    return cu_error(e, "cudaStreamCreateWithFlags");
+  /* Gate words: mapped pinned memory the GPU polls and the host writes. */
+  void *host;
+  if ((e = cudaHostAlloc(&host, CU_GATES * 4, cudaHostAllocMapped | cudaHostAllocPortable)) !=
+      cudaSuccess)
+    return cu_error(e, "cudaHostAlloc for gates");
+  memset(host, 0, CU_GATES * 4);
+  d->gate_host = host;
+  void *devp;
+  if ((e = cudaHostGetDevicePointer(&devp, host, 0)) != cudaSuccess)
+    return cu_error(e, "cudaHostGetDevicePointer");
+  d->gate_dev = (CUdeviceptr)devp;
+  for (int i = 0; i < CU_GATES; i++) d->gate_free[i] = CU_GATES - 1 - i;
+  d->ngate_free = CU_GATES;
+  /* 32-bit waits are part of the memory-operation API on current drivers; probe it once. */
+  cu_gate *g = cu_gate_get((int)(d - cu_devs));
+  d->wait_value = true;
+  CUresult r = cuStreamWaitValue32((CUstream)d->internal, d->gate_dev + (CUdeviceptr)(g->slot * 4),
+                                   0, CU_STREAM_WAIT_VALUE_GEQ);
+  d->wait_value = r == CUDA_SUCCESS;
+  cudaStreamSynchronize(d->internal);
+  d->gate_free[d->ngate_free++] = g->slot;
+  return cu_mem_init(d);
+}
+
+static int cuda_init(const tdm__services *svc, int *ndevices) {
+  cu_svc = svc;
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    return svc->error(TDM_ENODEV, (int)e, "no CUDA device (%s)",
+                      e == cudaSuccess ? "none found" : cudaGetErrorString(e));
+  }
+  int saved;
+  if (cudaGetDevice(&saved) != cudaSuccess) saved = -1;
+  cu_devs = calloc((size_t)n, sizeof *cu_devs);
+  if (!cu_devs) return svc->error(TDM_ENOMEM, 0, "no memory");
+  int rc = 0;
+  for (int i = 0; i < n && !rc; i++) {
+    rc = init_device(&cu_devs[i], i);
+    if (!rc) cu_ndevs++;
+  }
+  /* Peer access, explicitly, between every pair that supports it. */
+  for (int i = 0; i < cu_ndevs; i++)
+    for (int j = 0; j < cu_ndevs; j++) {
+      int can = 0;
+      if (i != j && cudaDeviceCanAccessPeer(&can, i, j) == cudaSuccess && can) {
+        cudaSetDevice(i);
+        if (cudaDeviceEnablePeerAccess(j, 0) != cudaSuccess) cudaGetLastError();
+      }
+    }
+  if (saved >= 0) cudaSetDevice(saved);
+  if (cu_ndevs == 0) return rc ? rc : svc->error(TDM_ENODEV, 0, "no usable CUDA device");
+  *ndevices = cu_ndevs;
+  return 0;
+}
+
+static void cuda_shutdown(void) {
+  for (int i = 0; i < cu_ndevs; i++) {
+    cu_device *d = &cu_devs[i];
+    cudaSetDevice(d->ordinal);
+    cudaStreamSynchronize(d->internal);
+    cu_mem_fini(d);
+    for (cu_event *ev = d->ev_free, *n; ev; ev = n) {
+      n = ev->next;
+      cudaEventDestroy(ev->e);
+      free(ev);
+    }
+    cudaFreeHost((void *)d->gate_host);
+    cudaStreamDestroy(d->internal);
+  }
+  free(cu_devs);
+  cu_devs = NULL;
+  cu_ndevs = 0;
+}
+
+static int cuda_device_info(int bdev, tdm_device_info *info) {
+  cu_device *d = &cu_devs[bdev];
+  memset(info, 0, sizeof *info);
+  snprintf(info->name, sizeof info->name, "%s", d->name);
+  info->total_memory = d->memory;
+  info->caps = TDM_DEVICE_CAP_TIMING | TDM_DEVICE_CAP_OUT_OF_ORDER | TDM_DEVICE_CAP_ADOPT |
+               TDM_DEVICE_CAP_GPU;
+  return 0;
+}
+
+/* ---- queues ---- */
+
+static int cuda_queue_create(int bdev, unsigned flags, void *adopt, tdm__bqueue **out) {
+  int saved, rc = cu_enter(bdev, &saved);
+  if (rc) return rc;
+  tdm__bqueue *bq = calloc(1, sizeof *bq);
+  if (!bq) {
+    cu_leave(saved);
+    return cu_svc->error(TDM_ENOMEM, 0, "no memory for a CUDA queue");
+  }
+  bq->bdev = bdev;
+  bq->ooo = (flags & TDM_QUEUE_OUT_OF_ORDER) != 0;
+  bq->timed = (flags & TDM_QUEUE_TIMING) != 0;
+  if (adopt) {
+    cudaStream_t s = adopt;
+    if (s == cudaStreamLegacy || s == cudaStreamPerThread || (uintptr_t)s < 16) {
+      free(bq);
+      cu_leave(saved);
+      return cu_svc->error(TDM_EINVAL, 0, "the legacy and per-thread default streams cannot be "
+                                          "adopted: create a non-blocking stream");
+    }
+    int sdev = -1;
+    cudaError_t e = cudaStreamGetDevice(s, &sdev);
+    if (e != cudaSuccess || sdev != cu_devs[bdev].ordinal) {
+      free(bq);
+      cu_leave(saved);
+      if (e != cudaSuccess) return cu_error(e, "cudaStreamGetDevice on the adopted stream");
+      return cu_svc->error(TDM_EXDEV, 0, "the adopted stream belongs to CUDA device %d", sdev);
+    }
+    if (bq->ooo) {
+      free(bq);
+      cu_leave(saved);
+      return cu_svc->error(TDM_EINVAL, 0, "an adopted CUDA stream is in-order");
+    }
+    bq->adopted = true;
+    bq->nstreams = 1;
+    bq->s[0] = s;
+  } else {
+    bq->nstreams = bq->ooo ? CU_OOO_STREAMS : 1;
+    for (int i = 0; i < bq->nstreams; i++) {
+      cudaError_t e = cudaStreamCreateWithFlags(&bq->s[i], cudaStreamNonBlocking);
+      if (e != cudaSuccess) {
+        while (i--) cudaStreamDestroy(bq->s[i]);
+        free(bq);
+        rc = cu_error(e, "cudaStreamCreateWithFlags");
+        cu_leave(saved);
+        return rc;
+      }
+    }
+  }
+  if (bq->ooo)
+    for (int i = 0; i < bq->nstreams; i++) cu_notifier_start(&bq->note[i]);
+  cu_leave(saved);
+  *out = bq;
+  return 0;
+}
+
+static void cuda_queue_destroy(tdm__bqueue *bq) {
+  int saved;
+  cu_enter(bq->bdev, &saved);
+  if (bq->ooo)
+    for (int i = 0; i < bq->nstreams; i++) cu_notifier_stop(&bq->note[i]);
+  if (!bq->adopted)
+    for (int i = 0; i < bq->nstreams; i++) cudaStreamDestroy(bq->s[i]);
+  cu_leave(saved);
+  free(bq);
+}
+
+static int cuda_queue_native(tdm__bqueue *bq, void **native) {
+  *native = bq->s[0];
+  return 0;
+}
+
+static int cuda_device_native(int bdev, void **native) {
+  *native = &cu_devs[bdev].ordinal;
+  return 0;
+}
+
+const tdm__backend tdm__cuda_backend = {
+    .abi_version = TDM__BACKEND_ABI,
+    .name = "cuda",
+    .init = cuda_init,
+    .shutdown = cuda_shutdown,
+    .device_info = cuda_device_info,
+    .queue_create = cuda_queue_create,
+    .queue_destroy = cuda_queue_destroy,
+    .queue_native = cuda_queue_native,
+    .submit = cu_submit,
+    .mem_alloc = cu_mem_alloc,
+    .mem_free = cu_mem_free,
+    .host_register = cu_host_register,
+    .host_unregister = cu_host_unregister,
+    .device_native = cuda_device_native,
+    .mem_native = cu_mem_native,
+    .mem_import = cu_mem_import,
+    .native_wait = cu_native_wait,
+    .native_notify = cu_native_notify,
+    .native_release = cu_native_release,
+    .gate_open = cu_gate_open_entry,
+    .host_copy = cu_host_copy,
+    .event_elapsed = cu_event_elapsed,
+};
+
+__attribute__((visibility("default"))) const void *tdm_backend_module(void) {
+  return &tdm__cuda_backend;
+}

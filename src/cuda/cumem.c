@@ -1,0 +1,209 @@
+/* cumem.c: CUDA memory. Device memory comes from the device's stream-ordered pool, so a
+ * stream-ordered free is cudaFreeAsync; pinned memory from cudaHostAlloc; registration with
+ * cudaHostRegister. Pageable copies are staged through two pinned buffers on the device's
+ * internal stream, by the queue's executor, after earlier work on the queue: in stream order,
+ * never at call time. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cu.h"
+
+#define STAGE_BYTES (8u << 20)
+
+int cu_mem_init(cu_device *d) {
+  for (int i = 0; i < 2; i++) {
+    cudaError_t e = cudaHostAlloc(&d->stage[i], STAGE_BYTES, cudaHostAllocPortable);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&d->stage_done[i], cudaEventDisableTiming);
+    if (e != cudaSuccess) return cu_error(e, "allocating the pageable-copy staging buffers");
+  }
+  return 0;
+}
+
+void cu_mem_fini(cu_device *d) {
+  for (int i = 0; i < 2; i++) {
+    if (d->stage[i]) cudaFreeHost(d->stage[i]);
+    if (d->stage_done[i]) cudaEventDestroy(d->stage_done[i]);
+  }
+}
+
+int cu_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr) {
+  if (kind == TDM_MEM_HOST) {
+    void *p = malloc(size);
+    if (!p) return cu_svc->error(TDM_ENOMEM, 0, "cannot allocate %zu bytes", size);
+    *ptr = p;
+    return 0;
+  }
+  int saved, rc = cu_enter(bdev, &saved);
+  if (rc) return rc;
+  void *p = NULL;
+  cudaError_t e;
+  if (kind == TDM_MEM_PINNED) {
+    e = cudaHostAlloc(&p, size, cudaHostAllocPortable);
+  } else {
+    /* From the pool on the internal stream, made visible to every stream by the sync. */
+    e = cudaMallocAsync(&p, size, cu_devs[bdev].internal);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(cu_devs[bdev].internal);
+  }
+  rc = e == cudaSuccess ? 0 : cu_error(e, kind == TDM_MEM_PINNED ? "cudaHostAlloc" : "cudaMallocAsync");
+  cu_leave(saved);
+  if (!rc) *ptr = p;
+  return rc;
+}
+
+/* Imported device memory is tagged by the low bit of a side table entry: it is never freed. */
+typedef struct imported {
+  struct imported *next;
+  void *ptr;
+} imported;
+static pthread_mutex_t imp_mu = PTHREAD_MUTEX_INITIALIZER;
+static imported *imports;
+
+static bool take_import(void *ptr) {
+  pthread_mutex_lock(&imp_mu);
+  bool found = false;
+  for (imported **pp = &imports; *pp; pp = &(*pp)->next)
+    if ((*pp)->ptr == ptr) {
+      imported *dead = *pp;
+      *pp = dead->next;
+      free(dead);
+      found = true;
+      break;
+    }
+  pthread_mutex_unlock(&imp_mu);
+  return found;
+}
+
+bool cu_is_imported(const void *p) {
+  pthread_mutex_lock(&imp_mu);
+  bool found = false;
+  for (imported *it = imports; it && !found; it = it->next) found = it->ptr == p;
+  pthread_mutex_unlock(&imp_mu);
+  return found;
+}
+
+void cu_mem_free(int bdev, tdm_mem_kind kind, void *ptr) {
+  if (kind == TDM_MEM_HOST) {
+    free(ptr);
+    return;
+  }
+  if (kind == TDM_MEM_DEVICE && take_import(ptr)) return;
+  int saved;
+  if (cu_enter(bdev, &saved)) return;
+  if (kind == TDM_MEM_PINNED)
+    cudaFreeHost(ptr);
+  else
+    cudaFreeAsync(ptr, cu_devs[bdev].internal); /* the caller vouched nothing uses it */
+  cu_leave(saved);
+}
+
+int cu_host_register(int bdev, void *ptr, size_t size) {
+  int saved, rc = cu_enter(bdev, &saved);
+  if (rc) return rc;
+  cudaError_t e = cudaHostRegister(ptr, size, cudaHostRegisterPortable);
+  rc = e == cudaSuccess ? 0 : cu_error(e, "cudaHostRegister");
+  cu_leave(saved);
+  return rc;
+}
+
+void cu_host_unregister(int bdev, void *ptr) {
+  int saved;
+  if (cu_enter(bdev, &saved)) return;
+  cudaHostUnregister(ptr);
+  cu_leave(saved);
+}
+
+int cu_mem_native(int bdev, void *base, void *ptr, void **native, size_t *offset) {
+  *native = ptr;
+  *offset = 0;
+  return 0;
+}
+
+int cu_mem_import(int bdev, void *native, size_t size, void **ptr) {
+  struct cudaPointerAttributes a;
+  cudaError_t e = cudaPointerGetAttributes(&a, native);
+  if (e != cudaSuccess) return cu_error(e, "cudaPointerGetAttributes on imported memory");
+  if (a.type != cudaMemoryTypeDevice || a.device != cu_devs[bdev].ordinal)
+    return cu_svc->error(TDM_EINVAL, 0, "%p is not device memory of CUDA device %d", native,
+                         cu_devs[bdev].ordinal);
+  imported *im = malloc(sizeof *im);
+  if (!im) return cu_svc->error(TDM_ENOMEM, 0, "no memory");
+  im->ptr = native;
+  pthread_mutex_lock(&imp_mu);
+  im->next = imports;
+  imports = im;
+  pthread_mutex_unlock(&imp_mu);
+  *ptr = native;
+  return 0;
+}
+
+static enum cudaMemoryType kind_of(const void *p) {
+  struct cudaPointerAttributes a;
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();
+    return cudaMemoryTypeUnregistered;
+  }
+  return a.type;
+}
+
+bool cu_is_pageable(const void *p) { return kind_of(p) == cudaMemoryTypeUnregistered; }
+bool cu_is_device(const void *p) {
+  enum cudaMemoryType t = kind_of(p);
+  return t == cudaMemoryTypeDevice || t == cudaMemoryTypeManaged;
+}
+
+/* A copy with pageable host memory on one side, run by the executor once earlier work on the
+ * queue is done (the queue's stream is held at a gate meanwhile): chunks go through the two
+ * staging buffers on the device's internal stream, the host memcpy of one chunk overlapping the
+ * DMA of the other. Host-to-host copies are a memmove. */
+int cu_host_copy(tdm__cmd *cmd) {
+  char *dst = cmd->u.copy.dst;
+  const char *src = cmd->u.copy.src;
+  size_t n = cmd->u.copy.n;
+  bool to_dev = cu_is_device(dst), from_dev = cu_is_device(src);
+  if (!to_dev && !from_dev) {
+    memmove(dst, src, n);
+    return 0;
+  }
+  int bdev = -1;
+  struct cudaPointerAttributes a;
+  if (cudaPointerGetAttributes(&a, to_dev ? (const void *)dst : (const void *)src) == cudaSuccess)
+    for (int i = 0; i < cu_ndevs; i++)
+      if (cu_devs[i].ordinal == a.device) bdev = i;
+  if (bdev < 0) return cu_svc->error(TDM_EINVAL, 0, "device memory of no known CUDA device");
+  cu_device *d = &cu_devs[bdev];
+  int saved, rc = cu_enter(bdev, &saved);
+  if (rc) return rc;
+  pthread_mutex_lock(&d->stage_mu);
+  cudaError_t e = cudaSuccess;
+  if (to_dev) {
+    for (size_t off = 0, k = 0; off < n && e == cudaSuccess; off += STAGE_BYTES, k++) {
+      size_t len = n - off < STAGE_BYTES ? n - off : STAGE_BYTES;
+      int b = (int)(k & 1);
+      e = cudaEventSynchronize(d->stage_done[b]); /* its previous DMA has drained */
+      if (e != cudaSuccess) break;
+      memcpy(d->stage[b], src + off, len);
+      e = cudaMemcpyAsync(dst + off, d->stage[b], len, cudaMemcpyHostToDevice, d->internal);
+      if (e == cudaSuccess) e = cudaEventRecord(d->stage_done[b], d->internal);
+    }
+  } else {
+    /* Device to pageable: DMA chunk k+1 while the host copies chunk k out. */
+    size_t chunks = (n + STAGE_BYTES - 1) / STAGE_BYTES;
+    for (size_t k = 0; k <= chunks && e == cudaSuccess; k++) {
+      if (k < chunks) {
+        size_t off = k * STAGE_BYTES, len = n - off < STAGE_BYTES ? n - off : STAGE_BYTES;
+        e = cudaMemcpyAsync(d->stage[k & 1], src + off, len, cudaMemcpyDeviceToHost, d->internal);
+        if (e == cudaSuccess) e = cudaEventRecord(d->stage_done[k & 1], d->internal);
+      }
+      if (k > 0 && e == cudaSuccess) {
+        size_t j = k - 1, off = j * STAGE_BYTES, len = n - off < STAGE_BYTES ? n - off : STAGE_BYTES;
+        e = cudaEventSynchronize(d->stage_done[j & 1]);
+        if (e == cudaSuccess) memcpy(dst + off, d->stage[j & 1], len);
+      }
+    }
+  }
+  if (e == cudaSuccess) e = cudaStreamSynchronize(d->internal);
+  pthread_mutex_unlock(&d->stage_mu);
+  rc = e == cudaSuccess ? 0 : cu_error(e, "staging a pageable copy");
+  cu_leave(saved);
+  return rc;
+}

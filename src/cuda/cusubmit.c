@@ -1,0 +1,258 @@
+/* cusubmit.c: turns tandem commands into stream operations. Every command ends with a pooled
+ * event recorded on its stream; the core waits for it on the queue's executor (in-order) or is
+ * notified by this backend's per-stream notifier threads (out-of-order queues, which
+ * round-robin over CU_OOO_STREAMS streams). Host work (host tasks, pageable and host-only
+ * copies, host fills) holds the stream at a gate until the core has done it; nothing tandem
+ * runs inside a CUDA callback. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cu.h"
+
+static int record(tdm__bqueue *bq, int si, cu_event **out) {
+  cu_event *ev = cu_event_get(bq->bdev, bq->timed);
+  if (!ev) return cu_svc->error(TDM_ENOMEM, 0, "no CUDA event");
+  cudaError_t e = cudaEventRecord(ev->e, bq->s[si]);
+  if (e != cudaSuccess) {
+    cu_event_put(ev);
+    return cu_error(e, "cudaEventRecord");
+  }
+  ev->stream = si;
+  ev->bq = bq;
+  *out = ev;
+  return 0;
+}
+
+/* A dependency of another backend, or one not recorded natively: a gate the tandem event's
+ * completion opens. */
+static void bridge_fire(tdm__waiter *w, tdm_event *ev) { cu_gate_open((cu_gate *)w); }
+
+static int wait_deps(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
+  for (size_t i = 0; i < cmd->ndeps; i++) {
+    tdm_event *dep = cmd->deps[i].ev;
+    cu_event *native = cu_svc->event_native(dep, &tdm__cuda_backend);
+    if (native) {
+      /* Works across devices too. */
+      cudaError_t e = cudaStreamWaitEvent(bq->s[si], native->e, 0);
+      if (e != cudaSuccess) return cu_error(e, "cudaStreamWaitEvent");
+      continue;
+    }
+    cu_gate *g = cu_gate_get(bq->bdev);
+    if (!g) return cu_svc->error(TDM_EBUSY, 0, "all %d gates of the device are in use", CU_GATES);
+    int rc = cu_gate_enqueue(g, bq->s[si]);
+    if (rc) {
+      cu_gate_open(g); /* returns the slot */
+      return rc;
+    }
+    g->w.fn = bridge_fire;
+    if (cu_svc->event_on_complete(dep, &g->w)) cu_gate_open(g);
+  }
+  return 0;
+}
+
+/* Every other stream of an out-of-order queue joins stream si: what follows on si comes after
+ * everything submitted to the queue so far. */
+static int join_all(tdm__bqueue *bq, int si) {
+  for (int i = 0; i < bq->nstreams; i++) {
+    if (i == si) continue;
+    cu_event *ev;
+    int rc = record(bq, i, &ev);
+    if (rc) return rc;
+    cudaError_t e = cudaStreamWaitEvent(bq->s[si], ev->e, 0);
+    cu_event_put(ev);
+    if (e != cudaSuccess) return cu_error(e, "cudaStreamWaitEvent");
+  }
+  return 0;
+}
+
+static bool capturing(cudaStream_t s) {
+  enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
+}
+
+/* Hands the command over: done is attached to the tandem event, wait is what the core waits
+ * for (both references are the caller's, given away). */
+static void hand_over(tdm__cmd *cmd, cu_event *done, cu_event *wait, cu_gate *gate) {
+  if (done) cu_svc->event_set_native(cmd->ev, done);
+  cmd->wait = wait;
+  cmd->gate = gate;
+  cu_svc->cmd_native(cmd);
+}
+
+static int host_work(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
+  cu_event *pre, *done;
+  int rc = record(bq, si, &pre);
+  if (rc) return rc;
+  cu_gate *g = cu_gate_get(bq->bdev);
+  if (!g) {
+    cu_event_put(pre);
+    return cu_svc->error(TDM_EBUSY, 0, "all %d gates of the device are in use", CU_GATES);
+  }
+  if ((rc = cu_gate_enqueue(g, bq->s[si])) || (rc = record(bq, si, &done))) {
+    cu_gate_open(g);
+    cu_event_put(pre);
+    return rc;
+  }
+  if (cmd->kind != TDM__CMD_HOST) cmd->flags |= TDM__CMD_ON_HOST;
+  hand_over(cmd, done, pre, g);
+  return 0;
+}
+
+static int enqueue(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
+  cudaStream_t s = bq->s[si];
+  cudaError_t e = cudaSuccess;
+  const char *what = "";
+  switch (cmd->kind) {
+    case TDM__CMD_COPY: {
+      void *dst = cmd->u.copy.dst;
+      const void *src = cmd->u.copy.src;
+      bool dd = cu_is_device(dst), sd = cu_is_device(src);
+      if (cmd->u.copy.n && ((!dd && !sd) || (dd && cu_is_pageable(src)) ||
+                            (sd && cu_is_pageable(dst))))
+        return host_work(bq, si, cmd);
+      what = "cudaMemcpyAsync";
+      if (cmd->u.copy.n) e = cudaMemcpyAsync(dst, src, cmd->u.copy.n, cudaMemcpyDefault, s);
+      break;
+    }
+    case TDM__CMD_FILL:
+      if (cmd->u.fill.n && !cu_is_device(cmd->u.fill.dst)) return host_work(bq, si, cmd);
+      what = "cudaMemsetAsync";
+      if (cmd->u.fill.n) e = cudaMemsetAsync(cmd->u.fill.dst, cmd->u.fill.value, cmd->u.fill.n, s);
+      break;
+    case TDM__CMD_HOST:
+      if (capturing(s))
+        return cu_svc->error(TDM_ESTATE, 0, "a stream being captured into a CUDA graph cannot "
+                                            "run host tasks");
+      return host_work(bq, si, cmd);
+    case TDM__CMD_FREE: {
+      struct cudaPointerAttributes a;
+      if (cudaPointerGetAttributes(&a, cmd->u.free_.ptr) == cudaSuccess &&
+          a.type == cudaMemoryTypeDevice && !cu_is_imported(cmd->u.free_.ptr)) {
+        what = "cudaFreeAsync";
+        e = cudaFreeAsync(cmd->u.free_.ptr, s);
+        if (e == cudaSuccess) cmd->flags |= TDM__CMD_NATIVE_FREED;
+      } else {
+        cudaGetLastError();
+        /* Host memory: the core frees it after the marker below, from the executor. */
+      }
+      break;
+    }
+    case TDM__CMD_MARKER:
+      if ((cmd->flags & TDM__CMD_SYNC) && capturing(s))
+        return cu_svc->error(TDM_ESTATE, 0, "a stream being captured into a CUDA graph cannot "
+                                            "be synchronized");
+      /* fallthrough */
+    case TDM__CMD_BARRIER:
+      break;
+  }
+  if (e != cudaSuccess) return cu_error(e, what);
+  cu_event *done;
+  int rc = record(bq, si, &done);
+  if (rc) return rc;
+  atomic_fetch_add(&done->refs, 1);
+  hand_over(cmd, done, done, NULL);
+  return 0;
+}
+
+int cu_submit(tdm__bqueue *bq, tdm__cmd *cmd) {
+  int saved, rc = cu_enter(bq->bdev, &saved);
+  if (rc) return rc;
+  int si = 0;
+  if (bq->ooo) si = (int)(bq->rr++ % (unsigned)bq->nstreams);
+  rc = wait_deps(bq, si, cmd);
+  if (!rc && bq->ooo && (cmd->flags & TDM__CMD_ALL_PRIOR)) rc = join_all(bq, si);
+  if (!rc) rc = enqueue(bq, si, cmd);
+  cu_leave(saved);
+  return rc;
+}
+
+/* ---- the core's side ---- */
+
+int cu_native_wait(void *handle, int *native) {
+  cu_event *ev = handle;
+  cudaError_t e = cudaEventSynchronize(ev->e);
+  if (e == cudaSuccess) return 0;
+  *native = (int)e;
+  return cu_error(e, "the command failed on the device");
+}
+
+void cu_native_release(void *handle) { cu_event_put(handle); }
+
+void cu_gate_open_entry(void *gate) { cu_gate_open(gate); }
+
+int cu_event_elapsed(void *a, void *b, double *ms) {
+  cu_event *x = a, *y = b;
+  if (!x->timed || !y->timed) return cu_svc->error(TDM_ENOTSUP, 0, "events are not timed");
+  float f = 0;
+  cudaError_t e = cudaEventElapsedTime(&f, x->e, y->e);
+  if (e != cudaSuccess) return cu_error(e, "cudaEventElapsedTime");
+  *ms = f;
+  return 0;
+}
+
+/* ---- notifiers: one thread per out-of-order stream waits for its events in order ---- */
+
+typedef struct cu_note {
+  struct cu_note *next;
+  cu_event *ev;
+  void (*fn)(void *);
+  void *arg;
+} cu_note;
+
+static void *notifier_main(void *arg) {
+  cu_notifier *n = arg;
+  pthread_mutex_lock(&n->mu);
+  for (;;) {
+    while (!n->head && !n->stop) pthread_cond_wait(&n->cv, &n->mu);
+    cu_note *it = n->head;
+    if (!it) break;
+    n->head = it->next;
+    if (!n->head) n->tail = NULL;
+    pthread_mutex_unlock(&n->mu);
+    cudaSetDevice(cu_devs[it->ev->dev].ordinal);
+    cudaEventSynchronize(it->ev->e); /* the core reads the status itself */
+    it->fn(it->arg);
+    free(it);
+    pthread_mutex_lock(&n->mu);
+  }
+  pthread_mutex_unlock(&n->mu);
+  return NULL;
+}
+
+void cu_notifier_start(cu_notifier *n) {
+  pthread_mutex_init(&n->mu, NULL);
+  pthread_cond_init(&n->cv, NULL);
+  n->head = n->tail = NULL;
+  n->stop = false;
+  pthread_create(&n->thread, NULL, notifier_main, n);
+}
+
+void cu_notifier_stop(cu_notifier *n) {
+  pthread_mutex_lock(&n->mu);
+  n->stop = true;
+  pthread_cond_signal(&n->cv);
+  pthread_mutex_unlock(&n->mu);
+  pthread_join(n->thread, NULL);
+  pthread_mutex_destroy(&n->mu);
+  pthread_cond_destroy(&n->cv);
+}
+
+int cu_native_notify(void *handle, void (*fn)(void *), void *arg) {
+  cu_event *ev = handle;
+  cu_notifier *n = &ev->bq->note[ev->stream];
+  cu_note *it = malloc(sizeof *it);
+  if (!it) return TDM_ENOMEM;
+  it->ev = ev;
+  it->fn = fn;
+  it->arg = arg;
+  it->next = NULL;
+  pthread_mutex_lock(&n->mu);
+  if (n->tail)
+    n->tail->next = it;
+  else
+    n->head = it;
+  n->tail = it;
+  pthread_cond_signal(&n->cv);
+  pthread_mutex_unlock(&n->mu);
+  return 0;
+}
