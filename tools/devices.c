@@ -30,6 +30,7 @@ static const struct {
     {TDM_DEVICE_CAP_OUT_OF_ORDER, "out-of-order"},
     {TDM_DEVICE_CAP_ADOPT, "adopt"},
     {TDM_DEVICE_CAP_HOST_MEMORY, "host-memory"},
+    {TDM_DEVICE_CAP_GPU, "gpu"},
 };
 #define NCAPS (sizeof cap_names / sizeof cap_names[0])
 

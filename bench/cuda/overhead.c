@@ -5,7 +5,8 @@
  *   record  tdm_event_record + tdm_event_release                  vs  cudaEventRecord (one event,
  *                                                                     re-recorded, no timing)
  *   wait    tdm_queue_wait on queue B for an event of queue A      vs  cudaStreamWaitEvent
- *           that is still pending (A is busy with a 256 MiB copy)
+ *           that is still pending (A is busy with 4 copies of 256 MiB, about 20 ms; whether
+ *           it still was at the end of the loop is reported)
  *   sync    4-byte copy then tdm_queue_sync                        vs  cudaMemcpyAsync +
  *           (a round trip; reported, no goal)                          cudaStreamSynchronize
  *
@@ -25,6 +26,7 @@
 
 #define GOAL_RATIO 1.10
 #define GATE_BYTES (256 * MIB)
+#define GATE_COPIES 4 /* of GATE_BYTES each, before the gate event: about 20 ms at 55 GB/s */
 #define SMALL 4096 /* the small buffers; the copies use their first 4 bytes */
 
 typedef struct oh {
@@ -123,7 +125,9 @@ out:
 static int tandem_wait(oh *o, double *sec) {
   int rc = -1;
   tdm_event *gate = NULL;
-  CK_TDM(tdm_memcpy(o->qa, o->t_gate_dst, o->t_gate_src, GATE_BYTES, TDM_COPY_H2D, 0, NULL, NULL));
+  for (int i = 0; i < GATE_COPIES; i++)
+    CK_TDM(tdm_memcpy(o->qa, o->t_gate_dst, o->t_gate_src, GATE_BYTES, TDM_COPY_H2D, 0, NULL,
+                      NULL));
   CK_TDM(tdm_event_record(o->qa, &gate));
   double t0 = bu_seconds();
   for (long i = 0; i < o->iters; i++)
@@ -144,7 +148,9 @@ out:
 
 static int raw_wait(oh *o, double *sec) {
   int rc = -1;
-  CK_CUDA(cudaMemcpyAsync(o->r_gate_dst, o->r_gate_src, GATE_BYTES, cudaMemcpyHostToDevice, o->sa));
+  for (int i = 0; i < GATE_COPIES; i++)
+    CK_CUDA(cudaMemcpyAsync(o->r_gate_dst, o->r_gate_src, GATE_BYTES, cudaMemcpyHostToDevice,
+                            o->sa));
   CK_CUDA(cudaEventRecord(o->gate, o->sa));
   double t0 = bu_seconds();
   for (long i = 0; i < o->iters; i++)

@@ -79,6 +79,9 @@ static void pool_stop(pool *p) {
   for (long i = 0; i < p->n; i++)
     pthread_join(p->th[i], NULL);
   p->n = 0;
+  pthread_cond_destroy(&p->done);
+  pthread_cond_destroy(&p->go);
+  pthread_mutex_destroy(&p->mu);
 }
 
 static int pool_start(pool *p, long n) {

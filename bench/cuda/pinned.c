@@ -4,8 +4,9 @@
  * tandem: tdm_memcpy on a tandem queue from / to TDM_MEM_PINNED memory, then tdm_queue_sync.
  * raw:    cudaMemcpyAsync on a non-blocking stream from / to cudaHostAlloc memory, then
  *         cudaStreamSynchronize.
- * Each repetition times, on the host clock, a batch of copies of one size (enough to move about
- * 256 MiB, at most 1000 copies, each to its own offset) and the sync after it; tandem and raw
+ * Each repetition times, on the host clock, a batch of copies of one size (enough to move
+ * --max-size bytes, at most 1000 copies, each to its own offset) and the sync after it, so that
+ * the sync's own latency weighs little from 1 MiB on; tandem and raw
  * alternate which goes first. Reported: GB/s (1e9 bytes/s) of the medians, and the ratio. Goal
  * printed: tandem >= 0.97x raw from 1 MiB on.
  * Checks, per size and side, on random data: device and host destination cleared, the H2D batch,
@@ -21,7 +22,6 @@
 
 #define GOAL_RATIO 0.97
 #define GOAL_FROM MIB
-#define BATCH_BYTES (256 * MIB)
 #define MAX_COPIES 1000L
 #define MIN_SIZE (4 * KIB)
 
@@ -42,13 +42,10 @@ typedef struct pn {
   side t, r; /* tandem, raw */
 } pn;
 
+/* Copies per batch: they fill the buffers of max bytes, at most MAX_COPIES of them. */
 static long copies_for(size_t size, size_t max) {
-  size_t k = BATCH_BYTES / size;
-  if (k > (size_t)MAX_COPIES)
-    k = (size_t)MAX_COPIES;
-  if (k * size > max)
-    k = max / size;
-  return k < 1 ? 1 : (long)k;
+  size_t k = max / size;
+  return k > (size_t)MAX_COPIES ? MAX_COPIES : k < 1 ? 1 : (long)k;
 }
 
 /* One batch of p->copies copies of p->size bytes in direction h2d (else d2h), and the sync. */
@@ -236,10 +233,10 @@ int bench_pinned(bc_ctx *c, FILE *json) {
   else
     printf("  goal >= %.2fx from 1 MiB: no size measured reaches 1 MiB\n", GOAL_RATIO);
 
-  fprintf(json, "{\"reps\": %ld, \"batch_bytes\": %zu, \"max_copies\": %ld, "
+  fprintf(json, "{\"reps\": %ld, \"batch_bytes_max\": %zu, \"max_copies\": %ld, "
                 "\"unit\": \"GB/s (1e9 bytes per second) of the median batch time\", "
                 "\"results\": [",
-          c->opt->reps, (size_t)BATCH_BYTES, MAX_COPIES);
+          c->opt->reps, p.max, MAX_COPIES);
   for (int i = 0; i < nrows; i++) {
     const row *r = &rows[i];
     fprintf(json,

@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -60,7 +61,18 @@ static void load_one(const char *dir, const char *file) {
   tdm__backend_add(be, dl, path);
 }
 
+/* Known backends load first and in this order, so device indices, and the default device (the
+ * first GPU), do not depend on directory order: CUDA before OpenCL on an NVIDIA machine. */
+static const char *const known_names[] = {"cuda", "opencl"};
+
 static void scan(const char *dir) {
+  char file[64];
+  for (size_t i = 0; i < sizeof known_names / sizeof known_names[0]; i++) {
+    snprintf(file, sizeof file, "libtandem-%s.so", known_names[i]);
+    char path[1200];
+    snprintf(path, sizeof path, "%s/%s", dir, file);
+    if (access(path, F_OK) == 0) load_one(dir, file);
+  }
   DIR *d = opendir(dir);
   if (!d) return;
   struct dirent *e;
@@ -89,7 +101,6 @@ void tdm__modules_load(void) {
       scan(self);
     }
   }
-  static const char *const known_names[] = {"cuda", "opencl"};
   for (size_t i = 0; i < sizeof known_names / sizeof known_names[0]; i++)
     if (!known(known_names[i]) && tdm__backend_allowed(known_names[i])) {
       char msg[128];

@@ -73,7 +73,9 @@ cu_event *cu_event_get(int dev, bool timed) {
   if (!ev) {
     ev = calloc(1, sizeof *ev);
     if (!ev) return NULL;
-    unsigned flags = cudaEventBlockingSync | (timed ? 0 : cudaEventDisableTiming);
+    /* No cudaEventBlockingSync: the executor waits with the device's scheduling policy (it
+     * spins while there are spare cores), which keeps host-task round trips short. */
+    unsigned flags = timed ? cudaEventDefault : cudaEventDisableTiming;
     if (cudaEventCreateWithFlags(&ev->e, flags) != cudaSuccess) {
       free(ev);
       return NULL;
