@@ -84,6 +84,7 @@ struct tdm__cmd {
   } u;
   void *wait;              /* native backends: handle native_wait waits for */
   void *gate;              /* native backends, host tasks: handle gate_open releases */
+  uint64_t t_submit, t_start; /* tracing only: when submitted, when begun on a host thread */
   void *bdata;             /* scratch for the backend */
   long bcount;             /* scratch for the backend (pending dependency count) */
 };

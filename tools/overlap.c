@@ -25,7 +25,7 @@
 #include <unistd.h>
 
 static const char overlap_help[] =
-    "usage: tandem bench overlap [--device D] [--json] [--chunks N] [--chunk-bytes B] [--reps R]\n"
+    "usage: tandem bench overlap [--device D] [--json] [--trace FILE] [--chunks N] [--chunk-bytes B] [--reps R]\n"
     "\n"
     "Streams N chunks from pinned host memory to device slots on a copy queue while a compute\n"
     "queue waits for each chunk's event device-side and computes on it. Compute is calibrated\n"
@@ -41,12 +41,15 @@ static const char overlap_help[] =
     "  --chunk-bytes B   bytes per chunk, suffix K/M/G allowed (default 4M)\n"
     "  --reps R          repetitions; medians are reported (default 5)\n"
     "  --json            print JSON on stdout instead of the report\n"
+    "  --trace FILE      write every command's start and end per queue to FILE in the Chrome\n"
+    "                    trace-event format (open it in chrome://tracing or Perfetto)\n"
     "  -h, --help        show this help\n";
 
 enum { LANES = 16, MAX_PASSES = 100000 };
 
 typedef struct overlap_opts {
   const char *device; /* NULL: the default device */
+  const char *trace;  /* --trace FILE: a Chrome trace of every command (TANDEM_TRACE) */
   int json;
   long chunks, reps;
   size_t chunk_bytes;
@@ -406,7 +409,7 @@ static int parse_options(int argc, char **argv, overlap_opts *opt) {
   static const char cmd[] = "bench overlap";
   const char *v;
   int m;
-  *opt = (overlap_opts){NULL, 0, 32, 5, (size_t)4 << 20};
+  *opt = (overlap_opts){NULL, NULL, 0, 32, 5, (size_t)4 << 20};
   for (int i = 1; i < argc; i++) {
     if (tool_is_help(argv[i])) {
       fputs(overlap_help, stdout);
@@ -417,6 +420,10 @@ static int parse_options(int argc, char **argv, overlap_opts *opt) {
       if (m < 0)
         return -1;
       opt->device = v;
+    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--trace", &v)) != 0) {
+      if (m < 0)
+        return -1;
+      opt->trace = v;
     } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--chunks", &v)) != 0) {
       if (m < 0 || tool_parse_count(cmd, "--chunks", v, 1L << 20, &opt->chunks) < 0)
         return -1;
@@ -526,6 +533,9 @@ int tool_cmd_overlap(int argc, char **argv) {
   int rc = parse_options(argc, argv, &o.opt);
   if (rc != 0)
     return rc > 0 ? TOOL_OK : TOOL_USAGE;
+  /* The trace is an option of the runtime, read at its first init. */
+  if (o.opt.trace && setenv("TANDEM_TRACE", o.opt.trace, 1) != 0)
+    return tool_fail("setenv", TDM_ENOMEM);
   if ((rc = tdm_init()) < 0)
     return tool_fail("tdm_init", rc);
   int code = TOOL_FAILED;

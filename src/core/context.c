@@ -122,6 +122,7 @@ int tdm_init(void) {
   tdm__g.next_queue_id = 0;
   if (tdm__backend_allowed("cpu")) tdm__backend_add(&tdm__cpu_backend, NULL, "built in");
   tdm__modules_load();
+  tdm__trace_start();
   int rc = tdm__release_start();
   if (rc) {
     tdm__modules_unload();
@@ -154,6 +155,7 @@ int tdm_shutdown(void) {
     }
   tdm__release_stop();
   tdm__pool_stop();
+  tdm__trace_flush();
   atomic_store(&tdm__g.live, 0);
   tdm__mem_free_all();
   tdm__modules_unload();

@@ -42,6 +42,7 @@ typedef struct tdm__options {
   long opencl_defer;      /* TANDEM_OPENCL_DEFER */
   char backend_path[1024];/* TANDEM_BACKEND_PATH */
   char backends[128];     /* TANDEM_BACKENDS: comma-separated allow list, empty = all */
+  char trace[512];        /* TANDEM_TRACE: Chrome trace file written at the last shutdown */
 } tdm__options;
 void tdm__options_load(tdm__options *o);
 long tdm__option_long(const char *name, long def);
@@ -184,6 +185,7 @@ struct tdm_queue {
   tdm_event **xwait;
   size_t nxwait, nxres;
   struct tdm__exec *exec;   /* native backends: the executor thread (exec.c) */
+  uint64_t trace_last_end;  /* tracing, in-order queues: end of the last command */
 };
 int tdm__queue_check(tdm_queue *q);
 int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, bool owned,
@@ -235,6 +237,12 @@ void tdm__pool_ready(tdm__cmd *cmd);
 /* A natively enqueued command: to the queue's executor (in-order) or, on an out-of-order
  * queue of a backend with native_notify, to the pool when the driver says it completed. */
 void tdm__cmd_native(tdm__cmd *cmd);
+
+/* ---- trace.c ---- */
+extern _Atomic bool tdm__tracing;
+void tdm__trace_start(void);
+void tdm__trace_cmd(tdm__cmd *cmd, int status);
+void tdm__trace_flush(void);
 
 /* ---- tracker.c ---- */
 int tdm__tracker_init(tdm_queue *q);

@@ -88,6 +88,8 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
   cmd->ndeps = 0;
   cmd->bdata = NULL;
   cmd->bcount = 0;
+  cmd->t_start = 0;
+  cmd->t_submit = atomic_load_explicit(&tdm__tracing, memory_order_relaxed) ? tdm__now_ns() : 0;
   cmd->next = NULL;
   switch (spec->kind) {
     case TDM__CMD_COPY:
@@ -179,6 +181,7 @@ void tdm__cmd_done(tdm__cmd *cmd, int status, int native) {
     atomic_compare_exchange_strong(&q->first_error, &zero, status);
     if (!ooo(q)) q->chain_error = status;
   }
+  if (atomic_load_explicit(&tdm__tracing, memory_order_relaxed)) tdm__trace_cmd(cmd, status);
   cmd_release_deps(cmd);
   cmd->ev = NULL;
   tdm__pool_put(&q->cmds, cmd);
@@ -231,6 +234,9 @@ void tdm__cmd_run(tdm__cmd *cmd) {
   if (status == 0 && !ooo(q) && q->chain_error) status = TDM_EDEP;
   if (status == 0 && nstatus) status = nstatus;
   bool host = be->native_wait == NULL || (cmd->flags & TDM__CMD_ON_HOST);
+  if ((host || cmd->kind == TDM__CMD_HOST) &&
+      atomic_load_explicit(&tdm__tracing, memory_order_relaxed))
+    cmd->t_start = tdm__now_ns();
   if (status == 0) {
     switch (cmd->kind) {
       case TDM__CMD_COPY:
