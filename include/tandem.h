@@ -336,8 +336,9 @@ enum {
   TDM_FAULT_BACKEND = 1u << 1 /* calls through the backend table */
 };
 
-/* Makes the nth (0-based) matching operation from now fail with `code` (TDM_ENOMEM for
- * allocations unless given); faults fire once. nth < 0 disables. Counts are global. */
+/* Makes the nth (0-based) matching operation from now fail with `code` (0: TDM_ENOMEM for an
+ * allocation, TDM_EBACKEND for a backend call); a fault fires once. nth < 0 disables. Counts
+ * are global. A backend call failing with TDM_EDEVLOST marks its device lost, as a real one. */
 TDM_API int tdm_fault_inject(unsigned kinds, long nth, int code);
 /* Whether an injected fault has fired since the last tdm_fault_inject(). */
 TDM_API int tdm_fault_fired(void);

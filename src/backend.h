@@ -77,8 +77,10 @@ struct tdm__cmd {
   tdm__dep *deps;          /* inline_deps, or heap storage for larger lists */
   tdm__dep inline_deps[TDM__INLINE_DEPS];
   union {
-    struct { void *dst; const void *src; size_t n; } copy;
-    struct { void *dst; int value; size_t n; } fill;
+    /* dkind, skind: the memory's kind as the core's registry knows it; 0 for memory tandem
+     * does not know, which is pageable host memory. */
+    struct { void *dst; const void *src; size_t n; tdm_mem_kind dkind, skind; } copy;
+    struct { void *dst; int value; size_t n; tdm_mem_kind dkind; } fill;
     struct { tdm_host_fn fn; void *arg; } host;
     struct { void *ptr; } free_;
   } u;
@@ -183,6 +185,9 @@ typedef struct tdm__backend {
   int (*host_copy)(tdm__cmd *cmd);
   /* Optional: milliseconds between two native events of timed queues; NULL: host clock. */
   int (*event_elapsed)(void *start, void *end, double *ms);
+  /* Optional: a named extension table the backend carries ("moe-ops": the MoE operations of
+   * src/moe/ops.h), or NULL. */
+  const void *(*extension)(const char *name);
 } tdm__backend;
 
 /* The built-in CPU backend. */

@@ -7,6 +7,7 @@
  *   wait    tdm_queue_wait on queue B for an event of queue A      vs  cudaStreamWaitEvent
  *           that is still pending (A is busy with 4 copies of 256 MiB, about 20 ms; whether
  *           it still was at the end of the loop is reported)
+ *   wait    the same on an event that has completed (the queue was synced)
  *   sync    4-byte copy then tdm_queue_sync                        vs  cudaMemcpyAsync +
  *           (a round trip; reported, no goal)                          cudaStreamSynchronize
  *
@@ -167,6 +168,39 @@ out:
   return rc;
 }
 
+/* A wait on an event that has completed: some implementations take a shortcut, some a slow
+ * path, and it is the common case of a consumer that runs late. */
+static int tandem_wait_done(oh *o, double *sec) {
+  int rc = -1;
+  tdm_event *ev = NULL;
+  CK_TDM(tdm_event_record(o->qa, &ev));
+  CK_TDM(tdm_queue_sync(o->qa));
+  double t0 = bu_seconds();
+  for (long i = 0; i < o->iters; i++)
+    CK_TDM(tdm_queue_wait(o->qb, ev));
+  *sec = bu_seconds() - t0;
+  CK_TDM(tdm_queue_sync(o->qb));
+  rc = 0;
+out:
+  if (ev)
+    TDM_CALL(tdm_event_release(ev));
+  return rc;
+}
+
+static int raw_wait_done(oh *o, double *sec) {
+  int rc = -1;
+  CK_CUDA(cudaEventRecord(o->gate, o->sa));
+  CK_CUDA(cudaStreamSynchronize(o->sa));
+  double t0 = bu_seconds();
+  for (long i = 0; i < o->iters; i++)
+    CK_CUDA(cudaStreamWaitEvent(o->sb, o->gate, 0));
+  *sec = bu_seconds() - t0;
+  CK_CUDA(cudaStreamSynchronize(o->sb));
+  rc = 0;
+out:
+  return rc;
+}
+
 /* Round trips are slower: a tenth as many per repetition. */
 static long round_trips(const oh *o) { return o->iters / 10 > 10 ? o->iters / 10 : 10; }
 
@@ -213,6 +247,8 @@ static const figure figures[] = {
      0},
     {"record", "record: marker + release", tandem_record, raw_record, 1, 0},
     {"wait", "device-side wait on a pending event", tandem_wait, raw_wait, 1, 0},
+    {"wait_completed", "device-side wait on a completed event", tandem_wait_done, raw_wait_done,
+     1, 0},
     {"sync_round_trip", "round trip: 4 B copy + queue sync", tandem_sync, raw_sync, 0, 1},
 };
 #define NFIG (sizeof figures / sizeof figures[0])

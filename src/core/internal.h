@@ -207,6 +207,7 @@ typedef struct tdm__spec {
   size_t u_n;
   int u_value;
   tdm_host_fn fn;
+  tdm_mem_kind dkind, skind; /* copy and fill: what the registry said (0: unknown memory) */
 } tdm__spec;
 int tdm__deps_check(size_t ndeps, tdm_event *const *deps);
 /* The common submission path: takes q->submit_mu, reserves everything, hands the command to
@@ -249,6 +250,8 @@ int tdm__tracker_init(tdm_queue *q);
 void tdm__tracker_fini(tdm_queue *q);
 /* Makes room for one more entry (pruning, or collapsing into a barrier); submit_mu held. */
 int tdm__tracker_reserve(tdm_queue *q);
+/* Drops completed entries. */
+void tdm__tracker_prune(tdm_queue *q);
 /* Records ev (referenced by the tracker); cannot fail after a successful reserve. */
 void tdm__tracker_add(tdm_queue *q, tdm_event *ev, bool own);
 /* Cross-queue copies: reserve a slot (may submit a barrier to make room), then fill it. */
@@ -269,8 +272,8 @@ typedef struct tdm__alloc {
 /* Checks a copy or fill on q and resolves TDM_COPY_AUTO. alt: a second device whose memory
  * may also take part (the destination queue's of a cross-queue copy), or NULL. */
 int tdm__mem_check_copy(tdm_queue *q, tdm_device *alt, void *dst, const void *src, size_t n,
-                        tdm_copy_dir *dir);
-int tdm__mem_check_fill(tdm_queue *q, void *dst, size_t n);
+                        tdm_copy_dir *dir, tdm_mem_kind *dkind, tdm_mem_kind *skind);
+int tdm__mem_check_fill(tdm_queue *q, void *dst, size_t n, tdm_mem_kind *dkind);
 int tdm__mem_begin_free(tdm_queue *q, void *ptr);
 void tdm__mem_cancel_free(void *ptr);
 /* freed: the backend already freed it natively; only the registry entry goes. */

@@ -264,7 +264,7 @@ static int check_copy(tdm_queue *q, tdm_device *alt, const side *d, const side *
 }
 
 int tdm__mem_check_copy(tdm_queue *q, tdm_device *alt, void *dst, const void *src, size_t n,
-                        tdm_copy_dir *dir) {
+                        tdm_copy_dir *dir, tdm_mem_kind *dkind, tdm_mem_kind *skind) {
   if (!dst || !src) return tdm__error(TDM_EINVAL, 0, "memcpy: NULL %s", dst ? "src" : "dst");
   side d, s;
   pthread_rwlock_rdlock(&reg_lock);
@@ -272,16 +272,19 @@ int tdm__mem_check_copy(tdm_queue *q, tdm_device *alt, void *dst, const void *sr
   if (!rc) rc = resolve(src, n, "source", &s);
   pthread_rwlock_unlock(&reg_lock);
   if (rc) return rc;
+  *dkind = d.known ? d.a.kind : 0;
+  *skind = s.known ? s.a.kind : 0;
   return check_copy(q, alt, &d, &s, dir);
 }
 
-int tdm__mem_check_fill(tdm_queue *q, void *dst, size_t n) {
+int tdm__mem_check_fill(tdm_queue *q, void *dst, size_t n, tdm_mem_kind *dkind) {
   if (!dst) return tdm__error(TDM_EINVAL, 0, "memset: dst is NULL");
   side d;
   pthread_rwlock_rdlock(&reg_lock);
   int rc = resolve(dst, n, "destination", &d);
   pthread_rwlock_unlock(&reg_lock);
   if (rc) return rc;
+  *dkind = d.known ? d.a.kind : 0;
   return d.device ? device_ok(&d, q, NULL, false) : 0;
 }
 

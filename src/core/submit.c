@@ -96,11 +96,14 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
       cmd->u.copy.dst = spec->u_ptr0;
       cmd->u.copy.src = spec->u_ptr1;
       cmd->u.copy.n = spec->u_n;
+      cmd->u.copy.dkind = spec->dkind;
+      cmd->u.copy.skind = spec->skind;
       break;
     case TDM__CMD_FILL:
       cmd->u.fill.dst = spec->u_ptr0;
       cmd->u.fill.value = spec->u_value;
       cmd->u.fill.n = spec->u_n;
+      cmd->u.fill.dkind = spec->dkind;
       break;
     case TDM__CMD_HOST:
       cmd->u.host.fn = spec->fn;
@@ -281,9 +284,9 @@ int tdm_memcpy(tdm_queue *q, void *dst, const void *src, size_t n, tdm_copy_dir 
   TDM__ENTER();
   CHECK_Q(q);
   CHECK_DEPS(ndeps, deps);
-  int rc = tdm__mem_check_copy(q, NULL, dst, src, n, &dir);
-  if (rc) return rc;
   tdm__spec s = {.kind = TDM__CMD_COPY, .op = "memcpy", .u_ptr0 = dst, .u_ptr1 = src, .u_n = n};
+  int rc = tdm__mem_check_copy(q, NULL, dst, src, n, &dir, &s.dkind, &s.skind);
+  if (rc) return rc;
   return tdm__submit(q, &s, ndeps, deps, out);
 }
 
@@ -292,10 +295,10 @@ int tdm_memset(tdm_queue *q, void *dst, int value, size_t n, size_t ndeps,
   TDM__ENTER();
   CHECK_Q(q);
   CHECK_DEPS(ndeps, deps);
-  int rc = tdm__mem_check_fill(q, dst, n);
-  if (rc) return rc;
   tdm__spec s = {.kind = TDM__CMD_FILL, .op = "memset", .u_ptr0 = dst, .u_value = value,
                  .u_n = n};
+  int rc = tdm__mem_check_fill(q, dst, n, &s.dkind);
+  if (rc) return rc;
   return tdm__submit(q, &s, ndeps, deps, out);
 }
 
@@ -329,10 +332,10 @@ int tdm_memcpy_cross(tdm_queue *src_q, tdm_queue *dst_q, void *dst, const void *
   CHECK_Q(dst_q);
   CHECK_DEPS(ndeps, deps);
   tdm_copy_dir dir = TDM_COPY_AUTO;
-  int rc = tdm__mem_check_copy(src_q, dst_q->dev, dst, src, n, &dir);
-  if (rc) return rc;
   tdm__spec copy = {.kind = TDM__CMD_COPY, .op = "cross-queue memcpy", .u_ptr0 = dst,
                     .u_ptr1 = src, .u_n = n};
+  int rc = tdm__mem_check_copy(src_q, dst_q->dev, dst, src, n, &dir, &copy.dkind, &copy.skind);
+  if (rc) return rc;
   /* dst_q's side is reserved first and filled last, and filling cannot fail: the call either
    * happens whole or not at all. The copy becomes a dependency of dst_q's next submissions,
    * so dst_q waits for it device-side. The two queue locks are never held together. */
@@ -392,6 +395,10 @@ int tdm_queue_sync(tdm_queue *q) {
   if (rc) return rc;
   rc = tdm__event_wait_raw(ev);
   tdm__event_unref(ev);
+  /* Everything the tracker holds has completed: let it go now rather than at the next prune. */
+  pthread_mutex_lock(&q->submit_mu);
+  tdm__tracker_prune(q);
+  pthread_mutex_unlock(&q->submit_mu);
   if (rc) tdm__error(rc, 0, "%s: first error since the last sync", q->label);
   return rc;
 }

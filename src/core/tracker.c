@@ -36,7 +36,7 @@ void tdm__tracker_fini(tdm_queue *q) {
   q->gate = NULL;
 }
 
-static void prune(tdm_queue *q) {
+void tdm__tracker_prune(tdm_queue *q) {
   size_t k = 0;
   for (size_t i = 0; i < q->ntrk; i++) {
     if (atomic_load(&q->trk[i]->done))
@@ -62,7 +62,7 @@ static int collapse(tdm_queue *q) {
 
 int tdm__tracker_reserve(tdm_queue *q) {
   if (q->ntrk < q->trk_cap) return 0;
-  prune(q);
+  tdm__tracker_prune(q);
   return q->ntrk < q->trk_cap ? 0 : collapse(q);
 }
 
@@ -157,7 +157,7 @@ int tdm_queue_dependencies(tdm_queue *q, tdm_event **deps, size_t cap, size_t *n
   if (!n || (cap && !deps))
     return tdm__error(TDM_EINVAL, 0, "tdm_queue_dependencies: NULL output");
   pthread_mutex_lock(&q->submit_mu);
-  prune(q);
+  tdm__tracker_prune(q);
   xwait_prune(q);
   if (q->ntrk + q->nxwait > cap) {
     if (cap == 0)

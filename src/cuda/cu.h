@@ -101,8 +101,7 @@ int cu_host_register(int bdev, void *ptr, size_t size);
 void cu_host_unregister(int bdev, void *ptr);
 int cu_mem_native(int bdev, void *base, void *ptr, void **native, size_t *offset);
 int cu_mem_import(int bdev, void *native, size_t size, void **ptr);
-/* Whether p is host memory the GPU cannot reach by DMA (pageable). */
-bool cu_is_pageable(const void *p);
+
 bool cu_is_device(const void *p);
 bool cu_is_imported(const void *p);
 int cu_host_copy(tdm__cmd *cmd);

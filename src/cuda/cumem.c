@@ -145,7 +145,6 @@ static enum cudaMemoryType kind_of(const void *p) {
   return a.type;
 }
 
-bool cu_is_pageable(const void *p) { return kind_of(p) == cudaMemoryTypeUnregistered; }
 bool cu_is_device(const void *p) {
   enum cudaMemoryType t = kind_of(p);
   return t == cudaMemoryTypeDevice || t == cudaMemoryTypeManaged;

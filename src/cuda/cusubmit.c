@@ -106,16 +106,18 @@ static int enqueue(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
     case TDM__CMD_COPY: {
       void *dst = cmd->u.copy.dst;
       const void *src = cmd->u.copy.src;
-      bool dd = cu_is_device(dst), sd = cu_is_device(src);
-      if (cmd->u.copy.n && ((!dd && !sd) || (dd && cu_is_pageable(src)) ||
-                            (sd && cu_is_pageable(dst))))
+      /* The core's registry says what the memory is: no pointer queries on this path. */
+      tdm_mem_kind dk = cmd->u.copy.dkind, sk = cmd->u.copy.skind;
+      bool dd = dk == TDM_MEM_DEVICE, sd = sk == TDM_MEM_DEVICE;
+      bool dpage = dk == 0 || dk == TDM_MEM_HOST, spage = sk == 0 || sk == TDM_MEM_HOST;
+      if (cmd->u.copy.n && ((!dd && !sd) || (dd && spage) || (sd && dpage)))
         return host_work(bq, si, cmd);
       what = "cudaMemcpyAsync";
       if (cmd->u.copy.n) e = cudaMemcpyAsync(dst, src, cmd->u.copy.n, cudaMemcpyDefault, s);
       break;
     }
     case TDM__CMD_FILL:
-      if (cmd->u.fill.n && !cu_is_device(cmd->u.fill.dst)) return host_work(bq, si, cmd);
+      if (cmd->u.fill.n && cmd->u.fill.dkind != TDM_MEM_DEVICE) return host_work(bq, si, cmd);
       what = "cudaMemsetAsync";
       if (cmd->u.fill.n) e = cudaMemsetAsync(cmd->u.fill.dst, cmd->u.fill.value, cmd->u.fill.n, s);
       break;

@@ -234,7 +234,8 @@ static void resume(tdm__bqueue *bq, tdm__cmd *cmd);
 static int enqueue_deferred(tdm__bqueue *bq, tdm__cmd *cmd) {
   waitlist wl;
   wl.n = wl.nbridges = 0;
-  wl.ev = cmd->ndeps <= 16 ? wl.inline_ev : malloc(cmd->ndeps * sizeof(cl_event));
+  /* One spare entry: a marker may append an event of its own (see enqueue). */
+  wl.ev = cmd->ndeps + 1 <= 16 ? wl.inline_ev : malloc((cmd->ndeps + 1) * sizeof(cl_event));
   if (!wl.ev) return ocl_svc->error(TDM_ENOMEM, 0, "no memory for a wait list");
   for (size_t i = 0; i < cmd->ndeps; i++) {
     const tdm__backend *be;

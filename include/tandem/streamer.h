@@ -1,0 +1,91 @@
+/* tandem/streamer.h: the expert streamer. It keeps a Mixture-of-Experts model's experts in
+ * pinned host memory and copies the ones asked for into device slots, on copy queues of its
+ * own, while the compute queue works:
+ * - tdm_streamer_acquire(layer, e) returns the expert's device copy and makes the compute queue
+ *   wait for it device-side (the caller's thread never blocks), so compute on expert j can run
+ *   while expert j+1 is still on the wire;
+ * - tdm_streamer_release(layer, e, done) says which compute event last reads it: its slot is
+ *   overwritten only after that event (the copy queue waits for it device-side);
+ * - tdm_streamer_prefetch(layer, experts) starts copies ahead of the acquires (look-ahead);
+ *   demand misses go on a queue of their own, so they never wait behind prefetches, and at
+ *   most prefetch_depth prefetches are in flight.
+ * The device holds `budget_bytes` of experts that may stay resident between uses, plus
+ * `staging_slots` slots that always exist (so a budget of 0 still streams through them).
+ * Policies: TDM_CACHE_STATIC keeps a fixed set resident (the right choice for prefill's
+ * cyclic scans); TDM_CACHE_LRU uses every slot as one least-recently-used cache (decode).
+ * Only experts asked for are copied; the copies are whole experts.
+ * Every call is thread safe; an acquire/release pair may come from different threads.
+ */
+#ifndef TANDEM_STREAMER_H
+#define TANDEM_STREAMER_H
+
+#include "../tandem.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tdm_streamer tdm_streamer;
+
+typedef enum tdm_cache_policy {
+  TDM_CACHE_STATIC = 0, /* a fixed set stays resident; the others stream through staging slots */
+  TDM_CACHE_LRU = 1     /* every slot is one LRU cache */
+} tdm_cache_policy;
+
+typedef struct tdm_streamer_config {
+  tdm_queue *compute;       /* consumes the experts; its device holds the slots (borrowed) */
+  int layers, experts;      /* experts are keyed by layer * experts + e */
+  size_t expert_bytes;      /* bytes of one expert (all are equal) */
+  const void *const *host;  /* host[key]: the expert in pinned or registered host memory; the
+                               array and the memory must outlive the streamer */
+  size_t budget_bytes;      /* device memory for experts that may stay resident */
+  int staging_slots;        /* >= 1 slots that always exist, besides the budget */
+  tdm_cache_policy policy;
+  const int *resident;      /* TDM_CACHE_STATIC: keys to keep resident, best first (NULL: key
+                               order); as many as the budget holds are loaded at creation */
+  int nresident;
+  int prefetch_depth;       /* prefetch copies in flight at most (0: staging_slots) */
+} tdm_streamer_config;
+
+typedef struct tdm_streamer_stats {
+  uint64_t acquires, hits, misses; /* a hit: the expert was on the device (or on its way) */
+  uint64_t prefetches, prefetch_hits, prefetch_dropped; /* issued, then acquired, over depth */
+  uint64_t bytes_copied;           /* expert bytes copied host-to-device */
+  int resident_slots, staging_slots;
+  size_t device_bytes;             /* device memory the slots take */
+} tdm_streamer_stats;
+
+/* The caller owns the streamer. Creating it allocates the slots and, with TDM_CACHE_STATIC,
+ * starts loading the resident set. A budget or slot count that cannot hold one expert, or
+ * device memory too small: TDM_EINVAL / TDM_ENOMEM with the reason. */
+TDM_API TDM_NODISCARD int tdm_streamer_create(const tdm_streamer_config *cfg,
+                                              tdm_streamer **out);
+/* Waits for the streamer's copies, then frees it. Acquired experts must have been released. */
+TDM_API int tdm_streamer_destroy(tdm_streamer *s);
+/* Makes expert (layer, e) available on the device: *dptr is its device copy, valid for work
+ * submitted to the compute queue after this call (the compute queue is made to wait for the
+ * copy device-side). *ready (optional; a new reference) completes when the copy has landed.
+ * The slot stays pinned until tdm_streamer_release. Every slot pinned: TDM_EBUSY. */
+TDM_API TDM_NODISCARD int tdm_streamer_acquire(tdm_streamer *s, int layer, int e,
+                                               const void **dptr, tdm_event **ready);
+/* Unpins expert (layer, e); its slot may be overwritten once `done` completes (NULL: once all
+ * work submitted to the compute queue so far completes). tandem keeps its own reference. */
+TDM_API TDM_NODISCARD int tdm_streamer_release(tdm_streamer *s, int layer, int e,
+                                               tdm_event *done);
+/* Starts copying the listed experts of `layer` that are not on the device yet, on the
+ * prefetch queue, up to prefetch_depth in flight; the rest are dropped (counted). */
+TDM_API TDM_NODISCARD int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts,
+                                                int n);
+/* The streamer's copy queues (borrowed, valid as long as the streamer): demand misses, and
+ * prefetches. Work may be ordered against them with tdm_queue_wait, e.g. to serialize copies
+ * after compute for a baseline. */
+TDM_API int tdm_streamer_queues(tdm_streamer *s, tdm_queue **demand, tdm_queue **prefetch);
+TDM_API int tdm_streamer_stats_get(tdm_streamer *s, tdm_streamer_stats *out);
+/* Zeroes the counters (not the slots). */
+TDM_API int tdm_streamer_stats_reset(tdm_streamer *s);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TANDEM_STREAMER_H */

@@ -1,0 +1,485 @@
+/* moe_ops.cu: the CUDA backend's MoE operations (the moe_ops table of src/moe/ops.h).
+ *
+ * Everything runs on the queue's native stream (tdm_queue_native), so it is ordered with the
+ * queue's tandem commands and covered by tdm_event_record / tdm_queue_sync. rmsnorm, the
+ * router, SwiGLU, gather/scatter and combine are kernels here; the expert GEMMs are cuBLAS,
+ * bound to that stream.
+ *
+ * Determinism: no kernel here uses atomics; every sum has a fixed order that does not depend
+ * on timing or on how tokens are grouped into blocks. cuBLAS GEMMs are bitwise repeatable for
+ * one toolkit, one GPU model (architecture and SM count), fixed shapes, leading dimensions and
+ * pointer alignment, when one stream uses the handle and its workspace is fixed: open() binds
+ * the handle to one stream, gives it its own workspace (cublasSetWorkspace, so cuBLAS never
+ * picks a per-stream pool), keeps the default math mode and disallows atomics (no split-K
+ * reductions in arbitrary order). Keep expert weight slots and the workspace 256-byte aligned
+ * so cuBLAS's heuristics see the same alignment for every slot.
+ *
+ * Errors: 0 or a negative TDM_E* code. Failures of the public calls made here set
+ * tdm_last_error(); a failing CUDA or cuBLAS call returns TDM_EBACKEND (TDM_ENOMEM when it ran
+ * out of memory) and is recorded in the state (failed, native) for a debugger or a test: this
+ * module cannot set tandem's thread message itself. */
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <limits.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" {
+#include "moe/ops.h"
+}
+
+#define MOE_THREADS 256       /* threads per block for every kernel here (a power of two) */
+#define MOE_WARPS (MOE_THREADS / 32)
+#define ROUTER_TOKENS 8       /* tokens per router block: each weight row read serves them all */
+#define ROUTER_SMEM 49152     /* the router's dynamic shared memory, at most (no opt-in) */
+#define BLAS_WS_BYTES (32u << 20) /* cuBLAS's recommended workspace on Hopper */
+#define WS_ALIGN 256
+
+typedef struct moe_cuda {
+  tdm_queue *q;        /* the queue open() bound the state to */
+  cudaStream_t s;      /* its native stream */
+  int dev;             /* its device ordinal */
+  cublasHandle_t blas; /* bound to s, with ws as its workspace */
+  void *ws_alloc;      /* tdm_malloc'd; ws is ws_alloc aligned up to WS_ALIGN */
+  void *ws;
+  const char *failed;  /* the last CUDA or cuBLAS call that failed */
+  int native;          /* and its status */
+} moe_cuda;
+
+/* ---- errors and the current device ---- */
+
+static int cuda_fail(moe_cuda *m, cudaError_t e, const char *what) {
+  m->failed = what;
+  m->native = (int)e;
+  return e == cudaErrorMemoryAllocation ? TDM_ENOMEM : TDM_EBACKEND;
+}
+
+static int blas_fail(moe_cuda *m, cublasStatus_t st, const char *what) {
+  m->failed = what;
+  m->native = (int)st;
+  return st == CUBLAS_STATUS_ALLOC_FAILED ? TDM_ENOMEM : TDM_EBACKEND;
+}
+
+#define CK_CUDA(call)                                      \
+  do {                                                     \
+    cudaError_t e_ = (call);                               \
+    if (e_ != cudaSuccess) return cuda_fail(m, e_, #call); \
+  } while (0)
+
+#define CK_BLAS(call)                                                \
+  do {                                                               \
+    cublasStatus_t s_ = (call);                                      \
+    if (s_ != CUBLAS_STATUS_SUCCESS) return blas_fail(m, s_, #call); \
+  } while (0)
+
+/* Makes m->dev current, saving the caller's device; leave() restores it. */
+static int enter(moe_cuda *m, int *saved) {
+  cudaError_t e = cudaGetDevice(saved);
+  if (e != cudaSuccess) return cuda_fail(m, e, "cudaGetDevice");
+  if (*saved == m->dev) return 0;
+  e = cudaSetDevice(m->dev);
+  return e == cudaSuccess ? 0 : cuda_fail(m, e, "cudaSetDevice");
+}
+
+static void leave(moe_cuda *m, int saved) {
+  if (saved != m->dev) cudaSetDevice(saved);
+}
+
+/* Every op checks that it runs on the queue its state was opened for: the cuBLAS handle is
+ * bound to that queue's stream. */
+static int check_queue(moe_cuda *m, tdm_queue *q) { return m && q == m->q ? 0 : TDM_EINVAL; }
+
+/* ---- device helpers ---- */
+
+__device__ __forceinline__ float bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+
+/* The same rounding as moe_f32_to_bf16 on the host: nearest even, NaN stays a (quiet) NaN. */
+__device__ __forceinline__ uint16_t f32_to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Fixed-order warp sum: lane 0 holds the result. */
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  return v;
+}
+
+/* ---- rmsnorm: one block per token; y may alias x ---- */
+
+__global__ void rmsnorm_kernel(float *y, const float *x, const float *w, int H, float eps) {
+  __shared__ float part[MOE_THREADS];
+  const float *xr = x + (size_t)blockIdx.x * H;
+  float *yr = y + (size_t)blockIdx.x * H;
+  float acc = 0.f;
+  for (int c = threadIdx.x; c < H; c += MOE_THREADS) acc = fmaf(xr[c], xr[c], acc);
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int s = MOE_THREADS / 2; s > 0; s >>= 1) { /* a fixed tree */
+    if ((int)threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+    __syncthreads();
+  }
+  float inv = 1.f / sqrtf(part[0] / (float)H + eps);
+  for (int c = threadIdx.x; c < H; c += MOE_THREADS) yr[c] = xr[c] * inv * w[c];
+}
+
+/* ---- router ----
+ * One block per ROUTER_TOKENS tokens (tt of them in this block). Phase 1: warps take experts
+ * round-robin; each lane sums x[t][c] * wr[e][c] over its columns c = lane + 32j in ascending
+ * order (one fmaf per term), then a fixed warp tree: a token's logit does not depend on which
+ * block it fell in. Phase 2: one warp per token turns its logits into probabilities and picks
+ * the top k. Shared memory: p[tt][E] floats, then taken[tt][E] bytes. */
+
+/* a better than b: larger p, or equal p and lower index; NaN ranks lowest. */
+__device__ __forceinline__ bool better(float pa, int ia, float pb, int ib) {
+  return pa > pb || (pa == pb && ia < ib);
+}
+
+__device__ void router_token(float *p, unsigned char *taken, int E, int k, int renorm,
+                             int32_t *idx, float *weights) {
+  const int lane = threadIdx.x & 31;
+  float mx = -INFINITY;
+  for (int e = lane; e < E; e += 32) {
+    mx = fmaxf(mx, p[e]);
+    taken[e] = 0;
+  }
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.f;
+  for (int e = lane; e < E; e += 32) {
+    float v = expf(p[e] - mx);
+    p[e] = v;
+    sum += v;
+  }
+  sum = __shfl_sync(0xffffffffu, warp_sum(sum), 0);
+  for (int e = lane; e < E; e += 32) p[e] = p[e] / sum;
+  __syncwarp();
+
+  float chosen = 0.f; /* lane 0: the sum of the chosen p, in the order chosen */
+  for (int r = 0; r < k; r++) {
+    float bp = -INFINITY;
+    int bi = INT_MAX; /* loses to every candidate, so some untaken expert always wins */
+    for (int e = lane; e < E; e += 32) {
+      if (taken[e]) continue;
+      float v = p[e] != p[e] ? -INFINITY : p[e];
+      if (better(v, e, bp, bi)) bp = v, bi = e;
+    }
+    /* The comparison is a total order, so every lane ends with the same winner. */
+    for (int o = 16; o > 0; o >>= 1) {
+      float op = __shfl_xor_sync(0xffffffffu, bp, o);
+      int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (better(op, oi, bp, bi)) bp = op, bi = oi;
+    }
+    if (lane == 0) {
+      taken[bi] = 1;
+      idx[r] = bi;
+      weights[r] = p[bi];
+      chosen += p[bi];
+    }
+    __syncwarp();
+  }
+  if (renorm && lane == 0)
+    for (int r = 0; r < k; r++) weights[r] = weights[r] / chosen;
+}
+
+__global__ void router_kernel(const float *x, const uint16_t *wr, const float *bias, int T, int H,
+                              int E, int k, int renorm, int tpb, int32_t *idx, float *weights) {
+  extern __shared__ float smem[];
+  float *p = smem;
+  unsigned char *taken = (unsigned char *)(smem + (size_t)tpb * E);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t0 = blockIdx.x * tpb;
+  const int tt = min(tpb, T - t0);
+  const float *xb = x + (size_t)t0 * H;
+
+  for (int e = warp; e < E; e += MOE_WARPS) {
+    const uint16_t *we = wr + (size_t)e * H;
+    float acc[ROUTER_TOKENS];
+#pragma unroll
+    for (int j = 0; j < ROUTER_TOKENS; j++) acc[j] = 0.f;
+    for (int c = lane; c < H; c += 32) {
+      float wv = bf16_to_f32(we[c]);
+#pragma unroll
+      for (int j = 0; j < ROUTER_TOKENS; j++)
+        if (j < tt) acc[j] = fmaf(xb[(size_t)j * H + c], wv, acc[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < ROUTER_TOKENS; j++) {
+      if (j >= tt) break;
+      float v = warp_sum(acc[j]);
+      if (lane == 0) p[(size_t)j * E + e] = bias ? v + bias[e] : v;
+    }
+  }
+  __syncthreads();
+  for (int j = warp; j < tt; j += MOE_WARPS) {
+    size_t t = (size_t)t0 + j;
+    router_token(p + (size_t)j * E, taken + (size_t)j * E, E, k, renorm, idx + t * k,
+                 weights + t * k);
+  }
+}
+
+/* ---- expert ----
+ * Workspace layout (bytes from the workspace's start; n tokens, H hidden, I intermediate):
+ *   [0, 8nI)              GU: f32 [n x 2I], row i = [gate_i (I) | up_i (I)]. SwiGLU then writes
+ *                         h (bf16 [n x I]) in place: h row i occupies the first 2I bytes of GU
+ *                         row i, so h has a leading dimension of 4I bf16 elements.
+ *   [off_o, off_o + 4nH)  off_o = 8nI rounded up to 256: first X, bf16 [n x H] (the gathered
+ *                         tokens, 2nH bytes), then O, f32 [n x H] (the down projection). X is
+ *                         dead once the gate/up GEMM has run, which precedes the down GEMM in
+ *                         stream order.
+ * Total off_o + 4nH bytes: within ops.h's n(2I + H) f32 + nH bf16 whenever 2nH >= 255. */
+
+static size_t expert_off_o(size_t n, size_t I) {
+  return (8 * n * I + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN;
+}
+
+__global__ void gather_kernel(uint16_t *X, const float *x, const int32_t *rows, int H) {
+  const float *src = x + (size_t)rows[blockIdx.x] * H;
+  uint16_t *dst = X + (size_t)blockIdx.x * H;
+  for (int c = threadIdx.x; c < H; c += MOE_THREADS) dst[c] = f32_to_bf16(src[c]);
+}
+
+/* One block per row, in place. h[c] (2 bytes at 2c) overwrites half of gate[c / 2]. In chunk j
+ * (c in [jB, jB + B), B = MOE_THREADS) every thread reads its gate[c] and up[c], then the block
+ * synchronizes, then writes h[c]: those writes touch gate[jB/2, (j+1)B/2), all of which were
+ * read in chunks <= j, before this chunk's barrier, and none of which the next chunk reads
+ * (it reads gate[(j+1)B, ...)). No restrict or read-only loads: the row is written here. */
+__global__ void swiglu_kernel(float *GU, int I) {
+  float *g = GU + (size_t)blockIdx.x * 2 * I;
+  const float *u = g + I;
+  uint16_t *h = (uint16_t *)g;
+  for (int base = 0; base < I; base += MOE_THREADS) {
+    int c = base + threadIdx.x;
+    float v = 0.f;
+    if (c < I) {
+      float gv = g[c];
+      v = gv / (1.f + expf(-gv)) * u[c];
+    }
+    __syncthreads();
+    if (c < I) h[c] = f32_to_bf16(v);
+  }
+}
+
+__global__ void scatter_kernel(float *out, const float *O, const int32_t *slot, int H) {
+  const float *src = O + (size_t)blockIdx.x * H;
+  float *dst = out + (size_t)slot[blockIdx.x] * H;
+  for (int c = threadIdx.x; c < H; c += MOE_THREADS) dst[c] = src[c];
+}
+
+/* ---- combine: one thread per element of y ---- */
+
+__global__ void combine_kernel(float *y, const float *out, const float *weights, int H, int k,
+                               size_t total) {
+  size_t stride = (size_t)gridDim.x * MOE_THREADS;
+  for (size_t i = (size_t)blockIdx.x * MOE_THREADS + threadIdx.x; i < total; i += stride) {
+    size_t t = i / (size_t)H, c = i % (size_t)H;
+    const float *wt = weights + t * k;
+    const float *ot = out + t * k * (size_t)H + c;
+    float acc = 0.f;
+    for (int j = 0; j < k; j++) acc = fmaf(wt[j], ot[(size_t)j * H], acc);
+    y[i] += acc;
+  }
+}
+
+/* ---- the table's entries ---- */
+
+static void release(moe_cuda *m) {
+  if (m->blas) cublasDestroy(m->blas);
+  if (m->ws_alloc) tdm_free(m->ws_alloc);
+  free(m);
+}
+
+/* The cuBLAS handle, bound to the stream with its own workspace. cublasSetStream resets the
+ * workspace to cuBLAS's pool, so the workspace is set after it. */
+static int blas_setup(moe_cuda *m) {
+  CK_BLAS(cublasCreate(&m->blas));
+  CK_BLAS(cublasSetStream(m->blas, m->s));
+  CK_BLAS(cublasSetWorkspace(m->blas, m->ws, BLAS_WS_BYTES));
+  CK_BLAS(cublasSetMathMode(m->blas, CUBLAS_DEFAULT_MATH));
+  CK_BLAS(cublasSetAtomicsMode(m->blas, CUBLAS_ATOMICS_NOT_ALLOWED));
+  CK_BLAS(cublasSetPointerMode(m->blas, CUBLAS_POINTER_MODE_HOST));
+  return 0;
+}
+
+/* Only in-order queues of CUDA devices: an out-of-order queue spreads its commands over
+ * several streams, and these ops would be ordered with only one of them. */
+static int cuda_open(tdm_queue *q, void **state) {
+  if (!q || !state) return TDM_EINVAL;
+  tdm_device *dev;
+  tdm_device_info info;
+  unsigned flags;
+  void *ordinal, *stream;
+  int rc;
+  if ((rc = tdm_queue_device(q, &dev)) || (rc = tdm_device_info_get(dev, &info)) ||
+      (rc = tdm_queue_flags(q, &flags)))
+    return rc;
+  if (strcmp(info.backend, "cuda") != 0) return TDM_ENOTSUP;
+  if (flags & TDM_QUEUE_OUT_OF_ORDER) return TDM_EINVAL; /* as the CPU table answers */
+  if ((rc = tdm_device_native(dev, &ordinal)) || (rc = tdm_queue_native(q, &stream))) return rc;
+
+  moe_cuda *m = (moe_cuda *)calloc(1, sizeof *m);
+  if (!m) return TDM_ENOMEM;
+  m->q = q;
+  m->s = (cudaStream_t)stream;
+  m->dev = *(const int *)ordinal;
+  rc = tdm_malloc(dev, TDM_MEM_DEVICE, BLAS_WS_BYTES + WS_ALIGN, &m->ws_alloc);
+  if (rc) {
+    m->ws_alloc = NULL;
+    free(m);
+    return rc;
+  }
+  m->ws = (void *)(((uintptr_t)m->ws_alloc + WS_ALIGN - 1) & ~(uintptr_t)(WS_ALIGN - 1));
+  int saved;
+  if ((rc = enter(m, &saved))) {
+    release(m);
+    return rc;
+  }
+  rc = blas_setup(m);
+  if (rc) release(m);
+  leave(m, saved);
+  if (!rc) *state = m;
+  return rc;
+}
+
+/* Call before destroying the queue: it waits for the queue's stream, so the cuBLAS workspace
+ * is idle when it is freed. */
+static void cuda_close(void *state) {
+  moe_cuda *m = (moe_cuda *)state;
+  if (!m) return;
+  int saved, dev = m->dev;
+  int rc = enter(m, &saved);
+  cudaStreamSynchronize(m->s);
+  release(m);
+  if (!rc && saved != dev) cudaSetDevice(saved);
+}
+
+static int cuda_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T,
+                        int H, float eps) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || T < 0 || H <= 0 || !(eps >= 0.f)) return TDM_EINVAL;
+  if (T == 0) return 0;
+  if (!y || !x || !w) return TDM_EINVAL;
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  rmsnorm_kernel<<<T, MOE_THREADS, 0, m->s>>>(y, x, w, H, eps);
+  cudaError_t e = cudaGetLastError(); /* a launch reports configuration errors at once */
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "rmsnorm_kernel");
+  leave(m, saved);
+  return rc;
+}
+
+static int launch_router(moe_cuda *m, const float *x, const moe_bf16 *wr, const float *bias,
+                         int T, int H, int E, int k, int renorm, int32_t *idx, float *weights) {
+  if (E > ROUTER_SMEM / 5) return TDM_EINVAL; /* p (4 bytes) and taken (1 byte) per expert */
+  int tpb = ROUTER_SMEM / (E * 5);
+  if (tpb > ROUTER_TOKENS) tpb = ROUTER_TOKENS;
+  if (tpb > T) tpb = T;
+  size_t smem = (size_t)tpb * E * 5;
+  int blocks = (T + tpb - 1) / tpb;
+  router_kernel<<<blocks, MOE_THREADS, smem, m->s>>>(x, wr, bias, T, H, E, k, renorm != 0, tpb,
+                                                     idx, weights);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : cuda_fail(m, e, "router_kernel");
+}
+
+static int cuda_router(void *st, tdm_queue *q, const float *x, const moe_bf16 *wr,
+                       const float *bias, int T, int H, int E, int k, int renorm, int32_t *idx,
+                       float *weights) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || T < 0 || H <= 0 || E <= 0 || k <= 0 || k > E) return TDM_EINVAL;
+  if (T == 0) return 0;
+  if (!x || !wr || !idx || !weights) return TDM_EINVAL;
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  rc = launch_router(m, x, wr, bias, T, H, E, k, renorm, idx, weights);
+  leave(m, saved);
+  return rc;
+}
+
+/* Row-major data through column-major cuBLAS. A row-major [r x c] matrix with row stride ld
+ * is, to cuBLAS, a column-major [c x r] matrix with leading dimension ld: its transpose. We
+ * want C = A W^T (A: [n x K] row-major, W: [N x K] row-major, C: [n x N] row-major), i.e.
+ * C^T = W A^T in column-major terms:
+ *   op(A_blas) = W:   W's storage is the column-major [K x N] matrix W^T, so transa = T,
+ *                     A_blas = W, lda = K (row stride of W);
+ *   op(B_blas) = A^T: A's storage already is the column-major [K x n] matrix A^T, so
+ *                     transb = N, B_blas = A, ldb = A's row stride (>= K);
+ *   C_blas = C^T:     column-major [N x n] with ldc = N is C row-major [n x N].
+ *   m = N, n = n, k = K. */
+static int gemm_rows(moe_cuda *m, int ntok, int N, int K, const void *A, int a_stride,
+                     const void *W, float *C) {
+  const float one = 1.f, zero = 0.f;
+  CK_BLAS(cublasGemmEx(m->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, ntok, K, &one, W, CUDA_R_16BF, K, A,
+                       CUDA_R_16BF, a_stride, &zero, C, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
+                       CUBLAS_GEMM_DEFAULT));
+  return 0;
+}
+
+static int run_expert(moe_cuda *m, const float *x, const int32_t *rows, const int32_t *slot,
+                      int n, const moe_bf16 *w, int H, int I, float *out, unsigned char *ws) {
+  float *GU = (float *)ws;
+  uint16_t *X = (uint16_t *)(ws + expert_off_o((size_t)n, (size_t)I));
+  float *O = (float *)X;
+  const uint16_t *Wgu = w;                        /* [2I x H]: Wg then Wu */
+  const uint16_t *Wd = w + 2 * (size_t)I * H;     /* [H x I] */
+  int rc;
+  gather_kernel<<<n, MOE_THREADS, 0, m->s>>>(X, x, rows, H);
+  CK_CUDA(cudaGetLastError());
+  if ((rc = gemm_rows(m, n, 2 * I, H, X, H, Wgu, GU))) return rc; /* GU = X [Wg|Wu]^T */
+  swiglu_kernel<<<n, MOE_THREADS, 0, m->s>>>(GU, I);
+  CK_CUDA(cudaGetLastError());
+  if ((rc = gemm_rows(m, n, H, I, GU, 4 * I, Wd, O))) return rc;  /* O = h Wd^T */
+  scatter_kernel<<<n, MOE_THREADS, 0, m->s>>>(out, O, slot, H);
+  CK_CUDA(cudaGetLastError());
+  return 0;
+}
+
+static int cuda_expert(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                       const int32_t *slot, int n, const moe_bf16 *w, int H, int I, float *out,
+                       void *workspace, size_t workspace_bytes) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || n < 0 || H <= 0 || I <= 0 || I > INT_MAX / 4) return TDM_EINVAL;
+  if (n == 0) return 0;
+  if (!x || !rows || !slot || !w || !out || !workspace || ((uintptr_t)workspace & 15)) return TDM_EINVAL;
+  if (expert_off_o((size_t)n, (size_t)I) + 4 * (size_t)n * H > workspace_bytes) return TDM_EINVAL;
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  rc = run_expert(m, x, rows, slot, n, w, H, I, out, (unsigned char *)workspace);
+  leave(m, saved);
+  return rc;
+}
+
+static int cuda_combine(void *st, tdm_queue *q, float *y, const float *out, const float *weights,
+                        int T, int H, int k) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || T < 0 || H <= 0 || k <= 0) return TDM_EINVAL;
+  if (T == 0) return 0;
+  if (!y || !out || !weights) return TDM_EINVAL;
+  size_t total = (size_t)T * H;
+  size_t blocks = (total + MOE_THREADS - 1) / MOE_THREADS;
+  if (blocks > (1u << 20)) blocks = 1u << 20; /* the kernel strides over the rest */
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  combine_kernel<<<(unsigned)blocks, MOE_THREADS, 0, m->s>>>(y, out, weights, H, k, total);
+  cudaError_t e = cudaGetLastError();
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "combine_kernel");
+  leave(m, saved);
+  return rc;
+}
+
+extern "C" const moe_ops moe_ops_cuda = {
+    /* .name = */ "cuda",
+    /* .open = */ cuda_open,
+    /* .close = */ cuda_close,
+    /* .rmsnorm = */ cuda_rmsnorm,
+    /* .router = */ cuda_router,
+    /* .expert = */ cuda_expert,
+    /* .combine = */ cuda_combine,
+};
+
+/* The backend table's extension entry: "moe-ops" is the table above. */
+extern "C" const void *tdm_cuda_extension(const char *name) {
+  return name && strcmp(name, "moe-ops") == 0 ? &moe_ops_cuda : NULL;
+}

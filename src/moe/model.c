@@ -1,0 +1,462 @@
+/* model.c: the MoE model of `tandem moe`: presets with real shapes, seeded bf16 weights
+ * generated in parallel into pinned host memory, a synthetic but realistic router (expert
+ * popularity follows a Zipf law through a per-layer logit bias; decode tokens are correlated),
+ * and the forward pass, whose routed experts come through the expert streamer. */
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/internal.h" /* tdm__error only */
+#include "moe/moe.h"
+
+const moe_preset moe_presets[] = {
+    {"tiny", 256, 16, 4, 128, 4, 1, 128, true, "small enough for two CPU cores"},
+    {"qwen3-30b-a3b", 2048, 128, 8, 768, 48, 0, 0, true, "Qwen3-30B-A3B"},
+    {"qwen3-235b-a22b", 4096, 128, 8, 1536, 94, 0, 0, true, "Qwen3-235B-A22B"},
+    {"deepseek-v3", 7168, 256, 8, 2048, 58, 1, 2048, true,
+     "DeepSeek-V3's 58 MoE layers; routed by softmax top-k (its sigmoid group routing is not modeled)"},
+    {"mixtral-8x7b", 4096, 8, 2, 14336, 32, 0, 0, true, "Mixtral-8x7B"},
+};
+const int moe_npresets = (int)(sizeof moe_presets / sizeof moe_presets[0]);
+
+const moe_preset *moe_preset_find(const char *name) {
+  for (int i = 0; i < moe_npresets; i++)
+    if (strcmp(moe_presets[i].name, name) == 0) return &moe_presets[i];
+  return NULL;
+}
+
+size_t moe_expert_bytes(const moe_preset *p) { return (size_t)3 * p->hidden * p->ffn * 2; }
+
+size_t moe_host_bytes(const moe_preset *p, int layers) {
+  return moe_expert_bytes(p) * (size_t)p->experts * (size_t)layers;
+}
+
+struct moe_model {
+  moe_config cfg;
+  moe_preset p;
+  int L, H, E, k, I;
+  size_t ebytes;
+  const moe_ops *ops;
+  void *ops_state;
+  tdm_queue *q;
+  moe_bf16 *host_experts;     /* pinned: L * E experts */
+  const void **host_ptrs;     /* per key */
+  tdm_streamer *streamer;
+  /* device side, per layer */
+  moe_bf16 *router;           /* L x E x H */
+  float *bias, *norm;         /* L x E, L x H */
+  moe_bf16 *shared;           /* L x shared experts, resident */
+  size_t shared_bytes;
+  int *rank;                  /* L x E: popularity rank of each expert (0: most popular) */
+  /* per ubatch (device) */
+  int maxT;
+  float *x, *xn, *out, *wts, *out_shared, *ones;
+  int32_t *idx, *rows, *slots, *iota;
+  void *ws;
+  size_t ws_bytes;
+  /* control plane (pinned host) */
+  int32_t *idx_h, *rows_h, *slots_h;
+};
+
+/* ---- deterministic random numbers ---- */
+
+static uint64_t splitmix(uint64_t *s) {
+  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+/* Uniform in (-1, 1): cheap, and enough for synthetic weights. */
+static float unit(uint64_t *s) { return (float)((double)(splitmix(s) >> 11) * 0x1.0p-52 - 1.0); }
+
+static float gauss(uint64_t *s) {
+  double u1 = ((double)(splitmix(s) >> 11) + 0.5) * 0x1.0p-53;
+  double u2 = (double)(splitmix(s) >> 11) * 0x1.0p-53;
+  return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+/* ---- weights, filled in parallel: thread t fills experts t, t + n, ... ---- */
+
+typedef struct fill_job {
+  moe_model *m;
+  int t, n;
+} fill_job;
+
+static void fill_expert(const moe_model *m, moe_bf16 *w, uint64_t seed) {
+  uint64_t s = seed;
+  size_t hi = (size_t)m->H * m->I;
+  float a = 1.0f / sqrtf((float)m->H), b = 1.0f / sqrtf((float)m->I);
+  for (size_t i = 0; i < 2 * hi; i++) w[i] = moe_f32_to_bf16(a * unit(&s)); /* Wg, Wu */
+  for (size_t i = 2 * hi; i < 3 * hi; i++) w[i] = moe_f32_to_bf16(b * unit(&s)); /* Wd */
+}
+
+static void *fill_main(void *arg) {
+  fill_job *j = arg;
+  moe_model *m = j->m;
+  size_t per = m->ebytes / sizeof(moe_bf16);
+  for (long key = j->t; key < (long)m->L * m->E; key += j->n)
+    fill_expert(m, m->host_experts + (size_t)key * per, m->cfg.seed * 1000003u + (uint64_t)key);
+  return NULL;
+}
+
+static int fill_parallel(moe_model *m) {
+  int n = m->cfg.threads > 0 ? m->cfg.threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
+  if (n < 1) n = 1;
+  if (n > 64) n = 64;
+  pthread_t th[64];
+  fill_job jobs[64];
+  int started = 0;
+  for (int t = 0; t < n; t++) {
+    jobs[t] = (fill_job){m, t, n};
+    if (pthread_create(&th[t], NULL, fill_main, &jobs[t]) == 0) started++;
+    else break;
+  }
+  if (started < n) { /* whatever did not start is filled here */
+    for (int t = started; t < n; t++) fill_main(&jobs[t]);
+  }
+  for (int t = 0; t < started; t++) pthread_join(th[t], NULL);
+  return 0;
+}
+
+/* ---- setup ---- */
+
+static int upload(moe_model *m, void *dst, const void *src, size_t n) {
+  void *stage;
+  int rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, n, &stage);
+  if (rc) return rc;
+  memcpy(stage, src, n);
+  rc = tdm_memcpy(m->q, dst, stage, n, TDM_COPY_H2D, 0, NULL, NULL);
+  if (!rc) rc = tdm_queue_sync(m->q);
+  tdm_free(stage);
+  return rc;
+}
+
+static int dev_alloc(moe_model *m, size_t n, void *out) {
+  return tdm_malloc(m->cfg.device, TDM_MEM_DEVICE, n ? n : 1, (void **)out);
+}
+
+static int setup_small_weights(moe_model *m) {
+  size_t nr = (size_t)m->L * m->E * m->H;
+  moe_bf16 *r = malloc(nr * sizeof *r);
+  float *bias = malloc((size_t)m->L * m->E * sizeof *bias);
+  float *norm = malloc((size_t)m->L * m->H * sizeof *norm);
+  m->rank = malloc((size_t)m->L * m->E * sizeof *m->rank);
+  int rc = (r && bias && norm && m->rank) ? 0 : tdm__error(TDM_ENOMEM, 0, "no host memory");
+  uint64_t s = m->cfg.seed ^ 0x5eedu;
+  for (size_t i = 0; !rc && i < nr; i++) r[i] = moe_f32_to_bf16(gauss(&s) / sqrtf((float)m->H));
+  for (int l = 0; !rc && l < m->L; l++) {
+    /* A random popularity order per layer; the expert of rank r gets a logit bias of
+     * -skew * ln(r + 1), so its routing probability falls like (r + 1)^-skew. */
+    int *rk = m->rank + (size_t)l * m->E;
+    for (int e = 0; e < m->E; e++) rk[e] = e;
+    for (int e = m->E - 1; e > 0; e--) {
+      int j = (int)(splitmix(&s) % (uint64_t)(e + 1)), t = rk[e];
+      rk[e] = rk[j];
+      rk[j] = t;
+    }
+    for (int e = 0; e < m->E; e++)
+      bias[(size_t)l * m->E + e] = (float)(-m->cfg.skew * log((double)rk[e] + 1.0));
+    for (int h = 0; h < m->H; h++) norm[(size_t)l * m->H + h] = 1.0f + 0.1f * unit(&s);
+  }
+  if (!rc) rc = dev_alloc(m, nr * sizeof *r, &m->router);
+  if (!rc) rc = dev_alloc(m, (size_t)m->L * m->E * sizeof(float), &m->bias);
+  if (!rc) rc = dev_alloc(m, (size_t)m->L * m->H * sizeof(float), &m->norm);
+  if (!rc) rc = upload(m, m->router, r, nr * sizeof *r);
+  if (!rc) rc = upload(m, m->bias, bias, (size_t)m->L * m->E * sizeof(float));
+  if (!rc) rc = upload(m, m->norm, norm, (size_t)m->L * m->H * sizeof(float));
+  if (!rc && m->p.shared) {
+    /* Shared experts are always active: resident on the device, outside the budget. */
+    moe_preset sp = m->p;
+    sp.ffn = m->p.shared_ffn;
+    size_t sb = moe_expert_bytes(&sp), n = (size_t)m->L * m->p.shared;
+    m->shared_bytes = sb * n;
+    moe_bf16 *h = malloc(m->shared_bytes);
+    rc = h ? dev_alloc(m, m->shared_bytes, &m->shared) : tdm__error(TDM_ENOMEM, 0, "no memory");
+    moe_model tmp = *m;
+    tmp.I = m->p.shared_ffn;
+    for (size_t i = 0; !rc && i < n; i++)
+      fill_expert(&tmp, h + i * (sb / 2), m->cfg.seed * 7919u + i + 1);
+    if (!rc) rc = upload(m, m->shared, h, m->shared_bytes);
+    free(h);
+  }
+  free(r);
+  free(bias);
+  free(norm);
+  return rc;
+}
+
+static int setup_buffers(moe_model *m) {
+  int T = m->maxT, Imax = m->I > m->p.shared_ffn ? m->I : m->p.shared_ffn;
+  size_t th = (size_t)T * m->H * sizeof(float), tk = (size_t)T * m->k;
+  m->ws_bytes = moe_ops_workspace(T, m->H, Imax);
+  int rc = 0;
+  if (!rc) rc = dev_alloc(m, th, &m->x);
+  if (!rc) rc = dev_alloc(m, th, &m->xn);
+  if (!rc) rc = dev_alloc(m, tk * m->H * sizeof(float), &m->out);
+  if (!rc) rc = dev_alloc(m, tk * sizeof(float), &m->wts);
+  if (!rc) rc = dev_alloc(m, tk * sizeof(int32_t), &m->idx);
+  if (!rc) rc = dev_alloc(m, tk * sizeof(int32_t), &m->rows);
+  if (!rc) rc = dev_alloc(m, tk * sizeof(int32_t), &m->slots);
+  if (!rc) rc = dev_alloc(m, m->ws_bytes, &m->ws);
+  if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * sizeof(int32_t), (void **)&m->idx_h);
+  if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * sizeof(int32_t), (void **)&m->rows_h);
+  if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * sizeof(int32_t), (void **)&m->slots_h);
+  if (!rc && m->p.shared) {
+    rc = dev_alloc(m, th, &m->out_shared);
+    if (!rc) rc = dev_alloc(m, (size_t)T * sizeof(float), &m->ones);
+    if (!rc) rc = dev_alloc(m, (size_t)T * sizeof(int32_t), &m->iota);
+    float *ones = malloc((size_t)T * sizeof *ones);
+    int32_t *iota = malloc((size_t)T * sizeof *iota);
+    if (!rc && (!ones || !iota)) rc = tdm__error(TDM_ENOMEM, 0, "no memory");
+    for (int t = 0; !rc && t < T; t++) {
+      ones[t] = 1.0f;
+      iota[t] = t;
+    }
+    if (!rc) rc = upload(m, m->ones, ones, (size_t)T * sizeof(float));
+    if (!rc) rc = upload(m, m->iota, iota, (size_t)T * sizeof(int32_t));
+    free(ones);
+    free(iota);
+  }
+  return rc;
+}
+
+static int setup_streamer(moe_model *m) {
+  long keys = (long)m->L * m->E;
+  m->host_ptrs = malloc((size_t)keys * sizeof *m->host_ptrs);
+  int *resident = malloc((size_t)keys * sizeof *resident);
+  if (!m->host_ptrs || !resident) {
+    free(resident);
+    return tdm__error(TDM_ENOMEM, 0, "no memory");
+  }
+  size_t per = m->ebytes / sizeof(moe_bf16);
+  for (long key = 0; key < keys; key++) m->host_ptrs[key] = m->host_experts + (size_t)key * per;
+  /* The static resident set: the most popular experts of every layer first. */
+  long n = 0;
+  for (int r = 0; r < m->E; r++)
+    for (int l = 0; l < m->L; l++)
+      for (int e = 0; e < m->E; e++)
+        if (m->rank[(size_t)l * m->E + e] == r) resident[n++] = l * m->E + e;
+  tdm_streamer_config sc = {
+      .compute = m->q,
+      .layers = m->L,
+      .experts = m->E,
+      .expert_bytes = m->ebytes,
+      .host = m->host_ptrs,
+      .budget_bytes = m->cfg.all_resident ? (size_t)keys * m->ebytes : m->cfg.budget_bytes,
+      .staging_slots = m->cfg.staging_slots > 0 ? m->cfg.staging_slots : 4,
+      .policy = m->cfg.all_resident ? TDM_CACHE_STATIC : m->cfg.policy,
+      .resident = resident,
+      .nresident = (int)n,
+  };
+  int rc = tdm_streamer_create(&sc, &m->streamer);
+  free(resident);
+  return rc;
+}
+
+int moe_model_create(const moe_config *cfg, moe_model **out) {
+  if (!cfg || !cfg->preset || !cfg->device || !out || cfg->max_tokens < 1)
+    return tdm__error(TDM_EINVAL, 0, "moe_model_create: bad configuration");
+  moe_model *m = calloc(1, sizeof *m);
+  if (!m) return tdm__error(TDM_ENOMEM, 0, "no memory");
+  m->cfg = *cfg;
+  m->p = *cfg->preset;
+  m->L = cfg->layers > 0 ? cfg->layers : m->p.layers;
+  m->H = m->p.hidden;
+  m->E = m->p.experts;
+  m->k = m->p.topk;
+  m->I = m->p.ffn;
+  m->ebytes = moe_expert_bytes(&m->p);
+  m->maxT = cfg->max_tokens;
+  int rc = 0;
+  if (cfg->budget_bytes && cfg->budget_bytes < m->ebytes && !cfg->all_resident)
+    rc = tdm__error(TDM_EINVAL, 0, "a device budget of %zu bytes cannot hold one %zu-byte expert "
+                    "of %s", cfg->budget_bytes, m->ebytes, m->p.name);
+  size_t host = moe_host_bytes(&m->p, m->L);
+  uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
+  if (!rc && host > phys / 10 * 8)
+    rc = tdm__error(TDM_ENOMEM, 0, "%s with %d layers needs %.1f GiB of pinned host memory; "
+                    "this machine has %.1f GiB: use --layers to run fewer", m->p.name, m->L,
+                    host / 1073741824.0, phys / 1073741824.0);
+  if (!rc && !(m->ops = moe_ops_for(cfg->device)))
+    rc = tdm__error(TDM_ENOTSUP, 0, "no MoE operations for this device's backend yet");
+  if (!rc) rc = tdm_queue_create(cfg->device, TDM_QUEUE_IN_ORDER, &m->q);
+  if (!rc) rc = m->ops->open(m->q, &m->ops_state);
+  if (!rc) rc = tdm_malloc(cfg->device, TDM_MEM_PINNED, host, (void **)&m->host_experts);
+  if (rc == TDM_ENOMEM && !m->host_experts && m->q)
+    tdm__error(TDM_ENOMEM, 0, "cannot pin %.1f GiB of host memory for the experts",
+               host / 1073741824.0);
+  if (!rc) rc = fill_parallel(m);
+  if (!rc) rc = setup_small_weights(m);
+  if (!rc) rc = setup_buffers(m);
+  if (!rc) rc = setup_streamer(m);
+  if (rc) {
+    moe_model_destroy(m);
+    return rc;
+  }
+  *out = m;
+  return 0;
+}
+
+void moe_model_destroy(moe_model *m) {
+  if (!m) return;
+  if (m->q) tdm_queue_sync(m->q);
+  if (m->streamer) tdm_streamer_destroy(m->streamer);
+  if (m->q) tdm_queue_sync(m->q);
+  void *dev[] = {m->router, m->bias,  m->norm,  m->shared, m->x,   m->xn,   m->out,
+                 m->wts,    m->idx,   m->rows,  m->slots,  m->ws,  m->out_shared, m->ones,
+                 m->iota,   m->idx_h, m->rows_h, m->slots_h, m->host_experts};
+  for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
+    if (dev[i]) tdm_free(dev[i]);
+  if (m->ops_state) m->ops->close(m->ops_state);
+  if (m->q) tdm_queue_destroy(m->q);
+  free(m->host_ptrs);
+  free(m->rank);
+  free(m);
+}
+
+tdm_streamer *moe_streamer(moe_model *m) { return m->streamer; }
+
+void moe_make_input(const moe_model *m, float *x, int n, uint64_t pos, bool decode) {
+  uint64_t s = m->cfg.seed * 31u + (decode ? 0xdec0de : 0) + (decode ? 0 : pos);
+  double a = decode ? m->cfg.locality : 0.0, b = sqrt(1.0 - a * a);
+  for (int t = 0; t < n; t++) {
+    float *row = x + (size_t)t * m->H;
+    for (int h = 0; h < m->H; h++) {
+      float z = gauss(&s);
+      row[h] = (t > 0 && decode) ? (float)(a * row[h - m->H] + b * z) : z;
+    }
+  }
+}
+
+/* ---- the forward pass ---- */
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Groups the tokens of each expert (rows: token index, slots: t*k + j), in token order. */
+static void group(moe_model *m, int T, int *count, int *offset) {
+  int E = m->E, k = m->k;
+  memset(count, 0, (size_t)E * sizeof *count);
+  for (int i = 0; i < T * k; i++) count[m->idx_h[i]]++;
+  offset[0] = 0;
+  for (int e = 1; e < E; e++) offset[e] = offset[e - 1] + count[e - 1];
+  int *fill = malloc((size_t)E * sizeof *fill);
+  memcpy(fill, offset, (size_t)E * sizeof *fill);
+  for (int t = 0; t < T; t++)
+    for (int j = 0; j < k; j++) {
+      int e = m->idx_h[t * k + j], at = fill[e]++;
+      m->rows_h[at] = t;
+      m->slots_h[at] = t * k + j;
+    }
+  free(fill);
+}
+
+static int layer(moe_model *m, int l, int T, bool overlap, moe_pass_stats *st, int *count,
+                 int *offset, int *order) {
+  const moe_ops *ops = m->ops;
+  void *os = m->ops_state;
+  int H = m->H, E = m->E, k = m->k, rc;
+  if ((rc = ops->rmsnorm(os, m->q, m->xn, m->x, m->norm + (size_t)l * H, T, H, 1e-6f))) return rc;
+  if ((rc = ops->router(os, m->q, m->xn, m->router + (size_t)l * E * H, m->bias + (size_t)l * E, T,
+                        H, E, k, m->p.renorm, m->idx, m->wts)))
+    return rc;
+  /* The control plane: this layer's routing lands in pinned memory; the host waits for that
+   * small copy only, never for the whole device. */
+  tdm_event *routed;
+  if ((rc = tdm_memcpy(m->q, m->idx_h, m->idx, (size_t)T * k * sizeof(int32_t), TDM_COPY_D2H, 0,
+                       NULL, &routed)))
+    return rc;
+  rc = tdm_event_wait(routed);
+  tdm_event_release(routed);
+  if (rc) return rc;
+  group(m, T, count, offset);
+  if ((rc = tdm_memcpy(m->q, m->rows, m->rows_h, (size_t)T * k * sizeof(int32_t), TDM_COPY_H2D, 0,
+                       NULL, NULL)) ||
+      (rc = tdm_memcpy(m->q, m->slots, m->slots_h, (size_t)T * k * sizeof(int32_t), TDM_COPY_H2D,
+                       0, NULL, NULL)))
+    return rc;
+  /* Experts already on the device first, then the others: their copies run meanwhile. */
+  int n = 0;
+  tdm_mem_info info;
+  (void)info;
+  for (int pass = 0; pass < 2; pass++)
+    for (int r = 0; r < E; r++)
+      for (int e = 0; e < E; e++) {
+        if (m->rank[(size_t)l * E + e] != r || !count[e]) continue;
+        bool resident = pass == 0;
+        (void)resident;
+        if (pass == 0) order[n++] = e;
+      }
+  /* order now holds every routed expert by popularity; the streamer decides what is resident. */
+  tdm_queue *demand = NULL;
+  tdm_streamer_queues(m->streamer, &demand, NULL);
+  if (overlap) tdm_streamer_prefetch(m->streamer, l, order, n);
+  for (int i = 0; i < n; i++) {
+    int e = order[i];
+    const void *w;
+    if ((rc = tdm_streamer_acquire(m->streamer, l, e, &w, NULL))) return rc;
+    rc = ops->expert(os, m->q, m->xn, m->rows + offset[e], m->slots + offset[e], count[e], w, H,
+                     m->I, m->out, m->ws, m->ws_bytes);
+    tdm_event *done = NULL;
+    if (!rc) rc = tdm_event_record(m->q, &done);
+    int rr = tdm_streamer_release(m->streamer, l, e, rc ? NULL : done);
+    if (!rc) rc = rr;
+    /* Serialized baseline: the next copy waits for this compute. */
+    if (!rc && !overlap) rc = tdm_queue_wait(demand, done);
+    if (done) tdm_event_release(done);
+    if (rc) return rc;
+    if (overlap && i + 1 < n) tdm_streamer_prefetch(m->streamer, l, order + i + 1, n - i - 1);
+    st->experts_computed++;
+  }
+  for (int j = 0; j < m->p.shared; j++) {
+    size_t sb = (size_t)3 * H * m->p.shared_ffn;
+    const moe_bf16 *w = m->shared + ((size_t)l * m->p.shared + j) * sb;
+    if ((rc = ops->expert(os, m->q, m->xn, m->iota, m->iota, T, w, H, m->p.shared_ffn,
+                          m->out_shared, m->ws, m->ws_bytes)) ||
+        (rc = ops->combine(os, m->q, m->x, m->out_shared, m->ones, T, H, 1)))
+      return rc;
+  }
+  return ops->combine(os, m->q, m->x, m->out, m->wts, T, H, k);
+}
+
+int moe_forward(moe_model *m, const float *x, float *y, int T, bool overlap, moe_pass_stats *st) {
+  if (T < 1 || T > m->maxT)
+    return tdm__error(TDM_EINVAL, 0, "a ubatch of %d tokens (this model takes 1 to %d)", T, m->maxT);
+  memset(st, 0, sizeof *st);
+  size_t bytes = (size_t)T * m->H * sizeof(float);
+  float *xh;
+  int rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, bytes, (void **)&xh);
+  if (rc) return rc;
+  memcpy(xh, x, bytes);
+  int *count = malloc((size_t)m->E * 3 * sizeof *count);
+  if (!count) {
+    tdm_free(xh);
+    return tdm__error(TDM_ENOMEM, 0, "no memory");
+  }
+  tdm_streamer_stats s0, s1;
+  tdm_streamer_stats_get(m->streamer, &s0);
+  double t0 = now_s();
+  rc = tdm_memcpy(m->q, m->x, xh, bytes, TDM_COPY_H2D, 0, NULL, NULL);
+  for (int l = 0; !rc && l < m->L; l++)
+    rc = layer(m, l, T, overlap, st, count, count + m->E, count + 2 * m->E);
+  if (!rc) rc = tdm_memcpy(m->q, xh, m->x, bytes, TDM_COPY_D2H, 0, NULL, NULL);
+  int src = tdm_queue_sync(m->q);
+  if (!rc) rc = src;
+  st->seconds = now_s() - t0;
+  tdm_streamer_stats_get(m->streamer, &s1);
+  st->bytes_copied = s1.bytes_copied - s0.bytes_copied;
+  st->acquires = s1.acquires - s0.acquires;
+  st->hits = s1.hits - s0.hits;
+  st->misses = s1.misses - s0.misses;
+  if (!rc) memcpy(y, xh, bytes);
+  free(count);
+  tdm_free(xh);
+  return rc;
+}

@@ -1,0 +1,360 @@
+/* ops_cpu.c: the MoE operations for the CPU backend (moe_ops_cpu).
+ *
+ * On the CPU backend device memory is host memory, so each op is a host task that runs on the
+ * queue's worker thread in stream order. The call checks what it can see at once (sizes,
+ * pointers, the workspace size), copies its arguments into a heap block and returns; the task
+ * reads device memory (indices, activations) only when it runs, since earlier commands on the
+ * queue may still be writing it.
+ *
+ * Argument blocks are freed by a keep-alive on the same queue, not by the task itself: a task
+ * whose predecessor failed completes with TDM_EDEP without running, and could not free its
+ * block. Argument errors return TDM_EINVAL at once; tdm_last_error() is set only by the public
+ * calls an op makes (the ops layer has no way to set it itself).
+ *
+ * GEMMs are OpenBLAS sgemm in f32 on weights converted from bf16 (exactly) into the workspace;
+ * OpenBLAS 0.3.21 has no bf16 GEMM. On determinism: we leave OpenBLAS's own threading as the
+ * program configured it (calling openblas_set_num_threads() would change process-wide state
+ * that belongs to the program). Its threaded sgemm (driver/level3/level3_thread.c) splits only
+ * the M and N dimensions between threads; every thread runs the whole K reduction in the same
+ * blocked order, and the split is a pure function of (M, N, K, thread count). Concurrent
+ * callers (two tandem queues) wait for free threads rather than getting fewer. So for fixed
+ * shapes, CPU and OPENBLAS_NUM_THREADS the output is bitwise repeatable; the `deterministic`
+ * case of tests/test-moe-ops.c checks it at shapes large enough to be threaded, with two
+ * queues running experts at once. A token's result may still depend on n (which tile it falls
+ * in), so comparisons must use the same per-expert batches.
+ *
+ * Every other reduction (rmsnorm, softmax, top-k, combine) is a plain loop in a fixed order.
+ */
+#include "ops.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* OpenBLAS's cblas.h pulls in <complex.h>, whose macro I would rewrite every "I" (the expert's
+ * intermediate size) after it; C11 7.3.1 lets a program undefine it. ops.h comes first for the
+ * same reason. */
+#include <cblas.h>
+#undef I
+
+/* open() binds the state to one in-order queue; every op checks it is given that queue. */
+typedef struct cpu_state {
+  tdm_queue *q;
+} cpu_state;
+
+/* ---- Submission -------------------------------------------------------------------------- */
+
+/* The head of every op's argument block. refs: one for the task, one for the submitter's
+ * keep-alive (see task_submit). */
+typedef struct task {
+  int (*body)(const struct task *t);
+  atomic_int refs;
+} task;
+
+static void task_drop(task *t) {
+  if (atomic_fetch_sub(&t->refs, 1) == 1) free(t);
+}
+
+static int task_run(void *arg) {
+  task *t = arg;
+  int rc = t->body(t);
+  task_drop(t);
+  return rc;
+}
+
+/* The keep-alive fires once the task has completed or been skipped, so it frees the block
+ * whatever the count says. */
+static void task_release(void *arg) { free(arg); }
+
+/* Queues t (allocated by the caller, body set) on q; frees it on failure. */
+static int task_submit(tdm_queue *q, task *t) {
+  atomic_init(&t->refs, 2);
+  int rc = tdm_host_task(q, task_run, t, 0, NULL, NULL);
+  if (rc) {
+    free(t);
+    return rc;
+  }
+  /* The task is queued, so the op has been submitted whatever happens next. If the keep-alive
+   * cannot be queued (out of memory), the task and this call share the block instead; it leaks
+   * only if the task is then also skipped. */
+  if (tdm_keep_alive(q, task_release, t) != 0) task_drop(t);
+  return 0;
+}
+
+static int check_state(void *st, tdm_queue *q) {
+  return st && q && ((cpu_state *)st)->q == q ? 0 : TDM_EINVAL;
+}
+
+/* How many rows of `width` floats fit between p and the end of the tandem allocation holding
+ * it; SIZE_MAX when tandem does not know the memory (then the caller vouches for it). */
+static size_t rows_available(const float *p, int width) {
+  tdm_mem_info mi;
+  if (tdm_mem_query(p, &mi) != 0 || !mi.base) return SIZE_MAX;
+  size_t left = (size_t)((const char *)mi.base + mi.size - (const char *)p);
+  return left / ((size_t)width * sizeof(float));
+}
+
+static void bf16_to_f32(float *dst, const moe_bf16 *src, size_t n) {
+  for (size_t i = 0; i < n; i++) dst[i] = moe_bf16_to_f32(src[i]);
+}
+
+/* ---- open / close ------------------------------------------------------------------------ */
+
+static int cpu_open(tdm_queue *q, void **state) {
+  tdm_device *dev;
+  tdm_device_info info;
+  unsigned flags;
+  int rc;
+  if (!q || !state) return TDM_EINVAL;
+  if ((rc = tdm_queue_device(q, &dev)) || (rc = tdm_device_info_get(dev, &info)) ||
+      (rc = tdm_queue_flags(q, &flags)))
+    return rc;
+  /* The tasks dereference device pointers, which only host-memory devices allow. */
+  if (!(info.caps & TDM_DEVICE_CAP_HOST_MEMORY)) return TDM_ENOTSUP;
+  /* Ops take no dependency lists: on an out-of-order queue they would not be ordered. */
+  if (flags & TDM_QUEUE_OUT_OF_ORDER) return TDM_EINVAL;
+  cpu_state *s = malloc(sizeof *s);
+  if (!s) return TDM_ENOMEM;
+  s->q = q;
+  *state = s;
+  return 0;
+}
+
+static void cpu_close(void *state) { free(state); }
+
+/* ---- rmsnorm ----------------------------------------------------------------------------- */
+
+typedef struct rmsnorm_args {
+  task t; /* first */
+  float *y;
+  const float *x, *w;
+  int T, H;
+  float eps;
+} rmsnorm_args;
+
+static int rmsnorm_body(const task *t) {
+  const rmsnorm_args *a = (const rmsnorm_args *)t;
+  for (int r = 0; r < a->T; r++) {
+    const float *x = a->x + (size_t)r * a->H;
+    float *y = a->y + (size_t)r * a->H;
+    double ss = 0.0; /* double: exact enough that H never matters, and still a fixed order */
+    for (int h = 0; h < a->H; h++) ss += (double)x[h] * x[h];
+    float scale = (float)(1.0 / sqrt(ss / a->H + a->eps));
+    for (int h = 0; h < a->H; h++) y[h] = x[h] * scale * a->w[h];
+  }
+  return 0;
+}
+
+static int cpu_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T,
+                       int H, float eps) {
+  if (check_state(st, q) || !y || !x || !w || T < 0 || H <= 0 || !(eps >= 0.0f))
+    return TDM_EINVAL;
+  if (T == 0) return 0;
+  rmsnorm_args *a = malloc(sizeof *a);
+  if (!a) return TDM_ENOMEM;
+  *a = (rmsnorm_args){.t.body = rmsnorm_body, .y = y, .x = x, .w = w, .T = T, .H = H,
+                      .eps = eps};
+  return task_submit(q, &a->t);
+}
+
+/* ---- router ------------------------------------------------------------------------------ */
+
+typedef struct router_args {
+  task t; /* first */
+  const float *x;
+  const moe_bf16 *wr;
+  const float *bias; /* or NULL */
+  int T, H, E, k, renorm;
+  int32_t *idx;
+  float *weights;
+} router_args;
+
+/* p[0..E) holds logits on entry, probabilities on return. */
+static void softmax(float *p, int E) {
+  float m = p[0], sum = 0.0f;
+  for (int e = 1; e < E; e++)
+    if (p[e] > m) m = p[e];
+  for (int e = 0; e < E; e++) {
+    p[e] = expf(p[e] - m);
+    sum += p[e];
+  }
+  for (int e = 0; e < E; e++) p[e] /= sum;
+}
+
+static int chosen(const int32_t *idx, int j, int e) {
+  for (int i = 0; i < j; i++)
+    if (idx[i] == e) return 1;
+  return 0;
+}
+
+/* The k largest of p, descending; strict '>' over ascending e keeps the lower index on ties. */
+static void top_k(const float *p, int E, int k, int renorm, int32_t *idx, float *w) {
+  float sum = 0.0f;
+  for (int j = 0; j < k; j++) {
+    int best = -1;
+    for (int e = 0; e < E; e++) {
+      if (chosen(idx, j, e)) continue;
+      if (best < 0 || p[e] > p[best]) best = e;
+    }
+    idx[j] = best;
+    w[j] = p[best];
+    sum += p[best];
+  }
+  if (renorm)
+    for (int j = 0; j < k; j++) w[j] /= sum;
+}
+
+static int router_body(const task *t) {
+  const router_args *a = (const router_args *)t;
+  /* Scratch is taken here, not at submission, so that layers queued ahead do not all hold it. */
+  float *wr = malloc((size_t)a->E * a->H * sizeof *wr);
+  float *logits = malloc((size_t)a->T * a->E * sizeof *logits);
+  if (!wr || !logits) {
+    free(wr);
+    free(logits);
+    return TDM_ENOMEM;
+  }
+  bf16_to_f32(wr, a->wr, (size_t)a->E * a->H);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, a->T, a->E, a->H, 1.0f, a->x, a->H, wr,
+              a->H, 0.0f, logits, a->E);
+  for (int r = 0; r < a->T; r++) {
+    float *p = logits + (size_t)r * a->E;
+    if (a->bias)
+      for (int e = 0; e < a->E; e++) p[e] += a->bias[e];
+    softmax(p, a->E);
+    top_k(p, a->E, a->k, a->renorm, a->idx + (size_t)r * a->k, a->weights + (size_t)r * a->k);
+  }
+  free(wr);
+  free(logits);
+  return 0;
+}
+
+static int cpu_router(void *st, tdm_queue *q, const float *x, const moe_bf16 *wr,
+                      const float *bias, int T, int H, int E, int k, int renorm, int32_t *idx,
+                      float *weights) {
+  if (check_state(st, q) || !x || !wr || !idx || !weights || T < 0 || H <= 0 || E <= 0 ||
+      k <= 0 || k > E)
+    return TDM_EINVAL;
+  if (T == 0) return 0;
+  router_args *a = malloc(sizeof *a);
+  if (!a) return TDM_ENOMEM;
+  *a = (router_args){.t.body = router_body, .x = x, .wr = wr, .bias = bias, .T = T, .H = H,
+                     .E = E, .k = k, .renorm = renorm != 0, .idx = idx, .weights = weights};
+  return task_submit(q, &a->t);
+}
+
+/* ---- expert ------------------------------------------------------------------------------ */
+
+/* Workspace layout, each region starting on a 256-byte boundary, all within
+ * moe_ops_workspace(n, H, I): the expert's weights in f32 [Wg | Wu | Wd] (3HI), the gathered
+ * rows (n x H, reused for the output rows), then gate|up side by side (n x 2I), h = silu(gate)
+ * * up overwriting the gate half. */
+static size_t round256(size_t b) { return (b + 255) / 256 * 256; }
+
+typedef struct expert_args {
+  task t; /* first */
+  const float *x;
+  const int32_t *rows, *slot;
+  int n, H, I;
+  const moe_bf16 *w;
+  float *out;
+  float *ws;
+  size_t x_rows, out_rows; /* bounds of x and out, from tdm_mem_query */
+} expert_args;
+
+static int expert_body(const task *t) {
+  const expert_args *a = (const expert_args *)t;
+  const size_t H = (size_t)a->H, I = (size_t)a->I, n = (size_t)a->n;
+  /* Indices are device data written by earlier commands, so they are checked only now. */
+  for (size_t i = 0; i < n; i++) {
+    if (a->rows[i] < 0 || (size_t)a->rows[i] >= a->x_rows) return TDM_ERANGE;
+    if (a->slot[i] < 0 || (size_t)a->slot[i] >= a->out_rows) return TDM_ERANGE;
+  }
+  float *w = a->ws;
+  float *xo = (float *)((char *)w + round256(3 * H * I * sizeof(float)));
+  float *gu = (float *)((char *)xo + round256(n * H * sizeof(float)));
+  const float *wd = w + 2 * H * I;
+
+  bf16_to_f32(w, a->w, 3 * H * I);
+  for (size_t i = 0; i < n; i++)
+    memcpy(xo + i * H, a->x + (size_t)a->rows[i] * H, H * sizeof(float));
+  /* Wg and Wu are adjacent, so [gate | up] = X [Wg; Wu]^T is one GEMM of width 2I. */
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, a->n, 2 * a->I, a->H, 1.0f, xo, a->H, w,
+              a->H, 0.0f, gu, 2 * a->I);
+  for (size_t i = 0; i < n; i++) {
+    float *g = gu + i * 2 * I;
+    const float *u = g + I;
+    for (size_t j = 0; j < I; j++) g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, a->n, a->H, a->I, 1.0f, gu, 2 * a->I, wd,
+              a->I, 0.0f, xo, a->H);
+  for (size_t i = 0; i < n; i++)
+    memcpy(a->out + (size_t)a->slot[i] * H, xo + i * H, H * sizeof(float));
+  return 0;
+}
+
+static int cpu_expert(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                      const int32_t *slot, int n, const moe_bf16 *w, int H, int I, float *out,
+                      void *workspace, size_t workspace_bytes) {
+  if (check_state(st, q) || !x || !rows || !slot || !w || !out || n < 0 || H <= 0 || I <= 0)
+    return TDM_EINVAL;
+  if (n == 0) return 0;
+  size_t need = moe_ops_workspace(n, H, I);
+  if (!workspace || need == 0 || workspace_bytes < need ||
+      (uintptr_t)workspace % sizeof(float))
+    return TDM_EINVAL;
+  expert_args *a = malloc(sizeof *a);
+  if (!a) return TDM_ENOMEM;
+  *a = (expert_args){.t.body = expert_body, .x = x, .rows = rows, .slot = slot, .n = n, .H = H,
+                     .I = I, .w = w, .out = out, .ws = workspace,
+                     .x_rows = rows_available(x, H), .out_rows = rows_available(out, H)};
+  return task_submit(q, &a->t);
+}
+
+/* ---- combine ----------------------------------------------------------------------------- */
+
+typedef struct combine_args {
+  task t; /* first */
+  float *y;
+  const float *out, *weights;
+  int T, H, k;
+} combine_args;
+
+static int combine_body(const task *t) {
+  const combine_args *a = (const combine_args *)t;
+  const size_t H = (size_t)a->H, k = (size_t)a->k;
+  for (size_t r = 0; r < (size_t)a->T; r++) {
+    float *y = a->y + r * H;
+    const float *wt = a->weights + r * k;
+    for (size_t h = 0; h < H; h++) {
+      float s = 0.0f;
+      for (size_t j = 0; j < k; j++) s += wt[j] * a->out[(r * k + j) * H + h];
+      y[h] += s;
+    }
+  }
+  return 0;
+}
+
+static int cpu_combine(void *st, tdm_queue *q, float *y, const float *out, const float *weights,
+                       int T, int H, int k) {
+  if (check_state(st, q) || !y || !out || !weights || T < 0 || H <= 0 || k <= 0)
+    return TDM_EINVAL;
+  if (T == 0) return 0;
+  combine_args *a = malloc(sizeof *a);
+  if (!a) return TDM_ENOMEM;
+  *a = (combine_args){.t.body = combine_body, .y = y, .out = out, .weights = weights, .T = T,
+                      .H = H, .k = k};
+  return task_submit(q, &a->t);
+}
+
+const moe_ops moe_ops_cpu = {
+    .name = "cpu",
+    .open = cpu_open,
+    .close = cpu_close,
+    .rmsnorm = cpu_rmsnorm,
+    .router = cpu_router,
+    .expert = cpu_expert,
+    .combine = cpu_combine,
+};

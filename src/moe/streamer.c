@@ -1,0 +1,295 @@
+/* streamer.c: the expert streamer (tandem/streamer.h), built on tandem's public API only: two
+ * copy queues of its own (demand misses and prefetches), device slots in one allocation, and a
+ * key -> slot map. A slot is reused only after the compute that last read it: the copy into it
+ * depends on that event, so the wait happens on the device. */
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/internal.h" /* tdm__error only: everything else goes through the public API */
+#include "tandem/streamer.h"
+
+typedef struct slot {
+  int key;             /* -1: empty */
+  int pins;            /* acquired and not yet released */
+  bool fixed;          /* TDM_CACHE_STATIC's resident set: never evicted */
+  bool unused_prefetch;/* prefetched and not acquired yet: prefetches do not evict it */
+  uint64_t last_use;
+  tdm_event *ready;    /* the copy into the slot */
+  tdm_event *free;     /* the last compute that read it */
+} slot;
+
+struct tdm_streamer {
+  tdm_streamer_config cfg;
+  tdm_device *dev;
+  tdm_queue *demand, *prefetch;
+  char *base; /* nslots * expert_bytes of device memory */
+  int nslots, nfixed;
+  slot *slots;
+  int *map;   /* key -> slot, or -1 */
+  pthread_mutex_t mu;
+  uint64_t tick;
+  tdm_event **inflight; /* prefetch copies possibly still in flight */
+  int ninflight, depth;
+  tdm_streamer_stats st;
+};
+
+static void slot_clear_events(slot *sl) {
+  if (sl->ready) tdm_event_release(sl->ready);
+  if (sl->free) tdm_event_release(sl->free);
+  sl->ready = sl->free = NULL;
+}
+
+/* Copies key into slot i on queue q, after the slot's last reader; the slot is the key's. */
+static int load(tdm_streamer *s, int i, int key, tdm_queue *q) {
+  slot *sl = &s->slots[i];
+  /* After the slot's last reader, and after a copy into it that may still be landing (an
+   * evicted prefetch on the other queue). */
+  tdm_event *deps[2], *ready = NULL;
+  size_t nd = 0;
+  if (sl->free) deps[nd++] = sl->free;
+  if (sl->ready) deps[nd++] = sl->ready;
+  void *dst = s->base + (size_t)i * s->cfg.expert_bytes;
+  int rc = tdm_memcpy(q, dst, s->cfg.host[key], s->cfg.expert_bytes, TDM_COPY_H2D, nd,
+                      nd ? deps : NULL, &ready);
+  if (rc) return rc;
+  if (sl->key >= 0) s->map[sl->key] = -1;
+  slot_clear_events(sl);
+  sl->key = key;
+  sl->ready = ready;
+  sl->unused_prefetch = false;
+  s->map[key] = i;
+  s->st.bytes_copied += s->cfg.expert_bytes;
+  return 0;
+}
+
+/* The least recently used slot that may be overwritten, or -1. Prefetches spare slots holding
+ * prefetched experts nobody has acquired yet. */
+static int victim(tdm_streamer *s, bool for_prefetch) {
+  int best = -1;
+  for (int i = 0; i < s->nslots; i++) {
+    slot *sl = &s->slots[i];
+    if (sl->fixed || sl->pins || (for_prefetch && sl->unused_prefetch)) continue;
+    if (best < 0 || sl->last_use < s->slots[best].last_use) best = i;
+    if (sl->key < 0) return i;
+  }
+  return best;
+}
+
+int tdm_streamer_create(const tdm_streamer_config *cfg, tdm_streamer **out) {
+  int rc;
+  if (!cfg || !out || !cfg->compute || !cfg->host || cfg->layers <= 0 || cfg->experts <= 0 ||
+      cfg->expert_bytes == 0)
+    return tdm__error(TDM_EINVAL, 0, "tdm_streamer_create: a required field is missing");
+  if (cfg->staging_slots < 1)
+    return tdm__error(TDM_EINVAL, 0, "the streamer needs at least one staging slot (got %d)",
+                      cfg->staging_slots);
+  if (cfg->budget_bytes && cfg->budget_bytes < cfg->expert_bytes)
+    return tdm__error(TDM_EINVAL, 0, "a budget of %zu bytes cannot hold one %zu-byte expert",
+                      cfg->budget_bytes, cfg->expert_bytes);
+  tdm_device *dev;
+  if ((rc = tdm_queue_device(cfg->compute, &dev))) return rc;
+  tdm_streamer *s = calloc(1, sizeof *s);
+  if (!s) return TDM_ENOMEM;
+  s->cfg = *cfg;
+  s->dev = dev;
+  long keys = (long)cfg->layers * cfg->experts;
+  long fixed = (long)(cfg->budget_bytes / cfg->expert_bytes);
+  if (fixed > keys) fixed = keys;
+  s->nfixed = (int)fixed;
+  s->nslots = s->nfixed + cfg->staging_slots;
+  s->depth = cfg->prefetch_depth > 0 ? cfg->prefetch_depth : cfg->staging_slots;
+  s->slots = calloc((size_t)s->nslots, sizeof *s->slots);
+  s->map = malloc((size_t)keys * sizeof *s->map);
+  s->inflight = calloc((size_t)s->depth, sizeof *s->inflight);
+  pthread_mutex_init(&s->mu, NULL);
+  rc = (!s->slots || !s->map || !s->inflight)
+           ? tdm__error(TDM_ENOMEM, 0, "no memory for the streamer's tables")
+           : 0;
+  if (!rc) rc = tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &s->demand);
+  if (!rc) rc = tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &s->prefetch);
+  if (!rc &&
+      (rc = tdm_malloc(dev, TDM_MEM_DEVICE, (size_t)s->nslots * cfg->expert_bytes, (void **)&s->base)))
+    tdm__error(rc, 0, "%d expert slots of %zu bytes (%d resident + %d staging) do not fit: %s",
+               s->nslots, cfg->expert_bytes, s->nfixed, cfg->staging_slots, tdm__last_detail());
+  if (rc) {
+    tdm_streamer_destroy(s);
+    return rc;
+  }
+  for (long k = 0; k < keys; k++) s->map[k] = -1;
+  for (int i = 0; i < s->nslots; i++) s->slots[i].key = -1;
+  s->st.resident_slots = cfg->policy == TDM_CACHE_STATIC ? s->nfixed : 0;
+  s->st.staging_slots = cfg->policy == TDM_CACHE_STATIC ? cfg->staging_slots : s->nslots;
+  s->st.device_bytes = (size_t)s->nslots * cfg->expert_bytes;
+  if (cfg->policy == TDM_CACHE_STATIC) {
+    /* Load the resident set once, on the prefetch queue. */
+    for (int i = 0; i < s->nfixed && !rc; i++) {
+      int key = (cfg->resident && i < cfg->nresident) ? cfg->resident[i] : i;
+      if (key < 0 || key >= keys || s->map[key] >= 0) continue;
+      rc = load(s, i, key, s->prefetch);
+      s->slots[i].fixed = true;
+    }
+    s->st.bytes_copied = 0; /* the resident set's load is not part of any pass */
+    if (rc) {
+      tdm_streamer_destroy(s);
+      return rc;
+    }
+  }
+  *out = s;
+  return 0;
+}
+
+int tdm_streamer_destroy(tdm_streamer *s) {
+  if (!s) return TDM_EINVAL;
+  if (s->demand) tdm_queue_sync(s->demand);
+  if (s->prefetch) tdm_queue_sync(s->prefetch);
+  for (int i = 0; s->slots && i < s->nslots; i++) slot_clear_events(&s->slots[i]);
+  for (int i = 0; i < s->ninflight; i++) tdm_event_release(s->inflight[i]);
+  if (s->base) {
+    /* Readers on the compute queue may still run: free in its order. */
+    if (tdm_free_async(s->cfg.compute, s->base, 0, NULL, NULL)) tdm_free(s->base);
+  }
+  if (s->demand) tdm_queue_destroy(s->demand);
+  if (s->prefetch) tdm_queue_destroy(s->prefetch);
+  pthread_mutex_destroy(&s->mu);
+  free(s->slots);
+  free(s->map);
+  free(s->inflight);
+  free(s);
+  return 0;
+}
+
+static int key_of(tdm_streamer *s, int layer, int e) {
+  if (layer < 0 || layer >= s->cfg.layers || e < 0 || e >= s->cfg.experts) return -1;
+  return layer * s->cfg.experts + e;
+}
+
+int tdm_streamer_acquire(tdm_streamer *s, int layer, int e, const void **dptr,
+                         tdm_event **ready) {
+  if (!s || !dptr) return TDM_EINVAL;
+  int key = key_of(s, layer, e);
+  if (key < 0) return TDM_EINVAL;
+  pthread_mutex_lock(&s->mu);
+  int rc = 0, i = s->map[key];
+  s->st.acquires++;
+  if (i >= 0) {
+    s->st.hits++;
+    if (s->slots[i].unused_prefetch) s->st.prefetch_hits++;
+    s->slots[i].unused_prefetch = false;
+  } else {
+    s->st.misses++;
+    i = victim(s, false);
+    if (i < 0) {
+      rc = tdm__error(TDM_EBUSY, 0, "all %d streamer slots are acquired: release some",
+                      s->nslots);
+    } else {
+      rc = load(s, i, key, s->demand);
+    }
+  }
+  slot *sl = rc ? NULL : &s->slots[i];
+  if (sl) {
+    sl->pins++;
+    sl->last_use = ++s->tick;
+    /* The compute queue waits for the copy on the device; nothing waits here. */
+    if (sl->ready && tdm_event_query(sl->ready) != 0) rc = tdm_queue_wait(s->cfg.compute, sl->ready);
+    if (rc) {
+      sl->pins--;
+    } else {
+      *dptr = s->base + (size_t)i * s->cfg.expert_bytes;
+      if (ready) {
+        if (sl->ready) {
+          tdm_event_retain(sl->ready);
+          *ready = sl->ready;
+        } else {
+          rc = tdm_event_record(s->demand, ready);
+        }
+      }
+    }
+  }
+  pthread_mutex_unlock(&s->mu);
+  return rc;
+}
+
+int tdm_streamer_release(tdm_streamer *s, int layer, int e, tdm_event *done) {
+  if (!s) return TDM_EINVAL;
+  int key = key_of(s, layer, e);
+  if (key < 0) return TDM_EINVAL;
+  tdm_event *ev = done;
+  int rc = done ? tdm_event_retain(done) : tdm_event_record(s->cfg.compute, &ev);
+  if (rc) return rc;
+  pthread_mutex_lock(&s->mu);
+  int i = s->map[key];
+  if (i < 0 || s->slots[i].pins == 0) {
+    pthread_mutex_unlock(&s->mu);
+    tdm_event_release(ev);
+    return TDM_ESTATE;
+  }
+  slot *sl = &s->slots[i];
+  sl->pins--;
+  if (sl->free) tdm_event_release(sl->free);
+  sl->free = ev;
+  pthread_mutex_unlock(&s->mu);
+  return 0;
+}
+
+int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts, int n) {
+  if (!s || (n && !experts) || layer < 0 || layer >= s->cfg.layers) return TDM_EINVAL;
+  pthread_mutex_lock(&s->mu);
+  /* Forget prefetches that have landed. */
+  int k = 0;
+  for (int j = 0; j < s->ninflight; j++) {
+    if (tdm_event_query(s->inflight[j]) == TDM_EAGAIN)
+      s->inflight[k++] = s->inflight[j];
+    else
+      tdm_event_release(s->inflight[j]);
+  }
+  s->ninflight = k;
+  int rc = 0;
+  for (int j = 0; j < n && !rc; j++) {
+    int key = key_of(s, layer, experts[j]);
+    if (key < 0) {
+      rc = TDM_EINVAL;
+      break;
+    }
+    if (s->map[key] >= 0) continue;
+    int i = s->ninflight < s->depth ? victim(s, true) : -1;
+    if (i < 0) {
+      s->st.prefetch_dropped++;
+      continue;
+    }
+    if ((rc = load(s, i, key, s->prefetch))) break;
+    s->slots[i].unused_prefetch = true;
+    s->slots[i].last_use = ++s->tick;
+    tdm_event_retain(s->slots[i].ready);
+    s->inflight[s->ninflight++] = s->slots[i].ready;
+    s->st.prefetches++;
+  }
+  pthread_mutex_unlock(&s->mu);
+  return rc;
+}
+
+int tdm_streamer_queues(tdm_streamer *s, tdm_queue **demand, tdm_queue **prefetch) {
+  if (!s) return tdm__error(TDM_EINVAL, 0, "tdm_streamer_queues: s is NULL");
+  if (demand) *demand = s->demand;
+  if (prefetch) *prefetch = s->prefetch;
+  return 0;
+}
+
+int tdm_streamer_stats_get(tdm_streamer *s, tdm_streamer_stats *out) {
+  if (!s || !out) return TDM_EINVAL;
+  pthread_mutex_lock(&s->mu);
+  *out = s->st;
+  pthread_mutex_unlock(&s->mu);
+  return 0;
+}
+
+int tdm_streamer_stats_reset(tdm_streamer *s) {
+  if (!s) return TDM_EINVAL;
+  pthread_mutex_lock(&s->mu);
+  s->st.acquires = s->st.hits = s->st.misses = 0;
+  s->st.prefetches = s->st.prefetch_hits = s->st.prefetch_dropped = 0;
+  s->st.bytes_copied = 0;
+  pthread_mutex_unlock(&s->mu);
+  return 0;
+}
