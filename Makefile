@@ -13,9 +13,9 @@ build: bootstrap
 	@cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS) >/dev/null
 	@cmake --build build -j $(JOBS)
 
-# The main job on the CPU backend.
+# The main job on the CPU backend: MoE layers with experts streamed from host memory.
 run: build
-	./build/tools/tandem bench overlap --device cpu:0
+	./build/tools/tandem moe --preset tiny --device cpu:0
 
 # Every test: the normal build, then ASan+UBSan, then TSan.
 check: check-normal check-asan check-tsan

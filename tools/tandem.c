@@ -22,6 +22,7 @@ static const char main_help[] =
     "\n"
     "commands:\n"
     "  devices          list backends and devices\n"
+    "  moe              MoE layers with experts streamed from host memory (the main job)\n"
     "  bench overlap    measure how well a copy queue overlaps a compute queue\n"
     "  version          print the tool's and the library's versions\n"
     "\n"
@@ -183,6 +184,8 @@ int main(int argc, char **argv) {
     return cmd_version(argc - 1, argv + 1);
   if (strcmp(cmd, "devices") == 0)
     return tool_cmd_devices(argc - 1, argv + 1);
+  if (strcmp(cmd, "moe") == 0)
+    return tool_cmd_moe(argc - 1, argv + 1);
   if (strcmp(cmd, "bench") == 0)
     return cmd_bench(argc - 1, argv + 1);
   if (cmd[0] == '-')

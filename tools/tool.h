@@ -17,6 +17,7 @@ enum {
 /* Commands: argv[0] is the command's own name ("devices", "overlap"). They return an exit code. */
 int tool_cmd_devices(int argc, char **argv);
 int tool_cmd_overlap(int argc, char **argv);
+int tool_cmd_moe(int argc, char **argv);
 
 /* The whole command line, argv joined with spaces, for result files. */
 void tool_command_line(char *buf, size_t size);

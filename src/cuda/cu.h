@@ -106,6 +106,9 @@ bool cu_is_device(const void *p);
 bool cu_is_imported(const void *p);
 int cu_host_copy(tdm__cmd *cmd);
 
+/* moe_ops.cu: the MoE operations' table ("moe-ops"), or NULL. */
+const void *tdm_cuda_extension(const char *name);
+
 /* cusubmit.c */
 int cu_submit(tdm__bqueue *bq, tdm__cmd *cmd);
 int cu_native_wait(void *handle, int *native);

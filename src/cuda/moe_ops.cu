@@ -30,10 +30,23 @@ extern "C" {
 #include "moe/ops.h"
 }
 
-#define MOE_THREADS 256       /* threads per block for every kernel here (a power of two) */
+/* The public calls made here are weak references. libtandem dlopens this module RTLD_LOCAL,
+ * and where libtandem itself was loaded RTLD_LOCAL (Python's ctypes) or linked statically into
+ * a program that does not export it, its symbols are not in the global scope: a strong
+ * reference would make the whole CUDA module fail to load there. A weak one leaves only these
+ * ops unavailable (open returns TDM_ENOTSUP). */
+#define MOE_WEAK extern "C" __attribute__((weak))
+MOE_WEAK int tdm_queue_device(tdm_queue *q, tdm_device **dev);
+MOE_WEAK int tdm_queue_flags(tdm_queue *q, unsigned *flags);
+MOE_WEAK int tdm_queue_native(tdm_queue *q, void **native);
+MOE_WEAK int tdm_device_info_get(tdm_device *dev, tdm_device_info *info);
+MOE_WEAK int tdm_device_native(tdm_device *dev, void **native);
+MOE_WEAK int tdm_mem_query(const void *ptr, tdm_mem_info *info);
+
+#define MOE_THREADS 256 /* threads per block for every kernel here (a power of two) */
 #define MOE_WARPS (MOE_THREADS / 32)
-#define ROUTER_TOKENS 8       /* tokens per router block: each weight row read serves them all */
-#define ROUTER_SMEM 49152     /* the router's dynamic shared memory, at most (no opt-in) */
+#define ROUTER_TOKENS 8   /* tokens per router block: each weight row read serves them all */
+#define ROUTER_SMEM 49152 /* the router's dynamic shared memory, at most (no opt-in) */
 #define BLAS_WS_BYTES (32u << 20) /* cuBLAS's recommended workspace on Hopper */
 #define WS_ALIGN 256
 
@@ -42,8 +55,7 @@ typedef struct moe_cuda {
   cudaStream_t s;      /* its native stream */
   int dev;             /* its device ordinal */
   cublasHandle_t blas; /* bound to s, with ws as its workspace */
-  void *ws_alloc;      /* tdm_malloc'd; ws is ws_alloc aligned up to WS_ALIGN */
-  void *ws;
+  void *ws;            /* cuBLAS's workspace: cudaMalloc'd (256-byte aligned, as it requires) */
   const char *failed;  /* the last CUDA or cuBLAS call that failed */
   int native;          /* and its status */
 } moe_cuda;
@@ -93,24 +105,26 @@ static int check_queue(moe_cuda *m, tdm_queue *q) { return m && q == m->q ? 0 : 
 
 /* ---- device helpers ---- */
 
-__device__ __forceinline__ float bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+static __device__ __forceinline__ float bf16_to_f32(uint16_t h) {
+  return __uint_as_float((uint32_t)h << 16);
+}
 
 /* The same rounding as moe_f32_to_bf16 on the host: nearest even, NaN stays a (quiet) NaN. */
-__device__ __forceinline__ uint16_t f32_to_bf16(float f) {
+static __device__ __forceinline__ uint16_t f32_to_bf16(float f) {
   uint32_t u = __float_as_uint(f);
   if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return (uint16_t)((u >> 16) | 0x40);
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* Fixed-order warp sum: lane 0 holds the result. */
-__device__ __forceinline__ float warp_sum(float v) {
+static __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
   return v;
 }
 
 /* ---- rmsnorm: one block per token; y may alias x ---- */
 
-__global__ void rmsnorm_kernel(float *y, const float *x, const float *w, int H, float eps) {
+static __global__ void rmsnorm_kernel(float *y, const float *x, const float *w, int H, float eps) {
   __shared__ float part[MOE_THREADS];
   const float *xr = x + (size_t)blockIdx.x * H;
   float *yr = y + (size_t)blockIdx.x * H;
@@ -129,17 +143,17 @@ __global__ void rmsnorm_kernel(float *y, const float *x, const float *w, int H, 
 /* ---- router ----
  * One block per ROUTER_TOKENS tokens (tt of them in this block). Phase 1: warps take experts
  * round-robin; each lane sums x[t][c] * wr[e][c] over its columns c = lane + 32j in ascending
- * order (one fmaf per term), then a fixed warp tree: a token's logit does not depend on which
- * block it fell in. Phase 2: one warp per token turns its logits into probabilities and picks
- * the top k. Shared memory: p[tt][E] floats, then taken[tt][E] bytes. */
+ * order (one fmaf per term), then a fixed warp tree, then the bias: a token's logit does not
+ * depend on which block it fell in. Phase 2: one warp per token turns its logits into
+ * probabilities and picks the top k. Shared memory: p[tt][E] floats, then taken[tt][E] bytes. */
 
 /* a better than b: larger p, or equal p and lower index; NaN ranks lowest. */
-__device__ __forceinline__ bool better(float pa, int ia, float pb, int ib) {
+static __device__ __forceinline__ bool better(float pa, int ia, float pb, int ib) {
   return pa > pb || (pa == pb && ia < ib);
 }
 
-__device__ void router_token(float *p, unsigned char *taken, int E, int k, int renorm,
-                             int32_t *idx, float *weights) {
+static __device__ void router_token(float *p, unsigned char *taken, int E, int k, int renorm,
+                                    int32_t *idx, float *weights) {
   const int lane = threadIdx.x & 31;
   float mx = -INFINITY;
   for (int e = lane; e < E; e += 32) {
@@ -184,8 +198,9 @@ __device__ void router_token(float *p, unsigned char *taken, int E, int k, int r
     for (int r = 0; r < k; r++) weights[r] = weights[r] / chosen;
 }
 
-__global__ void router_kernel(const float *x, const uint16_t *wr, const float *bias, int T, int H,
-                              int E, int k, int renorm, int tpb, int32_t *idx, float *weights) {
+static __global__ void router_kernel(const float *x, const uint16_t *wr, const float *bias, int T,
+                                     int H, int E, int k, int renorm, int tpb, int32_t *idx,
+                                     float *weights) {
   extern __shared__ float smem[];
   float *p = smem;
   unsigned char *taken = (unsigned char *)(smem + (size_t)tpb * E);
@@ -229,16 +244,40 @@ __global__ void router_kernel(const float *x, const uint16_t *wr, const float *b
  *                         tokens, 2nH bytes), then O, f32 [n x H] (the down projection). X is
  *                         dead once the gate/up GEMM has run, which precedes the down GEMM in
  *                         stream order.
- * Total off_o + 4nH bytes: within ops.h's n(2I + H) f32 + nH bf16 whenever 2nH >= 255. */
+ * Total off_o + 4nH bytes: within ops.h's n(2I + H) f32 + nH bf16 whenever 2nH >= 255, and
+ * well within moe_ops_workspace(n, H, I), which expert() requires of every backend. */
 
-static size_t expert_off_o(size_t n, size_t I) {
-  return (8 * n * I + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN;
+static size_t round_ws(size_t b) { return (b + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN; }
+
+static size_t expert_off_o(size_t n, size_t I) { return round_ws(8 * n * I); }
+
+/* moe_ops_workspace() of src/moe/ops.c, which is inside libtandem and not visible to this
+ * module. Every backend takes the same workspace, so a size the CPU table refuses is refused
+ * here too, though this layout needs less. Keep the two in step. 0 when it overflows. */
+static size_t ws_contract(size_t n, size_t H, size_t I) {
+  size_t hi, nh, ni, parts[4], total = 0;
+  if (__builtin_mul_overflow(H, I, &hi) || __builtin_mul_overflow(n, H, &nh) ||
+      __builtin_mul_overflow(n, I, &ni) || __builtin_mul_overflow(hi, 12, &parts[0]) ||
+      __builtin_mul_overflow(nh, 4, &parts[1]) || __builtin_mul_overflow(ni, 8, &parts[2]) ||
+      __builtin_mul_overflow(nh, 2, &parts[3]))
+    return 0;
+  for (int i = 0; i < 4; i++) {
+    if (parts[i] > SIZE_MAX - WS_ALIGN || __builtin_add_overflow(total, round_ws(parts[i]), &total))
+      return 0;
+  }
+  return total;
 }
 
-__global__ void gather_kernel(uint16_t *X, const float *x, const int32_t *rows, int H) {
-  const float *src = x + (size_t)rows[blockIdx.x] * H;
+/* Indices are device data written by earlier commands, so they are checked only here, against
+ * the rows the host saw in the allocations (limit): a bad row gathers zeros and a bad slot is
+ * not written, rather than touching memory outside them. A kernel has no way to return
+ * TDM_ERANGE as the CPU table does. */
+static __global__ void gather_kernel(uint16_t *X, const float *x, const int32_t *rows, int H,
+                                     uint32_t limit) {
+  uint32_t r = (uint32_t)rows[blockIdx.x];
+  const float *src = x + (size_t)r * H;
   uint16_t *dst = X + (size_t)blockIdx.x * H;
-  for (int c = threadIdx.x; c < H; c += MOE_THREADS) dst[c] = f32_to_bf16(src[c]);
+  for (int c = threadIdx.x; c < H; c += MOE_THREADS) dst[c] = r < limit ? f32_to_bf16(src[c]) : 0;
 }
 
 /* One block per row, in place. h[c] (2 bytes at 2c) overwrites half of gate[c / 2]. In chunk j
@@ -246,7 +285,7 @@ __global__ void gather_kernel(uint16_t *X, const float *x, const int32_t *rows, 
  * synchronizes, then writes h[c]: those writes touch gate[jB/2, (j+1)B/2), all of which were
  * read in chunks <= j, before this chunk's barrier, and none of which the next chunk reads
  * (it reads gate[(j+1)B, ...)). No restrict or read-only loads: the row is written here. */
-__global__ void swiglu_kernel(float *GU, int I) {
+static __global__ void swiglu_kernel(float *GU, int I) {
   float *g = GU + (size_t)blockIdx.x * 2 * I;
   const float *u = g + I;
   uint16_t *h = (uint16_t *)g;
@@ -262,16 +301,19 @@ __global__ void swiglu_kernel(float *GU, int I) {
   }
 }
 
-__global__ void scatter_kernel(float *out, const float *O, const int32_t *slot, int H) {
+static __global__ void scatter_kernel(float *out, const float *O, const int32_t *slot, int H,
+                                      uint32_t limit) {
+  uint32_t s = (uint32_t)slot[blockIdx.x];
+  if (s >= limit) return;
   const float *src = O + (size_t)blockIdx.x * H;
-  float *dst = out + (size_t)slot[blockIdx.x] * H;
+  float *dst = out + (size_t)s * H;
   for (int c = threadIdx.x; c < H; c += MOE_THREADS) dst[c] = src[c];
 }
 
 /* ---- combine: one thread per element of y ---- */
 
-__global__ void combine_kernel(float *y, const float *out, const float *weights, int H, int k,
-                               size_t total) {
+static __global__ void combine_kernel(float *y, const float *out, const float *weights, int H,
+                                      int k, size_t total) {
   size_t stride = (size_t)gridDim.x * MOE_THREADS;
   for (size_t i = (size_t)blockIdx.x * MOE_THREADS + threadIdx.x; i < total; i += stride) {
     size_t t = i / (size_t)H, c = i % (size_t)H;
@@ -285,15 +327,17 @@ __global__ void combine_kernel(float *y, const float *out, const float *weights,
 
 /* ---- the table's entries ---- */
 
+/* With m->dev current. cublasDestroy and cudaFree wait for the device first. */
 static void release(moe_cuda *m) {
   if (m->blas) cublasDestroy(m->blas);
-  if (m->ws_alloc) tdm_free(m->ws_alloc);
+  if (m->ws) cudaFree(m->ws);
   free(m);
 }
 
 /* The cuBLAS handle, bound to the stream with its own workspace. cublasSetStream resets the
  * workspace to cuBLAS's pool, so the workspace is set after it. */
 static int blas_setup(moe_cuda *m) {
+  CK_CUDA(cudaMalloc(&m->ws, BLAS_WS_BYTES));
   CK_BLAS(cublasCreate(&m->blas));
   CK_BLAS(cublasSetStream(m->blas, m->s));
   CK_BLAS(cublasSetWorkspace(m->blas, m->ws, BLAS_WS_BYTES));
@@ -307,6 +351,9 @@ static int blas_setup(moe_cuda *m) {
  * several streams, and these ops would be ordered with only one of them. */
 static int cuda_open(tdm_queue *q, void **state) {
   if (!q || !state) return TDM_EINVAL;
+  if (!tdm_queue_device || !tdm_queue_flags || !tdm_queue_native || !tdm_device_info_get ||
+      !tdm_device_native)
+    return TDM_ENOTSUP; /* the public API is not visible to this module (see MOE_WEAK) */
   tdm_device *dev;
   tdm_device_info info;
   unsigned flags;
@@ -324,16 +371,9 @@ static int cuda_open(tdm_queue *q, void **state) {
   m->q = q;
   m->s = (cudaStream_t)stream;
   m->dev = *(const int *)ordinal;
-  rc = tdm_malloc(dev, TDM_MEM_DEVICE, BLAS_WS_BYTES + WS_ALIGN, &m->ws_alloc);
-  if (rc) {
-    m->ws_alloc = NULL;
-    free(m);
-    return rc;
-  }
-  m->ws = (void *)(((uintptr_t)m->ws_alloc + WS_ALIGN - 1) & ~(uintptr_t)(WS_ALIGN - 1));
   int saved;
   if ((rc = enter(m, &saved))) {
-    release(m);
+    free(m);
     return rc;
   }
   rc = blas_setup(m);
@@ -350,7 +390,7 @@ static void cuda_close(void *state) {
   if (!m) return;
   int saved, dev = m->dev;
   int rc = enter(m, &saved);
-  cudaStreamSynchronize(m->s);
+  if (cudaStreamSynchronize(m->s) != cudaSuccess) cudaGetLastError(); /* nothing to report to */
   release(m);
   if (!rc && saved != dev) cudaSetDevice(saved);
 }
@@ -370,16 +410,16 @@ static int cuda_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, const 
   return rc;
 }
 
-static int launch_router(moe_cuda *m, const float *x, const moe_bf16 *wr, const float *bias,
-                         int T, int H, int E, int k, int renorm, int32_t *idx, float *weights) {
+static int launch_router(moe_cuda *m, const float *x, const moe_bf16 *wr, const float *bias, int T,
+                         int H, int E, int k, int renorm, int32_t *idx, float *weights) {
   if (E > ROUTER_SMEM / 5) return TDM_EINVAL; /* p (4 bytes) and taken (1 byte) per expert */
   int tpb = ROUTER_SMEM / (E * 5);
   if (tpb > ROUTER_TOKENS) tpb = ROUTER_TOKENS;
   if (tpb > T) tpb = T;
   size_t smem = (size_t)tpb * E * 5;
-  int blocks = (T + tpb - 1) / tpb;
-  router_kernel<<<blocks, MOE_THREADS, smem, m->s>>>(x, wr, bias, T, H, E, k, renorm != 0, tpb,
-                                                     idx, weights);
+  int blocks = (int)(((long long)T + tpb - 1) / tpb);
+  router_kernel<<<blocks, MOE_THREADS, smem, m->s>>>(x, wr, bias, T, H, E, k, renorm != 0, tpb, idx,
+                                                     weights);
   cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? 0 : cuda_fail(m, e, "router_kernel");
 }
@@ -417,21 +457,33 @@ static int gemm_rows(moe_cuda *m, int ntok, int N, int K, const void *A, int a_s
   return 0;
 }
 
-static int run_expert(moe_cuda *m, const float *x, const int32_t *rows, const int32_t *slot,
-                      int n, const moe_bf16 *w, int H, int I, float *out, unsigned char *ws) {
+/* How many rows of H floats lie between p and the end of the tandem allocation holding it
+ * (memory tandem does not know: as many as an int32 index can name; the caller vouches). */
+static uint32_t rows_in(const float *p, int H) {
+  tdm_mem_info mi;
+  size_t rows = (size_t)INT32_MAX + 1;
+  if (tdm_mem_query && tdm_mem_query(p, &mi) == 0 && mi.base) {
+    size_t left = (size_t)((const char *)mi.base + mi.size - (const char *)p);
+    if (left / sizeof(float) / (size_t)H < rows) rows = left / sizeof(float) / (size_t)H;
+  }
+  return (uint32_t)rows;
+}
+
+static int run_expert(moe_cuda *m, const float *x, const int32_t *rows, const int32_t *slot, int n,
+                      const moe_bf16 *w, int H, int I, float *out, unsigned char *ws) {
   float *GU = (float *)ws;
   uint16_t *X = (uint16_t *)(ws + expert_off_o((size_t)n, (size_t)I));
   float *O = (float *)X;
-  const uint16_t *Wgu = w;                        /* [2I x H]: Wg then Wu */
-  const uint16_t *Wd = w + 2 * (size_t)I * H;     /* [H x I] */
+  const uint16_t *Wgu = w;                    /* [2I x H]: Wg then Wu */
+  const uint16_t *Wd = w + 2 * (size_t)I * H; /* [H x I] */
   int rc;
-  gather_kernel<<<n, MOE_THREADS, 0, m->s>>>(X, x, rows, H);
+  gather_kernel<<<n, MOE_THREADS, 0, m->s>>>(X, x, rows, H, rows_in(x, H));
   CK_CUDA(cudaGetLastError());
   if ((rc = gemm_rows(m, n, 2 * I, H, X, H, Wgu, GU))) return rc; /* GU = X [Wg|Wu]^T */
   swiglu_kernel<<<n, MOE_THREADS, 0, m->s>>>(GU, I);
   CK_CUDA(cudaGetLastError());
-  if ((rc = gemm_rows(m, n, H, I, GU, 4 * I, Wd, O))) return rc;  /* O = h Wd^T */
-  scatter_kernel<<<n, MOE_THREADS, 0, m->s>>>(out, O, slot, H);
+  if ((rc = gemm_rows(m, n, H, I, GU, 4 * I, Wd, O))) return rc; /* O = h Wd^T */
+  scatter_kernel<<<n, MOE_THREADS, 0, m->s>>>(out, O, slot, H, rows_in(out, H));
   CK_CUDA(cudaGetLastError());
   return 0;
 }
@@ -442,8 +494,12 @@ static int cuda_expert(void *st, tdm_queue *q, const float *x, const int32_t *ro
   moe_cuda *m = (moe_cuda *)st;
   if (check_queue(m, q) || n < 0 || H <= 0 || I <= 0 || I > INT_MAX / 4) return TDM_EINVAL;
   if (n == 0) return 0;
-  if (!x || !rows || !slot || !w || !out || !workspace || ((uintptr_t)workspace & 15)) return TDM_EINVAL;
-  if (expert_off_o((size_t)n, (size_t)I) + 4 * (size_t)n * H > workspace_bytes) return TDM_EINVAL;
+  if (!x || !rows || !slot || !w || !out || !workspace || ((uintptr_t)workspace & 15))
+    return TDM_EINVAL;
+  size_t contract = ws_contract((size_t)n, (size_t)H, (size_t)I);
+  if (!contract || workspace_bytes < contract ||
+      expert_off_o((size_t)n, (size_t)I) + 4 * (size_t)n * H > workspace_bytes)
+    return TDM_EINVAL;
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
   rc = run_expert(m, x, rows, slot, n, w, H, I, out, (unsigned char *)workspace);

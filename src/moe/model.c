@@ -10,9 +10,10 @@
 #include <unistd.h>
 
 #include "core/internal.h" /* tdm__error only */
-#include "moe/moe.h"
+#include "moe/ops.h"
+#include "tandem/moe.h"
 
-const moe_preset moe_presets[] = {
+const tdm_moe_preset tdm_moe_presets[] = {
     {"tiny", 256, 16, 4, 128, 4, 1, 128, true, "small enough for two CPU cores"},
     {"qwen3-30b-a3b", 2048, 128, 8, 768, 48, 0, 0, true, "Qwen3-30B-A3B"},
     {"qwen3-235b-a22b", 4096, 128, 8, 1536, 94, 0, 0, true, "Qwen3-235B-A22B"},
@@ -20,23 +21,23 @@ const moe_preset moe_presets[] = {
      "DeepSeek-V3's 58 MoE layers; routed by softmax top-k (its sigmoid group routing is not modeled)"},
     {"mixtral-8x7b", 4096, 8, 2, 14336, 32, 0, 0, true, "Mixtral-8x7B"},
 };
-const int moe_npresets = (int)(sizeof moe_presets / sizeof moe_presets[0]);
+const int tdm_moe_npresets = (int)(sizeof tdm_moe_presets / sizeof tdm_moe_presets[0]);
 
-const moe_preset *moe_preset_find(const char *name) {
-  for (int i = 0; i < moe_npresets; i++)
-    if (strcmp(moe_presets[i].name, name) == 0) return &moe_presets[i];
+const tdm_moe_preset *tdm_moe_preset_find(const char *name) {
+  for (int i = 0; i < tdm_moe_npresets; i++)
+    if (strcmp(tdm_moe_presets[i].name, name) == 0) return &tdm_moe_presets[i];
   return NULL;
 }
 
-size_t moe_expert_bytes(const moe_preset *p) { return (size_t)3 * p->hidden * p->ffn * 2; }
+size_t tdm_moe_expert_bytes(const tdm_moe_preset *p) { return (size_t)3 * p->hidden * p->ffn * 2; }
 
-size_t moe_host_bytes(const moe_preset *p, int layers) {
-  return moe_expert_bytes(p) * (size_t)p->experts * (size_t)layers;
+size_t tdm_moe_host_bytes(const tdm_moe_preset *p, int layers) {
+  return tdm_moe_expert_bytes(p) * (size_t)p->experts * (size_t)layers;
 }
 
-struct moe_model {
-  moe_config cfg;
-  moe_preset p;
+struct tdm_moe_model {
+  tdm_moe_config cfg;
+  tdm_moe_preset p;
   int L, H, E, k, I;
   size_t ebytes;
   const moe_ops *ops;
@@ -82,11 +83,11 @@ static float gauss(uint64_t *s) {
 /* ---- weights, filled in parallel: thread t fills experts t, t + n, ... ---- */
 
 typedef struct fill_job {
-  moe_model *m;
+  tdm_moe_model *m;
   int t, n;
 } fill_job;
 
-static void fill_expert(const moe_model *m, moe_bf16 *w, uint64_t seed) {
+static void fill_expert(const tdm_moe_model *m, moe_bf16 *w, uint64_t seed) {
   uint64_t s = seed;
   size_t hi = (size_t)m->H * m->I;
   float a = 1.0f / sqrtf((float)m->H), b = 1.0f / sqrtf((float)m->I);
@@ -96,14 +97,14 @@ static void fill_expert(const moe_model *m, moe_bf16 *w, uint64_t seed) {
 
 static void *fill_main(void *arg) {
   fill_job *j = arg;
-  moe_model *m = j->m;
+  tdm_moe_model *m = j->m;
   size_t per = m->ebytes / sizeof(moe_bf16);
   for (long key = j->t; key < (long)m->L * m->E; key += j->n)
     fill_expert(m, m->host_experts + (size_t)key * per, m->cfg.seed * 1000003u + (uint64_t)key);
   return NULL;
 }
 
-static int fill_parallel(moe_model *m) {
+static int fill_parallel(tdm_moe_model *m) {
   int n = m->cfg.threads > 0 ? m->cfg.threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
   if (n < 1) n = 1;
   if (n > 64) n = 64;
@@ -124,7 +125,7 @@ static int fill_parallel(moe_model *m) {
 
 /* ---- setup ---- */
 
-static int upload(moe_model *m, void *dst, const void *src, size_t n) {
+static int upload(tdm_moe_model *m, void *dst, const void *src, size_t n) {
   void *stage;
   int rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, n, &stage);
   if (rc) return rc;
@@ -135,11 +136,11 @@ static int upload(moe_model *m, void *dst, const void *src, size_t n) {
   return rc;
 }
 
-static int dev_alloc(moe_model *m, size_t n, void *out) {
+static int dev_alloc(tdm_moe_model *m, size_t n, void *out) {
   return tdm_malloc(m->cfg.device, TDM_MEM_DEVICE, n ? n : 1, (void **)out);
 }
 
-static int setup_small_weights(moe_model *m) {
+static int setup_small_weights(tdm_moe_model *m) {
   size_t nr = (size_t)m->L * m->E * m->H;
   moe_bf16 *r = malloc(nr * sizeof *r);
   float *bias = malloc((size_t)m->L * m->E * sizeof *bias);
@@ -170,13 +171,13 @@ static int setup_small_weights(moe_model *m) {
   if (!rc) rc = upload(m, m->norm, norm, (size_t)m->L * m->H * sizeof(float));
   if (!rc && m->p.shared) {
     /* Shared experts are always active: resident on the device, outside the budget. */
-    moe_preset sp = m->p;
+    tdm_moe_preset sp = m->p;
     sp.ffn = m->p.shared_ffn;
-    size_t sb = moe_expert_bytes(&sp), n = (size_t)m->L * m->p.shared;
+    size_t sb = tdm_moe_expert_bytes(&sp), n = (size_t)m->L * m->p.shared;
     m->shared_bytes = sb * n;
     moe_bf16 *h = malloc(m->shared_bytes);
     rc = h ? dev_alloc(m, m->shared_bytes, &m->shared) : tdm__error(TDM_ENOMEM, 0, "no memory");
-    moe_model tmp = *m;
+    tdm_moe_model tmp = *m;
     tmp.I = m->p.shared_ffn;
     for (size_t i = 0; !rc && i < n; i++)
       fill_expert(&tmp, h + i * (sb / 2), m->cfg.seed * 7919u + i + 1);
@@ -189,7 +190,7 @@ static int setup_small_weights(moe_model *m) {
   return rc;
 }
 
-static int setup_buffers(moe_model *m) {
+static int setup_buffers(tdm_moe_model *m) {
   int T = m->maxT, Imax = m->I > m->p.shared_ffn ? m->I : m->p.shared_ffn;
   size_t th = (size_t)T * m->H * sizeof(float), tk = (size_t)T * m->k;
   m->ws_bytes = moe_ops_workspace(T, m->H, Imax);
@@ -224,7 +225,7 @@ static int setup_buffers(moe_model *m) {
   return rc;
 }
 
-static int setup_streamer(moe_model *m) {
+static int setup_streamer(tdm_moe_model *m) {
   long keys = (long)m->L * m->E;
   m->host_ptrs = malloc((size_t)keys * sizeof *m->host_ptrs);
   int *resident = malloc((size_t)keys * sizeof *resident);
@@ -257,10 +258,10 @@ static int setup_streamer(moe_model *m) {
   return rc;
 }
 
-int moe_model_create(const moe_config *cfg, moe_model **out) {
+int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   if (!cfg || !cfg->preset || !cfg->device || !out || cfg->max_tokens < 1)
-    return tdm__error(TDM_EINVAL, 0, "moe_model_create: bad configuration");
-  moe_model *m = calloc(1, sizeof *m);
+    return tdm__error(TDM_EINVAL, 0, "tdm_moe_model_create: bad configuration");
+  tdm_moe_model *m = calloc(1, sizeof *m);
   if (!m) return tdm__error(TDM_ENOMEM, 0, "no memory");
   m->cfg = *cfg;
   m->p = *cfg->preset;
@@ -269,13 +270,13 @@ int moe_model_create(const moe_config *cfg, moe_model **out) {
   m->E = m->p.experts;
   m->k = m->p.topk;
   m->I = m->p.ffn;
-  m->ebytes = moe_expert_bytes(&m->p);
+  m->ebytes = tdm_moe_expert_bytes(&m->p);
   m->maxT = cfg->max_tokens;
   int rc = 0;
   if (cfg->budget_bytes && cfg->budget_bytes < m->ebytes && !cfg->all_resident)
     rc = tdm__error(TDM_EINVAL, 0, "a device budget of %zu bytes cannot hold one %zu-byte expert "
                     "of %s", cfg->budget_bytes, m->ebytes, m->p.name);
-  size_t host = moe_host_bytes(&m->p, m->L);
+  size_t host = tdm_moe_host_bytes(&m->p, m->L);
   uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
   if (!rc && host > phys / 10 * 8)
     rc = tdm__error(TDM_ENOMEM, 0, "%s with %d layers needs %.1f GiB of pinned host memory; "
@@ -294,14 +295,14 @@ int moe_model_create(const moe_config *cfg, moe_model **out) {
   if (!rc) rc = setup_buffers(m);
   if (!rc) rc = setup_streamer(m);
   if (rc) {
-    moe_model_destroy(m);
+    tdm_moe_model_destroy(m);
     return rc;
   }
   *out = m;
   return 0;
 }
 
-void moe_model_destroy(moe_model *m) {
+void tdm_moe_model_destroy(tdm_moe_model *m) {
   if (!m) return;
   if (m->q) tdm_queue_sync(m->q);
   if (m->streamer) tdm_streamer_destroy(m->streamer);
@@ -318,9 +319,9 @@ void moe_model_destroy(moe_model *m) {
   free(m);
 }
 
-tdm_streamer *moe_streamer(moe_model *m) { return m->streamer; }
+tdm_streamer *tdm_moe_streamer(tdm_moe_model *m) { return m->streamer; }
 
-void moe_make_input(const moe_model *m, float *x, int n, uint64_t pos, bool decode) {
+void tdm_moe_make_input(const tdm_moe_model *m, float *x, int n, uint64_t pos, bool decode) {
   uint64_t s = m->cfg.seed * 31u + (decode ? 0xdec0de : 0) + (decode ? 0 : pos);
   double a = decode ? m->cfg.locality : 0.0, b = sqrt(1.0 - a * a);
   for (int t = 0; t < n; t++) {
@@ -341,7 +342,7 @@ static double now_s(void) {
 }
 
 /* Groups the tokens of each expert (rows: token index, slots: t*k + j), in token order. */
-static void group(moe_model *m, int T, int *count, int *offset) {
+static void group(tdm_moe_model *m, int T, int *count, int *offset) {
   int E = m->E, k = m->k;
   memset(count, 0, (size_t)E * sizeof *count);
   for (int i = 0; i < T * k; i++) count[m->idx_h[i]]++;
@@ -358,7 +359,7 @@ static void group(moe_model *m, int T, int *count, int *offset) {
   free(fill);
 }
 
-static int layer(moe_model *m, int l, int T, bool overlap, moe_pass_stats *st, int *count,
+static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stats *st, int *count,
                  int *offset, int *order) {
   const moe_ops *ops = m->ops;
   void *os = m->ops_state;
@@ -382,22 +383,16 @@ static int layer(moe_model *m, int l, int T, bool overlap, moe_pass_stats *st, i
       (rc = tdm_memcpy(m->q, m->slots, m->slots_h, (size_t)T * k * sizeof(int32_t), TDM_COPY_H2D,
                        0, NULL, NULL)))
     return rc;
-  /* Experts already on the device first, then the others: their copies run meanwhile. */
+  /* Routed experts, most popular first (the resident set, under the static policy, is the
+   * most popular, so compute starts on experts already on the device while copies run). */
   int n = 0;
-  tdm_mem_info info;
-  (void)info;
-  for (int pass = 0; pass < 2; pass++)
-    for (int r = 0; r < E; r++)
-      for (int e = 0; e < E; e++) {
-        if (m->rank[(size_t)l * E + e] != r || !count[e]) continue;
-        bool resident = pass == 0;
-        (void)resident;
-        if (pass == 0) order[n++] = e;
-      }
-  /* order now holds every routed expert by popularity; the streamer decides what is resident. */
+  for (int e = 0; e < E; e++) order[e] = -1;
+  for (int e = 0; e < E; e++) order[m->rank[(size_t)l * E + e]] = count[e] ? e : -1;
+  for (int r = 0; r < E; r++)
+    if (order[r] >= 0) order[n++] = order[r];
   tdm_queue *demand = NULL;
   tdm_streamer_queues(m->streamer, &demand, NULL);
-  if (overlap) tdm_streamer_prefetch(m->streamer, l, order, n);
+  if (overlap && (rc = tdm_streamer_prefetch(m->streamer, l, order, n))) return rc;
   for (int i = 0; i < n; i++) {
     int e = order[i];
     const void *w;
@@ -412,7 +407,10 @@ static int layer(moe_model *m, int l, int T, bool overlap, moe_pass_stats *st, i
     if (!rc && !overlap) rc = tdm_queue_wait(demand, done);
     if (done) tdm_event_release(done);
     if (rc) return rc;
-    if (overlap && i + 1 < n) tdm_streamer_prefetch(m->streamer, l, order + i + 1, n - i - 1);
+    /* Keep the copy queue fed: prefetch what comes next, as far as the depth allows. */
+    if (overlap && i + 1 < n &&
+        (rc = tdm_streamer_prefetch(m->streamer, l, order + i + 1, n - i - 1)))
+      return rc;
     st->experts_computed++;
   }
   for (int j = 0; j < m->p.shared; j++) {
@@ -426,7 +424,7 @@ static int layer(moe_model *m, int l, int T, bool overlap, moe_pass_stats *st, i
   return ops->combine(os, m->q, m->x, m->out, m->wts, T, H, k);
 }
 
-int moe_forward(moe_model *m, const float *x, float *y, int T, bool overlap, moe_pass_stats *st) {
+int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool overlap, tdm_moe_pass_stats *st) {
   if (T < 1 || T > m->maxT)
     return tdm__error(TDM_EINVAL, 0, "a ubatch of %d tokens (this model takes 1 to %d)", T, m->maxT);
   memset(st, 0, sizeof *st);

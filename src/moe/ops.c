@@ -4,17 +4,21 @@
 
 #include "ops.h"
 
+#include "core/internal.h"
+
+#ifdef TANDEM_HAVE_OPENBLAS
 /* Defined in ops_cpu.c. */
 extern const moe_ops moe_ops_cpu;
+#endif
 
+/* The CPU table is built into the library (with OpenBLAS); GPU tables live in their backend
+ * modules, next to the kernels, and come through the backend table's `extension` entry. */
 const moe_ops *moe_ops_for(tdm_device *dev) {
-  tdm_device_info info;
-  if (!dev || tdm_device_info_get(dev, &info) != 0) return NULL;
-  if (strcmp(info.backend, "cpu") == 0) return &moe_ops_cpu;
-  /* The CUDA and OpenCL tables live in their backend modules and are looked up by the
-   * lead's backend-extension code, not here; for those devices this answers NULL
-   * (TDM_ENOTSUP: no table built into this file). */
-  return NULL;
+  if (tdm__device_check(dev)) return NULL;
+#ifdef TANDEM_HAVE_OPENBLAS
+  if (dev->be == &tdm__cpu_backend) return &moe_ops_cpu;
+#endif
+  return dev->be->extension ? dev->be->extension("moe-ops") : NULL;
 }
 
 /* a * b, or 0 when it overflows (every size here is nonzero when valid). */

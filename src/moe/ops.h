@@ -65,10 +65,11 @@ struct moe_ops {
                  int H, int k);
 };
 
-/* The table for the device's backend, or NULL (and TDM_ENOTSUP) if none is built. */
-const moe_ops *moe_ops_for(tdm_device *dev);
+/* The table for the device's backend, or NULL if none is built. Exported from libtandem for
+ * the white-box tests, though not part of the public API. */
+TDM_API const moe_ops *moe_ops_for(tdm_device *dev);
 
 /* Workspace bytes expert() needs for up to n tokens. */
-size_t moe_ops_workspace(int n, int H, int I);
+TDM_API size_t moe_ops_workspace(int n, int H, int I);
 
 #endif

@@ -1,31 +1,38 @@
-/* moe.h: a stack of Mixture-of-Experts layers, x += MoE(RMSNorm(x)), whose routed experts live
+/* tandem/moe.h: a stack of Mixture-of-Experts layers, x += MoE(RMSNorm(x)), whose routed experts live
  * in pinned host memory and reach the device through the expert streamer. Used by
  * `tandem moe` and the MoE tests. */
-#ifndef TANDEM_MOE_H
-#define TANDEM_MOE_H
+#ifndef TANDEM_MOE_API_H
+#define TANDEM_MOE_API_H
 
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
-#include "moe/ops.h"
-#include "tandem.h"
-#include "tandem/streamer.h"
+#include "../tandem.h"
+#include "streamer.h"
 
-typedef struct moe_preset {
+#ifdef __cplusplus
+extern "C" {
+#ifdef __cplusplus
+}
+#endif
+
+#endif
+
+typedef struct tdm_moe_preset {
   const char *name;
   int hidden, experts, topk, ffn, layers;
   int shared, shared_ffn; /* always-active experts per layer, and their FFN width */
   bool renorm;            /* top-k weights renormalized to sum to 1 */
   const char *note;
-} moe_preset;
+} tdm_moe_preset;
 
-extern const moe_preset moe_presets[];
-extern const int moe_npresets;
-const moe_preset *moe_preset_find(const char *name);
+TDM_API extern const tdm_moe_preset tdm_moe_presets[];
+TDM_API extern const int tdm_moe_npresets;
+TDM_API const tdm_moe_preset *tdm_moe_preset_find(const char *name);
 
-typedef struct moe_config {
-  const moe_preset *preset;
+typedef struct tdm_moe_config {
+  const tdm_moe_preset *preset;
   int layers;              /* 0: the preset's */
   tdm_device *device;
   uint64_t seed;
@@ -37,33 +44,37 @@ typedef struct moe_config {
   int staging_slots;
   tdm_cache_policy policy;
   int threads;             /* for filling the weights (0: all cores) */
-} moe_config;
+} tdm_moe_config;
 
-typedef struct moe_model moe_model;
+typedef struct tdm_moe_model tdm_moe_model;
 
 /* Generates the weights (bf16, seeded, in parallel) in pinned host memory and sets up the
  * device side. Host memory too small, a budget that cannot hold an expert...: an error with
  * the reason in tdm_last_error(). */
-int moe_model_create(const moe_config *cfg, moe_model **out);
-void moe_model_destroy(moe_model *m);
+TDM_API int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out);
+TDM_API void tdm_moe_model_destroy(tdm_moe_model *m);
 
-size_t moe_expert_bytes(const moe_preset *p);
-size_t moe_host_bytes(const moe_preset *p, int layers);
+TDM_API size_t tdm_moe_expert_bytes(const tdm_moe_preset *p);
+TDM_API size_t tdm_moe_host_bytes(const tdm_moe_preset *p, int layers);
 
 /* The synthetic input of n tokens starting at `pos`: prefill tokens are independent; decode
  * tokens follow each other with the configured locality. Host f32 [n x H]. */
-void moe_make_input(const moe_model *m, float *x, int n, uint64_t pos, bool decode);
+TDM_API void tdm_moe_make_input(const tdm_moe_model *m, float *x, int n, uint64_t pos, bool decode);
 
-typedef struct moe_pass_stats {
+typedef struct tdm_moe_pass_stats {
   double seconds;           /* wall time of the pass, host clock */
   uint64_t bytes_copied, acquires, hits, misses;
   int experts_computed;     /* expert GEMM groups run (routed, non-empty) */
-} moe_pass_stats;
+} tdm_moe_pass_stats;
 
 /* Runs every layer on a ubatch of T tokens: x (host f32 [T x H]) in, y out. overlap false makes
  * copies and compute alternate (one staging slot is used, no copy runs ahead). */
-int moe_forward(moe_model *m, const float *x, float *y, int T, bool overlap, moe_pass_stats *st);
+TDM_API int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool overlap, tdm_moe_pass_stats *st);
 
-tdm_streamer *moe_streamer(moe_model *m);
+TDM_API tdm_streamer *tdm_moe_streamer(tdm_moe_model *m);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -1,0 +1,275 @@
+/* test-moe.c: the expert streamer and the MoE layers, against every backend that has MoE
+ * operations (others skip). Written against the public headers only.
+ *
+ * - streamed output is bitwise equal to the all-resident output, with and without overlap,
+ *   for every cache policy, budget and slot count;
+ * - the slot-reuse hazard: two slots, many experts, slow compute: no compute ever reads a
+ *   half-written or replaced expert;
+ * - prefetch depth, LRU hits, statistics;
+ * - bad input: unknown preset, budgets and slot counts that cannot hold an expert, host
+ *   memory too small for a preset.
+ */
+#include "harness.h"
+
+#include <math.h>
+
+#include <tandem/moe.h>
+#include <tandem/streamer.h>
+
+/* ---- the streamer on its own ------------------------------------------------------------- */
+
+enum { XB = 64 * 1024 }; /* expert bytes in the streamer tests */
+
+struct experts {
+  int layers, n;
+  unsigned char *host; /* pinned, layers * n * XB */
+  const void **ptrs;
+};
+
+static struct experts make_experts(tdm_device *dev, int layers, int n, uint64_t *rng) {
+  struct experts x = {layers, n, NULL, NULL};
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, (size_t)layers * n * XB, (void **)&x.host));
+  th_fill_random(x.host, (size_t)layers * n * XB, rng);
+  x.ptrs = malloc(sizeof *x.ptrs * (size_t)layers * n);
+  for (int k = 0; k < layers * n; k++) x.ptrs[k] = x.host + (size_t)k * XB;
+  return x;
+}
+
+static void free_experts(struct experts *x) {
+  CHECK_OK(tdm_free(x->host));
+  free(x->ptrs);
+}
+
+static int slow_task(void *arg) {
+  th_sleep_ms((long)(intptr_t)arg);
+  return 0;
+}
+
+/* Two staging slots, 24 experts, a compute queue that is slow to read each one: every read
+ * (a device-to-device copy of the slot, after a sleeping host task) must see the whole expert
+ * that was acquired, never a half-written or a later one. */
+TEST_CASE(slot_reuse_hazard) {
+  enum { N = 24, ROUNDS = 3 };
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  struct experts x = make_experts(dev, 1, N, &rng);
+  tdm_streamer_config cfg = {.compute = q, .layers = 1, .experts = N, .expert_bytes = XB,
+                             .host = x.ptrs, .budget_bytes = 0, .staging_slots = 2,
+                             .policy = TDM_CACHE_LRU};
+  tdm_streamer *s;
+  CHECK_OK(tdm_streamer_create(&cfg, &s));
+  unsigned char *seen;
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, (size_t)N * ROUNDS * XB, (void **)&seen));
+  int order[N * ROUNDS];
+  for (int r = 0, i = 0; r < ROUNDS; r++)
+    for (int e = 0; e < N; e++, i++) order[i] = (int)((e * 7 + r * 5) % N);
+  for (int i = 0; i < N * ROUNDS; i++) {
+    const void *w;
+    /* Prefetch the next ones too, so copies race with the slow reads. */
+    int next[2] = {order[(i + 1) % (N * ROUNDS)], order[(i + 2) % (N * ROUNDS)]};
+    CHECK_OK(tdm_streamer_prefetch(s, 0, next, 2));
+    CHECK_OK(tdm_streamer_acquire(s, 0, order[i], &w, NULL));
+    CHECK_OK(tdm_host_task(q, slow_task, (void *)(intptr_t)2, 0, NULL, NULL));
+    tdm_event *read;
+    CHECK_OK(tdm_memcpy(q, seen + (size_t)i * XB, w, XB, TDM_COPY_D2D, 0, NULL, &read));
+    CHECK_OK(tdm_streamer_release(s, 0, order[i], read));
+    CHECK_OK(tdm_event_release(read));
+  }
+  unsigned char *back;
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, (size_t)N * ROUNDS * XB, (void **)&back));
+  CHECK_OK(tdm_memcpy(q, back, seen, (size_t)N * ROUNDS * XB, TDM_COPY_D2H, 0, NULL, NULL));
+  CHECK_OK(tdm_queue_sync(q));
+  for (int i = 0; i < N * ROUNDS; i++)
+    CHECK_MSG(memcmp(back + (size_t)i * XB, x.ptrs[order[i]], XB) == 0,
+              "read %d of expert %d saw other bytes: a slot was overwritten under its reader", i,
+              order[i]);
+  tdm_streamer_stats st;
+  CHECK_OK(tdm_streamer_stats_get(s, &st));
+  CHECK_EQ((long)st.acquires, (long)(N * ROUNDS));
+  CHECK(st.bytes_copied >= (uint64_t)N * XB);
+  CHECK_OK(tdm_streamer_destroy(s));
+  CHECK_OK(tdm_free(back));
+  CHECK_OK(tdm_free(seen));
+  free_experts(&x);
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* LRU keeps what is reused; prefetches beyond the depth are dropped and counted; a static
+ * resident set is never copied again. */
+TEST_CASE(cache_and_prefetch) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  struct experts x = make_experts(dev, 2, 8, &rng);
+  tdm_streamer_config cfg = {.compute = q, .layers = 2, .experts = 8, .expert_bytes = XB,
+                             .host = x.ptrs, .budget_bytes = 2 * XB, .staging_slots = 2,
+                             .policy = TDM_CACHE_LRU, .prefetch_depth = 1};
+  tdm_streamer *s;
+  CHECK_OK(tdm_streamer_create(&cfg, &s));
+  const void *w;
+  for (int rep = 0; rep < 5; rep++)
+    for (int e = 0; e < 3; e++) {
+      CHECK_OK(tdm_streamer_acquire(s, 1, e, &w, NULL));
+      CHECK_OK(tdm_streamer_release(s, 1, e, NULL));
+    }
+  tdm_streamer_stats st;
+  CHECK_OK(tdm_streamer_stats_get(s, &st));
+  CHECK_EQ((long)st.misses, 3L);  /* 4 slots hold the 3 reused experts */
+  CHECK_EQ((long)st.hits, 12L);
+  CHECK_OK(tdm_streamer_stats_reset(s));
+  int want[4] = {4, 5, 6, 7};
+  CHECK_OK(tdm_streamer_prefetch(s, 0, want, 4));
+  CHECK_OK(tdm_streamer_stats_get(s, &st));
+  CHECK(st.prefetches >= 1);
+  CHECK(st.prefetches + st.prefetch_dropped == 4);
+  CHECK_RC(tdm_streamer_acquire(s, 2, 0, &w, NULL), TDM_EINVAL); /* no layer 2 */
+  CHECK_RC(tdm_streamer_release(s, 0, 3, NULL), TDM_ESTATE);     /* never acquired */
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_streamer_destroy(s));
+
+  /* Static: the resident set is loaded once, at creation, and only staging slots copy. */
+  int resident[2] = {8 + 1, 8 + 2};
+  tdm_streamer_config sc = cfg;
+  sc.policy = TDM_CACHE_STATIC;
+  sc.resident = resident;
+  sc.nresident = 2;
+  CHECK_OK(tdm_streamer_create(&sc, &s));
+  for (int rep = 0; rep < 3; rep++)
+    for (int e = 1; e <= 2; e++) {
+      CHECK_OK(tdm_streamer_acquire(s, 1, e, &w, NULL));
+      CHECK_OK(tdm_streamer_release(s, 1, e, NULL));
+    }
+  CHECK_OK(tdm_streamer_stats_get(s, &st));
+  CHECK_EQ((long)st.bytes_copied, 0L);
+  CHECK_EQ((long)st.resident_slots, 2L);
+  CHECK_OK(tdm_streamer_destroy(s));
+  free_experts(&x);
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+TEST_CASE(streamer_bad_input) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  struct experts x = make_experts(dev, 1, 4, &rng);
+  tdm_streamer_config cfg = {.compute = q, .layers = 1, .experts = 4, .expert_bytes = XB,
+                             .host = x.ptrs, .budget_bytes = XB / 2, .staging_slots = 1};
+  tdm_streamer *s = (tdm_streamer *)&cfg;
+  CHECK_RC(tdm_streamer_create(&cfg, &s), TDM_EINVAL); /* budget below one expert */
+  CHECK(strstr(tdm_last_error(), "cannot hold") != NULL);
+  CHECK(s == (tdm_streamer *)&cfg);
+  cfg.budget_bytes = 0;
+  cfg.staging_slots = 0;
+  CHECK_RC(tdm_streamer_create(&cfg, &s), TDM_EINVAL);
+  CHECK(strstr(tdm_last_error(), "staging slot") != NULL);
+  cfg.staging_slots = 1;
+  cfg.host = NULL;
+  CHECK_RC(tdm_streamer_create(&cfg, &s), TDM_EINVAL);
+  /* Every slot acquired: the next acquire says so instead of waiting forever. */
+  cfg.host = x.ptrs;
+  CHECK_OK(tdm_streamer_create(&cfg, &s));
+  const void *w;
+  CHECK_OK(tdm_streamer_acquire(s, 0, 0, &w, NULL));
+  CHECK_RC(tdm_streamer_acquire(s, 0, 1, &w, NULL), TDM_EBUSY);
+  CHECK_OK(tdm_streamer_release(s, 0, 0, NULL));
+  CHECK_OK(tdm_streamer_acquire(s, 0, 1, &w, NULL));
+  CHECK_OK(tdm_streamer_release(s, 0, 1, NULL));
+  CHECK_OK(tdm_streamer_destroy(s));
+  free_experts(&x);
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* ---- the MoE layers ---------------------------------------------------------------------- */
+
+static tdm_moe_model *make_model(tdm_device *dev, const tdm_moe_config *base, bool resident,
+                                 size_t budget, int slots, tdm_cache_policy policy) {
+  tdm_moe_config c = *base;
+  c.all_resident = resident;
+  c.budget_bytes = budget;
+  c.staging_slots = slots;
+  c.policy = policy;
+  tdm_moe_model *m = NULL;
+  int rc = tdm_moe_model_create(&c, &m);
+  if (rc == TDM_ENOTSUP) TH_SKIP("no MoE operations on %s: %s", th_device_id, tdm_last_error());
+  CHECK_OK(rc);
+  return m;
+}
+
+/* The streamed output is bitwise equal to the all-resident output on the same backend: same
+ * kernels, deterministic reductions, whatever the budget, slots, policy and overlap. */
+TEST_CASE(streamed_equals_resident) {
+  tdm_device *dev = th_open();
+  const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
+  CHECK(p != NULL);
+  enum { T = 48, DECODE = 6 };
+  tdm_moe_config base = {.preset = p, .device = dev, .seed = th_seed(), .skew = 1.2,
+                         .locality = 0.7, .max_tokens = T};
+  size_t H = (size_t)p->hidden, eb = tdm_moe_expert_bytes(p);
+  size_t all = tdm_moe_host_bytes(p, p->layers);
+  float *x = malloc((T + DECODE) * H * sizeof *x), *ref = malloc((T + DECODE) * H * sizeof *ref),
+        *y = malloc((T + DECODE) * H * sizeof *y);
+  tdm_moe_pass_stats st;
+  tdm_moe_model *m = make_model(dev, &base, true, 0, 2, TDM_CACHE_STATIC);
+  tdm_moe_make_input(m, x, T, 0, false);
+  tdm_moe_make_input(m, x + T * H, DECODE, 0, true);
+  CHECK_OK(tdm_moe_forward(m, x, ref, T, true, &st));
+  CHECK_EQ((long)st.bytes_copied, 0L);
+  for (int t = 0; t < DECODE; t++)
+    CHECK_OK(tdm_moe_forward(m, x + (T + t) * H, ref + (T + t) * H, 1, true, &st));
+  for (size_t i = 0; i < (T + DECODE) * H; i++) CHECK(isfinite(ref[i]));
+  tdm_moe_model_destroy(m);
+
+  const size_t budgets[] = {0, eb, all / 4, all / 2};
+  const int slots[] = {1, 2, 5};
+  for (int pol = 0; pol < 2; pol++)
+    for (size_t b = 0; b < sizeof budgets / sizeof budgets[0]; b++)
+      for (size_t sl = 0; sl < sizeof slots / sizeof slots[0]; sl++) {
+        m = make_model(dev, &base, false, budgets[b], slots[sl], pol ? TDM_CACHE_LRU : TDM_CACHE_STATIC);
+        for (int ov = 0; ov < 2; ov++) {
+          memset(y, 0xff, (T + DECODE) * H * sizeof *y);
+          CHECK_OK(tdm_moe_forward(m, x, y, T, ov, &st));
+          if (budgets[b] == 0) CHECK(st.bytes_copied > 0);
+          for (int t = 0; t < DECODE; t++)
+            CHECK_OK(tdm_moe_forward(m, x + (T + t) * H, y + (T + t) * H, 1, ov, &st));
+          long at = th_first_diff(y, ref, (T + DECODE) * H * sizeof *y);
+          CHECK_MSG(at < 0, "policy %s, budget %zu, %d slots, overlap %d: output differs from "
+                    "the all-resident output at byte %ld", pol ? "lru" : "static", budgets[b],
+                    slots[sl], ov, at);
+        }
+        tdm_moe_model_destroy(m);
+      }
+  free(x);
+  free(ref);
+  free(y);
+  th_close();
+}
+
+TEST_CASE(moe_bad_input) {
+  tdm_device *dev = th_open();
+  CHECK(tdm_moe_preset_find("no-such-model") == NULL);
+  const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
+  tdm_moe_config c = {.preset = p, .device = dev, .seed = 1, .max_tokens = 8,
+                      .budget_bytes = tdm_moe_expert_bytes(p) / 2, .staging_slots = 2};
+  tdm_moe_model *m = NULL;
+  int rc = tdm_moe_model_create(&c, &m);
+  if (rc == TDM_ENOTSUP) TH_SKIP("no MoE operations on %s", th_device_id);
+  CHECK_RC(rc, TDM_EINVAL);
+  CHECK(strstr(tdm_last_error(), "cannot hold one") != NULL);
+  CHECK(m == NULL);
+  /* A preset whose experts cannot fit in this machine's memory: a clear refusal. */
+  c.preset = tdm_moe_preset_find("deepseek-v3");
+  c.budget_bytes = 0;
+  CHECK_RC(tdm_moe_model_create(&c, &m), TDM_ENOMEM);
+  CHECK(strstr(tdm_last_error(), "--layers") != NULL);
+  c.preset = p;
+  c.max_tokens = 0;
+  CHECK_RC(tdm_moe_model_create(&c, &m), TDM_EINVAL);
+  th_close();
+}

@@ -1,0 +1,409 @@
+/* moe.c: `tandem moe`: MoE layers whose experts stream from pinned host memory through the
+ * expert streamer while the compute queue works. It runs the same prefill (and decode) three
+ * ways in one process: all experts resident (the reference output and the compute-only time),
+ * streamed and overlapped, and streamed serialized; then it reports tokens/s, bytes copied,
+ * link utilization against a raw pinned copy measured at start-up, the hidden fraction, the
+ * cache hit rate, the staging slots, and whether the streamed output is bitwise equal to the
+ * all-resident output. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <tandem.h>
+#include <tandem/moe.h>
+#include <tandem/streamer.h>
+
+#include "tool.h"
+
+static const char moe_help[] =
+    "usage: tandem moe [--preset P] [--device D] [--layers N] [--tokens T] [--ubatch U]\n"
+    "                  [--decode N] [--device-budget B] [--cache-policy static|lru] [--slots N]\n"
+    "                  [--skew S] [--locality R] [--seed N] [--no-overlap] [--no-check]\n"
+    "                  [--json] [--trace FILE]\n"
+    "\n"
+    "Runs a stack of MoE layers, x += MoE(RMSNorm(x)), with the routed experts in pinned host\n"
+    "memory, streamed to the device on copy queues while the compute queue works.\n"
+    "\n"
+    "  --preset P         tiny (default), qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3,\n"
+    "                     mixtral-8x7b. The large presets hold tens to hundreds of GiB of\n"
+    "                     experts: use --layers to run fewer layers so they fit in host memory\n"
+    "  --device D         cpu:0, cuda:0, ... (default: the default device)\n"
+    "  --layers N         layers to run (default: the preset's)\n"
+    "  --tokens T         prefill tokens (default 256)\n"
+    "  --ubatch U         tokens per forward pass (default: min(T, 2048))\n"
+    "  --decode N         decode N tokens one at a time after the prefill (default 0)\n"
+    "  --device-budget B  device memory for resident experts: bytes (8GiB) or a percentage of\n"
+    "                     all experts (25%); 0 keeps nothing resident (default 0)\n"
+    "  --cache-policy C   static: the most popular experts stay resident (prefill); lru: every\n"
+    "                     slot is one LRU cache (decode). Default static\n"
+    "  --slots N          staging slots besides the budget (default 4)\n"
+    "  --skew S           Zipf exponent of expert popularity (default 1.0)\n"
+    "  --locality R       correlation of successive decode tokens, 0..0.99 (default 0.8)\n"
+    "  --seed N           weights and inputs (default 1)\n"
+    "  --no-overlap       run only the serialized pass (copy and compute alternate)\n"
+    "  --no-check         skip the all-resident reference run and the bitwise check\n"
+    "  --json             print JSON on stdout instead of the table\n"
+    "  --trace FILE       write a Chrome trace of every command to FILE\n";
+
+typedef struct moe_opts {
+  const char *preset, *device, *trace;
+  long layers, tokens, ubatch, decode, slots, seed;
+  double skew, locality, budget_pct;
+  size_t budget_bytes;
+  int policy, overlap_only_serial, check, json;
+} moe_opts;
+
+static int parse_double(const char *s, double lo, double hi, double *out) {
+  char *end;
+  double v = strtod(s, &end);
+  if (end == s || *end || !(v >= lo && v <= hi)) return -1;
+  *out = v;
+  return 0;
+}
+
+/* Reports a usage error for `tandem moe` and yields -1, parse()'s code for one. */
+#define USAGE(...) (tool_usage_error("moe", __VA_ARGS__), -1)
+
+static int parse(int argc, char **argv, moe_opts *o) {
+  static const char cmd[] = "moe";
+  *o = (moe_opts){.preset = "tiny", .tokens = 256, .slots = 4, .seed = 1, .skew = 1.0,
+                  .locality = 0.8, .budget_pct = -1, .check = 1};
+  const char *v;
+  int m;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    if (tool_is_help(a)) {
+      fputs(moe_help, stdout);
+      return 1;
+    } else if (strcmp(a, "--json") == 0) {
+      o->json = 1;
+    } else if (strcmp(a, "--no-overlap") == 0) {
+      o->overlap_only_serial = 1;
+    } else if (strcmp(a, "--no-check") == 0) {
+      o->check = 0;
+    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--preset", &v))) {
+      if (m < 0) return -1;
+      o->preset = v;
+    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--device", &v))) {
+      if (m < 0) return -1;
+      o->device = v;
+    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--trace", &v))) {
+      if (m < 0) return -1;
+      o->trace = v;
+    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--layers", &v))) {
+      if (m < 0 || tool_parse_count(cmd, "--layers", v, 1000, &o->layers) < 0) return -1;
+    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--tokens", &v))) {
+      if (m < 0 || tool_parse_count(cmd, "--tokens", v, 1 << 20, &o->tokens) < 0) return -1;
+    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--ubatch", &v))) {
+      if (m < 0 || tool_parse_count(cmd, "--ubatch", v, 1 << 16, &o->ubatch) < 0) return -1;
+    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--decode", &v))) {
+      if (m < 0 || tool_parse_count(cmd, "--decode", v, 1 << 20, &o->decode) < 0) return -1;
+    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--slots", &v))) {
+      if (m < 0 || tool_parse_count(cmd, "--slots", v, 4096, &o->slots) < 0) return -1;
+    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--seed", &v))) {
+      if (m < 0 || tool_parse_count(cmd, "--seed", v, 1L << 40, &o->seed) < 0) return -1;
+    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--skew", &v))) {
+      if (m < 0 || parse_double(v, 0, 10, &o->skew))
+        return m < 0 ? -1 : USAGE("--skew wants a number in [0, 10], not '%s'", v);
+    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--locality", &v))) {
+      if (m < 0 || parse_double(v, 0, 0.99, &o->locality))
+        return m < 0 ? -1 : USAGE("--locality wants a number in [0, 0.99], not '%s'", v);
+    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--cache-policy", &v))) {
+      if (m < 0) return -1;
+      if (strcmp(v, "static") == 0) o->policy = TDM_CACHE_STATIC;
+      else if (strcmp(v, "lru") == 0) o->policy = TDM_CACHE_LRU;
+      else return USAGE("--cache-policy is static or lru, not '%s'", v);
+    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--device-budget", &v))) {
+      if (m < 0) return -1;
+      size_t len = strlen(v);
+      if (len && v[len - 1] == '%') {
+        char num[32];
+        snprintf(num, sizeof num, "%.*s", (int)(len - 1), v);
+        if (parse_double(num, 0, 100, &o->budget_pct))
+          return USAGE("--device-budget wants 0..100%%, not '%s'", v);
+      } else if (strcmp(v, "0") == 0) {
+        o->budget_bytes = 0;
+      } else if (tool_parse_size(cmd, "--device-budget", v, &o->budget_bytes) < 0) {
+        return -1;
+      }
+    } else {
+      return USAGE("%s '%s'", a[0] == '-' ? "unknown option" : "unexpected argument", a);
+    }
+  }
+  if (!tdm_moe_preset_find(o->preset)) {
+    char list[256] = "";
+    for (int i = 0; i < tdm_moe_npresets; i++) {
+      strncat(list, i ? ", " : "", sizeof list - strlen(list) - 1);
+      strncat(list, tdm_moe_presets[i].name, sizeof list - strlen(list) - 1);
+    }
+    return USAGE("unknown preset '%s' (one of: %s)", o->preset, list);
+  }
+  if (!o->ubatch) o->ubatch = o->tokens < 2048 ? o->tokens : 2048;
+  return 0;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* The link's peak: one large pinned host-to-device copy, timed in this process. */
+static int measure_peak(tdm_device *dev, double *gbps) {
+  size_t n = (size_t)256 << 20;
+  tdm_device_info info;
+  tdm_device_info_get(dev, &info);
+  if (info.caps & TDM_DEVICE_CAP_HOST_MEMORY) n = (size_t)64 << 20;
+  void *h = NULL, *d = NULL;
+  tdm_queue *q = NULL;
+  int rc = tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q);
+  if (!rc) rc = tdm_malloc(dev, TDM_MEM_PINNED, n, &h);
+  if (!rc) rc = tdm_malloc(dev, TDM_MEM_DEVICE, n, &d);
+  if (!rc) memset(h, 0x5a, n);
+  double best = 0;
+  for (int rep = 0; !rc && rep < 4; rep++) {
+    double t0 = now_s();
+    rc = tdm_memcpy(q, d, h, n, TDM_COPY_H2D, 0, NULL, NULL);
+    if (!rc) rc = tdm_queue_sync(q);
+    double g = n / (now_s() - t0) / 1e9;
+    if (rep > 0 && g > best) best = g; /* the first copy warms up */
+  }
+  if (h) tdm_free(h);
+  if (d) tdm_free(d);
+  if (q) tdm_queue_destroy(q);
+  *gbps = best;
+  return rc;
+}
+
+typedef struct run {
+  const char *name;
+  double seconds, tokens_per_s;
+  uint64_t bytes, acquires, hits;
+  double decode_seconds; /* the decode part alone */
+  uint64_t decode_acquires, decode_hits, decode_bytes;
+  int ok;
+} run;
+
+static void progress(const char *what, long done, long total) {
+  if (!isatty(2)) return;
+  int width = 30, fill = total ? (int)(width * done / total) : width;
+  fprintf(stderr, "\r  %-22s [", what);
+  for (int i = 0; i < width; i++) fputc(i < fill ? '#' : '.', stderr);
+  fprintf(stderr, "] %ld/%ld", done, total);
+  if (done == total) fputc('\n', stderr);
+  fflush(stderr);
+}
+
+/* One prefill of opt->tokens in ubatches (and decode), outputs kept in y. */
+static int do_run(tdm_moe_model *m, const moe_opts *o, int H, bool overlap, const char *name,
+                  float *x, float *y, run *r) {
+  memset(r, 0, sizeof *r);
+  r->name = name;
+  tdm_moe_pass_stats st;
+  int rc = 0;
+  long passes = (o->tokens + o->ubatch - 1) / o->ubatch, steps = passes + o->decode;
+  for (long p = 0; !rc && p < passes; p++) {
+    long t0 = p * o->ubatch, T = o->tokens - t0 < o->ubatch ? o->tokens - t0 : o->ubatch;
+    tdm_moe_make_input(m, x, (int)T, (uint64_t)t0, false);
+    rc = tdm_moe_forward(m, x, y + (size_t)t0 * H, (int)T, overlap, &st);
+    r->seconds += st.seconds;
+    r->bytes += st.bytes_copied;
+    r->acquires += st.acquires;
+    r->hits += st.hits;
+    progress(name, p + 1, steps);
+  }
+  /* Decode: one token at a time; successive inputs are correlated (--locality). */
+  float *xd = x + (size_t)o->ubatch * H;
+  if (!rc && o->decode) tdm_moe_make_input(m, xd, (int)o->decode, 0, true);
+  for (long t = 0; !rc && t < o->decode; t++) {
+    rc = tdm_moe_forward(m, xd + (size_t)t * H, y + (size_t)(o->tokens + t) * H, 1, overlap, &st);
+    r->seconds += st.seconds;
+    r->bytes += st.bytes_copied;
+    r->acquires += st.acquires;
+    r->hits += st.hits;
+    r->decode_seconds += st.seconds;
+    r->decode_acquires += st.acquires;
+    r->decode_hits += st.hits;
+    r->decode_bytes += st.bytes_copied;
+    progress(name, passes + t + 1, steps);
+  }
+  r->tokens_per_s = (o->tokens + o->decode) / r->seconds;
+  return rc;
+}
+
+int tool_cmd_moe(int argc, char **argv) {
+  moe_opts o;
+  int prc = parse(argc, argv, &o);
+  if (prc) return prc > 0 ? TOOL_OK : TOOL_USAGE;
+  if (o.trace && setenv("TANDEM_TRACE", o.trace, 1) != 0) return tool_fail("setenv", TDM_ENOMEM);
+  int rc = tdm_init();
+  if (rc < 0) return tool_fail("tdm_init", rc);
+  int code = TOOL_FAILED;
+  const tdm_moe_preset *p = tdm_moe_preset_find(o.preset);
+  tdm_device *dev = NULL;
+  tdm_device_info info;
+  tdm_moe_model *m = NULL;
+  float *x = NULL, *yref = NULL, *y = NULL;
+  run runs[3];
+  int nruns = 0;
+  double peak = 0;
+  long layers = o.layers ? o.layers : p->layers;
+  size_t ebytes = tdm_moe_expert_bytes(p);
+  size_t all = tdm_moe_host_bytes(p, (int)layers);
+  size_t budget = o.budget_pct >= 0 ? (size_t)(all * (o.budget_pct / 100.0)) : o.budget_bytes;
+  if (budget && budget < ebytes) budget = ebytes; /* a percentage rounds up to one expert */
+  if ((rc = tdm_device_find(o.device, &dev)) || (rc = tdm_device_info_get(dev, &info))) {
+    tool_fail("finding the device", rc);
+    goto out;
+  }
+  if ((rc = measure_peak(dev, &peak))) {
+    tool_fail("measuring the link", rc);
+    goto out;
+  }
+  tdm_moe_config cfg = {.preset = p, .layers = (int)layers, .device = dev,
+                        .seed = (uint64_t)o.seed, .skew = o.skew, .locality = o.locality,
+                        .max_tokens = (int)o.ubatch, .budget_bytes = budget,
+                        .staging_slots = (int)o.slots, .policy = o.policy};
+  size_t H = (size_t)p->hidden, total = (size_t)(o.tokens + o.decode);
+  x = malloc(((size_t)o.ubatch + o.decode) * H * sizeof *x);
+  y = malloc(total * H * sizeof *y);
+  yref = o.check ? malloc(total * H * sizeof *yref) : NULL;
+  if (!x || !y || (o.check && !yref)) {
+    fprintf(stderr, "tandem: no host memory for %zu tokens of activations\n", total);
+    goto out;
+  }
+  if (!o.json) {
+    printf("tandem moe: %s (%s), %ld layers, %zu-byte experts, %.2f GiB of experts in pinned "
+           "host memory\n", p->name, p->note, layers, ebytes, all / 1073741824.0);
+    fflush(stdout);
+  }
+  if (o.check) {
+    /* The reference: every expert resident, nothing streamed. */
+    tdm_moe_config rc_cfg = cfg;
+    rc_cfg.all_resident = true;
+    if ((rc = tdm_moe_model_create(&rc_cfg, &m)) == 0) {
+      rc = do_run(m, &o, (int)H, true, "all resident", x, yref, &runs[nruns]);
+      runs[nruns++].ok = -1; /* the reference itself */
+      tdm_moe_model_destroy(m);
+      m = NULL;
+    }
+    if (rc) {
+      fprintf(stderr, "tandem: the all-resident reference could not run (%s: %s); no check\n",
+              tdm_err_name(rc), tdm_last_error());
+      free(yref);
+      yref = NULL;
+      nruns = 0;
+    }
+  }
+  if ((rc = tdm_moe_model_create(&cfg, &m))) {
+    tool_fail("creating the model", rc);
+    goto out;
+  }
+  const bool modes[2] = {true, false};
+  for (int k = o.overlap_only_serial ? 1 : 0; k < 2; k++) {
+    if ((rc = do_run(m, &o, (int)H, modes[k], modes[k] ? "streamed, overlapped" : "streamed, serialized",
+                     x, y, &runs[nruns]))) {
+      tool_fail("the forward pass", rc);
+      goto out;
+    }
+    runs[nruns].ok = yref ? memcmp(y, yref, total * H * sizeof *y) == 0 : -1;
+    nruns++;
+  }
+  tdm_streamer_stats ss;
+  tdm_streamer_stats_get(tdm_moe_streamer(m), &ss);
+
+  /* Figures. */
+  const run *res = (yref && runs[0].name && strcmp(runs[0].name, "all resident") == 0) ? &runs[0] : NULL;
+  const run *ovl = NULL, *ser = NULL;
+  for (int i = 0; i < nruns; i++) {
+    if (strstr(runs[i].name, "overlapped")) ovl = &runs[i];
+    if (strstr(runs[i].name, "serialized")) ser = &runs[i];
+  }
+  const run *main_run = ovl ? ovl : ser;
+  double link = main_run->bytes / main_run->seconds / 1e9 / peak;
+  double copy_s = main_run->bytes / (peak * 1e9);
+  double hidden = NAN;
+  if (ovl && ser && res) {
+    double shorter = copy_s < res->seconds ? copy_s : res->seconds;
+    hidden = (ser->seconds - ovl->seconds) / shorter;
+  }
+  bool all_ok = true;
+  for (int i = 0; i < nruns; i++)
+    if (runs[i].ok == 0) all_ok = false;
+  char cmdline[1024];
+  tool_command_line(cmdline, sizeof cmdline);
+  if (o.json) {
+    printf("{\"command\": \"%s\", \"preset\": \"%s\", \"device\": \"%s\", \"device_name\": \"%s\",\n",
+           cmdline, p->name, info.id, info.name);
+    printf(" \"layers\": %ld, \"tokens\": %ld, \"ubatch\": %ld, \"decode\": %ld, \"skew\": %g, "
+           "\"locality\": %g, \"policy\": \"%s\",\n",
+           layers, o.tokens, o.ubatch, o.decode, o.skew, o.locality,
+           o.policy == TDM_CACHE_LRU ? "lru" : "static");
+    printf(" \"budget_bytes\": %zu, \"staging_slots\": %d, \"resident_slots\": %d, "
+           "\"expert_bytes\": %zu, \"peak_gbps\": %.3f,\n",
+           budget, ss.staging_slots, ss.resident_slots, ebytes, peak);
+    printf(" \"runs\": [");
+    for (int i = 0; i < nruns; i++)
+      printf("%s{\"name\": \"%s\", \"seconds\": %.6f, \"tokens_per_s\": %.3f, \"bytes_copied\": "
+             "%llu, \"hit_rate\": %.4f, \"decode_tokens_per_s\": %.3f, \"decode_hit_rate\": %.4f, "
+             "\"matches_resident\": %s}",
+             i ? ", " : "", runs[i].name, runs[i].seconds, runs[i].tokens_per_s,
+             (unsigned long long)runs[i].bytes,
+             runs[i].acquires ? (double)runs[i].hits / runs[i].acquires : 0.0,
+             runs[i].decode_seconds > 0 ? o.decode / runs[i].decode_seconds : 0.0,
+             runs[i].decode_acquires ? (double)runs[i].decode_hits / runs[i].decode_acquires : 0.0,
+             runs[i].ok < 0 ? "null" : runs[i].ok ? "true" : "false");
+    char hid[32] = "null";
+    if (!isnan(hidden)) snprintf(hid, sizeof hid, "%.4f", hidden);
+    printf("],\n \"link_utilization\": %.4f, \"hidden_fraction\": %s, \"check\": \"%s\"}\n", link,
+           hid, yref ? (all_ok ? "ok" : "FAILED") : "skipped");
+  } else {
+    char b1[32], b2[32];
+    printf("\non %s (%s): %ld prefill tokens in ubatches of %ld, %ld decode tokens\n", info.id,
+           info.name, o.tokens, o.ubatch, o.decode);
+    tool_format_bytes(budget, b1, sizeof b1);
+    tool_format_bytes(ss.device_bytes, b2, sizeof b2);
+    printf("  routing    Zipf skew %.2f, decode locality %.2f, policy %s\n", o.skew, o.locality,
+           o.policy == TDM_CACHE_LRU ? "lru" : "static");
+    printf("  device     budget %s (%d resident slots) + %d staging slots = %s\n", b1,
+           ss.resident_slots, ss.staging_slots, b2);
+    printf("  link       %.2f GB/s peak (one large pinned copy, this process)\n\n", peak);
+    printf("  %-22s %10s %12s %12s %9s %8s\n", "run", "time", "tokens/s", "copied", "hit rate",
+           "output");
+    for (int i = 0; i < nruns; i++) {
+      tool_format_bytes(runs[i].bytes, b1, sizeof b1);
+      printf("  %-22s %8.1f ms %12.1f %12s %8.1f%% %8s\n", runs[i].name, runs[i].seconds * 1e3,
+             runs[i].tokens_per_s, b1,
+             runs[i].acquires ? 100.0 * runs[i].hits / runs[i].acquires : 0.0,
+             runs[i].ok < 0 ? "-" : runs[i].ok ? "equal" : "DIFFERS");
+    }
+    printf("\n  link utilization   %.2f   expert bytes copied / wall time / peak\n", link);
+    if (!isnan(hidden))
+      printf("  hidden fraction    %.2f   (serialized - overlapped) / min(copy, compute)\n", hidden);
+    if (ovl && ser) printf("  speed-up           %.2fx  serialized / overlapped\n", ser->seconds / ovl->seconds);
+    if (o.decode && main_run->decode_seconds > 0) {
+      /* Decode at batch 1 is bound by the bytes it must copy: link / ((1 - hit) x bytes/token). */
+      double h = main_run->decode_acquires ? (double)main_run->decode_hits / main_run->decode_acquires : 0;
+      double per_token = (double)layers * p->topk * ebytes;
+      double bound = (1 - h) > 0 ? peak * 1e9 / ((1 - h) * per_token) : INFINITY;
+      printf("  decode             %.1f tokens/s at a %.1f%% hit rate; bound %.1f tokens/s "
+             "(link / ((1 - hit) x %.1f MB per token))\n",
+             o.decode / main_run->decode_seconds, 100 * h, bound, per_token / 1e6);
+    }
+    printf("  check              %s\n", yref ? (all_ok ? "ok: streamed output bitwise equal to "
+                                                         "the all-resident output"
+                                                       : "FAILED: outputs differ")
+                                             : "skipped");
+  }
+  code = (yref && !all_ok) ? TOOL_FAILED : TOOL_OK;
+out:
+  if (m) tdm_moe_model_destroy(m);
+  free(x);
+  free(y);
+  free(yref);
+  tdm_shutdown();
+  return code;
+}
