@@ -8,7 +8,42 @@
 
 #include "cu.h"
 
-#define STAGE_BYTES (8u << 20)
+#define STAGE_BYTES (16u << 20)
+#define COPY_THREADS 4 /* one host thread cannot keep up with the link */
+
+typedef struct slice {
+  char *dst;
+  const char *src;
+  size_t n;
+} slice;
+
+static void *copy_slice(void *arg) {
+  slice *s = arg;
+  memcpy(s->dst, s->src, s->n);
+  return NULL;
+}
+
+/* memcpy over a few threads for large blocks (pageable memory to or from staging). */
+static void par_memcpy(void *dst, const void *src, size_t n) {
+  if (n < ((size_t)2 << 20)) {
+    memcpy(dst, src, n);
+    return;
+  }
+  pthread_t th[COPY_THREADS];
+  slice sl[COPY_THREADS];
+  bool started[COPY_THREADS] = {false};
+  size_t per = (n / COPY_THREADS + 63) & ~(size_t)63;
+  for (int i = 0; i < COPY_THREADS; i++) {
+    size_t off = (size_t)i * per;
+    sl[i] = (slice){(char *)dst + off, (const char *)src + off,
+                    off >= n ? 0 : (n - off < per ? n - off : per)};
+    if (i > 0 && sl[i].n) started[i] = pthread_create(&th[i], NULL, copy_slice, &sl[i]) == 0;
+    if (i > 0 && sl[i].n && !started[i]) copy_slice(&sl[i]);
+  }
+  copy_slice(&sl[0]);
+  for (int i = 1; i < COPY_THREADS; i++)
+    if (started[i]) pthread_join(th[i], NULL);
+}
 
 int cu_mem_init(cu_device *d) {
   for (int i = 0; i < 2; i++) {
@@ -180,7 +215,7 @@ int cu_host_copy(tdm__cmd *cmd) {
       int b = (int)(k & 1);
       e = cudaEventSynchronize(d->stage_done[b]); /* its previous DMA has drained */
       if (e != cudaSuccess) break;
-      memcpy(d->stage[b], src + off, len);
+      par_memcpy(d->stage[b], src + off, len);
       e = cudaMemcpyAsync(dst + off, d->stage[b], len, cudaMemcpyHostToDevice, d->internal);
       if (e == cudaSuccess) e = cudaEventRecord(d->stage_done[b], d->internal);
     }
@@ -196,7 +231,7 @@ int cu_host_copy(tdm__cmd *cmd) {
       if (k > 0 && e == cudaSuccess) {
         size_t j = k - 1, off = j * STAGE_BYTES, len = n - off < STAGE_BYTES ? n - off : STAGE_BYTES;
         e = cudaEventSynchronize(d->stage_done[j & 1]);
-        if (e == cudaSuccess) memcpy(dst + off, d->stage[j & 1], len);
+        if (e == cudaSuccess) par_memcpy(dst + off, d->stage[j & 1], len);
       }
     }
   }

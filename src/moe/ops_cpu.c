@@ -8,8 +8,8 @@
  *
  * Argument blocks are freed by a keep-alive on the same queue, not by the task itself: a task
  * whose predecessor failed completes with TDM_EDEP without running, and could not free its
- * block. Argument errors return TDM_EINVAL at once; tdm_last_error() is set only by the public
- * calls an op makes (the ops layer has no way to set it itself).
+ * block. Argument errors return TDM_EINVAL at once, with a message; a failure inside a task
+ * (an index out of range, no memory for scratch) becomes the task's status.
  *
  * GEMMs are OpenBLAS sgemm in f32 on weights converted from bf16 (exactly) into the workspace;
  * OpenBLAS 0.3.21 has no bf16 GEMM. On determinism: we leave OpenBLAS's own threading as the
@@ -26,6 +26,8 @@
  * Every other reduction (rmsnorm, softmax, top-k, combine) is a plain loop in a fixed order.
  */
 #include "ops.h"
+
+#include "core/internal.h" /* tdm__error, tdm__malloc: messages and fault injection */
 
 #include <math.h>
 #include <stdatomic.h>
@@ -83,8 +85,20 @@ static int task_submit(tdm_queue *q, task *t) {
   return 0;
 }
 
-static int check_state(void *st, tdm_queue *q) {
-  return st && q && ((cpu_state *)st)->q == q ? 0 : TDM_EINVAL;
+static int check_state(void *st, tdm_queue *q, const char *op) {
+  if (st && q && ((cpu_state *)st)->q == q) return 0;
+  return tdm__error(TDM_EINVAL, 0, "moe %s: the state was not opened on this queue", op);
+}
+
+static int bad_args(const char *op) {
+  return tdm__error(TDM_EINVAL, 0, "moe %s: NULL pointer or size out of range", op);
+}
+
+/* `size` bytes of host memory (an argument block, the state), or NULL with the error set. */
+static void *task_alloc(size_t size, const char *op) {
+  void *p = tdm__malloc(size);
+  if (!p) tdm__error(TDM_ENOMEM, 0, "moe %s: no host memory for %zu bytes", op, size);
+  return p;
 }
 
 /* How many rows of `width` floats fit between p and the end of the tandem allocation holding
@@ -107,15 +121,17 @@ static int cpu_open(tdm_queue *q, void **state) {
   tdm_device_info info;
   unsigned flags;
   int rc;
-  if (!q || !state) return TDM_EINVAL;
+  if (!q || !state) return tdm__error(TDM_EINVAL, 0, "moe open: NULL argument");
   if ((rc = tdm_queue_device(q, &dev)) || (rc = tdm_device_info_get(dev, &info)) ||
       (rc = tdm_queue_flags(q, &flags)))
     return rc;
   /* The tasks dereference device pointers, which only host-memory devices allow. */
-  if (!(info.caps & TDM_DEVICE_CAP_HOST_MEMORY)) return TDM_ENOTSUP;
+  if (!(info.caps & TDM_DEVICE_CAP_HOST_MEMORY))
+    return tdm__error(TDM_ENOTSUP, 0, "moe open: %s is not a host-memory (CPU) device", info.id);
   /* Ops take no dependency lists: on an out-of-order queue they would not be ordered. */
-  if (flags & TDM_QUEUE_OUT_OF_ORDER) return TDM_EINVAL;
-  cpu_state *s = malloc(sizeof *s);
+  if (flags & TDM_QUEUE_OUT_OF_ORDER)
+    return tdm__error(TDM_EINVAL, 0, "moe open: the ops need an in-order queue");
+  cpu_state *s = task_alloc(sizeof *s, "open");
   if (!s) return TDM_ENOMEM;
   s->q = q;
   *state = s;
@@ -149,10 +165,11 @@ static int rmsnorm_body(const task *t) {
 
 static int cpu_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T,
                        int H, float eps) {
-  if (check_state(st, q) || !y || !x || !w || T < 0 || H <= 0 || !(eps >= 0.0f))
-    return TDM_EINVAL;
+  int rc = check_state(st, q, "rmsnorm");
+  if (rc) return rc;
+  if (!y || !x || !w || T < 0 || H <= 0 || !(eps >= 0.0f)) return bad_args("rmsnorm");
   if (T == 0) return 0;
-  rmsnorm_args *a = malloc(sizeof *a);
+  rmsnorm_args *a = task_alloc(sizeof *a, "rmsnorm");
   if (!a) return TDM_ENOMEM;
   *a = (rmsnorm_args){.t.body = rmsnorm_body, .y = y, .x = x, .w = w, .T = T, .H = H,
                       .eps = eps};
@@ -209,8 +226,8 @@ static void top_k(const float *p, int E, int k, int renorm, int32_t *idx, float 
 static int router_body(const task *t) {
   const router_args *a = (const router_args *)t;
   /* Scratch is taken here, not at submission, so that layers queued ahead do not all hold it. */
-  float *wr = malloc((size_t)a->E * a->H * sizeof *wr);
-  float *logits = malloc((size_t)a->T * a->E * sizeof *logits);
+  float *wr = tdm__malloc((size_t)a->E * a->H * sizeof *wr);
+  float *logits = tdm__malloc((size_t)a->T * a->E * sizeof *logits);
   if (!wr || !logits) {
     free(wr);
     free(logits);
@@ -234,11 +251,12 @@ static int router_body(const task *t) {
 static int cpu_router(void *st, tdm_queue *q, const float *x, const moe_bf16 *wr,
                       const float *bias, int T, int H, int E, int k, int renorm, int32_t *idx,
                       float *weights) {
-  if (check_state(st, q) || !x || !wr || !idx || !weights || T < 0 || H <= 0 || E <= 0 ||
-      k <= 0 || k > E)
-    return TDM_EINVAL;
+  int rc = check_state(st, q, "router");
+  if (rc) return rc;
+  if (!x || !wr || !idx || !weights || T < 0 || H <= 0 || E <= 0 || k <= 0 || k > E)
+    return bad_args("router");
   if (T == 0) return 0;
-  router_args *a = malloc(sizeof *a);
+  router_args *a = task_alloc(sizeof *a, "router");
   if (!a) return TDM_ENOMEM;
   *a = (router_args){.t.body = router_body, .x = x, .wr = wr, .bias = bias, .T = T, .H = H,
                      .E = E, .k = k, .renorm = renorm != 0, .idx = idx, .weights = weights};
@@ -298,14 +316,17 @@ static int expert_body(const task *t) {
 static int cpu_expert(void *st, tdm_queue *q, const float *x, const int32_t *rows,
                       const int32_t *slot, int n, const moe_bf16 *w, int H, int I, float *out,
                       void *workspace, size_t workspace_bytes) {
-  if (check_state(st, q) || !x || !rows || !slot || !w || !out || n < 0 || H <= 0 || I <= 0)
-    return TDM_EINVAL;
+  int rc = check_state(st, q, "expert");
+  if (rc) return rc;
+  if (!x || !rows || !slot || !w || !out || n < 0 || H <= 0 || I <= 0) return bad_args("expert");
   if (n == 0) return 0;
   size_t need = moe_ops_workspace(n, H, I);
   if (!workspace || need == 0 || workspace_bytes < need ||
       (uintptr_t)workspace % sizeof(float))
-    return TDM_EINVAL;
-  expert_args *a = malloc(sizeof *a);
+    return tdm__error(TDM_EINVAL, 0,
+                      "moe expert: workspace %p of %zu bytes; n=%d H=%d I=%d need %zu, aligned",
+                      workspace, workspace_bytes, n, H, I, need);
+  expert_args *a = task_alloc(sizeof *a, "expert");
   if (!a) return TDM_ENOMEM;
   *a = (expert_args){.t.body = expert_body, .x = x, .rows = rows, .slot = slot, .n = n, .H = H,
                      .I = I, .w = w, .out = out, .ws = workspace,
@@ -339,10 +360,11 @@ static int combine_body(const task *t) {
 
 static int cpu_combine(void *st, tdm_queue *q, float *y, const float *out, const float *weights,
                        int T, int H, int k) {
-  if (check_state(st, q) || !y || !out || !weights || T < 0 || H <= 0 || k <= 0)
-    return TDM_EINVAL;
+  int rc = check_state(st, q, "combine");
+  if (rc) return rc;
+  if (!y || !out || !weights || T < 0 || H <= 0 || k <= 0) return bad_args("combine");
   if (T == 0) return 0;
-  combine_args *a = malloc(sizeof *a);
+  combine_args *a = task_alloc(sizeof *a, "combine");
   if (!a) return TDM_ENOMEM;
   *a = (combine_args){.t.body = combine_body, .y = y, .out = out, .weights = weights, .T = T,
                       .H = H, .k = k};
