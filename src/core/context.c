@@ -82,10 +82,12 @@ void tdm__backend_add(const tdm__backend *be, void *dl, const char *detail) {
 }
 
 /* Set up by the first init; services backends use instead of linking to the core. */
-static void event_set_native(tdm_event *ev, void *handle) { ev->bev = handle; }
+static void event_set_native(tdm_event *ev, void *handle) {
+  atomic_store_explicit(&ev->bev, handle, memory_order_release);
+}
 
 static void *event_native(tdm_event *ev, const tdm__backend *be) {
-  return ev->q->dev->be == be ? ev->bev : NULL;
+  return ev->q->dev->be == be ? atomic_load_explicit(&ev->bev, memory_order_acquire) : NULL;
 }
 
 static int event_device(tdm_event *ev, const tdm__backend **be) {

@@ -54,8 +54,8 @@ void tdm__event_ref(tdm_event *ev) { atomic_fetch_add(&ev->refs, 1); }
 
 void tdm__event_free(tdm_event *ev) {
   tdm_queue *q = ev->q;
-  if (ev->bev) q->dev->be->native_release(ev->bev);
-  ev->bev = NULL;
+  void *bev = atomic_exchange(&ev->bev, NULL);
+  if (bev) q->dev->be->native_release(bev);
   atomic_store(&ev->magic, TDM__MAGIC_DEAD);
   ev->q = NULL;
   tdm__pool_put(&q->events, ev);
@@ -158,7 +158,8 @@ int tdm_event_elapsed(tdm_event *start, tdm_event *end, double *ms) {
       !atomic_load_explicit(&end->done, memory_order_acquire))
     return tdm__error(TDM_EAGAIN, 0, "an event is still pending");
   const tdm__backend *be = start->q->dev->be;
-  if (be->event_elapsed && start->bev && end->bev) return be->event_elapsed(start->bev, end->bev, ms);
+  void *a = atomic_load(&start->bev), *b = atomic_load(&end->bev);
+  if (be->event_elapsed && a && b) return be->event_elapsed(a, b, ms);
   *ms = ((double)end->t_ns - (double)start->t_ns) / 1e6;
   return 0;
 }
@@ -193,7 +194,8 @@ int tdm_event_native(tdm_event *ev, void **native) {
   int rc = tdm__event_check(ev);
   if (rc) return rc;
   if (!native) return tdm__error(TDM_EINVAL, 0, "tdm_event_native: native is NULL");
-  if (!ev->bev) return tdm__error(TDM_ENOTSUP, 0, "this event has no native event");
-  *native = ev->bev;
+  void *bev = atomic_load_explicit(&ev->bev, memory_order_acquire);
+  if (!bev) return tdm__error(TDM_ENOTSUP, 0, "this event has no native event (yet)");
+  *native = bev;
   return 0;
 }

@@ -137,7 +137,8 @@ struct tdm_event {
   const char *op;           /* what the command was, for messages */
   tdm_queue *q;             /* holds a reference on q */
   tdm__waiter *waiters;     /* under q->mu */
-  void *bev;                /* native event, owned (native backends) */
+  _Atomic(void *) bev;      /* native event, owned (native backends); may be set after the
+                               event is published (host-side deferral), hence atomic */
   tdm_event *next_all;      /* every event q ever allocated, so shutdown frees them all */
 };
 int tdm__event_check(tdm_event *ev);

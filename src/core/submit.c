@@ -133,7 +133,7 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
   ev->op = spec->op;
   ev->q = q;
   ev->waiters = NULL;
-  ev->bev = NULL;
+  atomic_store(&ev->bev, NULL);
   cmd->wait = NULL;
   cmd->gate = NULL;
   atomic_fetch_add(&q->refs, 1);
