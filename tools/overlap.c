@@ -12,6 +12,7 @@
  * The compute is a host task reading device memory directly, so it needs a device whose memory
  * is host memory (the CPU backend); GPU compute comes with the GEMM operations.
  */
+#include "overlap_dev.h"
 #include "tool.h"
 
 #include "benchutil.h"
@@ -75,6 +76,7 @@ typedef struct overlap {
   tdm_event **copy_ev, **comp_ev; /* per chunk, for the pipelined runs */
   double *results;                /* 3 * reps runs of `chunks` results, checked at the end */
   double *scratch;                /* results of calibration runs, not checked */
+  odev *dev;                      /* device compute (an OpenCL kernel), or NULL: host tasks */
 } overlap;
 
 /* Per-rep timings in seconds. */
@@ -185,15 +187,31 @@ static void prepare_tasks(overlap *o, double *results) {
     o->tasks[i] = (chunk_task){o->slots + i * o->n, o->n, o->passes, results + i};
 }
 
+/* Chunk i's compute, in the compute queue's order: a host task reading the slot (devices
+ * whose memory the host reads), or a kernel of the device's own (odev). */
+static int submit_compute(overlap *o, long i, tdm_event **done) {
+  int rc = o->dev ? odev_enqueue(o->dev, o->tasks[i].x, o->n, o->passes, i)
+                  : tdm_host_task(o->compq, chunk_task_run, &o->tasks[i], 0, NULL, NULL);
+  /* A marker covers the kernel too: it is work other code put on the native queue. */
+  if (rc == 0 && done) rc = tdm_event_record(o->compq, done);
+  return rc;
+}
+
+/* Device compute leaves its results on the device: bring them back after the run. */
+static int collect(overlap *o, double *results) {
+  return o->dev ? odev_collect(o->dev, o->opt.chunks, results) : 0;
+}
+
 /* Compute on data already in the slots. */
 static int run_compute_alone(overlap *o, double *results, double *seconds) {
   int rc;
   prepare_tasks(o, results);
   double t0 = bu_seconds();
   for (long i = 0; i < o->opt.chunks; i++)
-    TRY("tdm_host_task", tdm_host_task(o->compq, chunk_task_run, &o->tasks[i], 0, NULL, NULL));
+    TRY("the compute", submit_compute(o, i, NULL));
   TRY("tdm_queue_sync of the compute queue", tdm_queue_sync(o->compq));
   *seconds = bu_seconds() - t0;
+  TRY("collecting the results", collect(o, results));
 out:
   if (rc < 0)
     tdm_queue_sync(o->compq);
@@ -215,13 +233,13 @@ static int run_pipeline(overlap *o, int serialized, double *results, double *sec
     TRY("tdm_event_record", tdm_event_record(o->copyq, &o->copy_ev[i]));
     ncopy++;
     TRY("tdm_queue_wait of the compute queue", tdm_queue_wait(o->compq, o->copy_ev[i]));
-    TRY("tdm_host_task", tdm_host_task(o->compq, chunk_task_run, &o->tasks[i], 0, NULL,
-                                       serialized ? &o->comp_ev[i] : NULL));
+    TRY("the compute", submit_compute(o, i, serialized ? &o->comp_ev[i] : NULL));
     ncomp += serialized;
   }
   TRY("tdm_queue_sync of the compute queue", tdm_queue_sync(o->compq));
   *seconds = bu_seconds() - t0;
   TRY("tdm_queue_sync of the copy queue", tdm_queue_sync(o->copyq));
+  TRY("collecting the results", collect(o, results));
 out:
   if (rc < 0) { /* drain both; the failure is already reported */
     tdm_queue_sync(o->compq);
@@ -334,9 +352,10 @@ static void report_human(const overlap *o, const figures *f) {
          "           copied to %ld device slots; median of %ld rep%s\n",
          o->opt.chunks, chunk, total, o->opt.chunks, o->opt.reps, o->opt.reps == 1 ? "" : "s");
   printf("  copy     copy queue: tdm_memcpy H2D of chunk i into slot i, tdm_event_record\n");
-  printf("  compute  compute queue: tdm_queue_wait on chunk i's event, then a host task doing\n"
+  printf("  compute  compute queue: tdm_queue_wait on chunk i's event, then %s doing\n"
          "           %d pass%s of a %d-lane multiply-add reduction over the chunk\n"
          "           (pass count calibrated so that compute takes about as long as the copy)\n\n",
+         o->dev ? "an OpenCL kernel on the\n           queue's exported cl_command_queue" : "a host task",
          o->passes, o->passes == 1 ? "" : "es", LANES);
   printf("  copy alone      %9.2f ms   %.3f ms/chunk, %.2f GB/s\n", f->copy, f->copy / nc, f->gbps);
   printf("  compute alone   %9.2f ms   %.3f ms/chunk\n", f->compute, f->compute / nc);
@@ -458,16 +477,17 @@ static int setup(overlap *o) {
   size_t total = o->opt.chunk_bytes * (size_t)o->opt.chunks, nc = (size_t)o->opt.chunks;
   TRY("tdm_device_find", tdm_device_find(o->opt.device, &dev));
   TRY("tdm_device_info_get", tdm_device_info_get(dev, &o->info));
-  if (!(o->info.caps & TDM_DEVICE_CAP_HOST_MEMORY)) {
-    fprintf(stderr,
-            "tandem: bench overlap on %s: the compute runs as a host task reading device memory,\n"
-            "which this device does not share with the host; compute for this backend comes with\n"
-            "its GEMM support. Use --device cpu:0 for now.\n",
-            o->info.id);
-    return TDM_ENOTSUP;
-  }
   TRY("tdm_queue_create (copy queue)", tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &o->copyq));
   TRY("tdm_queue_create (compute queue)", tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &o->compq));
+  if (!(o->info.caps & TDM_DEVICE_CAP_HOST_MEMORY) &&
+      (rc = odev_open(dev, o->compq, LANES, o->opt.chunks, &o->dev)) < 0) {
+    fprintf(stderr,
+            "tandem: bench overlap on %s: the host cannot read this device's memory, and the\n"
+            "tool has a kernel of its own only for OpenCL devices (%s). Use --device cpu:0, or\n"
+            "bench-cuda's overlap benchmark for CUDA devices.\n",
+            o->info.id, tdm_err_name(rc));
+    return rc;
+  }
   TRY("tdm_malloc of pinned host memory",
       tdm_malloc(dev, TDM_MEM_PINNED, total, (void **)&o->host));
   TRY("tdm_malloc of device memory", tdm_malloc(dev, TDM_MEM_DEVICE, total, (void **)&o->slots));
@@ -488,6 +508,10 @@ out:
 
 static void teardown(overlap *o) {
   /* Destroying a queue drains it, so the memory is idle before it is freed. */
+  if (o->dev) {
+    tdm_queue_sync(o->compq);
+    odev_close(o->dev);
+  }
   if (o->compq)
     tdm_queue_destroy(o->compq);
   if (o->copyq)
