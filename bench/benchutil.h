@@ -8,6 +8,7 @@
 #ifndef TANDEM_BENCHUTIL_H
 #define TANDEM_BENCHUTIL_H
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -115,6 +116,28 @@ static inline void bu_machine_json(FILE *f, const bu_machine *m) {
   fputs(", \"cpu\": ", f);
   bu_json_string(f, m->cpu);
   fprintf(f, ", \"cores\": %ld}", m->cores);
+}
+
+/* Opens a result file and writes what every one starts with: the command, the commit, the date,
+ * tandem's version and the machine; the caller goes on with ",\n  \"device\": ...". NULL (and
+ * a message on stderr) if the file cannot be written. */
+static inline FILE *bu_json_begin(const char *prog, const char *path, const char *command,
+                                  const char *commit, const char *version, const bu_machine *m) {
+  char date[32];
+  FILE *f = fopen(path, "w");
+  if (!f) {
+    fprintf(stderr, "%s: cannot write %s: %s\n", prog, path, strerror(errno));
+    return NULL;
+  }
+  bu_utc_date(date, sizeof date);
+  fputs("{\n  \"command\": ", f);
+  bu_json_string(f, command);
+  fputs(",\n  \"commit\": ", f);
+  bu_json_string(f, commit);
+  fprintf(f, ",\n  \"date\": \"%s\",\n  \"tandem_version\": \"%s\",\n  \"machine\": ", date,
+          version);
+  bu_machine_json(f, m);
+  return f;
 }
 
 #endif /* TANDEM_BENCHUTIL_H */

@@ -243,21 +243,9 @@ static void device_json(FILE *f, const bc_ctx *c) {
 
 static int write_json(const char *path, const char *command, const bc_ctx *c,
                       const bu_machine *m, const outcome *res) {
-  char date[32];
-  FILE *f = fopen(path, "w");
-  if (!f) {
-    fprintf(stderr, "bench-cuda: cannot write %s: %s\n", path, strerror(errno));
-    return -1;
-  }
   const bc_options *o = c->opt;
-  bu_utc_date(date, sizeof date);
-  fputs("{\n  \"command\": ", f);
-  bu_json_string(f, command);
-  fputs(",\n  \"commit\": ", f);
-  bu_json_string(f, TANDEM_GIT_COMMIT);
-  fprintf(f, ",\n  \"date\": \"%s\",\n  \"tandem_version\": \"%s\",\n  \"machine\": ", date,
-          tdm_version_string());
-  bu_machine_json(f, m);
+  FILE *f = bu_json_begin("bench-cuda", path, command, TANDEM_GIT_COMMIT, tdm_version_string(), m);
+  if (!f) return -1;
   fputs(",\n  \"device\": ", f);
   device_json(f, c);
   fprintf(f, ",\n  \"seed\": %llu,\n  \"options\": {\"reps\": %ld, \"iters\": %ld, "

@@ -323,20 +323,8 @@ static void write_result_json(FILE *f, const bench *b, const result *r, int firs
 
 static int write_json(const char *path, const char *command, const ctx *c, long reps,
                       const bu_machine *m, const result *res) {
-  char date[32];
-  FILE *f = fopen(path, "w");
-  if (!f) {
-    fprintf(stderr, "bench-opencl: cannot write %s: %s\n", path, strerror(errno));
-    return -1;
-  }
-  bu_utc_date(date, sizeof date);
-  fputs("{\n  \"command\": ", f);
-  bu_json_string(f, command);
-  fputs(",\n  \"commit\": ", f);
-  bu_json_string(f, TANDEM_GIT_COMMIT);
-  fprintf(f, ",\n  \"date\": \"%s\",\n  \"tandem_version\": \"%s\",\n  \"machine\": ", date,
-          tdm_version_string());
-  bu_machine_json(f, m);
+  FILE *f = bu_json_begin("bench-opencl", path, command, TANDEM_GIT_COMMIT, tdm_version_string(), m);
+  if (!f) return -1;
   fputs(",\n  \"device\": {\"id\": ", f);
   bu_json_string(f, c->info.id);
   fputs(", \"name\": ", f);
