@@ -14,7 +14,8 @@
  * - If a command fails, its event completes with the error; commands that depend on it (through
  *   a dependency list, or by queue order on an in-order queue) complete with TDM_EDEP without
  *   running. tdm_queue_sync() returns the queue's first error and clears it; the queue stays
- *   usable.
+ *   usable. On GPU backends, device work already queued behind a failure cannot be taken back:
+ *   it runs, and its events report TDM_EDEP all the same; host tasks behind it do not run.
  */
 #ifndef TANDEM_H
 #define TANDEM_H

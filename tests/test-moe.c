@@ -191,6 +191,8 @@ TEST_CASE(streamer_bad_input) {
 static tdm_moe_model *make_model(tdm_device *dev, const tdm_moe_config *base, bool resident,
                                  size_t budget, int slots, tdm_cache_policy policy) {
   tdm_moe_config c = *base;
+  /* The look-ahead predictor with the LRU policy (decode's), so both paths are covered. */
+  c.predict = policy == TDM_CACHE_LRU;
   c.all_resident = resident;
   c.budget_bytes = budget;
   c.staging_slots = slots;

@@ -21,7 +21,8 @@
 static const char moe_help[] =
     "usage: tandem moe [--preset P] [--device D] [--layers N] [--tokens T] [--ubatch U]\n"
     "                  [--decode N] [--device-budget B] [--cache-policy static|lru] [--slots N]\n"
-    "                  [--skew S] [--locality R] [--seed N] [--no-overlap] [--no-check]\n"
+    "                  [--skew S] [--locality R] [--seed N] [--predict] [--no-overlap]\n"
+    "                  [--no-check]\n"
     "                  [--json] [--trace FILE]\n"
     "\n"
     "Runs a stack of MoE layers, x += MoE(RMSNorm(x)), with the routed experts in pinned host\n"
@@ -43,6 +44,8 @@ static const char moe_help[] =
     "  --skew S           Zipf exponent of expert popularity (default 1.0)\n"
     "  --locality R       correlation of successive decode tokens, 0..0.99 (default 0.8)\n"
     "  --seed N           weights and inputs (default 1)\n"
+    "  --predict          look ahead: layer L+1's router on layer L's input picks experts to\n"
+    "                     prefetch while layer L computes (decode)\n"
     "  --no-overlap       run only the serialized pass (copy and compute alternate)\n"
     "  --no-check         skip the all-resident reference run and the bitwise check\n"
     "  --json             print JSON on stdout instead of the table\n"
@@ -53,7 +56,7 @@ typedef struct moe_opts {
   long layers, tokens, ubatch, decode, slots, seed;
   double skew, locality, budget_pct;
   size_t budget_bytes;
-  int policy, overlap_only_serial, check, json;
+  int policy, overlap_only_serial, check, json, predict;
 } moe_opts;
 
 static int parse_double(const char *s, double lo, double hi, double *out) {
@@ -84,6 +87,8 @@ static int parse(int argc, char **argv, moe_opts *o) {
       o->overlap_only_serial = 1;
     } else if (strcmp(a, "--no-check") == 0) {
       o->check = 0;
+    } else if (strcmp(a, "--predict") == 0) {
+      o->predict = 1;
     } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--preset", &v))) {
       if (m < 0) return -1;
       o->preset = v;
@@ -271,7 +276,8 @@ int tool_cmd_moe(int argc, char **argv) {
   tdm_moe_config cfg = {.preset = p, .layers = (int)layers, .device = dev,
                         .seed = (uint64_t)o.seed, .skew = o.skew, .locality = o.locality,
                         .max_tokens = (int)o.ubatch, .budget_bytes = budget,
-                        .staging_slots = (int)o.slots, .policy = o.policy};
+                        .staging_slots = (int)o.slots, .policy = o.policy,
+                        .predict = o.predict != 0};
   size_t H = (size_t)p->hidden, total = (size_t)(o.tokens + o.decode);
   x = malloc(((size_t)o.ubatch + o.decode) * H * sizeof *x);
   y = malloc(total * H * sizeof *y);
@@ -348,9 +354,9 @@ int tool_cmd_moe(int argc, char **argv) {
     printf("{\"command\": \"%s\", \"preset\": \"%s\", \"device\": \"%s\", \"device_name\": \"%s\",\n",
            cmdline, p->name, info.id, info.name);
     printf(" \"layers\": %ld, \"tokens\": %ld, \"ubatch\": %ld, \"decode\": %ld, \"skew\": %g, "
-           "\"locality\": %g, \"policy\": \"%s\",\n",
+           "\"locality\": %g, \"policy\": \"%s\", \"predict\": %s,\n",
            layers, o.tokens, o.ubatch, o.decode, o.skew, o.locality,
-           o.policy == TDM_CACHE_LRU ? "lru" : "static");
+           o.policy == TDM_CACHE_LRU ? "lru" : "static", o.predict ? "true" : "false");
     printf(" \"budget_bytes\": %zu, \"staging_slots\": %d, \"resident_slots\": %d, "
            "\"expert_bytes\": %zu, \"peak_gbps\": %.3f,\n",
            budget, ss.staging_slots, ss.resident_slots, ebytes, peak);

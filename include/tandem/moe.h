@@ -44,6 +44,9 @@ typedef struct tdm_moe_config {
   int staging_slots;
   tdm_cache_policy policy;
   int threads;             /* for filling the weights (0: all cores) */
+  bool predict;            /* look ahead: layer L+1's router applied to layer L's input picks
+                              experts to prefetch while layer L computes (right or wrong, the
+                              output is the same: misses are fetched on demand) */
 } tdm_moe_config;
 
 typedef struct tdm_moe_model tdm_moe_model;

@@ -55,11 +55,12 @@ struct tdm_moe_model {
   /* per ubatch (device) */
   int maxT;
   float *x, *xn, *out, *wts, *out_shared, *ones;
-  int32_t *idx, *rows, *slots, *iota;
+  int32_t *idx, *rows, *slots, *iota, *pidx; /* pidx: the predictor's routing */
+  float *pwts;
   void *ws;
   size_t ws_bytes;
   /* control plane (pinned host) */
-  int32_t *idx_h, *rows_h, *slots_h;
+  int32_t *idx_h, *rows_h, *slots_h, *pidx_h;
 };
 
 /* ---- deterministic random numbers ---- */
@@ -206,6 +207,11 @@ static int setup_buffers(tdm_moe_model *m) {
   if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * sizeof(int32_t), (void **)&m->idx_h);
   if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * sizeof(int32_t), (void **)&m->rows_h);
   if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * sizeof(int32_t), (void **)&m->slots_h);
+  if (!rc && m->cfg.predict) {
+    rc = dev_alloc(m, tk * sizeof(int32_t), &m->pidx);
+    if (!rc) rc = dev_alloc(m, tk * sizeof(float), &m->pwts);
+    if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * sizeof(int32_t), (void **)&m->pidx_h);
+  }
   if (!rc && m->p.shared) {
     rc = dev_alloc(m, th, &m->out_shared);
     if (!rc) rc = dev_alloc(m, (size_t)T * sizeof(float), &m->ones);
@@ -309,7 +315,8 @@ void tdm_moe_model_destroy(tdm_moe_model *m) {
   if (m->q) tdm_queue_sync(m->q);
   void *dev[] = {m->router, m->bias,  m->norm,  m->shared, m->x,   m->xn,   m->out,
                  m->wts,    m->idx,   m->rows,  m->slots,  m->ws,  m->out_shared, m->ones,
-                 m->iota,   m->idx_h, m->rows_h, m->slots_h, m->host_experts};
+                 m->iota,   m->idx_h, m->rows_h, m->slots_h, m->host_experts,
+                 m->pidx,   m->pwts,  m->pidx_h};
   for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
     if (dev[i]) tdm_free(dev[i]);
   if (m->ops_state) m->ops->close(m->ops_state);
@@ -368,6 +375,16 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
   if ((rc = ops->router(os, m->q, m->xn, m->router + (size_t)l * E * H, m->bias + (size_t)l * E, T,
                         H, E, k, m->p.renorm, m->idx, m->wts)))
     return rc;
+  /* The predictor: the next layer's router on this layer's input, queued now so its answer
+   * lands while this layer's experts compute; the host reads it after submitting them. */
+  tdm_event *predicted = NULL;
+  if (m->cfg.predict && l + 1 < m->L &&
+      ((rc = ops->router(os, m->q, m->xn, m->router + (size_t)(l + 1) * E * H,
+                         m->bias + (size_t)(l + 1) * E, T, H, E, k, m->p.renorm, m->pidx,
+                         m->pwts)) ||
+       (rc = tdm_memcpy(m->q, m->pidx_h, m->pidx, (size_t)T * k * sizeof(int32_t),
+                        TDM_COPY_D2H, 0, NULL, &predicted))))
+    return rc;
   /* The control plane: this layer's routing lands in pinned memory; the host waits for that
    * small copy only, never for the whole device. */
   tdm_event *routed;
@@ -376,7 +393,10 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
     return rc;
   rc = tdm_event_wait(routed);
   tdm_event_release(routed);
-  if (rc) return rc;
+  if (rc) {
+    if (predicted) tdm_event_release(predicted);
+    return rc;
+  }
   group(m, T, count, offset);
   if ((rc = tdm_memcpy(m->q, m->rows, m->rows_h, (size_t)T * k * sizeof(int32_t), TDM_COPY_H2D, 0,
                        NULL, NULL)) ||
@@ -412,6 +432,18 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
         (rc = tdm_streamer_prefetch(m->streamer, l, order + i + 1, n - i - 1)))
       return rc;
     st->experts_computed++;
+  }
+  if (predicted) {
+    /* Prefetch the predicted experts of the next layer, each once (the serialized baseline
+     * copies nothing ahead). */
+    rc = tdm_event_wait(predicted);
+    tdm_event_release(predicted);
+    if (rc) return rc;
+    int np = 0;
+    memset(count, 0, (size_t)E * sizeof *count);
+    for (int i = 0; overlap && i < T * k; i++)
+      if (!count[m->pidx_h[i]]++) order[np++] = m->pidx_h[i];
+    if (np && (rc = tdm_streamer_prefetch(m->streamer, l + 1, order, np))) return rc;
   }
   for (int j = 0; j < m->p.shared; j++) {
     size_t sb = (size_t)3 * H * m->p.shared_ffn;
