@@ -8,6 +8,7 @@
  * closer than rounding can separate, either order is right, so only positions whose
  * neighbours are at least ROUTE_TIE apart must match the reference. `deterministic` runs the
  * expert repeatedly, on one queue and on two at once, and wants bitwise equal output;
+ * `ordered_after_host_task` wants ops queued behind a slow host task to wait for it;
  * `bad_args` and `alloc_faults` check the error paths. A device without a table is skipped
  * (77).
  */
@@ -462,6 +463,46 @@ TEST_CASE(deterministic) {
   CHECK_OK(tdm_queue_destroy(q2));
   tdm_free(ws2); tdm_free(dout2); tdm_free(first); tdm_free(again); tdm_free(other);
   expert_teardown(&c);
+  teardown(&f);
+}
+
+/* ---- Order after host work --------------------------------------------------------------- */
+
+static int sleep_task(void *arg) {
+  th_sleep_ms((long)(intptr_t)arg);
+  return 0;
+}
+
+/* Ops submitted behind a slow host task and the copy that gives them their input (which a
+ * driver gating host work on the host, such as PoCL's basic one, holds back) still run after
+ * both: the result is bitwise the one without the task. Two in-place rmsnorms and a combine,
+ * so ops also stay in order among themselves. */
+TEST_CASE(ordered_after_host_task) {
+  enum { T = 16, H = 96 };
+  fixture f = setup();
+  size_t bytes = (size_t)T * H * sizeof(float);
+  float *x = rnd_f32(&f, (size_t)T * H, 2.0f), *w = rnd_f32(&f, H, 1.0f);
+  float *ones = rnd_f32(&f, T, 1.0f);
+  float *want = alloc(&f, TDM_MEM_PINNED, bytes), *got = alloc(&f, TDM_MEM_PINNED, bytes);
+  float *dw = upload(&f, w, H * sizeof *w), *dones = upload(&f, ones, T * sizeof *ones);
+  float *dx = alloc(&f, TDM_MEM_DEVICE, bytes), *dy = alloc(&f, TDM_MEM_DEVICE, bytes);
+
+  for (int pass = 0; pass < 2; pass++) {
+    CHECK_OK(tdm_memset(f.q, dx, 0, bytes, 0, NULL, NULL));
+    CHECK_OK(tdm_memset(f.q, dy, 0, bytes, 0, NULL, NULL));
+    CHECK_OK(tdm_queue_sync(f.q));
+    if (pass == 1) CHECK_OK(tdm_host_task(f.q, sleep_task, (void *)(intptr_t)100, 0, NULL, NULL));
+    CHECK_OK(tdm_memcpy(f.q, dx, x, bytes, TDM_COPY_H2D, 0, NULL, NULL));
+    CHECK_OK(f.ops->rmsnorm(f.st, f.q, dx, dx, dw, T, H, 1e-6f));
+    CHECK_OK(f.ops->rmsnorm(f.st, f.q, dx, dx, dw, T, H, 1e-6f));
+    CHECK_OK(f.ops->combine(f.st, f.q, dy, dx, dones, T, H, 1));
+    download(&f, pass ? got : want, dy, bytes);
+  }
+  for (size_t i = 0; i < (size_t)T * H; i++) CHECK(want[i] != 0.0f);
+  CHECK_MEM_EQ(got, want, bytes);
+
+  tdm_free(x); tdm_free(w); tdm_free(ones); tdm_free(want); tdm_free(got); tdm_free(dw);
+  tdm_free(dones); tdm_free(dx); tdm_free(dy);
   teardown(&f);
 }
 

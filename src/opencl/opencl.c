@@ -30,6 +30,8 @@ int ocl_error(cl_int err, const char *what) {
 
 static void release_devices(void) {
   for (int i = 0; i < ocl_ndevs; i++) {
+    if (ocl_devs[i].moe_prog) clReleaseProgram(ocl_devs[i].moe_prog);
+    free(ocl_devs[i].moe_log);
     if (ocl_devs[i].internal) clReleaseCommandQueue(ocl_devs[i].internal);
     if (ocl_devs[i].ctx) clReleaseContext(ocl_devs[i].ctx);
   }
@@ -201,6 +203,9 @@ const tdm__backend tdm__opencl_backend = {
     .native_release = ocl_native_release,
     .native_notify = ocl_native_notify,
     .gate_open = ocl_gate_open,
+#ifdef TANDEM_OPENCL_MOE
+    .extension = tdm_opencl_extension,
+#endif
 };
 
 __attribute__((visibility("default"))) const void *tdm_backend_module(void) {

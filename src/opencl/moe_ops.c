@@ -1,0 +1,749 @@
+/* moe_ops.c: the OpenCL backend's MoE operations (the moe_ops table of src/moe/ops.h), with
+ * kernels of our own and CLBlast's SGEMM.
+ *
+ * Everything is enqueued on the queue's cl_command_queue (tdm_queue_native): ordinary native
+ * commands, so tandem's markers and syncs cover them. Every kernel argument is a (cl_mem,
+ * offset in elements) pair resolved from a tandem pointer with tdm_mem_native. Compute is f32
+ * (OpenCL 1.2 has no bf16, and PoCL no fp16): the expert's bf16 weights are widened into the
+ * workspace, then CLBlastSgemm does gate|up (Wg and Wu are adjacent: one GEMM of width 2I, as
+ * in the CPU table) and down. The program is built once per context, by the first open(), and
+ * kept in the device (ocl_device.moe_prog); a build failure keeps its log there for the
+ * message.
+ *
+ * Determinism: no atomics; every sum has a fixed order that does not depend on how work-items
+ * are scheduled: rmsnorm is a fixed tree in one work-group per token, a router logit is one
+ * work-item's serial dot product, combine sums j ascending. CLBlast picks its GEMM kernels and
+ * their tiling from (device, m, n, k), so for fixed shapes its reduction order is fixed too.
+ *
+ * Deferral. On drivers where tandem gates host work on the host (TANDEM_OPENCL_DEFER, PoCL's
+ * basic driver), a host task holds the later commands of its queue on the host, unsubmitted,
+ * and native work enqueued meanwhile would overtake them. So when the queue has such held
+ * work, an op is itself submitted as a host task that enqueues its commands when it runs
+ * (in-order queues only, which open() requires). Otherwise ops enqueue directly and never
+ * block the caller.
+ *
+ * Errors: 0 or a negative TDM_E* code with tandem's message set: TDM_EINVAL for arguments,
+ * TDM_ERANGE for a buffer too small, TDM_ENOMEM when OpenCL or CLBlast ran out of memory,
+ * TDM_EBACKEND for any other OpenCL or CLBlast failure. Indices are device data written by
+ * earlier commands: a row outside x gathers zeros and a slot outside out is not written (a
+ * kernel cannot report TDM_ERANGE as the CPU table does), as in the CUDA table. */
+#include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ocl.h" /* first: it fixes CL_TARGET_OPENCL_VERSION */
+
+#include <clblast_c.h>
+
+#include "moe/ops.h"
+
+/* The public calls made here are weak references, as in the CUDA module: where libtandem's
+ * symbols are not visible to this module, only these ops are missing (open: TDM_ENOTSUP). */
+#define MOE_WEAK extern __attribute__((weak))
+MOE_WEAK int tdm_queue_device(tdm_queue *q, tdm_device **dev);
+MOE_WEAK int tdm_queue_flags(tdm_queue *q, unsigned *flags);
+MOE_WEAK int tdm_queue_native(tdm_queue *q, void **native);
+MOE_WEAK int tdm_device_info_get(tdm_device *dev, tdm_device_info *info);
+MOE_WEAK int tdm_mem_query(const void *ptr, tdm_mem_info *info);
+MOE_WEAK int tdm_mem_native(const void *ptr, void **native, size_t *offset);
+MOE_WEAK int tdm_host_task(tdm_queue *q, tdm_host_fn fn, void *arg, size_t ndeps,
+                           tdm_event *const *deps, tdm_event **out);
+MOE_WEAK int tdm_keep_alive(tdm_queue *q, void (*release)(void *obj), void *obj);
+MOE_WEAK int tdm_queue_dependencies(tdm_queue *q, tdm_event **deps, size_t cap, size_t *n);
+MOE_WEAK int tdm_event_query(tdm_event *ev);
+MOE_WEAK int tdm_event_release(tdm_event *ev);
+MOE_WEAK size_t moe_ops_workspace(int n, int H, int I);
+
+#define MOE_WG_MAX 256 /* work-group size ceiling: the largest power of two the device takes */
+
+/* ---- kernels ---- */
+
+/* Built with -DMOE_WG=<the work-group size>. Buffers are (pointer, offset in elements). */
+static const char moe_cl_source[] =
+    "float bf16(ushort h) { return as_float((uint)h << 16); }\n"
+    "\n"
+    "/* One work-group per token; a fixed tree. y may alias x. */\n"
+    "__kernel void moe_rmsnorm(__global float *yb, ulong yo, __global const float *xb, ulong xo,\n"
+    "                          __global const float *wb, ulong wo, int H, float eps) {\n"
+    "  __local float part[MOE_WG];\n"
+    "  const int l = (int)get_local_id(0);\n"
+    "  const size_t t = get_group_id(0);\n"
+    "  __global const float *x = xb + xo + t * (size_t)H;\n"
+    "  __global float *y = yb + yo + t * (size_t)H;\n"
+    "  __global const float *w = wb + wo;\n"
+    "  float acc = 0.0f;\n"
+    "  for (int c = l; c < H; c += MOE_WG) acc = fma(x[c], x[c], acc);\n"
+    "  part[l] = acc;\n"
+    "  barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "  for (int s = MOE_WG / 2; s > 0; s >>= 1) {\n"
+    "    if (l < s) part[l] += part[l + s];\n"
+    "    barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "  }\n"
+    "  const float inv = 1.0f / sqrt(part[0] / (float)H + eps);\n"
+    "  for (int c = l; c < H; c += MOE_WG) y[c] = x[c] * inv * w[c];\n"
+    "}\n"
+    "\n"
+    "/* One work-group per token. Work-items take experts round-robin, each logit one serial\n"
+    " * dot product (h ascending) plus the bias; then work-item 0 does the softmax and the top\n"
+    " * k as the CPU table does: ties to the lower index, NaN ranks lowest. */\n"
+    "__kernel void moe_router(__global const float *xb, ulong xo, __global const ushort *wb,\n"
+    "                         ulong wo, __global const float *bb, ulong bo, int has_bias, int H,\n"
+    "                         int E, int k, int renorm, __global int *ib, ulong io,\n"
+    "                         __global float *pb, ulong po, __local float *p,\n"
+    "                         __local uchar *taken) {\n"
+    "  const int l = (int)get_local_id(0);\n"
+    "  const size_t t = get_group_id(0);\n"
+    "  __global const float *x = xb + xo + t * (size_t)H;\n"
+    "  for (int e = l; e < E; e += MOE_WG) {\n"
+    "    __global const ushort *we = wb + wo + (size_t)e * H;\n"
+    "    float acc = 0.0f;\n"
+    "    for (int c = 0; c < H; c++) acc = fma(x[c], bf16(we[c]), acc);\n"
+    "    p[e] = has_bias ? acc + bb[bo + e] : acc;\n"
+    "    taken[e] = 0;\n"
+    "  }\n"
+    "  barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "  if (l != 0) return;\n"
+    "  float m = p[0], sum = 0.0f, chosen = 0.0f;\n"
+    "  for (int e = 1; e < E; e++)\n"
+    "    if (p[e] > m) m = p[e];\n"
+    "  for (int e = 0; e < E; e++) {\n"
+    "    p[e] = exp(p[e] - m);\n"
+    "    sum += p[e];\n"
+    "  }\n"
+    "  for (int e = 0; e < E; e++) p[e] = p[e] / sum;\n"
+    "  __global int *idx = ib + io + t * (size_t)k;\n"
+    "  __global float *wt = pb + po + t * (size_t)k;\n"
+    "  for (int j = 0; j < k; j++) {\n"
+    "    int best = -1;\n"
+    "    float bp = 0.0f;\n"
+    "    for (int e = 0; e < E; e++) {\n"
+    "      if (taken[e]) continue;\n"
+    "      float v = isnan(p[e]) ? -INFINITY : p[e];\n"
+    "      if (best < 0 || v > bp) {\n"
+    "        best = e;\n"
+    "        bp = v;\n"
+    "      }\n"
+    "    }\n"
+    "    taken[best] = 1;\n"
+    "    idx[j] = best;\n"
+    "    wt[j] = p[best];\n"
+    "    chosen += p[best];\n"
+    "  }\n"
+    "  if (renorm)\n"
+    "    for (int j = 0; j < k; j++) wt[j] = wt[j] / chosen;\n"
+    "}\n"
+    "\n"
+    "__kernel void moe_widen(__global float *db, ulong dofs, __global const ushort *sb,\n"
+    "                        ulong sofs, ulong n) {\n"
+    "  const size_t i = get_global_id(0);\n"
+    "  if (i < n) db[dofs + i] = bf16(sb[sofs + i]);\n"
+    "}\n"
+    "\n"
+    "/* (column, token): out-of-range rows gather zeros. */\n"
+    "__kernel void moe_gather(__global float *db, ulong dofs, __global const float *xb,\n"
+    "                         ulong xofs, __global const int *rb, ulong rofs, int H,\n"
+    "                         uint limit) {\n"
+    "  const size_t c = get_global_id(0), i = get_global_id(1);\n"
+    "  if (c >= (size_t)H) return;\n"
+    "  const uint r = (uint)rb[rofs + i];\n"
+    "  db[dofs + i * H + c] = r < limit ? xb[xofs + (size_t)r * H + c] : 0.0f;\n"
+    "}\n"
+    "\n"
+    "/* gate[j] = silu(gate[j]) * up[j] in place, in rows of [gate (I) | up (I)]. */\n"
+    "__kernel void moe_swiglu(__global float *gb, ulong gofs, int I) {\n"
+    "  const size_t j = get_global_id(0), i = get_global_id(1);\n"
+    "  if (j >= (size_t)I) return;\n"
+    "  __global float *g = gb + gofs + i * 2 * (size_t)I;\n"
+    "  const float v = g[j];\n"
+    "  g[j] = v / (1.0f + exp(-v)) * g[I + j];\n"
+    "}\n"
+    "\n"
+    "/* (column, token): out-of-range slots are not written. */\n"
+    "__kernel void moe_scatter(__global float *ob, ulong oofs, __global const float *sb,\n"
+    "                          ulong sofs, __global const int *lb, ulong lofs, int H,\n"
+    "                          uint limit) {\n"
+    "  const size_t c = get_global_id(0), i = get_global_id(1);\n"
+    "  if (c >= (size_t)H) return;\n"
+    "  const uint s = (uint)lb[lofs + i];\n"
+    "  if (s < limit) ob[oofs + (size_t)s * H + c] = sb[sofs + i * H + c];\n"
+    "}\n"
+    "\n"
+    "/* One work-item per element of y; j ascending. */\n"
+    "__kernel void moe_combine(__global float *yb, ulong yo, __global const float *ob, ulong oo,\n"
+    "                          __global const float *wb, ulong wo, int H, int k, ulong total) {\n"
+    "  const size_t i = get_global_id(0);\n"
+    "  if (i >= total) return;\n"
+    "  const size_t t = i / (size_t)H, c = i % (size_t)H;\n"
+    "  __global const float *wt = wb + wo + t * k;\n"
+    "  __global const float *o = ob + oo + t * k * (size_t)H + c;\n"
+    "  float acc = 0.0f;\n"
+    "  for (int j = 0; j < k; j++) acc = fma(wt[j], o[(size_t)j * H], acc);\n"
+    "  yb[yo + i] += acc;\n"
+    "}\n";
+
+enum { K_RMSNORM, K_ROUTER, K_WIDEN, K_GATHER, K_SWIGLU, K_SCATTER, K_COMBINE, K_COUNT };
+static const char *const kernel_names[K_COUNT] = {"moe_rmsnorm", "moe_router", "moe_widen",
+                                                  "moe_gather",  "moe_swiglu", "moe_scatter",
+                                                  "moe_combine"};
+
+/* ---- state ---- */
+
+typedef struct moe_ocl {
+  tdm_queue *q;         /* the queue open() bound the state to */
+  tdm_device *dev;
+  cl_command_queue cq;  /* its native queue, retained */
+  bool defer;           /* the device gates host work on the host (see Deferral) */
+  size_t wg;            /* the work-group size the program was built for */
+  cl_ulong router_local; /* local memory the router's two arrays may take */
+  cl_kernel k[K_COUNT];
+  pthread_mutex_t mu;   /* kernel arguments: set and enqueued under it */
+  atomic_int refs;      /* open()'s, and one per op submitted as a host task */
+} moe_ocl;
+
+static void state_drop(moe_ocl *m) {
+  if (atomic_fetch_sub(&m->refs, 1) != 1) return;
+  for (int i = 0; i < K_COUNT; i++)
+    if (m->k[i]) clReleaseKernel(m->k[i]);
+  if (m->cq) clReleaseCommandQueue(m->cq);
+  pthread_mutex_destroy(&m->mu);
+  free(m);
+}
+
+/* ---- errors ---- */
+
+static int alloc_failure(cl_int err) {
+  return err == CL_OUT_OF_HOST_MEMORY || err == CL_OUT_OF_RESOURCES ||
+         err == CL_MEM_OBJECT_ALLOCATION_FAILURE;
+}
+
+static int cl_fail(const char *op, const char *what, cl_int err) {
+  return ocl_svc->error(alloc_failure(err) ? TDM_ENOMEM : TDM_EBACKEND, err,
+                        "moe %s: %s failed with OpenCL error %d", op, what, err);
+}
+
+/* CLBlast's statuses are OpenCL's where they overlap (-4, -5, -6 are the allocation ones). */
+static int blast_fail(const char *op, const char *what, CLBlastStatusCode st) {
+  return ocl_svc->error(alloc_failure((cl_int)st) ? TDM_ENOMEM : TDM_EBACKEND, (int)st,
+                        "moe %s: %s failed with CLBlast status %d", op, what, (int)st);
+}
+
+static int bad_args(const char *op) {
+  return ocl_svc->error(TDM_EINVAL, 0, "moe %s: NULL pointer or size out of range", op);
+}
+
+/* ---- arguments ---- */
+
+/* A tandem pointer as a kernel sees it: the buffer and an offset in elements. */
+typedef struct clbuf {
+  cl_mem mem;
+  cl_ulong off;
+} clbuf;
+
+/* Resolves p, which must be device memory of m's device aligned to `size` with room for
+ * `count` elements; *avail (if not NULL) receives the elements from p to the allocation's end. */
+static int resolve(moe_ocl *m, const char *op, const char *name, const void *p, size_t count,
+                   size_t size, clbuf *out, size_t *avail) {
+  tdm_mem_info mi;
+  void *mem;
+  size_t off;
+  int rc = tdm_mem_query(p, &mi);
+  if (rc) return rc;
+  if (!mi.base || mi.kind != TDM_MEM_DEVICE || mi.device != m->dev)
+    return ocl_svc->error(TDM_EINVAL, 0, "moe %s: %s (%p) is not device memory of this queue's "
+                          "device", op, name, p);
+  size_t left = (size_t)((const char *)mi.base + mi.size - (const char *)p) / size;
+  if (count > left)
+    return ocl_svc->error(TDM_ERANGE, 0, "moe %s: %s needs %zu elements, its allocation has %zu "
+                          "from there", op, name, count, left);
+  if ((rc = tdm_mem_native(p, &mem, &off))) return rc;
+  if (off % size)
+    return ocl_svc->error(TDM_EINVAL, 0, "moe %s: %s is not aligned to %zu bytes", op, name, size);
+  out->mem = mem;
+  out->off = off / size;
+  if (avail) *avail = left;
+  return 0;
+}
+
+/* Rows of `width` elements in `avail` elements, as a kernel's uint limit. */
+static cl_uint row_limit(size_t avail, int width) {
+  size_t rows = avail / (size_t)width;
+  return rows > UINT32_MAX ? UINT32_MAX : (cl_uint)rows;
+}
+
+static size_t round_up(size_t v, size_t to) { return (v + to - 1) / to * to; }
+
+/* ---- launching ---- */
+
+typedef struct karg {
+  size_t size;
+  const void *value; /* NULL: local memory of `size` bytes */
+} karg;
+
+#define KBUF(b) {sizeof(cl_mem), &(b).mem}, {sizeof(cl_ulong), &(b).off}
+#define KVAL(v) {sizeof(v), &(v)}
+
+/* Sets the kernel's arguments and enqueues it; with m->mu held. LAUNCH counts the arguments. */
+static int launch(moe_ocl *m, const char *op, int kid, const karg *a, cl_uint na, cl_uint dims,
+                  const size_t *global, const size_t *local) {
+  cl_kernel k = m->k[kid];
+  for (cl_uint i = 0; i < na; i++) {
+    cl_int err = clSetKernelArg(k, i, a[i].size, a[i].value);
+    if (err != CL_SUCCESS) return cl_fail(op, "clSetKernelArg", err);
+  }
+  cl_int err = clEnqueueNDRangeKernel(m->cq, k, dims, NULL, global, local, 0, NULL, NULL);
+  return err == CL_SUCCESS ? 0 : cl_fail(op, kernel_names[kid], err);
+}
+
+#define LAUNCH(m, op, kid, args, dims, global, local) \
+  launch(m, op, kid, args, (cl_uint)(sizeof(args) / sizeof((args)[0])), dims, global, local)
+
+/* ---- the ops' native work, with resolved arguments ---- */
+
+typedef struct rmsnorm_job {
+  clbuf y, x, w;
+  cl_int T, H;
+  cl_float eps;
+} rmsnorm_job;
+
+typedef struct router_job {
+  clbuf x, wr, bias, idx, wts;
+  cl_int T, H, E, k, renorm, has_bias;
+} router_job;
+
+typedef struct expert_job {
+  clbuf x, rows, slot, w, out;
+  clbuf wf, xo, gu, wd; /* workspace regions, f32: weights, rows in and out, gate|up, Wd */
+  cl_int n, H, I;
+  cl_uint x_rows, out_rows; /* limits for the indices */
+} expert_job;
+
+typedef struct combine_job {
+  clbuf y, out, wts;
+  cl_int T, H, k;
+} combine_job;
+
+typedef struct job {
+  int (*run)(moe_ocl *m, const struct job *j);
+  union {
+    rmsnorm_job rmsnorm;
+    router_job router;
+    expert_job expert;
+    combine_job combine;
+  } u;
+} job;
+
+static int run_rmsnorm(moe_ocl *m, const job *j) {
+  const rmsnorm_job *a = &j->u.rmsnorm;
+  karg args[] = {KBUF(a->y), KBUF(a->x), KBUF(a->w), KVAL(a->H), KVAL(a->eps)};
+  size_t global = (size_t)a->T * m->wg, local = m->wg;
+  return LAUNCH(m, "rmsnorm", K_RMSNORM, args, 1, &global, &local);
+}
+
+static int run_router(moe_ocl *m, const job *j) {
+  const router_job *a = &j->u.router;
+  /* Without a bias the kernel never reads it; any valid buffer stands in. */
+  clbuf bias = a->has_bias ? a->bias : a->x;
+  karg args[] = {KBUF(a->x),      KBUF(a->wr),  KBUF(bias),    KVAL(a->has_bias),
+                 KVAL(a->H),      KVAL(a->E),   KVAL(a->k),    KVAL(a->renorm),
+                 KBUF(a->idx),    KBUF(a->wts), {(size_t)a->E * sizeof(cl_float), NULL},
+                 {(size_t)a->E, NULL}};
+  size_t global = (size_t)a->T * m->wg, local = m->wg;
+  return LAUNCH(m, "router", K_ROUTER, args, 1, &global, &local);
+}
+
+/* Row-major C = A B^T, A [rows x K] with row stride lda, B [N x K], C [rows x N]: SGEMM with
+ * B transposed, as the CPU table's cblas_sgemm. */
+static int gemm_nt(moe_ocl *m, size_t rows, size_t N, size_t K, clbuf A, size_t lda, clbuf B,
+                   clbuf C, const char *what) {
+  CLBlastStatusCode st =
+      CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes, rows, N, K,
+                   1.0f, A.mem, A.off, lda, B.mem, B.off, K, 0.0f, C.mem, C.off, N, &m->cq, NULL);
+  return st == CLBlastSuccess ? 0 : blast_fail("expert", what, st);
+}
+
+static int run_expert(moe_ocl *m, const job *j) {
+  const expert_job *a = &j->u.expert;
+  const size_t n = (size_t)a->n, H = (size_t)a->H, I = (size_t)a->I, wg = m->wg;
+  cl_ulong count = 3 * (cl_ulong)H * I;
+  int rc;
+  karg widen[] = {KBUF(a->wf), KBUF(a->w), KVAL(count)};
+  size_t g1 = round_up(3 * H * I, wg);
+  if ((rc = LAUNCH(m, "expert", K_WIDEN, widen, 1, &g1, &wg))) return rc;
+
+  karg gather[] = {KBUF(a->xo), KBUF(a->x), KBUF(a->rows), KVAL(a->H), KVAL(a->x_rows)};
+  size_t gh[2] = {round_up(H, wg), n}, lh[2] = {wg, 1};
+  if ((rc = LAUNCH(m, "expert", K_GATHER, gather, 2, gh, lh))) return rc;
+
+  /* [gate | up] = X [Wg; Wu]^T, one GEMM of width 2I. */
+  if ((rc = gemm_nt(m, n, 2 * I, H, a->xo, H, a->wf, a->gu, "CLBlastSgemm (gate|up)"))) return rc;
+
+  karg swiglu[] = {KBUF(a->gu), KVAL(a->I)};
+  size_t gi[2] = {round_up(I, wg), n};
+  if ((rc = LAUNCH(m, "expert", K_SWIGLU, swiglu, 2, gi, lh))) return rc;
+
+  /* out rows = h Wd^T, h being the first I columns of each gate|up row. */
+  if ((rc = gemm_nt(m, n, H, I, a->gu, 2 * I, a->wd, a->xo, "CLBlastSgemm (down)"))) return rc;
+
+  karg scatter[] = {KBUF(a->out), KBUF(a->xo), KBUF(a->slot), KVAL(a->H), KVAL(a->out_rows)};
+  return LAUNCH(m, "expert", K_SCATTER, scatter, 2, gh, lh);
+}
+
+static int run_combine(moe_ocl *m, const job *j) {
+  const combine_job *a = &j->u.combine;
+  cl_ulong total = (cl_ulong)a->T * (cl_ulong)a->H;
+  karg args[] = {KBUF(a->y), KBUF(a->out), KBUF(a->wts), KVAL(a->H), KVAL(a->k), KVAL(total)};
+  size_t global = round_up((size_t)total, m->wg), local = m->wg;
+  return LAUNCH(m, "combine", K_COMBINE, args, 1, &global, &local);
+}
+
+/* ---- submission ---- */
+
+/* Whether q holds work on the host that native commands would overtake: under deferral, its
+ * last command (or a tracked event) is incomplete and has no native event yet. When it cannot
+ * tell, it says yes: the host-task path is correct either way. */
+static bool held_work(moe_ocl *m) {
+  if (!m->defer) return false;
+  tdm_event *deps[8];
+  size_t n = 0;
+  if (tdm_queue_dependencies(m->q, deps, 8, &n) != 0) return true;
+  bool held = false;
+  for (size_t i = 0; i < n; i++) {
+    if (!held && tdm_event_query(deps[i]) == TDM_EAGAIN &&
+        !ocl_svc->event_native(deps[i], &tdm__opencl_backend))
+      held = true;
+    tdm_event_release(deps[i]);
+  }
+  return held;
+}
+
+/* An op submitted as a host task. refs: one for the task, one for the keep-alive that frees it
+ * (a task skipped after a failure never runs, so it cannot free the block itself). */
+typedef struct held_job {
+  job j;
+  moe_ocl *m;
+  atomic_int refs;
+} held_job;
+
+static void held_free(void *arg) {
+  held_job *h = arg;
+  state_drop(h->m);
+  free(h);
+}
+
+static void held_drop(held_job *h) {
+  if (atomic_fetch_sub(&h->refs, 1) == 1) held_free(h);
+}
+
+static int held_run(void *arg) {
+  held_job *h = arg;
+  pthread_mutex_lock(&h->m->mu);
+  int rc = h->j.run(h->m, &h->j);
+  pthread_mutex_unlock(&h->m->mu);
+  held_drop(h);
+  return rc;
+}
+
+static int submit(moe_ocl *m, const job *j) {
+  if (!held_work(m)) {
+    pthread_mutex_lock(&m->mu);
+    int rc = j->run(m, j);
+    pthread_mutex_unlock(&m->mu);
+    return rc;
+  }
+  held_job *h = malloc(sizeof *h);
+  if (!h) return ocl_svc->error(TDM_ENOMEM, 0, "moe: no host memory for a deferred op");
+  h->j = *j;
+  h->m = m;
+  atomic_init(&h->refs, 2);
+  atomic_fetch_add(&m->refs, 1);
+  int rc = tdm_host_task(m->q, held_run, h, 0, NULL, NULL);
+  if (rc) {
+    held_free(h);
+    return rc;
+  }
+  /* Queued: if the keep-alive cannot be, the task and this call share the block instead. */
+  if (tdm_keep_alive(m->q, held_free, h) != 0) held_drop(h);
+  return 0;
+}
+
+static int check_state(moe_ocl *m, tdm_queue *q, const char *op) {
+  if (m && q && m->q == q) return 0;
+  return ocl_svc->error(TDM_EINVAL, 0, "moe %s: the state was not opened on this queue", op);
+}
+
+/* ---- the table's entries ---- */
+
+static int ocl_moe_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, const float *w,
+                           int T, int H, float eps) {
+  moe_ocl *m = st;
+  int rc = check_state(m, q, "rmsnorm");
+  if (rc) return rc;
+  if (!y || !x || !w || T < 0 || H <= 0 || !(eps >= 0.0f)) return bad_args("rmsnorm");
+  if (T == 0) return 0;
+  job j = {.run = run_rmsnorm, .u.rmsnorm = {.T = T, .H = H, .eps = eps}};
+  rmsnorm_job *a = &j.u.rmsnorm;
+  size_t TH = (size_t)T * H;
+  if ((rc = resolve(m, "rmsnorm", "y", y, TH, sizeof(float), &a->y, NULL)) ||
+      (rc = resolve(m, "rmsnorm", "x", x, TH, sizeof(float), &a->x, NULL)) ||
+      (rc = resolve(m, "rmsnorm", "w", w, (size_t)H, sizeof(float), &a->w, NULL)))
+    return rc;
+  return submit(m, &j);
+}
+
+static int ocl_moe_router(void *st, tdm_queue *q, const float *x, const moe_bf16 *wr,
+                          const float *bias, int T, int H, int E, int k, int renorm, int32_t *idx,
+                          float *weights) {
+  moe_ocl *m = st;
+  int rc = check_state(m, q, "router");
+  if (rc) return rc;
+  if (!x || !wr || !idx || !weights || T < 0 || H <= 0 || E <= 0 || k <= 0 || k > E)
+    return bad_args("router");
+  if (T == 0) return 0;
+  if ((cl_ulong)E * (sizeof(cl_float) + 1) > m->router_local)
+    return ocl_svc->error(TDM_EINVAL, 0, "moe router: %d experts need more local memory than "
+                          "the device's %llu bytes", E, (unsigned long long)m->router_local);
+  job j = {.run = run_router,
+           .u.router = {.T = T, .H = H, .E = E, .k = k, .renorm = renorm != 0,
+                        .has_bias = bias != NULL}};
+  router_job *a = &j.u.router;
+  size_t Tk = (size_t)T * k;
+  if ((rc = resolve(m, "router", "x", x, (size_t)T * H, sizeof(float), &a->x, NULL)) ||
+      (rc = resolve(m, "router", "wr", wr, (size_t)E * H, sizeof(moe_bf16), &a->wr, NULL)) ||
+      (bias && (rc = resolve(m, "router", "bias", bias, (size_t)E, sizeof(float), &a->bias,
+                             NULL))) ||
+      (rc = resolve(m, "router", "idx", idx, Tk, sizeof(int32_t), &a->idx, NULL)) ||
+      (rc = resolve(m, "router", "weights", weights, Tk, sizeof(float), &a->wts, NULL)))
+    return rc;
+  return submit(m, &j);
+}
+
+/* Workspace layout, as the CPU table's, each region on a 256-byte boundary within
+ * moe_ops_workspace(n, H, I): the weights in f32 [Wg | Wu | Wd] (3HI), the gathered rows
+ * (n x H, reused for the output rows), then gate|up side by side (n x 2I), h = silu(gate) *
+ * up overwriting the gate half. */
+static size_t round256(size_t b) { return (b + 255) / 256 * 256; }
+
+static int ocl_moe_expert(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                          const int32_t *slot, int n, const moe_bf16 *w, int H, int I, float *out,
+                          void *workspace, size_t workspace_bytes) {
+  moe_ocl *m = st;
+  int rc = check_state(m, q, "expert");
+  if (rc) return rc;
+  if (!x || !rows || !slot || !w || !out || n < 0 || H <= 0 || I <= 0 || I > INT_MAX / 2)
+    return bad_args("expert");
+  if (n == 0) return 0;
+  size_t need = moe_ops_workspace(n, H, I);
+  if (!workspace || need == 0 || workspace_bytes < need || (uintptr_t)workspace % sizeof(float))
+    return ocl_svc->error(TDM_EINVAL, 0,
+                          "moe expert: workspace %p of %zu bytes; n=%d H=%d I=%d need %zu, "
+                          "aligned", workspace, workspace_bytes, n, H, I, need);
+  job j = {.run = run_expert, .u.expert = {.n = n, .H = H, .I = I}};
+  expert_job *a = &j.u.expert;
+  const size_t sH = (size_t)H, sI = (size_t)I, sn = (size_t)n;
+  size_t x_avail, out_avail;
+  clbuf ws;
+  if ((rc = resolve(m, "expert", "x", x, sH, sizeof(float), &a->x, &x_avail)) ||
+      (rc = resolve(m, "expert", "rows", rows, sn, sizeof(int32_t), &a->rows, NULL)) ||
+      (rc = resolve(m, "expert", "slot", slot, sn, sizeof(int32_t), &a->slot, NULL)) ||
+      (rc = resolve(m, "expert", "w", w, 3 * sH * sI, sizeof(moe_bf16), &a->w, NULL)) ||
+      (rc = resolve(m, "expert", "out", out, sH, sizeof(float), &a->out, &out_avail)) ||
+      (rc = resolve(m, "expert", "workspace", workspace, need / sizeof(float), sizeof(float),
+                    &ws, NULL)))
+    return rc;
+  /* CLBlast's single-kernel GEMM takes offsets as int. */
+  if (ws.off + need / sizeof(float) > INT_MAX)
+    return ocl_svc->error(TDM_EINVAL, 0, "moe expert: the workspace lies beyond 8 GiB into its "
+                          "buffer, where CLBlast cannot address it");
+  size_t xo = round256(3 * sH * sI * sizeof(float)) / sizeof(float);
+  size_t gu = xo + round256(sn * sH * sizeof(float)) / sizeof(float);
+  a->wf = ws;
+  a->wd = (clbuf){ws.mem, ws.off + 2 * sH * sI};
+  a->xo = (clbuf){ws.mem, ws.off + xo};
+  a->gu = (clbuf){ws.mem, ws.off + gu};
+  a->x_rows = row_limit(x_avail, H);
+  a->out_rows = row_limit(out_avail, H);
+  return submit(m, &j);
+}
+
+static int ocl_moe_combine(void *st, tdm_queue *q, float *y, const float *out,
+                           const float *weights, int T, int H, int k) {
+  moe_ocl *m = st;
+  int rc = check_state(m, q, "combine");
+  if (rc) return rc;
+  if (!y || !out || !weights || T < 0 || H <= 0 || k <= 0) return bad_args("combine");
+  if (T == 0) return 0;
+  job j = {.run = run_combine, .u.combine = {.T = T, .H = H, .k = k}};
+  combine_job *a = &j.u.combine;
+  size_t TH = (size_t)T * H, Tk = (size_t)T * k;
+  if ((rc = resolve(m, "combine", "y", y, TH, sizeof(float), &a->y, NULL)) ||
+      (rc = resolve(m, "combine", "out", out, Tk * H, sizeof(float), &a->out, NULL)) ||
+      (rc = resolve(m, "combine", "weights", weights, Tk, sizeof(float), &a->wts, NULL)))
+    return rc;
+  return submit(m, &j);
+}
+
+/* ---- open / close ---- */
+
+static pthread_mutex_t build_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* The largest power of two, at most MOE_WG_MAX, that the device takes as a work-group. */
+static int pick_wg(ocl_device *d, size_t *wg) {
+  size_t dev_max = 0, items[64], items_size = 0;
+  cl_int err = clGetDeviceInfo(d->id, CL_DEVICE_MAX_WORK_GROUP_SIZE, sizeof dev_max, &dev_max,
+                               NULL);
+  if (err == CL_SUCCESS)
+    err = clGetDeviceInfo(d->id, CL_DEVICE_MAX_WORK_ITEM_SIZES, 0, NULL, &items_size);
+  if (err == CL_SUCCESS && (items_size < sizeof items[0] || items_size > sizeof items))
+    err = CL_INVALID_VALUE;
+  if (err == CL_SUCCESS)
+    err = clGetDeviceInfo(d->id, CL_DEVICE_MAX_WORK_ITEM_SIZES, items_size, items, NULL);
+  if (err != CL_SUCCESS) return cl_fail("open", "clGetDeviceInfo (work-group sizes)", err);
+  size_t cap = MOE_WG_MAX < dev_max ? MOE_WG_MAX : dev_max;
+  if (items[0] < cap) cap = items[0];
+  *wg = 1;
+  while (*wg * 2 <= cap) *wg *= 2;
+  return 0;
+}
+
+static int build_failed(ocl_device *d) {
+  return ocl_svc->error(TDM_EBACKEND, CL_BUILD_PROGRAM_FAILURE,
+                        "moe open: the kernels do not build on %s: %.300s", d->name, d->moe_log);
+}
+
+/* The device's program, built by the first caller; a build failure is kept with its log. */
+static int device_program(ocl_device *d) {
+  if (d->moe_prog) return 0;
+  if (d->moe_log) return build_failed(d);
+  size_t wg = 0;
+  int rc = pick_wg(d, &wg);
+  if (rc) return rc;
+  char opts[64];
+  snprintf(opts, sizeof opts, "-DMOE_WG=%zu", wg);
+  const char *src = moe_cl_source;
+  cl_int err;
+  cl_program prog = clCreateProgramWithSource(d->ctx, 1, &src, NULL, &err);
+  if (!prog) return cl_fail("open", "clCreateProgramWithSource", err);
+  err = clBuildProgram(prog, 1, &d->id, opts, NULL, NULL);
+  if (err == CL_SUCCESS) {
+    d->moe_prog = prog;
+    d->moe_wg = wg;
+    return 0;
+  }
+  if (err == CL_BUILD_PROGRAM_FAILURE) {
+    size_t len = 0;
+    clGetProgramBuildInfo(prog, d->id, CL_PROGRAM_BUILD_LOG, 0, NULL, &len);
+    char *log = malloc(len + 1);
+    if (log) {
+      if (clGetProgramBuildInfo(prog, d->id, CL_PROGRAM_BUILD_LOG, len, log, NULL) != CL_SUCCESS)
+        len = 0;
+      log[len] = '\0';
+      d->moe_log = log;
+    }
+  }
+  clReleaseProgram(prog);
+  return d->moe_log ? build_failed(d) : cl_fail("open", "clBuildProgram", err);
+}
+
+/* Kernels of its own (their arguments are per state), and the limits they run under. */
+static int make_kernels(moe_ocl *m, ocl_device *d) {
+  cl_int err;
+  for (int i = 0; i < K_COUNT; i++) {
+    m->k[i] = clCreateKernel(d->moe_prog, kernel_names[i], &err);
+    if (!m->k[i]) return cl_fail("open", "clCreateKernel", err);
+    size_t kwg = 0;
+    err = clGetKernelWorkGroupInfo(m->k[i], d->id, CL_KERNEL_WORK_GROUP_SIZE, sizeof kwg, &kwg,
+                                   NULL);
+    if (err != CL_SUCCESS) return cl_fail("open", "clGetKernelWorkGroupInfo", err);
+    if (kwg < m->wg)
+      return ocl_svc->error(TDM_ENOTSUP, 0, "moe open: %s runs work-groups of %zu on %s, not "
+                            "%zu", kernel_names[i], kwg, d->name, m->wg);
+  }
+  cl_ulong dev_local = 0, used = 0;
+  err = clGetDeviceInfo(d->id, CL_DEVICE_LOCAL_MEM_SIZE, sizeof dev_local, &dev_local, NULL);
+  if (err == CL_SUCCESS)
+    err = clGetKernelWorkGroupInfo(m->k[K_ROUTER], d->id, CL_KERNEL_LOCAL_MEM_SIZE, sizeof used,
+                                   &used, NULL);
+  if (err != CL_SUCCESS) return cl_fail("open", "local memory query", err);
+  m->router_local = dev_local > used ? dev_local - used : 0;
+  return 0;
+}
+
+/* Only in-order queues of OpenCL devices: the ops take no dependency lists. */
+static int ocl_moe_open(tdm_queue *q, void **state) {
+  if (!q || !state) return ocl_svc->error(TDM_EINVAL, 0, "moe open: NULL argument");
+  if (!tdm_queue_device || !tdm_queue_flags || !tdm_queue_native || !tdm_device_info_get ||
+      !tdm_mem_query || !tdm_mem_native || !tdm_host_task || !tdm_keep_alive ||
+      !tdm_queue_dependencies || !tdm_event_query || !tdm_event_release || !moe_ops_workspace)
+    return ocl_svc->error(TDM_ENOTSUP, 0, "moe open: libtandem's API is not visible to the "
+                          "OpenCL module");
+  tdm_device *dev;
+  tdm_device_info info;
+  unsigned flags;
+  void *native;
+  int rc;
+  if ((rc = tdm_queue_device(q, &dev)) || (rc = tdm_device_info_get(dev, &info)) ||
+      (rc = tdm_queue_flags(q, &flags)))
+    return rc;
+  if (strcmp(info.backend, "opencl") != 0 || info.backend_index < 0 ||
+      info.backend_index >= ocl_ndevs)
+    return ocl_svc->error(TDM_ENOTSUP, 0, "moe open: %s is not an OpenCL device", info.id);
+  if (flags & TDM_QUEUE_OUT_OF_ORDER)
+    return ocl_svc->error(TDM_EINVAL, 0, "moe open: the ops need an in-order queue");
+  if ((rc = tdm_queue_native(q, &native))) return rc;
+  ocl_device *d = &ocl_devs[info.backend_index];
+
+  pthread_mutex_lock(&build_mu);
+  rc = device_program(d);
+  pthread_mutex_unlock(&build_mu);
+  if (rc) return rc;
+
+  moe_ocl *m = calloc(1, sizeof *m);
+  if (!m) return ocl_svc->error(TDM_ENOMEM, 0, "moe open: no host memory");
+  m->q = q;
+  m->dev = dev;
+  m->defer = d->defer;
+  m->wg = d->moe_wg;
+  pthread_mutex_init(&m->mu, NULL);
+  atomic_init(&m->refs, 1);
+  cl_int err = clRetainCommandQueue((cl_command_queue)native);
+  if (err != CL_SUCCESS) {
+    state_drop(m);
+    return cl_fail("open", "clRetainCommandQueue", err);
+  }
+  m->cq = native;
+  if ((rc = make_kernels(m, d))) {
+    state_drop(m);
+    return rc;
+  }
+  *state = m;
+  return 0;
+}
+
+/* Waits for the native queue, so nothing enqueued here is still running; ops still held as
+ * host tasks keep the state alive until they have run. Call it before destroying the queue,
+ * and never from a host task on it. */
+static void ocl_moe_close(void *state) {
+  moe_ocl *m = state;
+  if (!m) return;
+  clFinish(m->cq); /* nothing to report to */
+  state_drop(m);
+}
+
+const moe_ops moe_ops_opencl = {
+    .name = "opencl",
+    .open = ocl_moe_open,
+    .close = ocl_moe_close,
+    .rmsnorm = ocl_moe_rmsnorm,
+    .router = ocl_moe_router,
+    .expert = ocl_moe_expert,
+    .combine = ocl_moe_combine,
+};
+
+/* The backend table's extension entry: "moe-ops" is the table above. */
+const void *tdm_opencl_extension(const char *name) {
+  return name && strcmp(name, "moe-ops") == 0 ? &moe_ops_opencl : NULL;
+}
