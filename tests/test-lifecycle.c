@@ -283,3 +283,50 @@ TEST_CASE(module_bad_version) {
   CHECK_EQ(atomic_load(&ran), 1);
   th_close();
 }
+
+/* TANDEM_TRACE: the last shutdown writes every command, per queue, in the Chrome trace-event
+ * format. */
+static int trace_task(void *arg) {
+  (void)arg;
+  return 0;
+}
+
+TEST_CASE(trace_file) {
+  char path[128];
+  snprintf(path, sizeof path, "/tmp/tandem-trace-%d.json", (int)getpid());
+  unlink(path);
+  CHECK(setenv("TANDEM_TRACE", path, 1) == 0);
+  tdm_device *dev = th_open();
+  tdm_queue *a, *b;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &a));
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &b));
+  enum { N = 25 };
+  for (int i = 0; i < N; i++) {
+    CHECK_OK(tdm_host_task(a, trace_task, NULL, 0, NULL, NULL));
+    CHECK_OK(tdm_host_task(b, trace_task, NULL, 0, NULL, NULL));
+  }
+  CHECK_OK(tdm_queue_sync(a));
+  CHECK_OK(tdm_queue_sync(b));
+  CHECK_OK(tdm_queue_destroy(a));
+  CHECK_OK(tdm_queue_destroy(b));
+  th_close();
+  FILE *f = fopen(path, "r");
+  CHECK_MSG(f != NULL, "no trace at %s", path);
+  static char buf[1 << 20];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  CHECK(strstr(buf, "\"traceEvents\"") != NULL);
+  long tasks = 0, tids[2] = {-1, -1};
+  for (const char *p = buf; (p = strstr(p, "\"name\": \"host task\"")); p++) {
+    tasks++;
+    const char *t = strstr(p, "\"tid\": ");
+    CHECK(t != NULL);
+    long tid = strtol(t + 7, NULL, 10);
+    if (tids[0] < 0 || tids[0] == tid) tids[0] = tid;
+    else tids[1] = tid;
+  }
+  CHECK_EQ(tasks, 2L * N);
+  CHECK_MSG(tids[1] >= 0 && tids[0] != tids[1], "the two queues share one trace thread");
+  unlink(path);
+}
