@@ -224,7 +224,20 @@ void tdm__cmd_done(tdm__cmd *cmd, int status, int native);
 extern _Thread_local tdm_queue *tdm__tls_queue;
 extern _Thread_local uint64_t tdm__tls_seq;
 
-/* ---- exec.c: per-queue executor for native backends ---- */
+/* ---- exec.c: a FIFO of commands served by threads, and the per-queue executor ---- */
+typedef struct tdm__cmdq {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  tdm__cmd *head, *tail;
+  bool stop;
+} tdm__cmdq;
+void tdm__cmdq_init(tdm__cmdq *f);
+void tdm__cmdq_push(tdm__cmdq *f, tdm__cmd *cmd);
+/* Runs tdm__cmd_run on what is pushed until tdm__cmdq_stop, then on what is left; for the
+ * threads serving the FIFO. */
+void tdm__cmdq_serve(tdm__cmdq *f);
+void tdm__cmdq_stop(tdm__cmdq *f);
+
 int tdm__exec_start(tdm_queue *q);
 /* Runs what is queued, then joins the thread. */
 void tdm__exec_stop(tdm_queue *q);

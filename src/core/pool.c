@@ -7,24 +7,12 @@
 
 #include "internal.h"
 
-static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
-static tdm__cmd *ready_head, *ready_tail;
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER; /* guards the thread list */
+static tdm__cmdq ready;
 static pthread_t *threads;
 static long nthreads;
-static bool stopping;
 
-void tdm__pool_ready(tdm__cmd *cmd) {
-  pthread_mutex_lock(&pool_mu);
-  cmd->next = NULL;
-  if (ready_tail)
-    ready_tail->next = cmd;
-  else
-    ready_head = cmd;
-  ready_tail = cmd;
-  pthread_cond_signal(&pool_cv);
-  pthread_mutex_unlock(&pool_mu);
-}
+void tdm__pool_ready(tdm__cmd *cmd) { tdm__cmdq_push(&ready, cmd); }
 
 static void release_one(tdm__cmd *cmd) {
   if (__atomic_sub_fetch(&cmd->bcount, 1, __ATOMIC_ACQ_REL) == 0) tdm__pool_ready(cmd);
@@ -36,18 +24,7 @@ static void dep_done(tdm__waiter *w, tdm_event *ev) {
 }
 
 static void *pool_main(void *arg) {
-  pthread_mutex_lock(&pool_mu);
-  for (;;) {
-    while (!ready_head && !stopping) pthread_cond_wait(&pool_cv, &pool_mu);
-    tdm__cmd *c = ready_head;
-    if (!c) break;
-    ready_head = c->next;
-    if (!ready_head) ready_tail = NULL;
-    pthread_mutex_unlock(&pool_mu);
-    tdm__cmd_run(c);
-    pthread_mutex_lock(&pool_mu);
-  }
-  pthread_mutex_unlock(&pool_mu);
+  tdm__cmdq_serve(&ready);
   return NULL;
 }
 
@@ -56,7 +33,7 @@ int tdm__pool_start(void) {
   pthread_mutex_lock(&pool_mu);
   int rc = 0;
   if (!threads) {
-    stopping = false;
+    tdm__cmdq_init(&ready);
     threads = calloc((size_t)n, sizeof *threads);
     if (!threads) rc = TDM_ENOMEM;
     for (long i = 0; !rc && i < n; i++) {
@@ -67,6 +44,12 @@ int tdm__pool_start(void) {
       nthreads++;
     }
     if (rc && nthreads > 0) rc = 0; /* the threads that started serve */
+    if (rc) {                         /* none started: leave no half-made pool behind */
+      free(threads);
+      threads = NULL;
+      pthread_mutex_destroy(&ready.mu);
+      pthread_cond_destroy(&ready.cv);
+    }
   }
   pthread_mutex_unlock(&pool_mu);
   return rc ? tdm__error(rc, 0, "cannot start tandem's host threads") : 0;
@@ -75,10 +58,13 @@ int tdm__pool_start(void) {
 /* Runs after every queue has drained. */
 void tdm__pool_stop(void) {
   pthread_mutex_lock(&pool_mu);
-  stopping = true;
-  pthread_cond_broadcast(&pool_cv);
+  bool started = threads != NULL;
   pthread_mutex_unlock(&pool_mu);
+  if (!started) return;
+  tdm__cmdq_stop(&ready);
   for (long i = 0; i < nthreads; i++) pthread_join(threads[i], NULL);
+  pthread_mutex_destroy(&ready.mu);
+  pthread_cond_destroy(&ready.cv);
   free(threads);
   threads = NULL;
   nthreads = 0;

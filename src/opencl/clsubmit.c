@@ -254,7 +254,10 @@ static int enqueue_deferred(tdm__bqueue *bq, tdm__cmd *cmd) {
     rc = err == CL_SUCCESS ? 0 : ocl_error(err, "clEnqueueMarkerWithWaitList");
     if (!rc) {
       if (cmd->kind != TDM__CMD_HOST) cmd->flags |= TDM__CMD_ON_HOST;
-      if (!bq->ooo) bq->blocker = cmd;
+      if (!bq->ooo) {
+        bq->blocker = cmd;
+        atomic_fetch_add(&bq->resumes, 1); /* the gate's resume() */
+      }
       hand_over(cmd, NULL, pre, bq->ooo ? NULL : DEFER_GATE(bq));
     }
   } else {
@@ -286,8 +289,13 @@ static int start_locked(tdm__bqueue *bq, tdm__cmd *cmd) {
     if (ocl_svc->event_on_complete(d->ev, &d->w))
       __atomic_sub_fetch(&cmd->bcount, 1, __ATOMIC_ACQ_REL);
   }
-  if (__atomic_sub_fetch(&cmd->bcount, 1, __ATOMIC_ACQ_REL) == 0)
+  /* A resume() will come for it unless the guard was the last count: counted before the guard
+   * drops, so the queue cannot be freed under that resume. */
+  atomic_fetch_add(&bq->resumes, 1);
+  if (__atomic_sub_fetch(&cmd->bcount, 1, __ATOMIC_ACQ_REL) == 0) {
+    atomic_fetch_sub(&bq->resumes, 1);
     return enqueue_deferred(bq, cmd);
+  }
   if (!bq->ooo) bq->blocker = cmd; /* out-of-order: it waits alone */
   return 0;
 }
@@ -316,6 +324,9 @@ static void resume(tdm__bqueue *bq, tdm__cmd *cmd) {
   }
   drain_locked(bq);
   pthread_mutex_unlock(&bq->mu);
+  /* The last touch of bq: the commands just enqueued may already have completed, and the
+   * queue's destruction waits for this count. */
+  atomic_fetch_sub(&bq->resumes, 1);
 }
 
 int ocl_submit(tdm__bqueue *bq, tdm__cmd *cmd) {

@@ -5,6 +5,7 @@
 #define CL_TARGET_OPENCL_VERSION 120
 #include <CL/cl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 
 #include "backend.h"
@@ -37,6 +38,7 @@ struct tdm__bqueue {
   pthread_mutex_t mu;
   tdm__cmd *blocker;
   tdm__cmd *held_head, *held_tail;
+  _Atomic int resumes; /* resume() calls due or running; the queue is freed only at 0 */
 };
 
 extern const tdm__services *ocl_svc;

@@ -1,5 +1,6 @@
 /* opencl.c: the OpenCL backend's table (the module libtandem-opencl.so): devices of every
  * platform the ICD loader finds, one context per device, queues, and error mapping. */
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -169,6 +170,9 @@ static int ocl_queue_create(int bdev, unsigned flags, void *adopt, tdm__bqueue *
 }
 
 static void ocl_queue_destroy(tdm__bqueue *bq) {
+  /* The core has drained the queue, but a thread that resumed held work may still be leaving
+   * resume(): brief, so yielding is enough. */
+  while (atomic_load(&bq->resumes)) sched_yield();
   clReleaseCommandQueue(bq->q); /* an adopted queue loses only tandem's reference */
   pthread_mutex_destroy(&bq->mu);
   free(bq);
