@@ -52,7 +52,7 @@ typedef struct tdm_moe_config {
 typedef struct tdm_moe_model tdm_moe_model;
 
 /* Generates the weights (bf16, seeded, in parallel) in pinned host memory and sets up the
- * device side. Host memory too small, a budget that cannot hold an expert...: an error with
+ * device side; returns once the resident experts have landed. Host memory too small, a budget that cannot hold an expert...: an error with
  * the reason in tdm_last_error(). */
 TDM_API int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out);
 TDM_API void tdm_moe_model_destroy(tdm_moe_model *m);

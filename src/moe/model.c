@@ -261,6 +261,10 @@ static int setup_streamer(tdm_moe_model *m) {
   };
   int rc = tdm_streamer_create(&sc, &m->streamer);
   free(resident);
+  /* The resident set is copied on the streamer's prefetch queue: a model is ready when it has
+   * landed, so no pass is timed with that load inside it. */
+  tdm_queue *prefetch = NULL;
+  if (!rc && !(rc = tdm_streamer_queues(m->streamer, NULL, &prefetch))) rc = tdm_queue_sync(prefetch);
   return rc;
 }
 
