@@ -23,12 +23,13 @@
 #ifndef TANDEM_BACKEND_H
 #define TANDEM_BACKEND_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "tandem.h"
 
-#define TDM__BACKEND_ABI 0x00010001u
+#define TDM__BACKEND_ABI 0x00010002u
 
 typedef struct tdm__bqueue tdm__bqueue; /* a backend's queue; opaque to the core */
 
@@ -47,8 +48,13 @@ enum {
                                       (stream-ordered); the core only forgets the pointer */
   TDM__CMD_ALL_PRIOR = 1u << 2,     /* a marker or barrier that covers every earlier command of
                                       the queue, besides its deps */
-  TDM__CMD_ON_HOST = 1u << 3        /* set by a native backend: the core does this copy or fill
+  TDM__CMD_ON_HOST = 1u << 3,       /* set by a native backend: the core does this copy or fill
                                       on the host (host memory on both sides) */
+  TDM__CMD_QUIET = 1u << 4          /* set by the core: only the queue itself can observe this
+                                      command's completion (in-order queue, no event returned,
+                                      no timing or tracing). A backend with native_flush may
+                                      enqueue it without a native handle (cmd->wait NULL): it
+                                      completes with the next handle of the queue */
 };
 
 typedef struct tdm__cmd tdm__cmd;
@@ -179,6 +185,15 @@ typedef struct tdm__backend {
   /* Lets the native queue run past a host task's gate (called once per gate, by the
    * executor, after the task ran or was skipped). */
   void (*gate_open)(void *gate);
+  /* Optional: records a native handle covering everything enqueued on the queue so far
+   * (quiet commands enqueued without one complete with it); called by the executor with the
+   * queue's submission lock held. A backend without it gives every command a handle; a
+   * backend with it gives one to every command of an in-order queue that is not quiet. */
+  int (*native_flush)(tdm__bqueue *bq, void **handle);
+  /* Whether the native queue makes progress without the executor's help (CUDA streams do; an
+   * OpenCL queue may need the flush that waiting implies). When true, the executor is woken
+   * only when a command needs the host or someone waits; when false, at every command. */
+  bool wake_lazily;
   /* Optional: does a TDM__CMD_ON_HOST copy that memmove cannot (pageable host memory on one
    * side, device memory on the other), on the executor; returns 0 or a TDM_E* code. It may
    * wait for its own private stream, never for a gated one. NULL: memmove. */

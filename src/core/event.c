@@ -99,12 +99,14 @@ int tdm__event_on_complete(tdm_event *ev, tdm__waiter *w) {
     ev->waiters = w;
   }
   pthread_mutex_unlock(&q->mu);
+  if (!done) tdm__exec_kick(q);
   return done;
 }
 
 int tdm__event_wait_raw(tdm_event *ev) {
   if (!atomic_load_explicit(&ev->done, memory_order_acquire)) {
     tdm_queue *q = ev->q;
+    tdm__exec_kick(q);
     pthread_mutex_lock(&q->mu);
     while (!atomic_load_explicit(&ev->done, memory_order_relaxed))
       pthread_cond_wait(&q->cv, &q->mu);
@@ -127,7 +129,10 @@ int tdm_event_query(tdm_event *ev) {
   TDM__ENTER();
   int rc = tdm__event_check(ev);
   if (rc) return rc;
-  if (!atomic_load_explicit(&ev->done, memory_order_acquire)) return TDM_EAGAIN;
+  if (!atomic_load_explicit(&ev->done, memory_order_acquire)) {
+    tdm__exec_kick(ev->q); /* a polling caller must see it complete */
+    return TDM_EAGAIN;
+  }
   return report(ev);
 }
 

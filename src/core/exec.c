@@ -1,7 +1,20 @@
-/* exec.c: the per-queue executor of native backends (CUDA, OpenCL). Natively enqueued
- * commands are handed over in submission order; the executor waits for each one's native
- * handle, runs host tasks and opens their gates, and completes the command. This is how the
- * core learns of completion without running anything inside a driver callback. */
+/* exec.c: a FIFO of commands served by threads (the pool's ready list), and the per-queue
+ * executor of native backends (CUDA, OpenCL). Natively enqueued commands are handed over in
+ * submission order; the executor waits for each one's native handle, runs host tasks and
+ * opens their gates, and completes the command. This is how the core learns of completion
+ * without running anything inside a driver callback.
+ *
+ * Keeping the submitting thread lean (backends with native_flush):
+ * - A quiet command (TDM__CMD_QUIET: nobody can observe its event but the queue itself) may
+ *   come without a native handle. It completes when the next handle in the FIFO does, since
+ *   the native queue is in order; when none follows, the executor records one itself
+ *   (native_flush) and waits for that.
+ * - With wake_lazily, a push wakes a sleeping executor only when the command needs the host
+ *   (host tasks, gates, host copies, frees, syncs) or when TDM__EXEC_BATCH commands have piled
+ *   up; anyone about to
+ *   wait for an event kicks its queue's executor (tdm__exec_kick), so completions are never
+ *   late for an observer, and the submitting thread rarely pays for a wake-up or competes with
+ *   the executor for the driver. */
 #include <stdlib.h>
 
 #include "internal.h"
@@ -47,41 +60,158 @@ void tdm__cmdq_stop(tdm__cmdq *f) {
   pthread_mutex_unlock(&f->mu);
 }
 
-/* ---- the executor: one thread serving one queue's FIFO ---- */
+/* ---- the executor: one thread per native queue ---- */
 
-typedef struct tdm__exec {
-  tdm__cmdq fifo;
-  pthread_t thread;
-} tdm__exec;
+/* At most this many commands wait in a sleeping executor's FIFO, or in its held list, so
+ * what they hold (events, dependencies) is returned promptly. */
+#define TDM__EXEC_BATCH 64
+
+static bool exec_lazy(const tdm_queue *q) { return q->dev->be->wake_lazily; }
+
+/* A quiet command without a native handle: it completes with the next handle. */
+static bool held_back(const tdm_queue *q, const tdm__cmd *c) {
+  return (c->flags & TDM__CMD_QUIET) && !c->wait && !c->gate && q->dev->be->native_flush;
+}
+
+static bool needs_host(const tdm__cmd *c) {
+  return c->gate || c->kind == TDM__CMD_HOST || c->kind == TDM__CMD_FREE ||
+         (c->flags & (TDM__CMD_SYNC | TDM__CMD_ON_HOST));
+}
+
+/* Completes the held commands, in order, with the status of the native wait that covers
+ * them. */
+static void finish_held(tdm__cmd **held, tdm__cmd ***tail, int nstatus, int native) {
+  tdm__cmd *c = *held;
+  *held = NULL;
+  *tail = held;
+  while (c) {
+    tdm__cmd *n = c->next;
+    tdm__cmd_finish(c, nstatus, native);
+    c = n;
+  }
+}
+
+/* Waits for a native handle; returns the mapped status (the device is marked lost on
+ * TDM_EDEVLOST) and releases the handle. */
+static int wait_native(tdm_queue *q, void *handle, int *native) {
+  const tdm__backend *be = q->dev->be;
+  int st = tdm__device_note(q->dev, be->native_wait(handle, native));
+  be->native_release(handle);
+  return st;
+}
+
+/* No later handle covers the held commands: records one on the native queue and waits for
+ * it. The record must land right after them and before anything that waits for this executor
+ * (a later host task's gate, which opens only once the executor reaches that task: a handle
+ * behind it would never complete). So it is made under the submission lock, and only while
+ * the FIFO is empty (every command submitted so far is held here); otherwise it returns false
+ * and the executor goes on with the FIFO, whose next handle will cover them. */
+static bool flush_held(tdm_queue *q, tdm__cmd **held, tdm__cmd ***tail, bool always) {
+  void *h = NULL;
+  int native = 0;
+  pthread_mutex_lock(&q->submit_mu);
+  pthread_mutex_lock(&q->x_mu);
+  bool empty = q->x_head == NULL;
+  pthread_mutex_unlock(&q->x_mu);
+  if (!empty && !always) {
+    pthread_mutex_unlock(&q->submit_mu);
+    return false;
+  }
+  int st = tdm__device_note(q->dev, q->dev->be->native_flush(q->bq, &h));
+  pthread_mutex_unlock(&q->submit_mu);
+  if (st == 0) st = wait_native(q, h, &native);
+  finish_held(held, tail, st, native);
+  return true;
+}
 
 static void *exec_main(void *arg) {
-  tdm__cmdq_serve(&((tdm__exec *)arg)->fifo);
+  tdm_queue *q = arg;
+  tdm__cmd *held = NULL, **held_tail = &held;
+  pthread_mutex_lock(&q->x_mu);
+  for (;;) {
+    tdm__cmd *c = q->x_head;
+    if (!c) {
+      if (held) {
+        pthread_mutex_unlock(&q->x_mu);
+        flush_held(q, &held, &held_tail, false);
+        pthread_mutex_lock(&q->x_mu);
+        continue;
+      }
+      if (q->x_stop) break; /* stopped and drained */
+      q->x_sleeping = true;
+      q->x_unsignaled = 0;
+      pthread_cond_wait(&q->x_cv, &q->x_mu);
+      q->x_sleeping = false;
+      continue;
+    }
+    q->x_head = c->next;
+    if (!q->x_head) q->x_tail = NULL;
+    pthread_mutex_unlock(&q->x_mu);
+    if (held_back(q, c)) {
+      c->next = NULL;
+      *held_tail = c;
+      held_tail = &c->next;
+    } else if (!c->wait) {
+      /* Not on in-order queues, where every command but a quiet one comes with a handle
+       * (backend.h); kept correct for any order all the same. */
+      if (held) flush_held(q, &held, &held_tail, true);
+      tdm__cmd_run(c);
+    } else {
+      int native = 0;
+      void *h = c->wait;
+      c->wait = NULL;
+      int st = wait_native(q, h, &native);
+      if (held) finish_held(&held, &held_tail, st, native);
+      tdm__cmd_finish(c, st, native);
+    }
+    pthread_mutex_lock(&q->x_mu);
+  }
+  pthread_mutex_unlock(&q->x_mu);
   return NULL;
 }
 
 int tdm__exec_start(tdm_queue *q) {
-  tdm__exec *x = tdm__calloc(1, sizeof *x);
-  if (!x) return tdm__error(TDM_ENOMEM, 0, "no memory for a queue executor");
-  tdm__cmdq_init(&x->fifo);
-  if (pthread_create(&x->thread, NULL, exec_main, x)) {
-    pthread_mutex_destroy(&x->fifo.mu);
-    pthread_cond_destroy(&x->fifo.cv);
-    free(x);
+  q->x_head = q->x_tail = NULL;
+  q->x_stop = q->x_sleeping = false;
+  q->x_unsignaled = 0;
+  if (pthread_create(&q->x_thread, NULL, exec_main, q))
     return tdm__error(TDM_ENOMEM, 0, "cannot start a queue executor thread");
-  }
-  q->exec = x;
+  q->x_running = true;
   return 0;
 }
 
 void tdm__exec_stop(tdm_queue *q) {
-  tdm__exec *x = q->exec;
-  if (!x) return;
-  tdm__cmdq_stop(&x->fifo);
-  pthread_join(x->thread, NULL);
-  pthread_mutex_destroy(&x->fifo.mu);
-  pthread_cond_destroy(&x->fifo.cv);
-  free(x);
-  q->exec = NULL;
+  if (!q->x_running) return;
+  pthread_mutex_lock(&q->x_mu);
+  q->x_stop = true;
+  pthread_cond_signal(&q->x_cv);
+  pthread_mutex_unlock(&q->x_mu);
+  pthread_join(q->x_thread, NULL);
+  q->x_running = false;
 }
 
-void tdm__exec_push(tdm__cmd *cmd) { tdm__cmdq_push(&cmd->ev->q->exec->fifo, cmd); }
+void tdm__exec_push(tdm__cmd *cmd) {
+  tdm_queue *q = cmd->ev->q;
+  bool wake = !exec_lazy(q) || needs_host(cmd);
+  cmd->next = NULL;
+  pthread_mutex_lock(&q->x_mu);
+  if (q->x_tail)
+    q->x_tail->next = cmd;
+  else
+    q->x_head = cmd;
+  q->x_tail = cmd;
+  if (q->x_sleeping && (wake || ++q->x_unsignaled >= TDM__EXEC_BATCH)) {
+    q->x_unsignaled = 0;
+    pthread_cond_signal(&q->x_cv);
+  }
+  pthread_mutex_unlock(&q->x_mu);
+}
+
+void tdm__exec_kick(tdm_queue *q) {
+  pthread_mutex_lock(&q->x_mu);
+  if (q->x_sleeping && q->x_head) {
+    q->x_unsignaled = 0;
+    pthread_cond_signal(&q->x_cv);
+  }
+  pthread_mutex_unlock(&q->x_mu);
+}

@@ -185,7 +185,15 @@ struct tdm_queue {
    * a barrier (out-of-order). Capacity trk_cap; nxres slots are reserved by copies underway. */
   tdm_event **xwait;
   size_t nxwait, nxres;
-  struct tdm__exec *exec;   /* native backends: the executor thread (exec.c) */
+  /* Native backends: the executor (exec.c), a thread serving this FIFO of natively enqueued
+   * commands. The lock and condition live as long as the struct (a waiter may kick the FIFO of
+   * a queue that is being destroyed); the rest is under x_mu. */
+  pthread_mutex_t x_mu;
+  pthread_cond_t x_cv;
+  tdm__cmd *x_head, *x_tail;
+  bool x_running, x_stop, x_sleeping;
+  unsigned x_unsignaled;    /* pushed without a wake-up since the executor went to sleep */
+  pthread_t x_thread;
   uint64_t trace_last_end;  /* tracing, in-order queues: end of the last command */
 };
 int tdm__queue_check(tdm_queue *q);
@@ -219,6 +227,8 @@ int tdm__submit(tdm_queue *q, const tdm__spec *spec, size_t ndeps, tdm_event *co
 int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
                        tdm_event *const *deps, tdm_event **out);
 void tdm__cmd_run(tdm__cmd *cmd);
+/* The rest of tdm__cmd_run once cmd's native work is known to be done, with its status. */
+void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native);
 void tdm__cmd_done(tdm__cmd *cmd, int status, int native);
 /* Thread-local: the queue and sequence number of the host task running on this thread. */
 extern _Thread_local tdm_queue *tdm__tls_queue;
@@ -242,6 +252,10 @@ int tdm__exec_start(tdm_queue *q);
 /* Runs what is queued, then joins the thread. */
 void tdm__exec_stop(tdm_queue *q);
 void tdm__exec_push(tdm__cmd *cmd);
+/* Wakes q's executor if it sleeps with commands queued: called before anyone waits for an
+ * event of q (the executor otherwise sleeps until work needs it; see exec.c). Harmless on
+ * queues without an executor, and on destroyed ones. */
+void tdm__exec_kick(tdm_queue *q);
 
 /* ---- pool.c: shared host threads for out-of-order queues ---- */
 int tdm__pool_start(void);

@@ -36,6 +36,8 @@ static tdm_queue *queue_struct(void) {
     pthread_mutex_init(&q->submit_mu, NULL);
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);
+    pthread_mutex_init(&q->x_mu, NULL);
+    pthread_cond_init(&q->x_cv, NULL);
     q->next_all = tdm__g.queues;
     tdm__g.queues = q;
   }
@@ -63,7 +65,6 @@ int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, boo
   q->chain_error = 0;
   q->seq = 0;
   snprintf(q->label, sizeof q->label, "%s/q%d", dev->info.id, q->id);
-  q->exec = NULL;
   int rc = (flags & TDM_QUEUE_OUT_OF_ORDER) ? tdm__pool_start() : 0;
   if (!rc) rc = tdm__tracker_init(q);
   if (!rc && dev->be->native_wait && (rc = tdm__exec_start(q))) tdm__tracker_fini(q);
@@ -135,6 +136,8 @@ void tdm__queues_free_all(void) {
     pthread_mutex_destroy(&q->submit_mu);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);
+    pthread_mutex_destroy(&q->x_mu);
+    pthread_cond_destroy(&q->x_cv);
     free(q);
     q = n;
   }

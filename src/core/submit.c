@@ -85,6 +85,10 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
 
   cmd->kind = spec->kind;
   cmd->flags = spec->flags | (spec->all_prior ? TDM__CMD_ALL_PRIOR : 0);
+  if (!out && !ooo(q) && !(q->flags & TDM_QUEUE_TIMING) && spec->kind != TDM__CMD_HOST &&
+      spec->kind != TDM__CMD_FREE && spec->kind != TDM__CMD_MARKER &&
+      !atomic_load_explicit(&tdm__tracing, memory_order_relaxed))
+    cmd->flags |= TDM__CMD_QUIET;
   cmd->ndeps = 0;
   cmd->bdata = NULL;
   cmd->bcount = 0;
@@ -214,14 +218,20 @@ static int run_host_task(tdm__cmd *cmd) {
  * - markers report the queue's first error since the last sync; a sync marker clears it;
  * - host tasks and frees run here; copies and fills run here unless the backend is native. */
 void tdm__cmd_run(tdm__cmd *cmd) {
-  tdm_queue *q = cmd->ev->q;
-  const tdm__backend *be = q->dev->be;
-  int status = 0, native = 0, nstatus = 0;
+  int native = 0, nstatus = 0;
   if (cmd->wait) {
-    nstatus = tdm__device_note(q->dev, be->native_wait(cmd->wait, &native));
+    const tdm__backend *be = cmd->ev->q->dev->be;
+    nstatus = tdm__device_note(cmd->ev->q->dev, be->native_wait(cmd->wait, &native));
     be->native_release(cmd->wait);
     cmd->wait = NULL;
   }
+  tdm__cmd_finish(cmd, nstatus, native);
+}
+
+void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native) {
+  tdm_queue *q = cmd->ev->q;
+  const tdm__backend *be = q->dev->be;
+  int status = 0;
   for (size_t i = 0; i < cmd->ndeps; i++)
     if (tdm__event_wait_raw(cmd->deps[i].ev) < 0) status = TDM_EDEP;
 

@@ -216,13 +216,21 @@ static int cuda_init(const tdm__services *svc, int *ndevices) {
     rc = init_device(&cu_devs[i], i);
     if (!rc) cu_ndevs++;
   }
-  /* Peer access, explicitly, between every pair that supports it. */
+  /* Peer access, explicitly, between every pair that supports it: device i may read and
+   * write device j's memory, including what j's stream-ordered pool hands out (pool memory is
+   * mapped only where the pool grants access, whatever cudaDeviceEnablePeerAccess says). */
   for (int i = 0; i < cu_ndevs; i++)
     for (int j = 0; j < cu_ndevs; j++) {
       int can = 0;
       if (i != j && cudaDeviceCanAccessPeer(&can, i, j) == cudaSuccess && can) {
         cudaSetDevice(i);
         if (cudaDeviceEnablePeerAccess(j, 0) != cudaSuccess) cudaGetLastError();
+        cudaMemPool_t pool;
+        struct cudaMemAccessDesc acc = {.location = {.type = cudaMemLocationTypeDevice, .id = i},
+                                 .flags = cudaMemAccessFlagsProtReadWrite};
+        if (cudaDeviceGetDefaultMemPool(&pool, j) != cudaSuccess ||
+            cudaMemPoolSetAccess(pool, &acc, 1) != cudaSuccess)
+          cudaGetLastError();
       }
     }
   if (saved >= 0) cudaSetDevice(saved);
@@ -358,6 +366,8 @@ const tdm__backend tdm__cuda_backend = {
     .native_wait = cu_native_wait,
     .native_notify = cu_native_notify,
     .native_release = cu_native_release,
+    .native_flush = cu_native_flush,
+    .wake_lazily = true,
     .gate_open = cu_gate_open_entry,
     .host_copy = cu_host_copy,
     .event_elapsed = cu_event_elapsed,

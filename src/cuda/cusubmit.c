@@ -1,5 +1,7 @@
 /* cusubmit.c: turns tandem commands into stream operations. Every command ends with a pooled
- * event recorded on its stream; the core waits for it on the queue's executor (in-order) or is
+ * event recorded on its stream, except quiet ones (whose completion only the queue can
+ * observe: they complete with the next event, or one cu_native_flush records); the core waits
+ * for it on the queue's executor (in-order) or is
  * notified by this backend's per-stream notifier threads (out-of-order queues, which
  * round-robin over CU_OOO_STREAMS streams). Host work (host tasks, pageable and host-only
  * copies, host fills) holds the stream at a gate until the core has done it; nothing tandem
@@ -32,6 +34,8 @@ static int wait_deps(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
     tdm_event *dep = cmd->deps[i].ev;
     cu_event *native = cu_svc->event_native(dep, &tdm__cuda_backend);
     if (native) {
+      /* Earlier work of the same stream: implied by its order. */
+      if (native->bq == bq && native->stream == si) continue;
       /* Works across devices too. */
       cudaError_t e = cudaStreamWaitEvent(bq->s[si], native->e, 0);
       if (e != cudaSuccess) return cu_error(e, "cudaStreamWaitEvent");
@@ -148,6 +152,11 @@ static int enqueue(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
       break;
   }
   if (e != cudaSuccess) return cu_error(e, what);
+  if (cmd->flags & TDM__CMD_QUIET) {
+    /* Nobody can observe it: it completes with the queue's next event (cu_native_flush). */
+    hand_over(cmd, NULL, NULL, NULL);
+    return 0;
+  }
   cu_event *done;
   int rc = record(bq, si, &done);
   if (rc) return rc;
@@ -169,6 +178,16 @@ int cu_submit(tdm__bqueue *bq, tdm__cmd *cmd) {
 }
 
 /* ---- the core's side ---- */
+
+int cu_native_flush(tdm__bqueue *bq, void **handle) {
+  int saved, rc = cu_enter(bq->bdev, &saved);
+  if (rc) return rc;
+  cu_event *ev = NULL;
+  rc = record(bq, 0, &ev);
+  cu_leave(saved);
+  if (!rc) *handle = ev;
+  return rc;
+}
 
 int cu_native_wait(void *handle, int *native) {
   cu_event *ev = handle;

@@ -1,5 +1,6 @@
 /* clsubmit.c: turns tandem commands into OpenCL commands. Every command gets a native event
- * (attached to its tandem event, so other OpenCL queues wait for it natively) and is handed to
+ * (attached to its tandem event, so other OpenCL queues wait for it natively), except quiet
+ * ones (only the queue can observe them: they complete with its next event), and is handed to
  * the queue's executor, which waits for it with clWaitForEvents: no OpenCL callback is used.
  *
  * The queue's submission lock is held across these enqueues. That is safe even with PoCL's
@@ -131,6 +132,13 @@ static int host_work(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl, bool gated) {
 static int enqueue(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl) {
   cl_command_queue q = bq->q;
   cl_event ev = NULL;
+  /* A quiet copy or fill gets no event: it completes with the queue's next one
+   * (ocl_native_flush). Barriers keep theirs: PoCL's pthread driver can hang on a barrier
+   * without one that waits for other queues. Not under host-side deferral either: PoCL's basic
+   * driver deadlocks when a command without an event completes while it runs commands
+   * inline. */
+  cl_event *evp =
+      (cmd->flags & TDM__CMD_QUIET) && cmd->kind != TDM__CMD_BARRIER && !bq->defer ? NULL : &ev;
   cl_int err = CL_SUCCESS;
   const char *what = "enqueue";
   ocl_buf d, s;
@@ -146,13 +154,13 @@ static int enqueue(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl) {
       const cl_event *w = wl->n ? wl->ev : NULL;
       if (dd && sd) {
         what = "clEnqueueCopyBuffer";
-        err = clEnqueueCopyBuffer(q, s.mem, d.mem, soff, doff, n, wl->n, w, &ev);
+        err = clEnqueueCopyBuffer(q, s.mem, d.mem, soff, doff, n, wl->n, w, evp);
       } else if (dd) {
         what = "clEnqueueWriteBuffer";
-        err = clEnqueueWriteBuffer(q, d.mem, CL_FALSE, doff, n, cmd->u.copy.src, wl->n, w, &ev);
+        err = clEnqueueWriteBuffer(q, d.mem, CL_FALSE, doff, n, cmd->u.copy.src, wl->n, w, evp);
       } else {
         what = "clEnqueueReadBuffer";
-        err = clEnqueueReadBuffer(q, s.mem, CL_FALSE, soff, n, cmd->u.copy.dst, wl->n, w, &ev);
+        err = clEnqueueReadBuffer(q, s.mem, CL_FALSE, soff, n, cmd->u.copy.dst, wl->n, w, evp);
       }
       break;
     }
@@ -163,7 +171,7 @@ static int enqueue(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl) {
       cl_uchar byte = (cl_uchar)cmd->u.fill.value;
       what = "clEnqueueFillBuffer";
       err = clEnqueueFillBuffer(q, d.mem, &byte, 1, (uintptr_t)cmd->u.fill.dst - d.base, n,
-                                wl->n, wl->n ? wl->ev : NULL, &ev);
+                                wl->n, wl->n ? wl->ev : NULL, evp);
       break;
     }
     case TDM__CMD_HOST: return host_work(bq, cmd, wl, true);
@@ -345,6 +353,14 @@ int ocl_submit(tdm__bqueue *bq, tdm__cmd *cmd) {
   }
   pthread_mutex_unlock(&bq->mu);
   return rc;
+}
+
+int ocl_native_flush(tdm__bqueue *bq, void **handle) {
+  cl_event ev = NULL;
+  cl_int err = clEnqueueMarkerWithWaitList(bq->q, 0, NULL, &ev);
+  if (err != CL_SUCCESS) return ocl_error(err, "clEnqueueMarkerWithWaitList");
+  *handle = ev;
+  return 0;
 }
 
 int ocl_native_wait(void *handle, int *native) {

@@ -70,6 +70,7 @@ int ocl_mem_import(int bdev, void *native, size_t size, void **ptr);
 /* clsubmit.c */
 int ocl_submit(tdm__bqueue *bq, tdm__cmd *cmd);
 int ocl_native_wait(void *handle, int *native);
+int ocl_native_flush(tdm__bqueue *bq, void **handle);
 void ocl_native_release(void *handle);
 int ocl_native_notify(void *handle, void (*fn)(void *), void *arg);
 void ocl_gate_open(void *gate);

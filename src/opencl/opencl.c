@@ -204,6 +204,7 @@ const tdm__backend tdm__opencl_backend = {
     .mem_native = ocl_mem_native,
     .mem_import = ocl_mem_import,
     .native_wait = ocl_native_wait,
+    .native_flush = ocl_native_flush,
     .native_release = ocl_native_release,
     .native_notify = ocl_native_notify,
     .gate_open = ocl_gate_open,
