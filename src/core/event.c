@@ -103,10 +103,29 @@ int tdm__event_on_complete(tdm_event *ev, tdm__waiter *w) {
   return done;
 }
 
+/* How long a waiter polls before it sleeps: a completion that comes within a few tens of
+ * microseconds (a short copy, a sync right after small work) then costs no wake-up. */
+#define TDM__SPIN_NS 20000u
+
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
 int tdm__event_wait_raw(tdm_event *ev) {
   if (!atomic_load_explicit(&ev->done, memory_order_acquire)) {
     tdm_queue *q = ev->q;
     tdm__exec_kick(q);
+    uint64_t until = tdm__now_ns() + TDM__SPIN_NS;
+    do {
+      for (int i = 0; i < 64; i++) {
+        if (atomic_load_explicit(&ev->done, memory_order_acquire)) return ev->status;
+        cpu_relax();
+      }
+    } while (tdm__now_ns() < until);
     pthread_mutex_lock(&q->mu);
     while (!atomic_load_explicit(&ev->done, memory_order_relaxed))
       pthread_cond_wait(&q->cv, &q->mu);

@@ -114,6 +114,8 @@ int cu_submit(tdm__bqueue *bq, tdm__cmd *cmd);
 int cu_native_wait(void *handle, int *native);
 void cu_native_release(void *handle);
 int cu_native_flush(tdm__bqueue *bq, void **handle);
+/* Joins the threads that do the host side of staged copies (at shutdown). */
+void cu_copy_pool_stop(void);
 int cu_native_notify(void *handle, void (*fn)(void *), void *arg);
 void cu_gate_open_entry(void *gate);
 int cu_event_elapsed(void *a, void *b, double *ms);

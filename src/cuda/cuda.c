@@ -240,6 +240,7 @@ static int cuda_init(const tdm__services *svc, int *ndevices) {
 }
 
 static void cuda_shutdown(void) {
+  cu_copy_pool_stop();
   for (int i = 0; i < cu_ndevs; i++) {
     cu_device *d = &cu_devs[i];
     cudaSetDevice(d->ordinal);

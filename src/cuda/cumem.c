@@ -2,48 +2,117 @@
  * stream-ordered free is cudaFreeAsync; pinned memory from cudaHostAlloc; registration with
  * cudaHostRegister. Pageable copies are staged through two pinned buffers on the device's
  * internal stream, by the queue's executor, after earlier work on the queue: in stream order,
- * never at call time. */
+ * never at call time. The host side of a staged copy runs on up to eight threads. */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cu.h"
 
-#define STAGE_BYTES (16u << 20)
-#define COPY_THREADS 4 /* one host thread cannot keep up with the link */
+#define STAGE_BYTES (8u << 20)
+#define COPY_THREADS_MAX 8 /* one host thread cannot keep up with the link; eight nearly can */
 
-typedef struct slice {
+/* ---- host copies over a few persistent threads (pageable memory to or from staging) ----
+ * The executor posts a job and copies the first slice itself; the helpers, started on first
+ * use, spin briefly for the next job (a staged copy posts one every few hundred microseconds)
+ * and then sleep. One job at a time (staging on several devices at once takes turns). */
+
+typedef struct copy_pool {
+  pthread_mutex_t use_mu;        /* one job at a time */
+  pthread_mutex_t mu;
+  pthread_cond_t go, done;
+  _Atomic unsigned gen;          /* bumped per job */
+  _Atomic int remaining;         /* helpers still copying the current job */
+  int nthreads;                  /* helpers + the caller; 0 until started, 1 if none started */
+  bool stop;
   char *dst;
   const char *src;
-  size_t n;
-} slice;
+  size_t n, per;
+  pthread_t th[COPY_THREADS_MAX];
+  int index[COPY_THREADS_MAX];
+} copy_pool;
 
-static void *copy_slice(void *arg) {
-  slice *s = arg;
-  memcpy(s->dst, s->src, s->n);
-  return NULL;
+static copy_pool pool = {.use_mu = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
+                         .go = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
+
+static void copy_slice(int i) {
+  size_t off = (size_t)i * pool.per;
+  if (off < pool.n) memcpy(pool.dst + off, pool.src + off, pool.n - off < pool.per ? pool.n - off : pool.per);
 }
 
-/* memcpy over a few threads for large blocks (pageable memory to or from staging). */
+static void *helper_main(void *arg) {
+  int i = *(int *)arg;
+  unsigned seen = atomic_load(&pool.gen);
+  for (;;) {
+    /* Spin a little (about 100 us) before sleeping: the next chunk usually comes soon. */
+    for (int k = 0; k < 20000 && atomic_load_explicit(&pool.gen, memory_order_acquire) == seen; k++)
+      __builtin_ia32_pause();
+    pthread_mutex_lock(&pool.mu);
+    while (atomic_load(&pool.gen) == seen && !pool.stop) pthread_cond_wait(&pool.go, &pool.mu);
+    bool stop = pool.stop;
+    pthread_mutex_unlock(&pool.mu);
+    if (stop) return NULL;
+    seen = atomic_load(&pool.gen);
+    copy_slice(i);
+    if (atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_acq_rel) == 1) {
+      pthread_mutex_lock(&pool.mu);
+      pthread_cond_signal(&pool.done);
+      pthread_mutex_unlock(&pool.mu);
+    }
+  }
+}
+
+/* Starts the helpers once; called with use_mu held. */
+static void pool_start(void) {
+  if (pool.nthreads) return;
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  int want = cpus >= COPY_THREADS_MAX ? COPY_THREADS_MAX : (cpus > 1 ? (int)cpus : 1);
+  pool.nthreads = 1;
+  for (int i = 1; i < want; i++) {
+    pool.index[i] = i;
+    if (pthread_create(&pool.th[i], NULL, helper_main, &pool.index[i])) break;
+    pool.nthreads++;
+  }
+}
+
+static void pool_stop(void) {
+  pthread_mutex_lock(&pool.use_mu);
+  pthread_mutex_lock(&pool.mu);
+  pool.stop = true;
+  pthread_cond_broadcast(&pool.go);
+  pthread_mutex_unlock(&pool.mu);
+  for (int i = 1; i < pool.nthreads; i++) pthread_join(pool.th[i], NULL);
+  pool.nthreads = 0;
+  pool.stop = false;
+  pthread_mutex_unlock(&pool.use_mu);
+}
+
+/* memcpy over the pool for large blocks; called with use_mu held. */
 static void par_memcpy(void *dst, const void *src, size_t n) {
-  if (n < ((size_t)2 << 20)) {
+  if (n < ((size_t)1 << 20) || pool.nthreads < 2) {
     memcpy(dst, src, n);
     return;
   }
-  pthread_t th[COPY_THREADS];
-  slice sl[COPY_THREADS];
-  bool started[COPY_THREADS] = {false};
-  size_t per = (n / COPY_THREADS + 63) & ~(size_t)63;
-  for (int i = 0; i < COPY_THREADS; i++) {
-    size_t off = (size_t)i * per;
-    sl[i] = (slice){(char *)dst + off, (const char *)src + off,
-                    off >= n ? 0 : (n - off < per ? n - off : per)};
-    if (i > 0 && sl[i].n) started[i] = pthread_create(&th[i], NULL, copy_slice, &sl[i]) == 0;
-    if (i > 0 && sl[i].n && !started[i]) copy_slice(&sl[i]);
-  }
-  copy_slice(&sl[0]);
-  for (int i = 1; i < COPY_THREADS; i++)
-    if (started[i]) pthread_join(th[i], NULL);
+  int t = pool.nthreads;
+  pool.dst = dst;
+  pool.src = src;
+  pool.n = n;
+  pool.per = (n / (size_t)t + 4095) & ~(size_t)4095;
+  atomic_store(&pool.remaining, t - 1);
+  pthread_mutex_lock(&pool.mu);
+  atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
+  pthread_cond_broadcast(&pool.go);
+  pthread_mutex_unlock(&pool.mu);
+  copy_slice(0);
+  for (int k = 0; k < 20000 && atomic_load_explicit(&pool.remaining, memory_order_acquire); k++)
+    __builtin_ia32_pause();
+  pthread_mutex_lock(&pool.mu);
+  while (atomic_load(&pool.remaining)) pthread_cond_wait(&pool.done, &pool.mu);
+  pthread_mutex_unlock(&pool.mu);
 }
+
+void cu_copy_pool_stop(void) { pool_stop(); }
 
 int cu_mem_init(cu_device *d) {
   for (int i = 0; i < 2; i++) {
@@ -208,6 +277,8 @@ int cu_host_copy(tdm__cmd *cmd) {
   int saved, rc = cu_enter(bdev, &saved);
   if (rc) return rc;
   pthread_mutex_lock(&d->stage_mu);
+  pthread_mutex_lock(&pool.use_mu);
+  pool_start();
   cudaError_t e = cudaSuccess;
   if (to_dev) {
     for (size_t off = 0, k = 0; off < n && e == cudaSuccess; off += STAGE_BYTES, k++) {
@@ -235,6 +306,7 @@ int cu_host_copy(tdm__cmd *cmd) {
       }
     }
   }
+  pthread_mutex_unlock(&pool.use_mu);
   if (e == cudaSuccess) e = cudaStreamSynchronize(d->internal);
   pthread_mutex_unlock(&d->stage_mu);
   rc = e == cudaSuccess ? 0 : cu_error(e, "staging a pageable copy");
