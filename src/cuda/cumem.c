@@ -26,6 +26,7 @@ typedef struct copy_pool {
   _Atomic int remaining;         /* helpers still copying the current job */
   int nthreads;                  /* helpers + the caller; 0 until started, 1 if none started */
   bool stop;
+  unsigned start_gen;            /* gen when the helpers were started: their first "seen" */
   char *dst;
   const char *src;
   size_t n, per;
@@ -43,7 +44,8 @@ static void copy_slice(int i) {
 
 static void *helper_main(void *arg) {
   int i = *(int *)arg;
-  unsigned seen = atomic_load(&pool.gen);
+  /* Not the current gen: a job may have been posted before this thread got to run. */
+  unsigned seen = pool.start_gen;
   for (;;) {
     /* Spin a little (about 100 us) before sleeping: the next chunk usually comes soon. */
     for (int k = 0; k < 20000 && atomic_load_explicit(&pool.gen, memory_order_acquire) == seen; k++)
@@ -69,6 +71,7 @@ static void pool_start(void) {
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   int want = cpus >= COPY_THREADS_MAX ? COPY_THREADS_MAX : (cpus > 1 ? (int)cpus : 1);
   pool.nthreads = 1;
+  pool.start_gen = atomic_load(&pool.gen);
   for (int i = 1; i < want; i++) {
     pool.index[i] = i;
     if (pthread_create(&pool.th[i], NULL, helper_main, &pool.index[i])) break;
