@@ -101,7 +101,7 @@ static void par_memcpy(void *dst, const void *src, size_t n) {
   pool.dst = dst;
   pool.src = src;
   pool.n = n;
-  pool.per = (n / (size_t)t + 4095) & ~(size_t)4095;
+  pool.per = ((n + (size_t)t - 1) / (size_t)t + 4095) & ~(size_t)4095; /* t slices cover n */
   atomic_store(&pool.remaining, t - 1);
   pthread_mutex_lock(&pool.mu);
   atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
