@@ -1,5 +1,6 @@
 /* event.c: events (reference counted, pooled per queue, completed once with a status) and the
  * pools that make submission allocation-free in steady state. */
+#include <sched.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -104,16 +105,9 @@ int tdm__event_on_complete(tdm_event *ev, tdm__waiter *w) {
 }
 
 /* How long a waiter polls before it sleeps: a completion that comes within a few tens of
- * microseconds (a short copy, a sync right after small work) then costs no wake-up. */
+ * microseconds (a short copy, a sync right after small work) then costs no wake-up. It yields
+ * between polls, so a completing thread that shares its CPU runs rather than waits. */
 #define TDM__SPIN_NS 20000u
-
-static void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  __asm__ __volatile__("yield");
-#endif
-}
 
 int tdm__event_wait_raw(tdm_event *ev) {
   if (!atomic_load_explicit(&ev->done, memory_order_acquire)) {
@@ -121,10 +115,8 @@ int tdm__event_wait_raw(tdm_event *ev) {
     tdm__exec_kick(q);
     uint64_t until = tdm__now_ns() + TDM__SPIN_NS;
     do {
-      for (int i = 0; i < 64; i++) {
-        if (atomic_load_explicit(&ev->done, memory_order_acquire)) return ev->status;
-        cpu_relax();
-      }
+      if (atomic_load_explicit(&ev->done, memory_order_acquire)) return ev->status;
+      sched_yield();
     } while (tdm__now_ns() < until);
     pthread_mutex_lock(&q->mu);
     while (!atomic_load_explicit(&ev->done, memory_order_relaxed))
