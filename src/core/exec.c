@@ -11,10 +11,9 @@
  *   (native_flush) and waits for that.
  * - With wake_lazily, a push wakes a sleeping executor only when the command needs the host
  *   (host tasks, gates, host copies, frees, syncs) or when TDM__EXEC_BATCH commands have piled
- *   up; anyone about to
- *   wait for an event kicks its queue's executor (tdm__exec_kick), so completions are never
- *   late for an observer, and the submitting thread rarely pays for a wake-up or competes with
- *   the executor for the driver. */
+ *   up; anyone about to wait for or poll an event kicks its queue's executor
+ *   (tdm__exec_kick), so completions are never late for an observer, and the submitting
+ *   thread rarely pays for a wake-up or competes with the executor for the driver. */
 #include <stdlib.h>
 
 #include "internal.h"
@@ -152,8 +151,9 @@ static void *exec_main(void *arg) {
       *held_tail = c;
       held_tail = &c->next;
     } else if (!c->wait) {
-      /* Not on in-order queues, where every command but a quiet one comes with a handle
-       * (backend.h); kept correct for any order all the same. */
+      /* Unreachable while backends keep backend.h's rule (on an in-order queue, the only one
+       * with held commands, every command but a quiet one comes with a handle). Should one
+       * break it, the held commands are at least completed before this one runs. */
       if (held) flush_held(q, &held, &held_tail, true);
       tdm__cmd_run(c);
     } else {

@@ -39,7 +39,8 @@ static copy_pool pool = {.use_mu = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTE
 
 static void copy_slice(int i) {
   size_t off = (size_t)i * pool.per;
-  if (off < pool.n) memcpy(pool.dst + off, pool.src + off, pool.n - off < pool.per ? pool.n - off : pool.per);
+  if (off < pool.n)
+    memcpy(pool.dst + off, pool.src + off, pool.n - off < pool.per ? pool.n - off : pool.per);
 }
 
 static void *helper_main(void *arg) {

@@ -1,11 +1,10 @@
 /* cusubmit.c: turns tandem commands into stream operations. Every command ends with a pooled
  * event recorded on its stream, except quiet ones (whose completion only the queue can
  * observe: they complete with the next event, or one cu_native_flush records); the core waits
- * for it on the queue's executor (in-order) or is
- * notified by this backend's per-stream notifier threads (out-of-order queues, which
- * round-robin over CU_OOO_STREAMS streams). Host work (host tasks, pageable and host-only
- * copies, host fills) holds the stream at a gate until the core has done it; nothing tandem
- * runs inside a CUDA callback. */
+ * for it on the queue's executor (in-order) or is notified by this backend's per-stream
+ * notifier threads (out-of-order queues, which round-robin over CU_OOO_STREAMS streams).
+ * Host work (host tasks, pageable and host-only copies, host fills) holds the stream at a gate
+ * until the core has done it; nothing tandem runs inside a CUDA callback. */
 #include <stdlib.h>
 #include <string.h>
 
