@@ -307,6 +307,22 @@ TH_HELPER int th_gate_wait(th_gate *g, long limit_ms) {
 /* Generous limit for "this must happen eventually" waits (sanitizer builds are slow). */
 enum { TH_HANG_MS = 20000 };
 
+/* A host task held back by a gate: once the test opens it, copies n bytes from src to dst.
+ * The way to keep an event pending until every submission that depends on it has returned. */
+typedef struct th_gated_copy {
+  th_gate *gate;
+  void *dst;
+  const void *src;
+  size_t n;
+} th_gated_copy;
+
+TH_HELPER int th_gated_copy_task(void *p) {
+  th_gated_copy *a = p;
+  CHECK(th_gate_wait(a->gate, TH_HANG_MS));
+  memcpy(a->dst, a->src, a->n);
+  return 0;
+}
+
 /* Polls an event until it completes or `limit_ms` passes; returns its status or TDM_EAGAIN. */
 TH_HELPER int th_event_wait_limited(tdm_event *ev, long limit_ms) {
   int rc;

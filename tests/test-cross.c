@@ -6,20 +6,6 @@
 
 enum { N = 1 << 20 };
 
-struct fill_arg {
-  th_gate *gate;
-  unsigned char *dst;
-  const unsigned char *src;
-};
-
-/* Waits for the test to open the gate, then writes the pattern. */
-static int gated_fill(void *p) {
-  struct fill_arg *a = p;
-  CHECK(th_gate_wait(a->gate, 20000));
-  memcpy(a->dst, a->src, N);
-  return 0;
-}
-
 struct check_arg {
   const unsigned char *got, *want;
   atomic_int ran;
@@ -55,9 +41,9 @@ TEST_CASE(device_waits_for_cpu_task) {
   memset(src, 0, N);
   th_gate gate;
   th_gate_init(&gate);
-  struct fill_arg fa = {&gate, src, want};
+  th_gated_copy fa = {&gate, src, want, N};
   tdm_event *filled;
-  CHECK_OK(tdm_host_task(qc, gated_fill, &fa, 0, NULL, &filled));
+  CHECK_OK(tdm_host_task(qc, th_gated_copy_task, &fa, 0, NULL, &filled));
   CHECK_OK(tdm_queue_wait(qd, filled)); /* returns at once: the task is still held */
   CHECK_OK(tdm_memcpy(qd, d, src, N, TDM_COPY_H2D, 0, NULL, NULL));
   CHECK_OK(tdm_memcpy(qd, back, d, N, TDM_COPY_D2H, 0, NULL, NULL));

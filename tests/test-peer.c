@@ -86,22 +86,9 @@ TEST_CASE(peer_cross_copy) {
   th_close();
 }
 
-struct fill_arg {
-  th_gate *gate;
-  unsigned char *dst;
-  const unsigned char *src;
-};
-
-static int gated_fill(void *p) {
-  struct fill_arg *a = p;
-  CHECK(th_gate_wait(a->gate, 20000));
-  memcpy(a->dst, a->src, N);
-  return 0;
-}
-
 /* Device 1's queue waits device-side for an event of device 0's queue that is still pending
  * (device 0 waits for a held cpu:0 task) and then copies what device 0 produced: a wait that
- * did not hold device 1 back would copy zeros. A failure on device 0 reaches device 1 too. */
+ * did not hold device 1 back would copy zeros. */
 TEST_CASE(cross_device_wait) {
   uint64_t rng = th_seed();
   tdm_device *d0, *d1, *cpu;
@@ -124,9 +111,9 @@ TEST_CASE(cross_device_wait) {
   memset(back, 0, N);
   th_gate gate;
   th_gate_init(&gate);
-  struct fill_arg fa = {&gate, src, want};
+  th_gated_copy fa = {&gate, src, want, N};
   tdm_event *filled, *produced;
-  CHECK_OK(tdm_host_task(qc, gated_fill, &fa, 0, NULL, &filled));
+  CHECK_OK(tdm_host_task(qc, th_gated_copy_task, &fa, 0, NULL, &filled));
   CHECK_OK(tdm_queue_wait(q0, filled));
   CHECK_OK(tdm_memcpy(q0, m0, src, N, TDM_COPY_H2D, 0, NULL, NULL));
   CHECK_OK(tdm_memcpy(q0, mid, m0, N, TDM_COPY_D2H, 0, NULL, &produced));

@@ -10,7 +10,7 @@
  *   the native queue is in order; when none follows, the executor records one itself
  *   (native_flush) and waits for that.
  * - With wake_lazily, a push wakes a sleeping executor only when the command needs the host
- *   (host tasks, gates, host copies, frees, syncs) or when TDM__EXEC_BATCH commands have piled
+ *   (host tasks, gates, host copies, frees, syncs) or when TDM__CMDQ_BATCH commands have piled
  *   up; anyone about to wait for or poll an event kicks its queue's executor
  *   (tdm__exec_kick), so completions are never late for an observer, and the submitting
  *   thread rarely pays for a wake-up or competes with the executor for the driver. */
@@ -18,33 +18,64 @@
 
 #include "internal.h"
 
+/* At most this many commands wait in the FIFO of a sleeping server without waking it, so
+ * what they hold (events, dependencies) is returned promptly. */
+#define TDM__CMDQ_BATCH 64
+
 void tdm__cmdq_init(tdm__cmdq *f) {
   pthread_mutex_init(&f->mu, NULL);
   pthread_cond_init(&f->cv, NULL);
   f->head = f->tail = NULL;
   f->stop = false;
+  f->sleepers = 0;
+  f->unsignaled = 0;
 }
 
-void tdm__cmdq_push(tdm__cmdq *f, tdm__cmd *cmd) {
-  pthread_mutex_lock(&f->mu);
+void tdm__cmdq_push(tdm__cmdq *f, tdm__cmd *cmd, bool wake) {
   cmd->next = NULL;
+  pthread_mutex_lock(&f->mu);
   if (f->tail)
     f->tail->next = cmd;
   else
     f->head = cmd;
   f->tail = cmd;
-  pthread_cond_signal(&f->cv);
+  if (f->sleepers && (wake || ++f->unsignaled >= TDM__CMDQ_BATCH)) {
+    f->unsignaled = 0;
+    pthread_cond_signal(&f->cv);
+  }
   pthread_mutex_unlock(&f->mu);
+}
+
+void tdm__cmdq_kick(tdm__cmdq *f) {
+  pthread_mutex_lock(&f->mu);
+  if (f->sleepers && f->head) {
+    f->unsignaled = 0;
+    pthread_cond_signal(&f->cv);
+  }
+  pthread_mutex_unlock(&f->mu);
+}
+
+/* Called with f->mu held. */
+static void cmdq_sleep(tdm__cmdq *f) {
+  f->sleepers++;
+  pthread_cond_wait(&f->cv, &f->mu);
+  f->sleepers--;
+}
+
+/* Called with f->mu held and f->head set. */
+static tdm__cmd *cmdq_pop(tdm__cmdq *f) {
+  tdm__cmd *c = f->head;
+  f->head = c->next;
+  if (!f->head) f->tail = NULL;
+  return c;
 }
 
 void tdm__cmdq_serve(tdm__cmdq *f) {
   pthread_mutex_lock(&f->mu);
   for (;;) {
-    while (!f->head && !f->stop) pthread_cond_wait(&f->cv, &f->mu);
-    tdm__cmd *c = f->head;
-    if (!c) break; /* stopped and drained */
-    f->head = c->next;
-    if (!f->head) f->tail = NULL;
+    while (!f->head && !f->stop) cmdq_sleep(f);
+    if (!f->head) break; /* stopped and drained */
+    tdm__cmd *c = cmdq_pop(f);
     pthread_mutex_unlock(&f->mu);
     tdm__cmd_run(c);
     pthread_mutex_lock(&f->mu);
@@ -60,10 +91,6 @@ void tdm__cmdq_stop(tdm__cmdq *f) {
 }
 
 /* ---- the executor: one thread per native queue ---- */
-
-/* At most this many commands wait in a sleeping executor's FIFO, or in its held list, so
- * what they hold (events, dependencies) is returned promptly. */
-#define TDM__EXEC_BATCH 64
 
 static bool exec_lazy(const tdm_queue *q) { return q->dev->be->wake_lazily; }
 
@@ -109,9 +136,9 @@ static bool flush_held(tdm_queue *q, tdm__cmd **held, tdm__cmd ***tail, bool alw
   void *h = NULL;
   int native = 0;
   pthread_mutex_lock(&q->submit_mu);
-  pthread_mutex_lock(&q->x_mu);
-  bool empty = q->x_head == NULL;
-  pthread_mutex_unlock(&q->x_mu);
+  pthread_mutex_lock(&q->xq.mu);
+  bool empty = q->xq.head == NULL;
+  pthread_mutex_unlock(&q->xq.mu);
   if (!empty && !always) {
     pthread_mutex_unlock(&q->submit_mu);
     return false;
@@ -125,27 +152,24 @@ static bool flush_held(tdm_queue *q, tdm__cmd **held, tdm__cmd ***tail, bool alw
 
 static void *exec_main(void *arg) {
   tdm_queue *q = arg;
+  tdm__cmdq *f = &q->xq;
   tdm__cmd *held = NULL, **held_tail = &held;
-  pthread_mutex_lock(&q->x_mu);
+  pthread_mutex_lock(&f->mu);
   for (;;) {
-    tdm__cmd *c = q->x_head;
-    if (!c) {
+    if (!f->head) {
       if (held) {
-        pthread_mutex_unlock(&q->x_mu);
+        pthread_mutex_unlock(&f->mu);
         flush_held(q, &held, &held_tail, false);
-        pthread_mutex_lock(&q->x_mu);
+        pthread_mutex_lock(&f->mu);
         continue;
       }
-      if (q->x_stop) break; /* stopped and drained */
-      q->x_sleeping = true;
-      q->x_unsignaled = 0;
-      pthread_cond_wait(&q->x_cv, &q->x_mu);
-      q->x_sleeping = false;
+      if (f->stop) break; /* stopped and drained */
+      f->unsignaled = 0;
+      cmdq_sleep(f);
       continue;
     }
-    q->x_head = c->next;
-    if (!q->x_head) q->x_tail = NULL;
-    pthread_mutex_unlock(&q->x_mu);
+    tdm__cmd *c = cmdq_pop(f);
+    pthread_mutex_unlock(&f->mu);
     if (held_back(q, c)) {
       c->next = NULL;
       *held_tail = c;
@@ -164,16 +188,16 @@ static void *exec_main(void *arg) {
       if (held) finish_held(&held, &held_tail, st, native);
       tdm__cmd_finish(c, st, native);
     }
-    pthread_mutex_lock(&q->x_mu);
+    pthread_mutex_lock(&f->mu);
   }
-  pthread_mutex_unlock(&q->x_mu);
+  pthread_mutex_unlock(&f->mu);
   return NULL;
 }
 
 int tdm__exec_start(tdm_queue *q) {
-  q->x_head = q->x_tail = NULL;
-  q->x_stop = q->x_sleeping = false;
-  q->x_unsignaled = 0;
+  q->xq.head = q->xq.tail = NULL;
+  q->xq.stop = false;
+  q->xq.unsignaled = 0;
   if (pthread_create(&q->x_thread, NULL, exec_main, q))
     return tdm__error(TDM_ENOMEM, 0, "cannot start a queue executor thread");
   q->x_running = true;
@@ -182,36 +206,17 @@ int tdm__exec_start(tdm_queue *q) {
 
 void tdm__exec_stop(tdm_queue *q) {
   if (!q->x_running) return;
-  pthread_mutex_lock(&q->x_mu);
-  q->x_stop = true;
-  pthread_cond_signal(&q->x_cv);
-  pthread_mutex_unlock(&q->x_mu);
+  tdm__cmdq_stop(&q->xq);
   pthread_join(q->x_thread, NULL);
   q->x_running = false;
 }
 
 void tdm__exec_push(tdm__cmd *cmd) {
   tdm_queue *q = cmd->ev->q;
-  bool wake = !exec_lazy(q) || needs_host(cmd);
-  cmd->next = NULL;
-  pthread_mutex_lock(&q->x_mu);
-  if (q->x_tail)
-    q->x_tail->next = cmd;
-  else
-    q->x_head = cmd;
-  q->x_tail = cmd;
-  if (q->x_sleeping && (wake || ++q->x_unsignaled >= TDM__EXEC_BATCH)) {
-    q->x_unsignaled = 0;
-    pthread_cond_signal(&q->x_cv);
-  }
-  pthread_mutex_unlock(&q->x_mu);
+  tdm__cmdq_push(&q->xq, cmd, !exec_lazy(q) || needs_host(cmd));
 }
 
 void tdm__exec_kick(tdm_queue *q) {
-  pthread_mutex_lock(&q->x_mu);
-  if (q->x_sleeping && q->x_head) {
-    q->x_unsignaled = 0;
-    pthread_cond_signal(&q->x_cv);
-  }
-  pthread_mutex_unlock(&q->x_mu);
+  /* Only a lazily woken executor can sleep with commands queued. */
+  if (exec_lazy(q)) tdm__cmdq_kick(&q->xq);
 }

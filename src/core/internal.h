@@ -153,6 +153,26 @@ int tdm__event_on_complete(tdm_event *ev, tdm__waiter *w);
 int tdm__event_wait_raw(tdm_event *ev);
 uint64_t tdm__now_ns(void);
 
+/* ---- exec.c: a FIFO of commands served by threads (the pool, a queue's executor) ---- */
+typedef struct tdm__cmdq {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  tdm__cmd *head, *tail;
+  bool stop;
+  int sleepers;             /* serving threads waiting on cv */
+  unsigned unsignaled;      /* pushed without a wake-up since a thread went to sleep */
+} tdm__cmdq;
+void tdm__cmdq_init(tdm__cmdq *f);
+/* Appends cmd; wakes a sleeping server if wake, or once TDM__CMDQ_BATCH commands have come
+ * without one. */
+void tdm__cmdq_push(tdm__cmdq *f, tdm__cmd *cmd, bool wake);
+/* Wakes a sleeping server if commands are queued. */
+void tdm__cmdq_kick(tdm__cmdq *f);
+/* Runs tdm__cmd_run on what is pushed until tdm__cmdq_stop, then on what is left; for the
+ * threads serving the FIFO. */
+void tdm__cmdq_serve(tdm__cmdq *f);
+void tdm__cmdq_stop(tdm__cmdq *f);
+
 /* ---- queue.c ---- */
 struct tdm_queue {
   _Atomic uint32_t magic;   /* first member */
@@ -186,13 +206,10 @@ struct tdm_queue {
   tdm_event **xwait;
   size_t nxwait, nxres;
   /* Native backends: the executor (exec.c), a thread serving this FIFO of natively enqueued
-   * commands. The lock and condition live as long as the struct (a waiter may kick the FIFO of
-   * a queue that is being destroyed); the rest is under x_mu. */
-  pthread_mutex_t x_mu;
-  pthread_cond_t x_cv;
-  tdm__cmd *x_head, *x_tail;
-  bool x_running, x_stop, x_sleeping;
-  unsigned x_unsignaled;    /* pushed without a wake-up since the executor went to sleep */
+   * commands. The FIFO's lock and condition live as long as the struct (a waiter may kick the
+   * FIFO of a queue that is being destroyed). */
+  tdm__cmdq xq;
+  bool x_running;
   pthread_t x_thread;
   uint64_t trace_last_end;  /* tracing, in-order queues: end of the last command */
 };
@@ -234,19 +251,7 @@ void tdm__cmd_done(tdm__cmd *cmd, int status, int native);
 extern _Thread_local tdm_queue *tdm__tls_queue;
 extern _Thread_local uint64_t tdm__tls_seq;
 
-/* ---- exec.c: a FIFO of commands served by threads, and the per-queue executor ---- */
-typedef struct tdm__cmdq {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  tdm__cmd *head, *tail;
-  bool stop;
-} tdm__cmdq;
-void tdm__cmdq_init(tdm__cmdq *f);
-void tdm__cmdq_push(tdm__cmdq *f, tdm__cmd *cmd);
-/* Runs tdm__cmd_run on what is pushed until tdm__cmdq_stop, then on what is left; for the
- * threads serving the FIFO. */
-void tdm__cmdq_serve(tdm__cmdq *f);
-void tdm__cmdq_stop(tdm__cmdq *f);
+/* ---- exec.c: the per-queue executor ---- */
 
 int tdm__exec_start(tdm_queue *q);
 /* Runs what is queued, then joins the thread. */

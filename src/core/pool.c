@@ -12,7 +12,7 @@ static tdm__cmdq ready;
 static pthread_t *threads;
 static long nthreads;
 
-void tdm__pool_ready(tdm__cmd *cmd) { tdm__cmdq_push(&ready, cmd); }
+void tdm__pool_ready(tdm__cmd *cmd) { tdm__cmdq_push(&ready, cmd, true); }
 
 static void release_one(tdm__cmd *cmd) {
   if (__atomic_sub_fetch(&cmd->bcount, 1, __ATOMIC_ACQ_REL) == 0) tdm__pool_ready(cmd);

@@ -36,8 +36,7 @@ static tdm_queue *queue_struct(void) {
     pthread_mutex_init(&q->submit_mu, NULL);
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);
-    pthread_mutex_init(&q->x_mu, NULL);
-    pthread_cond_init(&q->x_cv, NULL);
+    tdm__cmdq_init(&q->xq);
     q->next_all = tdm__g.queues;
     tdm__g.queues = q;
   }
@@ -136,8 +135,8 @@ void tdm__queues_free_all(void) {
     pthread_mutex_destroy(&q->submit_mu);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);
-    pthread_mutex_destroy(&q->x_mu);
-    pthread_cond_destroy(&q->x_cv);
+    pthread_mutex_destroy(&q->xq.mu);
+    pthread_cond_destroy(&q->xq.cv);
     free(q);
     q = n;
   }
