@@ -341,28 +341,25 @@ typedef struct result {
   double tandem_us, bare_us, ratio; /* per operation, medians over reps */
 } result;
 
-/* One warm-up round of each side, then reps rounds alternating which side goes first. */
+typedef struct side_arg {
+  ctx *c;
+  const bench *b;
+} side_arg;
+
+static int side(void *p, int baseline, double *seconds) {
+  side_arg *a = p;
+  return baseline ? a->b->bare(a->c, seconds) : a->b->tandem(a->c, seconds);
+}
+
 static int run_bench(ctx *c, const bench *b, long reps, result *r) {
-  double *t = calloc(2 * (size_t)reps, sizeof *t), *bt = t + reps, warm;
-  double ops = (double)c->iters * b->ops_per_iter;
-  int rc = -1;
-  if (!t)
+  side_arg a = {c, b};
+  double t, bt, ops = (double)c->iters * b->ops_per_iter;
+  if (bu_interleaved(&a, side, NULL, reps, &t, &bt) < 0)
     return -1;
-  if (b->tandem(c, &warm) < 0 || b->bare(c, &warm) < 0)
-    goto out;
-  for (long i = 0; i < reps; i++) {
-    int tandem_first = i % 2 == 0;
-    if ((tandem_first && b->tandem(c, &t[i]) < 0) || b->bare(c, &bt[i]) < 0 ||
-        (!tandem_first && b->tandem(c, &t[i]) < 0))
-      goto out;
-  }
-  r->tandem_us = bu_median(t, (size_t)reps) / ops * 1e6;
-  r->bare_us = bu_median(bt, (size_t)reps) / ops * 1e6;
+  r->tandem_us = t / ops * 1e6;
+  r->bare_us = bt / ops * 1e6;
   r->ratio = r->tandem_us / r->bare_us;
-  rc = 0;
-out:
-  free(t);
-  return rc;
+  return 0;
 }
 
 static void print_header(const ctx *c, long reps, const bu_machine *m) {

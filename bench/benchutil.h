@@ -39,6 +39,37 @@ static inline double bu_median(double *v, size_t n) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/* One side of a side-by-side figure: tandem (baseline 0) or what it is compared with
+ * (baseline 1); times one repetition into *seconds; returns < 0 on failure. */
+typedef int (*bu_side_fn)(void *arg, int baseline, double *seconds);
+
+/* One untimed warm-up round of each side (then warmed(arg), if given), then reps rounds of
+ * both, alternating which goes first rep by rep. *tandem and *base get the medians in
+ * seconds. Returns 0, -1 when a side failed, -2 when out of host memory. */
+static inline int bu_interleaved(void *arg, bu_side_fn side, void (*warmed)(void *arg),
+                                 long reps, double *tandem, double *base) {
+  double *t = (double *)calloc(2 * (size_t)reps, sizeof *t), *bt = t + reps, warm;
+  int rc = -1;
+  if (!t)
+    return -2;
+  if (side(arg, 0, &warm) < 0 || side(arg, 1, &warm) < 0)
+    goto out;
+  if (warmed)
+    warmed(arg);
+  for (long i = 0; i < reps; i++) {
+    int tandem_first = i % 2 == 0;
+    if ((tandem_first && side(arg, 0, &t[i]) < 0) || side(arg, 1, &bt[i]) < 0 ||
+        (!tandem_first && side(arg, 0, &t[i]) < 0))
+      goto out;
+  }
+  *tandem = bu_median(t, (size_t)reps);
+  *base = bu_median(bt, (size_t)reps);
+  rc = 0;
+out:
+  free(t);
+  return rc;
+}
+
 /* Writes s as a quoted JSON string. */
 static inline void bu_json_string(FILE *f, const char *s) {
   fputc('"', f);

@@ -257,27 +257,34 @@ typedef struct result {
   double tandem_us, raw_us, ratio;
 } result;
 
+typedef struct side_arg {
+  oh *o;
+  const figure *f;
+} side_arg;
+
+static int side(void *p, int baseline, double *seconds) {
+  side_arg *a = p;
+  return baseline ? a->f->raw(a->o, seconds) : a->f->tandem(a->o, seconds);
+}
+
+/* Counts the timed repetitions only. */
+static void warmed(void *p) {
+  oh *o = ((side_arg *)p)->o;
+  o->pending[0] = o->pending[1] = 0;
+}
+
 static int measure(oh *o, const figure *f, result *r) {
-  long reps = o->c->opt->reps;
-  double *t = calloc(2 * (size_t)reps, sizeof *t), *rt = t + reps, warm;
-  int rc = -1;
-  CK(t, "out of host memory");
-  if (f->tandem(o, &warm) < 0 || f->raw(o, &warm) < 0)
+  side_arg a = {o, f};
+  double t, rt;
+  int rc = bu_interleaved(&a, side, warmed, o->c->opt->reps, &t, &rt);
+  CK(rc != -2, "out of host memory");
+  if (rc < 0)
     goto out;
-  o->pending[0] = o->pending[1] = 0; /* count the timed repetitions only */
-  for (long i = 0; i < reps; i++) {
-    int tandem_first = i % 2 == 0;
-    if ((tandem_first && f->tandem(o, &t[i]) < 0) || f->raw(o, &rt[i]) < 0 ||
-        (!tandem_first && f->tandem(o, &t[i]) < 0))
-      goto out;
-  }
   double calls = (double)(f->sync ? round_trips(o) : o->iters);
-  r->tandem_us = bu_median(t, (size_t)reps) / calls * 1e6;
-  r->raw_us = bu_median(rt, (size_t)reps) / calls * 1e6;
+  r->tandem_us = t / calls * 1e6;
+  r->raw_us = rt / calls * 1e6;
   r->ratio = r->tandem_us / r->raw_us;
-  rc = 0;
 out:
-  free(t);
   return rc;
 }
 

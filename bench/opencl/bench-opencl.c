@@ -260,29 +260,28 @@ typedef struct result {
   double tandem_us, raw_us, ratio; /* per call, medians over reps */
 } result;
 
-/* One warm-up round of each side, then reps rounds alternating which side goes first. */
+typedef struct side_arg {
+  ctx *c;
+  const bench *b;
+} side_arg;
+
+static int side(void *p, int baseline, double *seconds) {
+  side_arg *a = p;
+  return baseline ? a->b->raw(a->c, seconds) : a->b->tandem(a->c, seconds);
+}
+
 static int run_bench(ctx *c, const bench *b, long reps, result *r) {
-  double *t = calloc(2 * (size_t)reps, sizeof *t), *rt = t + reps, warm;
-  int rc = -1;
-  if (!t) {
+  side_arg a = {c, b};
+  double t, rt;
+  int rc = bu_interleaved(&a, side, NULL, reps, &t, &rt);
+  if (rc == -2)
     fprintf(stderr, "bench-opencl: out of host memory\n");
+  if (rc < 0)
     return -1;
-  }
-  if (b->tandem(c, &warm) < 0 || b->raw(c, &warm) < 0)
-    goto out;
-  for (long i = 0; i < reps; i++) {
-    int tandem_first = i % 2 == 0;
-    if ((tandem_first && b->tandem(c, &t[i]) < 0) || b->raw(c, &rt[i]) < 0 ||
-        (!tandem_first && b->tandem(c, &t[i]) < 0))
-      goto out;
-  }
-  r->tandem_us = bu_median(t, (size_t)reps) / (double)c->iters * 1e6;
-  r->raw_us = bu_median(rt, (size_t)reps) / (double)c->iters * 1e6;
+  r->tandem_us = t / (double)c->iters * 1e6;
+  r->raw_us = rt / (double)c->iters * 1e6;
   r->ratio = r->tandem_us / r->raw_us;
-  rc = 0;
-out:
-  free(t);
-  return rc;
+  return 0;
 }
 
 static const char *pocl_devices(void) {
