@@ -18,6 +18,15 @@
  * use, spin briefly for the next job (a staged copy posts one every few hundred microseconds)
  * and then sleep. One job at a time (staging on several devices at once takes turns). */
 
+/* A polite busy-wait step. */
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
 typedef struct copy_pool {
   pthread_mutex_t use_mu;        /* one job at a time */
   pthread_mutex_t mu;
@@ -50,7 +59,7 @@ static void *helper_main(void *arg) {
   for (;;) {
     /* Spin a little (about 100 us) before sleeping: the next chunk usually comes soon. */
     for (int k = 0; k < 20000 && atomic_load_explicit(&pool.gen, memory_order_acquire) == seen; k++)
-      __builtin_ia32_pause();
+      relax();
     pthread_mutex_lock(&pool.mu);
     while (atomic_load(&pool.gen) == seen && !pool.stop) pthread_cond_wait(&pool.go, &pool.mu);
     bool stop = pool.stop;
@@ -110,7 +119,7 @@ static void par_memcpy(void *dst, const void *src, size_t n) {
   pthread_mutex_unlock(&pool.mu);
   copy_slice(0);
   for (int k = 0; k < 20000 && atomic_load_explicit(&pool.remaining, memory_order_acquire); k++)
-    __builtin_ia32_pause();
+    relax();
   pthread_mutex_lock(&pool.mu);
   while (atomic_load(&pool.remaining)) pthread_cond_wait(&pool.done, &pool.mu);
   pthread_mutex_unlock(&pool.mu);
