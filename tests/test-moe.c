@@ -152,6 +152,66 @@ TEST_CASE(cache_and_prefetch) {
   th_close();
 }
 
+/* The compute order: staged experts first in the order of their copies, then the ones still
+ * to copy in the order given, with the resident ones spread in front of them; always a
+ * permutation; bad input leaves the list as it was. */
+TEST_CASE(schedule_order) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  struct experts x = make_experts(dev, 2, 12, &rng);
+  int resident[6] = {0, 1, 2, 3, 4, 5};
+  tdm_streamer_config cfg = {.compute = q, .layers = 2, .experts = 12, .expert_bytes = XB,
+                             .host = x.ptrs, .budget_bytes = 6 * XB, .staging_slots = 2,
+                             .policy = TDM_CACHE_STATIC, .resident = resident, .nresident = 6,
+                             .prefetch_depth = 2};
+  tdm_streamer *s;
+  CHECK_OK(tdm_streamer_create(&cfg, &s));
+  int ahead[2] = {9, 8};
+  CHECK_OK(tdm_streamer_prefetch(s, 0, ahead, 2));
+  tdm_streamer_stats st;
+  CHECK_OK(tdm_streamer_stats_get(s, &st));
+  CHECK_EQ((long)st.prefetches, 2L);
+  int order[12], want[12] = {9, 0, 1, 8, 2, 6, 3, 7, 4, 10, 5, 11};
+  for (int e = 0; e < 12; e++) order[e] = e;
+  CHECK_OK(tdm_streamer_schedule(s, 0, order, 12));
+  for (int i = 0; i < 12; i++)
+    CHECK_MSG(order[i] == want[i], "position %d: expert %d, expected %d", i, order[i], want[i]);
+  /* Layer 1 has nothing on the device: the order stays as given. */
+  int l1[5] = {4, 2, 7, 0, 11};
+  CHECK_OK(tdm_streamer_schedule(s, 1, l1, 5));
+  CHECK(l1[0] == 4 && l1[1] == 2 && l1[2] == 7 && l1[3] == 0 && l1[4] == 11);
+  /* Bad input: an expert or layer that does not exist; the list is untouched. */
+  int bad[3] = {3, 12, 1};
+  CHECK_RC(tdm_streamer_schedule(s, 0, bad, 3), TDM_EINVAL);
+  CHECK(bad[0] == 3 && bad[1] == 12 && bad[2] == 1);
+  CHECK_RC(tdm_streamer_schedule(s, 2, order, 12), TDM_EINVAL);
+  CHECK_RC(tdm_streamer_schedule(s, 0, NULL, 2), TDM_EINVAL);
+  CHECK_OK(tdm_streamer_schedule(s, 0, NULL, 0));
+  /* After acquires and releases, a random list comes back a permutation of itself. */
+  for (int i = 0; i < 2; i++) {
+    const void *w;
+    CHECK_OK(tdm_streamer_acquire(s, 0, ahead[i], &w, NULL));
+    CHECK_OK(tdm_streamer_release(s, 0, ahead[i], NULL));
+  }
+  int perm[12], seen[12] = {0};
+  for (int e = 0; e < 12; e++) perm[e] = e;
+  for (int e = 11; e > 0; e--) {
+    int j = (int)th_rand_below(&rng, (uint64_t)e + 1), t = perm[e];
+    perm[e] = perm[j];
+    perm[j] = t;
+  }
+  CHECK_OK(tdm_streamer_schedule(s, 0, perm, 12));
+  for (int i = 0; i < 12; i++) seen[perm[i]]++;
+  for (int e = 0; e < 12; e++) CHECK_EQ(seen[e], 1);
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_streamer_destroy(s));
+  free_experts(&x);
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
 TEST_CASE(streamer_bad_input) {
   uint64_t rng = th_seed();
   tdm_device *dev = th_open();

@@ -66,12 +66,16 @@ TDM_API void tdm_moe_make_input(const tdm_moe_model *m, float *x, int n, uint64_
 
 typedef struct tdm_moe_pass_stats {
   double seconds;           /* wall time of the pass, host clock */
+  double wait_seconds;      /* of which the host waited for the device (routing results, the
+                               final sync); the rest it spent submitting work, so a pass with
+                               little waiting is bound by the host, not the device */
   uint64_t bytes_copied, acquires, hits, misses;
   int experts_computed;     /* expert GEMM groups run (routed, non-empty) */
 } tdm_moe_pass_stats;
 
 /* Runs every layer on a ubatch of T tokens: x (host f32 [T x H]) in, y out. overlap false makes
- * copies and compute alternate (one staging slot is used, no copy runs ahead). */
+ * copies and compute alternate: each copy waits for the compute before it, none runs ahead.
+ * One pass at a time per model (the model's buffers serve every pass). */
 TDM_API int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool overlap, tdm_moe_pass_stats *st);
 
 TDM_API tdm_streamer *tdm_moe_streamer(tdm_moe_model *m);

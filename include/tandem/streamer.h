@@ -76,6 +76,16 @@ TDM_API TDM_NODISCARD int tdm_streamer_release(tdm_streamer *s, int layer, int e
  * prefetch queue, up to prefetch_depth in flight; the rest are dropped (counted). */
 TDM_API TDM_NODISCARD int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts,
                                                 int n);
+/* Orders the listed experts of `layer` for computing, in place, so that compute keeps busy
+ * while copies land and every copy starts as early as it can: first the staged experts, in
+ * the order they were last copied or used (under TDM_CACHE_STATIC those in staging slots;
+ * under TDM_CACHE_LRU those prefetched and not acquired yet), so their slots free up first;
+ * then the experts still to be copied, in the order given, with the experts held on the
+ * device (the static resident set; under TDM_CACHE_LRU the other cached ones) spread evenly in
+ * front of them, so the compute queue works on those while each copy lands. The result is a
+ * permutation of the input; the order changes speed, never results. Bad input (an expert or
+ * layer that does not exist): TDM_EINVAL, the list untouched. */
+TDM_API int tdm_streamer_schedule(tdm_streamer *s, int layer, int *experts, int n);
 /* The streamer's copy queues (borrowed, valid as long as the streamer): demand misses, and
  * prefetches. Work may be ordered against them with tdm_queue_wait, e.g. to serialize copies
  * after compute for a baseline. */

@@ -61,6 +61,9 @@ struct tdm_moe_model {
   size_t ws_bytes;
   /* control plane (pinned host) */
   int32_t *idx_h, *rows_h, *slots_h, *pidx_h;
+  float *x_h;                 /* pinned: a ubatch's activations, in and out */
+  int *scratch;               /* 3 x E: per-expert counts, offsets, order */
+  int *fill;                  /* E: group()'s cursors */
 };
 
 /* ---- deterministic random numbers ---- */
@@ -207,6 +210,10 @@ static int setup_buffers(tdm_moe_model *m) {
   if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * sizeof(int32_t), (void **)&m->idx_h);
   if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * sizeof(int32_t), (void **)&m->rows_h);
   if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * sizeof(int32_t), (void **)&m->slots_h);
+  if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, th, (void **)&m->x_h);
+  if (!rc && (!(m->scratch = malloc((size_t)m->E * 3 * sizeof *m->scratch)) ||
+              !(m->fill = malloc((size_t)m->E * sizeof *m->fill))))
+    rc = tdm__error(TDM_ENOMEM, 0, "no memory");
   if (!rc && m->cfg.predict) {
     rc = dev_alloc(m, tk * sizeof(int32_t), &m->pidx);
     if (!rc) rc = dev_alloc(m, tk * sizeof(float), &m->pwts);
@@ -320,13 +327,15 @@ void tdm_moe_model_destroy(tdm_moe_model *m) {
   void *dev[] = {m->router, m->bias,  m->norm,  m->shared, m->x,   m->xn,   m->out,
                  m->wts,    m->idx,   m->rows,  m->slots,  m->ws,  m->out_shared, m->ones,
                  m->iota,   m->idx_h, m->rows_h, m->slots_h, m->host_experts,
-                 m->pidx,   m->pwts,  m->pidx_h};
+                 m->pidx,   m->pwts,  m->pidx_h, m->x_h};
   for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
     if (dev[i]) tdm_free(dev[i]);
   if (m->ops_state) m->ops->close(m->ops_state);
   if (m->q) tdm_queue_destroy(m->q);
   free(m->host_ptrs);
   free(m->rank);
+  free(m->scratch);
+  free(m->fill);
   free(m);
 }
 
@@ -359,7 +368,7 @@ static void group(tdm_moe_model *m, int T, int *count, int *offset) {
   for (int i = 0; i < T * k; i++) count[m->idx_h[i]]++;
   offset[0] = 0;
   for (int e = 1; e < E; e++) offset[e] = offset[e - 1] + count[e - 1];
-  int *fill = malloc((size_t)E * sizeof *fill);
+  int *fill = m->fill;
   memcpy(fill, offset, (size_t)E * sizeof *fill);
   for (int t = 0; t < T; t++)
     for (int j = 0; j < k; j++) {
@@ -367,7 +376,6 @@ static void group(tdm_moe_model *m, int T, int *count, int *offset) {
       m->rows_h[at] = t;
       m->slots_h[at] = t * k + j;
     }
-  free(fill);
 }
 
 static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stats *st, int *count,
@@ -395,7 +403,9 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
   if ((rc = tdm_memcpy(m->q, m->idx_h, m->idx, (size_t)T * k * sizeof(int32_t), TDM_COPY_D2H, 0,
                        NULL, &routed)))
     return rc;
+  double w0 = now_s();
   rc = tdm_event_wait(routed);
+  st->wait_seconds += now_s() - w0;
   tdm_event_release(routed);
   if (rc) {
     if (predicted) tdm_event_release(predicted);
@@ -407,13 +417,15 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
       (rc = tdm_memcpy(m->q, m->slots, m->slots_h, (size_t)T * k * sizeof(int32_t), TDM_COPY_H2D,
                        0, NULL, NULL)))
     return rc;
-  /* Routed experts, most popular first (the resident set, under the static policy, is the
-   * most popular, so compute starts on experts already on the device while copies run). */
+  /* Routed experts, most popular first, then in the streamer's order: what it staged ahead
+   * first, then the copies, with the experts held on the device computed while each lands.
+   * Both runs, overlapped and serialized, take the same order. */
   int n = 0;
   for (int e = 0; e < E; e++) order[e] = -1;
   for (int e = 0; e < E; e++) order[m->rank[(size_t)l * E + e]] = count[e] ? e : -1;
   for (int r = 0; r < E; r++)
     if (order[r] >= 0) order[n++] = order[r];
+  if ((rc = tdm_streamer_schedule(m->streamer, l, order, n))) return rc;
   tdm_queue *demand = NULL;
   tdm_streamer_queues(m->streamer, &demand, NULL);
   if (overlap && (rc = tdm_streamer_prefetch(m->streamer, l, order, n))) return rc;
@@ -440,7 +452,9 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
   if (predicted) {
     /* Prefetch the predicted experts of the next layer, each once (the serialized baseline
      * copies nothing ahead). */
+    double p0 = now_s();
     rc = tdm_event_wait(predicted);
+    st->wait_seconds += now_s() - p0;
     tdm_event_release(predicted);
     if (rc) return rc;
     int np = 0;
@@ -448,6 +462,12 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
     for (int i = 0; overlap && i < T * k; i++)
       if (!count[m->pidx_h[i]]++) order[np++] = m->pidx_h[i];
     if (np && (rc = tdm_streamer_prefetch(m->streamer, l + 1, order, np))) return rc;
+  } else if (overlap && l + 1 < m->L && n >= E - E / 8) {
+    /* Prefill: a ubatch that touched nearly every expert of this layer will touch nearly every
+     * expert of the next, so its most popular ones start streaming into the staging slots
+     * this layer frees, while this layer's last experts compute and its routing travels. */
+    for (int e = 0; e < E; e++) order[m->rank[(size_t)(l + 1) * E + e]] = e;
+    if ((rc = tdm_streamer_prefetch(m->streamer, l + 1, order, E))) return rc;
   }
   for (int j = 0; j < m->p.shared; j++) {
     size_t sb = (size_t)3 * H * m->p.shared_ffn;
@@ -465,15 +485,9 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
     return tdm__error(TDM_EINVAL, 0, "a ubatch of %d tokens (this model takes 1 to %d)", T, m->maxT);
   memset(st, 0, sizeof *st);
   size_t bytes = (size_t)T * m->H * sizeof(float);
-  float *xh;
-  int rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, bytes, (void **)&xh);
-  if (rc) return rc;
+  float *xh = m->x_h;
+  int *count = m->scratch, rc;
   memcpy(xh, x, bytes);
-  int *count = malloc((size_t)m->E * 3 * sizeof *count);
-  if (!count) {
-    tdm_free(xh);
-    return tdm__error(TDM_ENOMEM, 0, "no memory");
-  }
   tdm_streamer_stats s0, s1;
   tdm_streamer_stats_get(m->streamer, &s0);
   double t0 = now_s();
@@ -481,7 +495,9 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   for (int l = 0; !rc && l < m->L; l++)
     rc = layer(m, l, T, overlap, st, count, count + m->E, count + 2 * m->E);
   if (!rc) rc = tdm_memcpy(m->q, xh, m->x, bytes, TDM_COPY_D2H, 0, NULL, NULL);
+  double w0 = now_s();
   int src = tdm_queue_sync(m->q);
+  st->wait_seconds += now_s() - w0;
   if (!rc) rc = src;
   st->seconds = now_s() - t0;
   tdm_streamer_stats_get(m->streamer, &s1);
@@ -490,7 +506,5 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   st->hits = s1.hits - s0.hits;
   st->misses = s1.misses - s0.misses;
   if (!rc) memcpy(y, xh, bytes);
-  free(count);
-  tdm_free(xh);
   return rc;
 }

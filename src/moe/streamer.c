@@ -269,6 +269,61 @@ int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts, int n)
   return rc;
 }
 
+/* Sorts staged experts by the tick of their copy (insertion sort: a handful of staging
+ * slots at most). */
+static void sort_by_tick(tdm_streamer *s, int *keys, int n, int layer) {
+  for (int i = 1; i < n; i++) {
+    int e = keys[i], j = i;
+    uint64_t t = s->slots[s->map[layer * s->cfg.experts + e]].last_use;
+    for (; j > 0 && s->slots[s->map[layer * s->cfg.experts + keys[j - 1]]].last_use > t; j--)
+      keys[j] = keys[j - 1];
+    keys[j] = e;
+  }
+}
+
+int tdm_streamer_schedule(tdm_streamer *s, int layer, int *experts, int n) {
+  if (!s || n < 0 || (n && !experts) || layer < 0 || layer >= s->cfg.layers)
+    return tdm__error(TDM_EINVAL, 0, "tdm_streamer_schedule: bad arguments");
+  if (n < 2) return 0;
+  int *buf = malloc((size_t)n * 3 * sizeof *buf);
+  if (!buf) return tdm__error(TDM_ENOMEM, 0, "no memory to order %d experts", n);
+  int *staged = buf, *held = buf + n, *absent = buf + 2 * n, ns = 0, nh = 0, na = 0;
+  pthread_mutex_lock(&s->mu);
+  for (int j = 0; j < n; j++) {
+    int key = key_of(s, layer, experts[j]);
+    if (key < 0) {
+      pthread_mutex_unlock(&s->mu);
+      free(buf);
+      return tdm__error(TDM_EINVAL, 0, "tdm_streamer_schedule: expert %d of layer %d does not exist",
+                        experts[j], layer);
+    }
+    int i = s->map[key];
+    if (i < 0) {
+      absent[na++] = experts[j];
+    } else {
+      const slot *sl = &s->slots[i];
+      bool staging = sl->unused_prefetch || (s->cfg.policy == TDM_CACHE_STATIC && !sl->fixed);
+      if (staging) staged[ns++] = experts[j];
+      else held[nh++] = experts[j];
+    }
+  }
+  sort_by_tick(s, staged, ns, layer);
+  pthread_mutex_unlock(&s->mu);
+  /* Staged first, then the rest; held experts go in front of the others, floor(j * nh / m)
+   * of them before the j-th (m = the staged and absent ones), so each copy has compute in
+   * front of it and none is left for after the last copy. */
+  int m = ns + na, o = 0, h = 0;
+  for (int j = 0; j < m; j++) {
+    int upto = (int)((long)(j + 1) * nh / m);
+    if (j == 0 && ns) upto = 0; /* a staged expert is on its way already: no need to wait */
+    while (h < upto) experts[o++] = held[h++];
+    experts[o++] = j < ns ? staged[j] : absent[j - ns];
+  }
+  while (h < nh) experts[o++] = held[h++];
+  free(buf);
+  return 0;
+}
+
 int tdm_streamer_queues(tdm_streamer *s, tdm_queue **demand, tdm_queue **prefetch) {
   if (!s) return tdm__error(TDM_EINVAL, 0, "tdm_streamer_queues: s is NULL");
   if (demand) *demand = s->demand;
