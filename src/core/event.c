@@ -57,10 +57,10 @@ void tdm__event_free(tdm_event *ev) {
   tdm_queue *q = ev->q;
   void *bev = atomic_exchange(&ev->bev, NULL);
   if (bev) q->dev->be->native_release(bev);
-  atomic_store(&ev->magic, TDM__MAGIC_DEAD);
+  atomic_store_explicit(&ev->magic, TDM__MAGIC_DEAD, memory_order_relaxed);
   ev->q = NULL;
   tdm__pool_put(&q->events, ev);
-  atomic_fetch_sub(&q->n_events, 1);
+  atomic_fetch_add_explicit(&q->n_freed, 1, memory_order_relaxed);
   tdm__queue_unref(q);
 }
 

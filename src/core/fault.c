@@ -68,8 +68,11 @@ int tdm_stats_get(tdm_stats *out) {
   out->events = out->pending = 0;
   pthread_mutex_lock(&tdm__g.mu);
   for (tdm_queue *q = tdm__g.queues; q; q = q->next_all) {
-    out->events += atomic_load(&q->n_events);
-    out->pending += atomic_load(&q->n_pending);
+    /* The completing side first: it never runs ahead of the submitting side. */
+    long freed = atomic_load(&q->n_freed), done = atomic_load(&q->n_done);
+    long submitted = atomic_load(&q->n_submitted);
+    out->events += submitted - freed;
+    out->pending += submitted - done;
   }
   pthread_mutex_unlock(&tdm__g.mu);
   return 0;

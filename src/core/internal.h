@@ -25,6 +25,7 @@
 
 #define TDM__MAX_DEVICES 64
 #define TDM__MAX_BACKENDS 8
+#define TDM__QUEUE_REF_BATCH 256 /* queue references an event submission takes at a time */
 
 enum {
   TDM__MAGIC_QUEUE = 0x51554555u, /* "QUEU" */
@@ -178,7 +179,7 @@ struct tdm_queue {
   _Atomic uint32_t magic;   /* first member */
   tdm_queue *next_all;      /* ctx.queues */
   tdm_queue *next_free;     /* ctx.free_queues */
-  _Atomic int refs;         /* 1 for the handle while live, 1 per event */
+  _Atomic int refs;         /* 1 for the handle while live, 1 per event, and ref_stock */
   tdm_device *dev;
   unsigned flags;
   bool owned_by_tandem;     /* a cached default queue */
@@ -193,7 +194,15 @@ struct tdm_queue {
   uint64_t seq;             /* under submit_mu */
   tdm__pool events, cmds;
   tdm_event *all_events;    /* under submit_mu */
-  _Atomic long n_events, n_pending; /* per queue, so submitters share no counter */
+  /* Counters, per queue so submitters share none. The submitter's side has one writer (under
+   * submit_mu) and is never written by completing threads, so a submission takes no atomic
+   * read-modify-write on a line they touch: events alive = submitted - freed, commands
+   * pending = submitted - done. ref_stock: queue references taken ahead, a batch at a time,
+   * one of which each new event takes (under submit_mu). */
+  _Atomic long n_submitted;
+  int ref_stock;
+  _Alignas(64) _Atomic long n_done;
+  _Atomic long n_freed;
   _Atomic int first_error;  /* first failure since the last sync */
   int chain_error;          /* in-order: an earlier failure; touched only in execution order */
   /* tracker (tracker.c), under submit_mu */

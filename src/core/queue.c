@@ -57,6 +57,7 @@ int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, boo
   if (!q) return tdm__error(TDM_ENOMEM, 0, "no memory for a queue");
   q->dev = dev;
   q->flags = flags;
+  q->ref_stock = 0;
   q->owned_by_tandem = owned;
   q->adopted = adopt != NULL;
   atomic_store(&q->destroying, false);
@@ -110,7 +111,11 @@ int tdm__queue_destroy_internal(tdm_queue *q) {
   q->bq = NULL;
   pthread_mutex_lock(&q->submit_mu);
   tdm__tracker_fini(q);
+  /* References taken ahead for events that will never be: the handle's keeps q alive. */
+  int stock = q->ref_stock;
+  q->ref_stock = 0;
   pthread_mutex_unlock(&q->submit_mu);
+  if (stock) atomic_fetch_sub(&q->refs, stock);
   atomic_store(&q->magic, TDM__MAGIC_DEAD);
   atomic_fetch_sub(&tdm__g.n_queues, 1);
   tdm__queue_unref(q);

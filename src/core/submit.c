@@ -116,7 +116,12 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
     case TDM__CMD_FREE: cmd->u.free_.ptr = spec->u_ptr0; break;
     default: break;
   }
-  for (size_t i = 0; i < ndeps; i++) add_dep(cmd, deps[i]);
+  /* A dependency that has completed without error orders nothing any more: host-observed
+   * completion means its effects are visible to whatever runs after it, so neither the
+   * backend nor the executor need to hear of it (a failed one is kept: it fails the command). */
+  for (size_t i = 0; i < ndeps; i++)
+    if (!atomic_load_explicit(&deps[i]->done, memory_order_acquire) || deps[i]->status != 0)
+      add_dep(cmd, deps[i]);
   if (gate_dep) add_dep(cmd, gate_dep);
   for (size_t i = 0; i < nall; i++)
     if (q->trk[i] != q->gate) add_dep(cmd, q->trk[i]);
@@ -124,11 +129,16 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
     if (!atomic_load(&q->xwait[i]->done)) add_dep(cmd, q->xwait[i]);
 
   /* Every reference the event will have is taken before the backend sees the command: the
-   * command may complete (and drop its own) before submit returns. */
+   * command may complete (and drop its own) before submit returns. No other thread can see
+   * the event before the backend hands the command over (under a lock, which publishes these
+   * stores), so they need no ordering of their own: plain stores let the CPU go on while the
+   * event's cache line, last written by the thread that completed its previous use, comes
+   * back. */
   bool track = !spec->untracked;
   bool gate = spec->gate && ooo(q);
-  atomic_store(&ev->refs, 1 + (track ? 1 : 0) + (gate ? 1 : 0) + (out ? 1 : 0));
-  atomic_store(&ev->done, 0);
+  atomic_store_explicit(&ev->refs, 1 + (track ? 1 : 0) + (gate ? 1 : 0) + (out ? 1 : 0),
+                        memory_order_relaxed);
+  atomic_store_explicit(&ev->done, 0, memory_order_relaxed);
   ev->status = 0;
   ev->native = 0;
   ev->timed = (q->flags & TDM_QUEUE_TIMING) != 0;
@@ -137,18 +147,23 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
   ev->op = spec->op;
   ev->q = q;
   ev->waiters = NULL;
-  atomic_store(&ev->bev, NULL);
+  atomic_store_explicit(&ev->bev, NULL, memory_order_relaxed);
   cmd->wait = NULL;
   cmd->gate = NULL;
-  atomic_fetch_add(&q->refs, 1);
-  atomic_store(&ev->magic, TDM__MAGIC_EVENT);
+  if (q->ref_stock == 0) {
+    atomic_fetch_add_explicit(&q->refs, TDM__QUEUE_REF_BATCH, memory_order_relaxed);
+    q->ref_stock = TDM__QUEUE_REF_BATCH;
+  }
+  q->ref_stock--; /* the event's reference to its queue */
+  atomic_store_explicit(&ev->magic, TDM__MAGIC_EVENT, memory_order_relaxed);
   cmd->ev = ev;
-  atomic_fetch_add_explicit(&q->n_events, 1, memory_order_relaxed);
-  atomic_fetch_add_explicit(&q->n_pending, 1, memory_order_relaxed);
+  atomic_store_explicit(&q->n_submitted,
+                        atomic_load_explicit(&q->n_submitted, memory_order_relaxed) + 1,
+                        memory_order_relaxed);
 
   rc = TDM__BCALL(q->dev, q->dev->be->submit(q->bq, cmd));
   if (rc) {
-    atomic_fetch_sub(&q->n_pending, 1);
+    atomic_fetch_add_explicit(&q->n_done, 1, memory_order_relaxed);
     cmd_release_deps(cmd);
     atomic_store(&ev->refs, 1);
     tdm__event_unref(ev);
@@ -192,7 +207,7 @@ void tdm__cmd_done(tdm__cmd *cmd, int status, int native) {
   cmd_release_deps(cmd);
   cmd->ev = NULL;
   tdm__pool_put(&q->cmds, cmd);
-  atomic_fetch_sub_explicit(&q->n_pending, 1, memory_order_relaxed);
+  atomic_fetch_add_explicit(&q->n_done, 1, memory_order_relaxed);
   tdm__event_complete_unref(ev, status, native);
 }
 
