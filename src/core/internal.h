@@ -201,7 +201,8 @@ struct tdm_queue {
    * one of which each new event takes (under submit_mu). */
   _Atomic long n_submitted;
   int ref_stock;
-  _Alignas(64) _Atomic long n_done;
+  char apart_[64];          /* keeps the completing side's counters off the submitter's line */
+  _Atomic long n_done;
   _Atomic long n_freed;
   _Atomic int first_error;  /* first failure since the last sync */
   int chain_error;          /* in-order: an earlier failure; touched only in execution order */

@@ -41,8 +41,7 @@ typedef struct cu_device {
   size_t memory;
   bool wait_value;         /* cuStreamWaitValue32 works on this device */
   cudaStream_t internal;   /* allocation, frees and staging: never gated */
-  pthread_mutex_t ev_mu;   /* event pool */
-  cu_event *ev_free;
+  _Atomic(cu_event *) ev_returned; /* event pool: a stack any thread pushes onto */
   pthread_mutex_t gate_mu; /* gate slots */
   pthread_cond_t gate_cv;  /* fallback host functions wait here */
   volatile uint32_t *gate_host;
@@ -71,6 +70,7 @@ struct tdm__bqueue {
   int nstreams;
   cudaStream_t s[CU_OOO_STREAMS];
   unsigned rr; /* next stream (out-of-order) */
+  cu_event *ev_local; /* events taken from the device's pool; under the core's submission lock */
   cu_notifier note[CU_OOO_STREAMS];
 };
 
@@ -86,7 +86,8 @@ int cu_error(cudaError_t err, const char *what);
 int cu_enter(int dev, int *saved);
 void cu_leave(int saved);
 
-cu_event *cu_event_get(int dev, bool timed);
+/* With bq's submission lock held (every backend entry that records is called with it). */
+cu_event *cu_event_get(struct tdm__bqueue *bq);
 void cu_event_put(cu_event *ev);
 cu_gate *cu_gate_get(int dev);
 int cu_gate_enqueue(cu_gate *g, cudaStream_t s);

@@ -61,29 +61,41 @@ void cu_leave(int saved) {
 
 /* ---- events: pooled per device, timing only where asked ---- */
 
-cu_event *cu_event_get(int dev, bool timed) {
-  cu_device *d = &cu_devs[dev];
+/* Pooled per device without a lock: a queue takes events from a list of its own (touched
+ * only under its submission lock) and refills it, all at once, from the device's stack, onto
+ * which whoever drops an event's last reference pushes it. Popping the whole stack at once
+ * leaves no ABA hazard; the thread completing events writes no line the submitting thread
+ * reads on every record. */
+static void ev_push(cu_event *ev) {
+  cu_device *d = &cu_devs[ev->dev];
+  cu_event *head = atomic_load_explicit(&d->ev_returned, memory_order_relaxed);
+  do ev->next = head;
+  while (!atomic_compare_exchange_weak_explicit(&d->ev_returned, &head, ev, memory_order_release,
+                                                memory_order_relaxed));
+}
+
+cu_event *cu_event_get(tdm__bqueue *bq) {
   cu_event *ev = NULL;
-  if (!timed) {
-    pthread_mutex_lock(&d->ev_mu);
-    ev = d->ev_free;
-    if (ev) d->ev_free = ev->next;
-    pthread_mutex_unlock(&d->ev_mu);
+  if (!bq->timed) {
+    if (!bq->ev_local)
+      bq->ev_local = atomic_exchange_explicit(&cu_devs[bq->bdev].ev_returned, NULL,
+                                              memory_order_acquire);
+    if ((ev = bq->ev_local)) bq->ev_local = ev->next;
   }
   if (!ev) {
     ev = calloc(1, sizeof *ev);
     if (!ev) return NULL;
     /* No cudaEventBlockingSync: the executor waits with the device's scheduling policy (it
      * spins while there are spare cores), which keeps host-task round trips short. */
-    unsigned flags = timed ? cudaEventDefault : cudaEventDisableTiming;
+    unsigned flags = bq->timed ? cudaEventDefault : cudaEventDisableTiming;
     if (cudaEventCreateWithFlags(&ev->e, flags) != cudaSuccess) {
       free(ev);
       return NULL;
     }
-    ev->dev = dev;
-    ev->timed = timed;
+    ev->dev = bq->bdev;
+    ev->timed = bq->timed;
   }
-  atomic_store(&ev->refs, 1);
+  atomic_store_explicit(&ev->refs, 1, memory_order_relaxed);
   return ev;
 }
 
@@ -95,11 +107,7 @@ void cu_event_put(cu_event *ev) {
     free(ev);
     return;
   }
-  cu_device *d = &cu_devs[ev->dev];
-  pthread_mutex_lock(&d->ev_mu);
-  ev->next = d->ev_free;
-  d->ev_free = ev;
-  pthread_mutex_unlock(&d->ev_mu);
+  ev_push(ev);
 }
 
 /* ---- gates ---- */
@@ -167,7 +175,6 @@ static int init_device(cu_device *d, int ordinal) {
   if (e != cudaSuccess) return cu_error(e, "cudaGetDeviceProperties");
   snprintf(d->name, sizeof d->name, "%.*s", (int)sizeof d->name - 1, p.name);
   d->memory = p.totalGlobalMem;
-  pthread_mutex_init(&d->ev_mu, NULL);
   pthread_mutex_init(&d->gate_mu, NULL);
   pthread_cond_init(&d->gate_cv, NULL);
   pthread_mutex_init(&d->stage_mu, NULL);
@@ -246,7 +253,7 @@ static void cuda_shutdown(void) {
     cudaSetDevice(d->ordinal);
     cudaStreamSynchronize(d->internal);
     cu_mem_fini(d);
-    for (cu_event *ev = d->ev_free, *n; ev; ev = n) {
+    for (cu_event *ev = atomic_exchange(&d->ev_returned, NULL), *n; ev; ev = n) {
       n = ev->next;
       cudaEventDestroy(ev->e);
       free(ev);
@@ -334,6 +341,10 @@ static void cuda_queue_destroy(tdm__bqueue *bq) {
   if (!bq->adopted)
     for (int i = 0; i < bq->nstreams; i++) cudaStreamDestroy(bq->s[i]);
   cu_leave(saved);
+  for (cu_event *ev = bq->ev_local, *n; ev; ev = n) {
+    n = ev->next;
+    ev_push(ev);
+  }
   free(bq);
 }
 

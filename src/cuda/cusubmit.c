@@ -11,7 +11,7 @@
 #include "cu.h"
 
 static int record(tdm__bqueue *bq, int si, cu_event **out) {
-  cu_event *ev = cu_event_get(bq->bdev, bq->timed);
+  cu_event *ev = cu_event_get(bq);
   if (!ev) return cu_svc->error(TDM_ENOMEM, 0, "no CUDA event");
   cudaError_t e = cudaEventRecord(ev->e, bq->s[si]);
   if (e != cudaSuccess) {
