@@ -173,7 +173,9 @@ TDM_API int tdm_queue_flags(tdm_queue *q, unsigned *flags);
 
 /* Device-side wait: work submitted to q after this call starts after ev completes. The caller
  * returns at once. ev may come from any queue or device; tandem keeps its own reference for
- * as long as it needs one (so do dependency lists), and the caller may release ev at once. */
+ * as long as it needs one (so do dependency lists), and the caller may release ev at once.
+ * Waiting for an event that has already completed without error costs no command (nor does
+ * such an event in a dependency list); a failed one fails what waits for it. */
 TDM_API TDM_NODISCARD int tdm_queue_wait(tdm_queue *q, tdm_event *ev);
 /* Barrier: the command waits for the listed events, or for every earlier command of the queue
  * when ndeps is 0, and every later command waits for it. */

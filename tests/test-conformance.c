@@ -1785,6 +1785,49 @@ TEST_CASE(error_propagation) {
   th_close();
 }
 
+/* Waits for events that have already completed: a successful one orders nothing and the
+ * queue goes on (in-order and out-of-order), also as a dependency; a failed one still fails
+ * what waits for it. */
+TEST_CASE(wait_completed_events) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  unsigned char *src = dev_alloc(dev, TDM_MEM_PINNED, 512), *dst = dev_alloc(dev, TDM_MEM_PINNED, 512);
+  for (int round = 0; round < 2; round++) {
+    unsigned flags = round ? TDM_QUEUE_OUT_OF_ORDER : TDM_QUEUE_IN_ORDER;
+    if (round && !has_cap(dev, TDM_DEVICE_CAP_OUT_OF_ORDER)) break;
+    tdm_queue *p = new_queue(dev, TDM_QUEUE_IN_ORDER), *q = new_queue(dev, flags);
+    atomic_int ran = 0;
+    tdm_event *ok = NULL, *bad = NULL, *copied = NULL, *task = NULL, *after = NULL;
+    CHECK_OK(tdm_host_task(p, task_count, &ran, 0, NULL, &ok));
+    CHECK_OK(tdm_event_wait(ok));
+    CHECK_OK(tdm_queue_wait(q, ok));
+    th_fill_random(src, 512, &rng);
+    CHECK_OK(tdm_memcpy(q, dst, src, 512, TDM_COPY_H2H, 1, &ok, &copied));
+    CHECK_OK(tdm_event_wait(copied));
+    CHECK_MEM_EQ(dst, src, 512);
+    CHECK_OK(tdm_queue_sync(q));
+    /* A failed event stays a failure, completed or not. */
+    CHECK_OK(tdm_host_task(p, task_fail_einval, NULL, 0, NULL, &bad));
+    CHECK_RC(tdm_event_wait(bad), TDM_EINVAL);
+    CHECK_RC(tdm_queue_sync(p), TDM_EINVAL);
+    CHECK_OK(tdm_host_task(q, task_count, &ran, 1, &bad, &task));
+    CHECK_RC(tdm_event_wait(task), TDM_EDEP);
+    CHECK_OK(tdm_queue_wait(q, bad));
+    CHECK_OK(tdm_event_record(q, &after));
+    CHECK(tdm_event_wait(after) < 0);
+    CHECK(tdm_queue_sync(q) < 0);
+    CHECK_OK(tdm_queue_sync(q));
+    CHECK_EQ(atomic_load(&ran), 1);
+    tdm_event *all[] = {ok, bad, copied, task, after};
+    release_all(all, 5);
+    CHECK_OK(tdm_queue_destroy(q));
+    CHECK_OK(tdm_queue_destroy(p));
+  }
+  CHECK_OK(tdm_free(src));
+  CHECK_OK(tdm_free(dst));
+  th_close();
+}
+
 /* A marker reports a failure whose own event nobody asked for. */
 TEST_CASE(error_marker_without_event) {
   tdm_device *dev = th_open();

@@ -395,6 +395,10 @@ int tdm_queue_wait(tdm_queue *q, tdm_event *ev) {
   CHECK_Q(q);
   int rc = tdm__event_check(ev);
   if (rc) return rc;
+  /* An event that has completed without error orders nothing any more: no command at all
+   * (on an out-of-order queue the current gate stays the gate, as it would have been this
+   * wait's dependency). A failed one still makes the wait, which then fails the queue. */
+  if (atomic_load_explicit(&ev->done, memory_order_acquire) && ev->status == 0) return 0;
   tdm__spec s = {.kind = TDM__CMD_BARRIER, .op = "wait", .gate = true};
   return tdm__submit(q, &s, 1, &ev, NULL);
 }
