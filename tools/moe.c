@@ -188,6 +188,8 @@ typedef struct run {
   double seconds, tokens_per_s;
   uint64_t bytes, acquires, hits;
   double wait_seconds;   /* the host waiting for routing results */
+  double ops_seconds, streamer_seconds; /* host time in expert operations, in the streamer */
+  long experts;          /* experts computed */
   double decode_seconds; /* the decode part alone */
   uint64_t decode_acquires, decode_hits, decode_bytes;
   int ok;
@@ -217,6 +219,9 @@ static int workload(tdm_moe_model *m, const moe_opts *o, int H, bool overlap, co
     if (r) {
       r->seconds += st.seconds;
       r->wait_seconds += st.wait_seconds;
+      r->ops_seconds += st.ops_seconds;
+      r->streamer_seconds += st.streamer_seconds;
+      r->experts += st.experts_computed;
       r->bytes += st.bytes_copied;
       r->acquires += st.acquires;
       r->hits += st.hits;
@@ -231,6 +236,9 @@ static int workload(tdm_moe_model *m, const moe_opts *o, int H, bool overlap, co
     if (r) {
       r->seconds += st.seconds;
       r->wait_seconds += st.wait_seconds;
+      r->ops_seconds += st.ops_seconds;
+      r->streamer_seconds += st.streamer_seconds;
+      r->experts += st.experts_computed;
       r->bytes += st.bytes_copied;
       r->acquires += st.acquires;
       r->hits += st.hits;
@@ -388,10 +396,12 @@ int tool_cmd_moe(int argc, char **argv) {
     printf(" \"runs\": [");
     for (int i = 0; i < nruns; i++)
       printf("%s{\"name\": \"%s\", \"seconds\": %.6f, \"host_wait_seconds\": %.6f, "
+             "\"host_ops_seconds\": %.6f, \"host_streamer_seconds\": %.6f, \"experts\": %ld, "
              "\"tokens_per_s\": %.3f, \"bytes_copied\": "
              "%llu, \"hit_rate\": %.4f, \"decode_tokens_per_s\": %.3f, \"decode_hit_rate\": %.4f, "
              "\"matches_resident\": %s}",
-             i ? ", " : "", runs[i].name, runs[i].seconds, runs[i].wait_seconds, runs[i].tokens_per_s,
+             i ? ", " : "", runs[i].name, runs[i].seconds, runs[i].wait_seconds,
+             runs[i].ops_seconds, runs[i].streamer_seconds, runs[i].experts, runs[i].tokens_per_s,
              (unsigned long long)runs[i].bytes,
              runs[i].acquires ? (double)runs[i].hits / runs[i].acquires : 0.0,
              runs[i].decode_seconds > 0 ? o.decode / runs[i].decode_seconds : 0.0,
@@ -430,6 +440,12 @@ int tool_cmd_moe(int argc, char **argv) {
       printf("  overlap efficiency %.2f   max(copy at peak, all-resident time) / overlapped\n",
              efficiency);
     if (ovl && ser) printf("  speed-up           %.2fx  serialized / overlapped\n", ser->seconds / ovl->seconds);
+    if (main_run->experts)
+      printf("  host per expert    %.1f us in expert operations + %.1f us in the streamer (%s run; "
+             "the host waited %.0f%% of the time)\n",
+             1e6 * main_run->ops_seconds / main_run->experts,
+             1e6 * main_run->streamer_seconds / main_run->experts, main_run->name,
+             100 * main_run->wait_seconds / main_run->seconds);
     if (o.decode && main_run->decode_seconds > 0) {
       /* Decode at batch 1 is bound by the bytes it must copy: link / ((1 - hit) x bytes/token). */
       double h = main_run->decode_acquires ? (double)main_run->decode_hits / main_run->decode_acquires : 0;

@@ -69,8 +69,11 @@ typedef struct tdm_moe_pass_stats {
   double wait_seconds;      /* of which the host waited for the device (routing results, the
                                final sync); the rest it spent submitting work, so a pass with
                                little waiting is bound by the host, not the device */
+  double ops_seconds;       /* host time in the backend's expert operations (kernel launches,
+                               BLAS calls) */
+  double streamer_seconds;  /* host time in the streamer's calls and the events they take */
   uint64_t bytes_copied, acquires, hits, misses;
-  int experts_computed;     /* expert GEMM groups run (routed, non-empty) */
+  int experts_computed;     /* routed experts computed (routed, non-empty) */
 } tdm_moe_pass_stats;
 
 /* Runs every layer on a ubatch of T tokens: x (host f32 [T x H]) in, y out. overlap false makes

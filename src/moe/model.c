@@ -432,9 +432,14 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
   for (int i = 0; i < n; i++) {
     int e = order[i];
     const void *w;
+    double t0 = now_s();
     if ((rc = tdm_streamer_acquire(m->streamer, l, e, &w, NULL))) return rc;
+    double t1 = now_s();
     rc = ops->expert(os, m->q, m->xn, m->rows + offset[e], m->slots + offset[e], count[e], w, H,
                      m->I, m->out, m->ws, m->ws_bytes);
+    double t2 = now_s();
+    st->ops_seconds += t2 - t1;
+    st->streamer_seconds += t1 - t0;
     tdm_event *done = NULL;
     if (!rc) rc = tdm_event_record(m->q, &done);
     int rr = tdm_streamer_release(m->streamer, l, e, rc ? NULL : done);
@@ -447,6 +452,7 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
     if (overlap && i + 1 < n &&
         (rc = tdm_streamer_prefetch(m->streamer, l, order + i + 1, n - i - 1)))
       return rc;
+    st->streamer_seconds += now_s() - t2;
     st->experts_computed++;
   }
   if (predicted) {
