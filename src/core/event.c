@@ -78,8 +78,12 @@ void tdm__event_complete_unref(tdm_event *ev, int status, int native) {
   tdm__waiter *w = ev->waiters;
   ev->waiters = NULL;
   int last = atomic_fetch_sub(&ev->refs, 1) == 1;
-  pthread_cond_broadcast(&q->cv);
+  bool sleepers = q->cv_sleepers > 0;
   pthread_mutex_unlock(&q->mu);
+  /* Woken after the lock is let go, and only if someone sleeps: a waiter that shares this
+   * CPU then runs without first blocking on the lock. q outlives this: ev holds a reference
+   * to it until tdm__event_free below. */
+  if (sleepers) pthread_cond_broadcast(&q->cv);
   /* Continuations run outside the lock. Each belongs to a holder of a reference, so ev
    * outlives the loop; a node may be freed by its own fn, hence next is read first. */
   while (w) {
@@ -119,8 +123,11 @@ int tdm__event_wait_raw(tdm_event *ev) {
       sched_yield();
     } while (tdm__now_ns() < until);
     pthread_mutex_lock(&q->mu);
-    while (!atomic_load_explicit(&ev->done, memory_order_relaxed))
+    while (!atomic_load_explicit(&ev->done, memory_order_relaxed)) {
+      q->cv_sleepers++;
       pthread_cond_wait(&q->cv, &q->mu);
+      q->cv_sleepers--;
+    }
     pthread_mutex_unlock(&q->mu);
   }
   return ev->status;

@@ -39,20 +39,20 @@ void tdm__cmdq_push(tdm__cmdq *f, tdm__cmd *cmd, bool wake) {
   else
     f->head = cmd;
   f->tail = cmd;
-  if (f->sleepers && (wake || ++f->unsignaled >= TDM__CMDQ_BATCH)) {
-    f->unsignaled = 0;
-    pthread_cond_signal(&f->cv);
-  }
+  bool signal = f->sleepers && (wake || ++f->unsignaled >= TDM__CMDQ_BATCH);
+  if (signal) f->unsignaled = 0;
   pthread_mutex_unlock(&f->mu);
+  /* After the lock is let go, so a woken thread that shares this CPU does not block on it at
+   * once. A FIFO lives as long as its queue (or the pool), which outlives every push. */
+  if (signal) pthread_cond_signal(&f->cv);
 }
 
 void tdm__cmdq_kick(tdm__cmdq *f) {
   pthread_mutex_lock(&f->mu);
-  if (f->sleepers && f->head) {
-    f->unsignaled = 0;
-    pthread_cond_signal(&f->cv);
-  }
+  bool signal = f->sleepers && f->head;
+  if (signal) f->unsignaled = 0;
   pthread_mutex_unlock(&f->mu);
+  if (signal) pthread_cond_signal(&f->cv);
 }
 
 /* Called with f->mu held. */

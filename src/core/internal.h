@@ -190,7 +190,8 @@ struct tdm_queue {
   tdm__bqueue *bq;
   pthread_mutex_t submit_mu;
   pthread_mutex_t mu;
-  pthread_cond_t cv;
+  pthread_cond_t cv;        /* completions of this queue's events (with mu) */
+  int cv_sleepers;          /* threads waiting on cv, under mu */
   uint64_t seq;             /* under submit_mu */
   tdm__pool events, cmds;
   tdm_event *all_events;    /* under submit_mu */

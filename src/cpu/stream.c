@@ -15,6 +15,7 @@ struct tdm_cpu_stream {
   pthread_cond_t cv;
   tdm__cmd *head, *tail;
   bool stop;
+  bool idle; /* the worker sleeps on cv (under mu) */
   pthread_t thread;
 };
 
@@ -29,7 +30,11 @@ static void *worker(void *arg) {
   tdm_cpu_stream *s = arg;
   pthread_mutex_lock(&s->mu);
   for (;;) {
-    while (!s->head && !s->stop) pthread_cond_wait(&s->cv, &s->mu);
+    while (!s->head && !s->stop) {
+      s->idle = true;
+      pthread_cond_wait(&s->cv, &s->mu);
+      s->idle = false;
+    }
     tdm__cmd *c = s->head;
     if (!c) break; /* stopped and drained */
     s->head = c->next;
@@ -91,8 +96,13 @@ int tdm__cpu_stream_push(tdm_cpu_stream *s, tdm__cmd *cmd) {
   else
     s->head = cmd;
   s->tail = cmd;
-  pthread_cond_signal(&s->cv);
+  /* Woken after the lock is let go: a worker that shares this CPU then runs without first
+   * blocking on the lock its waker still holds. The stream outlives this call (it is freed
+   * only once its queue is destroyed, which waits for submissions in progress). */
+  bool wake = s->idle;
+  s->idle = false;
   pthread_mutex_unlock(&s->mu);
+  if (wake) pthread_cond_signal(&s->cv);
   return 0;
 }
 
