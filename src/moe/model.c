@@ -440,11 +440,12 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
     double t2 = now_s();
     st->ops_seconds += t2 - t1;
     st->streamer_seconds += t1 - t0;
+    /* Overlapped, the streamer records the compute's end itself, and only for a slot that
+     * can be overwritten. Serialized, the next copy waits for this compute. */
     tdm_event *done = NULL;
-    if (!rc) rc = tdm_event_record(m->q, &done);
-    int rr = tdm_streamer_release(m->streamer, l, e, rc ? NULL : done);
+    if (!rc && !overlap) rc = tdm_event_record(m->q, &done);
+    int rr = tdm_streamer_release(m->streamer, l, e, done);
     if (!rc) rc = rr;
-    /* Serialized baseline: the next copy waits for this compute. */
     if (!rc && !overlap) rc = tdm_queue_wait(demand, done);
     if (done) tdm_event_release(done);
     if (rc) return rc;

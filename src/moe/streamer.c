@@ -215,22 +215,27 @@ int tdm_streamer_release(tdm_streamer *s, int layer, int e, tdm_event *done) {
   if (!s) return TDM_EINVAL;
   int key = key_of(s, layer, e);
   if (key < 0) return TDM_EINVAL;
-  tdm_event *ev = done;
-  int rc = done ? tdm_event_retain(done) : tdm_event_record(s->cfg.compute, &ev);
-  if (rc) return rc;
   pthread_mutex_lock(&s->mu);
   int i = s->map[key];
   if (i < 0 || s->slots[i].pins == 0) {
     pthread_mutex_unlock(&s->mu);
-    tdm_event_release(ev);
     return TDM_ESTATE;
   }
   slot *sl = &s->slots[i];
-  sl->pins--;
-  if (sl->free) tdm_event_release(sl->free);
-  sl->free = ev;
+  /* A resident slot is never overwritten: no event to keep. Else the given one, or one
+   * recorded now on the compute queue (still under the lock, so the slot cannot change). */
+  int rc = 0;
+  if (!sl->fixed) {
+    tdm_event *ev = done;
+    rc = done ? tdm_event_retain(done) : tdm_event_record(s->cfg.compute, &ev);
+    if (!rc) {
+      if (sl->free) tdm_event_release(sl->free);
+      sl->free = ev;
+    }
+  }
+  if (!rc) sl->pins--;
   pthread_mutex_unlock(&s->mu);
-  return 0;
+  return rc;
 }
 
 int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts, int n) {
