@@ -415,9 +415,18 @@ int tool_cmd_moe(int argc, char **argv) {
     char hid[32] = "null", eff[32] = "null";
     if (!isnan(hidden)) snprintf(hid, sizeof hid, "%.4f", hidden);
     if (!isnan(efficiency)) snprintf(eff, sizeof eff, "%.4f", efficiency);
+    /* Decode's bound: link / ((1 - hit rate) x expert bytes per token); null when nothing
+     * was copied (no decode, or every expert hit). */
+    char bound[32] = "null";
+    if (o.decode && main_run->decode_acquires) {
+      double h = (double)main_run->decode_hits / main_run->decode_acquires;
+      if (h < 1)
+        snprintf(bound, sizeof bound, "%.3f",
+                 peak * 1e9 / ((1 - h) * (double)layers * p->topk * (double)ebytes));
+    }
     printf("],\n \"link_utilization\": %.4f, \"hidden_fraction\": %s, \"overlap_efficiency\": %s, "
-           "\"copy_seconds_at_peak\": %.6f, \"check\": \"%s\"}\n",
-           link, hid, eff, copy_s, yref ? (all_ok ? "ok" : "FAILED") : "skipped");
+           "\"copy_seconds_at_peak\": %.6f, \"decode_bound_tokens_per_s\": %s, \"check\": \"%s\"}\n",
+           link, hid, eff, copy_s, bound, yref ? (all_ok ? "ok" : "FAILED") : "skipped");
   } else {
     char b1[32], b2[32];
     printf("\non %s (%s): %ld prefill tokens in ubatches of %ld, %ld decode tokens\n", info.id,
