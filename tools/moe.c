@@ -192,7 +192,7 @@ typedef struct run {
   const char *name;
   double seconds, tokens_per_s;
   uint64_t bytes, acquires, hits;
-  double wait_seconds;   /* the host waiting for routing results */
+  double wait_seconds;   /* the host waiting for the device (routing results, final sync) */
   double ops_seconds, streamer_seconds; /* host time in expert operations, in the streamer */
   long experts;          /* experts computed */
   double decode_seconds; /* the decode part alone */
@@ -210,6 +210,24 @@ static void progress(const char *what, long done, long total) {
   fflush(stderr);
 }
 
+/* Adds one pass's statistics to a run (a decode pass also to its decode part). */
+static void add_pass(run *r, const tdm_moe_pass_stats *st, bool decode) {
+  r->seconds += st->seconds;
+  r->wait_seconds += st->wait_seconds;
+  r->ops_seconds += st->ops_seconds;
+  r->streamer_seconds += st->streamer_seconds;
+  r->experts += st->experts_computed;
+  r->bytes += st->bytes_copied;
+  r->acquires += st->acquires;
+  r->hits += st->hits;
+  if (decode) {
+    r->decode_seconds += st->seconds;
+    r->decode_acquires += st->acquires;
+    r->decode_hits += st->hits;
+    r->decode_bytes += st->bytes_copied;
+  }
+}
+
 /* The prefill of o->tokens in ubatches, then the decode, outputs in y; statistics summed into
  * r when r is set (a timed run), else discarded (a warm-up). */
 static int workload(tdm_moe_model *m, const moe_opts *o, int H, bool overlap, const char *name,
@@ -221,16 +239,7 @@ static int workload(tdm_moe_model *m, const moe_opts *o, int H, bool overlap, co
     long t0 = p * o->ubatch, T = o->tokens - t0 < o->ubatch ? o->tokens - t0 : o->ubatch;
     tdm_moe_make_input(m, x, (int)T, (uint64_t)t0, false);
     rc = tdm_moe_forward(m, x, y + (size_t)t0 * H, (int)T, overlap, &st);
-    if (r) {
-      r->seconds += st.seconds;
-      r->wait_seconds += st.wait_seconds;
-      r->ops_seconds += st.ops_seconds;
-      r->streamer_seconds += st.streamer_seconds;
-      r->experts += st.experts_computed;
-      r->bytes += st.bytes_copied;
-      r->acquires += st.acquires;
-      r->hits += st.hits;
-    }
+    if (r) add_pass(r, &st, false);
     progress(name, p + 1, steps);
   }
   /* Decode: one token at a time; successive inputs are correlated (--locality). */
@@ -238,20 +247,7 @@ static int workload(tdm_moe_model *m, const moe_opts *o, int H, bool overlap, co
   if (!rc && o->decode) tdm_moe_make_input(m, xd, (int)o->decode, 0, true);
   for (long t = 0; !rc && t < o->decode; t++) {
     rc = tdm_moe_forward(m, xd + (size_t)t * H, y + (size_t)(o->tokens + t) * H, 1, overlap, &st);
-    if (r) {
-      r->seconds += st.seconds;
-      r->wait_seconds += st.wait_seconds;
-      r->ops_seconds += st.ops_seconds;
-      r->streamer_seconds += st.streamer_seconds;
-      r->experts += st.experts_computed;
-      r->bytes += st.bytes_copied;
-      r->acquires += st.acquires;
-      r->hits += st.hits;
-      r->decode_seconds += st.seconds;
-      r->decode_acquires += st.acquires;
-      r->decode_hits += st.hits;
-      r->decode_bytes += st.bytes_copied;
-    }
+    if (r) add_pass(r, &st, true);
     progress(name, passes + t + 1, steps);
   }
   return rc;
