@@ -444,8 +444,14 @@ int tool_cmd_moe(int argc, char **argv) {
              runs[i].ok < 0 ? "-" : runs[i].ok ? "equal" : "DIFFERS");
     }
     printf("\n  link utilization   %.2f   expert bytes copied / wall time / peak\n", link);
-    if (!isnan(hidden))
-      printf("  hidden fraction    %.2f   (serialized - overlapped) / min(copy, compute)\n", hidden);
+    if (!isnan(hidden)) {
+      printf("  hidden fraction    %.2f   (serialized - overlapped) / min(copy, compute)", hidden);
+      /* A shorter side of a few percent of the run is within the runs' timing noise. */
+      double shorter = copy_s < res->seconds ? copy_s : res->seconds;
+      if (shorter < 0.05 * ovl->seconds)
+        printf("; the shorter side is %.1f%% of the run, within timing noise", 100 * shorter / ovl->seconds);
+      printf("\n");
+    }
     if (!isnan(efficiency))
       printf("  overlap efficiency %.2f   max(copy at peak, all-resident time) / overlapped\n",
              efficiency);
