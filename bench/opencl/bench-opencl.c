@@ -177,16 +177,36 @@ out:
 }
 
 /* Untimed: iters events recorded on A, all complete. Then timed: B waits for each. */
+/* The timed part of both wait benchmarks: queue B waits for each of A's events in c->tev. */
+static int tandem_time_waits(ctx *c, double *seconds) {
+  int rc = 0;
+  double t0 = bu_seconds();
+  for (long i = 0; i < c->iters; i++)
+    TRY("tdm_queue_wait on queue B", tdm_queue_wait(c->q[1], c->tev[i]));
+  *seconds = bu_seconds() - t0;
+out:
+  return rc;
+}
+
+/* The same for raw OpenCL, on c->rev. */
+static int raw_time_waits(ctx *c, double *seconds) {
+  int rc = 0;
+  double t0 = bu_seconds();
+  for (long i = 0; i < c->iters; i++)
+    CLTRY("clEnqueueBarrierWithWaitList on queue B",
+          clEnqueueBarrierWithWaitList(c->rq[1], 1, &c->rev[i], NULL));
+  *seconds = bu_seconds() - t0;
+out:
+  return rc;
+}
+
 static int tandem_wait(ctx *c, double *seconds) {
   int rc = 0;
   long n = 0;
   for (; n < c->iters; n++)
     TRY("tdm_event_record on queue A", tdm_event_record(c->q[0], &c->tev[n]));
   TRY("tdm_event_wait", tdm_event_wait(c->tev[n - 1]));
-  double t0 = bu_seconds();
-  for (long i = 0; i < c->iters; i++)
-    TRY("tdm_queue_wait on queue B", tdm_queue_wait(c->q[1], c->tev[i]));
-  *seconds = bu_seconds() - t0;
+  rc = tandem_time_waits(c, seconds);
 out:
   for (long i = 0; i < n; i++)
     tdm_event_release(c->tev[i]);
@@ -200,11 +220,7 @@ static int raw_wait(ctx *c, double *seconds) {
     CLTRY("clEnqueueMarkerWithWaitList on queue A",
           clEnqueueMarkerWithWaitList(c->rq[0], 0, NULL, &c->rev[n]));
   CLTRY("clWaitForEvents", clWaitForEvents(1, &c->rev[n - 1]));
-  double t0 = bu_seconds();
-  for (long i = 0; i < c->iters; i++)
-    CLTRY("clEnqueueBarrierWithWaitList on queue B",
-          clEnqueueBarrierWithWaitList(c->rq[1], 1, &c->rev[i], NULL));
-  *seconds = bu_seconds() - t0;
+  rc = raw_time_waits(c, seconds);
 out:
   for (long i = 0; i < n; i++)
     clReleaseEvent(c->rev[i]);
@@ -226,10 +242,7 @@ static int tandem_wait_pending(ctx *c, double *seconds) {
   TRY("tdm_host_task on queue A", tdm_host_task(c->q[0], hold_queue, &c->open, 0, NULL, NULL));
   for (; n < c->iters; n++)
     TRY("tdm_event_record on queue A", tdm_event_record(c->q[0], &c->tev[n]));
-  double t0 = bu_seconds();
-  for (long i = 0; i < c->iters; i++)
-    TRY("tdm_queue_wait on queue B", tdm_queue_wait(c->q[1], c->tev[i]));
-  *seconds = bu_seconds() - t0;
+  rc = tandem_time_waits(c, seconds);
 out:
   atomic_store(&c->open, 1);
   for (long i = 0; i < n; i++)
@@ -246,11 +259,7 @@ static int raw_wait_pending(ctx *c, double *seconds) {
   for (; n < c->iters; n++)
     CLTRY("clEnqueueMarkerWithWaitList on queue A",
           clEnqueueMarkerWithWaitList(c->rq[0], 1, &gate, &c->rev[n]));
-  double t0 = bu_seconds();
-  for (long i = 0; i < c->iters; i++)
-    CLTRY("clEnqueueBarrierWithWaitList on queue B",
-          clEnqueueBarrierWithWaitList(c->rq[1], 1, &c->rev[i], NULL));
-  *seconds = bu_seconds() - t0;
+  rc = raw_time_waits(c, seconds);
 out:
   clSetUserEventStatus(gate, CL_COMPLETE);
   clReleaseEvent(gate);

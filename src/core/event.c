@@ -5,31 +5,25 @@
 #include <time.h>
 
 #include "internal.h"
+#include "lfstack.h"
 
-/* ---- pools: a local list popped under the owner's lock, and a lock-free stack that any
- * thread pushes onto; the owner takes the whole stack with one exchange, so there is no ABA. */
-
-typedef struct link { struct link *next; } link;
+/* ---- pools: a local list popped under the owner's lock, refilled whole from a lock-free
+ * stack that any thread pushes onto (lfstack.h). */
 
 void *tdm__pool_get(tdm__pool *p) {
-  if (!p->local) p->local = atomic_exchange(&p->returned, NULL);
-  link *it = p->local;
+  if (!p->local) p->local = tdm__lfstack_take(&p->returned);
+  tdm__link *it = p->local;
   if (it) p->local = it->next;
   return it;
 }
 
-void tdm__pool_put(tdm__pool *p, void *item) {
-  link *it = item;
-  void *head = atomic_load(&p->returned);
-  do it->next = head;
-  while (!atomic_compare_exchange_weak(&p->returned, &head, it));
-}
+void tdm__pool_put(tdm__pool *p, void *item) { tdm__lfstack_push(&p->returned, item); }
 
 void tdm__pool_drain(tdm__pool *p, void (*destroy)(void *)) {
-  link *lists[2] = {p->local, atomic_exchange(&p->returned, NULL)};
+  tdm__link *lists[2] = {p->local, tdm__lfstack_take(&p->returned)};
   p->local = NULL;
   for (int i = 0; i < 2; i++)
-    for (link *it = lists[i], *n; it; it = n) {
+    for (tdm__link *it = lists[i], *n; it; it = n) {
       n = it->next;
       destroy(it);
     }

@@ -10,13 +10,14 @@
 #include <stdint.h>
 
 #include "backend.h"
+#include "lfstack.h"
 
 #define CU_OOO_STREAMS 4 /* an out-of-order queue round-robins over this many streams */
 #define CU_GATES 4096    /* gate slots per device */
 
 /* A pooled native event. refs: one per holder (the tandem event, the core's wait). */
 typedef struct cu_event {
-  struct cu_event *next;
+  struct cu_event *next; /* first: the pool's link (lfstack.h) */
   cudaEvent_t e;
   _Atomic int refs;
   int dev;
@@ -41,7 +42,7 @@ typedef struct cu_device {
   size_t memory;
   bool wait_value;         /* cuStreamWaitValue32 works on this device */
   cudaStream_t internal;   /* allocation, frees and staging: never gated */
-  _Atomic(cu_event *) ev_returned; /* event pool: a stack any thread pushes onto */
+  _Atomic(void *) ev_returned; /* event pool: a stack any thread pushes onto (lfstack.h) */
   pthread_mutex_t gate_mu; /* gate slots */
   pthread_cond_t gate_cv;  /* fallback host functions wait here */
   volatile uint32_t *gate_host;

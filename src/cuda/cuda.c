@@ -66,20 +66,13 @@ void cu_leave(int saved) {
  * which whoever drops an event's last reference pushes it. Popping the whole stack at once
  * leaves no ABA hazard; the thread completing events writes no line the submitting thread
  * reads on every record. */
-static void ev_push(cu_event *ev) {
-  cu_device *d = &cu_devs[ev->dev];
-  cu_event *head = atomic_load_explicit(&d->ev_returned, memory_order_relaxed);
-  do ev->next = head;
-  while (!atomic_compare_exchange_weak_explicit(&d->ev_returned, &head, ev, memory_order_release,
-                                                memory_order_relaxed));
-}
+static void ev_push(cu_event *ev) { tdm__lfstack_push(&cu_devs[ev->dev].ev_returned, ev); }
 
 cu_event *cu_event_get(tdm__bqueue *bq) {
   cu_event *ev = NULL;
   if (!bq->timed) {
     if (!bq->ev_local)
-      bq->ev_local = atomic_exchange_explicit(&cu_devs[bq->bdev].ev_returned, NULL,
-                                              memory_order_acquire);
+      bq->ev_local = tdm__lfstack_take(&cu_devs[bq->bdev].ev_returned);
     if ((ev = bq->ev_local)) bq->ev_local = ev->next;
   }
   if (!ev) {
@@ -253,7 +246,7 @@ static void cuda_shutdown(void) {
     cudaSetDevice(d->ordinal);
     cudaStreamSynchronize(d->internal);
     cu_mem_fini(d);
-    for (cu_event *ev = atomic_exchange(&d->ev_returned, NULL), *n; ev; ev = n) {
+    for (cu_event *ev = tdm__lfstack_take(&d->ev_returned), *n; ev; ev = n) {
       n = ev->next;
       cudaEventDestroy(ev->e);
       free(ev);
