@@ -229,6 +229,10 @@ TEST_CASE(streamer_bad_input) {
   CHECK_RC(tdm_streamer_create(&cfg, &s), TDM_EINVAL);
   CHECK(strstr(tdm_last_error(), "staging slot") != NULL);
   cfg.staging_slots = 1;
+  cfg.prefetch_depth = -1;
+  CHECK_RC(tdm_streamer_create(&cfg, &s), TDM_EINVAL);
+  CHECK(strstr(tdm_last_error(), "prefetch depth") != NULL);
+  cfg.prefetch_depth = 0;
   cfg.host = NULL;
   CHECK_RC(tdm_streamer_create(&cfg, &s), TDM_EINVAL);
   /* Every slot acquired: the next acquire says so instead of waiting forever. */

@@ -46,6 +46,8 @@ static const char moe_help[] =
     "  --cache-policy C   static: the most popular experts stay resident (prefill); lru: every\n"
     "                     slot is one LRU cache (decode). Default static\n"
     "  --slots N          staging slots besides the budget (default 4)\n"
+    "  --prefetch-depth N prefetch copies in flight at most (default: static, a layer's\n"
+    "                     experts; lru, the staging slots)\n"
     "  --skew S           Zipf exponent of expert popularity (default 1.0)\n"
     "  --locality R       correlation of successive decode tokens, 0..0.99 (default 0.8)\n"
     "  --seed N           weights and inputs (default 1)\n"
@@ -58,7 +60,7 @@ static const char moe_help[] =
 
 typedef struct moe_opts {
   const char *preset, *device, *trace;
-  long layers, tokens, ubatch, decode, slots, seed;
+  long layers, tokens, ubatch, decode, slots, depth, seed;
   double skew, locality, budget_pct;
   size_t budget_bytes;
   int policy, overlap_only_serial, check, json, predict;
@@ -113,6 +115,9 @@ static int parse(int argc, char **argv, moe_opts *o) {
       if (m < 0 || tool_parse_count(cmd, "--decode", v, 1 << 20, &o->decode) < 0) return -1;
     } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--slots", &v))) {
       if (m < 0 || tool_parse_count(cmd, "--slots", v, 4096, &o->slots) < 0) return -1;
+    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--prefetch-depth", &v))) {
+      if (m < 0 || tool_parse_count(cmd, "--prefetch-depth", v, 1 << 16, &o->depth) < 0)
+        return -1;
     } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--seed", &v))) {
       if (m < 0 || tool_parse_count(cmd, "--seed", v, 1L << 40, &o->seed) < 0) return -1;
     } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--skew", &v))) {
@@ -310,8 +315,8 @@ int tool_cmd_moe(int argc, char **argv) {
   tdm_moe_config cfg = {.preset = p, .layers = (int)layers, .device = dev,
                         .seed = (uint64_t)o.seed, .skew = o.skew, .locality = o.locality,
                         .max_tokens = (int)o.ubatch, .budget_bytes = budget,
-                        .staging_slots = (int)o.slots, .policy = o.policy,
-                        .predict = o.predict != 0};
+                        .staging_slots = (int)o.slots, .prefetch_depth = (int)o.depth,
+                        .policy = o.policy, .predict = o.predict != 0};
   size_t H = (size_t)p->hidden, total = (size_t)(o.tokens + o.decode);
   x = malloc(((size_t)o.ubatch + o.decode) * H * sizeof *x);
   y = malloc(total * H * sizeof *y);
@@ -392,8 +397,8 @@ int tool_cmd_moe(int argc, char **argv) {
            layers, o.tokens, o.ubatch, o.decode, o.skew, o.locality,
            o.policy == TDM_CACHE_LRU ? "lru" : "static", o.predict ? "true" : "false");
     printf(" \"budget_bytes\": %zu, \"staging_slots\": %d, \"resident_slots\": %d, "
-           "\"expert_bytes\": %zu, \"peak_gbps\": %.3f,\n",
-           budget, ss.staging_slots, ss.resident_slots, ebytes, peak);
+           "\"prefetch_depth\": %d, \"expert_bytes\": %zu, \"peak_gbps\": %.3f,\n",
+           budget, ss.staging_slots, ss.resident_slots, ss.prefetch_depth, ebytes, peak);
     printf(" \"runs\": [");
     for (int i = 0; i < nruns; i++)
       printf("%s{\"name\": \"%s\", \"seconds\": %.6f, \"host_wait_seconds\": %.6f, "
@@ -431,8 +436,8 @@ int tool_cmd_moe(int argc, char **argv) {
     tool_format_bytes(ss.device_bytes, b2, sizeof b2);
     printf("  routing    Zipf skew %.2f, decode locality %.2f, policy %s\n", o.skew, o.locality,
            o.policy == TDM_CACHE_LRU ? "lru" : "static");
-    printf("  device     budget %s (%d resident slots) + %d staging slots = %s\n", b1,
-           ss.resident_slots, ss.staging_slots, b2);
+    printf("  device     budget %s (%d resident slots) + %d staging slots = %s; prefetch "
+           "depth %d\n", b1, ss.resident_slots, ss.staging_slots, b2, ss.prefetch_depth);
     printf("  link       %.2f GB/s peak (one large pinned copy, this process)\n\n", peak);
     printf("  %-22s %10s %12s %12s %12s %9s %8s\n", "run", "time", "host waits", "tokens/s",
            "copied", "hit rate", "output");

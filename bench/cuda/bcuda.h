@@ -122,5 +122,6 @@ int bench_overhead(bc_ctx *c, FILE *json);
 int bench_pinned(bc_ctx *c, FILE *json);
 int bench_pageable(bc_ctx *c, FILE *json);
 int bench_overlap(bc_ctx *c, FILE *json);
+int bench_expert(bc_ctx *c, FILE *json);
 
 #endif /* TANDEM_BCUDA_H */

@@ -42,6 +42,11 @@ typedef struct tdm_moe_config {
   size_t budget_bytes;     /* resident experts on the device (all: everything resident) */
   bool all_resident;       /* every expert resident: the reference run */
   int staging_slots;
+  int prefetch_depth;      /* prefetch copies in flight at most (0: the policy's default:
+                              under TDM_CACHE_STATIC a layer's experts, so a prefill ubatch's
+                              copies all queue in the order they are needed and the next
+                              layer's look-ahead is not dropped while this layer's copies are
+                              still on their way; under TDM_CACHE_LRU the staging slots) */
   tdm_cache_policy policy;
   int threads;             /* for filling the weights (0: all cores) */
   bool predict;            /* look ahead: layer L+1's router applied to layer L's input picks

@@ -52,6 +52,7 @@ typedef struct tdm_streamer_stats {
   uint64_t prefetches, prefetch_hits, prefetch_dropped; /* issued, then acquired, over depth */
   uint64_t bytes_copied;           /* expert bytes copied host-to-device */
   int resident_slots, staging_slots;
+  int prefetch_depth;              /* prefetch copies in flight at most */
   size_t device_bytes;             /* device memory the slots take */
 } tdm_streamer_stats;
 

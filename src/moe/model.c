@@ -265,6 +265,9 @@ static int setup_streamer(tdm_moe_model *m) {
       .policy = m->cfg.all_resident ? TDM_CACHE_STATIC : m->cfg.policy,
       .resident = resident,
       .nresident = (int)n,
+      .prefetch_depth = m->cfg.prefetch_depth > 0 ? m->cfg.prefetch_depth
+                        : m->cfg.policy == TDM_CACHE_STATIC ? m->E
+                                                            : 0,
   };
   int rc = tdm_streamer_create(&sc, &m->streamer);
   free(resident);

@@ -27,6 +27,7 @@ struct tdm_streamer {
   char *base; /* nslots * expert_bytes of device memory */
   int nslots, nfixed;
   slot *slots;
+  int *evictable, nevictable; /* the slots that are not fixed, in index order */
   int *map;   /* key -> slot, or -1 */
   pthread_mutex_t mu;
   uint64_t tick;
@@ -65,12 +66,14 @@ static int load(tdm_streamer *s, int i, int key, tdm_queue *q) {
 }
 
 /* The least recently used slot that may be overwritten, or -1. Prefetches spare slots holding
- * prefetched experts nobody has acquired yet. */
+ * prefetched experts nobody has acquired yet. Only the evictable slots are looked at: with a
+ * static resident set of thousands of experts this runs at every acquire and prefetch. */
 static int victim(tdm_streamer *s, bool for_prefetch) {
   int best = -1;
-  for (int i = 0; i < s->nslots; i++) {
+  for (int j = 0; j < s->nevictable; j++) {
+    int i = s->evictable[j];
     slot *sl = &s->slots[i];
-    if (sl->fixed || sl->pins || (for_prefetch && sl->unused_prefetch)) continue;
+    if (sl->pins || (for_prefetch && sl->unused_prefetch)) continue;
     if (best < 0 || sl->last_use < s->slots[best].last_use) best = i;
     if (sl->key < 0) return i;
   }
@@ -85,6 +88,9 @@ int tdm_streamer_create(const tdm_streamer_config *cfg, tdm_streamer **out) {
   if (cfg->staging_slots < 1)
     return tdm__error(TDM_EINVAL, 0, "the streamer needs at least one staging slot (got %d)",
                       cfg->staging_slots);
+  if (cfg->prefetch_depth < 0)
+    return tdm__error(TDM_EINVAL, 0, "a prefetch depth of %d copies (0 or more)",
+                      cfg->prefetch_depth);
   if (cfg->budget_bytes && cfg->budget_bytes < cfg->expert_bytes)
     return tdm__error(TDM_EINVAL, 0, "a budget of %zu bytes cannot hold one %zu-byte expert",
                       cfg->budget_bytes, cfg->expert_bytes);
@@ -101,10 +107,11 @@ int tdm_streamer_create(const tdm_streamer_config *cfg, tdm_streamer **out) {
   s->nslots = s->nfixed + cfg->staging_slots;
   s->depth = cfg->prefetch_depth > 0 ? cfg->prefetch_depth : cfg->staging_slots;
   s->slots = calloc((size_t)s->nslots, sizeof *s->slots);
+  s->evictable = malloc((size_t)s->nslots * sizeof *s->evictable);
   s->map = malloc((size_t)keys * sizeof *s->map);
   s->inflight = calloc((size_t)s->depth, sizeof *s->inflight);
   pthread_mutex_init(&s->mu, NULL);
-  rc = (!s->slots || !s->map || !s->inflight)
+  rc = (!s->slots || !s->evictable || !s->map || !s->inflight)
            ? tdm__error(TDM_ENOMEM, 0, "no memory for the streamer's tables")
            : 0;
   if (!rc) rc = tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &s->demand);
@@ -121,6 +128,7 @@ int tdm_streamer_create(const tdm_streamer_config *cfg, tdm_streamer **out) {
   for (int i = 0; i < s->nslots; i++) s->slots[i].key = -1;
   s->st.resident_slots = cfg->policy == TDM_CACHE_STATIC ? s->nfixed : 0;
   s->st.staging_slots = cfg->policy == TDM_CACHE_STATIC ? cfg->staging_slots : s->nslots;
+  s->st.prefetch_depth = s->depth;
   s->st.device_bytes = (size_t)s->nslots * cfg->expert_bytes;
   if (cfg->policy == TDM_CACHE_STATIC) {
     /* Load the resident set once, on the prefetch queue. */
@@ -136,6 +144,8 @@ int tdm_streamer_create(const tdm_streamer_config *cfg, tdm_streamer **out) {
       return rc;
     }
   }
+  for (int i = 0; i < s->nslots; i++)
+    if (!s->slots[i].fixed) s->evictable[s->nevictable++] = i;
   *out = s;
   return 0;
 }
@@ -154,6 +164,7 @@ int tdm_streamer_destroy(tdm_streamer *s) {
   if (s->prefetch) tdm_queue_destroy(s->prefetch);
   pthread_mutex_destroy(&s->mu);
   free(s->slots);
+  free(s->evictable);
   free(s->map);
   free(s->inflight);
   free(s);
@@ -251,6 +262,7 @@ int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts, int n)
   }
   s->ninflight = k;
   int rc = 0;
+  bool full = false; /* no slot or no depth left: nothing changes until the call returns */
   for (int j = 0; j < n && !rc; j++) {
     int key = key_of(s, layer, experts[j]);
     if (key < 0) {
@@ -258,8 +270,9 @@ int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts, int n)
       break;
     }
     if (s->map[key] >= 0) continue;
-    int i = s->ninflight < s->depth ? victim(s, true) : -1;
+    int i = full || s->ninflight >= s->depth ? -1 : victim(s, true);
     if (i < 0) {
+      full = true;
       s->st.prefetch_dropped++;
       continue;
     }
