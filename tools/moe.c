@@ -45,7 +45,7 @@ static const char moe_help[] =
     "                     all experts (25%); 0 keeps nothing resident (default 0)\n"
     "  --cache-policy C   static: the most popular experts stay resident (prefill); lru: every\n"
     "                     slot is one LRU cache (decode). Default static\n"
-    "  --slots N          staging slots besides the budget (default 4)\n"
+    "  --slots N          staging slots besides the budget (default 16)\n"
     "  --prefetch-depth N prefetch copies in flight at most (default: static, a layer's\n"
     "                     experts; lru, the staging slots)\n"
     "  --skew S           Zipf exponent of expert popularity (default 1.0)\n"
@@ -79,7 +79,7 @@ static int parse_double(const char *s, double lo, double hi, double *out) {
 
 static int parse(int argc, char **argv, moe_opts *o) {
   static const char cmd[] = "moe";
-  *o = (moe_opts){.preset = "tiny", .tokens = 256, .slots = 4, .seed = 1, .skew = 1.0,
+  *o = (moe_opts){.preset = "tiny", .tokens = 256, .slots = 16, .seed = 1, .skew = 1.0,
                   .locality = 0.8, .budget_pct = -1, .check = 1};
   const char *v;
   int m;

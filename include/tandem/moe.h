@@ -41,7 +41,7 @@ typedef struct tdm_moe_config {
   int max_tokens;          /* the largest ubatch forward() will be given */
   size_t budget_bytes;     /* resident experts on the device (all: everything resident) */
   bool all_resident;       /* every expert resident: the reference run */
-  int staging_slots;
+  int staging_slots;       /* slots besides the budget that always exist (0: 16) */
   int prefetch_depth;      /* prefetch copies in flight at most (0: the policy's default:
                               under TDM_CACHE_STATIC a layer's experts, so a prefill ubatch's
                               copies all queue in the order they are needed and the next

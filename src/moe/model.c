@@ -261,7 +261,7 @@ static int setup_streamer(tdm_moe_model *m) {
       .expert_bytes = m->ebytes,
       .host = m->host_ptrs,
       .budget_bytes = m->cfg.all_resident ? (size_t)keys * m->ebytes : m->cfg.budget_bytes,
-      .staging_slots = m->cfg.staging_slots > 0 ? m->cfg.staging_slots : 4,
+      .staging_slots = m->cfg.staging_slots > 0 ? m->cfg.staging_slots : 16,
       .policy = m->cfg.all_resident ? TDM_CACHE_STATIC : m->cfg.policy,
       .resident = resident,
       .nresident = (int)n,
