@@ -2,26 +2,33 @@
  *
  * Everything runs on the queue's native stream (tdm_queue_native), so it is ordered with the
  * queue's tandem commands and covered by tdm_event_record / tdm_queue_sync. rmsnorm, the
- * router, SwiGLU, gather/scatter and combine are kernels here; the expert GEMMs are cuBLAS,
- * bound to that stream.
+ * router, SwiGLU, gather/scatter and combine are kernels here; the expert GEMMs are cuBLASLt
+ * (cuBLAS where cuBLASLt has no algorithm for a shape), on that stream.
  *
  * Determinism: no kernel here uses atomics; every sum has a fixed order that does not depend
- * on timing or on how tokens are grouped into blocks. cuBLAS GEMMs are bitwise repeatable for
- * one toolkit, one GPU model (architecture and SM count), fixed shapes, leading dimensions and
- * pointer alignment, when one stream uses the handle and its workspace is fixed: open() binds
- * the handle to one stream, gives it its own workspace (cublasSetWorkspace, so cuBLAS never
- * picks a per-stream pool), keeps the default math mode and disallows atomics (no split-K
- * reductions in arbitrary order). Keep expert weight slots and the workspace 256-byte aligned
- * so cuBLAS's heuristics see the same alignment for every slot.
+ * on timing or on how tokens are grouped into blocks. The expert GEMMs go through cuBLASLt with
+ * one plan per shape (descriptors and the algorithm its heuristic picks, made at a shape's
+ * first use and kept): the same shape always runs the same algorithm, with the same workspace,
+ * so its result is bitwise repeatable for one toolkit and one GPU model (architecture and SM
+ * count). A plan's key holds the operands' pointer alignment, so a slot that is less aligned
+ * gets a plan of its own rather than an algorithm that needs more. A plan costs the submitting
+ * thread a hash lookup and one cublasLtMatmul, about half of what cublasGemmEx costs per call
+ * (its descriptor set-up and heuristic-cache lookup are paid once per shape). A shape the
+ * heuristic has no algorithm for falls back to cublasGemmEx, always, which is just as
+ * repeatable: open() binds that handle to one stream, gives it the same workspace
+ * (cublasSetWorkspace, so cuBLAS never picks a per-stream pool), keeps the default math mode
+ * and disallows atomics.
  *
  * Errors: 0 or a negative TDM_E* code. Failures of the public calls made here set
  * tdm_last_error(); a failing CUDA or cuBLAS call returns TDM_EBACKEND (TDM_ENOMEM when it ran
  * out of memory) and is recorded in the state (failed, native) for a debugger or a test: this
  * module cannot set tandem's thread message itself. */
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,12 +57,28 @@ MOE_WEAK int tdm_mem_query(const void *ptr, tdm_mem_info *info);
 #define BLAS_WS_BYTES (32u << 20) /* cuBLAS's recommended workspace on Hopper */
 #define WS_ALIGN 256
 
+#define PLAN_BUCKETS 1024 /* hash buckets of the GEMM plan cache (a power of two) */
+
+/* C = A W^T for one shape (see gemm_rows): cuBLASLt's descriptors and algorithm. */
+typedef struct gemm_plan {
+  struct gemm_plan *next; /* in its bucket */
+  int N, K, n, ldb;
+  unsigned align;         /* the alignments of W, A and C (log2, 4 bits each) */
+  bool lt;                /* false: the heuristic had nothing; cublasGemmEx runs this shape */
+  cublasLtMatmulDesc_t op;
+  cublasLtMatrixLayout_t a, b, c;
+  cublasLtMatmulAlgo_t algo;
+} gemm_plan;
+
 typedef struct moe_cuda {
   tdm_queue *q;        /* the queue open() bound the state to */
   cudaStream_t s;      /* its native stream */
   int dev;             /* its device ordinal */
   cublasHandle_t blas; /* bound to s, with ws as its workspace */
+  cublasLtHandle_t lt; /* the plans' handle; its calls name s and ws themselves */
   void *ws;            /* cuBLAS's workspace: cudaMalloc'd (256-byte aligned, as it requires) */
+  pthread_mutex_t plan_mu;            /* the plan cache: ops from several threads are allowed */
+  gemm_plan *plans[PLAN_BUCKETS];
   const char *failed;  /* the last CUDA or cuBLAS call that failed */
   int native;          /* and its status */
 } moe_cuda;
@@ -328,9 +351,24 @@ static __global__ void combine_kernel(float *y, const float *out, const float *w
 /* ---- the table's entries ---- */
 
 /* With m->dev current. cublasDestroy and cudaFree wait for the device first. */
+static void plan_free(gemm_plan *p) {
+  if (p->op) cublasLtMatmulDescDestroy(p->op);
+  if (p->a) cublasLtMatrixLayoutDestroy(p->a);
+  if (p->b) cublasLtMatrixLayoutDestroy(p->b);
+  if (p->c) cublasLtMatrixLayoutDestroy(p->c);
+  free(p);
+}
+
 static void release(moe_cuda *m) {
+  for (int i = 0; i < PLAN_BUCKETS; i++)
+    for (gemm_plan *p = m->plans[i], *next; p; p = next) {
+      next = p->next;
+      plan_free(p);
+    }
+  if (m->lt) cublasLtDestroy(m->lt);
   if (m->blas) cublasDestroy(m->blas);
   if (m->ws) cudaFree(m->ws);
+  pthread_mutex_destroy(&m->plan_mu);
   free(m);
 }
 
@@ -344,6 +382,7 @@ static int blas_setup(moe_cuda *m) {
   CK_BLAS(cublasSetMathMode(m->blas, CUBLAS_DEFAULT_MATH));
   CK_BLAS(cublasSetAtomicsMode(m->blas, CUBLAS_ATOMICS_NOT_ALLOWED));
   CK_BLAS(cublasSetPointerMode(m->blas, CUBLAS_POINTER_MODE_HOST));
+  CK_BLAS(cublasLtCreate(&m->lt));
   return 0;
 }
 
@@ -368,6 +407,7 @@ static int cuda_open(tdm_queue *q, void **state) {
 
   moe_cuda *m = (moe_cuda *)calloc(1, sizeof *m);
   if (!m) return TDM_ENOMEM;
+  pthread_mutex_init(&m->plan_mu, NULL);
   m->q = q;
   m->s = (cudaStream_t)stream;
   m->dev = *(const int *)ordinal;
@@ -438,6 +478,81 @@ static int cuda_router(void *st, tdm_queue *q, const float *x, const moe_bf16 *w
   return rc;
 }
 
+/* log2 of the largest power of two (up to 256) that divides p. */
+static unsigned align_log2(const void *p) {
+  uintptr_t u = (uintptr_t)p | 256;
+  return (unsigned)__builtin_ctzll((unsigned long long)u);
+}
+
+/* Makes p's descriptors and asks the heuristic for its algorithm. On failure p holds what was
+ * made (plan_free releases it). */
+static int plan_make(moe_cuda *m, gemm_plan *p) {
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  const uint64_t ws = BLAS_WS_BYTES;
+  CK_BLAS(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  CK_BLAS(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  CK_BLAS(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  /* As stored, column-major: W is [K x N] (ld K), A is [K x n] (ld ldb), C is [N x n]. */
+  CK_BLAS(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_16BF, (uint64_t)p->K, (uint64_t)p->N, p->K));
+  CK_BLAS(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16BF, (uint64_t)p->K, (uint64_t)p->n, p->ldb));
+  CK_BLAS(cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, (uint64_t)p->N, (uint64_t)p->n, p->N));
+  cublasLtMatmulPreference_t pref;
+  CK_BLAS(cublasLtMatmulPreferenceCreate(&pref));
+  const uint32_t al[3] = {1u << (p->align & 15), 1u << (p->align >> 4 & 15),
+                          1u << (p->align >> 8 & 15)};
+  const cublasLtMatmulPreferenceAttributes_t which[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+  for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; i++)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, which[i], &al[i < 3 ? i : 2], sizeof al[0]);
+  cublasLtMatmulHeuristicResult_t h;
+  int found = 0;
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulAlgoGetHeuristic(m->lt, p->op, p->a, p->b, p->c, p->c, pref, 1, &h, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  /* Nothing for this shape (or no heuristic for this configuration): cublasGemmEx runs it. */
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || (st == CUBLAS_STATUS_SUCCESS && found < 1)) return 0;
+  if (st != CUBLAS_STATUS_SUCCESS) return blas_fail(m, st, "cublasLtMatmulAlgoGetHeuristic");
+  p->algo = h.algo;
+  p->lt = true;
+  return 0;
+}
+
+/* The plan for a shape, made at its first use. */
+static int plan_get(moe_cuda *m, int N, int K, int n, int ldb, unsigned align, gemm_plan **out) {
+  unsigned hash = ((unsigned)N * 2654435761u) ^ ((unsigned)K * 40503u) ^ ((unsigned)n * 97u) ^
+                  ((unsigned)ldb * 131u) ^ (align * 7u);
+  gemm_plan **bucket = &m->plans[hash & (PLAN_BUCKETS - 1)], *p;
+  pthread_mutex_lock(&m->plan_mu);
+  for (p = *bucket; p; p = p->next)
+    if (p->N == N && p->K == K && p->n == n && p->ldb == ldb && p->align == align) break;
+  int rc = 0;
+  if (!p) {
+    p = (gemm_plan *)calloc(1, sizeof *p);
+    if (!p) {
+      rc = TDM_ENOMEM;
+    } else {
+      p->N = N;
+      p->K = K;
+      p->n = n;
+      p->ldb = ldb;
+      p->align = align;
+      if ((rc = plan_make(m, p))) {
+        plan_free(p);
+        p = NULL;
+      } else {
+        p->next = *bucket;
+        *bucket = p;
+      }
+    }
+  }
+  pthread_mutex_unlock(&m->plan_mu);
+  *out = p;
+  return rc;
+}
+
 /* Row-major data through column-major cuBLAS. A row-major [r x c] matrix with row stride ld
  * is, to cuBLAS, a column-major [c x r] matrix with leading dimension ld: its transpose. We
  * want C = A W^T (A: [n x K] row-major, W: [N x K] row-major, C: [n x N] row-major), i.e.
@@ -451,6 +566,15 @@ static int cuda_router(void *st, tdm_queue *q, const float *x, const moe_bf16 *w
 static int gemm_rows(moe_cuda *m, int ntok, int N, int K, const void *A, int a_stride,
                      const void *W, float *C) {
   const float one = 1.f, zero = 0.f;
+  unsigned align = align_log2(W) | align_log2(A) << 4 | align_log2(C) << 8;
+  gemm_plan *p;
+  int rc = plan_get(m, N, K, ntok, a_stride, align, &p);
+  if (rc) return rc;
+  if (p->lt) {
+    CK_BLAS(cublasLtMatmul(m->lt, p->op, &one, W, p->a, A, p->b, &zero, C, p->c, C, p->c,
+                           &p->algo, m->ws, BLAS_WS_BYTES, m->s));
+    return 0;
+  }
   CK_BLAS(cublasGemmEx(m->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, ntok, K, &one, W, CUDA_R_16BF, K, A,
                        CUDA_R_16BF, a_stride, &zero, C, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
                        CUBLAS_GEMM_DEFAULT));
