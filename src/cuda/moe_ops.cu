@@ -12,8 +12,8 @@
  * so its result is bitwise repeatable for one toolkit and one GPU model (architecture and SM
  * count). A plan's key holds the operands' pointer alignment, so a slot that is less aligned
  * gets a plan of its own rather than an algorithm that needs more. A plan costs the submitting
- * thread a hash lookup and one cublasLtMatmul, about half of what cublasGemmEx costs per call
- * (its descriptor set-up and heuristic-cache lookup are paid once per shape). A shape the
+ * thread a hash lookup and one cublasLtMatmul; cublasGemmEx sets up descriptors and looks up
+ * its heuristic cache at every call (`bench-cuda expert` shows the difference). A shape the
  * heuristic has no algorithm for falls back to cublasGemmEx, always, which is just as
  * repeatable: open() binds that handle to one stream, gives it the same workspace
  * (cublasSetWorkspace, so cuBLAS never picks a per-stream pool), keeps the default math mode
