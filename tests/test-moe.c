@@ -146,6 +146,62 @@ TEST_CASE(cache_and_prefetch) {
   CHECK_OK(tdm_streamer_stats_get(s, &st));
   CHECK_EQ((long)st.bytes_copied, 0L);
   CHECK_EQ((long)st.resident_slots, 2L);
+  /* Non-resident experts stream through the one staging slot: the resident ones are never
+   * chosen to be overwritten, however often the staging slot is reused. */
+  for (int rep = 0; rep < 2; rep++)
+    for (int e = 3; e < 8; e++) {
+      CHECK_OK(tdm_streamer_acquire(s, 1, e, &w, NULL));
+      CHECK_OK(tdm_streamer_release(s, 1, e, NULL));
+    }
+  for (int e = 1; e <= 2; e++) {
+    CHECK_OK(tdm_streamer_acquire(s, 1, e, &w, NULL));
+    CHECK_OK(tdm_streamer_release(s, 1, e, NULL));
+  }
+  CHECK_OK(tdm_streamer_stats_get(s, &st));
+  CHECK_EQ((long)st.bytes_copied, 10L * XB);
+  CHECK_EQ((long)st.hits, 6L + 2L);
+  CHECK_OK(tdm_streamer_destroy(s));
+  free_experts(&x);
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* A prefetch depth above the staging slots: the slots bound the copies, a call stops at the
+ * first expert with no slot (the rest are counted as dropped), and slots freed by acquire and
+ * release take the next prefetches. */
+TEST_CASE(prefetch_depth_over_slots) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  struct experts x = make_experts(dev, 1, 8, &rng);
+  tdm_streamer_config cfg = {.compute = q, .layers = 1, .experts = 8, .expert_bytes = XB,
+                             .host = x.ptrs, .budget_bytes = 0, .staging_slots = 2,
+                             .policy = TDM_CACHE_STATIC, .prefetch_depth = 8};
+  tdm_streamer *s;
+  CHECK_OK(tdm_streamer_create(&cfg, &s));
+  tdm_streamer_stats st;
+  int want[6] = {0, 1, 2, 3, 4, 5};
+  CHECK_OK(tdm_streamer_prefetch(s, 0, want, 6));
+  CHECK_OK(tdm_streamer_stats_get(s, &st));
+  CHECK_EQ(st.prefetch_depth, 8);
+  CHECK_EQ((long)st.prefetches, 2L);
+  CHECK_EQ((long)st.prefetch_dropped, 4L);
+  unsigned char *back;
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, XB, (void **)&back));
+  for (int e = 0; e < 6; e++) {
+    const void *w;
+    CHECK_OK(tdm_streamer_acquire(s, 0, e, &w, NULL));
+    CHECK_OK(tdm_memcpy(q, back, w, XB, TDM_COPY_D2H, 0, NULL, NULL));
+    CHECK_OK(tdm_streamer_release(s, 0, e, NULL));
+    CHECK_OK(tdm_queue_sync(q));
+    CHECK_MSG(memcmp(back, x.ptrs[e], XB) == 0, "expert %d read back other bytes", e);
+    CHECK_OK(tdm_streamer_prefetch(s, 0, want + e + 1, 5 - e));
+  }
+  CHECK_OK(tdm_streamer_stats_get(s, &st));
+  CHECK_EQ((long)st.misses, 0L); /* every expert was prefetched before it was asked for */
+  CHECK_EQ((long)st.prefetches, 6L);
+  CHECK_OK(tdm_free(back));
   CHECK_OK(tdm_streamer_destroy(s));
   free_experts(&x);
   CHECK_OK(tdm_queue_destroy(q));

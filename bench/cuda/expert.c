@@ -188,12 +188,8 @@ out:
 
 /* ---- setup and teardown --------------------------------------------------------------------- */
 
-static uint64_t next(uint64_t *s) {
-  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
+/* Uniform in (-1, 1). */
+static double unit(bc_ctx *c) { return (double)(bc_next_seed(c) >> 11) * 0x1.0p-52 - 1.0; }
 
 static int upload(ex *e, void *dst, const void *src, size_t bytes) {
   int rc = -1;
@@ -212,14 +208,14 @@ out:
 static int setup(ex *e) {
   int rc = -1;
   tdm_device *dev = e->c->dev;
-  uint64_t s = bc_next_seed(e->c);
+  bc_ctx *c = e->c;
   size_t wn = 3 * (size_t)HID * FFN, xn;
   int nmax = e->n + e->n / 2;
   e->T = T_for(e->n);
   xn = (size_t)e->T * HID;
   for (int i = 0; i < CALLS; i++) {
     e->ns_fixed[i] = e->n;
-    e->ns_vary[i] = e->n / 2 + (int)(next(&s) % (uint64_t)(e->n + 1));
+    e->ns_vary[i] = e->n / 2 + (int)(bc_next_seed(c) % (uint64_t)(e->n + 1));
   }
   CK(e->ops = moe_ops_for(dev), "no MoE operations for %s", e->c->info.id);
   CK_TDM(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &e->q));
@@ -239,8 +235,8 @@ static int setup(ex *e) {
   CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, GATE_BYTES, (void **)&e->gate_dst));
   CK_TDM(tdm_malloc(dev, TDM_MEM_PINNED, BUSY_BYTES, (void **)&e->busy_src));
   CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, BUSY_BYTES, (void **)&e->busy_dst));
-  bc_fill_random(e->gate_src, GATE_BYTES, next(&s));
-  bc_fill_random(e->busy_src, BUSY_BYTES, next(&s));
+  bc_fill_random(e->gate_src, GATE_BYTES, bc_next_seed(c));
+  bc_fill_random(e->busy_src, BUSY_BYTES, bc_next_seed(c));
 
   /* Random inputs: x uniform in (-1, 1), the expert's weights bf16 of magnitude ~1/sqrt(K). */
   e->hx = malloc(xn * sizeof *e->hx);
@@ -249,13 +245,13 @@ static int setup(ex *e) {
   int32_t *slots = malloc((size_t)nmax * sizeof *slots);
   CK(e->hx && e->hw && e->hrows && slots, "out of host memory");
   for (size_t i = 0; i < xn; i++)
-    e->hx[i] = (float)((double)(next(&s) >> 11) * 0x1.0p-52 - 1.0);
+    e->hx[i] = (float)unit(c);
   for (size_t i = 0; i < wn; i++) {
     double scale = i < 2 * (size_t)HID * FFN ? 1.0 / sqrt(HID) : 1.0 / sqrt(FFN);
-    e->hw[i] = moe_f32_to_bf16((float)(scale * ((double)(next(&s) >> 11) * 0x1.0p-52 - 1.0)));
+    e->hw[i] = moe_f32_to_bf16((float)(scale * unit(c)));
   }
   for (int i = 0; i < nmax; i++) {
-    e->hrows[i] = (int32_t)(next(&s) % (uint64_t)e->T);
+    e->hrows[i] = (int32_t)(bc_next_seed(c) % (uint64_t)e->T);
     slots[i] = i;
   }
   rc = upload(e, e->x, e->hx, xn * sizeof *e->hx);
