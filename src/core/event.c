@@ -73,11 +73,15 @@ void tdm__event_complete_unref(tdm_event *ev, int status, int native) {
   ev->waiters = NULL;
   int last = atomic_fetch_sub(&ev->refs, 1) == 1;
   bool sleepers = q->cv_sleepers > 0;
+  if (sleepers) tdm__signal_begin();
   pthread_mutex_unlock(&q->mu);
   /* Woken after the lock is let go, and only if someone sleeps: a waiter that shares this
-   * CPU then runs without first blocking on the lock. q outlives this: ev holds a reference
-   * to it until tdm__event_free below. */
-  if (sleepers) pthread_cond_broadcast(&q->cv);
+   * CPU then runs without first blocking on the lock. q's struct is only freed at shutdown,
+   * which waits for wake-ups in progress (tdm__signals_quiesce). */
+  if (sleepers) {
+    pthread_cond_broadcast(&q->cv);
+    tdm__signal_end();
+  }
   /* Continuations run outside the lock. Each belongs to a holder of a reference, so ev
    * outlives the loop; a node may be freed by its own fn, hence next is read first. */
   while (w) {

@@ -14,6 +14,7 @@
  *   up; anyone about to wait for or poll an event kicks its queue's executor
  *   (tdm__exec_kick), so completions are never late for an observer, and the submitting
  *   thread rarely pays for a wake-up or competes with the executor for the driver. */
+#include <sched.h>
 #include <stdlib.h>
 
 #include "internal.h"
@@ -21,6 +22,12 @@
 /* At most this many commands wait in the FIFO of a sleeping server without waking it, so
  * what they hold (events, dependencies) is returned promptly. */
 #define TDM__CMDQ_BATCH 64
+
+_Atomic long tdm__signaling;
+
+void tdm__signals_quiesce(void) {
+  while (atomic_load_explicit(&tdm__signaling, memory_order_acquire)) sched_yield();
+}
 
 void tdm__cmdq_init(tdm__cmdq *f) {
   pthread_mutex_init(&f->mu, NULL);
@@ -40,19 +47,33 @@ void tdm__cmdq_push(tdm__cmdq *f, tdm__cmd *cmd, bool wake) {
     f->head = cmd;
   f->tail = cmd;
   bool signal = f->sleepers && (wake || ++f->unsignaled >= TDM__CMDQ_BATCH);
-  if (signal) f->unsignaled = 0;
+  if (signal) {
+    f->unsignaled = 0;
+    tdm__signal_begin();
+  }
   pthread_mutex_unlock(&f->mu);
   /* After the lock is let go, so a woken thread that shares this CPU does not block on it at
-   * once. A FIFO lives as long as its queue (or the pool), which outlives every push. */
-  if (signal) pthread_cond_signal(&f->cv);
+   * once. The pushed command may already have run and its queue drained by now (a pusher
+   * can be a driver's callback thread): the count keeps shutdown from destroying f under
+   * this call. */
+  if (signal) {
+    pthread_cond_signal(&f->cv);
+    tdm__signal_end();
+  }
 }
 
 void tdm__cmdq_kick(tdm__cmdq *f) {
   pthread_mutex_lock(&f->mu);
   bool signal = f->sleepers && f->head;
-  if (signal) f->unsignaled = 0;
+  if (signal) {
+    f->unsignaled = 0;
+    tdm__signal_begin();
+  }
   pthread_mutex_unlock(&f->mu);
-  if (signal) pthread_cond_signal(&f->cv);
+  if (signal) {
+    pthread_cond_signal(&f->cv);
+    tdm__signal_end();
+  }
 }
 
 /* Called with f->mu held. */

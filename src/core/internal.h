@@ -173,6 +173,19 @@ void tdm__cmdq_kick(tdm__cmdq *f);
  * threads serving the FIFO. */
 void tdm__cmdq_serve(tdm__cmdq *f);
 void tdm__cmdq_stop(tdm__cmdq *f);
+/* Wake-ups are made after the waker lets go of its lock (a woken thread that shares the CPU
+ * then does not block on it at once). Each one in progress is counted from inside the lock to
+ * after the signal: a driver's callback thread may still be signaling a FIFO or a queue whose
+ * work it just completed when shutdown comes to destroy them, so shutdown first waits for the
+ * count to reach zero (tdm__signals_quiesce). */
+extern _Atomic long tdm__signaling;
+static inline void tdm__signal_begin(void) {
+  atomic_fetch_add_explicit(&tdm__signaling, 1, memory_order_relaxed);
+}
+static inline void tdm__signal_end(void) {
+  atomic_fetch_sub_explicit(&tdm__signaling, 1, memory_order_release);
+}
+void tdm__signals_quiesce(void);
 
 /* ---- queue.c ---- */
 struct tdm_queue {

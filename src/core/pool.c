@@ -63,6 +63,7 @@ void tdm__pool_stop(void) {
   if (!started) return;
   tdm__cmdq_stop(&ready);
   for (long i = 0; i < nthreads; i++) pthread_join(threads[i], NULL);
+  tdm__signals_quiesce(); /* a completion thread may still be waking the list */
   pthread_mutex_destroy(&ready.mu);
   pthread_cond_destroy(&ready.cv);
   free(threads);

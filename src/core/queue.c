@@ -126,6 +126,7 @@ int tdm__queue_destroy_internal(tdm_queue *q) {
 /* Frees every queue struct and its pools; the last shutdown calls this after destroying
  * every live queue. */
 void tdm__queues_free_all(void) {
+  tdm__signals_quiesce(); /* no wake-up of a queue's FIFO or events is still in progress */
   tdm_queue *q = tdm__g.queues;
   while (q) {
     tdm_queue *n = q->next_all;
