@@ -57,7 +57,11 @@ MOE_WEAK int tdm_mem_query(const void *ptr, tdm_mem_info *info);
 #define BLAS_WS_BYTES (32u << 20) /* cuBLAS's recommended workspace on Hopper */
 #define WS_ALIGN 256
 
-#define PLAN_BUCKETS 1024 /* hash buckets of the GEMM plan cache (a power of two) */
+/* Hash buckets of the GEMM plan cache (a power of two). The cache holds one plan per shape
+ * the state has run: two GEMMs per expert width, times the token counts seen (at most the
+ * largest ubatch): a few thousand small plans at most; close() frees
+ * them. */
+#define PLAN_BUCKETS 1024
 
 /* C = A W^T for one shape (see gemm_rows): cuBLASLt's descriptors and algorithm. */
 typedef struct gemm_plan {
