@@ -59,8 +59,7 @@ MOE_WEAK int tdm_mem_query(const void *ptr, tdm_mem_info *info);
 
 /* Hash buckets of the GEMM plan cache (a power of two). The cache holds one plan per shape
  * the state has run: two GEMMs per expert width, times the token counts seen (at most the
- * largest ubatch): a few thousand small plans at most; close() frees
- * them. */
+ * largest ubatch): a few thousand small plans at most; close() frees them. */
 #define PLAN_BUCKETS 1024
 
 /* C = A W^T for one shape (see gemm_rows): cuBLASLt's descriptors and algorithm. */
