@@ -38,6 +38,22 @@ void tdm__cmdq_init(tdm__cmdq *f) {
   f->unsignaled = 0;
 }
 
+/* Called with f->mu held: lets go of it, then wakes one sleeping server if signal. After the
+ * lock is let go, so a woken thread that shares this CPU does not block on it at once. What
+ * was pushed may already have run and its queue drained by then (a pusher can be a driver's
+ * callback thread): the count keeps shutdown from destroying f under the signal. */
+static void cmdq_unlock_wake(tdm__cmdq *f, bool signal) {
+  if (signal) {
+    f->unsignaled = 0;
+    tdm__signal_begin();
+  }
+  pthread_mutex_unlock(&f->mu);
+  if (signal) {
+    pthread_cond_signal(&f->cv);
+    tdm__signal_end();
+  }
+}
+
 void tdm__cmdq_push(tdm__cmdq *f, tdm__cmd *cmd, bool wake) {
   cmd->next = NULL;
   pthread_mutex_lock(&f->mu);
@@ -46,34 +62,12 @@ void tdm__cmdq_push(tdm__cmdq *f, tdm__cmd *cmd, bool wake) {
   else
     f->head = cmd;
   f->tail = cmd;
-  bool signal = f->sleepers && (wake || ++f->unsignaled >= TDM__CMDQ_BATCH);
-  if (signal) {
-    f->unsignaled = 0;
-    tdm__signal_begin();
-  }
-  pthread_mutex_unlock(&f->mu);
-  /* After the lock is let go, so a woken thread that shares this CPU does not block on it at
-   * once. The pushed command may already have run and its queue drained by now (a pusher
-   * can be a driver's callback thread): the count keeps shutdown from destroying f under
-   * this call. */
-  if (signal) {
-    pthread_cond_signal(&f->cv);
-    tdm__signal_end();
-  }
+  cmdq_unlock_wake(f, f->sleepers && (wake || ++f->unsignaled >= TDM__CMDQ_BATCH));
 }
 
 void tdm__cmdq_kick(tdm__cmdq *f) {
   pthread_mutex_lock(&f->mu);
-  bool signal = f->sleepers && f->head;
-  if (signal) {
-    f->unsignaled = 0;
-    tdm__signal_begin();
-  }
-  pthread_mutex_unlock(&f->mu);
-  if (signal) {
-    pthread_cond_signal(&f->cv);
-    tdm__signal_end();
-  }
+  cmdq_unlock_wake(f, f->sleepers && f->head);
 }
 
 /* Called with f->mu held. */

@@ -501,15 +501,16 @@ static int plan_make(moe_cuda *m, gemm_plan *p) {
   CK_BLAS(cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, (uint64_t)p->N, (uint64_t)p->n, p->N));
   cublasLtMatmulPreference_t pref;
   CK_BLAS(cublasLtMatmulPreferenceCreate(&pref));
-  const uint32_t al[3] = {1u << (p->align & 15), 1u << (p->align >> 4 & 15),
-                          1u << (p->align >> 8 & 15)};
+  /* W, A, then C for both C and D (the output is written in place). */
+  const uint32_t al[4] = {1u << (p->align & 15), 1u << (p->align >> 4 & 15),
+                          1u << (p->align >> 8 & 15), 1u << (p->align >> 8 & 15)};
   const cublasLtMatmulPreferenceAttributes_t which[4] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
   for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; i++)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, which[i], &al[i < 3 ? i : 2], sizeof al[0]);
+    st = cublasLtMatmulPreferenceSetAttribute(pref, which[i], &al[i], sizeof al[i]);
   cublasLtMatmulHeuristicResult_t h;
   int found = 0;
   if (st == CUBLAS_STATUS_SUCCESS)
