@@ -4,7 +4,11 @@
  * - Every fallible call returns 0 on success or a negative TDM_E* code. Out-parameters are
  *   written only on success. tdm_last_error() gives this thread's message for the last failure.
  * - Handles are opaque. Objects made by a _create call are freed by the matching _destroy call;
- *   events are reference counted (tdm_event_retain / tdm_event_release).
+ *   events are reference counted (tdm_event_retain / tdm_event_release). A queue or event
+ *   handle is a value naming the object and its generation, not its address: a handle of a
+ *   destroyed queue, of an event whose references the caller has all released, or from before
+ *   the last tdm_shutdown gets TDM_EHANDLE, even once tandem reuses the object's memory, and
+ *   so does any value that was never such a handle. Devices are entries of a fixed table.
  * - Every call is safe from any thread. Submissions to one queue from several threads take effect
  *   in the order the calls took the queue's lock.
  * - "Submission" functions take an optional dependency list (ndeps, deps): the command starts
@@ -16,6 +20,11 @@
  *   running. tdm_queue_sync() returns the queue's first error and clears it; the queue stays
  *   usable. On GPU backends, device work already queued behind a failure cannot be taken back:
  *   it runs, and its events report TDM_EDEP all the same; host tasks behind it do not run.
+ * - Wait cycles: a wait (tdm_queue_wait, a dependency) can only name an event that exists, so
+ *   queues alone cannot wait in a cycle. A host task that blocks (tdm_event_wait) on work that
+ *   can only run after it does can: on its own in-order queue this is detected (TDM_EDEADLK);
+ *   through other queues (it waits for an event of q2 that depends on a later command of its
+ *   own queue) it is the caller's error, not detected, and those queues never complete.
  */
 #ifndef TANDEM_H
 #define TANDEM_H
@@ -93,9 +102,13 @@ TDM_API int tdm_last_native_error(void);
 
 /* Reference-counted: each successful tdm_init() needs one tdm_shutdown(). The first init
  * enumerates devices and loads backend modules; the last shutdown drains and destroys every
- * queue tandem still owns, joins its threads, then unloads modules. Objects the caller still
- * holds at the last shutdown become invalid. In a child forked after init every call returns
- * TDM_EFORK. */
+ * queue tandem still owns, joins its threads, releases every native object (including those
+ * of events the caller still holds), then unloads modules. Handles the caller still holds at
+ * the last shutdown become invalid (TDM_EHANDLE after a new init), and each thread's
+ * current-queue stack is emptied. The last shutdown called from a host task or a keep-alive
+ * release (tandem threads it would have to join) returns TDM_EDEADLK and shuts nothing down.
+ * A process may also return from main without it, with work still pending: it exits
+ * normally. In a child forked after init every call returns TDM_EFORK. */
 TDM_API TDM_NODISCARD int tdm_init(void);
 TDM_API int tdm_shutdown(void);
 
@@ -203,7 +216,9 @@ TDM_API int tdm_event_wait(tdm_event *ev);
  * queues of one device. Not timed: TDM_ENOTSUP; other devices: TDM_EXDEV; pending: TDM_EAGAIN. */
 TDM_API int tdm_event_elapsed(tdm_event *start, tdm_event *end, double *ms);
 TDM_API int tdm_event_retain(tdm_event *ev);
-/* Drops one reference; the event is freed when the last one goes, even if still pending. */
+/* Drops one reference; the event is freed when the last one goes, even if still pending.
+ * The caller's references are counted apart from tandem's own: releasing more than the caller
+ * holds gets TDM_EHANDLE, never a reference that pending work still needs. */
 TDM_API int tdm_event_release(tdm_event *ev);
 /* The native event behind ev, for user code that submits natively (OpenCL: a cl_event; CUDA:
  * a cudaEvent_t), or TDM_ENOTSUP if it has none (CPU events). Borrowed: valid while ev is. */
@@ -227,9 +242,13 @@ typedef struct tdm_mem_info {
   size_t size;        /* its size in bytes */
 } tdm_mem_info;
 
-/* The caller frees with tdm_free or tdm_free_async. Zero bytes: TDM_EINVAL. */
+/* The caller frees with tdm_free or tdm_free_async. Zero bytes: TDM_EINVAL; more than the
+ * device or host can hold (SIZE_MAX, say): TDM_ENOMEM on every backend. */
 TDM_API TDM_NODISCARD int tdm_malloc(tdm_device *dev, tdm_mem_kind kind, size_t size, void **ptr);
-/* Frees at once; the caller guarantees no pending work uses the memory. */
+/* Frees at once; the caller guarantees no pending work uses the memory. This is not checked
+ * (it would cost every submission a lookup): freeing memory that a pending command still
+ * reads or writes is the caller's error, with the effects of a use after free on backends
+ * whose memory is host memory. tdm_free_async orders the free after the work instead. */
 TDM_API int tdm_free(void *ptr);
 /* Stream-ordered free: the memory is freed once earlier work on q (and deps) is done. Using the
  * pointer in a submission after this call: TDM_EINVAL. */
@@ -238,7 +257,16 @@ TDM_API TDM_NODISCARD int tdm_free_async(tdm_queue *q, void *ptr, size_t ndeps,
 /* Registers caller-owned host memory for fast copies; the caller unregisters before freeing. */
 TDM_API TDM_NODISCARD int tdm_host_register(tdm_device *dev, void *ptr, size_t size);
 TDM_API int tdm_host_unregister(void *ptr);
-/* Describes memory tandem knows about; any other pointer is TDM_MEM_HOST with base NULL. */
+/* Describes memory tandem knows about; any other pointer is TDM_MEM_HOST with base NULL.
+ *
+ * Pointers in copies and fills. Memory tandem knows (allocated, registered or imported) is
+ * checked against its allocation: a range that runs past its end, or an unknown pointer whose
+ * range runs into an allocation, is TDM_ERANGE. A pointer tandem does not know is taken as
+ * pageable host memory, with one exception: backends whose device pointers come from an
+ * address range of their own (OpenCL) refuse any pointer in that range outside a live
+ * allocation (a freed one, say) with TDM_EINVAL. Where device memory is host memory (the CPU
+ * backend) and where device pointers share the host's address space (CUDA), a freed device
+ * pointer cannot be told from host memory: using it is the caller's error. */
 TDM_API int tdm_mem_query(const void *ptr, tdm_mem_info *info);
 /* The native object behind a pointer into tandem device memory, and the pointer's offset in
  * it (OpenCL: the cl_mem; CUDA: the device pointer itself, offset 0). Borrowed. */
@@ -261,8 +289,10 @@ typedef enum tdm_copy_dir {
 /* Copies n bytes in stream order. Device memory must belong to q's device, except the source
  * of a D2D copy, which may be on a peer device. Host memory (source of H2D, destination of
  * D2H) must stay untouched until the copy's event completes. A direction that does not match
- * the memory: TDM_EDIRECTION; past the end of an allocation: TDM_ERANGE. n == 0 is a no-op
- * command. */
+ * the memory: TDM_EDIRECTION; past the end of an allocation: TDM_ERANGE. Source and
+ * destination ranges that overlap: TDM_EINVAL on every backend (no copy is a memmove). n == 0
+ * is a no-op command that is ordered like any other; its pointers are not looked at and may
+ * be NULL. */
 TDM_API TDM_NODISCARD int tdm_memcpy(tdm_queue *q, void *dst, const void *src, size_t n,
                                      tdm_copy_dir dir, size_t ndeps, tdm_event *const *deps,
                                      tdm_event **out);
@@ -271,11 +301,19 @@ TDM_API TDM_NODISCARD int tdm_memcpy(tdm_queue *q, void *dst, const void *src, s
  * dst_q's device and src on src_q's device (a peer copy when they differ). It happens whole or
  * not at all: on failure nothing was submitted. The calling thread never blocks, and never
  * holds both queues' locks at once, so A-to-B and B-to-A copies from two threads cannot
- * deadlock. *out completes when the copy has. */
+ * deadlock. *out completes when the copy has.
+ * Supported pairs: any device memory of src_q's backend (its own device, a peer device for
+ * the source), host memory of any kind, and memory of a device whose memory is host memory
+ * (TDM_DEVICE_CAP_HOST_MEMORY: cpu:N), which a GPU queue copies as pageable host memory. So
+ * opencl:0 -> cpu:0 and cuda:0 -> cpu:0 work with src_q on the GPU; the other way round
+ * (src_q on cpu:0, destination in GPU memory) the CPU cannot reach that memory: TDM_ENOTSUP
+ * (make the GPU queue wait for the CPU queue, then copy on the GPU queue). Overlapping
+ * ranges and n == 0: as tdm_memcpy. */
 TDM_API TDM_NODISCARD int tdm_memcpy_cross(tdm_queue *src_q, tdm_queue *dst_q, void *dst,
                                            const void *src, size_t n, size_t ndeps,
                                            tdm_event *const *deps, tdm_event **out);
-/* Sets n bytes of device or host memory to the byte value. */
+/* Sets n bytes of device or host memory to the byte value. n == 0: a no-op command (dst may
+ * be NULL). */
 TDM_API TDM_NODISCARD int tdm_memset(tdm_queue *q, void *dst, int value, size_t n, size_t ndeps,
                                      tdm_event *const *deps, tdm_event **out);
 
@@ -304,7 +342,11 @@ TDM_API TDM_NODISCARD int tdm_keep_alive(tdm_queue *q, void (*release)(void *obj
  * in-order queue, only the last one, which implies the others) and the events handed to it
  * with tdm_queue_track(). Completed entries are pruned. The tracker is bounded
  * ($TANDEM_TRACKER_CAPACITY, default 64): when full, its entries collapse into one barrier
- * submitted to q that waits for all of them (so later work on q also waits for them). */
+ * submitted to q that waits for all of them (so later work on q also waits for them).
+ * Because that barrier is a command of q, a tracked foreign event that fails before it
+ * completes fails the barrier, and through it work submitted to q afterwards, even work that
+ * never named that event: it completes with TDM_EDEP and q's next sync reports the failure.
+ * Track only events whose failure should stop q. */
 
 /* Adds a foreign event (work submitted to q's native queue, or related work elsewhere) to q's
  * tracker; tandem takes its own reference. */
@@ -312,7 +354,7 @@ TDM_API TDM_NODISCARD int tdm_queue_track(tdm_queue *q, tdm_event *ev);
 /* The events a new external submission on q must wait on to follow everything tandem knows of
  * on q: the tracker's incomplete entries, at most `cap` of them, each a new reference the
  * caller releases; *n receives the count. If more than cap are needed they are first collapsed
- * into one barrier, so cap >= 1 always suffices. */
+ * into one barrier, which this call submits to q, so cap >= 1 always suffices. */
 TDM_API TDM_NODISCARD int tdm_queue_dependencies(tdm_queue *q, tdm_event **deps, size_t cap,
                                                  size_t *n);
 
@@ -353,7 +395,8 @@ typedef struct tdm_stats {
   long pending;     /* submitted commands not yet completed */
 } tdm_stats;
 
-/* Counts of live objects, for leak checks in tests. */
+/* Counts of live objects, for leak checks in tests. Valid at any time, before tdm_init and
+ * after the last tdm_shutdown too (all zero then). */
 TDM_API int tdm_stats_get(tdm_stats *out);
 
 #ifdef __cplusplus

@@ -29,9 +29,13 @@
 
 #include "tandem.h"
 
-#define TDM__BACKEND_ABI 0x00010002u
+#define TDM__BACKEND_ABI 0x00010003u
 
 typedef struct tdm__bqueue tdm__bqueue; /* a backend's queue; opaque to the core */
+/* The core's event and queue objects. The public tdm_event and tdm_queue are handles that the
+ * core resolves to these at every entry point; backends see only these. */
+typedef struct tdm__event tdm__event;
+typedef struct tdm__queue tdm__queue;
 
 typedef enum tdm__cmd_kind {
   TDM__CMD_COPY,    /* copy.dst <- copy.src, copy.n bytes */
@@ -63,11 +67,11 @@ typedef struct tdm__cmd tdm__cmd;
  * It must not block. */
 typedef struct tdm__waiter {
   struct tdm__waiter *next;
-  void (*fn)(struct tdm__waiter *w, tdm_event *ev);
+  void (*fn)(struct tdm__waiter *w, tdm__event *ev);
 } tdm__waiter;
 
 typedef struct tdm__dep {
-  tdm_event *ev;    /* one reference held by the command */
+  tdm__event *ev;    /* one reference held by the command */
   tdm__waiter w;    /* for backends that resolve dependencies by continuation */
   tdm__cmd *cmd;
 } tdm__dep;
@@ -78,7 +82,7 @@ struct tdm__cmd {
   tdm__cmd *next;          /* free for the backend's FIFO while it owns the command */
   tdm__cmd_kind kind;
   unsigned flags;
-  tdm_event *ev;           /* completes with the command's status */
+  tdm__event *ev;           /* completes with the command's status */
   size_t ndeps;
   tdm__dep *deps;          /* inline_deps, or heap storage for larger lists */
   tdm__dep inline_deps[TDM__INLINE_DEPS];
@@ -108,7 +112,7 @@ typedef struct tdm__services {
   /* Completes cmd with status (0 or TDM_E*) and the native code, and gives it back. */
   void (*cmd_done)(tdm__cmd *cmd, int status, int native);
   /* Registers w to run when ev completes; returns 1 (and does not register) if it already has. */
-  int (*event_on_complete)(tdm_event *ev, tdm__waiter *w);
+  int (*event_on_complete)(tdm__event *ev, tdm__waiter *w);
   /* Sets this thread's error message; returns code. */
   int (*error)(int code, int native, const char *fmt, ...);
   /* Reads an option of the environment table ("TANDEM_CPU_DEVICES"), or def if unset. */
@@ -123,11 +127,11 @@ typedef struct tdm__services {
   void (*pool_submit)(tdm__cmd *cmd);
   /* Native backends: attaches a native event to ev (released with native_release when ev is
    * freed), so other queues of the same backend can wait for it natively. */
-  void (*event_set_native)(tdm_event *ev, void *handle);
+  void (*event_set_native)(tdm__event *ev, void *handle);
   /* The native event attached to ev if a queue of backend `be` recorded it, else NULL. */
-  void *(*event_native)(tdm_event *ev, const struct tdm__backend *be);
+  void *(*event_native)(tdm__event *ev, const struct tdm__backend *be);
   /* The device index (within its backend) of the queue that submitted ev, and its backend. */
-  int (*event_device)(tdm_event *ev, const struct tdm__backend **be);
+  int (*event_device)(tdm__event *ev, const struct tdm__backend **be);
 } tdm__services;
 
 /* Every entry returns 0 or a TDM_E* code and sets the message through svc->error. "Required"
@@ -170,6 +174,11 @@ typedef struct tdm__backend {
   int (*mem_native)(int bdev, void *base, void *ptr, void **native, size_t *offset);
   /* Wraps foreign device memory; freed later through mem_free(bdev, TDM_MEM_DEVICE, ptr). */
   int (*mem_import)(int bdev, void *native, size_t size, void **ptr);
+  /* Optional: the address range the device's memory takes its pointers from, when that range
+   * is the backend's own and no host memory lives in it (OpenCL's reserved range). A pointer
+   * in it outside every live allocation is refused instead of being taken as host memory.
+   * Called once, at init, after device_info. */
+  int (*address_range)(int bdev, uintptr_t *base, size_t *size);
 
   /* Native backends only (NULL for host-executed ones). Host tasks, and copies or fills the
    * backend marks TDM__CMD_ON_HOST, are done by the core on the host once cmd->wait completes;

@@ -454,3 +454,245 @@ TEST_CASE(error_names) {
   CHECK(tdm_strerror(0) != NULL && tdm_strerror(-1000) != NULL && tdm_strerror(-1000)[0]);
   CHECK(tdm_last_error() != NULL);
 }
+
+/* ---- Handles that outlive their objects --------------------------------------------------- */
+
+/* A destroyed queue's handle stays dead when a new queue reuses its memory, and a released
+ * event's handle stays dead when a new event reuses its memory. */
+TEST_CASE(recycled_handles) {
+  tdm_device *dev = th_open();
+  atomic_int ran = 0;
+  for (int round = 0; round < 50; round++) {
+    tdm_queue *q1 = new_queue(dev), *q2 = NULL;
+    CHECK_OK(tdm_queue_destroy(q1));
+    q2 = new_queue(dev);
+    CHECK(q2 != q1);
+    CHECK_RC(tdm_host_task(q1, task_count, &ran, 0, NULL, NULL), TDM_EHANDLE);
+    CHECK_RC(tdm_queue_destroy(q1), TDM_EHANDLE);
+    CHECK_OK(tdm_host_task(q2, task_count, &ran, 0, NULL, NULL)); /* q2 survived */
+
+    tdm_event *a = completed_event(q2), *b = NULL;
+    CHECK_OK(tdm_event_release(a));
+    b = completed_event(q2); /* likely the same memory as a */
+    CHECK(b != a);
+    CHECK_RC(tdm_event_release(a), TDM_EHANDLE);
+    CHECK_RC(tdm_event_query(a), TDM_EHANDLE);
+    CHECK_OK(tdm_event_query(b)); /* b keeps its reference */
+    CHECK_OK(tdm_event_release(b));
+    CHECK_OK(tdm_queue_destroy(q2));
+  }
+  CHECK_EQ(atomic_load(&ran), 50);
+  th_close();
+}
+
+static int task_wait_flag(void *arg) {
+  while (!atomic_load((atomic_int *)arg)) th_sleep_ms(1);
+  return 0;
+}
+
+/* Releasing more references than the caller holds, while tandem still holds its own for
+ * pending work, is refused; the work completes. */
+TEST_CASE(over_release_pending) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev);
+  atomic_int go = 0, ran = 0;
+  tdm_event *ev = NULL, *after = NULL;
+  CHECK_OK(tdm_host_task(q, task_wait_flag, &go, 0, NULL, &ev));
+  CHECK_OK(tdm_event_retain(ev));
+  CHECK_OK(tdm_event_release(ev));
+  CHECK_OK(tdm_event_release(ev)); /* the caller's last */
+  CHECK_RC(tdm_event_release(ev), TDM_EHANDLE);
+  CHECK_RC(tdm_event_retain(ev), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_wait(q, ev), TDM_EHANDLE);
+  CHECK_OK(tdm_host_task(q, task_count, &ran, 0, NULL, &after));
+  atomic_store(&go, 1);
+  CHECK_OK(tdm_event_wait(after));
+  CHECK_EQ(atomic_load(&ran), 1);
+  CHECK_OK(tdm_event_release(after));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* Handles from before a shutdown are dead after the next init, and the current-queue stack
+ * does not survive the shutdown. */
+TEST_CASE(stale_after_shutdown) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev), *cur = NULL, *q2 = NULL;
+  tdm_event *ev = completed_event(q), *pending = NULL;
+  atomic_int go = 0;
+  CHECK_OK(tdm_host_task(q, task_wait_flag, &go, 0, NULL, &pending));
+  CHECK_OK(tdm_current_queue_push(q));
+  atomic_store(&go, 1);
+  th_close(); /* ev, pending and q are still held */
+  dev = th_open();
+  CHECK_RC(tdm_event_query(ev), TDM_EHANDLE);
+  CHECK_RC(tdm_event_release(ev), TDM_EHANDLE);
+  CHECK_RC(tdm_event_wait(pending), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_sync(q), TDM_EHANDLE);
+  CHECK_RC(tdm_queue_destroy(q), TDM_EHANDLE);
+  CHECK_RC(tdm_current_queue_pop(), TDM_ESTATE); /* the stack was emptied */
+  CHECK_OK(tdm_current_queue(&cur));
+  CHECK(cur != q);
+  q2 = new_queue(dev);
+  CHECK(q2 != q);
+  CHECK_OK(tdm_queue_sync(q2));
+  CHECK_OK(tdm_queue_destroy(q2));
+  th_close();
+}
+
+struct destroy_race {
+  tdm_queue *q;
+  atomic_int go;
+  int rc;
+};
+
+static void *destroy_thread(void *arg) {
+  struct destroy_race *r = arg;
+  while (!atomic_load(&r->go)) {
+  }
+  r->rc = tdm_queue_destroy(r->q);
+  return NULL;
+}
+
+/* Two threads destroy one queue at once: one succeeds, the other gets TDM_EHANDLE. */
+TEST_CASE(concurrent_destroy) {
+  tdm_device *dev = th_open();
+  for (int round = 0; round < 50; round++) {
+    struct destroy_race r[2];
+    pthread_t t[2];
+    tdm_queue *q = new_queue(dev);
+    atomic_int ran = 0;
+    CHECK_OK(tdm_host_task(q, task_count, &ran, 0, NULL, NULL));
+    for (int i = 0; i < 2; i++) {
+      r[i].q = q;
+      atomic_store(&r[i].go, 0);
+      r[i].rc = 1;
+      CHECK(pthread_create(&t[i], NULL, destroy_thread, &r[i]) == 0);
+    }
+    atomic_store(&r[0].go, 1);
+    atomic_store(&r[1].go, 1);
+    for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
+    CHECK((r[0].rc == 0 && r[1].rc == TDM_EHANDLE) || (r[1].rc == 0 && r[0].rc == TDM_EHANDLE));
+    CHECK_EQ(atomic_load(&ran), 1);
+  }
+  th_close();
+}
+
+/* A pointer into the device table that is not an entry's start is not a device. */
+TEST_CASE(device_offset) {
+  tdm_device *dev = th_open();
+  tdm_device *bad = (tdm_device *)((char *)dev + 8);
+  tdm_queue *q = SENTINEL_QUEUE;
+  tdm_device_info info;
+  void *p = SENTINEL_PTR;
+  CHECK_RC(tdm_queue_create(bad, 0, &q), TDM_EHANDLE);
+  CHECK_RC(tdm_device_info_get(bad, &info), TDM_EHANDLE);
+  CHECK_RC(tdm_malloc(bad, TDM_MEM_DEVICE, 64, &p), TDM_EHANDLE);
+  CHECK(q == SENTINEL_QUEUE && p == SENTINEL_PTR);
+  th_close();
+}
+
+/* ---- Pointers outside every allocation, overlaps, empty copies ---------------------------- */
+
+TEST_CASE(outside_allocations) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev);
+  tdm_event *eo = SENTINEL_EVENT;
+  unsigned char *dv = NULL, host[64];
+  memset(host, 7, sizeof host);
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, 256, (void **)&dv));
+  /* Partly inside: refused on every backend, whichever end it overlaps. */
+  CHECK_RC(tdm_memcpy(q, dv - 8, host, 16, TDM_COPY_AUTO, 0, NULL, &eo), TDM_ERANGE);
+  CHECK_RC(tdm_memcpy(q, host, dv - 8, 16, TDM_COPY_AUTO, 0, NULL, &eo), TDM_ERANGE);
+  CHECK_RC(tdm_memcpy(q, dv + 250, host, 16, TDM_COPY_AUTO, 0, NULL, &eo), TDM_ERANGE);
+  CHECK_RC(tdm_memset(q, dv - 4, 0, 8, 0, NULL, &eo), TDM_ERANGE);
+  CHECK_RC(tdm_memcpy(q, (void *)(UINTPTR_MAX - 4), host, 16, TDM_COPY_AUTO, 0, NULL, &eo),
+           TDM_ERANGE);
+  if (strcmp(th_backend_of(dev), "opencl") == 0) {
+    /* Device pointers live in a range of their own: outside a live allocation is an error. */
+    CHECK_RC(tdm_memcpy(q, dv + 256, host, 8, TDM_COPY_AUTO, 0, NULL, &eo), TDM_EINVAL);
+    CHECK_RC(tdm_memset(q, dv + 300, 0, 8, 0, NULL, &eo), TDM_EINVAL);
+    unsigned char *gone = NULL;
+    CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, 64, (void **)&gone));
+    CHECK_OK(tdm_free(gone));
+    CHECK_RC(tdm_memcpy(q, host, gone, 8, TDM_COPY_AUTO, 0, NULL, &eo), TDM_EINVAL);
+    CHECK_RC(tdm_memcpy(q, gone, host, 8, TDM_COPY_H2D, 0, NULL, &eo), TDM_EINVAL);
+  }
+  CHECK(eo == SENTINEL_EVENT);
+  CHECK_OK(tdm_queue_sync(q));
+  for (int i = 0; i < 64; i++) CHECK(host[i] == 7);
+  CHECK_OK(tdm_free(dv));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+TEST_CASE(overlap_and_empty) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev);
+  tdm_event *eo = SENTINEL_EVENT, *e0 = NULL;
+  unsigned char *dv = NULL, *pin = NULL, host[64];
+  void *p = SENTINEL_PTR;
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, 256, (void **)&dv));
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, 256, (void **)&pin));
+  /* Overlapping ranges: one rule on every backend. */
+  CHECK_RC(tdm_memcpy(q, dv + 8, dv, 16, TDM_COPY_D2D, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_memcpy(q, dv, dv + 8, 16, TDM_COPY_AUTO, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_memcpy(q, pin, pin + 4, 8, TDM_COPY_H2H, 0, NULL, &eo), TDM_EINVAL);
+  CHECK_RC(tdm_memcpy(q, host, host, 8, TDM_COPY_H2H, 0, NULL, &eo), TDM_EINVAL);
+  CHECK(eo == SENTINEL_EVENT);
+  /* Adjacent is fine. */
+  CHECK_OK(tdm_memcpy(q, dv + 16, dv, 16, TDM_COPY_D2D, 0, NULL, NULL));
+  /* n == 0: a no-op command, NULL pointers accepted. */
+  CHECK_OK(tdm_memcpy(q, NULL, NULL, 0, TDM_COPY_AUTO, 0, NULL, &e0));
+  CHECK_OK(tdm_event_wait(e0));
+  CHECK_OK(tdm_event_release(e0));
+  CHECK_OK(tdm_memcpy(q, dv, NULL, 0, TDM_COPY_H2D, 0, NULL, NULL));
+  CHECK_OK(tdm_memset(q, NULL, 0, 0, 0, NULL, NULL));
+  CHECK_RC(tdm_memcpy(q, NULL, NULL, 0, (tdm_copy_dir)9, 0, NULL, &eo), TDM_EINVAL);
+  /* More than anything can hold: out of memory on every backend. */
+  CHECK_RC(tdm_malloc(dev, TDM_MEM_DEVICE, SIZE_MAX, &p), TDM_ENOMEM);
+  CHECK_RC(tdm_malloc(dev, TDM_MEM_PINNED, SIZE_MAX, &p), TDM_ENOMEM);
+  CHECK_RC(tdm_malloc(dev, TDM_MEM_HOST, SIZE_MAX, &p), TDM_ENOMEM);
+  CHECK(p == SENTINEL_PTR);
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_free(dv));
+  CHECK_OK(tdm_free(pin));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* tdm_stats_get works before tdm_init and after the last shutdown. */
+TEST_CASE(stats_anytime) {
+  tdm_stats st;
+  memset(&st, 0x5e, sizeof st);
+  CHECK_OK(tdm_stats_get(&st));
+  CHECK(st.queues == 0 && st.events == 0 && st.allocations == 0 && st.pending == 0);
+  th_open();
+  th_close();
+  memset(&st, 0x5e, sizeof st);
+  CHECK_OK(tdm_stats_get(&st));
+  CHECK(st.queues == 0 && st.events == 0 && st.allocations == 0 && st.pending == 0);
+}
+
+static int task_fail_nomem(void *arg) {
+  (void)arg;
+  return TDM_ENOMEM;
+}
+
+/* A sync names the operation that failed and its command number, and no message repeats its
+ * code. */
+TEST_CASE(sync_names_failure) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev);
+  atomic_int ran = 0;
+  CHECK_OK(tdm_host_task(q, task_count, &ran, 0, NULL, NULL));
+  CHECK_OK(tdm_host_task(q, task_fail_nomem, NULL, 0, NULL, NULL));
+  CHECK_RC(tdm_queue_sync(q), TDM_ENOMEM);
+  const char *msg = tdm_last_error();
+  CHECK_MSG(strstr(msg, "host task") && strstr(msg, "#2"), "message: %s", msg);
+  CHECK_MSG(strncmp(msg, "TDM_ENOMEM: ", 12) == 0 && !strstr(msg + 12, "TDM_ENOMEM"),
+            "message: %s", msg);
+  CHECK_OK(tdm_queue_sync(q)); /* cleared */
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}

@@ -122,3 +122,44 @@ TEST_CASE(failure_crosses_backends) {
   CHECK_OK(tdm_queue_destroy(qc));
   th_close();
 }
+
+/* tdm_memcpy_cross between the device's memory and cpu:0's: with the copy on the device's
+ * queue, cpu:0's memory is host memory to it and the data arrives both ways; with the copy on
+ * cpu:0's queue, the CPU cannot reach the device's memory: TDM_ENOTSUP, nothing submitted. */
+TEST_CASE(cross_copy_cpu_memory) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open(), *cpu = cpu_device(dev);
+  tdm_queue *qd, *qc;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &qd));
+  CHECK_OK(tdm_queue_create(cpu, TDM_QUEUE_IN_ORDER, &qc));
+  unsigned char *want = malloc(N), *c1, *c2, *d;
+  CHECK(want != NULL);
+  th_fill_random(want, N, &rng);
+  CHECK_OK(tdm_malloc(cpu, TDM_MEM_DEVICE, N, (void **)&c1));
+  CHECK_OK(tdm_malloc(cpu, TDM_MEM_DEVICE, N, (void **)&c2));
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, N, (void **)&d));
+  memcpy(c1, want, N);
+  memset(c2, 0, N);
+  /* Host to device, then device to host, both on the device's queue; cpu:0's queue waits. */
+  CHECK_OK(tdm_memcpy_cross(qd, qd, d, c1, N, 0, NULL, NULL));
+  tdm_event *back = NULL;
+  CHECK_OK(tdm_memcpy_cross(qd, qc, c2, d, N, 0, NULL, &back));
+  CHECK_OK(tdm_queue_sync(qc)); /* cpu:0's queue waited for the copy */
+  CHECK_OK(tdm_event_query(back));
+  CHECK_MEM_EQ(c2, want, N);
+  /* On cpu:0's queue, either way round: not reachable. */
+  tdm_event *eo = (tdm_event *)(uintptr_t)0x5e;
+  CHECK_RC(tdm_memcpy_cross(qc, qd, d, c1, N, 0, NULL, &eo), TDM_ENOTSUP);
+  CHECK_RC(tdm_memcpy_cross(qc, qd, c2, d, N, 0, NULL, &eo), TDM_ENOTSUP);
+  CHECK(eo == (tdm_event *)(uintptr_t)0x5e);
+  CHECK_OK(tdm_queue_sync(qc));
+  CHECK_OK(tdm_queue_sync(qd));
+  CHECK_OK(tdm_event_release(back));
+  CHECK_OK(tdm_queue_destroy(qd));
+  CHECK_OK(tdm_queue_destroy(qc));
+  CHECK_OK(tdm_free(c1));
+  CHECK_OK(tdm_free(c2));
+  CHECK_OK(tdm_free(d));
+  free(want);
+  th_close();
+}

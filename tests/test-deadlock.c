@@ -295,3 +295,103 @@ TEST_CASE(cross_copy_both_ways) {
   CHECK_OK(tdm_queue_destroy(b));
   th_close();
 }
+
+/* ---- The last shutdown from tandem's own threads ------------------------------------------ */
+
+struct shutdown_call {
+  atomic_int rc, done;
+};
+
+static int task_shutdown(void *arg) {
+  struct shutdown_call *s = arg;
+  atomic_store(&s->rc, tdm_shutdown());
+  atomic_store(&s->done, 1);
+  return 0;
+}
+
+static void release_shutdown(void *obj) {
+  struct shutdown_call *s = obj;
+  atomic_store(&s->rc, tdm_shutdown());
+  atomic_store(&s->done, 1);
+}
+
+/* The last tdm_shutdown from a host task, or from a keep-alive release, would join the thread
+ * it runs on: TDM_EDEADLK, and tandem stays up. With a second init reference held, the
+ * shutdown from a task only drops that reference. */
+TEST_CASE(shutdown_from_tandem_threads) {
+  tdm_device *dev = th_open();
+  for (int ooo = 0; ooo < 2; ooo++) {
+    tdm_queue *q = new_queue(dev, ooo ? TDM_QUEUE_OUT_OF_ORDER : TDM_QUEUE_IN_ORDER);
+    struct shutdown_call t, r;
+    atomic_int count = 0;
+    memset(&t, 0, sizeof t);
+    memset(&r, 0, sizeof r);
+    CHECK_OK(tdm_host_task(q, task_shutdown, &t, 0, NULL, NULL));
+    CHECK_OK(tdm_keep_alive(q, release_shutdown, &r));
+    CHECK_MSG(th_wait_atomic(&t.done, 1, TH_HANG_MS), "the host task never finished");
+    CHECK_MSG(th_wait_atomic(&r.done, 1, TH_HANG_MS), "the release never finished");
+    CHECK_RC(atomic_load(&t.rc), TDM_EDEADLK);
+    CHECK_RC(atomic_load(&r.rc), TDM_EDEADLK);
+    /* Still up: the queue works. */
+    CHECK_OK(tdm_host_task(q, task_count, &count, 0, NULL, NULL));
+    CHECK_OK(tdm_queue_sync(q));
+    CHECK_EQ(atomic_load(&count), 1);
+    /* Not the last reference: allowed. */
+    CHECK_OK(tdm_init());
+    memset(&t, 0, sizeof t);
+    CHECK_OK(tdm_host_task(q, task_shutdown, &t, 0, NULL, NULL));
+    CHECK_OK(tdm_queue_sync(q));
+    CHECK_OK(atomic_load(&t.rc));
+    CHECK_OK(tdm_queue_destroy(q));
+  }
+  th_close();
+}
+
+/* ---- Host tasks that wait for later ones on an out-of-order queue ------------------------- */
+
+enum { WAITERS = 24 };
+
+struct waiter_task {
+  _Atomic(tdm_event *) target;
+  atomic_int rc, done;
+};
+
+static int task_wait_target(void *arg) {
+  struct waiter_task *w = arg;
+  tdm_event *ev = NULL;
+  for (long waited = 0; !(ev = atomic_load(&w->target)) && waited < TH_HANG_MS; waited++)
+    th_sleep_ms(1);
+  atomic_store(&w->rc, ev ? tdm_event_wait(ev) : 1);
+  atomic_store(&w->done, 1);
+  return 0;
+}
+
+/* More host tasks than tandem has host threads each block in tdm_event_wait for a later host
+ * task with no dependencies. There is no cycle, so all must complete: a pool thread that
+ * blocks in a wait is replaced while it waits. */
+TEST_CASE(pool_tasks_wait_later_tasks) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_OUT_OF_ORDER);
+  struct waiter_task w[WAITERS];
+  atomic_int count = 0;
+  for (int i = 0; i < WAITERS; i++) {
+    memset(&w[i], 0, sizeof w[i]);
+    atomic_store(&w[i].rc, 12345);
+    CHECK_OK(tdm_host_task(q, task_wait_target, &w[i], 0, NULL, NULL));
+  }
+  th_sleep_ms(50); /* let the waiters take the threads */
+  tdm_event *later[WAITERS];
+  for (int i = 0; i < WAITERS; i++) {
+    CHECK_OK(tdm_host_task(q, task_count, &count, 0, NULL, &later[i]));
+    atomic_store(&w[i].target, later[i]);
+  }
+  for (int i = 0; i < WAITERS; i++) {
+    CHECK_MSG(th_wait_atomic(&w[i].done, 1, TH_HANG_MS), "waiter %d never finished", i);
+    CHECK_OK(atomic_load(&w[i].rc));
+  }
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_EQ(atomic_load(&count), WAITERS);
+  for (int i = 0; i < WAITERS; i++) CHECK_OK(tdm_event_release(later[i]));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}

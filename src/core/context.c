@@ -35,7 +35,10 @@ int tdm__enter(void) {
 
 int tdm__device_check(tdm_device *dev) {
   if (!dev) return tdm__error(TDM_EINVAL, 0, "device is NULL");
-  if (dev < tdm__g.devices || dev >= tdm__g.devices + tdm__g.ndevices)
+  /* Compared as integers: a pointer into the table but not at an entry's start is foreign. */
+  uintptr_t p = (uintptr_t)dev, base = (uintptr_t)tdm__g.devices;
+  if (p < base || p >= base + (uintptr_t)tdm__g.ndevices * sizeof *dev ||
+      (p - base) % sizeof *dev != 0)
     return tdm__error(TDM_EHANDLE, 0, "%p is not a tandem device", (void *)dev);
   if (atomic_load(&dev->lost))
     return tdm__error(TDM_EDEVLOST, 0, "device %s was lost", dev->info.id);
@@ -73,6 +76,12 @@ void tdm__backend_add(const tdm__backend *be, void *dl, const char *detail) {
     d->index = tdm__g.ndevices;
     if (be->device_info(i, &d->info)) continue;
     d->info.index = d->index;
+    uintptr_t rb = 0;
+    size_t rs = 0;
+    if (be->address_range && be->address_range(i, &rb, &rs) == 0 && rs) {
+      d->range_base = rb;
+      d->range_end = rb + rs;
+    }
     d->info.backend_index = i;
     snprintf(d->info.backend, sizeof d->info.backend, "%s", be->name);
     snprintf(d->info.id, sizeof d->info.id, "%s:%d", be->name, i);
@@ -82,15 +91,15 @@ void tdm__backend_add(const tdm__backend *be, void *dl, const char *detail) {
 }
 
 /* Set up by the first init; services backends use instead of linking to the core. */
-static void event_set_native(tdm_event *ev, void *handle) {
+static void event_set_native(tdm__event *ev, void *handle) {
   atomic_store_explicit(&ev->bev, handle, memory_order_release);
 }
 
-static void *event_native(tdm_event *ev, const tdm__backend *be) {
+static void *event_native(tdm__event *ev, const tdm__backend *be) {
   return ev->q->dev->be == be ? atomic_load_explicit(&ev->bev, memory_order_acquire) : NULL;
 }
 
-static int event_device(tdm_event *ev, const tdm__backend **be) {
+static int event_device(tdm__event *ev, const tdm__backend **be) {
   *be = ev->q->dev->be;
   return ev->q->dev->bindex;
 }
@@ -117,6 +126,7 @@ int tdm_init(void) {
     pthread_mutex_unlock(&init_mu);
     return 0;
   }
+  atomic_fetch_add(&tdm__g.epoch, 1);
   tdm__options_load(&tdm__g.opts);
   fill_services(&tdm__g.svc);
   tdm__g.nbackends = 0;
@@ -144,14 +154,21 @@ int tdm_shutdown(void) {
     pthread_mutex_unlock(&init_mu);
     return tdm__error(TDM_ENOTINIT, 0, "tdm_shutdown without tdm_init");
   }
+  if (tdm__g.refs == 1 && (tdm__tls_queue || tdm__tls_releasing)) {
+    /* The last shutdown joins the thread this caller runs on. */
+    pthread_mutex_unlock(&init_mu);
+    return tdm__error(TDM_EDEADLK, 0, "the last tdm_shutdown from a %s would wait for itself",
+                      tdm__tls_queue ? "host task" : "keep-alive release");
+  }
   if (--tdm__g.refs > 0) {
     pthread_mutex_unlock(&init_mu);
     return 0;
   }
   /* Drain and destroy every live queue: tandem's defaults first, then the caller's. */
   tdm__defaults_destroy_all();
-  for (tdm_queue *q = tdm__g.queues; q; q = q->next_all)
+  for (tdm__queue *q = tdm__g.queues; q; q = q->next_all)
     if (atomic_load(&q->magic) == TDM__MAGIC_QUEUE) {
+      atomic_store(&q->claimed, true);
       q->owned_by_tandem = false;
       tdm__queue_destroy_internal(q);
     }
@@ -160,6 +177,7 @@ int tdm_shutdown(void) {
   tdm__trace_flush();
   atomic_store(&tdm__g.live, 0);
   tdm__mem_free_all();
+  tdm__queues_release_native();
   tdm__modules_unload();
   tdm__queues_free_all();
   atomic_store(&tdm__g.n_queues, 0);

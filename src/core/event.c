@@ -37,18 +37,26 @@ uint64_t tdm__now_ns(void) {
 
 /* ---- events ---- */
 
-int tdm__event_check(tdm_event *ev) {
-  if (!ev) return tdm__error(TDM_EINVAL, 0, "event is NULL");
-  if (atomic_load(&ev->magic) != TDM__MAGIC_EVENT)
-    return tdm__error(TDM_EHANDLE, 0, "%p is not a live event (released or foreign)",
-                      (void *)ev);
+int tdm__event_get(tdm_event *h, tdm__event **out) {
+  if (!h) return tdm__error(TDM_EINVAL, 0, "event is NULL");
+  tdm__event *ev = tdm__handle_obj(h, TDM__KIND_EVENT);
+  if (!ev || atomic_load_explicit(&ev->urefs, memory_order_relaxed) <= 0)
+    return tdm__error(TDM_EHANDLE, 0, "%p is not a live event (released, from before a "
+                      "shutdown, or not an event)", (void *)h);
+  *out = ev;
   return 0;
 }
 
-void tdm__event_ref(tdm_event *ev) { atomic_fetch_add(&ev->refs, 1); }
+tdm_event *tdm__event_handout(tdm__event *ev) {
+  if (atomic_fetch_add(&ev->urefs, 1) == 0) tdm__event_ref(ev);
+  return (tdm_event *)(uintptr_t)ev->handle;
+}
 
-void tdm__event_free(tdm_event *ev) {
-  tdm_queue *q = ev->q;
+void tdm__event_ref(tdm__event *ev) { atomic_fetch_add(&ev->refs, 1); }
+
+void tdm__event_free(tdm__event *ev) {
+  tdm__queue *q = ev->q;
+  tdm__slot_retire(ev->slot);
   void *bev = atomic_exchange(&ev->bev, NULL);
   if (bev) q->dev->be->native_release(bev);
   atomic_store_explicit(&ev->magic, TDM__MAGIC_DEAD, memory_order_relaxed);
@@ -58,12 +66,12 @@ void tdm__event_free(tdm_event *ev) {
   tdm__queue_unref(q);
 }
 
-void tdm__event_unref(tdm_event *ev) {
+void tdm__event_unref(tdm__event *ev) {
   if (atomic_fetch_sub(&ev->refs, 1) == 1) tdm__event_free(ev);
 }
 
-void tdm__event_complete_unref(tdm_event *ev, int status, int native) {
-  tdm_queue *q = ev->q;
+void tdm__event_complete_unref(tdm__event *ev, int status, int native) {
+  tdm__queue *q = ev->q;
   if (ev->timed) ev->t_ns = tdm__now_ns();
   pthread_mutex_lock(&q->mu);
   ev->status = status;
@@ -92,9 +100,9 @@ void tdm__event_complete_unref(tdm_event *ev, int status, int native) {
   if (last) tdm__event_free(ev);
 }
 
-int tdm__event_on_complete(tdm_event *ev, tdm__waiter *w) {
+int tdm__event_on_complete(tdm__event *ev, tdm__waiter *w) {
   if (atomic_load_explicit(&ev->done, memory_order_acquire)) return 1;
-  tdm_queue *q = ev->q;
+  tdm__queue *q = ev->q;
   pthread_mutex_lock(&q->mu);
   int done = atomic_load_explicit(&ev->done, memory_order_relaxed);
   if (!done) {
@@ -111,9 +119,9 @@ int tdm__event_on_complete(tdm_event *ev, tdm__waiter *w) {
  * between polls, so a completing thread that shares its CPU runs rather than waits. */
 #define TDM__SPIN_NS 20000u
 
-int tdm__event_wait_raw(tdm_event *ev) {
+int tdm__event_wait_raw(tdm__event *ev) {
   if (!atomic_load_explicit(&ev->done, memory_order_acquire)) {
-    tdm_queue *q = ev->q;
+    tdm__queue *q = ev->q;
     tdm__exec_kick(q);
     uint64_t until = tdm__now_ns() + TDM__SPIN_NS;
     do {
@@ -133,7 +141,7 @@ int tdm__event_wait_raw(tdm_event *ev) {
 
 /* ---- public ---- */
 
-static int report(tdm_event *ev) {
+static int report(tdm__event *ev) {
   int st = ev->status;
   if (st < 0)
     tdm__error(st, ev->native, "%s on %s (command #%llu) failed", ev->op ? ev->op : "command",
@@ -141,9 +149,10 @@ static int report(tdm_event *ev) {
   return st;
 }
 
-int tdm_event_query(tdm_event *ev) {
+int tdm_event_query(tdm_event *h) {
   TDM__ENTER();
-  int rc = tdm__event_check(ev);
+  tdm__event *ev;
+  int rc = tdm__event_get(h, &ev);
   if (rc) return rc;
   if (!atomic_load_explicit(&ev->done, memory_order_acquire)) {
     tdm__exec_kick(ev->q); /* a polling caller must see it complete */
@@ -152,23 +161,25 @@ int tdm_event_query(tdm_event *ev) {
   return report(ev);
 }
 
-int tdm_event_wait(tdm_event *ev) {
+int tdm_event_wait(tdm_event *h) {
   TDM__ENTER();
-  int rc = tdm__event_check(ev);
+  tdm__event *ev;
+  int rc = tdm__event_get(h, &ev);
   if (rc) return rc;
   if (!atomic_load_explicit(&ev->done, memory_order_acquire) && tdm__tls_queue == ev->q &&
       !(ev->q->flags & TDM_QUEUE_OUT_OF_ORDER) && ev->seq > tdm__tls_seq)
     return tdm__error(TDM_EDEADLK, 0,
                       "a host task of %s waits for command #%llu, which runs after it",
                       ev->q->label, (unsigned long long)ev->seq);
-  tdm__event_wait_raw(ev);
+  tdm__event_wait_blocking(ev);
   return report(ev);
 }
 
-int tdm_event_elapsed(tdm_event *start, tdm_event *end, double *ms) {
+int tdm_event_elapsed(tdm_event *start_h, tdm_event *end_h, double *ms) {
   TDM__ENTER();
+  tdm__event *start, *end;
   int rc;
-  if ((rc = tdm__event_check(start)) || (rc = tdm__event_check(end))) return rc;
+  if ((rc = tdm__event_get(start_h, &start)) || (rc = tdm__event_get(end_h, &end))) return rc;
   if (!ms) return tdm__error(TDM_EINVAL, 0, "tdm_event_elapsed: ms is NULL");
   if (start->q->dev != end->q->dev)
     return tdm__error(TDM_EXDEV, 0, "events come from %s and %s", start->q->label,
@@ -185,34 +196,47 @@ int tdm_event_elapsed(tdm_event *start, tdm_event *end, double *ms) {
   return 0;
 }
 
-int tdm_event_retain(tdm_event *ev) {
+/* The callers' count only moves between positive values: once it reaches 0 the handle is
+ * dead, even while tandem's own references keep the struct alive. */
+int tdm_event_retain(tdm_event *h) {
   TDM__ENTER();
-  int rc = tdm__event_check(ev);
+  tdm__event *ev;
+  int rc = tdm__event_get(h, &ev);
   if (rc) return rc;
-  tdm__event_ref(ev);
+  int u = atomic_load(&ev->urefs);
+  do {
+    if (u <= 0) return tdm__error(TDM_EHANDLE, 0, "%p was released", (void *)h);
+  } while (!atomic_compare_exchange_weak(&ev->urefs, &u, u + 1));
   return 0;
 }
 
-int tdm_event_release(tdm_event *ev) {
+int tdm_event_release(tdm_event *h) {
   TDM__ENTER();
-  int rc = tdm__event_check(ev);
+  tdm__event *ev;
+  int rc = tdm__event_get(h, &ev);
   if (rc) return rc;
-  tdm__event_unref(ev);
+  int u = atomic_load(&ev->urefs);
+  do {
+    if (u <= 0) return tdm__error(TDM_EHANDLE, 0, "%p was released", (void *)h);
+  } while (!atomic_compare_exchange_weak(&ev->urefs, &u, u - 1));
+  if (u == 1) tdm__event_unref(ev);
   return 0;
 }
 
-int tdm_event_queue(tdm_event *ev, tdm_queue **q) {
+int tdm_event_queue(tdm_event *h, tdm_queue **q) {
   TDM__ENTER();
-  int rc = tdm__event_check(ev);
+  tdm__event *ev;
+  int rc = tdm__event_get(h, &ev);
   if (rc) return rc;
   if (!q) return tdm__error(TDM_EINVAL, 0, "tdm_event_queue: q is NULL");
-  *q = ev->q;
+  *q = tdm__queue_handle(ev->q);
   return 0;
 }
 
-int tdm_event_native(tdm_event *ev, void **native) {
+int tdm_event_native(tdm_event *h, void **native) {
   TDM__ENTER();
-  int rc = tdm__event_check(ev);
+  tdm__event *ev;
+  int rc = tdm__event_get(h, &ev);
   if (rc) return rc;
   if (!native) return tdm__error(TDM_EINVAL, 0, "tdm_event_native: native is NULL");
   void *bev = atomic_load_explicit(&ev->bev, memory_order_acquire);

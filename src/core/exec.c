@@ -107,10 +107,10 @@ void tdm__cmdq_stop(tdm__cmdq *f) {
 
 /* ---- the executor: one thread per native queue ---- */
 
-static bool exec_lazy(const tdm_queue *q) { return q->dev->be->wake_lazily; }
+static bool exec_lazy(const tdm__queue *q) { return q->dev->be->wake_lazily; }
 
 /* A quiet command without a native handle: it completes with the next handle. */
-static bool held_back(const tdm_queue *q, const tdm__cmd *c) {
+static bool held_back(const tdm__queue *q, const tdm__cmd *c) {
   return (c->flags & TDM__CMD_QUIET) && !c->wait && !c->gate && q->dev->be->native_flush;
 }
 
@@ -134,7 +134,7 @@ static void finish_held(tdm__cmd **held, tdm__cmd ***tail, int nstatus, int nati
 
 /* Waits for a native handle; returns the mapped status (the device is marked lost on
  * TDM_EDEVLOST) and releases the handle. */
-static int wait_native(tdm_queue *q, void *handle, int *native) {
+static int wait_native(tdm__queue *q, void *handle, int *native) {
   const tdm__backend *be = q->dev->be;
   int st = tdm__device_note(q->dev, be->native_wait(handle, native));
   be->native_release(handle);
@@ -147,7 +147,7 @@ static int wait_native(tdm_queue *q, void *handle, int *native) {
  * behind it would never complete). So it is made under the submission lock, and only while
  * the FIFO is empty (every command submitted so far is held here); otherwise it returns false
  * and the executor goes on with the FIFO, whose next handle will cover them. */
-static bool flush_held(tdm_queue *q, tdm__cmd **held, tdm__cmd ***tail, bool always) {
+static bool flush_held(tdm__queue *q, tdm__cmd **held, tdm__cmd ***tail, bool always) {
   void *h = NULL;
   int native = 0;
   pthread_mutex_lock(&q->submit_mu);
@@ -166,7 +166,7 @@ static bool flush_held(tdm_queue *q, tdm__cmd **held, tdm__cmd ***tail, bool alw
 }
 
 static void *exec_main(void *arg) {
-  tdm_queue *q = arg;
+  tdm__queue *q = arg;
   tdm__cmdq *f = &q->xq;
   tdm__cmd *held = NULL, **held_tail = &held;
   pthread_mutex_lock(&f->mu);
@@ -209,7 +209,7 @@ static void *exec_main(void *arg) {
   return NULL;
 }
 
-int tdm__exec_start(tdm_queue *q) {
+int tdm__exec_start(tdm__queue *q) {
   q->xq.head = q->xq.tail = NULL;
   q->xq.stop = false;
   q->xq.unsignaled = 0;
@@ -219,7 +219,7 @@ int tdm__exec_start(tdm_queue *q) {
   return 0;
 }
 
-void tdm__exec_stop(tdm_queue *q) {
+void tdm__exec_stop(tdm__queue *q) {
   if (!q->x_running) return;
   tdm__cmdq_stop(&q->xq);
   pthread_join(q->x_thread, NULL);
@@ -227,11 +227,11 @@ void tdm__exec_stop(tdm_queue *q) {
 }
 
 void tdm__exec_push(tdm__cmd *cmd) {
-  tdm_queue *q = cmd->ev->q;
+  tdm__queue *q = cmd->ev->q;
   tdm__cmdq_push(&q->xq, cmd, !exec_lazy(q) || needs_host(cmd));
 }
 
-void tdm__exec_kick(tdm_queue *q) {
+void tdm__exec_kick(tdm__queue *q) {
   /* Only a lazily woken executor can sleep with commands queued. */
   if (exec_lazy(q)) tdm__cmdq_kick(&q->xq);
 }

@@ -67,7 +67,7 @@ int tdm_stats_get(tdm_stats *out) {
   out->allocations = atomic_load(&tdm__g.n_allocs);
   out->events = out->pending = 0;
   pthread_mutex_lock(&tdm__g.mu);
-  for (tdm_queue *q = tdm__g.queues; q; q = q->next_all) {
+  for (tdm__queue *q = tdm__g.queues; q; q = q->next_all) {
     /* The completing side first: it never runs ahead of the submitting side. */
     long freed = atomic_load(&q->n_freed), done = atomic_load(&q->n_done);
     long submitted = atomic_load(&q->n_submitted);

@@ -27,6 +27,19 @@
 #define TDM__MAX_BACKENDS 8
 #define TDM__QUEUE_REF_BATCH 256 /* queue references an event submission takes at a time */
 
+/* ---- handle.c ---- */
+enum { TDM__KIND_QUEUE = 1, TDM__KIND_EVENT = 2 };
+/* A slot for a new struct (cold: when a pool is empty); its handle is not live yet. */
+int tdm__slot_new(void *obj, uint32_t *slot);
+/* A new generation of the slot's handle, live from now on; only the struct's owner calls it. */
+uint64_t tdm__slot_issue(uint32_t slot, unsigned kind);
+/* Makes the slot's current handle invalid. */
+void tdm__slot_retire(uint32_t slot);
+/* Retires the handle and gives the slot back (the struct itself is being freed). */
+void tdm__slot_free(uint32_t slot);
+/* The struct a live handle of the kind names, or NULL. */
+void *tdm__handle_obj(const void *handle, unsigned kind);
+
 enum {
   TDM__MAGIC_QUEUE = 0x51554555u, /* "QUEU" */
   TDM__MAGIC_EVENT = 0x45564e54u, /* "EVNT" */
@@ -72,22 +85,24 @@ struct tdm_device {
   int index;
   _Atomic int lost;
   tdm_device_info info;
-  tdm_queue *default_cached;    /* created on first use, owned by tandem */
-  tdm_queue *default_installed; /* the program's, borrowed */
+  uintptr_t range_base, range_end; /* address_range, or 0 and 0 */
+  tdm__queue *default_cached;    /* created on first use, owned by tandem */
+  tdm__queue *default_installed; /* the program's, borrowed */
 };
 
 typedef struct tdm__ctx {
   pthread_mutex_t mu;
   int refs;                 /* init count; guarded by the init lock */
   _Atomic int live;         /* 1 between the first init and the last shutdown */
+  _Atomic unsigned epoch;   /* counts first inits: per-thread state of an older one is stale */
   tdm__options opts;
   tdm__services svc;
   tdm__backend_slot backends[TDM__MAX_BACKENDS];
   int nbackends;
   tdm_device devices[TDM__MAX_DEVICES];
   int ndevices;
-  tdm_queue *queues;        /* every queue struct, live or recycled; freed at shutdown */
-  tdm_queue *free_queues;   /* recycled structs */
+  tdm__queue *queues;        /* every queue struct, live or recycled; freed at shutdown */
+  tdm__queue *free_queues;   /* recycled structs */
   int next_queue_id;
   _Atomic long n_queues, n_allocs;  /* events and pending commands are counted per queue */
 } tdm__ctx;
@@ -125,10 +140,13 @@ int tdm__fault_code_taken(void);
 bool tdm__backend_allowed(const char *name);
 
 /* ---- event.c ---- */
-struct tdm_event {
+struct tdm__event {
   void *next;               /* pool link; must be first */
-  _Atomic uint32_t magic;   /* checked before anything else */
-  _Atomic int refs;
+  _Atomic uint32_t magic;   /* TDM__MAGIC_EVENT while in use, for internal consistency */
+  _Atomic int refs;         /* every holder: the command, the tracker, the callers (one) */
+  _Atomic int urefs;        /* the callers' references; together they hold one of refs */
+  uint32_t slot;            /* the handle table's slot, for the struct's life */
+  uint64_t handle;          /* the handle callers hold for this use of the struct */
   _Atomic int done;
   int status;
   int native;
@@ -136,22 +154,30 @@ struct tdm_event {
   uint64_t t_ns;            /* completion time on the monotonic clock, when timed */
   uint64_t seq;             /* position in its queue */
   const char *op;           /* what the command was, for messages */
-  tdm_queue *q;             /* holds a reference on q */
+  const char *cause_op;     /* a marker reporting an earlier failure: that command's op */
+  uint64_t cause_seq;       /* and its number */
+  tdm__queue *q;             /* holds a reference on q */
   tdm__waiter *waiters;     /* under q->mu */
   _Atomic(void *) bev;      /* native event, owned (native backends); may be set after the
                                event is published (host-side deferral), hence atomic */
-  tdm_event *next_all;      /* every event q ever allocated, so shutdown frees them all */
+  tdm__event *next_all;      /* every event q ever allocated, so shutdown frees them all */
 };
-int tdm__event_check(tdm_event *ev);
-void tdm__event_ref(tdm_event *ev);
-void tdm__event_unref(tdm_event *ev);
+/* Resolves a caller's handle to a live event that the caller holds a reference to. */
+int tdm__event_get(tdm_event *h, tdm__event **ev);
+/* Hands ev to the caller as a new reference; returns the handle. */
+tdm_event *tdm__event_handout(tdm__event *ev);
+void tdm__event_ref(tdm__event *ev);
+void tdm__event_unref(tdm__event *ev);
 /* Completes ev and drops one reference (the command's) in the same critical section, so a
  * thread woken by the completion never sees that reference. */
-void tdm__event_complete_unref(tdm_event *ev, int status, int native);
-void tdm__event_free(tdm_event *ev);
-int tdm__event_on_complete(tdm_event *ev, tdm__waiter *w);
+void tdm__event_complete_unref(tdm__event *ev, int status, int native);
+void tdm__event_free(tdm__event *ev);
+int tdm__event_on_complete(tdm__event *ev, tdm__waiter *w);
 /* Blocks until ev completes; returns its status. No deadlock check. */
-int tdm__event_wait_raw(tdm_event *ev);
+int tdm__event_wait_raw(tdm__event *ev);
+/* The same for waits a caller's thread makes (public waits, syncs, destroys): a pool thread
+ * that blocks here is replaced while it waits (pool.c), so the pool cannot starve. */
+int tdm__event_wait_blocking(tdm__event *ev);
 uint64_t tdm__now_ns(void);
 
 /* ---- exec.c: a FIFO of commands served by threads (the pool, a queue's executor) ---- */
@@ -188,10 +214,13 @@ static inline void tdm__signal_end(void) {
 void tdm__signals_quiesce(void);
 
 /* ---- queue.c ---- */
-struct tdm_queue {
-  _Atomic uint32_t magic;   /* first member */
-  tdm_queue *next_all;      /* ctx.queues */
-  tdm_queue *next_free;     /* ctx.free_queues */
+struct tdm__queue {
+  _Atomic uint32_t magic;   /* TDM__MAGIC_QUEUE while live */
+  uint32_t slot;            /* the handle table's slot, for the struct's life */
+  uint64_t handle;          /* the handle of this queue (stale once it is destroyed) */
+  _Atomic bool claimed;     /* a tdm_queue_destroy is underway: a second one gets EHANDLE */
+  tdm__queue *next_all;      /* ctx.queues */
+  tdm__queue *next_free;     /* ctx.free_queues */
   _Atomic int refs;         /* 1 for the handle while live, 1 per event, and ref_stock */
   tdm_device *dev;
   unsigned flags;
@@ -207,7 +236,7 @@ struct tdm_queue {
   int cv_sleepers;          /* threads waiting on cv, under mu */
   uint64_t seq;             /* under submit_mu */
   tdm__pool events, cmds;
-  tdm_event *all_events;    /* under submit_mu */
+  tdm__event *all_events;    /* under submit_mu */
   /* Counters, per queue so submitters share none. The submitter's side has one writer (under
    * submit_mu) and is never written by completing threads, so a submission takes no atomic
    * read-modify-write on a line they touch: events alive = submitted - freed, commands
@@ -219,15 +248,17 @@ struct tdm_queue {
   _Atomic long n_done;
   _Atomic long n_freed;
   _Atomic int first_error;  /* first failure since the last sync */
+  const char *first_error_op; /* its command's op and number; with first_error, under mu */
+  uint64_t first_error_seq;
   int chain_error;          /* in-order: an earlier failure; touched only in execution order */
   /* tracker (tracker.c), under submit_mu */
-  tdm_event **trk;
+  tdm__event **trk;
   size_t ntrk, trk_cap;
-  tdm_event *gate;          /* out-of-order: the last barrier or wait; later work waits on it */
+  tdm__event *gate;          /* out-of-order: the last barrier or wait; later work waits on it */
   /* Copies from other queues (tdm_memcpy_cross) that later work on this queue must wait for:
    * they become dependencies of the next submission (in-order) or of every submission until
    * a barrier (out-of-order). Capacity trk_cap; nxres slots are reserved by copies underway. */
-  tdm_event **xwait;
+  tdm__event **xwait;
   size_t nxwait, nxres;
   /* Native backends: the executor (exec.c), a thread serving this FIFO of natively enqueued
    * commands. The FIFO's lock and condition live as long as the struct (a waiter may kick the
@@ -237,12 +268,19 @@ struct tdm_queue {
   pthread_t x_thread;
   uint64_t trace_last_end;  /* tracing, in-order queues: end of the last command */
 };
-int tdm__queue_check(tdm_queue *q);
+/* Resolves a caller's handle to a live queue (not being destroyed, device not lost). */
+int tdm__queue_get(tdm_queue *h, tdm__queue **q);
+/* q's handle as the caller sees it. */
+static inline tdm_queue *tdm__queue_handle(const tdm__queue *q) {
+  return (tdm_queue *)(uintptr_t)q->handle;
+}
 int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, bool owned,
-                               tdm_queue **out);
-int tdm__queue_destroy_internal(tdm_queue *q);
-void tdm__queue_unref(tdm_queue *q);
+                               tdm__queue **out);
+int tdm__queue_destroy_internal(tdm__queue *q);
+void tdm__queue_unref(tdm__queue *q);
 void tdm__queues_free_all(void);
+/* Gives back the native events of events callers still hold; before modules unload. */
+void tdm__queues_release_native(void);
 
 /* ---- submit.c ---- */
 typedef struct tdm__spec {
@@ -259,32 +297,43 @@ typedef struct tdm__spec {
   tdm_host_fn fn;
   tdm_mem_kind dkind, skind; /* copy and fill: what the registry said (0: unknown memory) */
 } tdm__spec;
-int tdm__deps_check(size_t ndeps, tdm_event *const *deps);
+/* A caller's dependency list resolved to events (inline when short). */
+#define TDM__INLINE_DEPLIST 8
+typedef struct tdm__deplist {
+  tdm__event **v;
+  size_t n;
+  tdm__event *inl[TDM__INLINE_DEPLIST];
+} tdm__deplist;
+/* Checks and resolves deps; on success the caller ends with tdm__deps_put. */
+int tdm__deps_get(size_t ndeps, tdm_event *const *deps, tdm__deplist *out);
+void tdm__deps_put(tdm__deplist *d);
 /* The common submission path: takes q->submit_mu, reserves everything, hands the command to
- * the backend, tracks it. q and deps must have been checked. */
-int tdm__submit(tdm_queue *q, const tdm__spec *spec, size_t ndeps, tdm_event *const *deps,
-                tdm_event **out);
+ * the backend, tracks it. q and deps must have been checked. The new event goes to an
+ * internal holder through out and to the caller through out_handle, each with a reference
+ * of its own. */
+int tdm__submit(tdm__queue *q, const tdm__spec *spec, size_t ndeps, tdm__event *const *deps,
+                tdm__event **out, tdm_event **out_handle);
 /* The same with q->submit_mu already held. */
-int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
-                       tdm_event *const *deps, tdm_event **out);
+int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
+                       tdm__event *const *deps, tdm__event **out, tdm_event **out_handle);
 void tdm__cmd_run(tdm__cmd *cmd);
 /* The rest of tdm__cmd_run once cmd's native work is known to be done, with its status. */
 void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native);
 void tdm__cmd_done(tdm__cmd *cmd, int status, int native);
 /* Thread-local: the queue and sequence number of the host task running on this thread. */
-extern _Thread_local tdm_queue *tdm__tls_queue;
+extern _Thread_local tdm__queue *tdm__tls_queue;
 extern _Thread_local uint64_t tdm__tls_seq;
 
 /* ---- exec.c: the per-queue executor ---- */
 
-int tdm__exec_start(tdm_queue *q);
+int tdm__exec_start(tdm__queue *q);
 /* Runs what is queued, then joins the thread. */
-void tdm__exec_stop(tdm_queue *q);
+void tdm__exec_stop(tdm__queue *q);
 void tdm__exec_push(tdm__cmd *cmd);
 /* Wakes q's executor if it sleeps with commands queued: called before anyone waits for an
  * event of q (the executor otherwise sleeps until work needs it; see exec.c). Harmless on
  * queues without an executor, and on destroyed ones. */
-void tdm__exec_kick(tdm_queue *q);
+void tdm__exec_kick(tdm__queue *q);
 
 /* ---- pool.c: shared host threads for out-of-order queues ---- */
 int tdm__pool_start(void);
@@ -303,20 +352,20 @@ void tdm__trace_cmd(tdm__cmd *cmd, int status);
 void tdm__trace_flush(void);
 
 /* ---- tracker.c ---- */
-int tdm__tracker_init(tdm_queue *q);
-void tdm__tracker_fini(tdm_queue *q);
+int tdm__tracker_init(tdm__queue *q);
+void tdm__tracker_fini(tdm__queue *q);
 /* Makes room for one more entry (pruning, or collapsing into a barrier); submit_mu held. */
-int tdm__tracker_reserve(tdm_queue *q);
+int tdm__tracker_reserve(tdm__queue *q);
 /* Drops completed entries. */
-void tdm__tracker_prune(tdm_queue *q);
+void tdm__tracker_prune(tdm__queue *q);
 /* Records ev (referenced by the tracker); cannot fail after a successful reserve. */
-void tdm__tracker_add(tdm_queue *q, tdm_event *ev, bool own);
+void tdm__tracker_add(tdm__queue *q, tdm__event *ev, bool own);
 /* Cross-queue copies: reserve a slot (may submit a barrier to make room), then fill it. */
-int tdm__xwait_reserve(tdm_queue *q);
-void tdm__xwait_fill(tdm_queue *q, tdm_event *ev);
-void tdm__xwait_cancel(tdm_queue *q);
+int tdm__xwait_reserve(tdm__queue *q);
+void tdm__xwait_fill(tdm__queue *q, tdm__event *ev);
+void tdm__xwait_cancel(tdm__queue *q);
 /* After a submission: drops entries the queue's order now covers. */
-void tdm__xwait_consumed(tdm_queue *q, bool covers_all);
+void tdm__xwait_consumed(tdm__queue *q, bool covers_all);
 
 /* ---- memory.c ---- */
 typedef struct tdm__alloc {
@@ -328,21 +377,26 @@ typedef struct tdm__alloc {
 } tdm__alloc;
 /* Checks a copy or fill on q and resolves TDM_COPY_AUTO. alt: a second device whose memory
  * may also take part (the destination queue's of a cross-queue copy), or NULL. */
-int tdm__mem_check_copy(tdm_queue *q, tdm_device *alt, void *dst, const void *src, size_t n,
+int tdm__mem_check_copy(tdm__queue *q, tdm_device *alt, void *dst, const void *src, size_t n,
                         tdm_copy_dir *dir, tdm_mem_kind *dkind, tdm_mem_kind *skind);
-int tdm__mem_check_fill(tdm_queue *q, void *dst, size_t n, tdm_mem_kind *dkind);
-int tdm__mem_begin_free(tdm_queue *q, void *ptr);
+/* Checks a cross-queue copy (run on src_q; dst_q waits for it). */
+int tdm__mem_check_cross(tdm__queue *src_q, tdm__queue *dst_q, void *dst, const void *src,
+                         size_t n, tdm_mem_kind *dkind, tdm_mem_kind *skind);
+int tdm__mem_check_fill(tdm__queue *q, void *dst, size_t n, tdm_mem_kind *dkind);
+int tdm__mem_begin_free(tdm__queue *q, void *ptr);
 void tdm__mem_cancel_free(void *ptr);
 /* freed: the backend already freed it natively; only the registry entry goes. */
 void tdm__mem_finish_free(void *ptr, bool freed);
 void tdm__mem_free_all(void);
 
 /* ---- release.c ---- */
+/* Set on the release thread, whose releases are the caller's code. */
+extern _Thread_local bool tdm__tls_releasing;
 int tdm__release_start(void);
 void tdm__release_stop(void);
 
 /* ---- defaults.c ---- */
-void tdm__defaults_forget(tdm_queue *q);
+void tdm__defaults_forget(tdm__queue *q);
 void tdm__defaults_destroy_all(void);
 
 /* ---- modules.c ---- */

@@ -125,7 +125,7 @@ int tdm_free(void *ptr) {
   return 0;
 }
 
-int tdm__mem_begin_free(tdm_queue *q, void *ptr) {
+int tdm__mem_begin_free(tdm__queue *q, void *ptr) {
   if (!ptr) return tdm__error(TDM_EINVAL, 0, "tdm_free_async: ptr is NULL");
   pthread_rwlock_wrlock(&reg_lock);
   long i = find((uintptr_t)ptr);
@@ -212,19 +212,58 @@ typedef struct side {
   tdm__alloc a;
 } side;
 
-/* Caller holds reg_lock for reading. */
+/* Index of the first entry that starts after p (reg_n if none). Caller holds reg_lock. */
+static size_t first_after(uintptr_t p) {
+  size_t lo = 0, hi = reg_n;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (reg[mid].base <= p)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+/* The device whose reserved address range [p, p + n) touches, or NULL. */
+static tdm_device *in_device_range(uintptr_t p, size_t n) {
+  for (int i = 0; i < tdm__g.ndevices; i++) {
+    tdm_device *d = &tdm__g.devices[i];
+    if (d->range_end && p < d->range_end && p + n > d->range_base) return d;
+  }
+  return NULL;
+}
+
+/* Resolves [p, p + n). Memory tandem does not know is pageable host memory, unless the range
+ * runs into an allocation (TDM_ERANGE) or into a backend's reserved device range, where only
+ * live allocations are valid (a freed OpenCL pointer, say). Caller holds reg_lock for
+ * reading. */
 static int resolve(const void *p, size_t n, const char *role, side *s) {
   memset(s, 0, sizeof *s);
   s->role = role;
-  long i = find((uintptr_t)p);
-  if (i < 0) return 0; /* unknown memory is pageable host memory */
+  uintptr_t u = (uintptr_t)p;
+  if (u + n < u)
+    return tdm__error(TDM_ERANGE, 0, "%s %p + %zu bytes wraps around the address space", role,
+                      p, n);
+  long i = find(u);
+  if (i < 0) {
+    size_t j = first_after(u);
+    if (j < reg_n && reg[j].base < u + n)
+      return tdm__error(TDM_ERANGE, 0, "%s %p + %zu bytes runs into the %zu-byte allocation at "
+                        "%p", role, p, n, reg[j].size, (void *)reg[j].base);
+    tdm_device *d = in_device_range(u, n ? n : 1);
+    if (d)
+      return tdm__error(TDM_EINVAL, 0, "%s %p lies in %s's device address range but in no live "
+                        "allocation (freed, or never allocated)", role, p, d->info.id);
+    return 0; /* unknown memory is pageable host memory */
+  }
   s->known = true;
   s->a = reg[i];
   s->device = reg[i].kind == TDM_MEM_DEVICE;
   if (reg[i].freeing)
     return tdm__error(TDM_EINVAL, 0, "%s %p belongs to memory already given to tdm_free_async",
                       role, p);
-  if ((uintptr_t)p + n > reg[i].base + reg[i].size || (uintptr_t)p + n < (uintptr_t)p)
+  if (u + n > reg[i].base + reg[i].size)
     return tdm__error(TDM_ERANGE, 0, "%s %p + %zu bytes runs past its %zu-byte allocation", role,
                       p, n, reg[i].size);
   return 0;
@@ -232,7 +271,7 @@ static int resolve(const void *p, size_t n, const char *role, side *s) {
 
 /* Device memory must live on q's device or alt; or, where peer is allowed, on any device of
  * the same backend. */
-static int device_ok(const side *s, tdm_queue *q, tdm_device *alt, bool peer) {
+static int device_ok(const side *s, tdm__queue *q, tdm_device *alt, bool peer) {
   tdm_device *d = s->a.dev;
   if (d == q->dev || d == alt) return 0;
   if (peer && d->be == q->dev->be) return 0;
@@ -246,7 +285,7 @@ static const char *dir_name(tdm_copy_dir d) {
   return (unsigned)d < 5 ? names[d] : "invalid";
 }
 
-static int check_copy(tdm_queue *q, tdm_device *alt, const side *d, const side *s,
+static int check_copy(tdm__queue *q, tdm_device *alt, const side *d, const side *s,
                       tdm_copy_dir *dir) {
   tdm_copy_dir want = s->device ? (d->device ? TDM_COPY_D2D : TDM_COPY_D2H)
                                 : (d->device ? TDM_COPY_H2D : TDM_COPY_H2H);
@@ -263,21 +302,75 @@ static int check_copy(tdm_queue *q, tdm_device *alt, const side *d, const side *
   return 0;
 }
 
-int tdm__mem_check_copy(tdm_queue *q, tdm_device *alt, void *dst, const void *src, size_t n,
-                        tdm_copy_dir *dir, tdm_mem_kind *dkind, tdm_mem_kind *skind) {
+/* Copies whose ranges overlap are refused on every backend (none of them promises memmove). */
+static int check_overlap(const void *dst, const void *src, size_t n) {
+  uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
+  if (d < s + n && s < d + n)
+    return tdm__error(TDM_EINVAL, 0, "source %p and destination %p overlap in %zu bytes", src,
+                      dst, n);
+  return 0;
+}
+
+static int resolve_both(void *dst, const void *src, size_t n, side *d, side *s) {
   if (!dst || !src) return tdm__error(TDM_EINVAL, 0, "memcpy: NULL %s", dst ? "src" : "dst");
-  side d, s;
+  int rc = check_overlap(dst, src, n);
+  if (rc) return rc;
   pthread_rwlock_rdlock(&reg_lock);
-  int rc = resolve(dst, n, "destination", &d);
-  if (!rc) rc = resolve(src, n, "source", &s);
+  rc = resolve(dst, n, "destination", d);
+  if (!rc) rc = resolve(src, n, "source", s);
   pthread_rwlock_unlock(&reg_lock);
+  return rc;
+}
+
+int tdm__mem_check_copy(tdm__queue *q, tdm_device *alt, void *dst, const void *src, size_t n,
+                        tdm_copy_dir *dir, tdm_mem_kind *dkind, tdm_mem_kind *skind) {
+  if (n == 0) { /* a no-op command: its pointers are not looked at */
+    if ((unsigned)*dir > TDM_COPY_H2H)
+      return tdm__error(TDM_EINVAL, 0, "copy direction %d is not a tdm_copy_dir", (int)*dir);
+    *dkind = *skind = 0;
+    return 0;
+  }
+  side d, s;
+  int rc = resolve_both(dst, src, n, &d, &s);
   if (rc) return rc;
   *dkind = d.known ? d.a.kind : 0;
   *skind = s.known ? s.a.kind : 0;
   return check_copy(q, alt, &d, &s, dir);
 }
 
-int tdm__mem_check_fill(tdm_queue *q, void *dst, size_t n, tdm_mem_kind *dkind) {
+/* A cross-queue copy runs on src_q. Memory of a device of another backend is reachable there
+ * only when that device's memory is host memory (the CPU backend's): it is then copied as
+ * pageable host memory. */
+static int cross_side(tdm__queue *src_q, side *x) {
+  if (!x->device || x->a.dev->be == src_q->dev->be) return 0;
+  if (!(x->a.dev->info.caps & TDM_DEVICE_CAP_HOST_MEMORY))
+    return tdm__error(TDM_ENOTSUP, 0, "the %s is memory of %s, which %s cannot reach (a "
+                      "cross-queue copy runs on the source queue); copy on a queue of %s after "
+                      "tdm_queue_wait instead", x->role, x->a.dev->info.id, src_q->label,
+                      x->a.dev->info.id);
+  x->device = false;
+  x->known = false;
+  return 0;
+}
+
+int tdm__mem_check_cross(tdm__queue *src_q, tdm__queue *dst_q, void *dst, const void *src,
+                         size_t n, tdm_mem_kind *dkind, tdm_mem_kind *skind) {
+  *dkind = *skind = 0;
+  if (n == 0) return 0;
+  side d, s;
+  int rc = resolve_both(dst, src, n, &d, &s);
+  if (!rc) rc = cross_side(src_q, &d);
+  if (!rc) rc = cross_side(src_q, &s);
+  if (rc) return rc;
+  *dkind = d.known ? d.a.kind : 0;
+  *skind = s.known ? s.a.kind : 0;
+  tdm_copy_dir dir = TDM_COPY_AUTO;
+  return check_copy(src_q, dst_q->dev, &d, &s, &dir);
+}
+
+int tdm__mem_check_fill(tdm__queue *q, void *dst, size_t n, tdm_mem_kind *dkind) {
+  *dkind = 0;
+  if (n == 0) return 0; /* a no-op command */
   if (!dst) return tdm__error(TDM_EINVAL, 0, "memset: dst is NULL");
   side d;
   pthread_rwlock_rdlock(&reg_lock);

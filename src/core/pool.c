@@ -2,15 +2,24 @@
  * is held back, without occupying a thread, until its dependencies complete (each completion
  * decrements its count through a continuation), or, for native backends, until the driver
  * notifies that its native work completed; then any pool thread runs it with tdm__cmd_run.
- * The driver notification only pushes onto the ready list and wakes a thread. */
+ * The driver notification only pushes onto the ready list and wakes a thread.
+ *
+ * Host tasks may call tandem, and so may block a pool thread in a wait for work that only
+ * another pool thread can run (a task waiting for a later, independent task of an
+ * out-of-order queue). So a pool thread that blocks in a caller's wait is replaced: while it
+ * waits, the pool keeps its number of unblocked threads by starting a spare (up to
+ * TDM__POOL_SPARES of them; spares stay until shutdown and sleep when idle). */
 #include <stdlib.h>
 
 #include "internal.h"
 
+#define TDM__POOL_SPARES 256
+
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER; /* guards the thread list */
 static tdm__cmdq ready;
 static pthread_t *threads;
-static long nthreads;
+static long nthreads, target, nblocked; /* under pool_mu */
+static _Thread_local bool tls_pool_thread;
 
 void tdm__pool_ready(tdm__cmd *cmd) { tdm__cmdq_push(&ready, cmd, true); }
 
@@ -18,14 +27,31 @@ static void release_one(tdm__cmd *cmd) {
   if (__atomic_sub_fetch(&cmd->bcount, 1, __ATOMIC_ACQ_REL) == 0) tdm__pool_ready(cmd);
 }
 
-static void dep_done(tdm__waiter *w, tdm_event *ev) {
+static void dep_done(tdm__waiter *w, tdm__event *ev) {
   tdm__dep *d = (tdm__dep *)((char *)w - offsetof(tdm__dep, w));
   release_one(d->cmd);
 }
 
 static void *pool_main(void *arg) {
+  tls_pool_thread = true;
   tdm__cmdq_serve(&ready);
   return NULL;
+}
+
+int tdm__event_wait_blocking(tdm__event *ev) {
+  if (!tls_pool_thread || atomic_load_explicit(&ev->done, memory_order_acquire))
+    return tdm__event_wait_raw(ev);
+  pthread_mutex_lock(&pool_mu);
+  nblocked++;
+  if (nthreads - nblocked < target && nthreads < target + TDM__POOL_SPARES &&
+      pthread_create(&threads[nthreads], NULL, pool_main, NULL) == 0)
+    nthreads++; /* if none can start, this wait blocks as it would have */
+  pthread_mutex_unlock(&pool_mu);
+  int st = tdm__event_wait_raw(ev);
+  pthread_mutex_lock(&pool_mu);
+  nblocked--;
+  pthread_mutex_unlock(&pool_mu);
+  return st;
 }
 
 int tdm__pool_start(void) {
@@ -34,7 +60,9 @@ int tdm__pool_start(void) {
   int rc = 0;
   if (!threads) {
     tdm__cmdq_init(&ready);
-    threads = calloc((size_t)n, sizeof *threads);
+    target = n;
+    nblocked = 0;
+    threads = calloc((size_t)(n + TDM__POOL_SPARES), sizeof *threads);
     if (!threads) rc = TDM_ENOMEM;
     for (long i = 0; !rc && i < n; i++) {
       if (pthread_create(&threads[i], NULL, pool_main, NULL)) {
@@ -62,7 +90,10 @@ void tdm__pool_stop(void) {
   pthread_mutex_unlock(&pool_mu);
   if (!started) return;
   tdm__cmdq_stop(&ready);
-  for (long i = 0; i < nthreads; i++) pthread_join(threads[i], NULL);
+  pthread_mutex_lock(&pool_mu); /* no spare starts now: every queue has drained */
+  long n = nthreads;
+  pthread_mutex_unlock(&pool_mu);
+  for (long i = 0; i < n; i++) pthread_join(threads[i], NULL);
   tdm__signals_quiesce(); /* a completion thread may still be waking the list */
   pthread_mutex_destroy(&ready.mu);
   pthread_cond_destroy(&ready.cv);
@@ -89,7 +120,7 @@ static void native_done(void *arg) { release_one(arg); }
  * dependency have completed, so pool threads never block on each other (a pool of waiting
  * threads could otherwise starve the completions they wait for). */
 void tdm__cmd_native(tdm__cmd *cmd) {
-  tdm_queue *q = cmd->ev->q;
+  tdm__queue *q = cmd->ev->q;
   const tdm__backend *be = q->dev->be;
   if (!(q->flags & TDM_QUEUE_OUT_OF_ORDER) || !be->native_notify) {
     tdm__exec_push(cmd);

@@ -1,25 +1,28 @@
 /* queue.c: queue objects. A queue struct is never returned to malloc while the context lives
- * (destroyed ones are recycled once no event refers to them), so a stale handle is detected by
- * its magic instead of being a use-after-free. */
+ * (destroyed ones are recycled once no event refers to them); callers hold handles
+ * (handle.c), so a destroyed queue's handle stays invalid when its struct is reused. */
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "internal.h"
 
-int tdm__queue_check(tdm_queue *q) {
-  if (!q) return tdm__error(TDM_EINVAL, 0, "queue is NULL");
-  if (atomic_load(&q->magic) != TDM__MAGIC_QUEUE)
-    return tdm__error(TDM_EHANDLE, 0, "%p is not a live queue (destroyed or foreign)", (void *)q);
+int tdm__queue_get(tdm_queue *h, tdm__queue **out) {
+  if (!h) return tdm__error(TDM_EINVAL, 0, "queue is NULL");
+  tdm__queue *q = tdm__handle_obj(h, TDM__KIND_QUEUE);
+  if (!q)
+    return tdm__error(TDM_EHANDLE, 0, "%p is not a live queue (destroyed, from before a "
+                      "shutdown, or not a queue)", (void *)h);
   if (atomic_load(&q->destroying))
     return tdm__error(TDM_EHANDLE, 0, "%s is being destroyed", q->label);
   if (atomic_load(&q->dev->lost))
     return tdm__error(TDM_EDEVLOST, 0, "%s: device %s was lost", q->label, q->dev->info.id);
+  *out = q;
   return 0;
 }
 
 static void free_cmd_mem(void *p) { free(p); }
 
-void tdm__queue_unref(tdm_queue *q) {
+void tdm__queue_unref(tdm__queue *q) {
   if (atomic_fetch_sub(&q->refs, 1) != 1) return;
   pthread_mutex_lock(&tdm__g.mu);
   q->next_free = tdm__g.free_queues;
@@ -27,12 +30,15 @@ void tdm__queue_unref(tdm_queue *q) {
   pthread_mutex_unlock(&tdm__g.mu);
 }
 
-static tdm_queue *queue_struct(void) {
+static tdm__queue *queue_struct(void) {
   pthread_mutex_lock(&tdm__g.mu);
-  tdm_queue *q = tdm__g.free_queues;
+  tdm__queue *q = tdm__g.free_queues;
   if (q) {
     tdm__g.free_queues = q->next_free;
-  } else if ((q = tdm__calloc(1, sizeof *q))) {
+  } else if ((q = tdm__calloc(1, sizeof *q)) && tdm__slot_new(q, &q->slot)) {
+    free(q);
+    q = NULL;
+  } else if (q) {
     pthread_mutex_init(&q->submit_mu, NULL);
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);
@@ -46,14 +52,14 @@ static tdm_queue *queue_struct(void) {
 }
 
 int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, bool owned,
-                               tdm_queue **out) {
+                               tdm__queue **out) {
   if (flags & ~(unsigned)(TDM_QUEUE_OUT_OF_ORDER | TDM_QUEUE_TIMING))
     return tdm__error(TDM_EINVAL, 0, "unknown queue flags 0x%x", flags);
   if ((flags & TDM_QUEUE_OUT_OF_ORDER) && !(dev->info.caps & TDM_DEVICE_CAP_OUT_OF_ORDER))
     return tdm__error(TDM_ENOTSUP, 0, "%s has no out-of-order queues", dev->info.id);
   if ((flags & TDM_QUEUE_TIMING) && !(dev->info.caps & TDM_DEVICE_CAP_TIMING))
     return tdm__error(TDM_ENOTSUP, 0, "%s has no timing", dev->info.id);
-  tdm_queue *q = queue_struct();
+  tdm__queue *q = queue_struct();
   if (!q) return tdm__error(TDM_ENOMEM, 0, "no memory for a queue");
   q->dev = dev;
   q->flags = flags;
@@ -61,6 +67,7 @@ int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, boo
   q->owned_by_tandem = owned;
   q->adopted = adopt != NULL;
   atomic_store(&q->destroying, false);
+  atomic_store(&q->claimed, false);
   atomic_store(&q->first_error, 0);
   q->chain_error = 0;
   q->seq = 0;
@@ -85,24 +92,31 @@ int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, boo
   atomic_store(&q->refs, 1);
   atomic_fetch_add(&tdm__g.n_queues, 1);
   atomic_store(&q->magic, TDM__MAGIC_QUEUE);
+  q->handle = tdm__slot_issue(q->slot, TDM__KIND_QUEUE);
   *out = q;
   return 0;
 }
 
-int tdm__queue_destroy_internal(tdm_queue *q) {
-  if (tdm__tls_queue == q)
+/* The caller has claimed q (q->claimed), so no other destroy runs on it. */
+int tdm__queue_destroy_internal(tdm__queue *q) {
+  if (tdm__tls_queue == q) {
+    atomic_store(&q->claimed, false);
     return tdm__error(TDM_EDEADLK, 0, "a host task of %s destroys its own queue", q->label);
+  }
   /* Drain: a marker covers everything submitted, by tandem or through the native handle. */
   tdm__spec s = {.kind = TDM__CMD_MARKER, .op = "drain", .all_prior = true};
-  tdm_event *ev;
-  int rc = tdm__submit(q, &s, 0, NULL, &ev);
-  if (rc && !atomic_load(&q->dev->lost)) return rc; /* nothing destroyed; retry later */
+  tdm__event *ev;
+  int rc = tdm__submit(q, &s, 0, NULL, &ev, NULL);
+  if (rc && !atomic_load(&q->dev->lost)) {
+    atomic_store(&q->claimed, false);
+    return rc; /* nothing destroyed; retry later */
+  }
   pthread_mutex_lock(&q->submit_mu);
   atomic_store(&q->destroying, true);
   pthread_mutex_unlock(&q->submit_mu);
   int status = 0;
   if (!rc) {
-    status = tdm__event_wait_raw(ev);
+    status = tdm__event_wait_blocking(ev);
     tdm__event_unref(ev);
   }
   tdm__defaults_forget(q);
@@ -117,6 +131,7 @@ int tdm__queue_destroy_internal(tdm_queue *q) {
   pthread_mutex_unlock(&q->submit_mu);
   if (stock) atomic_fetch_sub(&q->refs, stock);
   atomic_store(&q->magic, TDM__MAGIC_DEAD);
+  tdm__slot_retire(q->slot);
   atomic_fetch_sub(&tdm__g.n_queues, 1);
   tdm__queue_unref(q);
   if (status < 0) tdm__error(status, 0, "%s had an unreported error", q->label);
@@ -127,12 +142,13 @@ int tdm__queue_destroy_internal(tdm_queue *q) {
  * every live queue. */
 void tdm__queues_free_all(void) {
   tdm__signals_quiesce(); /* no wake-up of a queue's FIFO or events is still in progress */
-  tdm_queue *q = tdm__g.queues;
+  tdm__queue *q = tdm__g.queues;
   while (q) {
-    tdm_queue *n = q->next_all;
+    tdm__queue *n = q->next_all;
     /* Events still held by the caller are freed too: they became invalid at shutdown. */
-    for (tdm_event *ev = q->all_events, *nx; ev; ev = nx) {
+    for (tdm__event *ev = q->all_events, *nx; ev; ev = nx) {
       nx = ev->next_all;
+      tdm__slot_free(ev->slot);
       free(ev);
     }
     q->events.local = NULL;
@@ -143,10 +159,21 @@ void tdm__queues_free_all(void) {
     pthread_cond_destroy(&q->cv);
     pthread_mutex_destroy(&q->xq.mu);
     pthread_cond_destroy(&q->xq.cv);
+    tdm__slot_free(q->slot);
     free(q);
     q = n;
   }
   tdm__g.queues = tdm__g.free_queues = NULL;
+}
+
+/* Events callers still hold at the last shutdown: their native events go back to the driver
+ * while its module is still loaded. */
+void tdm__queues_release_native(void) {
+  for (tdm__queue *q = tdm__g.queues; q; q = q->next_all)
+    for (tdm__event *ev = q->all_events; ev; ev = ev->next_all) {
+      void *bev = atomic_exchange(&ev->bev, NULL);
+      if (bev) q->dev->be->native_release(bev);
+    }
 }
 
 /* ---- public ---- */
@@ -156,7 +183,10 @@ int tdm_queue_create(tdm_device *dev, unsigned flags, tdm_queue **out) {
   int rc = tdm__device_check(dev);
   if (rc) return rc;
   if (!out) return tdm__error(TDM_EINVAL, 0, "tdm_queue_create: out is NULL");
-  return tdm__queue_create_internal(dev, flags, NULL, false, out);
+  tdm__queue *q;
+  if ((rc = tdm__queue_create_internal(dev, flags, NULL, false, &q))) return rc;
+  *out = tdm__queue_handle(q);
+  return 0;
 }
 
 int tdm_queue_adopt(tdm_device *dev, void *native, unsigned flags, tdm_queue **out) {
@@ -166,22 +196,28 @@ int tdm_queue_adopt(tdm_device *dev, void *native, unsigned flags, tdm_queue **o
   if (!native || !out) return tdm__error(TDM_EINVAL, 0, "tdm_queue_adopt: NULL argument");
   if (!(dev->info.caps & TDM_DEVICE_CAP_ADOPT))
     return tdm__error(TDM_ENOTSUP, 0, "%s cannot adopt native queues", dev->info.id);
-  return tdm__queue_create_internal(dev, flags, native, false, out);
+  tdm__queue *q;
+  if ((rc = tdm__queue_create_internal(dev, flags, native, false, &q))) return rc;
+  *out = tdm__queue_handle(q);
+  return 0;
 }
 
-int tdm_queue_destroy(tdm_queue *q) {
+int tdm_queue_destroy(tdm_queue *h) {
   TDM__ENTER();
-  if (!q) return tdm__error(TDM_EINVAL, 0, "queue is NULL");
-  if (atomic_load(&q->magic) != TDM__MAGIC_QUEUE || atomic_load(&q->destroying))
-    return tdm__error(TDM_EHANDLE, 0, "%p is not a live queue (destroyed or foreign)", (void *)q);
-  if (q->owned_by_tandem)
+  if (!h) return tdm__error(TDM_EINVAL, 0, "queue is NULL");
+  tdm__queue *q = tdm__handle_obj(h, TDM__KIND_QUEUE);
+  if (q && q->owned_by_tandem)
     return tdm__error(TDM_EBUSY, 0, "%s is a default queue owned by tandem", q->label);
+  if (!q || atomic_exchange(&q->claimed, true))
+    return tdm__error(TDM_EHANDLE, 0, "%p is not a live queue (destroyed, being destroyed, "
+                      "or not a queue)", (void *)h);
   return tdm__queue_destroy_internal(q);
 }
 
-int tdm_queue_native(tdm_queue *q, void **native) {
+int tdm_queue_native(tdm_queue *h, void **native) {
   TDM__ENTER();
-  int rc = tdm__queue_check(q);
+  tdm__queue *q;
+  int rc = tdm__queue_get(h, &q);
   if (rc) return rc;
   if (!native) return tdm__error(TDM_EINVAL, 0, "tdm_queue_native: native is NULL");
   if (!q->dev->be->queue_native)
@@ -192,18 +228,20 @@ int tdm_queue_native(tdm_queue *q, void **native) {
   return 0;
 }
 
-int tdm_queue_device(tdm_queue *q, tdm_device **dev) {
+int tdm_queue_device(tdm_queue *h, tdm_device **dev) {
   TDM__ENTER();
-  int rc = tdm__queue_check(q);
+  tdm__queue *q;
+  int rc = tdm__queue_get(h, &q);
   if (rc) return rc;
   if (!dev) return tdm__error(TDM_EINVAL, 0, "tdm_queue_device: dev is NULL");
   *dev = q->dev;
   return 0;
 }
 
-int tdm_queue_flags(tdm_queue *q, unsigned *flags) {
+int tdm_queue_flags(tdm_queue *h, unsigned *flags) {
   TDM__ENTER();
-  int rc = tdm__queue_check(q);
+  tdm__queue *q;
+  int rc = tdm__queue_get(h, &q);
   if (rc) return rc;
   if (!flags) return tdm__error(TDM_EINVAL, 0, "tdm_queue_flags: flags is NULL");
   *flags = q->flags;

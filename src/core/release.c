@@ -10,7 +10,7 @@ typedef struct keep {
   struct keep *next;
   void (*release)(void *);
   void *obj;
-  tdm_event *marker;
+  tdm__event *marker;
 } keep;
 
 static pthread_mutex_t rel_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -19,6 +19,7 @@ static keep *rel_head, *rel_tail;
 static bool rel_stop;
 static long rel_outstanding; /* registered but not yet released */
 static pthread_t rel_thread;
+_Thread_local bool tdm__tls_releasing;
 
 static void push(keep *k) {
   pthread_mutex_lock(&rel_mu);
@@ -32,9 +33,10 @@ static void push(keep *k) {
   pthread_mutex_unlock(&rel_mu);
 }
 
-static void on_marker(tdm__waiter *w, tdm_event *ev) { push((keep *)w); }
+static void on_marker(tdm__waiter *w, tdm__event *ev) { push((keep *)w); }
 
 static void *release_main(void *arg) {
+  tdm__tls_releasing = true;
   pthread_mutex_lock(&rel_mu);
   for (;;) {
     while (!rel_head && !(rel_stop && rel_outstanding == 0)) pthread_cond_wait(&rel_cv, &rel_mu);
@@ -71,9 +73,10 @@ void tdm__release_stop(void) {
   pthread_join(rel_thread, NULL);
 }
 
-int tdm_keep_alive(tdm_queue *q, void (*release)(void *obj), void *obj) {
+int tdm_keep_alive(tdm_queue *h, void (*release)(void *obj), void *obj) {
   TDM__ENTER();
-  int rc = tdm__queue_check(q);
+  tdm__queue *q;
+  int rc = tdm__queue_get(h, &q);
   if (rc) return rc;
   if (!release) return tdm__error(TDM_EINVAL, 0, "tdm_keep_alive: release is NULL");
   keep *k = tdm__malloc(sizeof *k);
@@ -81,7 +84,7 @@ int tdm_keep_alive(tdm_queue *q, void (*release)(void *obj), void *obj) {
   k->release = release;
   k->obj = obj;
   tdm__spec s = {.kind = TDM__CMD_MARKER, .op = "keep-alive marker", .all_prior = true};
-  if ((rc = tdm__submit(q, &s, 0, NULL, &k->marker))) {
+  if ((rc = tdm__submit(q, &s, 0, NULL, &k->marker, NULL))) {
     free(k);
     return rc;
   }

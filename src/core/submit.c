@@ -6,19 +6,35 @@
 
 #include "internal.h"
 
-_Thread_local tdm_queue *tdm__tls_queue;
+_Thread_local tdm__queue *tdm__tls_queue;
 _Thread_local uint64_t tdm__tls_seq;
 
-int tdm__deps_check(size_t ndeps, tdm_event *const *deps) {
+int tdm__deps_get(size_t ndeps, tdm_event *const *deps, tdm__deplist *out) {
+  out->n = 0;
+  out->v = out->inl;
   if (ndeps && !deps) return tdm__error(TDM_EINVAL, 0, "ndeps is %zu but deps is NULL", ndeps);
-  for (size_t i = 0; i < ndeps; i++) {
-    int rc = tdm__event_check(deps[i]);
-    if (rc) return tdm__error(rc, 0, "dependency %zu: %s", i, tdm__last_detail());
+  if (ndeps > TDM__INLINE_DEPLIST && !(out->v = tdm__malloc(ndeps * sizeof *out->v))) {
+    out->v = out->inl;
+    return tdm__error(TDM_ENOMEM, 0, "no memory for a list of %zu dependencies", ndeps);
   }
+  for (size_t i = 0; i < ndeps; i++) {
+    int rc = tdm__event_get(deps[i], &out->v[i]);
+    if (rc) {
+      tdm__deps_put(out);
+      return tdm__error(rc, 0, "dependency %zu: %s", i, tdm__last_detail());
+    }
+  }
+  out->n = ndeps;
   return 0;
 }
 
-static bool ooo(const tdm_queue *q) { return (q->flags & TDM_QUEUE_OUT_OF_ORDER) != 0; }
+void tdm__deps_put(tdm__deplist *d) {
+  if (d->v != d->inl) free(d->v);
+  d->v = d->inl;
+  d->n = 0;
+}
+
+static bool ooo(const tdm__queue *q) { return (q->flags & TDM_QUEUE_OUT_OF_ORDER) != 0; }
 
 static void cmd_release_deps(tdm__cmd *cmd) {
   for (size_t i = 0; i < cmd->ndeps; i++) tdm__event_unref(cmd->deps[i].ev);
@@ -28,7 +44,7 @@ static void cmd_release_deps(tdm__cmd *cmd) {
 }
 
 /* Reserves a command and its event from q's pools (allocating only when they are empty). */
-static int reserve(tdm_queue *q, size_t total, tdm__cmd **cmd_out, tdm_event **ev_out) {
+static int reserve(tdm__queue *q, size_t total, tdm__cmd **cmd_out, tdm__event **ev_out) {
   tdm__cmd *cmd = tdm__pool_get(&q->cmds);
   if (!cmd && !(cmd = tdm__calloc(1, sizeof *cmd)))
     return tdm__error(TDM_ENOMEM, 0, "no memory for a command on %s", q->label);
@@ -38,10 +54,15 @@ static int reserve(tdm_queue *q, size_t total, tdm__cmd **cmd_out, tdm_event **e
     tdm__pool_put(&q->cmds, cmd);
     return tdm__error(TDM_ENOMEM, 0, "no memory for %zu dependencies on %s", total, q->label);
   }
-  tdm_event *ev = tdm__pool_get(&q->events);
+  tdm__event *ev = tdm__pool_get(&q->events);
   if (!ev && (ev = tdm__calloc(1, sizeof *ev))) {
-    ev->next_all = q->all_events;
-    q->all_events = ev;
+    if (tdm__slot_new(ev, &ev->slot)) {
+      free(ev);
+      ev = NULL;
+    } else {
+      ev->next_all = q->all_events;
+      q->all_events = ev;
+    }
   }
   if (!ev) {
     if (cmd->deps != cmd->inline_deps) free(cmd->deps);
@@ -54,7 +75,7 @@ static int reserve(tdm_queue *q, size_t total, tdm__cmd **cmd_out, tdm_event **e
   return 0;
 }
 
-static void add_dep(tdm__cmd *cmd, tdm_event *ev) {
+static void add_dep(tdm__cmd *cmd, tdm__event *ev) {
   tdm__event_ref(ev);
   tdm__dep *d = &cmd->deps[cmd->ndeps++];
   d->ev = ev;
@@ -63,15 +84,15 @@ static void add_dep(tdm__cmd *cmd, tdm_event *ev) {
   d->w.fn = NULL;
 }
 
-int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
-                       tdm_event *const *deps, tdm_event **out) {
+int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
+                       tdm__event *const *deps, tdm__event **out, tdm_event **out_handle) {
   int rc;
   if (!spec->untracked && (rc = tdm__tracker_reserve(q))) return rc;
 
   /* Implicit dependencies: copies from other queues that this queue must wait for, and on
    * out-of-order queues the gate (last barrier or wait) and, for markers and full barriers,
    * every tracked entry. */
-  tdm_event *gate_dep = NULL;
+  tdm__event *gate_dep = NULL;
   size_t nall = 0;
   if (ooo(q)) {
     if (q->gate && !atomic_load(&q->gate->done)) gate_dep = q->gate;
@@ -80,12 +101,13 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
   size_t total = ndeps + (gate_dep ? 1 : 0) + nall + q->nxwait;
 
   tdm__cmd *cmd = NULL;
-  tdm_event *ev = NULL;
+  tdm__event *ev = NULL;
   if ((rc = reserve(q, total, &cmd, &ev))) return rc;
 
   cmd->kind = spec->kind;
   cmd->flags = spec->flags | (spec->all_prior ? TDM__CMD_ALL_PRIOR : 0);
-  if (!out && !ooo(q) && !(q->flags & TDM_QUEUE_TIMING) && spec->kind != TDM__CMD_HOST &&
+  if (!out && !out_handle && !ooo(q) && !(q->flags & TDM_QUEUE_TIMING) &&
+      spec->kind != TDM__CMD_HOST &&
       spec->kind != TDM__CMD_FREE && spec->kind != TDM__CMD_MARKER &&
       !atomic_load_explicit(&tdm__tracing, memory_order_relaxed))
     cmd->flags |= TDM__CMD_QUIET;
@@ -136,8 +158,10 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
    * back. */
   bool track = !spec->untracked;
   bool gate = spec->gate && ooo(q);
-  atomic_store_explicit(&ev->refs, 1 + (track ? 1 : 0) + (gate ? 1 : 0) + (out ? 1 : 0),
+  atomic_store_explicit(&ev->refs, 1 + (track ? 1 : 0) + (gate ? 1 : 0) + (out ? 1 : 0) +
+                                      (out_handle ? 1 : 0),
                         memory_order_relaxed);
+  atomic_store_explicit(&ev->urefs, out_handle ? 1 : 0, memory_order_relaxed);
   atomic_store_explicit(&ev->done, 0, memory_order_relaxed);
   ev->status = 0;
   ev->native = 0;
@@ -145,6 +169,8 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
   ev->t_ns = 0;
   ev->seq = q->seq + 1;
   ev->op = spec->op;
+  ev->cause_op = NULL;
+  ev->cause_seq = 0;
   ev->q = q;
   ev->waiters = NULL;
   atomic_store_explicit(&ev->bev, NULL, memory_order_relaxed);
@@ -156,6 +182,7 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
   }
   q->ref_stock--; /* the event's reference to its queue */
   atomic_store_explicit(&ev->magic, TDM__MAGIC_EVENT, memory_order_relaxed);
+  ev->handle = tdm__slot_issue(ev->slot, TDM__KIND_EVENT);
   cmd->ev = ev;
   atomic_store_explicit(&q->n_submitted,
                         atomic_load_explicit(&q->n_submitted, memory_order_relaxed) + 1,
@@ -179,15 +206,16 @@ int tdm__submit_locked(tdm_queue *q, const tdm__spec *spec, size_t ndeps,
     q->gate = ev;
   }
   if (out) *out = ev;
+  if (out_handle) *out_handle = (tdm_event *)(uintptr_t)ev->handle;
   return 0;
 }
 
-int tdm__submit(tdm_queue *q, const tdm__spec *spec, size_t ndeps, tdm_event *const *deps,
-                tdm_event **out) {
+int tdm__submit(tdm__queue *q, const tdm__spec *spec, size_t ndeps, tdm__event *const *deps,
+                tdm__event **out, tdm_event **out_handle) {
   pthread_mutex_lock(&q->submit_mu);
   int rc = atomic_load(&q->destroying)
                ? tdm__error(TDM_EHANDLE, 0, "%s is being destroyed", q->label)
-               : tdm__submit_locked(q, spec, ndeps, deps, out);
+               : tdm__submit_locked(q, spec, ndeps, deps, out, out_handle);
   pthread_mutex_unlock(&q->submit_mu);
   return rc;
 }
@@ -195,12 +223,18 @@ int tdm__submit(tdm_queue *q, const tdm__spec *spec, size_t ndeps, tdm_event *co
 /* ---- execution ---- */
 
 void tdm__cmd_done(tdm__cmd *cmd, int status, int native) {
-  tdm_event *ev = cmd->ev;
-  tdm_queue *q = ev->q;
+  tdm__event *ev = cmd->ev;
+  tdm__queue *q = ev->q;
   /* A marker's status reports earlier failures; it is not a failure of its own. */
   if (status < 0 && cmd->kind != TDM__CMD_MARKER) {
-    int zero = 0;
-    atomic_compare_exchange_strong(&q->first_error, &zero, status);
+    /* Rare, so a lock: the failure's name and number go with the code. */
+    pthread_mutex_lock(&q->mu);
+    if (atomic_load(&q->first_error) == 0) {
+      q->first_error_op = ev->op;
+      q->first_error_seq = ev->seq;
+      atomic_store(&q->first_error, status);
+    }
+    pthread_mutex_unlock(&q->mu);
     if (!ooo(q)) q->chain_error = status;
   }
   if (atomic_load_explicit(&tdm__tracing, memory_order_relaxed)) tdm__trace_cmd(cmd, status);
@@ -212,8 +246,8 @@ void tdm__cmd_done(tdm__cmd *cmd, int status, int native) {
 }
 
 static int run_host_task(tdm__cmd *cmd) {
-  tdm_queue *q = cmd->ev->q;
-  tdm_queue *saved_q = tdm__tls_queue;
+  tdm__queue *q = cmd->ev->q;
+  tdm__queue *saved_q = tdm__tls_queue;
   uint64_t saved_seq = tdm__tls_seq;
   tdm__tls_queue = q;
   tdm__tls_seq = cmd->ev->seq;
@@ -244,7 +278,7 @@ void tdm__cmd_run(tdm__cmd *cmd) {
 }
 
 void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native) {
-  tdm_queue *q = cmd->ev->q;
+  tdm__queue *q = cmd->ev->q;
   const tdm__backend *be = q->dev->be;
   int status = 0;
   for (size_t i = 0; i < cmd->ndeps; i++)
@@ -252,8 +286,14 @@ void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native) {
 
   if (cmd->kind == TDM__CMD_MARKER) {
     /* A marker reports the queue's first error since the last sync; a sync marker clears it. */
+    pthread_mutex_lock(&q->mu);
     status = (cmd->flags & TDM__CMD_SYNC) ? atomic_exchange(&q->first_error, 0)
                                            : atomic_load(&q->first_error);
+    if (status) {
+      cmd->ev->cause_op = q->first_error_op;
+      cmd->ev->cause_seq = q->first_error_seq;
+    }
+    pthread_mutex_unlock(&q->mu);
     if ((cmd->flags & TDM__CMD_SYNC) && !ooo(q)) q->chain_error = 0;
     if (!status && nstatus) status = nstatus;
     tdm__cmd_done(cmd, status, native);
@@ -270,11 +310,11 @@ void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native) {
       case TDM__CMD_COPY:
         if (host && be->host_copy)
           status = be->host_copy(cmd);
-        else if (host)
-          memmove(cmd->u.copy.dst, cmd->u.copy.src, cmd->u.copy.n);
+        else if (host && cmd->u.copy.n)
+          memcpy(cmd->u.copy.dst, cmd->u.copy.src, cmd->u.copy.n);
         break;
       case TDM__CMD_FILL:
-        if (host) memset(cmd->u.fill.dst, cmd->u.fill.value, cmd->u.fill.n);
+        if (host && cmd->u.fill.n) memset(cmd->u.fill.dst, cmd->u.fill.value, cmd->u.fill.n);
         break;
       case TDM__CMD_HOST: status = run_host_task(cmd); break;
       default: break;
@@ -292,142 +332,155 @@ void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native) {
 
 /* ---- public submission calls ---- */
 
-#define CHECK_Q(q)                         \
-  do {                                     \
-    int check_rc_ = tdm__queue_check(q);   \
-    if (check_rc_) return check_rc_;       \
+#define GET_Q(h, q)                              \
+  tdm__queue *q;                                 \
+  do {                                           \
+    int get_rc_ = tdm__queue_get((h), &q);       \
+    if (get_rc_) return get_rc_;                 \
   } while (0)
 
-#define CHECK_DEPS(n, d)                        \
-  do {                                          \
-    int check_rc_ = tdm__deps_check((n), (d));  \
-    if (check_rc_) return check_rc_;            \
-  } while (0)
+/* Submits with a caller's dependency list, resolved to events for the call's length. */
+static int submit_public(tdm__queue *q, const tdm__spec *s, size_t ndeps,
+                         tdm_event *const *deps, tdm_event **out) {
+  tdm__deplist d;
+  int rc = tdm__deps_get(ndeps, deps, &d);
+  if (rc) return rc;
+  rc = tdm__submit(q, s, d.n, d.v, NULL, out);
+  tdm__deps_put(&d);
+  return rc;
+}
 
-int tdm_memcpy(tdm_queue *q, void *dst, const void *src, size_t n, tdm_copy_dir dir,
+int tdm_memcpy(tdm_queue *qh, void *dst, const void *src, size_t n, tdm_copy_dir dir,
                size_t ndeps, tdm_event *const *deps, tdm_event **out) {
   TDM__ENTER();
-  CHECK_Q(q);
-  CHECK_DEPS(ndeps, deps);
+  GET_Q(qh, q);
   tdm__spec s = {.kind = TDM__CMD_COPY, .op = "memcpy", .u_ptr0 = dst, .u_ptr1 = src, .u_n = n};
   int rc = tdm__mem_check_copy(q, NULL, dst, src, n, &dir, &s.dkind, &s.skind);
   if (rc) return rc;
-  return tdm__submit(q, &s, ndeps, deps, out);
+  return submit_public(q, &s, ndeps, deps, out);
 }
 
-int tdm_memset(tdm_queue *q, void *dst, int value, size_t n, size_t ndeps,
+int tdm_memset(tdm_queue *qh, void *dst, int value, size_t n, size_t ndeps,
                tdm_event *const *deps, tdm_event **out) {
   TDM__ENTER();
-  CHECK_Q(q);
-  CHECK_DEPS(ndeps, deps);
+  GET_Q(qh, q);
   tdm__spec s = {.kind = TDM__CMD_FILL, .op = "memset", .u_ptr0 = dst, .u_value = value,
                  .u_n = n};
   int rc = tdm__mem_check_fill(q, dst, n, &s.dkind);
   if (rc) return rc;
-  return tdm__submit(q, &s, ndeps, deps, out);
+  return submit_public(q, &s, ndeps, deps, out);
 }
 
-int tdm_host_task(tdm_queue *q, tdm_host_fn fn, void *arg, size_t ndeps,
+int tdm_host_task(tdm_queue *qh, tdm_host_fn fn, void *arg, size_t ndeps,
                   tdm_event *const *deps, tdm_event **out) {
   TDM__ENTER();
-  CHECK_Q(q);
-  CHECK_DEPS(ndeps, deps);
+  GET_Q(qh, q);
   if (!fn) return tdm__error(TDM_EINVAL, 0, "tdm_host_task: fn is NULL");
   tdm__spec s = {.kind = TDM__CMD_HOST, .op = "host task", .fn = fn, .u_ptr1 = arg};
-  return tdm__submit(q, &s, ndeps, deps, out);
+  return submit_public(q, &s, ndeps, deps, out);
 }
 
-int tdm_free_async(tdm_queue *q, void *ptr, size_t ndeps, tdm_event *const *deps,
+int tdm_free_async(tdm_queue *qh, void *ptr, size_t ndeps, tdm_event *const *deps,
                    tdm_event **out) {
   TDM__ENTER();
-  CHECK_Q(q);
-  CHECK_DEPS(ndeps, deps);
-  int rc = tdm__mem_begin_free(q, ptr);
+  GET_Q(qh, q);
+  tdm__deplist d;
+  int rc = tdm__deps_get(ndeps, deps, &d);
   if (rc) return rc;
-  tdm__spec s = {.kind = TDM__CMD_FREE, .op = "free", .u_ptr0 = ptr, .all_prior = true};
-  rc = tdm__submit(q, &s, ndeps, deps, out);
-  if (rc) tdm__mem_cancel_free(ptr);
+  if (!(rc = tdm__mem_begin_free(q, ptr))) {
+    tdm__spec s = {.kind = TDM__CMD_FREE, .op = "free", .u_ptr0 = ptr, .all_prior = true};
+    if ((rc = tdm__submit(q, &s, d.n, d.v, NULL, out))) tdm__mem_cancel_free(ptr);
+  }
+  tdm__deps_put(&d);
   return rc;
 }
 
-int tdm_memcpy_cross(tdm_queue *src_q, tdm_queue *dst_q, void *dst, const void *src, size_t n,
+int tdm_memcpy_cross(tdm_queue *src_h, tdm_queue *dst_h, void *dst, const void *src, size_t n,
                      size_t ndeps, tdm_event *const *deps, tdm_event **out) {
   TDM__ENTER();
-  CHECK_Q(src_q);
-  CHECK_Q(dst_q);
-  CHECK_DEPS(ndeps, deps);
-  tdm_copy_dir dir = TDM_COPY_AUTO;
+  GET_Q(src_h, src_q);
+  GET_Q(dst_h, dst_q);
   tdm__spec copy = {.kind = TDM__CMD_COPY, .op = "cross-queue memcpy", .u_ptr0 = dst,
                     .u_ptr1 = src, .u_n = n};
-  int rc = tdm__mem_check_copy(src_q, dst_q->dev, dst, src, n, &dir, &copy.dkind, &copy.skind);
+  int rc = tdm__mem_check_cross(src_q, dst_q, dst, src, n, &copy.dkind, &copy.skind);
   if (rc) return rc;
+  tdm__deplist d;
+  if ((rc = tdm__deps_get(ndeps, deps, &d))) return rc;
   /* dst_q's side is reserved first and filled last, and filling cannot fail: the call either
    * happens whole or not at all. The copy becomes a dependency of dst_q's next submissions,
    * so dst_q waits for it device-side. The two queue locks are never held together. */
   bool cross = src_q != dst_q;
-  if (cross && (rc = tdm__xwait_reserve(dst_q))) return rc;
-  tdm_event *ev;
-  if ((rc = tdm__submit(src_q, &copy, ndeps, deps, &ev))) {
+  tdm__event *ev = NULL;
+  tdm_event *h = NULL;
+  if (cross && (rc = tdm__xwait_reserve(dst_q))) goto done;
+  if ((rc = tdm__submit(src_q, &copy, d.n, d.v, &ev, out ? &h : NULL))) {
     if (cross) tdm__xwait_cancel(dst_q);
-    return rc;
+    goto done;
   }
-  if (cross) {
-    tdm__event_ref(ev);
+  /* ev carries one reference for this call (and, with out, the caller's as well). */
+  if (cross)
     tdm__xwait_fill(dst_q, ev);
-  }
-  if (out)
-    *out = ev;
   else
     tdm__event_unref(ev);
-  return 0;
+  if (out) *out = h;
+done:
+  tdm__deps_put(&d);
+  return rc;
 }
 
-int tdm_event_record(tdm_queue *q, tdm_event **out) {
+int tdm_event_record(tdm_queue *qh, tdm_event **out) {
   TDM__ENTER();
-  CHECK_Q(q);
+  GET_Q(qh, q);
   if (!out) return tdm__error(TDM_EINVAL, 0, "tdm_event_record: out is NULL");
   tdm__spec s = {.kind = TDM__CMD_MARKER, .op = "marker", .all_prior = true};
-  return tdm__submit(q, &s, 0, NULL, out);
+  return tdm__submit(q, &s, 0, NULL, NULL, out);
 }
 
-int tdm_queue_wait(tdm_queue *q, tdm_event *ev) {
+int tdm_queue_wait(tdm_queue *qh, tdm_event *evh) {
   TDM__ENTER();
-  CHECK_Q(q);
-  int rc = tdm__event_check(ev);
+  GET_Q(qh, q);
+  tdm__event *ev;
+  int rc = tdm__event_get(evh, &ev);
   if (rc) return rc;
   /* An event that has completed without error orders nothing any more: no command at all
    * (on an out-of-order queue the current gate stays the gate, as it would have been this
    * wait's dependency). A failed one still makes the wait, which then fails the queue. */
   if (atomic_load_explicit(&ev->done, memory_order_acquire) && ev->status == 0) return 0;
   tdm__spec s = {.kind = TDM__CMD_BARRIER, .op = "wait", .gate = true};
-  return tdm__submit(q, &s, 1, &ev, NULL);
+  return tdm__submit(q, &s, 1, &ev, NULL, NULL);
 }
 
-int tdm_queue_barrier(tdm_queue *q, size_t ndeps, tdm_event *const *deps, tdm_event **out) {
+int tdm_queue_barrier(tdm_queue *qh, size_t ndeps, tdm_event *const *deps, tdm_event **out) {
   TDM__ENTER();
-  CHECK_Q(q);
-  CHECK_DEPS(ndeps, deps);
+  GET_Q(qh, q);
   tdm__spec s = {.kind = TDM__CMD_BARRIER, .op = "barrier", .gate = true,
                  .all_prior = ndeps == 0};
-  return tdm__submit(q, &s, ndeps, deps, out);
+  return submit_public(q, &s, ndeps, deps, out);
 }
 
-int tdm_queue_sync(tdm_queue *q) {
+int tdm_queue_sync(tdm_queue *qh) {
   TDM__ENTER();
-  CHECK_Q(q);
+  GET_Q(qh, q);
   if (tdm__tls_queue == q)
     return tdm__error(TDM_EDEADLK, 0, "a host task of %s syncs its own queue", q->label);
   tdm__spec s = {.kind = TDM__CMD_MARKER, .flags = TDM__CMD_SYNC, .op = "sync",
                  .all_prior = true};
-  tdm_event *ev;
-  int rc = tdm__submit(q, &s, 0, NULL, &ev);
+  tdm__event *ev;
+  int rc = tdm__submit(q, &s, 0, NULL, &ev, NULL);
   if (rc) return rc;
-  rc = tdm__event_wait_raw(ev);
+  rc = tdm__event_wait_blocking(ev);
+  const char *cause = ev->cause_op;
+  unsigned long long cause_seq = (unsigned long long)ev->cause_seq;
+  int native = ev->native;
   tdm__event_unref(ev);
   /* Everything the tracker holds has completed: let it go now rather than at the next prune. */
   pthread_mutex_lock(&q->submit_mu);
   tdm__tracker_prune(q);
   pthread_mutex_unlock(&q->submit_mu);
-  if (rc) tdm__error(rc, 0, "%s: first error since the last sync", q->label);
+  if (rc && cause)
+    tdm__error(rc, native, "%s on %s (command #%llu) failed; the first error since the last sync",
+               cause, q->label, cause_seq);
+  else if (rc)
+    tdm__error(rc, native, "%s: the first error since the last sync", q->label);
   return rc;
 }

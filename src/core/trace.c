@@ -33,7 +33,7 @@ void tdm__trace_start(void) {
 }
 
 void tdm__trace_cmd(tdm__cmd *cmd, int status) {
-  tdm_queue *q = cmd->ev->q;
+  tdm__queue *q = cmd->ev->q;
   uint64_t end = tdm__now_ns(), start = cmd->t_start;
   if (!start) {
     start = cmd->t_submit;

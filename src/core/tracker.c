@@ -7,7 +7,7 @@
 #include "internal.h"
 
 
-int tdm__tracker_init(tdm_queue *q) {
+int tdm__tracker_init(tdm__queue *q) {
   size_t cap = (size_t)tdm__g.opts.tracker_capacity;
   q->trk = tdm__calloc(cap, sizeof *q->trk);
   q->xwait = q->trk ? tdm__calloc(cap, sizeof *q->xwait) : NULL;
@@ -23,7 +23,7 @@ int tdm__tracker_init(tdm_queue *q) {
   return 0;
 }
 
-void tdm__tracker_fini(tdm_queue *q) {
+void tdm__tracker_fini(tdm__queue *q) {
   for (size_t i = 0; i < q->ntrk; i++) tdm__event_unref(q->trk[i]);
   free(q->trk);
   q->trk = NULL;
@@ -36,7 +36,7 @@ void tdm__tracker_fini(tdm_queue *q) {
   q->gate = NULL;
 }
 
-void tdm__tracker_prune(tdm_queue *q) {
+void tdm__tracker_prune(tdm__queue *q) {
   size_t k = 0;
   for (size_t i = 0; i < q->ntrk; i++) {
     if (atomic_load(&q->trk[i]->done))
@@ -48,11 +48,11 @@ void tdm__tracker_prune(tdm_queue *q) {
 }
 
 /* Replaces every entry with one barrier that waits for all of them. */
-static int collapse(tdm_queue *q) {
+static int collapse(tdm__queue *q) {
   tdm__spec s = {.kind = TDM__CMD_BARRIER, .op = "tracker barrier", .gate = true,
                  .untracked = true};
-  tdm_event *ev;
-  int rc = tdm__submit_locked(q, &s, q->ntrk, q->trk, &ev);
+  tdm__event *ev;
+  int rc = tdm__submit_locked(q, &s, q->ntrk, q->trk, &ev, NULL);
   if (rc) return rc;
   for (size_t i = 0; i < q->ntrk; i++) tdm__event_unref(q->trk[i]);
   q->trk[0] = ev;
@@ -60,7 +60,7 @@ static int collapse(tdm_queue *q) {
   return 0;
 }
 
-int tdm__tracker_reserve(tdm_queue *q) {
+int tdm__tracker_reserve(tdm__queue *q) {
   if (q->ntrk < q->trk_cap) return 0;
   tdm__tracker_prune(q);
   return q->ntrk < q->trk_cap ? 0 : collapse(q);
@@ -68,7 +68,7 @@ int tdm__tracker_reserve(tdm_queue *q) {
 
 /* On an in-order queue a new own event makes the previous own event redundant: it is
  * replaced. The caller's event reference is taken over by the tracker. */
-void tdm__tracker_add(tdm_queue *q, tdm_event *ev, bool own) {
+void tdm__tracker_add(tdm__queue *q, tdm__event *ev, bool own) {
   if (own && !(q->flags & TDM_QUEUE_OUT_OF_ORDER)) {
     for (size_t i = 0; i < q->ntrk; i++) {
       if (q->trk[i]->q == q) {
@@ -83,7 +83,7 @@ void tdm__tracker_add(tdm_queue *q, tdm_event *ev, bool own) {
 
 /* ---- cross-queue copies waiting to be covered by this queue's order ---- */
 
-static void xwait_prune(tdm_queue *q) {
+static void xwait_prune(tdm__queue *q) {
   size_t k = 0;
   for (size_t i = 0; i < q->nxwait; i++) {
     if (atomic_load(&q->xwait[i]->done))
@@ -94,7 +94,7 @@ static void xwait_prune(tdm_queue *q) {
   q->nxwait = k;
 }
 
-int tdm__xwait_reserve(tdm_queue *q) {
+int tdm__xwait_reserve(tdm__queue *q) {
   pthread_mutex_lock(&q->submit_mu);
   int rc = 0;
   if (atomic_load(&q->destroying)) {
@@ -104,7 +104,7 @@ int tdm__xwait_reserve(tdm_queue *q) {
     if (q->nxwait + q->nxres >= q->trk_cap && q->nxwait) {
       /* Make room: a barrier takes the waiting copies as dependencies. */
       tdm__spec s = {.kind = TDM__CMD_BARRIER, .op = "cross-copy barrier", .gate = true};
-      rc = tdm__submit_locked(q, &s, 0, NULL, NULL);
+      rc = tdm__submit_locked(q, &s, 0, NULL, NULL, NULL);
     }
     if (!rc && q->nxwait + q->nxres >= q->trk_cap)
       rc = tdm__error(TDM_EBUSY, 0, "%s has %zu cross-queue copies underway", q->label, q->nxres);
@@ -114,20 +114,20 @@ int tdm__xwait_reserve(tdm_queue *q) {
   return rc;
 }
 
-void tdm__xwait_fill(tdm_queue *q, tdm_event *ev) {
+void tdm__xwait_fill(tdm__queue *q, tdm__event *ev) {
   pthread_mutex_lock(&q->submit_mu);
   q->nxres--;
   q->xwait[q->nxwait++] = ev; /* takes over the caller's reference */
   pthread_mutex_unlock(&q->submit_mu);
 }
 
-void tdm__xwait_cancel(tdm_queue *q) {
+void tdm__xwait_cancel(tdm__queue *q) {
   pthread_mutex_lock(&q->submit_mu);
   q->nxres--;
   pthread_mutex_unlock(&q->submit_mu);
 }
 
-void tdm__xwait_consumed(tdm_queue *q, bool covers_all) {
+void tdm__xwait_consumed(tdm__queue *q, bool covers_all) {
   if (!covers_all) {
     xwait_prune(q);
     return;
@@ -136,10 +136,12 @@ void tdm__xwait_consumed(tdm_queue *q, bool covers_all) {
   q->nxwait = 0;
 }
 
-int tdm_queue_track(tdm_queue *q, tdm_event *ev) {
+int tdm_queue_track(tdm_queue *qh, tdm_event *evh) {
   TDM__ENTER();
-  int rc = tdm__queue_check(q);
-  if (rc || (rc = tdm__event_check(ev))) return rc;
+  tdm__queue *q;
+  tdm__event *ev;
+  int rc = tdm__queue_get(qh, &q);
+  if (rc || (rc = tdm__event_get(evh, &ev))) return rc;
   pthread_mutex_lock(&q->submit_mu);
   rc = tdm__tracker_reserve(q);
   if (!rc) {
@@ -150,9 +152,10 @@ int tdm_queue_track(tdm_queue *q, tdm_event *ev) {
   return rc;
 }
 
-int tdm_queue_dependencies(tdm_queue *q, tdm_event **deps, size_t cap, size_t *n) {
+int tdm_queue_dependencies(tdm_queue *qh, tdm_event **deps, size_t cap, size_t *n) {
   TDM__ENTER();
-  int rc = tdm__queue_check(q);
+  tdm__queue *q;
+  int rc = tdm__queue_get(qh, &q);
   if (rc) return rc;
   if (!n || (cap && !deps))
     return tdm__error(TDM_EINVAL, 0, "tdm_queue_dependencies: NULL output");
@@ -167,9 +170,8 @@ int tdm_queue_dependencies(tdm_queue *q, tdm_event **deps, size_t cap, size_t *n
   }
   if (!rc) {
     size_t k = 0;
-    for (size_t i = 0; i < q->ntrk; i++) deps[k++] = q->trk[i];
-    for (size_t i = 0; i < q->nxwait; i++) deps[k++] = q->xwait[i];
-    for (size_t i = 0; i < k; i++) tdm__event_ref(deps[i]);
+    for (size_t i = 0; i < q->ntrk; i++) deps[k++] = tdm__event_handout(q->trk[i]);
+    for (size_t i = 0; i < q->nxwait; i++) deps[k++] = tdm__event_handout(q->xwait[i]);
     *n = k;
   }
   pthread_mutex_unlock(&q->submit_mu);

@@ -26,11 +26,11 @@ static int record(tdm__bqueue *bq, int si, cu_event **out) {
 
 /* A dependency of another backend, or one not recorded natively: a gate the tandem event's
  * completion opens. */
-static void bridge_fire(tdm__waiter *w, tdm_event *ev) { cu_gate_open((cu_gate *)w); }
+static void bridge_fire(tdm__waiter *w, tdm__event *ev) { cu_gate_open((cu_gate *)w); }
 
 static int wait_deps(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
   for (size_t i = 0; i < cmd->ndeps; i++) {
-    tdm_event *dep = cmd->deps[i].ev;
+    tdm__event *dep = cmd->deps[i].ev;
     cu_event *native = cu_svc->event_native(dep, &tdm__cuda_backend);
     if (native) {
       /* Earlier work of the same stream: implied by its order. */

@@ -27,6 +27,13 @@ int ocl_mem_init(void) {
   return ocl_svc->error(TDM_ENOMEM, 0, "cannot reserve an address range for OpenCL buffers");
 }
 
+int ocl_mem_range(int bdev, uintptr_t *base, size_t *size) {
+  (void)bdev; /* one range serves every device */
+  *base = range_base;
+  *size = range_end - range_base;
+  return 0;
+}
+
 void ocl_mem_fini(void) {
   pthread_rwlock_wrlock(&lock);
   if (range_base) munmap((void *)range_base, range_end - range_base);
@@ -128,6 +135,9 @@ int ocl_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr) {
   }
   cl_mem_flags flags = CL_MEM_READ_WRITE | (kind == TDM_MEM_PINNED ? CL_MEM_ALLOC_HOST_PTR : 0);
   cl_mem mem = clCreateBuffer(d->ctx, flags, size, NULL, &err);
+  if (!mem && err == CL_INVALID_BUFFER_SIZE) /* too large for one buffer: out of memory */
+    return ocl_svc->error(TDM_ENOMEM, err, "%zu bytes are more than one OpenCL buffer can hold",
+                          size);
   if (!mem) return ocl_error(err, "clCreateBuffer");
   if (kind == TDM_MEM_DEVICE) {
     int rc = device_buffer(bdev, mem, size, false, ptr);

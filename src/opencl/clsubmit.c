@@ -20,7 +20,7 @@ typedef struct bridge {
   cl_event uev;
 } bridge;
 
-static void bridge_fire(tdm__waiter *w, tdm_event *ev) {
+static void bridge_fire(tdm__waiter *w, tdm__event *ev) {
   bridge *b = (bridge *)w;
   /* Always CL_COMPLETE: a failure is reported by tandem (TDM_EDEP), not by the driver. */
   clSetUserEventStatus(b->uev, CL_COMPLETE);
@@ -50,7 +50,7 @@ static int waitlist_build(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl) {
   wl->ev = cmd->ndeps + 1 <= 16 ? wl->inline_ev : malloc((cmd->ndeps + 1) * sizeof(cl_event));
   if (!wl->ev) return ocl_svc->error(TDM_ENOMEM, 0, "no memory for a wait list");
   for (size_t i = 0; i < cmd->ndeps; i++) {
-    tdm_event *dep = cmd->deps[i].ev;
+    tdm__event *dep = cmd->deps[i].ev;
     const tdm__backend *be;
     int bdev = ocl_svc->event_device(dep, &be);
     cl_event native = ocl_svc->event_native(dep, &tdm__opencl_backend);
@@ -247,7 +247,7 @@ static int enqueue_deferred(tdm__bqueue *bq, tdm__cmd *cmd) {
   if (!wl.ev) return ocl_svc->error(TDM_ENOMEM, 0, "no memory for a wait list");
   for (size_t i = 0; i < cmd->ndeps; i++) {
     const tdm__backend *be;
-    tdm_event *dep = cmd->deps[i].ev;
+    tdm__event *dep = cmd->deps[i].ev;
     cl_event native = ocl_svc->event_native(dep, &tdm__opencl_backend);
     if (native && ocl_svc->event_device(dep, &be) == bq->bdev) wl.ev[wl.n++] = native;
   }
@@ -275,7 +275,7 @@ static int enqueue_deferred(tdm__bqueue *bq, tdm__cmd *cmd) {
   return rc;
 }
 
-static void dep_ready(tdm__waiter *w, tdm_event *ev) {
+static void dep_ready(tdm__waiter *w, tdm__event *ev) {
   tdm__dep *d = (tdm__dep *)((char *)w - offsetof(tdm__dep, w));
   if (__atomic_sub_fetch(&d->cmd->bcount, 1, __ATOMIC_ACQ_REL) == 0)
     resume((tdm__bqueue *)d->cmd->bdata, d->cmd);

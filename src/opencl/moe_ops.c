@@ -56,6 +56,7 @@ MOE_WEAK int tdm_keep_alive(tdm_queue *q, void (*release)(void *obj), void *obj)
 MOE_WEAK int tdm_queue_dependencies(tdm_queue *q, tdm_event **deps, size_t cap, size_t *n);
 MOE_WEAK int tdm_event_query(tdm_event *ev);
 MOE_WEAK int tdm_event_release(tdm_event *ev);
+MOE_WEAK int tdm_event_native(tdm_event *ev, void **native);
 MOE_WEAK size_t moe_ops_workspace(int n, int H, int I);
 
 #define MOE_WG_MAX 256 /* work-group size ceiling: the largest power of two the device takes */
@@ -412,8 +413,9 @@ static bool held_work(moe_ocl *m) {
   if (tdm_queue_dependencies(m->q, deps, 8, &n) != 0) return true;
   bool held = false;
   for (size_t i = 0; i < n; i++) {
+    void *native = NULL;
     if (!held && tdm_event_query(deps[i]) == TDM_EAGAIN &&
-        !ocl_svc->event_native(deps[i], &tdm__opencl_backend))
+        (!tdm_event_native || tdm_event_native(deps[i], &native) != 0))
       held = true;
     tdm_event_release(deps[i]);
   }

@@ -62,6 +62,8 @@ int ocl_mem_init(void);
 void ocl_mem_fini(void);
 /* The buffer holding p (device memory or pinned host memory), or false. */
 bool ocl_mem_find(const void *p, ocl_buf *out);
+/* The reserved range device buffers take their addresses from. */
+int ocl_mem_range(int bdev, uintptr_t *base, size_t *size);
 int ocl_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr);
 void ocl_mem_free(int bdev, tdm_mem_kind kind, void *ptr);
 int ocl_mem_native(int bdev, void *base, void *ptr, void **native, size_t *offset);

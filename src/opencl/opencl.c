@@ -203,6 +203,7 @@ const tdm__backend tdm__opencl_backend = {
     .device_native = ocl_device_native,
     .mem_native = ocl_mem_native,
     .mem_import = ocl_mem_import,
+    .address_range = ocl_mem_range,
     .native_wait = ocl_native_wait,
     .native_flush = ocl_native_flush,
     .native_release = ocl_native_release,
