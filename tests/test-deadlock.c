@@ -295,3 +295,73 @@ TEST_CASE(cross_copy_both_ways) {
   CHECK_OK(tdm_queue_destroy(b));
   th_close();
 }
+
+/* ---- Bursts of host tasks ---------------------------------------------------------------- */
+
+/* Enough host tasks, submitted faster than they complete, to exhaust whatever a backend keeps
+ * per outstanding task if nothing bounds it (PoCL's user events and markers did). */
+enum { BURST_TASKS = 8000, BURST_THREADS = 8 };
+
+struct burst {
+  tdm_queue *q;
+  int n;
+  atomic_int *count;
+  int failures;
+};
+
+static void *burst_loop(void *arg) {
+  struct burst *b = arg;
+  for (int i = 0; i < b->n; i++)
+    if (tdm_host_task(b->q, task_count, b->count, 0, NULL, NULL) != 0) b->failures++;
+  return NULL;
+}
+
+/* nthreads threads submit BURST_TASKS host tasks in all to one queue, then it is synced once:
+ * every task runs, and nothing is left pending. */
+static void burst_round(tdm_device *dev, unsigned flags, int nthreads) {
+  tdm_queue *q = new_queue(dev, flags);
+  atomic_int count = 0;
+  struct burst b[BURST_THREADS];
+  pthread_t t[BURST_THREADS];
+  for (int i = 0; i < nthreads; i++) {
+    b[i] = (struct burst){q, BURST_TASKS / nthreads, &count, 0};
+    CHECK(pthread_create(&t[i], NULL, burst_loop, &b[i]) == 0);
+  }
+  for (int i = 0; i < nthreads; i++) {
+    pthread_join(t[i], NULL);
+    CHECK_EQ(b[i].failures, 0);
+  }
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_EQ(atomic_load(&count), BURST_TASKS);
+  CHECK_OK(tdm_queue_destroy(q));
+  tdm_stats st;
+  CHECK_OK(tdm_stats_get(&st));
+  CHECK_EQ(st.pending, 0);
+}
+
+static int has_ooo(tdm_device *dev) {
+  tdm_device_info info;
+  CHECK_OK(tdm_device_info_get(dev, &info));
+  return (info.caps & TDM_DEVICE_CAP_OUT_OF_ORDER) != 0;
+}
+
+TEST_CASE(host_task_burst_out_of_order) {
+  tdm_device *dev = th_open();
+  if (!has_ooo(dev)) TH_SKIP("%s has no out-of-order queues", th_device_id);
+  burst_round(dev, TDM_QUEUE_OUT_OF_ORDER, 1);
+  th_close();
+}
+
+TEST_CASE(host_task_burst_out_of_order_threads) {
+  tdm_device *dev = th_open();
+  if (!has_ooo(dev)) TH_SKIP("%s has no out-of-order queues", th_device_id);
+  burst_round(dev, TDM_QUEUE_OUT_OF_ORDER, BURST_THREADS);
+  th_close();
+}
+
+TEST_CASE(host_task_burst_in_order) {
+  tdm_device *dev = th_open();
+  burst_round(dev, TDM_QUEUE_IN_ORDER, 1);
+  burst_round(dev, TDM_QUEUE_IN_ORDER, BURST_THREADS);
+  th_close();
+}

@@ -1,7 +1,8 @@
 /* clsubmit.c: turns tandem commands into OpenCL commands. Every command gets a native event
  * (attached to its tandem event, so other OpenCL queues wait for it natively), except quiet
- * ones (only the queue can observe them: they complete with its next event), and is handed to
- * the queue's executor, which waits for it with clWaitForEvents: no OpenCL callback is used.
+ * ones (only the queue can observe them: they complete with its next event) and, on
+ * out-of-order queues, frees and deferred host work (host_work_ooo); it is handed to the
+ * queue's executor, which waits for it with clWaitForEvents: no OpenCL callback is used.
  *
  * The queue's submission lock is held across these enqueues. That is safe even with PoCL's
  * basic driver, which may run commands inline in this thread, because no tandem code ever runs
@@ -97,35 +98,55 @@ static void hand_over(tdm__cmd *cmd, cl_event done, cl_event wait, void *gate) {
   ocl_svc->cmd_native(cmd);
 }
 
-/* Work the executor does on the host (host tasks, host-to-host copies, host fills, frees):
- * a marker before it (what it waits for), a user event as the gate, and a barrier (in-order)
- * or marker (out-of-order) on the gate that later work orders after. */
+/* Work the executor does on the host (host tasks, host-to-host copies, host fills, frees).
+ * In-order: a marker before it (what it waits for), a user event as the gate, and a barrier on
+ * the gate that later work orders after. Out-of-order: nothing on the native queue (see
+ * host_work_ooo). */
+static int host_work_ooo(tdm__bqueue *bq, tdm__cmd *cmd, bool gated);
+
 static int host_work(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl, bool gated) {
+  if (bq->ooo) return host_work_ooo(bq, cmd, gated);
   cl_event pre = NULL, gate = NULL, done = NULL;
-  cl_int err = CL_SUCCESS;
-  /* On an out-of-order queue only the dependencies are waited for (a free lists every
-   * earlier command among them). */
-  if (!bq->ooo || wl->n) err = clEnqueueMarkerWithWaitList(bq->q, wl->n, wl->n ? wl->ev : NULL, &pre);
+  cl_int err = clEnqueueMarkerWithWaitList(bq->q, wl->n, wl->n ? wl->ev : NULL, &pre);
   if (err != CL_SUCCESS) return ocl_error(err, "clEnqueueMarkerWithWaitList");
   if (!gated) {
     /* A free: after earlier work, on the host; later work need not wait for it. */
     hand_over(cmd, pre, pre, NULL);
     return 0;
   }
-  if (cmd->kind != TDM__CMD_HOST) cmd->flags |= TDM__CMD_ON_HOST; /* host copy or fill */
   gate = clCreateUserEvent(ocl_devs[bq->bdev].ctx, &err);
-  if (gate)
-    err = bq->ooo ? clEnqueueMarkerWithWaitList(bq->q, 1, &gate, &done)
-                  : clEnqueueBarrierWithWaitList(bq->q, 1, &gate, &done);
+  if (gate) err = clEnqueueBarrierWithWaitList(bq->q, 1, &gate, &done);
   if (err != CL_SUCCESS) {
     if (gate) {
       clSetUserEventStatus(gate, CL_COMPLETE);
       clReleaseEvent(gate);
     }
-    if (pre) clReleaseEvent(pre);
+    clReleaseEvent(pre);
     return ocl_error(err, "gating a host task");
   }
+  if (cmd->kind != TDM__CMD_HOST) cmd->flags |= TDM__CMD_ON_HOST; /* host copy or fill */
   hand_over(cmd, done, pre, gate);
+  return 0;
+}
+
+/* On an out-of-order queue the core itself waits for every dependency of host work before a
+ * pool thread runs it, and later work can wait for its user event directly, so nothing goes
+ * on the native queue. Markers there would cost more than they seem to: PoCL makes every
+ * marker of an out-of-order queue wait for every command still in the queue, wait list or
+ * not, linking it to each under the queue's lock, which the driver's threads also need to
+ * retire commands; a burst of host tasks then outruns them, and the links grow without bound.
+ * Under host-side deferral there is no user event either: later work waits for the task
+ * through its tandem event (start_locked). */
+static int host_work_ooo(tdm__bqueue *bq, tdm__cmd *cmd, bool gated) {
+  cl_event gate = NULL;
+  if (gated && !bq->defer) {
+    cl_int err = CL_SUCCESS;
+    gate = clCreateUserEvent(ocl_devs[bq->bdev].ctx, &err);
+    if (!gate) return ocl_error(err, "clCreateUserEvent for a host task");
+    clRetainEvent(gate); /* one reference for the tandem event, one for gate_open */
+  }
+  if (gated && cmd->kind != TDM__CMD_HOST) cmd->flags |= TDM__CMD_ON_HOST;
+  hand_over(cmd, gate, NULL, gate);
   return 0;
 }
 
@@ -252,21 +273,17 @@ static int enqueue_deferred(tdm__bqueue *bq, tdm__cmd *cmd) {
     if (native && ocl_svc->event_device(dep, &be) == bq->bdev) wl.ev[wl.n++] = native;
   }
   int rc = 0;
-  if (needs_gate(cmd)) {
-    /* No native event: other queues must not take the marker before the task for the task.
-     * In-order: the task holds the queue until the executor has run it. */
+  if (!bq->ooo && needs_gate(cmd)) {
+    /* No native event: the task holds the queue until the executor has run it (its gate
+     * resumes the queue), after a marker on what it waits for. */
     cl_event pre = NULL;
-    cl_int err = CL_SUCCESS;
-    if (!bq->ooo || wl.n)
-      err = clEnqueueMarkerWithWaitList(bq->q, wl.n, wl.n ? wl.ev : NULL, &pre);
+    cl_int err = clEnqueueMarkerWithWaitList(bq->q, wl.n, wl.n ? wl.ev : NULL, &pre);
     rc = err == CL_SUCCESS ? 0 : ocl_error(err, "clEnqueueMarkerWithWaitList");
     if (!rc) {
       if (cmd->kind != TDM__CMD_HOST) cmd->flags |= TDM__CMD_ON_HOST;
-      if (!bq->ooo) {
-        bq->blocker = cmd;
-        atomic_fetch_add(&bq->resumes, 1); /* the gate's resume() */
-      }
-      hand_over(cmd, NULL, pre, bq->ooo ? NULL : DEFER_GATE(bq));
+      bq->blocker = cmd;
+      atomic_fetch_add(&bq->resumes, 1); /* the gate's resume() */
+      hand_over(cmd, NULL, pre, DEFER_GATE(bq));
     }
   } else {
     rc = enqueue(bq, cmd, &wl);
