@@ -395,3 +395,152 @@ TEST_CASE(pool_tasks_wait_later_tasks) {
   CHECK_OK(tdm_queue_destroy(q));
   th_close();
 }
+
+/* ---- Bursts of host tasks ---------------------------------------------------------------- */
+
+/* Enough host tasks, submitted faster than they complete, to exhaust whatever a backend keeps
+ * per outstanding task if nothing bounds it (PoCL's user events and markers did). */
+enum { BURST_TASKS = 8000, BURST_THREADS = 8 };
+
+struct burst {
+  tdm_queue *q;
+  int n;
+  atomic_int *count;
+  int failures;
+};
+
+static void *burst_loop(void *arg) {
+  struct burst *b = arg;
+  for (int i = 0; i < b->n; i++)
+    if (tdm_host_task(b->q, task_count, b->count, 0, NULL, NULL) != 0) b->failures++;
+  return NULL;
+}
+
+/* nthreads threads submit BURST_TASKS host tasks in all to one queue, then it is synced once:
+ * every task runs, and nothing is left pending. */
+static void burst_round(tdm_device *dev, unsigned flags, int nthreads) {
+  tdm_queue *q = new_queue(dev, flags);
+  atomic_int count = 0;
+  struct burst b[BURST_THREADS];
+  pthread_t t[BURST_THREADS];
+  for (int i = 0; i < nthreads; i++) {
+    b[i] = (struct burst){q, BURST_TASKS / nthreads, &count, 0};
+    CHECK(pthread_create(&t[i], NULL, burst_loop, &b[i]) == 0);
+  }
+  for (int i = 0; i < nthreads; i++) {
+    pthread_join(t[i], NULL);
+    CHECK_EQ(b[i].failures, 0);
+  }
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_EQ(atomic_load(&count), BURST_TASKS);
+  CHECK_OK(tdm_queue_destroy(q));
+  tdm_stats st;
+  CHECK_OK(tdm_stats_get(&st));
+  CHECK_EQ(st.pending, 0);
+}
+
+static int has_ooo(tdm_device *dev) {
+  tdm_device_info info;
+  CHECK_OK(tdm_device_info_get(dev, &info));
+  return (info.caps & TDM_DEVICE_CAP_OUT_OF_ORDER) != 0;
+}
+
+TEST_CASE(host_task_burst_out_of_order) {
+  tdm_device *dev = th_open();
+  if (!has_ooo(dev)) TH_SKIP("%s has no out-of-order queues", th_device_id);
+  burst_round(dev, TDM_QUEUE_OUT_OF_ORDER, 1);
+  th_close();
+}
+
+TEST_CASE(host_task_burst_out_of_order_threads) {
+  tdm_device *dev = th_open();
+  if (!has_ooo(dev)) TH_SKIP("%s has no out-of-order queues", th_device_id);
+  burst_round(dev, TDM_QUEUE_OUT_OF_ORDER, BURST_THREADS);
+  th_close();
+}
+
+TEST_CASE(host_task_burst_in_order) {
+  tdm_device *dev = th_open();
+  burst_round(dev, TDM_QUEUE_IN_ORDER, 1);
+  burst_round(dev, TDM_QUEUE_IN_ORDER, BURST_THREADS);
+  th_close();
+}
+
+/* Records in a burst on an out-of-order queue: each is a marker over everything before it
+ * (PoCL links such a marker to every command still in the queue). */
+TEST_CASE(record_burst_out_of_order) {
+  tdm_device *dev = th_open();
+  if (!has_ooo(dev)) TH_SKIP("%s has no out-of-order queues", th_device_id);
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_OUT_OF_ORDER);
+  for (int i = 0; i < BURST_TASKS; i++) {
+    tdm_event *ev = NULL;
+    CHECK_OK(tdm_event_record(q, &ev));
+    CHECK_OK(tdm_event_release(ev));
+  }
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* Threads submit chains to one out-of-order queue: a host task after the thread's last
+ * record, a device fill after the task, a record. Each thread's fills land in order. */
+enum { CHAIN_ITERS = 500, CHAIN_N = 64 };
+
+struct chain {
+  tdm_queue *q;
+  unsigned char *buf;
+  atomic_int *count;
+  int failures;
+};
+
+static void *chain_loop(void *arg) {
+  struct chain *c = arg;
+  tdm_event *last = NULL;
+  for (int i = 0; i < CHAIN_ITERS && !c->failures; i++) {
+    tdm_event *task = NULL, *fill = NULL;
+    if (tdm_host_task(c->q, task_count, c->count, last ? 1 : 0, last ? &last : NULL, &task) ||
+        tdm_memset(c->q, c->buf, i & 0xff, CHAIN_N, 1, &task, &fill) ||
+        (last && tdm_event_release(last)) || tdm_event_record(c->q, &last))
+      c->failures++;
+    if (task && tdm_event_release(task)) c->failures++;
+    if (fill && tdm_event_release(fill)) c->failures++;
+  }
+  if (last && tdm_event_release(last)) c->failures++;
+  return NULL;
+}
+
+TEST_CASE(chain_burst_out_of_order_threads) {
+  tdm_device *dev = th_open();
+  if (!has_ooo(dev)) TH_SKIP("%s has no out-of-order queues", th_device_id);
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_OUT_OF_ORDER);
+  atomic_int count = 0;
+  struct chain c[BURST_THREADS];
+  pthread_t t[BURST_THREADS];
+  unsigned char *back;
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, CHAIN_N, (void **)&back));
+  for (int i = 0; i < BURST_THREADS; i++) {
+    c[i] = (struct chain){q, NULL, &count, 0};
+    CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, CHAIN_N, (void **)&c[i].buf));
+    CHECK(pthread_create(&t[i], NULL, chain_loop, &c[i]) == 0);
+  }
+  for (int i = 0; i < BURST_THREADS; i++) {
+    pthread_join(t[i], NULL);
+    CHECK_EQ(c[i].failures, 0);
+  }
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_EQ(atomic_load(&count), BURST_THREADS * CHAIN_ITERS);
+  unsigned char want[CHAIN_N];
+  memset(want, (CHAIN_ITERS - 1) & 0xff, CHAIN_N);
+  for (int i = 0; i < BURST_THREADS; i++) {
+    CHECK_OK(tdm_memcpy(q, back, c[i].buf, CHAIN_N, TDM_COPY_D2H, 0, NULL, NULL));
+    CHECK_OK(tdm_queue_sync(q));
+    CHECK_MEM_EQ(back, want, CHAIN_N);
+    CHECK_OK(tdm_free(c[i].buf));
+  }
+  CHECK_OK(tdm_free(back));
+  CHECK_OK(tdm_queue_destroy(q));
+  tdm_stats st;
+  CHECK_OK(tdm_stats_get(&st));
+  CHECK_EQ(st.pending, 0);
+  th_close();
+}

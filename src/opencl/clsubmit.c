@@ -1,7 +1,8 @@
 /* clsubmit.c: turns tandem commands into OpenCL commands. Every command gets a native event
  * (attached to its tandem event, so other OpenCL queues wait for it natively), except quiet
- * ones (only the queue can observe them: they complete with its next event), and is handed to
- * the queue's executor, which waits for it with clWaitForEvents: no OpenCL callback is used.
+ * ones (only the queue can observe them: they complete with its next event) and, on
+ * out-of-order queues, frees and deferred host work (host_work_ooo); it is handed to the
+ * queue's executor, which waits for it with clWaitForEvents: no OpenCL callback is used.
  *
  * The queue's submission lock is held across these enqueues. That is safe even with PoCL's
  * basic driver, which may run commands inline in this thread, because no tandem code ever runs
@@ -97,35 +98,55 @@ static void hand_over(tdm__cmd *cmd, cl_event done, cl_event wait, void *gate) {
   ocl_svc->cmd_native(cmd);
 }
 
-/* Work the executor does on the host (host tasks, host-to-host copies, host fills, frees):
- * a marker before it (what it waits for), a user event as the gate, and a barrier (in-order)
- * or marker (out-of-order) on the gate that later work orders after. */
+/* Work the executor does on the host (host tasks, host-to-host copies, host fills, frees).
+ * In-order: a marker before it (what it waits for), a user event as the gate, and a barrier on
+ * the gate that later work orders after. Out-of-order: nothing on the native queue (see
+ * host_work_ooo). */
+static int host_work_ooo(tdm__bqueue *bq, tdm__cmd *cmd, bool gated);
+
 static int host_work(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl, bool gated) {
+  if (bq->ooo) return host_work_ooo(bq, cmd, gated);
   cl_event pre = NULL, gate = NULL, done = NULL;
-  cl_int err = CL_SUCCESS;
-  /* On an out-of-order queue only the dependencies are waited for (a free lists every
-   * earlier command among them). */
-  if (!bq->ooo || wl->n) err = clEnqueueMarkerWithWaitList(bq->q, wl->n, wl->n ? wl->ev : NULL, &pre);
+  cl_int err = clEnqueueMarkerWithWaitList(bq->q, wl->n, wl->n ? wl->ev : NULL, &pre);
   if (err != CL_SUCCESS) return ocl_error(err, "clEnqueueMarkerWithWaitList");
   if (!gated) {
     /* A free: after earlier work, on the host; later work need not wait for it. */
     hand_over(cmd, pre, pre, NULL);
     return 0;
   }
-  if (cmd->kind != TDM__CMD_HOST) cmd->flags |= TDM__CMD_ON_HOST; /* host copy or fill */
   gate = clCreateUserEvent(ocl_devs[bq->bdev].ctx, &err);
-  if (gate)
-    err = bq->ooo ? clEnqueueMarkerWithWaitList(bq->q, 1, &gate, &done)
-                  : clEnqueueBarrierWithWaitList(bq->q, 1, &gate, &done);
+  if (gate) err = clEnqueueBarrierWithWaitList(bq->q, 1, &gate, &done);
   if (err != CL_SUCCESS) {
     if (gate) {
       clSetUserEventStatus(gate, CL_COMPLETE);
       clReleaseEvent(gate);
     }
-    if (pre) clReleaseEvent(pre);
+    clReleaseEvent(pre);
     return ocl_error(err, "gating a host task");
   }
+  if (cmd->kind != TDM__CMD_HOST) cmd->flags |= TDM__CMD_ON_HOST; /* host copy or fill */
   hand_over(cmd, done, pre, gate);
+  return 0;
+}
+
+/* On an out-of-order queue the core itself waits for every dependency of host work before a
+ * pool thread runs it, and later work can wait for its user event directly, so nothing goes
+ * on the native queue. Markers there would cost more than they seem to: PoCL makes every
+ * marker of an out-of-order queue wait for every command still in the queue, wait list or
+ * not, linking it to each under the queue's lock, which the driver's threads also need to
+ * retire commands; a burst of host tasks then outruns them, and the links grow without bound.
+ * Under host-side deferral there is no user event either: later work waits for the task
+ * through its tandem event (start_locked). */
+static int host_work_ooo(tdm__bqueue *bq, tdm__cmd *cmd, bool gated) {
+  cl_event gate = NULL;
+  if (gated && !bq->defer) {
+    cl_int err = CL_SUCCESS;
+    gate = clCreateUserEvent(ocl_devs[bq->bdev].ctx, &err);
+    if (!gate) return ocl_error(err, "clCreateUserEvent for a host task");
+    clRetainEvent(gate); /* one reference for the tandem event, one for gate_open */
+  }
+  if (gated && cmd->kind != TDM__CMD_HOST) cmd->flags |= TDM__CMD_ON_HOST;
+  hand_over(cmd, gate, NULL, gate);
   return 0;
 }
 
@@ -252,21 +273,17 @@ static int enqueue_deferred(tdm__bqueue *bq, tdm__cmd *cmd) {
     if (native && ocl_svc->event_device(dep, &be) == bq->bdev) wl.ev[wl.n++] = native;
   }
   int rc = 0;
-  if (needs_gate(cmd)) {
-    /* No native event: other queues must not take the marker before the task for the task.
-     * In-order: the task holds the queue until the executor has run it. */
+  if (!bq->ooo && needs_gate(cmd)) {
+    /* No native event: the task holds the queue until the executor has run it (its gate
+     * resumes the queue), after a marker on what it waits for. */
     cl_event pre = NULL;
-    cl_int err = CL_SUCCESS;
-    if (!bq->ooo || wl.n)
-      err = clEnqueueMarkerWithWaitList(bq->q, wl.n, wl.n ? wl.ev : NULL, &pre);
+    cl_int err = clEnqueueMarkerWithWaitList(bq->q, wl.n, wl.n ? wl.ev : NULL, &pre);
     rc = err == CL_SUCCESS ? 0 : ocl_error(err, "clEnqueueMarkerWithWaitList");
     if (!rc) {
       if (cmd->kind != TDM__CMD_HOST) cmd->flags |= TDM__CMD_ON_HOST;
-      if (!bq->ooo) {
-        bq->blocker = cmd;
-        atomic_fetch_add(&bq->resumes, 1); /* the gate's resume() */
-      }
-      hand_over(cmd, NULL, pre, bq->ooo ? NULL : DEFER_GATE(bq));
+      bq->blocker = cmd;
+      atomic_fetch_add(&bq->resumes, 1); /* the gate's resume() */
+      hand_over(cmd, NULL, pre, DEFER_GATE(bq));
     }
   } else {
     rc = enqueue(bq, cmd, &wl);
@@ -311,11 +328,32 @@ static int start_locked(tdm__bqueue *bq, tdm__cmd *cmd) {
 /* A held command that cannot be enqueued completes with the error; it was accepted earlier. */
 static void fail_held(tdm__cmd *cmd, int rc) { ocl_svc->cmd_done(cmd, rc, 0); }
 
+static void held_push(tdm__bqueue *bq, tdm__cmd *cmd) {
+  cmd->next = NULL;
+  if (bq->held_tail)
+    bq->held_tail->next = cmd;
+  else
+    bq->held_head = cmd;
+  bq->held_tail = cmd;
+}
+
+static tdm__cmd *held_pop(tdm__bqueue *bq) {
+  tdm__cmd *c = bq->held_head;
+  bq->held_head = c->next;
+  if (!bq->held_head) bq->held_tail = NULL;
+  return c;
+}
+
+static void ooo_drain_locked(tdm__bqueue *bq);
+static void ooo_drain(tdm__bqueue *bq);
+
 static void drain_locked(tdm__bqueue *bq) {
+  if (bq->ooo) {
+    ooo_drain_locked(bq);
+    return;
+  }
   while (!bq->blocker && bq->held_head) {
-    tdm__cmd *c = bq->held_head;
-    bq->held_head = c->next;
-    if (!bq->held_head) bq->held_tail = NULL;
+    tdm__cmd *c = held_pop(bq);
     int rc = start_locked(bq, c);
     if (rc) fail_held(c, rc);
   }
@@ -332,25 +370,129 @@ static void resume(tdm__bqueue *bq, tdm__cmd *cmd) {
   }
   drain_locked(bq);
   pthread_mutex_unlock(&bq->mu);
+  if (bq->ooo) ooo_drain(bq);
   /* The last touch of bq: the commands just enqueued may already have completed, and the
    * queue's destruction waits for this count. */
   atomic_fetch_sub(&bq->resumes, 1);
 }
 
+/* ---- depth of out-of-order queues ----
+ * PoCL links every marker of an out-of-order queue to every command still in the queue (see
+ * host_work_ooo), so each record, sync, barrier or free costs time and memory in proportion
+ * to the queue's depth, under the lock that the driver's threads need to retire commands: a
+ * burst of them outruns those threads, and the depth, and the cost of the next marker, only
+ * grow. So a command that goes on the native queue takes one of OCL_OOO_DEPTH slots, given
+ * back when its event completes. With none free it waits in bq->held, unsubmitted, and so
+ * does every later command that goes on the native queue (a marker enqueued late would cover
+ * commands submitted after it); the completion that frees a slot submits it, on a pool
+ * thread. Host work takes no slot and never waits here: it puts nothing on the native queue.
+ * The submitting thread never blocks. The price of the bound: a host task that waits for work
+ * submitted after it to its own queue hangs if OCL_OOO_DEPTH commands wait for the task. */
+
+static bool goes_native(const tdm__cmd *cmd) {
+  switch (cmd->kind) {
+    case TDM__CMD_HOST:
+    case TDM__CMD_FREE: return false;
+    case TDM__CMD_COPY: return cmd->u.copy.n && !needs_gate(cmd);
+    case TDM__CMD_FILL: return cmd->u.fill.n && !needs_gate(cmd);
+    default: return true;
+  }
+}
+
+/* Only a holder of bq->mu pops, so a slot on the stack cannot leave and come back under a
+ * pop (no ABA). */
+static ocl_slot *slot_take(tdm__bqueue *bq) {
+  ocl_slot *s = atomic_load(&bq->free_slots);
+  while (s && !atomic_compare_exchange_weak(&bq->free_slots, &s, s->next_free)) {
+  }
+  return s;
+}
+
+static void slot_give(tdm__bqueue *bq, ocl_slot *s) {
+  ocl_slot *top = atomic_load(&bq->free_slots);
+  do s->next_free = top;
+  while (!atomic_compare_exchange_weak(&bq->free_slots, &top, s));
+}
+
+/* The event of a command holding slot w completed: on the completing thread, possibly inside
+ * a submission (a held command that failed), where bq->mu is taken and ooo_drain leaves the
+ * work to the holder. */
+static void slot_done(tdm__waiter *w, tdm_event *ev) {
+  ocl_slot *s = (ocl_slot *)w;
+  tdm__bqueue *bq = s->bq;
+  slot_give(bq, s);
+  if (atomic_load(&bq->nheld)) {
+    atomic_store(&bq->drain, true);
+    ooo_drain(bq);
+  }
+  atomic_fetch_sub(&bq->resumes, 1); /* the last touch of bq */
+}
+
+/* Submits cmd with slot s (NULL: host work, which takes none); bq->mu held. The slot is
+ * attached to the event first: the command may complete before this returns. On failure the
+ * event will not complete, so the slot is given back here. */
+static int ooo_start_locked(tdm__bqueue *bq, tdm__cmd *cmd, ocl_slot *s) {
+  if (s) {
+    atomic_fetch_add(&bq->resumes, 1); /* slot_done's */
+    s->w.fn = slot_done;
+    ocl_svc->event_on_complete(cmd->ev, &s->w); /* not complete: not yet submitted */
+  }
+  int rc = bq->defer ? start_locked(bq, cmd) : submit_now(bq, cmd);
+  if (rc && s) {
+    slot_give(bq, s);
+    atomic_fetch_sub(&bq->resumes, 1);
+  }
+  return rc;
+}
+
+/* Submits held commands while slots are free; bq->mu held. A failure completes the command
+ * (and gives its slot back) at once. */
+static void ooo_drain_locked(tdm__bqueue *bq) {
+  ocl_slot *s;
+  while (bq->held_head && (s = slot_take(bq))) {
+    tdm__cmd *c = held_pop(bq);
+    atomic_fetch_sub(&bq->nheld, 1);
+    int rc = ooo_start_locked(bq, c, s);
+    if (rc) fail_held(c, rc);
+  }
+}
+
+/* Runs a requested drain unless another thread holds bq->mu, in which case that thread runs
+ * it after letting go: every holder of an out-of-order queue's mu calls this after unlocking.
+ * So a completion that comes with bq->mu held, even on this thread, never blocks on it. */
+static void ooo_drain(tdm__bqueue *bq) {
+  while (atomic_load(&bq->drain) && pthread_mutex_trylock(&bq->mu) == 0) {
+    atomic_store(&bq->drain, false);
+    ooo_drain_locked(bq);
+    pthread_mutex_unlock(&bq->mu);
+  }
+}
+
+static int ooo_submit(tdm__bqueue *bq, tdm__cmd *cmd) {
+  pthread_mutex_lock(&bq->mu);
+  int rc = 0;
+  ocl_slot *s = NULL;
+  if (goes_native(cmd) && (bq->held_head || !(s = slot_take(bq)))) {
+    held_push(bq, cmd);
+    atomic_fetch_add(&bq->nheld, 1);
+    atomic_store(&bq->drain, true); /* a slot may have come back since slot_take */
+  } else {
+    rc = ooo_start_locked(bq, cmd, s);
+  }
+  pthread_mutex_unlock(&bq->mu);
+  ooo_drain(bq);
+  return rc;
+}
+
 int ocl_submit(tdm__bqueue *bq, tdm__cmd *cmd) {
+  if (bq->ooo) return ooo_submit(bq, cmd);
   if (!bq->defer) return submit_now(bq, cmd);
   pthread_mutex_lock(&bq->mu);
   int rc = 0;
-  if (!bq->ooo && (bq->blocker || bq->held_head)) {
-    cmd->next = NULL;
-    if (bq->held_tail)
-      bq->held_tail->next = cmd;
-    else
-      bq->held_head = cmd;
-    bq->held_tail = cmd;
-  } else {
+  if (bq->blocker || bq->held_head)
+    held_push(bq, cmd);
+  else
     rc = start_locked(bq, cmd);
-  }
   pthread_mutex_unlock(&bq->mu);
   return rc;
 }

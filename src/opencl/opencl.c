@@ -164,17 +164,31 @@ static int ocl_queue_create(int bdev, unsigned flags, void *adopt, tdm__bqueue *
   bq->bdev = bdev;
   bq->ooo = (flags & TDM_QUEUE_OUT_OF_ORDER) != 0;
   bq->defer = d->defer;
+  if (bq->ooo) {
+    bq->slots = calloc(OCL_OOO_DEPTH, sizeof *bq->slots);
+    if (!bq->slots) {
+      clReleaseCommandQueue(q);
+      free(bq);
+      return ocl_svc->error(TDM_ENOMEM, 0, "no memory for an OpenCL queue");
+    }
+    for (int i = 0; i < OCL_OOO_DEPTH; i++) {
+      bq->slots[i].bq = bq;
+      bq->slots[i].next_free = i + 1 < OCL_OOO_DEPTH ? &bq->slots[i + 1] : NULL;
+    }
+    atomic_init(&bq->free_slots, &bq->slots[0]);
+  }
   pthread_mutex_init(&bq->mu, NULL);
   *out = bq;
   return 0;
 }
 
 static void ocl_queue_destroy(tdm__bqueue *bq) {
-  /* The core has drained the queue, but a thread that resumed held work may still be leaving
-   * resume(): brief, so yielding is enough. */
+  /* The core has drained the queue, but a thread that resumed held work or gave a slot back
+   * may still be leaving resume() or slot_done(): brief, so yielding is enough. */
   while (atomic_load(&bq->resumes)) sched_yield();
   clReleaseCommandQueue(bq->q); /* an adopted queue loses only tandem's reference */
   pthread_mutex_destroy(&bq->mu);
+  free(bq->slots);
   free(bq);
 }
 
