@@ -1,5 +1,6 @@
 /* test-lifecycle.c: init/shutdown reference counting, versions, the backend and device lists,
- * fork safety and the refusal of a backend module with a wrong table version (cpu:0).
+ * options naming a device or backend that does not exist, fork safety and the refusal of a
+ * backend module with a wrong table version (cpu:0).
  */
 #include "harness.h"
 
@@ -187,6 +188,101 @@ TEST_CASE(cpu_devices_env) {
   }
   tdm_device *d = NULL;
   CHECK_RC(tdm_device_find("cpu:3", &d), TDM_ENODEV);
+  th_close();
+}
+
+/* ---- Options that name nothing ----------------------------------------------------------- */
+
+/* stderr goes to a file between stderr_begin and stderr_end, which returns what was written. */
+static int stderr_begin(FILE **file) {
+  fflush(stderr);
+  *file = tmpfile();
+  CHECK(*file != NULL);
+  int saved = dup(2);
+  CHECK(saved >= 0 && dup2(fileno(*file), 2) == 2);
+  return saved;
+}
+
+static const char *stderr_end(FILE *file, int saved) {
+  static char text[4096];
+  fflush(stderr);
+  CHECK(dup2(saved, 2) == 2);
+  close(saved);
+  rewind(file);
+  size_t n = fread(text, 1, sizeof text - 1, file);
+  text[n] = 0;
+  fclose(file);
+  printf("stderr: \"%s\"\n", text);
+  return text;
+}
+
+static int count_of(const char *text, const char *needle) {
+  int n = 0;
+  for (const char *p = text; (p = strstr(p, needle)); p++) n++;
+  return n;
+}
+
+/* A TANDEM_DEVICE naming no device is reported once, at init; the default device is then
+ * unavailable (not another one), and the devices that exist still work. */
+TEST_CASE(env_device_missing) {
+  CHECK(setenv("TANDEM_DEVICE", "no-such:0", 1) == 0);
+  FILE *file;
+  int saved = stderr_begin(&file);
+  CHECK_OK(tdm_init());
+  tdm_device *dev = NULL;
+  tdm_queue *q = NULL;
+  int rc1 = tdm_device_find(NULL, &dev), rc2 = tdm_default_queue(NULL, &q);
+  const char *text = stderr_end(file, saved);
+  CHECK_EQ(count_of(text, "tandem: TANDEM_DEVICE=no-such:0 names no device"), 1);
+  CHECK(strstr(text, "cpu:0") != NULL); /* the devices that do exist are listed */
+  CHECK_RC(rc1, TDM_ENODEV);
+  CHECK_RC(rc2, TDM_ENODEV);
+  CHECK(dev == NULL && q == NULL);
+  CHECK_OK(tdm_device_find("cpu:0", &dev));
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+
+  /* A device that exists: nothing to report. */
+  CHECK(setenv("TANDEM_DEVICE", "cpu:0", 1) == 0);
+  saved = stderr_begin(&file);
+  CHECK_OK(tdm_init());
+  text = stderr_end(file, saved);
+  CHECK_EQ(count_of(text, "TANDEM_DEVICE"), 0);
+  th_close();
+}
+
+/* TANDEM_BACKENDS: entries naming no backend are reported at init; a list naming none at all
+ * says so (and leaves no devices). */
+TEST_CASE(env_backends_unknown) {
+  FILE *file;
+  int count = -1;
+  CHECK(setenv("TANDEM_BACKENDS", "cpu,no-such", 1) == 0);
+  int saved = stderr_begin(&file);
+  CHECK_OK(tdm_init());
+  const char *text = stderr_end(file, saved);
+  CHECK_EQ(count_of(text, "tandem: ignoring \"no-such\" in TANDEM_BACKENDS=cpu,no-such"), 1);
+  CHECK_EQ(count_of(text, "tandem: "), 1);
+  tdm_device *dev = NULL;
+  CHECK_OK(tdm_device_find("cpu:0", &dev));
+  th_close();
+
+  CHECK(setenv("TANDEM_BACKENDS", "no-such,nor-this", 1) == 0);
+  saved = stderr_begin(&file);
+  CHECK_OK(tdm_init());
+  text = stderr_end(file, saved);
+  CHECK_EQ(count_of(text, "tandem: TANDEM_BACKENDS=no-such,nor-this names no known backend"), 1);
+  CHECK_EQ(count_of(text, "tandem: "), 1);
+  CHECK_OK(tdm_device_count(&count));
+  CHECK_EQ(count, 0);
+  th_close();
+
+  /* Backends tandem knows of, present or not, are not reported. */
+  CHECK(setenv("TANDEM_BACKENDS", "cpu,cuda,opencl", 1) == 0);
+  saved = stderr_begin(&file);
+  CHECK_OK(tdm_init());
+  text = stderr_end(file, saved);
+  CHECK_EQ(count_of(text, "TANDEM_BACKENDS"), 0);
   th_close();
 }
 

@@ -13,10 +13,6 @@
 
 #ifdef __cplusplus
 extern "C" {
-#ifdef __cplusplus
-}
-#endif
-
 #endif
 
 typedef struct tdm_moe_preset {

@@ -1,6 +1,7 @@
 /* modules.c: finds backend modules (libtandem-<name>.so) next to libtandem and on
  * $TANDEM_BACKEND_PATH, refuses a table of another version, and unloads them at the last
- * shutdown, after every backend has joined its threads. */
+ * shutdown, after every backend has joined its threads. Once every backend is in, it reports
+ * a TANDEM_BACKENDS or TANDEM_DEVICE that names none of them. */
 #include <dirent.h>
 #include <dlfcn.h>
 #include <stdio.h>
@@ -85,6 +86,59 @@ static void scan(const char *dir) {
   closedir(d);
 }
 
+/* A backend name tandem knows of: built in, one it looks for, or a module it found. */
+static bool backend_name(const char *name, size_t len) {
+  if (len == 3 && strncmp(name, "cpu", 3) == 0) return true;
+  for (size_t i = 0; i < sizeof known_names / sizeof known_names[0]; i++)
+    if (strlen(known_names[i]) == len && strncmp(known_names[i], name, len) == 0) return true;
+  for (int i = 0; i < tdm__g.nbackends; i++)
+    if (strlen(tdm__g.backends[i].info.name) == len &&
+        strncmp(tdm__g.backends[i].info.name, name, len) == 0)
+      return true;
+  return false;
+}
+
+/* TANDEM_BACKENDS names backends, so it can be checked only once they are all in. */
+static void report_unknown_backends(void) {
+  const char *list = tdm__g.opts.backends;
+  int known_entries = 0, unknown_entries = 0;
+  for (const char *p = list; *p; p += *p == ',') {
+    size_t len = strcspn(p, ",");
+    if (len && backend_name(p, len)) known_entries++;
+    else if (len) unknown_entries++;
+    p += len;
+  }
+  if (*list && !known_entries)
+    fprintf(stderr, "tandem: TANDEM_BACKENDS=%s names no known backend (cpu, cuda, opencl, or a "
+            "libtandem-<name>.so module), so there are no devices\n", list);
+  else if (unknown_entries)
+    for (const char *p = list; *p; p += *p == ',') {
+      size_t len = strcspn(p, ",");
+      if (len && !backend_name(p, len))
+        fprintf(stderr, "tandem: ignoring \"%.*s\" in TANDEM_BACKENDS=%s (no such backend)\n",
+                (int)len, p, list);
+      p += len;
+    }
+}
+
+/* Likewise TANDEM_DEVICE. A device that does not exist is not replaced by another: asking for
+ * the default device then fails with TDM_ENODEV, rather than running the program somewhere it
+ * did not ask for. */
+static void report_missing_device(void) {
+  const char *want = tdm__g.opts.device;
+  if (!*want) return;
+  char ids[256] = "";
+  size_t used = 0;
+  for (int i = 0; i < tdm__g.ndevices; i++) {
+    if (strcmp(tdm__g.devices[i].info.id, want) == 0) return;
+    int n = snprintf(ids + used, sizeof ids - used, "%s%s", used ? " " : "",
+                     tdm__g.devices[i].info.id);
+    if (n > 0 && (size_t)n < sizeof ids - used) used += (size_t)n;
+  }
+  fprintf(stderr, "tandem: TANDEM_DEVICE=%s names no device (there are: %s), so there is no "
+          "default device\n", want, used ? ids : "none");
+}
+
 void tdm__modules_load(void) {
   char paths[sizeof tdm__g.opts.backend_path];
   snprintf(paths, sizeof paths, "%s", tdm__g.opts.backend_path);
@@ -108,6 +162,8 @@ void tdm__modules_load(void) {
                "TANDEM_BACKEND_PATH)", known_names[i]);
       refuse(known_names[i], TDM_ENODEV, msg);
     }
+  report_unknown_backends();
+  report_missing_device();
 }
 
 void tdm__modules_unload(void) {

@@ -1,5 +1,6 @@
 /* options.c: every environment option tandem reads, in one table, read at the first init.
- * Bad values are reported on stderr and replaced by the default. */
+ * Bad values are reported on stderr and replaced by the default. TANDEM_BACKENDS and
+ * TANDEM_DEVICE name backends and devices, so modules.c checks them once every backend is in. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -121,7 +121,8 @@ void cu_copy_pool_stop(void);
 int cu_native_notify(void *handle, void (*fn)(void *), void *arg);
 void cu_gate_open_entry(void *gate);
 int cu_event_elapsed(void *a, void *b, double *ms);
-void cu_notifier_start(cu_notifier *n);
+/* Starts the notifier's thread; TDM_ENOMEM (nothing left to stop) if it cannot. */
+int cu_notifier_start(cu_notifier *n);
 void cu_notifier_stop(cu_notifier *n);
 
 #endif

@@ -319,8 +319,15 @@ static int cuda_queue_create(int bdev, unsigned flags, void *adopt, tdm__bqueue 
       }
     }
   }
-  if (bq->ooo)
-    for (int i = 0; i < bq->nstreams; i++) cu_notifier_start(&bq->note[i]);
+  for (int i = 0; bq->ooo && i < bq->nstreams; i++) {
+    if ((rc = cu_notifier_start(&bq->note[i]))) {
+      while (i--) cu_notifier_stop(&bq->note[i]);
+      for (int k = 0; k < bq->nstreams; k++) cudaStreamDestroy(bq->s[k]); /* never adopted */
+      free(bq);
+      cu_leave(saved);
+      return rc;
+    }
+  }
   cu_leave(saved);
   *out = bq;
   return 0;

@@ -239,12 +239,18 @@ static void *notifier_main(void *arg) {
   return NULL;
 }
 
-void cu_notifier_start(cu_notifier *n) {
+int cu_notifier_start(cu_notifier *n) {
   pthread_mutex_init(&n->mu, NULL);
   pthread_cond_init(&n->cv, NULL);
   n->head = n->tail = NULL;
   n->stop = false;
-  pthread_create(&n->thread, NULL, notifier_main, n);
+  int e = pthread_create(&n->thread, NULL, notifier_main, n);
+  if (e) {
+    pthread_mutex_destroy(&n->mu);
+    pthread_cond_destroy(&n->cv);
+    return cu_svc->error(TDM_ENOMEM, e, "cannot start a CUDA queue's notifier thread");
+  }
+  return 0;
 }
 
 void cu_notifier_stop(cu_notifier *n) {

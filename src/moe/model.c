@@ -114,15 +114,12 @@ static int fill_parallel(tdm_moe_model *m) {
   if (n > 64) n = 64;
   pthread_t th[64];
   fill_job jobs[64];
+  for (int t = 0; t < n; t++) jobs[t] = (fill_job){m, t, n};
+  /* Job t fills experts t, t + n, ...: the jobs whose thread did not start run here. */
   int started = 0;
-  for (int t = 0; t < n; t++) {
-    jobs[t] = (fill_job){m, t, n};
-    if (pthread_create(&th[t], NULL, fill_main, &jobs[t]) == 0) started++;
-    else break;
-  }
-  if (started < n) { /* whatever did not start is filled here */
-    for (int t = started; t < n; t++) fill_main(&jobs[t]);
-  }
+  while (started < n && pthread_create(&th[started], NULL, fill_main, &jobs[started]) == 0)
+    started++;
+  for (int t = started; t < n; t++) fill_main(&jobs[t]);
   for (int t = 0; t < started; t++) pthread_join(th[t], NULL);
   return 0;
 }

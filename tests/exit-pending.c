@@ -1,0 +1,84 @@
+/* exit-pending.c: a program that returns from main without tdm_shutdown while host tasks,
+ * keep-alive releases and copies are still pending on the devices it is given. Returning from
+ * main must still end the process with status 0: no crash, no hang, whatever tandem's threads
+ * are doing at that moment. ctest runs it several times per device (exit.<backend>.*).
+ *
+ *   exit-pending <device-id>...    exits 77 if a device does not exist
+ */
+#include <tandem.h>
+
+#include <stdio.h>
+#include <time.h>
+
+enum { TASKS = 6, BYTES = 256 << 10 };
+
+static void sleep_ms(long ms) {
+  struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&t, NULL);
+}
+
+static int slow_task(void *arg) {
+  (void)arg;
+  sleep_ms(20);
+  return 0;
+}
+
+static void slow_release(void *obj) {
+  (void)obj;
+  sleep_ms(20);
+}
+
+/* Leaves work pending on one queue: copies (each to memory of its own, so that those of an
+ * out-of-order queue do not write the same bytes), slow host tasks, and keep-alives. */
+static int leave_pending(tdm_queue *q, const char *host, char *dev_mem) {
+  for (int i = 0; i < TASKS; i++) {
+    if (tdm_memcpy(q, dev_mem + (size_t)i * BYTES, host, BYTES, TDM_COPY_H2D, 0, NULL, NULL) < 0 ||
+        tdm_host_task(q, slow_task, NULL, 0, NULL, NULL) < 0 ||
+        tdm_keep_alive(q, slow_release, NULL) < 0)
+      return -1;
+  }
+  return 0;
+}
+
+static int submit_on(const char *id) {
+  tdm_device *dev;
+  tdm_device_info info;
+  tdm_queue *in_order, *out_of_order;
+  void *host, *dev_mem;
+  size_t per_queue = (size_t)TASKS * BYTES;
+  int rc = tdm_device_find(id, &dev);
+  if (rc == TDM_ENODEV) {
+    printf("SKIP: no device %s\n", id);
+    return 77;
+  }
+  if (rc < 0 || tdm_device_info_get(dev, &info) < 0 ||
+      tdm_malloc(dev, TDM_MEM_PINNED, BYTES, &host) < 0 ||
+      tdm_malloc(dev, TDM_MEM_DEVICE, 2 * per_queue, &dev_mem) < 0 ||
+      tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &in_order) < 0 ||
+      leave_pending(in_order, host, dev_mem) < 0)
+    return 1;
+  if (info.caps & TDM_DEVICE_CAP_OUT_OF_ORDER)
+    if (tdm_queue_create(dev, TDM_QUEUE_OUT_OF_ORDER, &out_of_order) < 0 ||
+        leave_pending(out_of_order, host, (char *)dev_mem + per_queue) < 0)
+      return 1;
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    fprintf(stderr, "usage: exit-pending <device-id>...\n");
+    return 2;
+  }
+  if (tdm_init() < 0) {
+    fprintf(stderr, "exit-pending: tdm_init: %s\n", tdm_last_error());
+    return 1;
+  }
+  for (int i = 1; i < argc; i++) {
+    int rc = submit_on(argv[i]);
+    if (rc == 1) fprintf(stderr, "exit-pending: on %s: %s\n", argv[i], tdm_last_error());
+    if (rc) return rc;
+  }
+  tdm_stats st;
+  if (tdm_stats_get(&st) == 0) printf("returning from main with %ld commands pending\n", st.pending);
+  return 0;
+}
