@@ -393,49 +393,50 @@ typedef struct section {
   result res[NBENCH];
 } section;
 
-static void write_result_json(FILE *f, const bench *b, placement p, const result *r, int first) {
-  fprintf(f, "%s\n    {\"name\": \"%s\", \"placement\": \"%s\", \"description\": ",
-          first ? "" : ",", b->key, placement_name(p));
-  bu_json_string(f, b->label);
-  fprintf(f, ", \"tandem_us\": %.4f, \"bare_us\": %.4f, \"ratio\": %.4f", r->tandem_us, r->bare_us,
-          r->ratio);
-  if (b->goal)
-    fprintf(f, ", \"goal_ratio\": %.1f, \"goal_met\": %s", GOAL_RATIO,
-            r->ratio <= GOAL_RATIO ? "true" : "false");
-  if (b->copies)
-    fprintf(f, ", \"tandem_mcopies_per_s\": %.4f, \"bare_mcopies_per_s\": %.4f",
-            1.0 / r->tandem_us, 1.0 / r->bare_us);
-  fputc('}', f);
+static void write_result_json(bu_json *j, const bench *b, placement p, const result *r) {
+  bu_json_object(j, NULL);
+  bu_json_string(j, "name", b->key);
+  bu_json_string(j, "placement", placement_name(p));
+  bu_json_string(j, "description", b->label);
+  bu_json_double(j, "tandem_us", r->tandem_us, 4);
+  bu_json_double(j, "bare_us", r->bare_us, 4);
+  bu_json_double(j, "ratio", r->ratio, 4);
+  if (b->goal) {
+    bu_json_double(j, "goal_ratio", GOAL_RATIO, 1);
+    bu_json_bool(j, "goal_met", r->ratio <= GOAL_RATIO);
+  }
+  if (b->copies) {
+    bu_json_double(j, "tandem_mcopies_per_s", 1.0 / r->tandem_us, 4);
+    bu_json_double(j, "bare_mcopies_per_s", 1.0 / r->bare_us, 4);
+  }
+  bu_json_end(j);
 }
 
 static int write_json(const char *path, const char *command, const ctx *c, long reps,
                       const bu_machine *m, const section *sec, int nsec) {
-  FILE *f = bu_json_begin("bench-runtime", path, command, TANDEM_GIT_COMMIT, tdm_version_string(), m);
-  if (!f) return -1;
-  fputs(",\n  \"device\": {\"id\": ", f);
-  bu_json_string(f, c->info.id);
-  fputs(", \"name\": ", f);
-  bu_json_string(f, c->info.name);
-  fprintf(f, "},\n  \"reps\": %ld,\n  \"iterations\": %ld,\n", reps, c->iters);
-  fputs("  \"unit\": \"microseconds per operation, median over reps\",\n"
-        "  \"baseline\": \"pthread mutex/condvar hand-off to a worker thread, no spinning\",\n"
-        "  \"placements\": {",
-        f);
-  for (int i = 0; i < nsec; i++) {
-    fprintf(f, "%s\"%s\": ", i ? ", " : "", placement_name(sec[i].where));
-    bu_json_string(f, sec[i].measured ? placement_about(sec[i].where) : "not available here");
-  }
-  fputs("},\n  \"results\": [", f);
-  int first = 1;
-  for (int i = 0; i < nsec; i++)
-    for (size_t b = 0; sec[i].measured && b < NBENCH; b++, first = 0)
-      write_result_json(f, &benches[b], sec[i].where, &sec[i].res[b], first);
-  fputs("\n  ]\n}\n", f);
-  if (fclose(f) != 0) {
-    fprintf(stderr, "bench-runtime: writing %s failed: %s\n", path, strerror(errno));
+  bu_json j;
+  if (!bu_json_begin(&j, "bench-runtime", path, command, TANDEM_GIT_COMMIT, tdm_version_string(),
+                     m))
     return -1;
-  }
-  return 0;
+  bu_json_object(&j, "device");
+  bu_json_string(&j, "id", c->info.id);
+  bu_json_string(&j, "name", c->info.name);
+  bu_json_end(&j);
+  bu_json_int(&j, "reps", reps);
+  bu_json_int(&j, "iterations", c->iters);
+  bu_json_string(&j, "unit", "microseconds per operation, median over reps");
+  bu_json_string(&j, "baseline", "pthread mutex/condvar hand-off to a worker thread, no spinning");
+  bu_json_object(&j, "placements");
+  for (int i = 0; i < nsec; i++)
+    bu_json_string(&j, placement_name(sec[i].where),
+                   sec[i].measured ? placement_about(sec[i].where) : "not available here");
+  bu_json_end(&j);
+  bu_json_array(&j, "results");
+  for (int i = 0; i < nsec; i++)
+    for (size_t b = 0; sec[i].measured && b < NBENCH; b++)
+      write_result_json(&j, &benches[b], sec[i].where, &sec[i].res[b]);
+  bu_json_end(&j);
+  return bu_json_close(&j, "bench-runtime", path);
 }
 
 /* ---- Setup, options, main -------------------------------------------------------------------- */

@@ -1,9 +1,9 @@
 /* benchutil.h: the small pieces every tandem benchmark shares (bench/bench-runtime.c and the
- * tool's `tandem bench overlap`): a monotonic clock, the median, JSON string output, and a
- * description of the machine and the date for result files.
+ * tool's `tandem bench overlap`): a monotonic clock, the median, and what result files carry:
+ * the command, the commit, the machine and the date, written with the JSON writer of json.h.
  *
- * Header-only (static inline) so that the tool can include it without a library of its own.
- * Needs _GNU_SOURCE (the build defines it) for gethostname and gmtime_r.
+ * Static inline, apart from json.c (the library benchutil: link it). Needs _GNU_SOURCE (the
+ * build defines it) for gethostname and gmtime_r.
  */
 #ifndef TANDEM_BENCHUTIL_H
 #define TANDEM_BENCHUTIL_H
@@ -14,6 +14,8 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "json.h"
 
 #ifndef TANDEM_GIT_COMMIT
 #define TANDEM_GIT_COMMIT "unknown"
@@ -70,26 +72,6 @@ out:
   return rc;
 }
 
-/* Writes s as a quoted JSON string. */
-static inline void bu_json_string(FILE *f, const char *s) {
-  fputc('"', f);
-  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-    switch (*p) {
-    case '"': fputs("\\\"", f); break;
-    case '\\': fputs("\\\\", f); break;
-    case '\n': fputs("\\n", f); break;
-    case '\r': fputs("\\r", f); break;
-    case '\t': fputs("\\t", f); break;
-    default:
-      if (*p < 0x20)
-        fprintf(f, "\\u%04x", *p);
-      else
-        fputc(*p, f);
-    }
-  }
-  fputc('"', f);
-}
-
 /* Joins argv with spaces into buf (truncated to size), for the "command" field of results. */
 static inline void bu_join_argv(int argc, char **argv, char *buf, size_t size) {
   size_t used = 0;
@@ -140,35 +122,58 @@ static inline void bu_machine_get(bu_machine *m) {
   m->cores = sysconf(_SC_NPROCESSORS_ONLN);
 }
 
-/* Writes the machine as a JSON object. */
-static inline void bu_machine_json(FILE *f, const bu_machine *m) {
-  fputs("{\"hostname\": ", f);
-  bu_json_string(f, m->hostname);
-  fputs(", \"cpu\": ", f);
-  bu_json_string(f, m->cpu);
-  fprintf(f, ", \"cores\": %ld}", m->cores);
+/* Writes the machine as an object member `key` (NULL in an array). */
+static inline void bu_machine_json(bu_json *j, const char *key, const bu_machine *m) {
+  bu_json_object(j, key);
+  bu_json_string(j, "hostname", m->hostname);
+  bu_json_string(j, "cpu", m->cpu);
+  bu_json_int(j, "cores", m->cores);
+  bu_json_end(j);
 }
 
-/* Opens a result file and writes what every one starts with: the command, the commit, the date,
- * tandem's version and the machine; the caller goes on with ",\n  \"device\": ...". NULL (and
- * a message on stderr) if the file cannot be written. */
-static inline FILE *bu_json_begin(const char *prog, const char *path, const char *command,
-                                  const char *commit, const char *version, const bu_machine *m) {
+/* What every result carries, as members of the object open in j: the command, the commit,
+ * the date, tandem's version and the machine. */
+static inline void bu_json_header(bu_json *j, const char *command, const char *commit,
+                                  const char *version, const bu_machine *m) {
   char date[32];
+  bu_utc_date(date, sizeof date);
+  bu_json_string(j, "command", command);
+  bu_json_string(j, "commit", commit);
+  bu_json_string(j, "date", date);
+  bu_json_string(j, "tandem_version", version);
+  bu_machine_json(j, "machine", m);
+}
+
+/* Opens a result file, writing through j, and starts it: the top-level object and the
+ * header; the caller goes on with its own members and ends with bu_json_close. NULL (and a
+ * message on stderr) if the file cannot be opened. */
+static inline FILE *bu_json_begin(bu_json *j, const char *prog, const char *path,
+                                  const char *command, const char *commit, const char *version,
+                                  const bu_machine *m) {
   FILE *f = fopen(path, "w");
   if (!f) {
     fprintf(stderr, "%s: cannot write %s: %s\n", prog, path, strerror(errno));
     return NULL;
   }
-  bu_utc_date(date, sizeof date);
-  fputs("{\n  \"command\": ", f);
-  bu_json_string(f, command);
-  fputs(",\n  \"commit\": ", f);
-  bu_json_string(f, commit);
-  fprintf(f, ",\n  \"date\": \"%s\",\n  \"tandem_version\": \"%s\",\n  \"machine\": ", date,
-          version);
-  bu_machine_json(f, m);
+  bu_json_init(j, f, 2);
+  bu_json_object(j, NULL);
+  bu_json_header(j, command, commit, version, m);
   return f;
+}
+
+/* Ends the top-level object of a file from bu_json_begin and closes the file. 0, or -1 (and a
+ * message on stderr) when writing it failed. */
+static inline int bu_json_close(bu_json *j, const char *prog, const char *path) {
+  int err = 0;
+  bu_json_end(j);
+  errno = 0;
+  if (bu_json_finish(j) < 0) err = errno ? errno : EIO;
+  if (fclose(j->f) != 0 && !err) err = errno;
+  if (err) {
+    fprintf(stderr, "%s: writing %s failed: %s\n", prog, path, strerror(err));
+    return -1;
+  }
+  return 0;
 }
 
 #endif /* TANDEM_BENCHUTIL_H */

@@ -3,8 +3,6 @@
  */
 #include "tool.h"
 
-#include "benchutil.h" /* bu_json_string */
-
 #include <tandem.h>
 
 #include <stdio.h>
@@ -79,39 +77,43 @@ static void print_device_human(const tdm_device_info *d, const char *default_id)
          d->name);
 }
 
-static void print_backend_json(const tdm_backend_info *b, int first) {
-  printf("%s\n    {\"name\": ", first ? "" : ",");
-  bu_json_string(stdout, b->name);
-  printf(", \"loaded\": %s, \"status\": ", b->status == 0 ? "true" : "false");
-  bu_json_string(stdout, tdm_err_name(b->status));
-  printf(", \"status_code\": %d, \"device_count\": %d, \"detail\": ", b->status, b->device_count);
-  bu_json_string(stdout, b->detail);
-  fputs("}", stdout);
+static void print_backend_json(bu_json *j, const tdm_backend_info *b) {
+  bu_json_object(j, NULL);
+  bu_json_string(j, "name", b->name);
+  bu_json_bool(j, "loaded", b->status == 0);
+  bu_json_string(j, "status", tdm_err_name(b->status));
+  bu_json_int(j, "status_code", b->status);
+  bu_json_int(j, "device_count", b->device_count);
+  bu_json_string(j, "detail", b->detail);
+  bu_json_end(j);
 }
 
-static void print_device_json(const tdm_device_info *d, int first) {
+static void print_device_json(bu_json *j, const tdm_device_info *d) {
   char mem[32];
   tool_format_bytes(d->total_memory, mem, sizeof mem);
-  printf("%s\n    {\"id\": ", first ? "" : ",");
-  bu_json_string(stdout, d->id);
-  printf(", \"index\": %d, \"backend\": ", d->index);
-  bu_json_string(stdout, d->backend);
-  printf(", \"backend_index\": %d, \"name\": ", d->backend_index);
-  bu_json_string(stdout, d->name);
-  printf(", \"total_memory\": %llu, \"memory\": ", (unsigned long long)d->total_memory);
-  bu_json_string(stdout, mem);
-  printf(", \"caps\": [");
-  int n = 0;
+  bu_json_object(j, NULL);
+  bu_json_string(j, "id", d->id);
+  bu_json_int(j, "index", d->index);
+  bu_json_string(j, "backend", d->backend);
+  bu_json_int(j, "backend_index", d->backend_index);
+  bu_json_string(j, "name", d->name);
+  bu_json_uint(j, "total_memory", d->total_memory);
+  bu_json_string(j, "memory", mem);
+  bu_json_array(j, "caps");
   for (size_t i = 0; i < NCAPS; i++)
     if (d->caps & cap_names[i].bit)
-      printf("%s\"%s\"", n++ ? ", " : "", cap_names[i].name);
-  printf("], \"caps_bits\": %u}", d->caps);
+      bu_json_string(j, NULL, cap_names[i].name);
+  bu_json_end(j);
+  bu_json_uint(j, "caps_bits", d->caps);
+  bu_json_end(j);
 }
 
 /* Prints both lists; assumes tandem is initialized. */
 static int list(int json) {
   int nb, nd, rc;
   char default_id[32];
+  bu_json j; /* json: backends and devices one a line */
+  bu_json_init(&j, stdout, 2);
   if ((rc = tdm_backend_count(&nb)) < 0)
     return tool_fail("tdm_backend_count", rc);
   if ((rc = tdm_device_count(&nd)) < 0)
@@ -119,9 +121,10 @@ static int list(int json) {
   default_device_id(default_id, sizeof default_id);
 
   if (json) {
-    printf("{\n  \"version\": \"%s\",\n  \"default_device\": ", tdm_version_string());
-    bu_json_string(stdout, default_id);
-    printf(",\n  \"backends\": [");
+    bu_json_object(&j, NULL);
+    bu_json_string(&j, "version", tdm_version_string());
+    bu_json_string(&j, "default_device", default_id);
+    bu_json_array(&j, "backends");
   } else {
     printf("backends (%d)\n  %-10s %-18s %7s  %s\n", nb, "NAME", "LOADED", "DEVICES", "DETAIL");
   }
@@ -130,16 +133,18 @@ static int list(int json) {
     if ((rc = tdm_backend_get(i, &b)) < 0)
       return tool_fail("tdm_backend_get", rc);
     if (json)
-      print_backend_json(&b, i == 0);
+      print_backend_json(&j, &b);
     else
       print_backend_human(&b);
   }
 
-  if (json)
-    printf("\n  ],\n  \"devices\": [");
-  else
+  if (json) {
+    bu_json_end(&j);
+    bu_json_array(&j, "devices");
+  } else {
     printf("\ndevices (%d)\n  %-10s   %-8s %10s  %-38s %s\n", nd, "ID", "BACKEND", "MEMORY", "CAPS",
            "NAME");
+  }
   for (int i = 0; i < nd; i++) {
     tdm_device *dev;
     tdm_device_info d;
@@ -148,30 +153,44 @@ static int list(int json) {
     if ((rc = tdm_device_info_get(dev, &d)) < 0)
       return tool_fail("tdm_device_info_get", rc);
     if (json)
-      print_device_json(&d, i == 0);
+      print_device_json(&j, &d);
     else
       print_device_human(&d, default_id);
   }
-  if (json)
-    printf("\n  ]\n}\n");
-  else
+  if (!json) {
     printf("\n  * the default device: $TANDEM_DEVICE if set, else the first GPU, else cpu:0\n");
+    return TOOL_OK;
+  }
+  bu_json_end(&j);
+  bu_json_end(&j);
+  if (bu_json_finish(&j) < 0) {
+    fprintf(stderr, "tandem: writing the JSON to stdout failed\n");
+    return TOOL_FAILED;
+  }
   return TOOL_OK;
 }
 
 int tool_cmd_devices(int argc, char **argv) {
-  int json = 0;
-  for (int i = 1; i < argc; i++) {
-    if (tool_is_help(argv[i])) {
+  enum { OPT_JSON = TOOL_OPT_LONG };
+  static const struct option opts[] = {
+      {"json", no_argument, NULL, OPT_JSON},
+      {"help", no_argument, NULL, 'h'},
+      {NULL, 0, NULL, 0},
+  };
+  const char *v;
+  int c, json = 0;
+  while ((c = tool_getopt("devices", argc, argv, opts, &v)) != -1) {
+    if (c == 'h') {
       fputs(devices_help, stdout);
       return TOOL_OK;
-    } else if (strcmp(argv[i], "--json") == 0) {
-      json = 1;
-    } else {
-      const char *what = argv[i][0] == '-' ? "unknown option" : "unexpected argument";
-      return tool_usage_error("devices", "%s '%s'", what, argv[i]);
     }
+    if (c != OPT_JSON)
+      return TOOL_USAGE;
+    json = 1;
   }
+  /* tdm_init loads the backends, and with them $TANDEM_TRACE: a trace of no commands. */
+  if ((c = tool_trace_check(NULL)) != TOOL_OK)
+    return c;
   int rc = tdm_init();
   if (rc < 0)
     return tool_fail("tdm_init", rc);

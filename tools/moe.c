@@ -21,9 +21,8 @@
 static const char moe_help[] =
     "usage: tandem moe [--preset P] [--device D] [--layers N] [--tokens T] [--ubatch U]\n"
     "                  [--decode N] [--device-budget B] [--cache-policy static|lru] [--slots N]\n"
-    "                  [--skew S] [--locality R] [--seed N] [--predict] [--no-overlap]\n"
-    "                  [--no-check]\n"
-    "                  [--json] [--trace FILE]\n"
+    "                  [--prefetch-depth N] [--skew S] [--locality R] [--seed N] [--predict]\n"
+    "                  [--no-overlap] [--no-check] [--json] [--trace FILE]\n"
     "\n"
     "Runs a stack of MoE layers, x += MoE(RMSNorm(x)), with the routed experts in pinned host\n"
     "memory, streamed to the device on copy queues while the compute queue works. The same\n"
@@ -56,7 +55,8 @@ static const char moe_help[] =
     "  --no-overlap       run only the serialized pass (copy and compute alternate)\n"
     "  --no-check         skip the all-resident reference run and the bitwise check\n"
     "  --json             print JSON on stdout instead of the table\n"
-    "  --trace FILE       write a Chrome trace of every command to FILE\n";
+    "  --trace FILE       write a Chrome trace of every command to FILE\n"
+    "  -h, --help         show this help\n";
 
 typedef struct moe_opts {
   const char *preset, *device, *trace;
@@ -77,77 +77,93 @@ static int parse_double(const char *s, double lo, double hi, double *out) {
 /* Reports a usage error for `tandem moe` and yields -1, parse()'s code for one. */
 #define USAGE(...) (tool_usage_error("moe", __VA_ARGS__), -1)
 
+/* --device-budget: bytes (8GiB), 0, or a percentage of all experts (25%). */
+static int parse_budget(const char *v, moe_opts *o) {
+  size_t len = strlen(v);
+  o->budget_pct = -1;
+  o->budget_bytes = 0;
+  if (len && v[len - 1] == '%') {
+    char num[32];
+    snprintf(num, sizeof num, "%.*s", (int)(len - 1), v);
+    if (parse_double(num, 0, 100, &o->budget_pct))
+      return USAGE("--device-budget wants 0..100%%, not '%s'", v);
+    return 0;
+  }
+  if (strcmp(v, "0") == 0) return 0;
+  return tool_parse_size("moe", "--device-budget", v, &o->budget_bytes);
+}
+
+enum {
+  OPT_PRESET = TOOL_OPT_LONG, OPT_DEVICE, OPT_LAYERS, OPT_TOKENS, OPT_UBATCH, OPT_DECODE,
+  OPT_BUDGET, OPT_POLICY, OPT_SLOTS, OPT_DEPTH, OPT_SKEW, OPT_LOCALITY, OPT_SEED, OPT_PREDICT,
+  OPT_NO_OVERLAP, OPT_NO_CHECK, OPT_JSON, OPT_TRACE
+};
+
+static const struct option moe_options[] = {
+    {"preset", required_argument, NULL, OPT_PRESET},
+    {"device", required_argument, NULL, OPT_DEVICE},
+    {"layers", required_argument, NULL, OPT_LAYERS},
+    {"tokens", required_argument, NULL, OPT_TOKENS},
+    {"ubatch", required_argument, NULL, OPT_UBATCH},
+    {"decode", required_argument, NULL, OPT_DECODE},
+    {"device-budget", required_argument, NULL, OPT_BUDGET},
+    {"cache-policy", required_argument, NULL, OPT_POLICY},
+    {"slots", required_argument, NULL, OPT_SLOTS},
+    {"prefetch-depth", required_argument, NULL, OPT_DEPTH},
+    {"skew", required_argument, NULL, OPT_SKEW},
+    {"locality", required_argument, NULL, OPT_LOCALITY},
+    {"seed", required_argument, NULL, OPT_SEED},
+    {"predict", no_argument, NULL, OPT_PREDICT},
+    {"no-overlap", no_argument, NULL, OPT_NO_OVERLAP},
+    {"no-check", no_argument, NULL, OPT_NO_CHECK},
+    {"json", no_argument, NULL, OPT_JSON},
+    {"trace", required_argument, NULL, OPT_TRACE},
+    {"help", no_argument, NULL, 'h'},
+    {NULL, 0, NULL, 0},
+};
+
+/* Returns 0, 1 after printing the help, or -1 after a usage error. */
 static int parse(int argc, char **argv, moe_opts *o) {
   static const char cmd[] = "moe";
   *o = (moe_opts){.preset = "tiny", .tokens = 256, .slots = 16, .seed = 1, .skew = 1.0,
                   .locality = 0.8, .budget_pct = -1, .check = 1};
   const char *v;
-  int m;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    if (tool_is_help(a)) {
-      fputs(moe_help, stdout);
-      return 1;
-    } else if (strcmp(a, "--json") == 0) {
-      o->json = 1;
-    } else if (strcmp(a, "--no-overlap") == 0) {
-      o->overlap_only_serial = 1;
-    } else if (strcmp(a, "--no-check") == 0) {
-      o->check = 0;
-    } else if (strcmp(a, "--predict") == 0) {
-      o->predict = 1;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--preset", &v))) {
-      if (m < 0) return -1;
-      o->preset = v;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--device", &v))) {
-      if (m < 0) return -1;
-      o->device = v;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--trace", &v))) {
-      if (m < 0) return -1;
-      o->trace = v;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--layers", &v))) {
-      if (m < 0 || tool_parse_count(cmd, "--layers", v, 1000, &o->layers) < 0) return -1;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--tokens", &v))) {
-      if (m < 0 || tool_parse_count(cmd, "--tokens", v, 1 << 20, &o->tokens) < 0) return -1;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--ubatch", &v))) {
-      if (m < 0 || tool_parse_count(cmd, "--ubatch", v, 1 << 16, &o->ubatch) < 0) return -1;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--decode", &v))) {
-      if (m < 0 || tool_parse_count(cmd, "--decode", v, 1 << 20, &o->decode) < 0) return -1;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--slots", &v))) {
-      if (m < 0 || tool_parse_count(cmd, "--slots", v, 4096, &o->slots) < 0) return -1;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--prefetch-depth", &v))) {
-      if (m < 0 || tool_parse_count(cmd, "--prefetch-depth", v, 1 << 16, &o->depth) < 0)
-        return -1;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--seed", &v))) {
-      if (m < 0 || tool_parse_count(cmd, "--seed", v, 1L << 40, &o->seed) < 0) return -1;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--skew", &v))) {
-      if (m < 0 || parse_double(v, 0, 10, &o->skew))
-        return m < 0 ? -1 : USAGE("--skew wants a number in [0, 10], not '%s'", v);
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--locality", &v))) {
-      if (m < 0 || parse_double(v, 0, 0.99, &o->locality))
-        return m < 0 ? -1 : USAGE("--locality wants a number in [0, 0.99], not '%s'", v);
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--cache-policy", &v))) {
-      if (m < 0) return -1;
-      if (strcmp(v, "static") == 0) o->policy = TDM_CACHE_STATIC;
-      else if (strcmp(v, "lru") == 0) o->policy = TDM_CACHE_LRU;
-      else return USAGE("--cache-policy is static or lru, not '%s'", v);
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--device-budget", &v))) {
-      if (m < 0) return -1;
-      size_t len = strlen(v);
-      if (len && v[len - 1] == '%') {
-        char num[32];
-        snprintf(num, sizeof num, "%.*s", (int)(len - 1), v);
-        if (parse_double(num, 0, 100, &o->budget_pct))
-          return USAGE("--device-budget wants 0..100%%, not '%s'", v);
-      } else if (strcmp(v, "0") == 0) {
-        o->budget_bytes = 0;
-      } else if (tool_parse_size(cmd, "--device-budget", v, &o->budget_bytes) < 0) {
-        return -1;
-      }
-    } else {
-      return USAGE("%s '%s'", a[0] == '-' ? "unknown option" : "unexpected argument", a);
+  int c, bad = 0;
+  while (!bad && (c = tool_getopt(cmd, argc, argv, moe_options, &v)) != -1) {
+    switch (c) {
+      case 'h': fputs(moe_help, stdout); return 1;
+      case OPT_PRESET: o->preset = v; break;
+      case OPT_DEVICE: o->device = v; break;
+      case OPT_TRACE: o->trace = v; break;
+      case OPT_JSON: o->json = 1; break;
+      case OPT_NO_OVERLAP: o->overlap_only_serial = 1; break;
+      case OPT_NO_CHECK: o->check = 0; break;
+      case OPT_PREDICT: o->predict = 1; break;
+      case OPT_LAYERS: bad = tool_parse_count(cmd, "--layers", v, 1000, &o->layers); break;
+      case OPT_TOKENS: bad = tool_parse_count(cmd, "--tokens", v, 1 << 20, &o->tokens); break;
+      case OPT_UBATCH: bad = tool_parse_count(cmd, "--ubatch", v, 1 << 16, &o->ubatch); break;
+      case OPT_DECODE: bad = tool_parse_count(cmd, "--decode", v, 1 << 20, &o->decode); break;
+      case OPT_SLOTS: bad = tool_parse_count(cmd, "--slots", v, 4096, &o->slots); break;
+      case OPT_DEPTH: bad = tool_parse_count(cmd, "--prefetch-depth", v, 1 << 16, &o->depth); break;
+      case OPT_SEED: bad = tool_parse_count(cmd, "--seed", v, 1L << 40, &o->seed); break;
+      case OPT_SKEW:
+        if (parse_double(v, 0, 10, &o->skew))
+          bad = USAGE("--skew wants a number in [0, 10], not '%s'", v);
+        break;
+      case OPT_LOCALITY:
+        if (parse_double(v, 0, 0.99, &o->locality))
+          bad = USAGE("--locality wants a number in [0, 0.99], not '%s'", v);
+        break;
+      case OPT_POLICY:
+        if (strcmp(v, "static") == 0) o->policy = TDM_CACHE_STATIC;
+        else if (strcmp(v, "lru") == 0) o->policy = TDM_CACHE_LRU;
+        else bad = USAGE("--cache-policy is static or lru, not '%s'", v);
+        break;
+      case OPT_BUDGET: bad = parse_budget(v, o); break;
+      default: bad = -1; break; /* reported */
     }
   }
+  if (bad) return -1;
   if (!tdm_moe_preset_find(o->preset)) {
     char list[256] = "";
     for (int i = 0; i < tdm_moe_npresets; i++) {
@@ -287,9 +303,9 @@ int tool_cmd_moe(int argc, char **argv) {
   moe_opts o;
   int prc = parse(argc, argv, &o);
   if (prc) return prc > 0 ? TOOL_OK : TOOL_USAGE;
-  if (o.trace && setenv("TANDEM_TRACE", o.trace, 1) != 0) return tool_fail("setenv", TDM_ENOMEM);
-  int rc = tdm_init();
-  if (rc < 0) return tool_fail("tdm_init", rc);
+  int rc = tool_trace_check(o.trace);
+  if (rc != TOOL_OK) return rc;
+  if ((rc = tdm_init()) < 0) return tool_fail("tdm_init", rc);
   int code = TOOL_FAILED;
   const tdm_moe_preset *p = tdm_moe_preset_find(o.preset);
   tdm_device *dev = NULL;
@@ -303,9 +319,12 @@ int tool_cmd_moe(int argc, char **argv) {
   size_t ebytes = tdm_moe_expert_bytes(p);
   size_t all = tdm_moe_host_bytes(p, (int)layers);
   size_t budget = o.budget_pct >= 0 ? (size_t)(all * (o.budget_pct / 100.0)) : o.budget_bytes;
-  if (budget && budget < ebytes) budget = ebytes; /* a percentage rounds up to one expert */
-  if ((rc = tdm_device_find(o.device, &dev)) || (rc = tdm_device_info_get(dev, &info))) {
-    tool_fail("finding the device", rc);
+  /* A percentage rounds up to one expert; a byte count below one is the user's to fix. */
+  if (o.budget_pct > 0 && budget < ebytes) budget = ebytes;
+  if ((code = tool_find_device("moe", o.device, &dev)) != TOOL_OK) goto out;
+  code = TOOL_FAILED;
+  if ((rc = tdm_device_info_get(dev, &info))) {
+    tool_fail("tdm_device_info_get", rc);
     goto out;
   }
   if ((rc = measure_peak(dev, &peak))) {
@@ -375,59 +394,80 @@ int tool_cmd_moe(int argc, char **argv) {
   const run *main_run = ovl ? ovl : ser;
   double link = main_run->bytes / main_run->seconds / 1e9 / peak;
   double copy_s = main_run->bytes / (peak * 1e9);
-  /* hidden: how much of the shorter side the overlap hid, against the serialized pass;
-   * efficiency: how close the overlapped pass came to the longer side alone (copy at the
-   * link's peak, or the all-resident pass). */
+  /* hidden: how much of the shorter side the overlap hid, against the serialized pass (none
+   * when nothing was copied: nothing to hide); efficiency: how close the overlapped pass came
+   * to the longer side alone (copy at the link's peak, or the all-resident pass). */
   double hidden = NAN, efficiency = NAN;
   if (ovl && ser && res) {
     double shorter = copy_s < res->seconds ? copy_s : res->seconds;
-    hidden = (ser->seconds - ovl->seconds) / shorter;
+    if (shorter > 0) hidden = (ser->seconds - ovl->seconds) / shorter;
   }
   if (ovl && res) efficiency = (copy_s > res->seconds ? copy_s : res->seconds) / ovl->seconds;
   bool all_ok = true;
   for (int i = 0; i < nruns; i++)
     if (runs[i].ok == 0) all_ok = false;
-  char cmdline[1024];
-  tool_command_line(cmdline, sizeof cmdline);
   if (o.json) {
-    printf("{\"command\": \"%s\", \"preset\": \"%s\", \"device\": \"%s\", \"device_name\": \"%s\",\n",
-           cmdline, p->name, info.id, info.name);
-    printf(" \"layers\": %ld, \"tokens\": %ld, \"ubatch\": %ld, \"decode\": %ld, \"skew\": %g, "
-           "\"locality\": %g, \"policy\": \"%s\", \"predict\": %s,\n",
-           layers, o.tokens, o.ubatch, o.decode, o.skew, o.locality,
-           o.policy == TDM_CACHE_LRU ? "lru" : "static", o.predict ? "true" : "false");
-    printf(" \"budget_bytes\": %zu, \"staging_slots\": %d, \"resident_slots\": %d, "
-           "\"prefetch_depth\": %d, \"expert_bytes\": %zu, \"peak_gbps\": %.3f,\n",
-           budget, ss.staging_slots, ss.resident_slots, ss.prefetch_depth, ebytes, peak);
-    printf(" \"runs\": [");
-    for (int i = 0; i < nruns; i++)
-      printf("%s{\"name\": \"%s\", \"seconds\": %.6f, \"host_wait_seconds\": %.6f, "
-             "\"host_ops_seconds\": %.6f, \"host_streamer_seconds\": %.6f, \"experts\": %ld, "
-             "\"tokens_per_s\": %.3f, \"bytes_copied\": "
-             "%llu, \"hit_rate\": %.4f, \"decode_tokens_per_s\": %.3f, \"decode_hit_rate\": %.4f, "
-             "\"matches_resident\": %s}",
-             i ? ", " : "", runs[i].name, runs[i].seconds, runs[i].wait_seconds,
-             runs[i].ops_seconds, runs[i].streamer_seconds, runs[i].experts, runs[i].tokens_per_s,
-             (unsigned long long)runs[i].bytes,
-             runs[i].acquires ? (double)runs[i].hits / runs[i].acquires : 0.0,
-             runs[i].decode_seconds > 0 ? o.decode / runs[i].decode_seconds : 0.0,
-             runs[i].decode_acquires ? (double)runs[i].decode_hits / runs[i].decode_acquires : 0.0,
-             runs[i].ok < 0 ? "null" : runs[i].ok ? "true" : "false");
-    char hid[32] = "null", eff[32] = "null";
-    if (!isnan(hidden)) snprintf(hid, sizeof hid, "%.4f", hidden);
-    if (!isnan(efficiency)) snprintf(eff, sizeof eff, "%.4f", efficiency);
     /* Decode's bound: link / ((1 - hit rate) x expert bytes per token); null when nothing
      * was copied (no decode, or every expert hit). */
-    char bound[32] = "null";
+    double bound = NAN;
     if (o.decode && main_run->decode_acquires) {
       double h = (double)main_run->decode_hits / main_run->decode_acquires;
-      if (h < 1)
-        snprintf(bound, sizeof bound, "%.3f",
-                 peak * 1e9 / ((1 - h) * (double)layers * p->topk * (double)ebytes));
+      if (h < 1) bound = peak * 1e9 / ((1 - h) * (double)layers * p->topk * (double)ebytes);
     }
-    printf("],\n \"link_utilization\": %.4f, \"hidden_fraction\": %s, \"overlap_efficiency\": %s, "
-           "\"copy_seconds_at_peak\": %.6f, \"decode_bound_tokens_per_s\": %s, \"check\": \"%s\"}\n",
-           link, hid, eff, copy_s, bound, yref ? (all_ok ? "ok" : "FAILED") : "skipped");
+    bu_json j;
+    bu_json_init(&j, stdout, 2);
+    bu_json_object(&j, NULL);
+    tool_json_header(&j);
+    bu_json_string(&j, "preset", p->name);
+    bu_json_string(&j, "device", info.id);
+    bu_json_string(&j, "device_name", info.name);
+    bu_json_int(&j, "layers", layers);
+    bu_json_int(&j, "tokens", o.tokens);
+    bu_json_int(&j, "ubatch", o.ubatch);
+    bu_json_int(&j, "decode", o.decode);
+    bu_json_double(&j, "skew", o.skew, -6);
+    bu_json_double(&j, "locality", o.locality, -6);
+    bu_json_string(&j, "policy", o.policy == TDM_CACHE_LRU ? "lru" : "static");
+    bu_json_bool(&j, "predict", o.predict);
+    bu_json_uint(&j, "budget_bytes", budget);
+    bu_json_int(&j, "staging_slots", ss.staging_slots);
+    bu_json_int(&j, "resident_slots", ss.resident_slots);
+    bu_json_int(&j, "prefetch_depth", ss.prefetch_depth);
+    bu_json_uint(&j, "expert_bytes", ebytes);
+    bu_json_double(&j, "peak_gbps", peak, 3);
+    bu_json_array(&j, "runs");
+    for (int i = 0; i < nruns; i++) {
+      const run *r = &runs[i];
+      bu_json_object(&j, NULL);
+      bu_json_string(&j, "name", r->name);
+      bu_json_double(&j, "seconds", r->seconds, 6);
+      bu_json_double(&j, "host_wait_seconds", r->wait_seconds, 6);
+      bu_json_double(&j, "host_ops_seconds", r->ops_seconds, 6);
+      bu_json_double(&j, "host_streamer_seconds", r->streamer_seconds, 6);
+      bu_json_int(&j, "experts", r->experts);
+      bu_json_double(&j, "tokens_per_s", r->tokens_per_s, 3);
+      bu_json_uint(&j, "bytes_copied", r->bytes);
+      bu_json_double(&j, "hit_rate", r->acquires ? (double)r->hits / r->acquires : 0.0, 4);
+      bu_json_double(&j, "decode_tokens_per_s",
+                     r->decode_seconds > 0 ? o.decode / r->decode_seconds : 0.0, 3);
+      bu_json_double(&j, "decode_hit_rate",
+                     r->decode_acquires ? (double)r->decode_hits / r->decode_acquires : 0.0, 4);
+      if (r->ok < 0) bu_json_null(&j, "matches_resident");
+      else bu_json_bool(&j, "matches_resident", r->ok);
+      bu_json_end(&j);
+    }
+    bu_json_end(&j);
+    bu_json_double(&j, "link_utilization", link, 4);
+    bu_json_double(&j, "hidden_fraction", hidden, 4);
+    bu_json_double(&j, "overlap_efficiency", efficiency, 4);
+    bu_json_double(&j, "copy_seconds_at_peak", copy_s, 6);
+    bu_json_double(&j, "decode_bound_tokens_per_s", bound, 3);
+    bu_json_string(&j, "check", yref ? (all_ok ? "ok" : "FAILED") : "skipped");
+    bu_json_end(&j);
+    if (bu_json_finish(&j) < 0) {
+      fprintf(stderr, "tandem: writing the JSON to stdout failed\n");
+      goto out;
+    }
   } else {
     char b1[32], b2[32];
     printf("\non %s (%s): %ld prefill tokens in ubatches of %ld, %ld decode tokens\n", info.id,

@@ -381,31 +381,33 @@ static void report_human(const overlap *o, const figures *f) {
            f->mismatches, f->checked);
 }
 
-static void report_json(const overlap *o, const figures *f) {
-  bu_machine m;
-  char date[32], command[1024];
-  tool_command_line(command, sizeof command);
-  bu_machine_get(&m);
-  bu_utc_date(date, sizeof date);
-  printf("{\n  \"command\": ");
-  bu_json_string(stdout, command);
-  printf(",\n  \"commit\": ");
-  bu_json_string(stdout, TANDEM_GIT_COMMIT);
-  printf(",\n  \"date\": \"%s\",\n  \"machine\": ", date);
-  bu_machine_json(stdout, &m);
-  printf(",\n  \"device\": {\"id\": ");
-  bu_json_string(stdout, o->info.id);
-  printf(", \"name\": ");
-  bu_json_string(stdout, o->info.name);
-  printf("},\n  \"chunks\": %ld,\n  \"chunk_bytes\": %zu,\n  \"reps\": %ld,\n  \"passes\": %d,\n",
-         o->opt.chunks, o->opt.chunk_bytes, o->opt.reps, o->passes);
-  printf("  \"copy_ms\": %.4f,\n  \"compute_ms\": %.4f,\n  \"serialized_ms\": %.4f,\n"
-         "  \"overlapped_ms\": %.4f,\n  \"copy_gb_per_s\": %.3f,\n  \"speedup\": %.4f,\n"
-         "  \"overlap_efficiency\": %.4f,\n  \"hidden_fraction\": %.4f,\n",
-         f->copy, f->compute, f->serialized, f->overlapped, f->gbps, f->speedup, f->efficiency,
-         f->hidden);
-  printf("  \"check\": \"%s\",\n  \"checked_results\": %ld,\n  \"mismatches\": %ld\n}\n",
-         f->mismatches ? "failed" : "ok", f->checked, f->mismatches);
+/* Returns 0, or -1 when stdout failed. */
+static int report_json(const overlap *o, const figures *f) {
+  bu_json j;
+  bu_json_init(&j, stdout, 1);
+  bu_json_object(&j, NULL);
+  tool_json_header(&j);
+  bu_json_object(&j, "device");
+  bu_json_string(&j, "id", o->info.id);
+  bu_json_string(&j, "name", o->info.name);
+  bu_json_end(&j);
+  bu_json_int(&j, "chunks", o->opt.chunks);
+  bu_json_uint(&j, "chunk_bytes", o->opt.chunk_bytes);
+  bu_json_int(&j, "reps", o->opt.reps);
+  bu_json_int(&j, "passes", o->passes);
+  bu_json_double(&j, "copy_ms", f->copy, 4);
+  bu_json_double(&j, "compute_ms", f->compute, 4);
+  bu_json_double(&j, "serialized_ms", f->serialized, 4);
+  bu_json_double(&j, "overlapped_ms", f->overlapped, 4);
+  bu_json_double(&j, "copy_gb_per_s", f->gbps, 3);
+  bu_json_double(&j, "speedup", f->speedup, 4);
+  bu_json_double(&j, "overlap_efficiency", f->efficiency, 4);
+  bu_json_double(&j, "hidden_fraction", f->hidden, 4);
+  bu_json_string(&j, "check", f->mismatches ? "failed" : "ok");
+  bu_json_int(&j, "checked_results", f->checked);
+  bu_json_int(&j, "mismatches", f->mismatches);
+  bu_json_end(&j);
+  return bu_json_finish(&j);
 }
 
 static void compute_figures(const overlap *o, timings *t, figures *f) {
@@ -424,40 +426,40 @@ static void compute_figures(const overlap *o, timings *t, figures *f) {
 
 /* ---- Setup and the command ----------------------------------------------------------------- */
 
+static const char cmd[] = "bench overlap";
+
+/* Returns 0, 1 after printing the help, or -1 after a usage error. */
 static int parse_options(int argc, char **argv, overlap_opts *opt) {
-  static const char cmd[] = "bench overlap";
+  enum { OPT_DEVICE = TOOL_OPT_LONG, OPT_TRACE, OPT_JSON, OPT_CHUNKS, OPT_CHUNK_BYTES, OPT_REPS };
+  static const struct option opts[] = {
+      {"device", required_argument, NULL, OPT_DEVICE},
+      {"trace", required_argument, NULL, OPT_TRACE},
+      {"json", no_argument, NULL, OPT_JSON},
+      {"chunks", required_argument, NULL, OPT_CHUNKS},
+      {"chunk-bytes", required_argument, NULL, OPT_CHUNK_BYTES},
+      {"reps", required_argument, NULL, OPT_REPS},
+      {"help", no_argument, NULL, 'h'},
+      {NULL, 0, NULL, 0},
+  };
   const char *v;
-  int m;
+  int c, bad = 0;
   *opt = (overlap_opts){NULL, NULL, 0, 32, 5, (size_t)4 << 20};
-  for (int i = 1; i < argc; i++) {
-    if (tool_is_help(argv[i])) {
-      fputs(overlap_help, stdout);
-      return 1;
-    } else if (strcmp(argv[i], "--json") == 0) {
-      opt->json = 1;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--device", &v)) != 0) {
-      if (m < 0)
-        return -1;
-      opt->device = v;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--trace", &v)) != 0) {
-      if (m < 0)
-        return -1;
-      opt->trace = v;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--chunks", &v)) != 0) {
-      if (m < 0 || tool_parse_count(cmd, "--chunks", v, 1L << 20, &opt->chunks) < 0)
-        return -1;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--reps", &v)) != 0) {
-      if (m < 0 || tool_parse_count(cmd, "--reps", v, 1000, &opt->reps) < 0)
-        return -1;
-    } else if ((m = tool_opt_value(cmd, argc, argv, &i, "--chunk-bytes", &v)) != 0) {
-      if (m < 0 || tool_parse_size(cmd, "--chunk-bytes", v, &opt->chunk_bytes) < 0)
-        return -1;
-    } else {
-      tool_usage_error(cmd, "%s '%s'", argv[i][0] == '-' ? "unknown option" : "unexpected argument",
-                       argv[i]);
-      return -1;
+  while (!bad && (c = tool_getopt(cmd, argc, argv, opts, &v)) != -1) {
+    switch (c) {
+      case 'h': fputs(overlap_help, stdout); return 1;
+      case OPT_DEVICE: opt->device = v; break;
+      case OPT_TRACE: opt->trace = v; break;
+      case OPT_JSON: opt->json = 1; break;
+      case OPT_CHUNKS: bad = tool_parse_count(cmd, "--chunks", v, 1L << 20, &opt->chunks); break;
+      case OPT_CHUNK_BYTES:
+        bad = tool_parse_size(cmd, "--chunk-bytes", v, &opt->chunk_bytes);
+        break;
+      case OPT_REPS: bad = tool_parse_count(cmd, "--reps", v, 1000, &opt->reps); break;
+      default: bad = -1; break; /* reported */
     }
   }
+  if (bad)
+    return -1;
   if (opt->chunk_bytes % sizeof(float) != 0) {
     tool_usage_error(cmd, "--chunk-bytes must be a multiple of %zu (the chunks hold floats)",
                      sizeof(float));
@@ -470,12 +472,10 @@ static int parse_options(int argc, char **argv, overlap_opts *opt) {
   return 0;
 }
 
-/* Finds the device, checks it can run the compute, makes the queues and memory. */
-static int setup(overlap *o) {
+/* Checks the device can run the compute, makes the queues and memory. */
+static int setup(overlap *o, tdm_device *dev) {
   int rc;
-  tdm_device *dev;
   size_t total = o->opt.chunk_bytes * (size_t)o->opt.chunks, nc = (size_t)o->opt.chunks;
-  TRY("tdm_device_find", tdm_device_find(o->opt.device, &dev));
   TRY("tdm_device_info_get", tdm_device_info_get(dev, &o->info));
   TRY("tdm_queue_create (copy queue)", tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &o->copyq));
   TRY("tdm_queue_create (compute queue)", tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &o->compq));
@@ -554,21 +554,27 @@ out:
 int tool_cmd_overlap(int argc, char **argv) {
   overlap o = {0};
   figures f = {0};
+  tdm_device *dev;
   int rc = parse_options(argc, argv, &o.opt);
   if (rc != 0)
     return rc > 0 ? TOOL_OK : TOOL_USAGE;
   /* The trace is an option of the runtime, read at its first init. */
-  if (o.opt.trace && setenv("TANDEM_TRACE", o.opt.trace, 1) != 0)
-    return tool_fail("setenv", TDM_ENOMEM);
+  if ((rc = tool_trace_check(o.opt.trace)) != TOOL_OK)
+    return rc;
   if ((rc = tdm_init()) < 0)
     return tool_fail("tdm_init", rc);
-  int code = TOOL_FAILED;
-  if (setup(&o) == 0 && measure(&o, &f) == 0) {
-    if (o.opt.json)
-      report_json(&o, &f);
-    else
-      report_human(&o, &f);
-    code = f.mismatches ? TOOL_FAILED : TOOL_OK;
+  int code = tool_find_device(cmd, o.opt.device, &dev);
+  if (code == TOOL_OK) {
+    code = TOOL_FAILED;
+    if (setup(&o, dev) == 0 && measure(&o, &f) == 0) {
+      code = f.mismatches ? TOOL_FAILED : TOOL_OK;
+      if (!o.opt.json) {
+        report_human(&o, &f);
+      } else if (report_json(&o, &f) < 0) {
+        fprintf(stderr, "tandem: writing the JSON to stdout failed\n");
+        code = TOOL_FAILED;
+      }
+    }
   }
   teardown(&o);
   tdm_shutdown();

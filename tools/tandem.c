@@ -1,10 +1,11 @@
 /* tandem.c: main of the `tandem` command-line tool: the top-level help, `version`, dispatch to
- * the commands (devices.c, overlap.c), and the helpers they share (errors, option parsing,
- * byte formatting). Exit codes: 0 ok, 1 run-time failure, 2 usage error.
+ * the commands (devices.c, moe.c, overlap.c), and the helpers they share (errors, option
+ * parsing, the device and trace checks, the JSON header, byte formatting). Exit codes: 0 ok,
+ * 1 run-time failure, 2 usage error.
  */
 #include "tool.h"
 
-#include "benchutil.h" /* bu_join_argv */
+#include "benchutil.h" /* bu_join_argv, bu_json_header */
 
 #include <tandem.h>
 
@@ -69,26 +70,90 @@ int tool_usage_error(const char *cmd, const char *fmt, ...) {
   return TOOL_USAGE;
 }
 
-int tool_is_help(const char *arg) { return strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0; }
+/* Reports the option at arg ("--dev=x", as the user wrote it) that getopt_long did not know:
+ * ambiguous when it abbreviates more than one option, else unknown. */
+static void unknown_long_option(const char *cmd, const char *arg, const struct option *opts) {
+  size_t len = strcspn(arg + 2, "=");
+  char matches[256] = "";
+  int n = 0;
+  for (const struct option *o = opts; o->name; o++)
+    if (strncmp(o->name, arg + 2, len) == 0) {
+      size_t used = strlen(matches);
+      snprintf(matches + used, sizeof matches - used, "%s--%s", n++ ? ", " : "", o->name);
+    }
+  if (n > 1)
+    tool_usage_error(cmd, "option '--%.*s' is ambiguous (%s)", (int)len, arg + 2, matches);
+  else
+    tool_usage_error(cmd, "unknown option '--%.*s'", (int)len, arg + 2);
+}
 
-int tool_opt_value(const char *cmd, int argc, char **argv, int *i, const char *name,
-                   const char **value) {
-  size_t len = strlen(name);
-  const char *arg = argv[*i];
-  if (strncmp(arg, name, len) != 0)
-    return 0;
-  if (arg[len] == '=') {
-    *value = arg + len + 1;
-    return 1;
+int tool_getopt(const char *cmd, int argc, char **argv, const struct option *opts,
+                const char **value) {
+  opterr = 0; /* the messages are the tool's own */
+  int c = getopt_long(argc, argv, "+:h", opts, NULL); /* +: argv keeps its order */
+  /* optind has moved past the option just read, and past its value when it is separate. */
+  const char *arg = optind > 0 && optind <= argc ? argv[optind - 1] : "";
+  *value = optarg;
+  switch (c) {
+    case -1:
+      if (optind < argc) {
+        tool_usage_error(cmd, "unexpected argument '%s'", argv[optind]);
+        return '?';
+      }
+      return -1;
+    case ':': /* only long options take values */
+      tool_usage_error(cmd, "option '%s' needs a value", arg);
+      return '?';
+    case '?':
+      if (optopt == 0 && strncmp(arg, "--", 2) == 0)
+        unknown_long_option(cmd, arg, opts);
+      else if (optopt >= TOOL_OPT_LONG)
+        tool_usage_error(cmd, "option '%.*s' takes no value", (int)strcspn(arg, "="), arg);
+      else
+        tool_usage_error(cmd, "unknown option '-%c'", optopt ? optopt : '?');
+      return '?';
+    default:
+      return c;
   }
-  if (arg[len] != '\0')
-    return 0;
-  if (*i + 1 >= argc) {
-    tool_usage_error(cmd, "option %s needs a value", name);
-    return -1;
+}
+
+int tool_find_device(const char *cmd, const char *id, tdm_device **dev) {
+  int rc = tdm_device_find(id, dev);
+  if (rc == 0)
+    return TOOL_OK;
+  const char *env = getenv("TANDEM_DEVICE");
+  const char *named = id && *id ? id : env && *env ? env : NULL;
+  if (rc == TDM_ENODEV && named)
+    return tool_usage_error(cmd, "no device '%s'%s (see 'tandem devices')", named,
+                            named == id ? "" : " in $TANDEM_DEVICE");
+  return tool_fail("finding the device", rc);
+}
+
+int tool_trace_check(const char *path) {
+  if (path && setenv("TANDEM_TRACE", path, 1) != 0) {
+    fprintf(stderr, "tandem: cannot set TANDEM_TRACE: %s\n", strerror(errno));
+    return TOOL_FAILED;
   }
-  *value = argv[++*i];
-  return 1;
+  const char *file = getenv("TANDEM_TRACE");
+  if (!file || !*file)
+    return TOOL_OK;
+  /* Appending leaves a file that is there as it is; the runtime rewrites it at shutdown. */
+  FILE *f = fopen(file, "a");
+  if (!f) {
+    fprintf(stderr, "tandem: cannot write the trace to '%s' (%s): %s\n", file,
+            path ? "--trace" : "$TANDEM_TRACE", strerror(errno));
+    return TOOL_FAILED;
+  }
+  fclose(f);
+  return TOOL_OK;
+}
+
+void tool_json_header(bu_json *j) {
+  char command[1024];
+  bu_machine m;
+  tool_command_line(command, sizeof command);
+  bu_machine_get(&m);
+  bu_json_header(j, command, TANDEM_GIT_COMMIT, tdm_version_string(), &m);
 }
 
 int tool_parse_count(const char *cmd, const char *name, const char *s, long max, long *out) {
@@ -143,12 +208,14 @@ void tool_format_bytes(uint64_t bytes, char *buf, size_t size) {
 }
 
 static int cmd_version(int argc, char **argv) {
-  for (int i = 1; i < argc; i++) {
-    if (tool_is_help(argv[i])) {
-      fputs(version_help, stdout);
-      return TOOL_OK;
-    }
-    return tool_usage_error("version", "unexpected argument '%s'", argv[i]);
+  static const struct option opts[] = {{"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0}};
+  const char *v;
+  int c;
+  while ((c = tool_getopt("version", argc, argv, opts, &v)) != -1) {
+    if (c != 'h')
+      return TOOL_USAGE;
+    fputs(version_help, stdout);
+    return TOOL_OK;
   }
   /* tdm_version() needs no tdm_init(): it describes the loaded library, not a runtime. */
   printf("tandem tool %d.%d.%d, library %s\n", TDM_VERSION_MAJOR, TDM_VERSION_MINOR,
@@ -159,7 +226,7 @@ static int cmd_version(int argc, char **argv) {
 static int cmd_bench(int argc, char **argv) {
   if (argc < 2)
     return tool_usage_error("bench", "bench needs a benchmark name (overlap)");
-  if (tool_is_help(argv[1])) {
+  if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
     fputs(bench_help, stdout);
     return TOOL_OK;
   }
@@ -176,7 +243,7 @@ int main(int argc, char **argv) {
     return TOOL_USAGE;
   }
   const char *cmd = argv[1];
-  if (tool_is_help(cmd) || strcmp(cmd, "help") == 0) {
+  if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
     fputs(main_help, stdout);
     return TOOL_OK;
   }

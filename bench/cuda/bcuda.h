@@ -20,6 +20,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "json.h"
+
 #define GIB ((size_t)1 << 30)
 #define MIB ((size_t)1 << 20)
 #define KIB ((size_t)1 << 10)
@@ -116,12 +118,13 @@ void bc_format_size(size_t n, char *buf, size_t size);
 
 /* ---- sub-benchmarks ------------------------------------------------------------------------ */
 
-/* Each measures, prints its table to stdout, and writes one JSON object (its figures) to json.
- * 0 when everything ran and every check passed; -1 otherwise (already reported). */
-int bench_overhead(bc_ctx *c, FILE *json);
-int bench_pinned(bc_ctx *c, FILE *json);
-int bench_pageable(bc_ctx *c, FILE *json);
-int bench_overlap(bc_ctx *c, FILE *json);
-int bench_expert(bc_ctx *c, FILE *json);
+/* Each measures, prints its table to stdout, and writes one JSON object (its figures) with
+ * json, whose top-level value it is. 0 when everything ran and every check passed; -1
+ * otherwise (already reported; the object may then be incomplete, and is not used). */
+int bench_overhead(bc_ctx *c, bu_json *json);
+int bench_pinned(bc_ctx *c, bu_json *json);
+int bench_pageable(bc_ctx *c, bu_json *json);
+int bench_overlap(bc_ctx *c, bu_json *json);
+int bench_expert(bc_ctx *c, bu_json *json);
 
 #endif /* TANDEM_BCUDA_H */

@@ -41,7 +41,7 @@ static const char usage[] =
 
 typedef struct bench {
   const char *name;
-  int (*run)(bc_ctx *, FILE *);
+  int (*run)(bc_ctx *, bu_json *);
 } bench;
 
 static const bench benches[] = {
@@ -220,7 +220,7 @@ static int open_device(bc_ctx *c, const char *id) {
 
 /* ---- results ---------------------------------------------------------------------------------- */
 
-static void device_json(FILE *f, const bc_ctx *c) {
+static void device_json(bu_json *j, const bc_ctx *c) {
   char bus[32] = "unknown";
   int rt = 0, drv = 0, blas[3] = {0, 0, 0};
   CUDA_CALL(cudaDeviceGetPCIBusId(bus, (int)sizeof bus, c->ordinal));
@@ -229,68 +229,77 @@ static void device_json(FILE *f, const bc_ctx *c) {
   BLAS_CALL(cublasGetProperty(MAJOR_VERSION, &blas[0]));
   BLAS_CALL(cublasGetProperty(MINOR_VERSION, &blas[1]));
   BLAS_CALL(cublasGetProperty(PATCH_LEVEL, &blas[2]));
-  fputs("{\"id\": ", f);
-  bu_json_string(f, c->info.id);
-  fputs(", \"name\": ", f);
-  bu_json_string(f, c->prop.name);
-  fputs(", \"tandem_name\": ", f);
-  bu_json_string(f, c->info.name);
-  fprintf(f, ", \"ordinal\": %d, \"compute_capability\": \"%d.%d\", \"multiprocessors\": %d, "
-             "\"total_memory\": %zu, \"pci_bus_id\": ",
-          c->ordinal, c->prop.major, c->prop.minor, c->prop.multiProcessorCount,
-          c->prop.totalGlobalMem);
-  bu_json_string(f, bus);
-  fprintf(f, ", \"cuda_runtime\": %d, \"cuda_driver\": %d, \"cublas\": \"%d.%d.%d\"}", rt, drv,
-          blas[0], blas[1], blas[2]);
+  char cc[32], cublas[48];
+  snprintf(cc, sizeof cc, "%d.%d", c->prop.major, c->prop.minor);
+  snprintf(cublas, sizeof cublas, "%d.%d.%d", blas[0], blas[1], blas[2]);
+  bu_json_object(j, "device");
+  bu_json_string(j, "id", c->info.id);
+  bu_json_string(j, "name", c->prop.name);
+  bu_json_string(j, "tandem_name", c->info.name);
+  bu_json_int(j, "ordinal", c->ordinal);
+  bu_json_string(j, "compute_capability", cc);
+  bu_json_int(j, "multiprocessors", c->prop.multiProcessorCount);
+  bu_json_uint(j, "total_memory", c->prop.totalGlobalMem);
+  bu_json_string(j, "pci_bus_id", bus);
+  bu_json_int(j, "cuda_runtime", rt);
+  bu_json_int(j, "cuda_driver", drv);
+  bu_json_string(j, "cublas", cublas);
+  bu_json_end(j);
 }
 
 static int write_json(const char *path, const char *command, const bc_ctx *c,
                       const bu_machine *m, const outcome *res) {
   const bc_options *o = c->opt;
-  FILE *f = bu_json_begin("bench-cuda", path, command, TANDEM_GIT_COMMIT, tdm_version_string(), m);
-  if (!f) return -1;
-  fputs(",\n  \"device\": ", f);
-  device_json(f, c);
-  fprintf(f, ",\n  \"seed\": %llu,\n  \"options\": {\"reps\": %ld, \"iters\": %ld, "
-             "\"max_size\": %zu, \"threads\": %ld, \"experts\": %ld, \"tokens\": %ld},\n"
-             "  \"benchmarks\": {",
-          (unsigned long long)c->seed, o->reps, o->iters, o->max_size, o->threads, o->experts,
-          o->tokens);
-  int first = 1;
+  bu_json j;
+  if (!bu_json_begin(&j, "bench-cuda", path, command, TANDEM_GIT_COMMIT, tdm_version_string(), m))
+    return -1;
+  device_json(&j, c);
+  bu_json_uint(&j, "seed", c->seed);
+  bu_json_object(&j, "options");
+  bu_json_int(&j, "reps", o->reps);
+  bu_json_int(&j, "iters", o->iters);
+  bu_json_uint(&j, "max_size", o->max_size);
+  bu_json_int(&j, "threads", o->threads);
+  bu_json_int(&j, "experts", o->experts);
+  bu_json_int(&j, "tokens", o->tokens);
+  bu_json_end(&j);
+  bu_json_object(&j, "benchmarks");
   for (size_t b = 0; b < NBENCH; b++) {
     if (!res[b].ran)
       continue;
-    fprintf(f, "%s\n  \"%s\": ", first ? "" : ",", benches[b].name);
-    first = 0;
+    bu_json_object(&j, benches[b].name);
     if (res[b].ok) {
-      fputs("{\"status\": \"ok\", \"figures\": ", f);
-      fwrite(res[b].figures, 1, res[b].figures_len, f);
-      fputc('}', f);
+      bu_json_string(&j, "status", "ok");
+      size_t len = res[b].figures_len; /* without the line break that ends the document */
+      while (len && res[b].figures[len - 1] == '\n')
+        len--;
+      bu_json_raw(&j, "figures", res[b].figures, len);
     } else {
-      fputs("{\"status\": \"failed\", \"error\": ", f);
-      bu_json_string(f, res[b].error);
-      fputc('}', f);
+      bu_json_string(&j, "status", "failed");
+      bu_json_string(&j, "error", res[b].error);
     }
+    bu_json_end(&j);
   }
-  fputs("\n  }\n}\n", f);
-  if (fclose(f) != 0) {
-    fprintf(stderr, "bench-cuda: writing %s failed: %s\n", path, strerror(errno));
-    return -1;
-  }
-  return 0;
+  bu_json_end(&j);
+  return bu_json_close(&j, "bench-cuda", path);
 }
 
 /* Runs one sub-benchmark, catching its JSON object in memory. */
 static void run_bench(bc_ctx *c, const bench *b, outcome *r) {
   long before = bc_failures();
-  FILE *json;
+  FILE *f;
   bc_note_reset();
   r->ran = 1;
-  if (!(json = open_memstream(&r->figures, &r->figures_len))) {
+  if (!(f = open_memstream(&r->figures, &r->figures_len))) {
     bc_failf("open_memstream: %s", strerror(errno));
   } else {
-    int rc = b->run(c, json);
-    if (fclose(json) != 0)
+    bu_json json;
+    bu_json_init(&json, f, 2);
+    int rc = b->run(c, &json);
+    /* A sub-benchmark that failed may leave its object open; its figures are not used. */
+    if (rc == 0 && bu_json_finish(&json) < 0)
+      bc_failf("%s wrote its JSON wrongly", b->name);
+    if (fclose(f) != 0)
       bc_failf("writing %s's JSON to memory failed", b->name);
     r->ok = rc == 0 && bc_failures() == before;
     if (!r->ok && !bc_first_failure()[0])

@@ -351,7 +351,7 @@ out:
   return rc;
 }
 
-static int run_n(bc_ctx *c, int n, FILE *json, int first) {
+static int run_n(bc_ctx *c, int n, bu_json *json) {
   ex e = {.c = c, .n = n};
   double us[NFIG], dev_us = 0;
   int rc = -1;
@@ -366,10 +366,12 @@ static int run_n(bc_ctx *c, int n, FILE *json, int first) {
   for (int f = 0; f < NFIG; f++)
     printf("    %-40s %8.2f us host\n", figures[f].label, us[f]);
   printf("    %-40s %8.2f us device\n", "expert op, n fixed", dev_us);
-  fprintf(json, "%s\n    {\"tokens_per_expert\": %d", first ? "" : ",", n);
+  bu_json_object(json, NULL);
+  bu_json_int(json, "tokens_per_expert", n);
   for (int f = 0; f < NFIG; f++)
-    fprintf(json, ", \"%s\": %.3f", figures[f].key, us[f]);
-  fprintf(json, ", \"op_device_us\": %.3f}", dev_us);
+    bu_json_double(json, figures[f].key, us[f], 3);
+  bu_json_double(json, "op_device_us", dev_us, 3);
+  bu_json_end(json);
   fflush(stdout);
   rc = 0;
 out:
@@ -377,19 +379,24 @@ out:
   return rc;
 }
 
-int bench_expert(bc_ctx *c, FILE *json) {
+int bench_expert(bc_ctx *c, bu_json *json) {
   static const int ns[] = {128, 512};
   int rc = -1;
   printf("\nexpert: host cost of one MoE expert (hidden %d, FFN %d, bf16), median of %ld reps x "
          "%d calls\n", HID, FFN, c->opt->reps, CALLS);
-  fprintf(json, "{\"hidden\": %d, \"ffn\": %d, \"calls\": %d, \"reps\": %ld, "
-                "\"unit\": \"microseconds per call, median over reps\", \"results\": [",
-          HID, FFN, CALLS, c->opt->reps);
+  bu_json_object(json, NULL);
+  bu_json_int(json, "hidden", HID);
+  bu_json_int(json, "ffn", FFN);
+  bu_json_int(json, "calls", CALLS);
+  bu_json_int(json, "reps", c->opt->reps);
+  bu_json_string(json, "unit", "microseconds per call, median over reps");
+  bu_json_array(json, "results");
   for (size_t i = 0; i < sizeof ns / sizeof *ns; i++)
-    if (run_n(c, ns[i], json, i == 0) < 0)
+    if (run_n(c, ns[i], json) < 0)
       goto out;
   rc = 0;
 out:
-  fputs("\n  ]}", json);
+  bu_json_end(json);
+  bu_json_end(json);
   return rc;
 }

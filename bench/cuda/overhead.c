@@ -348,7 +348,7 @@ static void teardown(oh *o) {
     CUDA_CALL(cudaFree(o->r_gate_dst));
 }
 
-int bench_overhead(bc_ctx *c, FILE *json) {
+int bench_overhead(bc_ctx *c, bu_json *json) {
   oh o = {.c = c, .iters = c->opt->iters};
   result res[NFIG];
   int rc = -1;
@@ -359,9 +359,12 @@ int bench_overhead(bc_ctx *c, FILE *json) {
   fflush(stdout);
   if (setup(&o) < 0)
     goto out;
-  fprintf(json, "{\"iterations\": %ld, \"round_trips\": %ld, \"reps\": %ld, "
-                "\"unit\": \"microseconds per call, median over reps\", \"results\": [",
-          o.iters, round_trips(&o), c->opt->reps);
+  bu_json_object(json, NULL);
+  bu_json_int(json, "iterations", o.iters);
+  bu_json_int(json, "round_trips", round_trips(&o));
+  bu_json_int(json, "reps", c->opt->reps);
+  bu_json_string(json, "unit", "microseconds per call, median over reps");
+  bu_json_array(json, "results");
   for (size_t i = 0; i < NFIG; i++) {
     const figure *f = &figures[i];
     if (measure(&o, f, &res[i]) < 0)
@@ -370,25 +373,29 @@ int bench_overhead(bc_ctx *c, FILE *json) {
            res[i].ratio);
     if (f->goal)
       printf("   goal <= %.2fx: %s", GOAL_RATIO, res[i].ratio <= GOAL_RATIO ? "met" : "missed");
-    fprintf(json, "%s\n    {\"name\": \"%s\", \"description\": ", i ? "," : "", f->key);
-    bu_json_string(json, f->label);
-    fprintf(json, ", \"tandem_us\": %.4f, \"raw_us\": %.4f, \"ratio\": %.4f", res[i].tandem_us,
-            res[i].raw_us, res[i].ratio);
-    if (f->goal)
-      fprintf(json, ", \"goal_ratio_max\": %.2f, \"goal_met\": %s", GOAL_RATIO,
-              res[i].ratio <= GOAL_RATIO ? "true" : "false");
+    bu_json_object(json, NULL);
+    bu_json_string(json, "name", f->key);
+    bu_json_string(json, "description", f->label);
+    bu_json_double(json, "tandem_us", res[i].tandem_us, 4);
+    bu_json_double(json, "raw_us", res[i].raw_us, 4);
+    bu_json_double(json, "ratio", res[i].ratio, 4);
+    if (f->goal) {
+      bu_json_double(json, "goal_ratio_max", GOAL_RATIO, 2);
+      bu_json_bool(json, "goal_met", res[i].ratio <= GOAL_RATIO);
+    }
     if (f->tandem == tandem_wait) {
       /* A wait on a completed event may take a shortcut; say whether this one was pending. */
       printf("   (event pending at the end: tandem %ld/%ld, raw %ld/%ld reps)", o.pending[0],
              c->opt->reps, o.pending[1], c->opt->reps);
-      fprintf(json, ", \"pending_reps_tandem\": %ld, \"pending_reps_raw\": %ld", o.pending[0],
-              o.pending[1]);
+      bu_json_int(json, "pending_reps_tandem", o.pending[0]);
+      bu_json_int(json, "pending_reps_raw", o.pending[1]);
     }
-    fputc('}', json);
+    bu_json_end(json);
     putchar('\n');
     fflush(stdout);
   }
-  fputs("\n  ]}", json);
+  bu_json_end(json);
+  bu_json_end(json);
   rc = 0;
 out:
   teardown(&o);

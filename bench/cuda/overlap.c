@@ -414,17 +414,22 @@ static void derive(const ovl *o, side_result *r) {
   r->tflops = (double)o->ne * 3.0 * 2.0 * o->tokens * HIDDEN * INTER / (compute * 1e-3) / 1e12;
 }
 
-static void side_json(FILE *json, const side_result *r) {
-  fputc('{', json);
-  for (int m = 0; m < NMODE; m++)
-    fprintf(json, "\"%s_ms\": %.4f, ", mode_key[m], r->ms[m]);
-  fprintf(json, "\"hidden_fraction\": %.4f, \"efficiency\": %.4f, \"copy_gbps\": %.3f, "
-                "\"gemm_tflops\": %.2f, \"goal_met\": %s}",
-          r->hidden, r->efficiency, r->copy_gbps, r->tflops,
-          r->hidden >= GOAL_HIDDEN ? "true" : "false");
+static void side_json(bu_json *json, const char *key, const side_result *r) {
+  bu_json_object(json, key);
+  for (int m = 0; m < NMODE; m++) {
+    char name[32];
+    snprintf(name, sizeof name, "%s_ms", mode_key[m]);
+    bu_json_double(json, name, r->ms[m], 4);
+  }
+  bu_json_double(json, "hidden_fraction", r->hidden, 4);
+  bu_json_double(json, "efficiency", r->efficiency, 4);
+  bu_json_double(json, "copy_gbps", r->copy_gbps, 3);
+  bu_json_double(json, "gemm_tflops", r->tflops, 2);
+  bu_json_bool(json, "goal_met", r->hidden >= GOAL_HIDDEN);
+  bu_json_end(json);
 }
 
-int bench_overlap(bc_ctx *c, FILE *json) {
+int bench_overlap(bc_ctx *c, bu_json *json) {
   ovl o = {.c = c, .ne = c->opt->experts};
   cal_step cal[MAX_CAL];
   side_result res[2];
@@ -485,23 +490,36 @@ int bench_overlap(bc_ctx *c, FILE *json) {
          res[1].hidden >= GOAL_HIDDEN ? "met" : "missed", ratio);
   fflush(stdout);
 
-  fprintf(json, "{\"experts\": %ld, \"slots\": %d, \"expert_bytes\": %zu, \"tokens\": %d, "
-                "\"tokens_from\": \"%s\", \"reps\": %ld, \"unit\": \"ms per pass over all "
-                "experts, median over reps\", \"calibration\": [",
-          o.ne, NSLOT, (size_t)EXPERT_BYTES, o.tokens, c->opt->tokens ? "option" : "calibration",
-          reps);
-  for (int i = 0; i < ncal; i++)
-    fprintf(json, "%s{\"tokens\": %d, \"raw_copy_ms\": %.4f, \"raw_compute_ms\": %.4f}",
-            i ? ", " : "", cal[i].tokens, cal[i].copy * 1e3, cal[i].compute * 1e3);
-  fprintf(json, "],\n  \"check\": {\"what\": \"gate GEMM output vs fp64 CPU reference\", "
-                "\"experts\": %ld, \"tokens_per_expert\": %d, \"max_rel_error\": %.3e, "
-                "\"tolerance\": %.0e, \"passed\": true},\n  \"tandem\": ",
-          o.ne, CHECK_TOKENS, max_err, TOLERANCE);
-  side_json(json, &res[0]);
-  fputs(",\n  \"raw\": ", json);
-  side_json(json, &res[1]);
-  fprintf(json, ",\n  \"goal_hidden_min\": %.2f, \"overlapped_ratio_tandem_vs_raw\": %.4f}",
-          GOAL_HIDDEN, ratio);
+  bu_json_object(json, NULL);
+  bu_json_int(json, "experts", o.ne);
+  bu_json_int(json, "slots", NSLOT);
+  bu_json_uint(json, "expert_bytes", (size_t)EXPERT_BYTES);
+  bu_json_int(json, "tokens", o.tokens);
+  bu_json_string(json, "tokens_from", c->opt->tokens ? "option" : "calibration");
+  bu_json_int(json, "reps", reps);
+  bu_json_string(json, "unit", "ms per pass over all experts, median over reps");
+  bu_json_array(json, "calibration");
+  for (int i = 0; i < ncal; i++) {
+    bu_json_object(json, NULL);
+    bu_json_int(json, "tokens", cal[i].tokens);
+    bu_json_double(json, "raw_copy_ms", cal[i].copy * 1e3, 4);
+    bu_json_double(json, "raw_compute_ms", cal[i].compute * 1e3, 4);
+    bu_json_end(json);
+  }
+  bu_json_end(json);
+  bu_json_object(json, "check");
+  bu_json_string(json, "what", "gate GEMM output vs fp64 CPU reference");
+  bu_json_int(json, "experts", o.ne);
+  bu_json_int(json, "tokens_per_expert", CHECK_TOKENS);
+  bu_json_double(json, "max_rel_error", max_err, -4);
+  bu_json_double(json, "tolerance", TOLERANCE, -6);
+  bu_json_bool(json, "passed", true);
+  bu_json_end(json);
+  side_json(json, "tandem", &res[0]);
+  side_json(json, "raw", &res[1]);
+  bu_json_double(json, "goal_hidden_min", GOAL_HIDDEN, 2);
+  bu_json_double(json, "overlapped_ratio_tandem_vs_raw", ratio, 4);
+  bu_json_end(json);
   rc = 0;
 out:
   free(t);

@@ -254,16 +254,18 @@ static void teardown(pg *g) {
   free(g->chk);
 }
 
-int bench_pageable(bc_ctx *c, FILE *json) {
+int bench_pageable(bc_ctx *c, bu_json *json) {
   static const size_t sizes[] = {64 * MIB, GIB};
   pg g = {.c = c};
-  int rc = -1, first = 1;
+  int rc = -1;
   for (size_t i = 0; i < 2; i++)
     if (sizes[i] <= c->opt->max_size)
       g.max = sizes[i];
   if (!g.max) {
     printf("\npageable: skipped: --max-size is below the smallest size (64 MiB)\n");
-    fputs("{\"skipped\": \"--max-size below 64 MiB\"}", json);
+    bu_json_object(json, NULL);
+    bu_json_string(json, "skipped", "--max-size below 64 MiB");
+    bu_json_end(json);
     return 0;
   }
   printf("\npageable: H2D from malloc'd memory in GB/s (1e9 B/s), median of %ld reps, contenders\n"
@@ -274,11 +276,13 @@ int bench_pageable(bc_ctx *c, FILE *json) {
   fflush(stdout);
   if (setup(&g) < 0)
     goto out;
-  fprintf(json, "{\"reps\": %ld, \"host_memcpy_threads\": %ld, "
-                "\"unit\": \"GB/s (1e9 bytes per second) of the median time\", "
-                "\"goal_vs_raw_pageable_min\": %.1f, \"goal_vs_min_pinned_memcpy_min\": %.1f, "
-                "\"results\": [",
-          c->opt->reps, g.pool.n, GOAL_VS_PAGEABLE, GOAL_VS_LIMIT);
+  bu_json_object(json, NULL);
+  bu_json_int(json, "reps", c->opt->reps);
+  bu_json_int(json, "host_memcpy_threads", g.pool.n);
+  bu_json_string(json, "unit", "GB/s (1e9 bytes per second) of the median time");
+  bu_json_double(json, "goal_vs_raw_pageable_min", GOAL_VS_PAGEABLE, 1);
+  bu_json_double(json, "goal_vs_min_pinned_memcpy_min", GOAL_VS_LIMIT, 1);
+  bu_json_array(json, "results");
   for (size_t i = 0; i < 2 && sizes[i] <= g.max; i++) {
     double gbps[NCONT];
     char sz[32];
@@ -294,15 +298,21 @@ int bench_pageable(bc_ctx *c, FILE *json) {
            vs_limit, GOAL_VS_PAGEABLE, met_pageable ? "met" : "missed", GOAL_VS_LIMIT,
            met_limit ? "met" : "missed");
     fflush(stdout);
-    fprintf(json, "%s\n    {\"size\": %zu", first ? "" : ",", g.size);
-    for (int k = 0; k < NCONT; k++)
-      fprintf(json, ", \"%s_gbps\": %.3f", cont_key[k], gbps[k]);
-    fprintf(json, ", \"vs_raw_pageable\": %.4f, \"vs_min_pinned_memcpy\": %.4f, "
-                  "\"goal_vs_raw_pageable_met\": %s, \"goal_vs_min_pinned_memcpy_met\": %s}",
-            vs_pageable, vs_limit, met_pageable ? "true" : "false", met_limit ? "true" : "false");
-    first = 0;
+    bu_json_object(json, NULL);
+    bu_json_uint(json, "size", g.size);
+    for (int k = 0; k < NCONT; k++) {
+      char name[32];
+      snprintf(name, sizeof name, "%s_gbps", cont_key[k]);
+      bu_json_double(json, name, gbps[k], 3);
+    }
+    bu_json_double(json, "vs_raw_pageable", vs_pageable, 4);
+    bu_json_double(json, "vs_min_pinned_memcpy", vs_limit, 4);
+    bu_json_bool(json, "goal_vs_raw_pageable_met", met_pageable);
+    bu_json_bool(json, "goal_vs_min_pinned_memcpy_met", met_limit);
+    bu_json_end(json);
   }
-  fputs("\n  ]}", json);
+  bu_json_end(json);
+  bu_json_end(json);
   rc = 0;
 out:
   teardown(&g);

@@ -192,7 +192,7 @@ static void teardown(pn *p) {
     CUDA_CALL(cudaFree(p->r.dev));
 }
 
-int bench_pinned(bc_ctx *c, FILE *json) {
+int bench_pinned(bc_ctx *c, bu_json *json) {
   pn p = {.c = c, .max = c->opt->max_size};
   row rows[16];
   int nrows = 0, rc = -1;
@@ -233,27 +233,38 @@ int bench_pinned(bc_ctx *c, FILE *json) {
   else
     printf("  goal >= %.2fx from 1 MiB: no size measured reaches 1 MiB\n", GOAL_RATIO);
 
-  fprintf(json, "{\"reps\": %ld, \"batch_bytes_max\": %zu, \"max_copies\": %ld, "
-                "\"unit\": \"GB/s (1e9 bytes per second) of the median batch time\", "
-                "\"results\": [",
-          c->opt->reps, p.max, MAX_COPIES);
+  bu_json_object(json, NULL);
+  bu_json_int(json, "reps", c->opt->reps);
+  bu_json_uint(json, "batch_bytes_max", p.max);
+  bu_json_int(json, "max_copies", MAX_COPIES);
+  bu_json_string(json, "unit", "GB/s (1e9 bytes per second) of the median batch time");
+  bu_json_array(json, "results");
   for (int i = 0; i < nrows; i++) {
     const row *r = &rows[i];
-    fprintf(json,
-            "%s\n    {\"size\": %zu, \"copies\": %ld, \"h2d_tandem_gbps\": %.3f, "
-            "\"h2d_raw_gbps\": %.3f, \"h2d_ratio\": %.4f, \"d2h_tandem_gbps\": %.3f, "
-            "\"d2h_raw_gbps\": %.3f, \"d2h_ratio\": %.4f}",
-            i ? "," : "", r->size, r->copies, r->gbps[0][0], r->gbps[0][1],
-            r->gbps[0][0] / r->gbps[0][1], r->gbps[1][0], r->gbps[1][1],
-            r->gbps[1][0] / r->gbps[1][1]);
+    bu_json_object(json, NULL);
+    bu_json_uint(json, "size", r->size);
+    bu_json_int(json, "copies", r->copies);
+    bu_json_double(json, "h2d_tandem_gbps", r->gbps[0][0], 3);
+    bu_json_double(json, "h2d_raw_gbps", r->gbps[0][1], 3);
+    bu_json_double(json, "h2d_ratio", r->gbps[0][0] / r->gbps[0][1], 4);
+    bu_json_double(json, "d2h_tandem_gbps", r->gbps[1][0], 3);
+    bu_json_double(json, "d2h_raw_gbps", r->gbps[1][1], 3);
+    bu_json_double(json, "d2h_ratio", r->gbps[1][0] / r->gbps[1][1], 4);
+    bu_json_end(json);
   }
-  fprintf(json, "\n  ], \"goal_ratio_min\": %.2f, \"goal_from_size\": %zu, ", GOAL_RATIO,
-          (size_t)GOAL_FROM);
-  if (goal_rows)
-    fprintf(json, "\"h2d_min_ratio\": %.4f, \"d2h_min_ratio\": %.4f, \"goal_met\": %s}",
-            min_ratio[0], min_ratio[1], met ? "true" : "false");
-  else
-    fputs("\"h2d_min_ratio\": null, \"d2h_min_ratio\": null, \"goal_met\": null}", json);
+  bu_json_end(json);
+  bu_json_double(json, "goal_ratio_min", GOAL_RATIO, 2);
+  bu_json_uint(json, "goal_from_size", (size_t)GOAL_FROM);
+  if (goal_rows) {
+    bu_json_double(json, "h2d_min_ratio", min_ratio[0], 4);
+    bu_json_double(json, "d2h_min_ratio", min_ratio[1], 4);
+    bu_json_bool(json, "goal_met", met);
+  } else {
+    bu_json_null(json, "h2d_min_ratio");
+    bu_json_null(json, "d2h_min_ratio");
+    bu_json_null(json, "goal_met");
+  }
+  bu_json_end(json);
   rc = 0;
 out:
   teardown(&p);

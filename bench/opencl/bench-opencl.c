@@ -372,46 +372,43 @@ static void print_row(const bench *b, const result *r) {
   fflush(stdout);
 }
 
-static void write_result_json(FILE *f, const bench *b, const result *r, int first) {
-  fprintf(f, "%s\n    {\"name\": \"%s\", \"description\": ", first ? "" : ",", b->key);
-  bu_json_string(f, b->label);
-  fputs(", \"tandem_call\": ", f);
-  bu_json_string(f, b->tandem_call);
-  fputs(", \"raw_call\": ", f);
-  bu_json_string(f, b->raw_call);
-  fprintf(f, ", \"tandem_us\": %.4f, \"raw_us\": %.4f, \"ratio\": %.4f, \"goal_ratio\": %.2f, "
-             "\"goal_met\": %s}",
-          r->tandem_us, r->raw_us, r->ratio, GOAL_RATIO, r->ratio <= GOAL_RATIO ? "true" : "false");
+static void write_result_json(bu_json *j, const bench *b, const result *r) {
+  bu_json_object(j, NULL);
+  bu_json_string(j, "name", b->key);
+  bu_json_string(j, "description", b->label);
+  bu_json_string(j, "tandem_call", b->tandem_call);
+  bu_json_string(j, "raw_call", b->raw_call);
+  bu_json_double(j, "tandem_us", r->tandem_us, 4);
+  bu_json_double(j, "raw_us", r->raw_us, 4);
+  bu_json_double(j, "ratio", r->ratio, 4);
+  bu_json_double(j, "goal_ratio", GOAL_RATIO, 2);
+  bu_json_bool(j, "goal_met", r->ratio <= GOAL_RATIO);
+  bu_json_end(j);
 }
 
 static int write_json(const char *path, const char *command, const ctx *c, long reps,
                       const bu_machine *m, const result *res) {
-  FILE *f = bu_json_begin("bench-opencl", path, command, TANDEM_GIT_COMMIT, tdm_version_string(), m);
-  if (!f) return -1;
-  fputs(",\n  \"device\": {\"id\": ", f);
-  bu_json_string(f, c->info.id);
-  fputs(", \"name\": ", f);
-  bu_json_string(f, c->info.name);
-  fputs(", \"platform\": ", f);
-  bu_json_string(f, c->platform);
-  fputs(", \"driver\": ", f);
-  bu_json_string(f, c->driver);
-  fputs(", \"pocl_devices\": ", f);
-  bu_json_string(f, pocl_devices());
-  fprintf(f, "},\n  \"reps\": %ld,\n  \"iterations\": %ld,\n", reps, c->iters);
-  fputs("  \"unit\": \"microseconds per call, median over reps\",\n"
-        "  \"baseline\": \"raw OpenCL calls on the benchmark's own in-order queues in the "
-        "context tandem exports, same device\",\n"
-        "  \"results\": [",
-        f);
-  for (size_t b = 0; b < NBENCH; b++)
-    write_result_json(f, &benches[b], &res[b], b == 0);
-  fputs("\n  ]\n}\n", f);
-  if (fclose(f) != 0) {
-    fprintf(stderr, "bench-opencl: writing %s failed: %s\n", path, strerror(errno));
+  bu_json j;
+  if (!bu_json_begin(&j, "bench-opencl", path, command, TANDEM_GIT_COMMIT, tdm_version_string(),
+                     m))
     return -1;
-  }
-  return 0;
+  bu_json_object(&j, "device");
+  bu_json_string(&j, "id", c->info.id);
+  bu_json_string(&j, "name", c->info.name);
+  bu_json_string(&j, "platform", c->platform);
+  bu_json_string(&j, "driver", c->driver);
+  bu_json_string(&j, "pocl_devices", pocl_devices());
+  bu_json_end(&j);
+  bu_json_int(&j, "reps", reps);
+  bu_json_int(&j, "iterations", c->iters);
+  bu_json_string(&j, "unit", "microseconds per call, median over reps");
+  bu_json_string(&j, "baseline", "raw OpenCL calls on the benchmark's own in-order queues in the "
+                                 "context tandem exports, same device");
+  bu_json_array(&j, "results");
+  for (size_t b = 0; b < NBENCH; b++)
+    write_result_json(&j, &benches[b], &res[b]);
+  bu_json_end(&j);
+  return bu_json_close(&j, "bench-opencl", path);
 }
 
 /* ---- Setup, options, main -------------------------------------------------------------------- */

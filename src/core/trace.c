@@ -5,9 +5,14 @@
  * Start is when the command began on a host thread (host-executed commands and host tasks);
  * for native device work tandem does not observe the start, so it is the later of its
  * submission and the end of the previous command on the same in-order queue. End is when
- * tandem saw it complete. */
+ * tandem saw it complete.
+ *
+ * The file is opened at init, so that one that cannot be written is reported before the run
+ * rather than after it (and nothing is recorded for it), and written at the last shutdown. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -24,9 +29,17 @@ static pthread_mutex_t trace_mu = PTHREAD_MUTEX_INITIALIZER;
 static rec *recs;
 static size_t nrecs, caprecs, dropped;
 static uint64_t t0;
+static FILE *trace_file; /* open from init to the last shutdown */
 
 void tdm__trace_start(void) {
   if (!tdm__g.opts.trace[0]) return;
+  if (trace_file) fclose(trace_file); /* left by an init that failed after this */
+  trace_file = fopen(tdm__g.opts.trace, "w");
+  if (!trace_file) {
+    fprintf(stderr, "tandem: cannot write the trace to %s: %s; tracing is off\n",
+            tdm__g.opts.trace, strerror(errno));
+    return;
+  }
   t0 = tdm__now_ns();
   nrecs = dropped = 0;
   atomic_store(&tdm__tracing, true);
@@ -58,25 +71,27 @@ void tdm__trace_cmd(tdm__cmd *cmd, int status) {
 
 void tdm__trace_flush(void) {
   if (!atomic_exchange(&tdm__tracing, false)) return;
-  FILE *f = fopen(tdm__g.opts.trace, "w");
-  if (!f) {
-    fprintf(stderr, "tandem: cannot write the trace to %s\n", tdm__g.opts.trace);
-  } else {
-    fprintf(f, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
-    for (int d = 0; d < tdm__g.ndevices; d++)
-      fprintf(f, "{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": %d, \"args\": {\"name\": "
-                 "\"%s\"}},\n", d, tdm__g.devices[d].info.id);
-    for (size_t i = 0; i < nrecs; i++) {
-      const rec *r = &recs[i];
-      uint64_t s = r->start > t0 ? r->start - t0 : 0, e = r->end > t0 ? r->end - t0 : 0;
-      fprintf(f, "{\"ph\": \"X\", \"name\": \"%s\", \"pid\": %d, \"tid\": %d, \"ts\": %.3f, "
-                 "\"dur\": %.3f, \"args\": {\"status\": %d}}%s\n",
-              r->op ? r->op : "command", r->dev, r->queue, s / 1e3, (e > s ? e - s : 0) / 1e3,
-              r->status, i + 1 < nrecs ? "," : "");
-    }
-    fprintf(f, "], \"otherData\": {\"dropped\": %zu}}\n", dropped);
-    fclose(f);
+  FILE *f = trace_file;
+  trace_file = NULL;
+  /* Each event after the first starts with the comma: none trails the last, whether that is
+   * a device's name (no command ran) or a command. */
+  const char *sep = "";
+  fprintf(f, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
+  for (int d = 0; d < tdm__g.ndevices; d++, sep = ",\n")
+    fprintf(f, "%s{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": %d, \"args\": "
+               "{\"name\": \"%s\"}}", sep, d, tdm__g.devices[d].info.id);
+  for (size_t i = 0; i < nrecs; i++, sep = ",\n") {
+    const rec *r = &recs[i];
+    uint64_t s = r->start > t0 ? r->start - t0 : 0, e = r->end > t0 ? r->end - t0 : 0;
+    fprintf(f, "%s{\"ph\": \"X\", \"name\": \"%s\", \"pid\": %d, \"tid\": %d, \"ts\": %.3f, "
+               "\"dur\": %.3f, \"args\": {\"status\": %d}}", sep,
+            r->op ? r->op : "command", r->dev, r->queue, s / 1e3, (e > s ? e - s : 0) / 1e3,
+            r->status);
   }
+  fprintf(f, "\n], \"otherData\": {\"dropped\": %zu}}\n", dropped);
+  if (fclose(f) != 0)
+    fprintf(stderr, "tandem: writing the trace to %s failed: %s\n", tdm__g.opts.trace,
+            strerror(errno));
   free(recs);
   recs = NULL;
   nrecs = caprecs = 0;

@@ -1,0 +1,157 @@
+#!/usr/bin/python3
+"""test-json.py: whatever the tandem tool prints with --json parses, and so does every Chrome
+trace the runtime writes for it (--trace FILE, $TANDEM_TRACE), edge cases included: a budget
+that keeps every expert resident (nothing copied, so no hidden fraction), a budget of 0, a
+trace whose path holds a quote, a backslash, a tab and a byte that is not UTF-8, a trace of no
+commands at all.
+
+usage: test-json.py TANDEM DEVICE
+
+TANDEM is the tool, DEVICE the device to run on (cpu:0, opencl:0). Exit codes: 0 ok, 1 a check
+failed, 77 DEVICE is not there (skipped).
+"""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+TIMEOUT = 240
+
+
+class Failed(Exception):
+    pass
+
+
+def reject_constant(name):
+    # Python's json reads NaN and Infinity; JSON has neither.
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse(data, what):
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise Failed(f"{what} is not JSON: {e}\n--- it reads:\n{data.decode('utf-8', 'replace')}")
+
+
+def run(tool, args, what, env=None):
+    """Runs the tool (args: bytes), expects exit 0, returns (stdout parsed, the command line)."""
+    argv = [os.fsencode(tool)] + args
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          timeout=TIMEOUT, env=env)
+    if proc.returncode != 0:
+        raise Failed(f"{what}: exit {proc.returncode}\n{proc.stderr.decode('utf-8', 'replace')}")
+    return parse(proc.stdout, f"{what}: stdout"), b" ".join(argv).decode("utf-8", "replace")
+
+
+def check_trace(path, what, commands):
+    with open(path, "rb") as f:
+        trace = parse(f.read(), f"{what}: the trace {path!r}")
+    events = trace.get("traceEvents")
+    if not isinstance(events, list) or not events:
+        raise Failed(f"{what}: the trace has no traceEvents")
+    ran = sum(1 for e in events if e.get("ph") == "X")
+    if commands and ran == 0:
+        raise Failed(f"{what}: the trace holds no command")
+    if not commands and ran != 0:
+        raise Failed(f"{what}: the trace holds {ran} commands where none ran")
+
+
+def check_header(doc, command, what):
+    """The members every report of the tool starts with."""
+    if doc.get("command") != command:
+        raise Failed(f"{what}: command is {doc.get('command')!r}, not {command!r}")
+    for key in ("commit", "tandem_version", "date"):
+        if not isinstance(doc.get(key), str) or not doc[key]:
+            raise Failed(f"{what}: no {key}")
+    if not isinstance(doc.get("machine"), dict):
+        raise Failed(f"{what}: no machine")
+
+
+def check_number_or_null(doc, key, what):
+    v = doc.get(key, "missing")
+    if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v)):
+        raise Failed(f"{what}: {key} is {v!r}")
+    return v
+
+
+def devices(tool, device, tmp):
+    doc, _ = run(tool, [b"devices", b"--json"], "devices --json")
+    ids = [d["id"] for d in doc["devices"]]
+    if not isinstance(doc.get("backends"), list) or not doc.get("version"):
+        raise Failed("devices --json: no backends or no version")
+    # Loading the backends is all `devices` does with the runtime: a trace of no commands.
+    trace = os.path.join(tmp, "devices.json")
+    env = dict(os.environ, TANDEM_TRACE=trace)
+    run(tool, [b"devices", b"--json"], "TANDEM_TRACE=... devices --json", env)
+    check_trace(trace, "TANDEM_TRACE=... devices --json", commands=False)
+    return ids
+
+
+def moe(tool, device, tmp):
+    base = [b"moe", b"--device", device.encode(), b"--tokens", b"16", b"--json"]
+    # Every expert resident: nothing is copied, so there is no hidden fraction.
+    what = "moe --device-budget 100%"
+    doc, command = run(tool, base + [b"--device-budget", b"100%"], what)
+    check_header(doc, command, what)
+    if check_number_or_null(doc, "hidden_fraction", what) is not None:
+        raise Failed(f"{what}: a hidden fraction of {doc['hidden_fraction']} with nothing copied")
+    for r in doc["runs"]:
+        if r["bytes_copied"] != 0:
+            raise Failed(f"{what}: run {r['name']!r} copied {r['bytes_copied']} bytes")
+    # Nothing resident, with decode: every figure is a number or null.
+    what = "moe --device-budget 0 --decode 2"
+    doc, command = run(tool, base + [b"--device-budget", b"0", b"--decode", b"2"], what)
+    check_header(doc, command, what)
+    for key in ("hidden_fraction", "overlap_efficiency", "link_utilization",
+                "decode_bound_tokens_per_s"):
+        check_number_or_null(doc, key, what)
+    if doc.get("check") != "ok":
+        raise Failed(f"{what}: check is {doc.get('check')!r}")
+    # A trace whose path needs escaping in the command string, and is not even UTF-8.
+    trace = os.path.join(os.fsencode(tmp), b'a "quoted" \\ back\tslash \xff.json')
+    what = "moe --trace <a path with a quote, a backslash, a tab, a byte not UTF-8>"
+    doc, command = run(tool, base + [b"--trace", trace], what)
+    check_header(doc, command, what)
+    check_trace(trace, what, commands=True)
+
+
+def overlap(tool, device, tmp):
+    trace = os.path.join(tmp, 'overlap "trace".json')
+    what = "bench overlap --json --trace"
+    doc, command = run(tool, [b"bench", b"overlap", b"--device", device.encode(), b"--reps", b"1",
+                              b"--chunks", b"4", b"--chunk-bytes", b"256K", b"--json",
+                              b"--trace", trace.encode()], what)
+    check_header(doc, command, what)
+    for key in ("speedup", "overlap_efficiency", "hidden_fraction"):
+        check_number_or_null(doc, key, what)
+    check_trace(trace, what, commands=True)
+
+
+def main():
+    if len(sys.argv) != 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    tool, device = sys.argv[1], sys.argv[2]
+    tmp = tempfile.mkdtemp(prefix="tandem-json-")
+    try:
+        ids = devices(tool, device, tmp)
+        if device not in ids:
+            print(f"skipped: no {device} here (devices: {', '.join(ids)})")
+            return 77
+        moe(tool, device, tmp)
+        overlap(tool, device, tmp)
+    except (Failed, subprocess.TimeoutExpired) as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"ok: devices, moe and bench overlap on {device} print JSON, and their traces are JSON")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
