@@ -417,7 +417,7 @@ static void slot_give(tdm__bqueue *bq, ocl_slot *s) {
 /* The event of a command holding slot w completed: on the completing thread, possibly inside
  * a submission (a held command that failed), where bq->mu is taken and ooo_drain leaves the
  * work to the holder. */
-static void slot_done(tdm__waiter *w, tdm_event *ev) {
+static void slot_done(tdm__waiter *w, tdm__event *ev) {
   ocl_slot *s = (ocl_slot *)w;
   tdm__bqueue *bq = s->bq;
   slot_give(bq, s);
