@@ -85,7 +85,7 @@ int tdm_current_queue(tdm_queue **out) {
   stack_sync();
   if (tls_depth > 0) {
     tdm_queue *h = tls_stack[tls_depth - 1];
-    if (!tdm__handle_obj(h, TDM__KIND_QUEUE))
+    if (!tdm__queue_lookup(h))
       return tdm__error(TDM_EHANDLE, 0, "this thread's current queue was destroyed; pop it");
     *out = h;
     return 0;

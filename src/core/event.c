@@ -40,7 +40,8 @@ uint64_t tdm__now_ns(void) {
 int tdm__event_get(tdm_event *h, tdm__event **out) {
   if (!h) return tdm__error(TDM_EINVAL, 0, "event is NULL");
   tdm__event *ev = tdm__handle_obj(h, TDM__KIND_EVENT);
-  if (!ev || atomic_load_explicit(&ev->urefs, memory_order_relaxed) <= 0)
+  if (!ev || atomic_load_explicit(&ev->handle, memory_order_relaxed) != (uintptr_t)h ||
+      atomic_load_explicit(&ev->urefs, memory_order_relaxed) <= 0)
     return tdm__error(TDM_EHANDLE, 0, "%p is not a live event (released, from before a "
                       "shutdown, or not an event)", (void *)h);
   *out = ev;
@@ -49,14 +50,13 @@ int tdm__event_get(tdm_event *h, tdm__event **out) {
 
 tdm_event *tdm__event_handout(tdm__event *ev) {
   if (atomic_fetch_add(&ev->urefs, 1) == 0) tdm__event_ref(ev);
-  return (tdm_event *)(uintptr_t)ev->handle;
+  return (tdm_event *)(uintptr_t)atomic_load_explicit(&ev->handle, memory_order_relaxed);
 }
 
 void tdm__event_ref(tdm__event *ev) { atomic_fetch_add(&ev->refs, 1); }
 
 void tdm__event_free(tdm__event *ev) {
   tdm__queue *q = ev->q;
-  tdm__slot_retire(ev->slot);
   void *bev = atomic_exchange(&ev->bev, NULL);
   if (bev) q->dev->be->native_release(bev);
   atomic_store_explicit(&ev->magic, TDM__MAGIC_DEAD, memory_order_relaxed);

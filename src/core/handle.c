@@ -4,7 +4,10 @@
  * for the struct's whole life; structs are pooled and recycled, and every reuse issues a new
  * generation, so a handle of a destroyed or released object stays invalid after its memory is
  * reused, and a value that was never a handle (a stray pointer, a handle of another kind) is
- * never dereferenced. Checking one costs two loads and a compare.
+ * never taken for one. The struct keeps its slot's generation while it owns the slot and the
+ * handle of its current use, so checking one costs two loads and a compare (tdm__event_get,
+ * tdm__queue_get), and issuing one (tdm__handle_make) writes only the struct: the hot paths
+ * never write this table.
  *
  * The table outlives tdm_shutdown: chunks are never returned, so a handle kept across a
  * shutdown and a new init is still recognized as stale (its slot went back to the free list
@@ -22,10 +25,9 @@ _Static_assert(sizeof(void *) == sizeof(uint64_t), "handles are 64-bit values in
 #define NO_SLOT UINT32_MAX
 
 typedef struct slot {
-  _Atomic uint64_t handle; /* the live handle, or 0 while retired */
-  void *obj;               /* the struct that owns the slot */
-  uint32_t gen;            /* the last generation issued; only the owner touches it */
-  uint32_t next_free;      /* free list link, under slot_mu */
+  _Atomic(void *) obj; /* the struct that owns the slot, or NULL */
+  uint32_t gen;        /* the last generation issued while no struct owns it; under slot_mu */
+  uint32_t next_free;  /* free list link, under slot_mu */
 } slot;
 
 static _Atomic(slot *) chunks[MAX_CHUNKS];
@@ -38,7 +40,7 @@ static slot *slot_at(uint32_t i) {
   return &c[i & (CHUNK_SLOTS - 1)];
 }
 
-int tdm__slot_new(void *obj, uint32_t *out) {
+int tdm__slot_new(void *obj, uint32_t *out, uint32_t *gen) {
   pthread_mutex_lock(&slot_mu);
   uint32_t i = free_head;
   if (i != NO_SLOT) {
@@ -59,30 +61,18 @@ int tdm__slot_new(void *obj, uint32_t *out) {
     return tdm__error(TDM_ENOMEM, 0, "every one of %u handles is in use", nslots);
   }
   slot *s = slot_at(i);
-  s->obj = obj;
-  atomic_store_explicit(&s->handle, 0, memory_order_relaxed);
+  atomic_store_explicit(&s->obj, obj, memory_order_release);
+  *gen = s->gen; /* the struct goes on from the last generation the slot issued */
   pthread_mutex_unlock(&slot_mu);
   *out = i;
   return 0;
 }
 
-uint64_t tdm__slot_issue(uint32_t i, unsigned kind) {
-  slot *s = slot_at(i);
-  if (++s->gen == 0) s->gen = 1; /* a handle is never 0 */
-  uint64_t h = (uint64_t)s->gen << 32 | (uint64_t)kind << INDEX_BITS | i;
-  atomic_store_explicit(&s->handle, h, memory_order_release);
-  return h;
-}
-
-void tdm__slot_retire(uint32_t i) {
-  atomic_store_explicit(&slot_at(i)->handle, 0, memory_order_release);
-}
-
-void tdm__slot_free(uint32_t i) {
-  tdm__slot_retire(i);
+void tdm__slot_free(uint32_t i, uint32_t gen) {
   pthread_mutex_lock(&slot_mu);
   slot *s = slot_at(i);
-  s->obj = NULL;
+  atomic_store_explicit(&s->obj, NULL, memory_order_release);
+  s->gen = gen;
   s->next_free = free_head;
   free_head = i;
   pthread_mutex_unlock(&slot_mu);
@@ -94,6 +84,5 @@ void *tdm__handle_obj(const void *handle, unsigned kind) {
   if (((uint32_t)h >> INDEX_BITS) != kind || (i >> CHUNK_SHIFT) >= MAX_CHUNKS) return NULL;
   slot *c = atomic_load_explicit(&chunks[i >> CHUNK_SHIFT], memory_order_acquire);
   if (!c) return NULL;
-  slot *s = &c[i & (CHUNK_SLOTS - 1)];
-  return atomic_load_explicit(&s->handle, memory_order_acquire) == h ? s->obj : NULL;
+  return atomic_load_explicit(&c[i & (CHUNK_SLOTS - 1)].obj, memory_order_acquire);
 }

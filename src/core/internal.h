@@ -29,15 +29,19 @@
 
 /* ---- handle.c ---- */
 enum { TDM__KIND_QUEUE = 1, TDM__KIND_EVENT = 2 };
-/* A slot for a new struct (cold: when a pool is empty); its handle is not live yet. */
-int tdm__slot_new(void *obj, uint32_t *slot);
-/* A new generation of the slot's handle, live from now on; only the struct's owner calls it. */
-uint64_t tdm__slot_issue(uint32_t slot, unsigned kind);
-/* Makes the slot's current handle invalid. */
-void tdm__slot_retire(uint32_t slot);
-/* Retires the handle and gives the slot back (the struct itself is being freed). */
-void tdm__slot_free(uint32_t slot);
-/* The struct a live handle of the kind names, or NULL. */
+/* A slot for a new struct (cold: when a pool is empty), and the slot's last generation, from
+ * which the struct goes on issuing handles. */
+int tdm__slot_new(void *obj, uint32_t *slot, uint32_t *gen);
+/* Gives the slot back with the last generation the struct issued (the struct is being freed). */
+void tdm__slot_free(uint32_t slot, uint32_t gen);
+/* A handle of the slot's next generation (*gen is the struct's copy); the struct stores it as
+ * its current handle. Only the struct's owner calls it. */
+static inline uint64_t tdm__handle_make(uint32_t slot, uint32_t *gen, unsigned kind) {
+  if (++*gen == 0) *gen = 1; /* a handle is never 0 */
+  return (uint64_t)*gen << 32 | (uint64_t)kind << 30 | slot;
+}
+/* The struct whose slot a value of the kind names, or NULL; whether the value is that struct's
+ * current handle is for the caller to compare. */
 void *tdm__handle_obj(const void *handle, unsigned kind);
 
 enum {
@@ -145,8 +149,8 @@ struct tdm__event {
   _Atomic uint32_t magic;   /* TDM__MAGIC_EVENT while in use, for internal consistency */
   _Atomic int refs;         /* every holder: the command, the tracker, the callers (one) */
   _Atomic int urefs;        /* the callers' references; together they hold one of refs */
-  uint32_t slot;            /* the handle table's slot, for the struct's life */
-  uint64_t handle;          /* the handle callers hold for this use of the struct */
+  uint32_t slot, gen;       /* the handle table's slot, for the struct's life; its generation */
+  _Atomic uint64_t handle;  /* the handle callers hold for this use of the struct */
   _Atomic int done;
   int status;
   int native;
@@ -154,8 +158,8 @@ struct tdm__event {
   uint64_t t_ns;            /* completion time on the monotonic clock, when timed */
   uint64_t seq;             /* position in its queue */
   const char *op;           /* what the command was, for messages */
-  const char *cause_op;     /* a marker reporting an earlier failure: that command's op */
-  uint64_t cause_seq;       /* and its number */
+  const char *cause_op;     /* markers only: the op of the failure the marker reports, and */
+  uint64_t cause_seq;       /* its number (set when the marker completes) */
   tdm__queue *q;             /* holds a reference on q */
   tdm__waiter *waiters;     /* under q->mu */
   _Atomic(void *) bev;      /* native event, owned (native backends); may be set after the
@@ -216,8 +220,9 @@ void tdm__signals_quiesce(void);
 /* ---- queue.c ---- */
 struct tdm__queue {
   _Atomic uint32_t magic;   /* TDM__MAGIC_QUEUE while live */
-  uint32_t slot;            /* the handle table's slot, for the struct's life */
-  uint64_t handle;          /* the handle of this queue (stale once it is destroyed) */
+  uint32_t slot, gen;       /* the handle table's slot, for the struct's life; its generation */
+  _Atomic uint64_t handle;  /* the handle of this queue while it lives, else 0 */
+  uint64_t handle_was;      /* the handle it had, for tdm_event_queue after it is destroyed */
   _Atomic bool claimed;     /* a tdm_queue_destroy is underway: a second one gets EHANDLE */
   tdm__queue *next_all;      /* ctx.queues */
   tdm__queue *next_free;     /* ctx.free_queues */
@@ -272,7 +277,12 @@ struct tdm__queue {
 int tdm__queue_get(tdm_queue *h, tdm__queue **q);
 /* q's handle as the caller sees it. */
 static inline tdm_queue *tdm__queue_handle(const tdm__queue *q) {
-  return (tdm_queue *)(uintptr_t)q->handle;
+  return (tdm_queue *)(uintptr_t)q->handle_was;
+}
+/* The live queue h names, or NULL (no other check). */
+static inline tdm__queue *tdm__queue_lookup(tdm_queue *h) {
+  tdm__queue *q = tdm__handle_obj(h, TDM__KIND_QUEUE);
+  return q && atomic_load_explicit(&q->handle, memory_order_relaxed) == (uintptr_t)h ? q : NULL;
 }
 int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, bool owned,
                                tdm__queue **out);

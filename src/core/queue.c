@@ -8,7 +8,7 @@
 
 int tdm__queue_get(tdm_queue *h, tdm__queue **out) {
   if (!h) return tdm__error(TDM_EINVAL, 0, "queue is NULL");
-  tdm__queue *q = tdm__handle_obj(h, TDM__KIND_QUEUE);
+  tdm__queue *q = tdm__queue_lookup(h);
   if (!q)
     return tdm__error(TDM_EHANDLE, 0, "%p is not a live queue (destroyed, from before a "
                       "shutdown, or not a queue)", (void *)h);
@@ -35,7 +35,7 @@ static tdm__queue *queue_struct(void) {
   tdm__queue *q = tdm__g.free_queues;
   if (q) {
     tdm__g.free_queues = q->next_free;
-  } else if ((q = tdm__calloc(1, sizeof *q)) && tdm__slot_new(q, &q->slot)) {
+  } else if ((q = tdm__calloc(1, sizeof *q)) && tdm__slot_new(q, &q->slot, &q->gen)) {
     free(q);
     q = NULL;
   } else if (q) {
@@ -92,7 +92,8 @@ int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, boo
   atomic_store(&q->refs, 1);
   atomic_fetch_add(&tdm__g.n_queues, 1);
   atomic_store(&q->magic, TDM__MAGIC_QUEUE);
-  q->handle = tdm__slot_issue(q->slot, TDM__KIND_QUEUE);
+  q->handle_was = tdm__handle_make(q->slot, &q->gen, TDM__KIND_QUEUE);
+  atomic_store(&q->handle, q->handle_was);
   *out = q;
   return 0;
 }
@@ -131,7 +132,7 @@ int tdm__queue_destroy_internal(tdm__queue *q) {
   pthread_mutex_unlock(&q->submit_mu);
   if (stock) atomic_fetch_sub(&q->refs, stock);
   atomic_store(&q->magic, TDM__MAGIC_DEAD);
-  tdm__slot_retire(q->slot);
+  atomic_store(&q->handle, 0);
   atomic_fetch_sub(&tdm__g.n_queues, 1);
   tdm__queue_unref(q);
   if (status < 0) tdm__error(status, 0, "%s had an unreported error", q->label);
@@ -148,7 +149,7 @@ void tdm__queues_free_all(void) {
     /* Events still held by the caller are freed too: they became invalid at shutdown. */
     for (tdm__event *ev = q->all_events, *nx; ev; ev = nx) {
       nx = ev->next_all;
-      tdm__slot_free(ev->slot);
+      tdm__slot_free(ev->slot, ev->gen);
       free(ev);
     }
     q->events.local = NULL;
@@ -159,7 +160,7 @@ void tdm__queues_free_all(void) {
     pthread_cond_destroy(&q->cv);
     pthread_mutex_destroy(&q->xq.mu);
     pthread_cond_destroy(&q->xq.cv);
-    tdm__slot_free(q->slot);
+    tdm__slot_free(q->slot, q->gen);
     free(q);
     q = n;
   }
@@ -205,7 +206,7 @@ int tdm_queue_adopt(tdm_device *dev, void *native, unsigned flags, tdm_queue **o
 int tdm_queue_destroy(tdm_queue *h) {
   TDM__ENTER();
   if (!h) return tdm__error(TDM_EINVAL, 0, "queue is NULL");
-  tdm__queue *q = tdm__handle_obj(h, TDM__KIND_QUEUE);
+  tdm__queue *q = tdm__queue_lookup(h);
   if (q && q->owned_by_tandem)
     return tdm__error(TDM_EBUSY, 0, "%s is a default queue owned by tandem", q->label);
   if (!q || atomic_exchange(&q->claimed, true))

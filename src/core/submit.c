@@ -56,7 +56,7 @@ static int reserve(tdm__queue *q, size_t total, tdm__cmd **cmd_out, tdm__event *
   }
   tdm__event *ev = tdm__pool_get(&q->events);
   if (!ev && (ev = tdm__calloc(1, sizeof *ev))) {
-    if (tdm__slot_new(ev, &ev->slot)) {
+    if (tdm__slot_new(ev, &ev->slot, &ev->gen)) {
       free(ev);
       ev = NULL;
     } else {
@@ -169,8 +169,6 @@ int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
   ev->t_ns = 0;
   ev->seq = q->seq + 1;
   ev->op = spec->op;
-  ev->cause_op = NULL;
-  ev->cause_seq = 0;
   ev->q = q;
   ev->waiters = NULL;
   atomic_store_explicit(&ev->bev, NULL, memory_order_relaxed);
@@ -182,7 +180,8 @@ int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
   }
   q->ref_stock--; /* the event's reference to its queue */
   atomic_store_explicit(&ev->magic, TDM__MAGIC_EVENT, memory_order_relaxed);
-  ev->handle = tdm__slot_issue(ev->slot, TDM__KIND_EVENT);
+  uint64_t handle = tdm__handle_make(ev->slot, &ev->gen, TDM__KIND_EVENT);
+  atomic_store_explicit(&ev->handle, handle, memory_order_relaxed);
   cmd->ev = ev;
   atomic_store_explicit(&q->n_submitted,
                         atomic_load_explicit(&q->n_submitted, memory_order_relaxed) + 1,
@@ -206,7 +205,7 @@ int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
     q->gate = ev;
   }
   if (out) *out = ev;
-  if (out_handle) *out_handle = (tdm_event *)(uintptr_t)ev->handle;
+  if (out_handle) *out_handle = (tdm_event *)(uintptr_t)handle;
   return 0;
 }
 
@@ -289,10 +288,8 @@ void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native) {
     pthread_mutex_lock(&q->mu);
     status = (cmd->flags & TDM__CMD_SYNC) ? atomic_exchange(&q->first_error, 0)
                                            : atomic_load(&q->first_error);
-    if (status) {
-      cmd->ev->cause_op = q->first_error_op;
-      cmd->ev->cause_seq = q->first_error_seq;
-    }
+    cmd->ev->cause_op = status ? q->first_error_op : NULL; /* read only for markers */
+    cmd->ev->cause_seq = status ? q->first_error_seq : 0;
     pthread_mutex_unlock(&q->mu);
     if ((cmd->flags & TDM__CMD_SYNC) && !ooo(q)) q->chain_error = 0;
     if (!status && nstatus) status = nstatus;
