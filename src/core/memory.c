@@ -1,5 +1,7 @@
 /* memory.c: allocation, registration and the registry that resolves any pointer to the
  * allocation holding it, so copies are checked (kind, device, range) before they are queued. */
+#include <stddef.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -89,6 +91,11 @@ int tdm_malloc(tdm_device *dev, tdm_mem_kind kind, size_t size, void **ptr) {
   if (size == 0) return tdm__error(TDM_EINVAL, 0, "tdm_malloc: size is 0");
   if (kind != TDM_MEM_DEVICE && kind != TDM_MEM_PINNED && kind != TDM_MEM_HOST)
     return tdm__error(TDM_EINVAL, 0, "tdm_malloc: kind %d cannot be allocated", (int)kind);
+  /* Larger than any object can be, or than the device holds: no backend is asked. */
+  if (size > PTRDIFF_MAX || (kind == TDM_MEM_DEVICE && dev->info.total_memory &&
+                             size > dev->info.total_memory))
+    return tdm__error(TDM_ENOMEM, 0, "allocating %zu bytes of %s memory on %s: more than it "
+                      "can hold", size, kind_name(kind), dev->info.id);
   void *p = NULL;
   rc = TDM__BCALL(dev, dev->be->mem_alloc(dev->bindex, kind, size, &p));
   if (rc)

@@ -83,6 +83,15 @@ static void hand_over(tdm__cmd *cmd, cu_event *done, cu_event *wait, cu_gate *ga
 }
 
 static int host_work(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
+  if (bq->ooo) {
+    /* Out of order: a pool thread runs it once its dependencies have completed, and later
+     * work waits only for what it names (through a gate on the tandem event). A gate on a
+     * stream here would also hold the unrelated commands the round robin puts behind it, so
+     * a host task waiting for a later one could wait for itself. */
+    if (cmd->kind != TDM__CMD_HOST) cmd->flags |= TDM__CMD_ON_HOST;
+    hand_over(cmd, NULL, NULL, NULL);
+    return 0;
+  }
   cu_event *pre, *done;
   int rc = record(bq, si, &pre);
   if (rc) return rc;
