@@ -18,19 +18,15 @@
 
 _Static_assert(sizeof(void *) == sizeof(uint64_t), "handles are 64-bit values in pointer types");
 
-#define CHUNK_SHIFT 12
+#define CHUNK_SHIFT TDM__SLOT_CHUNK_SHIFT
 #define CHUNK_SLOTS (1u << CHUNK_SHIFT)
-#define MAX_CHUNKS 4096u /* 16M slots: more live queues and events than memory could hold */
-#define INDEX_BITS 30
+#define MAX_CHUNKS TDM__SLOT_MAX_CHUNKS
 #define NO_SLOT UINT32_MAX
 
-typedef struct slot {
-  _Atomic(void *) obj; /* the struct that owns the slot, or NULL */
-  uint32_t gen;        /* the last generation issued while no struct owns it; under slot_mu */
-  uint32_t next_free;  /* free list link, under slot_mu */
-} slot;
+typedef tdm__slot slot;
 
-static _Atomic(slot *) chunks[MAX_CHUNKS];
+_Atomic(tdm__slot *) tdm__slot_chunks[TDM__SLOT_MAX_CHUNKS];
+#define chunks tdm__slot_chunks
 static pthread_mutex_t slot_mu = PTHREAD_MUTEX_INITIALIZER;
 static uint32_t nslots;             /* slots ever made; under slot_mu */
 static uint32_t free_head = NO_SLOT; /* under slot_mu */
@@ -76,13 +72,4 @@ void tdm__slot_free(uint32_t i, uint32_t gen) {
   s->next_free = free_head;
   free_head = i;
   pthread_mutex_unlock(&slot_mu);
-}
-
-void *tdm__handle_obj(const void *handle, unsigned kind) {
-  uint64_t h = (uint64_t)(uintptr_t)handle;
-  uint32_t i = (uint32_t)h & ((1u << INDEX_BITS) - 1);
-  if (((uint32_t)h >> INDEX_BITS) != kind || (i >> CHUNK_SHIFT) >= MAX_CHUNKS) return NULL;
-  slot *c = atomic_load_explicit(&chunks[i >> CHUNK_SHIFT], memory_order_acquire);
-  if (!c) return NULL;
-  return atomic_load_explicit(&c[i & (CHUNK_SLOTS - 1)].obj, memory_order_acquire);
 }

@@ -339,6 +339,7 @@ void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native) {
 /* Submits with a caller's dependency list, resolved to events for the call's length. */
 static int submit_public(tdm__queue *q, const tdm__spec *s, size_t ndeps,
                          tdm_event *const *deps, tdm_event **out) {
+  if (ndeps == 0) return tdm__submit(q, s, 0, NULL, NULL, out);
   tdm__deplist d;
   int rc = tdm__deps_get(ndeps, deps, &d);
   if (rc) return rc;
