@@ -25,14 +25,14 @@ _Static_assert(sizeof(void *) == sizeof(uint64_t), "handles are 64-bit values in
 
 typedef tdm__slot slot;
 
+/* Read without a lock by tdm__handle_obj (internal.h). */
 _Atomic(tdm__slot *) tdm__slot_chunks[TDM__SLOT_MAX_CHUNKS];
-#define chunks tdm__slot_chunks
 static pthread_mutex_t slot_mu = PTHREAD_MUTEX_INITIALIZER;
 static uint32_t nslots;             /* slots ever made; under slot_mu */
 static uint32_t free_head = NO_SLOT; /* under slot_mu */
 
 static slot *slot_at(uint32_t i) {
-  slot *c = atomic_load_explicit(&chunks[i >> CHUNK_SHIFT], memory_order_acquire);
+  slot *c = atomic_load_explicit(&tdm__slot_chunks[i >> CHUNK_SHIFT], memory_order_acquire);
   return &c[i & (CHUNK_SLOTS - 1)];
 }
 
@@ -43,13 +43,13 @@ int tdm__slot_new(void *obj, uint32_t *out, uint32_t *gen) {
     free_head = slot_at(i)->next_free;
   } else if (nslots < MAX_CHUNKS * CHUNK_SLOTS) {
     i = nslots;
-    if (!atomic_load_explicit(&chunks[i >> CHUNK_SHIFT], memory_order_relaxed)) {
+    if (!atomic_load_explicit(&tdm__slot_chunks[i >> CHUNK_SHIFT], memory_order_relaxed)) {
       slot *c = tdm__calloc(CHUNK_SLOTS, sizeof *c);
       if (!c) {
         pthread_mutex_unlock(&slot_mu);
         return tdm__error(TDM_ENOMEM, 0, "no memory for the handle table");
       }
-      atomic_store_explicit(&chunks[i >> CHUNK_SHIFT], c, memory_order_release);
+      atomic_store_explicit(&tdm__slot_chunks[i >> CHUNK_SHIFT], c, memory_order_release);
     }
     nslots++;
   } else {
