@@ -204,6 +204,24 @@ static PyObject *get_ptr(BufferObject *self, void *closure) {
   return PyLong_FromVoidPtr(self->ptr);
 }
 
+static PyObject *get_cl_mem(BufferObject *self, void *closure) {
+  tdmpy_state *st = tdmpy_state_of_type(Py_TYPE(self));
+  DeviceObject *d = (DeviceObject *)self->device;
+  if (self->kind != TDM_MEM_DEVICE || strcmp(d->info.backend, "opencl") != 0) {
+    PyErr_Format(st->errors[-TDM_ENOTSUP], "cl_mem: not OpenCL device memory");
+    return NULL;
+  }
+  if (!self->ptr || self->released) {
+    PyErr_SetString(st->errors[-TDM_EHANDLE], "the buffer was freed");
+    return NULL;
+  }
+  void *native;
+  size_t offset;
+  int rc = tdm_mem_native(self->ptr, &native, &offset);
+  if (rc < 0) return tdmpy_raise(st, rc);
+  return PyLong_FromVoidPtr(native);
+}
+
 static PyObject *get_nbytes(BufferObject *self, void *closure) {
   return PyLong_FromSize_t(self->nbytes);
 }
@@ -246,6 +264,9 @@ static PyMethodDef buffer_methods[] = {
 
 static PyGetSetDef buffer_getset[] = {
     {"ptr", (getter)get_ptr, NULL, "The address (a tandem pointer) as an integer.", NULL},
+    {"cl_mem", (getter)get_cl_mem, NULL,
+     "The cl_mem holding the buffer, as an integer for pyopencl.Buffer.from_int_ptr (OpenCL\n"
+     "device memory). tandem's OpenCL pointers are not addresses.", NULL},
     {"nbytes", (getter)get_nbytes, NULL, "The size in bytes.", NULL},
     {"kind", (getter)get_kind, NULL, "'device', 'pinned' or 'host'.", NULL},
     {"device", (getter)get_obj, NULL, "The Device it was allocated on.", NULL},

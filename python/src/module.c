@@ -400,6 +400,12 @@ static int module_exec(PyObject *m) {
   atomic_store(&tdmpy_python_gone, 0);
   if (make_devices(st) < 0) return -1;
   if (PyModule_AddStringConstant(m, "tandem_version", tdm_version_string()) < 0) return -1;
+#ifdef TDMPY_HAVE_EVENT_IMPORT
+  PyObject *has_import = Py_True;
+#else
+  PyObject *has_import = Py_False;
+#endif
+  if (PyModule_AddObjectRef(m, "has_event_import", has_import) < 0) return -1;
   return 0;
 }
 
