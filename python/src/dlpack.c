@@ -121,12 +121,10 @@ static int order_for_consumer(tdmpy_state *st, BufferObject *self, DLDevice dev,
     }
     return tdmpy_buffer_sync(st, self);
   }
-  void *consumer = stream == Py_None ? (void *)1 : PyLong_AsVoidPtr(stream); /* 1: legacy */
+  /* None, and 0 (which the standard leaves out), name the legacy default stream (1). */
+  void *consumer = stream == Py_None ? NULL : PyLong_AsVoidPtr(stream);
   if (PyErr_Occurred()) return -1;
-  if (!consumer) {
-    PyErr_SetString(PyExc_BufferError, "__dlpack__: stream 0 is ambiguous (use 1 or 2)");
-    return -1;
-  }
+  if (!consumer) consumer = (void *)1;
   QueueObject *q = (QueueObject *)self->queue;
   void *mine = NULL;
   if (!q->q) return 0;

@@ -63,6 +63,7 @@ def test_dlpack_and_cai_round_trip(torch_dev, rng):
     src = torch.from_numpy(random_floats(rng, N)).cuda()
     torch.cuda.current_stream().synchronize()
     dst = torch.full((N,), float("nan"), device="cuda")
+    torch.cuda.current_stream().synchronize()  # PyTorch's CAI names no stream
     q.copy(dst, src)
     q.synchronize()
     assert_same(dst.cpu().numpy(), src.cpu().numpy())
