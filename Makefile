@@ -48,7 +48,8 @@ check-asan: bootstrap
 check-tsan: bootstrap
 	@cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DTANDEM_SANITIZE=thread $(CMAKE_FLAGS) >/dev/null
 	@cmake --build build-tsan -j $(JOBS)
-	cd build-tsan && ctest --output-on-failure -j $(JOBS) -LE nosan
+	cd build-tsan && TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp $(TSAN_OPTIONS)" \
+	  ctest --output-on-failure -j $(JOBS) -LE nosan
 
 bench: build
 	./build/bench/bench-runtime --json bench/results/runtime-cpu.json

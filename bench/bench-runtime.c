@@ -74,7 +74,8 @@ typedef struct ctx {
 /* Reports a failed tandem call. It must come before any other tandem call of this thread,
  * cleanup included: tdm_last_error() is valid only until the thread's next call. */
 static int report(const char *what, int rc) {
-  fprintf(stderr, "bench-runtime: %s failed: %s: %s\n", what, tdm_err_name(rc), tdm_last_error());
+  /* tdm_last_error() starts with the code's name */
+  fprintf(stderr, "bench-runtime: %s failed: %s\n", what, tdm_last_error());
   return rc;
 }
 

@@ -75,8 +75,8 @@ int placement_pin_tandem_worker(tdm_queue *q, const cpu_set_t *set) {
   if (submitted)
     rc = tdm_event_wait(ev);
   if (rc < 0) /* reported before the release below could replace tdm_last_error() */
-    fprintf(stderr, "bench-runtime: pinning a queue's worker with a host task failed: %s: %s\n",
-            tdm_err_name(rc), tdm_last_error());
+    fprintf(stderr, "bench-runtime: pinning a queue's worker with a host task failed: %s\n",
+            tdm_last_error()); /* the message starts with the code's name */
   if (submitted)
     tdm_event_release(ev);
   return rc;

@@ -1578,6 +1578,50 @@ TEST_CASE(tracker_overflow) {
   th_close();
 }
 
+/* A tracked foreign event that fails before the tracker collapses it makes the collapse barrier
+ * fail, and through it later work on q that never named the event (the header says so): it
+ * completes with TDM_EDEP, the next sync reports the failure once, and q stays usable. A
+ * tdm_queue_dependencies call with a small cap submits that barrier itself. */
+static int task_fail_after_gate(void *arg) {
+  th_gate_wait(arg, TH_HANG_MS);
+  return TDM_EINVAL;
+}
+
+TEST_CASE(tracker_collapse_failure) {
+  CHECK(setenv("TANDEM_TRACKER_CAPACITY", "2", 1) == 0);
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_IN_ORDER), *r = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  th_gate gate;
+  th_gate_init(&gate);
+  atomic_int ran = 0;
+  tdm_event *bad = NULL, *other = NULL, *one = NULL, *later = NULL;
+  size_t n = 0;
+  CHECK_OK(tdm_host_task(r, task_fail_after_gate, &gate, 0, NULL, &bad));
+  CHECK_OK(tdm_host_task(r, task_count, &ran, 0, NULL, &other));
+  CHECK_OK(tdm_queue_track(q, bad));
+  CHECK_OK(tdm_queue_track(q, other));
+  CHECK_OK(tdm_queue_dependencies(q, &one, 1, &n)); /* collapses: submits the barrier to q */
+  CHECK_EQ(n, 1);
+  CHECK_OK(tdm_host_task(q, task_count, &ran, 0, NULL, &later));
+  th_gate_open(&gate);
+  CHECK_RC(tdm_event_wait(bad), TDM_EINVAL);
+  CHECK_RC(tdm_event_wait(one), TDM_EDEP);
+  CHECK_RC(tdm_event_wait(later), TDM_EDEP); /* never named bad, did not run */
+  CHECK_RC(tdm_queue_sync(q), TDM_EDEP);
+  CHECK_OK(tdm_queue_sync(q)); /* reported once */
+  CHECK_OK(tdm_host_task(q, task_count, &ran, 0, NULL, NULL));
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_RC(tdm_queue_sync(r), TDM_EINVAL);
+  CHECK_EQ(atomic_load(&ran), 1); /* only the task after the failure was reported (other
+                                     ran behind bad on r, so it failed with TDM_EDEP too) */
+  tdm_event *held[] = {bad, other, one, later};
+  release_all(held, 4);
+  CHECK_OK(tdm_queue_destroy(q));
+  CHECK_OK(tdm_queue_destroy(r));
+  th_gate_destroy(&gate);
+  th_close();
+}
+
 /* ---- Default and current queues ---------------------------------------------------------- */
 
 TEST_CASE(default_queue) {

@@ -360,8 +360,8 @@ int tool_cmd_moe(int argc, char **argv) {
       m = NULL;
     }
     if (rc) {
-      fprintf(stderr, "tandem: the all-resident reference could not run (%s: %s); no check\n",
-              tdm_err_name(rc), tdm_last_error());
+      fprintf(stderr, "tandem: the all-resident reference could not run (%s); no check\n",
+              tdm_last_error()); /* the message starts with the code's name */
       free(yref);
       yref = NULL;
       nruns = 0;

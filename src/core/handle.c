@@ -18,25 +18,21 @@
 
 _Static_assert(sizeof(void *) == sizeof(uint64_t), "handles are 64-bit values in pointer types");
 
-#define CHUNK_SHIFT 12
+#define CHUNK_SHIFT TDM__SLOT_CHUNK_SHIFT
 #define CHUNK_SLOTS (1u << CHUNK_SHIFT)
-#define MAX_CHUNKS 4096u /* 16M slots: more live queues and events than memory could hold */
-#define INDEX_BITS 30
+#define MAX_CHUNKS TDM__SLOT_MAX_CHUNKS
 #define NO_SLOT UINT32_MAX
 
-typedef struct slot {
-  _Atomic(void *) obj; /* the struct that owns the slot, or NULL */
-  uint32_t gen;        /* the last generation issued while no struct owns it; under slot_mu */
-  uint32_t next_free;  /* free list link, under slot_mu */
-} slot;
+typedef tdm__slot slot;
 
-static _Atomic(slot *) chunks[MAX_CHUNKS];
+/* Read without a lock by tdm__handle_obj (internal.h). */
+_Atomic(tdm__slot *) tdm__slot_chunks[TDM__SLOT_MAX_CHUNKS];
 static pthread_mutex_t slot_mu = PTHREAD_MUTEX_INITIALIZER;
 static uint32_t nslots;             /* slots ever made; under slot_mu */
 static uint32_t free_head = NO_SLOT; /* under slot_mu */
 
 static slot *slot_at(uint32_t i) {
-  slot *c = atomic_load_explicit(&chunks[i >> CHUNK_SHIFT], memory_order_acquire);
+  slot *c = atomic_load_explicit(&tdm__slot_chunks[i >> CHUNK_SHIFT], memory_order_acquire);
   return &c[i & (CHUNK_SLOTS - 1)];
 }
 
@@ -47,13 +43,13 @@ int tdm__slot_new(void *obj, uint32_t *out, uint32_t *gen) {
     free_head = slot_at(i)->next_free;
   } else if (nslots < MAX_CHUNKS * CHUNK_SLOTS) {
     i = nslots;
-    if (!atomic_load_explicit(&chunks[i >> CHUNK_SHIFT], memory_order_relaxed)) {
+    if (!atomic_load_explicit(&tdm__slot_chunks[i >> CHUNK_SHIFT], memory_order_relaxed)) {
       slot *c = tdm__calloc(CHUNK_SLOTS, sizeof *c);
       if (!c) {
         pthread_mutex_unlock(&slot_mu);
         return tdm__error(TDM_ENOMEM, 0, "no memory for the handle table");
       }
-      atomic_store_explicit(&chunks[i >> CHUNK_SHIFT], c, memory_order_release);
+      atomic_store_explicit(&tdm__slot_chunks[i >> CHUNK_SHIFT], c, memory_order_release);
     }
     nslots++;
   } else {
@@ -76,13 +72,4 @@ void tdm__slot_free(uint32_t i, uint32_t gen) {
   s->next_free = free_head;
   free_head = i;
   pthread_mutex_unlock(&slot_mu);
-}
-
-void *tdm__handle_obj(const void *handle, unsigned kind) {
-  uint64_t h = (uint64_t)(uintptr_t)handle;
-  uint32_t i = (uint32_t)h & ((1u << INDEX_BITS) - 1);
-  if (((uint32_t)h >> INDEX_BITS) != kind || (i >> CHUNK_SHIFT) >= MAX_CHUNKS) return NULL;
-  slot *c = atomic_load_explicit(&chunks[i >> CHUNK_SHIFT], memory_order_acquire);
-  if (!c) return NULL;
-  return atomic_load_explicit(&c[i & (CHUNK_SLOTS - 1)].obj, memory_order_acquire);
 }

@@ -29,6 +29,7 @@
 
 /* ---- handle.c ---- */
 enum { TDM__KIND_QUEUE = 1, TDM__KIND_EVENT = 2 };
+#define TDM__HANDLE_INDEX_BITS 30 /* a handle: [generation:32][kind:2][index:30] */
 /* A slot for a new struct (cold: when a pool is empty), and the slot's last generation, from
  * which the struct goes on issuing handles. */
 int tdm__slot_new(void *obj, uint32_t *slot, uint32_t *gen);
@@ -38,11 +39,30 @@ void tdm__slot_free(uint32_t slot, uint32_t gen);
  * its current handle. Only the struct's owner calls it. */
 static inline uint64_t tdm__handle_make(uint32_t slot, uint32_t *gen, unsigned kind) {
   if (++*gen == 0) *gen = 1; /* a handle is never 0 */
-  return (uint64_t)*gen << 32 | (uint64_t)kind << 30 | slot;
+  return (uint64_t)*gen << 32 | (uint64_t)kind << TDM__HANDLE_INDEX_BITS | slot;
 }
+/* The table: chunks of slots, made as needed and never freed. */
+#define TDM__SLOT_CHUNK_SHIFT 12
+#define TDM__SLOT_MAX_CHUNKS 4096u /* 16M slots: more live objects than memory could hold */
+typedef struct tdm__slot {
+  _Atomic(void *) obj; /* the struct that owns the slot, or NULL */
+  uint32_t gen;        /* the last generation issued while no struct owns it; under a lock */
+  uint32_t next_free;  /* free list link, under the same lock */
+} tdm__slot;
+extern _Atomic(tdm__slot *) tdm__slot_chunks[TDM__SLOT_MAX_CHUNKS];
 /* The struct whose slot a value of the kind names, or NULL; whether the value is that struct's
- * current handle is for the caller to compare. */
-void *tdm__handle_obj(const void *handle, unsigned kind);
+ * current handle is for the caller to compare. Inline: every public call resolves handles. */
+static inline void *tdm__handle_obj(const void *handle, unsigned kind) {
+  uint64_t h = (uint64_t)(uintptr_t)handle;
+  uint32_t i = (uint32_t)h & ((1u << TDM__HANDLE_INDEX_BITS) - 1);
+  if (((uint32_t)h >> TDM__HANDLE_INDEX_BITS) != kind || (i >> TDM__SLOT_CHUNK_SHIFT) >= TDM__SLOT_MAX_CHUNKS)
+    return NULL;
+  tdm__slot *c =
+      atomic_load_explicit(&tdm__slot_chunks[i >> TDM__SLOT_CHUNK_SHIFT], memory_order_acquire);
+  if (!c) return NULL;
+  return atomic_load_explicit(&c[i & ((1u << TDM__SLOT_CHUNK_SHIFT) - 1)].obj,
+                              memory_order_acquire);
+}
 
 enum {
   TDM__MAGIC_QUEUE = 0x51554555u, /* "QUEU" */

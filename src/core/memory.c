@@ -292,7 +292,7 @@ static const char *dir_name(tdm_copy_dir d) {
   return (unsigned)d < 5 ? names[d] : "invalid";
 }
 
-static int check_copy(tdm__queue *q, tdm_device *alt, const side *d, const side *s,
+static inline __attribute__((always_inline)) int check_copy(tdm__queue *q, tdm_device *alt, const side *d, const side *s,
                       tdm_copy_dir *dir) {
   tdm_copy_dir want = s->device ? (d->device ? TDM_COPY_D2D : TDM_COPY_D2H)
                                 : (d->device ? TDM_COPY_H2D : TDM_COPY_H2H);
@@ -310,7 +310,7 @@ static int check_copy(tdm__queue *q, tdm_device *alt, const side *d, const side 
 }
 
 /* Copies whose ranges overlap are refused on every backend (none of them promises memmove). */
-static int check_overlap(const void *dst, const void *src, size_t n) {
+static inline int check_overlap(const void *dst, const void *src, size_t n) {
   uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
   if (d < s + n && s < d + n)
     return tdm__error(TDM_EINVAL, 0, "source %p and destination %p overlap in %zu bytes", src,
@@ -318,7 +318,7 @@ static int check_overlap(const void *dst, const void *src, size_t n) {
   return 0;
 }
 
-static int resolve_both(void *dst, const void *src, size_t n, side *d, side *s) {
+static inline __attribute__((always_inline)) int resolve_both(void *dst, const void *src, size_t n, side *d, side *s) {
   if (!dst || !src) return tdm__error(TDM_EINVAL, 0, "memcpy: NULL %s", dst ? "src" : "dst");
   int rc = check_overlap(dst, src, n);
   if (rc) return rc;

@@ -285,12 +285,16 @@ void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native) {
 
   if (cmd->kind == TDM__CMD_MARKER) {
     /* A marker reports the queue's first error since the last sync; a sync marker clears it. */
-    pthread_mutex_lock(&q->mu);
-    status = (cmd->flags & TDM__CMD_SYNC) ? atomic_exchange(&q->first_error, 0)
-                                           : atomic_load(&q->first_error);
-    cmd->ev->cause_op = status ? q->first_error_op : NULL; /* read only for markers */
-    cmd->ev->cause_seq = status ? q->first_error_seq : 0;
-    pthread_mutex_unlock(&q->mu);
+    status = 0;
+    cmd->ev->cause_op = NULL; /* read only for markers */
+    if (atomic_load(&q->first_error)) { /* rare: the error comes with its command's name */
+      pthread_mutex_lock(&q->mu);
+      status = (cmd->flags & TDM__CMD_SYNC) ? atomic_exchange(&q->first_error, 0)
+                                             : atomic_load(&q->first_error);
+      cmd->ev->cause_op = q->first_error_op;
+      cmd->ev->cause_seq = q->first_error_seq;
+      pthread_mutex_unlock(&q->mu);
+    }
     if ((cmd->flags & TDM__CMD_SYNC) && !ooo(q)) q->chain_error = 0;
     if (!status && nstatus) status = nstatus;
     tdm__cmd_done(cmd, status, native);
@@ -339,6 +343,7 @@ void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native) {
 /* Submits with a caller's dependency list, resolved to events for the call's length. */
 static int submit_public(tdm__queue *q, const tdm__spec *s, size_t ndeps,
                          tdm_event *const *deps, tdm_event **out) {
+  if (ndeps == 0) return tdm__submit(q, s, 0, NULL, NULL, out);
   tdm__deplist d;
   int rc = tdm__deps_get(ndeps, deps, &d);
   if (rc) return rc;
