@@ -154,6 +154,10 @@ PyObject *tdmpy_buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw) 
   }
   if (dl_device != Py_None) {
     int t, id;
+    if (!PyTuple_Check(dl_device)) {
+      PyErr_SetString(PyExc_TypeError, "__dlpack__: dl_device must be a tuple (type, id)");
+      return NULL;
+    }
     if (!PyArg_ParseTuple(dl_device, "ii", &t, &id)) return NULL;
     if (t != dev.device_type || id != dev.device_id) {
       PyErr_SetString(PyExc_BufferError, "__dlpack__: dl_device differs from the buffer's");
@@ -163,6 +167,10 @@ PyObject *tdmpy_buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw) 
   int versioned = 0;
   if (max_version != Py_None) {
     int major, minor;
+    if (!PyTuple_Check(max_version)) {
+      PyErr_SetString(PyExc_TypeError, "__dlpack__: max_version must be a tuple (major, minor)");
+      return NULL;
+    }
     if (!PyArg_ParseTuple(max_version, "ii", &major, &minor)) return NULL;
     versioned = major >= 1;
   }

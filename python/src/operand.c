@@ -297,7 +297,9 @@ static int dlpack_operand(tdmpy_state *st, QueueObject *q, PyObject *obj, tdmpy_
   PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
   if (!dev) return -1;
   int type = -1, id = 0;
-  if (!PyArg_ParseTuple(dev, "ii", &type, &id)) {
+  if (!PyTuple_Check(dev) || !PyArg_ParseTuple(dev, "ii", &type, &id)) {
+    if (!PyErr_Occurred())
+      PyErr_SetString(PyExc_TypeError, "__dlpack_device__() must return (type, id)");
     Py_DECREF(dev);
     return -1;
   }

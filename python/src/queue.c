@@ -673,6 +673,13 @@ static PyObject *queue_adopt(PyTypeObject *tp, PyObject *args, PyObject *kw) {
   device = adopt_device(st, device, cl_context);
   Py_XDECREF(cl_context);
   if (!device) return NULL;
+  /* A raw handle is taken on trust, as in C; not on CPU devices, though: nothing in Python
+   * makes a tdm_cpu_stream, and tandem would read through whatever pointer it was given. */
+  if (strcmp(((DeviceObject *)device)->info.backend, "cpu") == 0) {
+    PyErr_SetString(st->errors[-TDM_ENOTSUP], "adopt: CPU devices have no foreign queues to "
+                    "adopt (CUDA and OpenCL devices do)");
+    return NULL;
+  }
   unsigned flags = make_flags(in_order, timing);
   tdm_queue *q;
   int rc;
@@ -744,8 +751,9 @@ static PyMethodDef queue_methods[] = {
      "adopt(obj, device=None, in_order=None, timing=False) -> Queue\n--\n\n"
      "Wraps a native queue: an object with __cuda_stream__ (cupy.cuda.Stream, torch.cuda.Stream,\n"
      "cuda.core streams), a pyopencl.CommandQueue made in tandem's context (its device and\n"
-     "in-order property are found from it), or a raw handle. obj is kept alive and never\n"
-     "destroyed by tandem."},
+     "in-order property are found from it), or a raw cudaStream_t / cl_command_queue integer\n"
+     "(taken on trust, as in C: it must be a live queue of device). obj is kept alive and\n"
+     "never destroyed by tandem."},
     {"__enter__", (PyCFunction)queue_enter, METH_NOARGS,
      "Makes the queue this thread's current queue for its device (CuPy's `with stream:`)."},
     {"__exit__", (PyCFunction)queue_exit, METH_VARARGS, "Restores the previous current queue."},

@@ -123,3 +123,39 @@ def test_free_refused_while_viewed(device):
 def test_default_queue_cannot_be_destroyed(device):
     with pytest.raises(tandem.BusyError):
         tandem.get_default_queue(device).destroy()
+
+
+def test_backend_specific_handles_raise_elsewhere(cpu):
+    q = tandem.Queue(cpu)
+    with pytest.raises(tandem.NotSupportedError):
+        q.__cuda_stream__()
+    with pytest.raises(tandem.NotSupportedError):
+        q.cl_command_queue
+    with pytest.raises(tandem.NotSupportedError):
+        cpu.cl_context
+    with pytest.raises(tandem.NotSupportedError):
+        tandem.malloc(16, "device", cpu).cl_mem
+    assert cpu.native is None
+
+
+def test_adopt_raw_handle_refused_on_cpu(cpu):
+    with pytest.raises(tandem.NotSupportedError):
+        tandem.Queue.adopt(12345, device=cpu)  # nothing in Python makes a tdm_cpu_stream
+    with pytest.raises(TypeError):
+        tandem.Queue.adopt(object())
+
+
+def test_dlpack_arguments_checked(device):
+    buf = tandem.malloc(64, "pinned", device)
+    with pytest.raises(TypeError):
+        buf.__dlpack__(max_version="x")
+    with pytest.raises(TypeError):
+        buf.__dlpack__(dl_device=1)
+    with pytest.raises(BufferError):
+        buf.__dlpack__(dl_device=(2, 0))
+    with pytest.raises(BufferError):
+        buf.__dlpack__(copy=True)
+    cap = buf.__dlpack__(max_version=(1, 0))
+    assert "dltensor_versioned" in repr(cap)
+    del cap  # unconsumed: its destructor gives the buffer back
+    buf.free()
