@@ -223,8 +223,33 @@ TDM_API int tdm_event_release(tdm_event *ev);
 /* The native event behind ev, for user code that submits natively (OpenCL: a cl_event; CUDA:
  * a cudaEvent_t), or TDM_ENOTSUP if it has none (CPU events). Borrowed: valid while ev is. */
 TDM_API int tdm_event_native(tdm_event *ev, void **native);
-/* The queue that submitted ev. The returned pointer is borrowed and may be destroyed. */
+/* The queue that submitted ev. The returned pointer is borrowed and may be destroyed. An
+ * imported event (tdm_event_import) has none: TDM_ENOTSUP. */
 TDM_API int tdm_event_queue(tdm_event *ev, tdm_queue **q);
+/* Imports a native event that other code made (a CuPy, PyTorch or pyopencl event, say) as a
+ * tandem event, usable wherever tandem takes one: dependency lists, tdm_queue_wait,
+ * tdm_queue_track. native is a cudaEvent_t on a CUDA device, a cl_event of the device's
+ * context (the one tdm_device_native returns) on an OpenCL device. *out is a new event (one
+ * caller reference) that completes when the native event's work completes, and fails with
+ * TDM_EBACKEND, the native status in tdm_last_native_error, if the native event reports a
+ * failure (an OpenCL execution status below 0). The call never blocks: a tandem thread learns
+ * of the completion from a driver notification (no thread per import).
+ * - CUDA: the work is what was recorded into the event when this is called, as with
+ *   cudaStreamWaitEvent (an event never recorded counts as complete); a later cudaEventRecord
+ *   by other code is not seen. tandem makes a stream of its own wait for the event and records
+ *   an event of its own there, so the caller may destroy or re-record its event as soon as
+ *   this returns. The event may come from any CUDA device of the process.
+ * - OpenCL: tandem retains the cl_event for as long as it needs it (until the tandem event is
+ *   freed), so the caller may release its own reference at once. A user event works: the tandem event completes when
+ *   the caller sets its status (below 0: failed).
+ * Queues of the same device wait for it natively (cudaStreamWaitEvent, a wait list), others
+ * through tandem's bridge, as for any event (an OpenCL user event goes through the bridge
+ * too: it completes on the host anyway). tdm_event_native returns the native event (on
+ * CUDA, tandem's own, which completes with the same work); tdm_event_elapsed on it:
+ * TDM_ENOTSUP. The last tdm_shutdown waits for pending imported events like any other work:
+ * let them complete (or fail) first. NULL native or out: TDM_EINVAL; an OpenCL event of
+ * another context: TDM_EXDEV; a CPU device: TDM_ENOTSUP. */
+TDM_API TDM_NODISCARD int tdm_event_import(tdm_device *dev, void *native, tdm_event **out);
 
 /* ---- Memory ----------------------------------------------------------------------------- */
 

@@ -29,7 +29,7 @@
 
 #include "tandem.h"
 
-#define TDM__BACKEND_ABI 0x00010003u
+#define TDM__BACKEND_ABI 0x00010004u
 
 typedef struct tdm__bqueue tdm__bqueue; /* a backend's queue; opaque to the core */
 /* The core's event and queue objects. The public tdm_event and tdm_queue are handles that the
@@ -132,6 +132,8 @@ typedef struct tdm__services {
   void *(*event_native)(tdm__event *ev, const struct tdm__backend *be);
   /* The device index (within its backend) of the queue that submitted ev, and its backend. */
   int (*event_device)(tdm__event *ev, const struct tdm__backend **be);
+  /* Whether ev was imported from a native event that other code made (tdm_event_import). */
+  bool (*event_imported)(tdm__event *ev);
 } tdm__services;
 
 /* Every entry returns 0 or a TDM_E* code and sets the message through svc->error. "Required"
@@ -174,6 +176,16 @@ typedef struct tdm__backend {
   int (*mem_native)(int bdev, void *base, void *ptr, void **native, size_t *offset);
   /* Wraps foreign device memory; freed later through mem_free(bdev, TDM_MEM_DEVICE, ptr). */
   int (*mem_import)(int bdev, void *native, size_t size, void **ptr);
+  /* Optional (NULL: TDM_ENOTSUP; needs native_notify). tdm_event_import: turns a native event
+   * of the device that other code made into a handle as native_wait, native_notify and
+   * native_release take, that completes with the work the native event covers now (not with
+   * what other code records into it later). *handle comes with two references: the core
+   * attaches one to the tandem event and waits with the other. Called from any thread, with
+   * no lock of the core held; must not wait for device work. */
+  int (*event_import)(int bdev, void *native, void **handle);
+  /* Optional: the native event user code sees for a handle the backend attached to an event
+   * (tdm_event_native), when that handle is not the native event itself; NULL: the handle. */
+  void *(*native_export)(void *handle);
   /* Optional: the address range the device's memory takes its pointers from, when that range
    * is the backend's own and no host memory lives in it (OpenCL's reserved range). A pointer
    * in it outside every live allocation is refused instead of being taken as host memory.

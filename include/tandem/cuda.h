@@ -12,6 +12,10 @@
  *                                  cudaStreamPerThread are refused (TDM_EINVAL).
  * - tdm_event_native(ev, &p):      p is a cudaEvent_t recorded after ev's command, for
  *                                  cudaStreamWaitEvent in user code. Borrowed: valid while ev is.
+ * - tdm_event_import(dev, e, &ev): e is a cudaEvent_t recorded by other code (any device);
+ *                                  ev completes with the work recorded into e at the call.
+ *                                  tandem keeps no hold on e: destroy or re-record it at once.
+ *                                  tdm_event_native(ev) is tandem's own cudaEvent_t for it.
  * - tdm_mem_native(ptr, &p, &o):   p is the device pointer itself, o is 0.
  * - tdm_mem_import(dev, p, n, &q): q == p: a device pointer from another library (a CuPy
  *                                  array, say) becomes usable by tandem copies; tdm_free(q)

@@ -12,6 +12,10 @@
  *                                 TDM_QUEUE_TIMING needs CL_QUEUE_PROFILING_ENABLE.
  * - tdm_event_native(ev, &p):     p is a cl_event that completes with ev's command, for the
  *                                 wait list of a user kernel. Borrowed: valid while ev is.
+ * - tdm_event_import(dev, e, &ev): e is a cl_event of the device's context (a user event, or
+ *                                 one of a pyopencl queue); tandem retains it while it needs
+ *                                 it, and tdm_event_native(ev) returns it. A status below 0
+ *                                 fails ev (TDM_EBACKEND). Another context: TDM_EXDEV.
  * - tdm_mem_native(ptr, &m, &o):  m is the cl_mem holding ptr, o its offset in bytes. tandem's
  *                                 device pointers are addresses in a reserved range that is never
  *                                 reused, one cl_mem each; they cannot be dereferenced.

@@ -104,6 +104,8 @@ static int event_device(tdm__event *ev, const tdm__backend **be) {
   return ev->q->dev->bindex;
 }
 
+static bool event_imported(tdm__event *ev) { return ev->q->imports; }
+
 static void fill_services(tdm__services *s) {
   s->cmd_run = tdm__cmd_run;
   s->cmd_done = tdm__cmd_done;
@@ -115,6 +117,7 @@ static void fill_services(tdm__services *s) {
   s->event_set_native = event_set_native;
   s->event_native = event_native;
   s->event_device = event_device;
+  s->event_imported = event_imported;
 }
 
 int tdm_init(void) {
@@ -167,11 +170,12 @@ int tdm_shutdown(void) {
   /* Drain and destroy every live queue: tandem's defaults first, then the caller's. */
   tdm__defaults_destroy_all();
   for (tdm__queue *q = tdm__g.queues; q; q = q->next_all)
-    if (atomic_load(&q->magic) == TDM__MAGIC_QUEUE) {
+    if (atomic_load(&q->magic) == TDM__MAGIC_QUEUE && !q->imports) {
       atomic_store(&q->claimed, true);
       q->owned_by_tandem = false;
       tdm__queue_destroy_internal(q);
     }
+  tdm__imports_stop();
   tdm__release_stop();
   tdm__pool_stop();
   tdm__trace_flush();

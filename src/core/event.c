@@ -229,6 +229,8 @@ int tdm_event_queue(tdm_event *h, tdm_queue **q) {
   int rc = tdm__event_get(h, &ev);
   if (rc) return rc;
   if (!q) return tdm__error(TDM_EINVAL, 0, "tdm_event_queue: q is NULL");
+  if (ev->q->imports)
+    return tdm__error(TDM_ENOTSUP, 0, "an imported event belongs to no queue");
   *q = tdm__queue_handle(ev->q);
   return 0;
 }
@@ -241,6 +243,7 @@ int tdm_event_native(tdm_event *h, void **native) {
   if (!native) return tdm__error(TDM_EINVAL, 0, "tdm_event_native: native is NULL");
   void *bev = atomic_load_explicit(&ev->bev, memory_order_acquire);
   if (!bev) return tdm__error(TDM_ENOTSUP, 0, "this event has no native event (yet)");
-  *native = bev;
+  const tdm__backend *be = ev->q->dev->be;
+  *native = be->native_export ? be->native_export(bev) : bev;
   return 0;
 }

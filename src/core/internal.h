@@ -112,6 +112,7 @@ struct tdm_device {
   uintptr_t range_base, range_end; /* address_range, or 0 and 0 */
   tdm__queue *default_cached;    /* created on first use, owned by tandem */
   tdm__queue *default_installed; /* the program's, borrowed */
+  _Atomic(tdm__queue *) imports; /* its imported events' queue (import.c), made on first use */
 };
 
 typedef struct tdm__ctx {
@@ -251,6 +252,7 @@ struct tdm__queue {
   unsigned flags;
   bool owned_by_tandem;     /* a cached default queue */
   bool adopted;
+  bool imports;             /* a device's queue of imported events: no backend queue, no handle */
   _Atomic bool destroying;
   int id;
   char label[48];           /* "cpu:0/q3", for messages */
@@ -307,6 +309,11 @@ static inline tdm__queue *tdm__queue_lookup(tdm_queue *h) {
 int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, bool owned,
                                tdm__queue **out);
 int tdm__queue_destroy_internal(tdm__queue *q);
+/* A device's queue of imported events (import.c): an out-of-order queue with no backend queue,
+ * no executor and no handle; its commands come complete with a native handle. */
+int tdm__queue_create_imports(tdm_device *dev, tdm__queue **out);
+/* Frees it once every command on it has completed (waits for them). */
+void tdm__queue_destroy_imports(tdm__queue *q);
 void tdm__queue_unref(tdm__queue *q);
 void tdm__queues_free_all(void);
 /* Gives back the native events of events callers still hold; before modules unload. */
@@ -326,6 +333,8 @@ typedef struct tdm__spec {
   int u_value;
   tdm_host_fn fn;
   tdm_mem_kind dkind, skind; /* copy and fill: what the registry said (0: unknown memory) */
+  void *native;        /* an import (a barrier without deps): the handle event_import made,
+                          with its two references; nothing goes to the backend's submit */
 } tdm__spec;
 /* A caller's dependency list resolved to events (inline when short). */
 #define TDM__INLINE_DEPLIST 8
@@ -424,6 +433,10 @@ void tdm__mem_free_all(void);
 extern _Thread_local bool tdm__tls_releasing;
 int tdm__release_start(void);
 void tdm__release_stop(void);
+
+/* ---- import.c ---- */
+/* The last shutdown: waits for every imported event and frees the devices' import queues. */
+void tdm__imports_stop(void);
 
 /* ---- defaults.c ---- */
 void tdm__defaults_forget(tdm__queue *q);

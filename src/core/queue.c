@@ -66,6 +66,7 @@ int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, boo
   q->ref_stock = 0;
   q->owned_by_tandem = owned;
   q->adopted = adopt != NULL;
+  q->imports = false;
   atomic_store(&q->destroying, false);
   atomic_store(&q->claimed, false);
   atomic_store(&q->first_error, 0);
@@ -137,6 +138,57 @@ int tdm__queue_destroy_internal(tdm__queue *q) {
   tdm__queue_unref(q);
   if (status < 0) tdm__error(status, 0, "%s had an unreported error", q->label);
   return status;
+}
+
+int tdm__queue_create_imports(tdm_device *dev, tdm__queue **out) {
+  tdm__queue *q = queue_struct();
+  if (!q) return tdm__error(TDM_ENOMEM, 0, "no memory for a queue");
+  q->dev = dev;
+  q->flags = TDM_QUEUE_OUT_OF_ORDER; /* each import completes when its own native event does */
+  q->ref_stock = 0;
+  q->owned_by_tandem = true;
+  q->adopted = false;
+  q->imports = true;
+  q->bq = NULL;
+  atomic_store(&q->destroying, false);
+  atomic_store(&q->claimed, true); /* never destroyed through the API */
+  atomic_store(&q->first_error, 0);
+  q->chain_error = 0;
+  q->seq = 0;
+  snprintf(q->label, sizeof q->label, "%s/import", dev->info.id);
+  int rc = tdm__pool_start();
+  if (!rc) rc = tdm__tracker_init(q);
+  atomic_store(&q->refs, 1);
+  if (rc) {
+    tdm__queue_unref(q);
+    return rc;
+  }
+  atomic_store(&q->magic, TDM__MAGIC_QUEUE);
+  q->handle_was = 0; /* no handle: callers never name this queue */
+  atomic_store(&q->handle, 0);
+  *out = q;
+  return 0;
+}
+
+void tdm__queue_destroy_imports(tdm__queue *q) {
+  /* Each import completes on a pool thread once its driver says so; completions broadcast
+   * q->cv to sleepers after counting themselves done (tdm__cmd_done). */
+  pthread_mutex_lock(&q->mu);
+  while (atomic_load(&q->n_done) != atomic_load(&q->n_submitted)) {
+    q->cv_sleepers++;
+    pthread_cond_wait(&q->cv, &q->mu);
+    q->cv_sleepers--;
+  }
+  pthread_mutex_unlock(&q->mu);
+  pthread_mutex_lock(&q->submit_mu);
+  atomic_store(&q->destroying, true);
+  tdm__tracker_fini(q);
+  int stock = q->ref_stock;
+  q->ref_stock = 0;
+  pthread_mutex_unlock(&q->submit_mu);
+  if (stock) atomic_fetch_sub(&q->refs, stock);
+  atomic_store(&q->magic, TDM__MAGIC_DEAD);
+  tdm__queue_unref(q);
 }
 
 /* Frees every queue struct and its pools; the last shutdown calls this after destroying

@@ -187,7 +187,16 @@ int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
                         atomic_load_explicit(&q->n_submitted, memory_order_relaxed) + 1,
                         memory_order_relaxed);
 
-  rc = TDM__BCALL(q->dev, q->dev->be->submit(q->bq, cmd));
+  if (spec->native) {
+    /* An import (import.c): the backend made the native handle already, and nothing is
+     * enqueued; the handle's two references go to the event and to the wait. */
+    atomic_store_explicit(&ev->bev, spec->native, memory_order_release);
+    cmd->wait = spec->native;
+    tdm__cmd_native(cmd);
+    rc = 0;
+  } else {
+    rc = TDM__BCALL(q->dev, q->dev->be->submit(q->bq, cmd));
+  }
   if (rc) {
     atomic_fetch_add_explicit(&q->n_done, 1, memory_order_relaxed);
     cmd_release_deps(cmd);

@@ -23,7 +23,13 @@ typedef struct cu_event {
   int dev;
   bool timed;
   int stream;             /* index of the stream it was recorded on (out-of-order queues) */
-  struct tdm__bqueue *bq; /* the queue that recorded it */
+  struct tdm__bqueue *bq; /* the queue that recorded it; NULL for an import */
+  /* Imports (cuimport.c): whether this is one, and the handshake between the host function
+   * that reports its completion and native_notify, whichever comes second calling note_fn. */
+  bool imported;
+  _Atomic int note_state;
+  void (*note_fn)(void *);
+  void *note_arg;
 } cu_event;
 
 /* A gate: the stream waits until *host reaches target (cuStreamWaitValue32), or, without stream
@@ -51,6 +57,13 @@ typedef struct cu_device {
   int gate_free[CU_GATES];
   int ngate_free;
   cu_gate gates[CU_GATES];
+  /* Imports (cuimport.c), under imp_mu: streams that each carry one pending import at a
+   * time, up to CU_IMPORT_STREAMS of them, made on demand; events taken from the pool. */
+  pthread_mutex_t imp_mu;
+  struct cu_import_stream *imp;
+  int nimp;
+  int imp_next;
+  cu_event *imp_local;
   pthread_mutex_t stage_mu; /* pageable copies: two pinned staging buffers */
   void *stage[2];
   cudaEvent_t stage_done[2];
@@ -89,6 +102,8 @@ void cu_leave(int saved);
 
 /* With bq's submission lock held (every backend entry that records is called with it). */
 cu_event *cu_event_get(struct tdm__bqueue *bq);
+/* The same from a list of the caller's (guarded by the caller) refilled from dev's pool. */
+cu_event *cu_event_take(cu_event **local, int dev, bool timed);
 void cu_event_put(cu_event *ev);
 cu_gate *cu_gate_get(int dev);
 int cu_gate_enqueue(cu_gate *g, cudaStream_t s);
@@ -108,6 +123,14 @@ bool cu_is_device(const void *p);
 bool cu_is_imported(const void *p);
 int cu_host_copy(tdm__cmd *cmd);
 
+/* cuimport.c */
+#define CU_IMPORT_STREAMS 1024 /* pending imports per device at most */
+int cu_event_import(int bdev, void *native, void **handle);
+/* native_notify for an imported event. */
+int cu_import_notify(cu_event *ev, void (*fn)(void *), void *arg);
+/* At shutdown: waits for the import streams and frees them. */
+void cu_import_fini(cu_device *d);
+
 /* moe_ops.cu: the MoE operations' table ("moe-ops"), or NULL. */
 const void *tdm_cuda_extension(const char *name);
 
@@ -119,6 +142,7 @@ int cu_native_flush(tdm__bqueue *bq, void **handle);
 /* Joins the threads that do the host side of staged copies (at shutdown). */
 void cu_copy_pool_stop(void);
 int cu_native_notify(void *handle, void (*fn)(void *), void *arg);
+void *cu_native_export(void *handle);
 void cu_gate_open_entry(void *gate);
 int cu_event_elapsed(void *a, void *b, double *ms);
 /* Starts the notifier's thread; TDM_ENOMEM (nothing left to stop) if it cannot. */

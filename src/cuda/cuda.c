@@ -68,29 +68,31 @@ void cu_leave(int saved) {
  * reads on every record. */
 static void ev_push(cu_event *ev) { tdm__lfstack_push(&cu_devs[ev->dev].ev_returned, ev); }
 
-cu_event *cu_event_get(tdm__bqueue *bq) {
+cu_event *cu_event_take(cu_event **local, int dev, bool timed) {
   cu_event *ev = NULL;
-  if (!bq->timed) {
-    if (!bq->ev_local)
-      bq->ev_local = tdm__lfstack_take(&cu_devs[bq->bdev].ev_returned);
-    if ((ev = bq->ev_local)) bq->ev_local = ev->next;
+  if (!timed) {
+    if (!*local) *local = tdm__lfstack_take(&cu_devs[dev].ev_returned);
+    if ((ev = *local)) *local = ev->next;
   }
   if (!ev) {
     ev = calloc(1, sizeof *ev);
     if (!ev) return NULL;
     /* No cudaEventBlockingSync: the executor waits with the device's scheduling policy (it
      * spins while there are spare cores), which keeps host-task round trips short. */
-    unsigned flags = bq->timed ? cudaEventDefault : cudaEventDisableTiming;
+    unsigned flags = timed ? cudaEventDefault : cudaEventDisableTiming;
     if (cudaEventCreateWithFlags(&ev->e, flags) != cudaSuccess) {
       free(ev);
       return NULL;
     }
-    ev->dev = bq->bdev;
-    ev->timed = bq->timed;
+    ev->dev = dev;
+    ev->timed = timed;
   }
+  ev->imported = false;
   atomic_store_explicit(&ev->refs, 1, memory_order_relaxed);
   return ev;
 }
+
+cu_event *cu_event_get(tdm__bqueue *bq) { return cu_event_take(&bq->ev_local, bq->bdev, bq->timed); }
 
 void cu_event_put(cu_event *ev) {
   if (atomic_fetch_sub(&ev->refs, 1) != 1) return;
@@ -171,6 +173,7 @@ static int init_device(cu_device *d, int ordinal) {
   pthread_mutex_init(&d->gate_mu, NULL);
   pthread_cond_init(&d->gate_cv, NULL);
   pthread_mutex_init(&d->stage_mu, NULL);
+  pthread_mutex_init(&d->imp_mu, NULL);
   if ((e = cudaSetDevice(ordinal)) != cudaSuccess) return cu_error(e, "cudaSetDevice");
   if ((e = cudaStreamCreateWithFlags(&d->internal, cudaStreamNonBlocking)) != cudaSuccess)
     return cu_error(e, "cudaStreamCreateWithFlags");
@@ -245,6 +248,7 @@ static void cuda_shutdown(void) {
     cu_device *d = &cu_devs[i];
     cudaSetDevice(d->ordinal);
     cudaStreamSynchronize(d->internal);
+    cu_import_fini(d);
     cu_mem_fini(d);
     for (cu_event *ev = tdm__lfstack_take(&d->ev_returned), *n; ev; ev = n) {
       n = ev->next;
@@ -375,6 +379,8 @@ const tdm__backend tdm__cuda_backend = {
     .device_native = cuda_device_native,
     .mem_native = cu_mem_native,
     .mem_import = cu_mem_import,
+    .event_import = cu_event_import,
+    .native_export = cu_native_export,
     .native_wait = cu_native_wait,
     .native_notify = cu_native_notify,
     .native_release = cu_native_release,

@@ -207,6 +207,9 @@ int cu_native_wait(void *handle, int *native) {
 
 void cu_native_release(void *handle) { cu_event_put(handle); }
 
+/* What user code waits for is the cudaEvent_t, not tandem's wrapper around it. */
+void *cu_native_export(void *handle) { return ((cu_event *)handle)->e; }
+
 void cu_gate_open_entry(void *gate) { cu_gate_open(gate); }
 
 int cu_event_elapsed(void *a, void *b, double *ms) {
@@ -274,6 +277,7 @@ void cu_notifier_stop(cu_notifier *n) {
 
 int cu_native_notify(void *handle, void (*fn)(void *), void *arg) {
   cu_event *ev = handle;
+  if (ev->imported) return cu_import_notify(ev, fn, arg);
   cu_notifier *n = &ev->bq->note[ev->stream];
   cu_note *it = malloc(sizeof *it);
   if (!it) return TDM_ENOMEM;

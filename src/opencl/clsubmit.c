@@ -2,7 +2,10 @@
  * (attached to its tandem event, so other OpenCL queues wait for it natively), except quiet
  * ones (only the queue can observe them: they complete with its next event) and, on
  * out-of-order queues, frees and deferred host work (host_work_ooo); it is handed to the
- * queue's executor, which waits for it with clWaitForEvents: no OpenCL callback is used.
+ * queue's executor, which waits for it with clWaitForEvents. Commands of out-of-order queues
+ * and imported events (tdm_event_import) are reported by a callback that only gives notice,
+ * and a watcher thread for the failures that PoCL does not call back for ("completion
+ * notices").
  *
  * The queue's submission lock is held across these enqueues. That is safe even with PoCL's
  * basic driver, which may run commands inline in this thread, because no tandem code ever runs
@@ -11,6 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "ocl.h"
 
@@ -27,6 +31,31 @@ static void bridge_fire(tdm__waiter *w, tdm__event *ev) {
   clSetUserEventStatus(b->uev, CL_COMPLETE);
   clReleaseEvent(b->uev);
   free(b);
+}
+
+/* The native event a command of bq may put in its wait list for dep, or NULL (then a bridge,
+ * or under host-side deferral the host, waits for it): dep's cl_event when it is of bq's
+ * device, with two exceptions.
+ * - An event that has already failed: PoCL 3.1 never runs a command whose wait list holds
+ *   one (the core fails the command anyway, TDM_EDEP).
+ * - A user event the caller imported. The caller completes it on the host in any case, so a
+ *   native wait would save nothing over the bridge, and user events in wait lists are what
+ *   PoCL handles worst: with the basic driver the caller's clSetUserEventStatus deadlocks,
+ *   and a failure set on one makes PoCL take event locks in an order that can deadlock with
+ *   an enqueue on another thread. tandem's own user events (gates) are never failed. */
+static cl_event dep_native(tdm__bqueue *bq, tdm__event *dep) {
+  const tdm__backend *be;
+  cl_event native = ocl_svc->event_native(dep, &tdm__opencl_backend);
+  if (!native || ocl_svc->event_device(dep, &be) != bq->bdev) return NULL;
+  cl_int st = CL_COMPLETE;
+  clGetEventInfo(native, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL);
+  if (st < 0) return NULL;
+  if (ocl_svc->event_imported(dep)) {
+    cl_command_type type = CL_COMMAND_USER;
+    clGetEventInfo(native, CL_EVENT_COMMAND_TYPE, sizeof type, &type, NULL);
+    if (type == CL_COMMAND_USER) return NULL;
+  }
+  return native;
 }
 
 typedef struct waitlist {
@@ -52,10 +81,8 @@ static int waitlist_build(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl) {
   if (!wl->ev) return ocl_svc->error(TDM_ENOMEM, 0, "no memory for a wait list");
   for (size_t i = 0; i < cmd->ndeps; i++) {
     tdm__event *dep = cmd->deps[i].ev;
-    const tdm__backend *be;
-    int bdev = ocl_svc->event_device(dep, &be);
-    cl_event native = ocl_svc->event_native(dep, &tdm__opencl_backend);
-    if (native && bdev == bq->bdev) {
+    cl_event native = dep_native(bq, dep);
+    if (native) {
       /* A cross-queue wait needs the producer flushed, or it may never start. */
       cl_command_queue producer;
       if (clGetEventInfo(native, CL_EVENT_COMMAND_QUEUE, sizeof producer, &producer, NULL) ==
@@ -267,10 +294,8 @@ static int enqueue_deferred(tdm__bqueue *bq, tdm__cmd *cmd) {
   wl.ev = cmd->ndeps + 1 <= 16 ? wl.inline_ev : malloc((cmd->ndeps + 1) * sizeof(cl_event));
   if (!wl.ev) return ocl_svc->error(TDM_ENOMEM, 0, "no memory for a wait list");
   for (size_t i = 0; i < cmd->ndeps; i++) {
-    const tdm__backend *be;
-    tdm__event *dep = cmd->deps[i].ev;
-    cl_event native = ocl_svc->event_native(dep, &tdm__opencl_backend);
-    if (native && ocl_svc->event_device(dep, &be) == bq->bdev) wl.ev[wl.n++] = native;
+    cl_event native = dep_native(bq, cmd->deps[i].ev);
+    if (native) wl.ev[wl.n++] = native;
   }
   int rc = 0;
   if (!bq->ooo && needs_gate(cmd)) {
@@ -304,11 +329,8 @@ static int start_locked(tdm__bqueue *bq, tdm__cmd *cmd) {
   cmd->bdata = bq;
   cmd->bcount = 1;
   for (size_t i = 0; i < cmd->ndeps; i++) {
-    const tdm__backend *be;
     tdm__dep *d = &cmd->deps[i];
-    if (ocl_svc->event_native(d->ev, &tdm__opencl_backend) &&
-        ocl_svc->event_device(d->ev, &be) == bq->bdev)
-      continue;
+    if (dep_native(bq, d->ev)) continue;
     __atomic_add_fetch(&cmd->bcount, 1, __ATOMIC_ACQ_REL);
     d->w.fn = dep_ready;
     if (ocl_svc->event_on_complete(d->ev, &d->w))
@@ -517,28 +539,177 @@ int ocl_native_wait(void *handle, int *native) {
 
 void ocl_native_release(void *handle) { clReleaseEvent((cl_event)handle); }
 
-typedef struct notify {
+/* The caller's cl_event is the handle itself: tandem retains it twice (the tandem event's
+ * reference and the wait's), so the caller may release its own at once. */
+int ocl_event_import(int bdev, void *native, void **handle) {
+  cl_event ev = native;
+  cl_context ctx = NULL;
+  cl_int err = clGetEventInfo(ev, CL_EVENT_CONTEXT, sizeof ctx, &ctx, NULL);
+  if (err != CL_SUCCESS) return ocl_error(err, "clGetEventInfo on the event to import");
+  if (ctx != ocl_devs[bdev].ctx)
+    return ocl_svc->error(TDM_EXDEV, 0, "the event belongs to another context than opencl:%d's "
+                                        "(create it in the context tdm_device_native returns)",
+                          bdev);
+  if ((err = clRetainEvent(ev)) != CL_SUCCESS) return ocl_error(err, "clRetainEvent");
+  if ((err = clRetainEvent(ev)) != CL_SUCCESS) {
+    clReleaseEvent(ev);
+    return ocl_error(err, "clRetainEvent");
+  }
+  *handle = ev;
+  return 0;
+}
+
+/* ---- completion notices ----
+ * clSetEventCallback reports completions. PoCL 3.1 never calls a CL_COMPLETE callback for an
+ * event that ends in an error (a user event set below 0, a command whose wait list failed),
+ * so a watcher thread also looks at the events whose notice is pending, every OCL_WATCH_MS
+ * while there are any, and gives notice for those that failed. Whichever comes first gives
+ * notice; the other does nothing. A notice the watcher gave stays allocated until shutdown,
+ * since a driver that keeps to the standard may still call back for it. */
+
+#define OCL_WATCH_MS 10
+
+typedef struct notice {
+  struct notice *next;
+  cl_event ev; /* the watcher's reference */
   void (*fn)(void *);
   void *arg;
-} notify;
+  atomic_bool given;       /* fn was called */
+  atomic_bool called_back; /* the driver's callback returned: the watcher frees it */
+} notice;
 
-/* A driver callback: it only hands the notification to tandem, which pushes and wakes. */
+static struct {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  notice *pending; /* looked at every OCL_WATCH_MS */
+  notice *failed;  /* notice given by the watcher: freed at shutdown */
+  bool started, stop;
+  pthread_t thread;
+} watch = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+/* A driver callback: it only gives notice, which pushes and wakes a thread. */
 static void CL_CALLBACK on_complete(cl_event ev, cl_int status, void *user) {
-  notify n = *(notify *)user;
-  free(user);
-  n.fn(n.arg);
+  notice *n = user;
+  if (!atomic_exchange(&n->given, true)) n->fn(n->arg);
+  atomic_store_explicit(&n->called_back, true, memory_order_release); /* last touch of n */
+}
+
+/* Looks at each notice of the list once, without watch.mu (clGetEventInfo may wait for the
+ * driver's locks); returns those still pending. */
+static notice *watch_pass(notice *list) {
+  notice *keep = NULL;
+  for (notice *n = list, *next; n; n = next) {
+    next = n->next;
+    if (atomic_load_explicit(&n->called_back, memory_order_acquire)) {
+      clReleaseEvent(n->ev);
+      free(n);
+      continue;
+    }
+    cl_int st = CL_COMPLETE;
+    clGetEventInfo(n->ev, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL);
+    if (st >= 0) {
+      n->next = keep;
+      keep = n;
+      continue;
+    }
+    if (!atomic_exchange(&n->given, true)) n->fn(n->arg);
+    clReleaseEvent(n->ev);
+    n->ev = NULL;
+    pthread_mutex_lock(&watch.mu);
+    n->next = watch.failed;
+    watch.failed = n;
+    pthread_mutex_unlock(&watch.mu);
+  }
+  return keep;
+}
+
+static void *watch_main(void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&watch.mu);
+  while (!watch.stop) {
+    if (!watch.pending) {
+      pthread_cond_wait(&watch.cv, &watch.mu);
+      continue;
+    }
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_nsec += OCL_WATCH_MS * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+      until.tv_sec++;
+      until.tv_nsec -= 1000000000L;
+    }
+    pthread_cond_timedwait(&watch.cv, &watch.mu, &until);
+    notice *list = watch.pending;
+    watch.pending = NULL;
+    pthread_mutex_unlock(&watch.mu);
+    notice *keep = watch_pass(list);
+    pthread_mutex_lock(&watch.mu);
+    while (keep) {
+      notice *next = keep->next;
+      keep->next = watch.pending;
+      watch.pending = keep;
+      keep = next;
+    }
+  }
+  pthread_mutex_unlock(&watch.mu);
+  return NULL;
 }
 
 int ocl_native_notify(void *handle, void (*fn)(void *), void *arg) {
-  notify *n = malloc(sizeof *n);
+  cl_event ev = handle;
+  notice *n = malloc(sizeof *n);
   if (!n) return TDM_ENOMEM;
+  n->ev = ev;
   n->fn = fn;
   n->arg = arg;
-  if (clSetEventCallback((cl_event)handle, CL_COMPLETE, on_complete, n) != CL_SUCCESS) {
+  atomic_init(&n->given, false);
+  atomic_init(&n->called_back, false);
+  pthread_mutex_lock(&watch.mu);
+  if (!watch.started && pthread_create(&watch.thread, NULL, watch_main, NULL) == 0)
+    watch.started = true;
+  bool ok = watch.started;
+  if (ok) {
+    clRetainEvent(ev);
+    if (!watch.pending) pthread_cond_signal(&watch.cv); /* the watcher sleeps until then */
+    n->next = watch.pending;
+    watch.pending = n;
+  }
+  pthread_mutex_unlock(&watch.mu);
+  if (!ok) {
     free(n);
+    return TDM_ENOMEM; /* the core waits for the event itself */
+  }
+  if (clSetEventCallback(ev, CL_COMPLETE, on_complete, n) != CL_SUCCESS) {
+    /* No notice will come from here: the core waits for the event itself. */
+    atomic_store(&n->given, true);
+    atomic_store_explicit(&n->called_back, true, memory_order_release);
     return TDM_EBACKEND;
   }
   return 0;
+}
+
+void ocl_notices_stop(void) {
+  pthread_mutex_lock(&watch.mu);
+  bool started = watch.started;
+  watch.stop = true;
+  pthread_cond_signal(&watch.cv);
+  pthread_mutex_unlock(&watch.mu);
+  if (started) pthread_join(watch.thread, NULL);
+  watch.started = watch.stop = false;
+}
+
+/* After every context is released: no callback can come any more. */
+void ocl_notices_free(void) {
+  for (int pass = 0; pass < 2; pass++) {
+    notice *n = pass ? watch.failed : watch.pending;
+    while (n) {
+      notice *next = n->next;
+      if (n->ev) clReleaseEvent(n->ev);
+      free(n);
+      n = next;
+    }
+  }
+  watch.pending = watch.failed = NULL;
 }
 
 void ocl_gate_open(void *gate) {

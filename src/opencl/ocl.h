@@ -95,7 +95,12 @@ int ocl_submit(tdm__bqueue *bq, tdm__cmd *cmd);
 int ocl_native_wait(void *handle, int *native);
 int ocl_native_flush(tdm__bqueue *bq, void **handle);
 void ocl_native_release(void *handle);
+int ocl_event_import(int bdev, void *native, void **handle);
 int ocl_native_notify(void *handle, void (*fn)(void *), void *arg);
+/* At shutdown: joins the thread that watches for failed events, then (once every context is
+ * released) frees what it kept. */
+void ocl_notices_stop(void);
+void ocl_notices_free(void);
 void ocl_gate_open(void *gate);
 
 /* moe_ops.c (built with CLBlast): the backend's extension entry; "moe-ops" is its table. */

@@ -23,7 +23,8 @@ int ocl_error(cl_int err, const char *what) {
     case CL_INVALID_BUFFER_SIZE:
     case CL_INVALID_CONTEXT:
     case CL_INVALID_COMMAND_QUEUE:
-    case CL_INVALID_MEM_OBJECT: code = TDM_EINVAL; break;
+    case CL_INVALID_MEM_OBJECT:
+    case CL_INVALID_EVENT: code = TDM_EINVAL; break;
     default: code = TDM_EBACKEND; break;
   }
   return ocl_svc->error(code, err, "%s failed with OpenCL error %d", what, err);
@@ -110,7 +111,9 @@ static int ocl_init(const tdm__services *svc, int *ndevices) {
 }
 
 static void ocl_shutdown(void) {
+  ocl_notices_stop();
   release_devices();
+  ocl_notices_free();
   ocl_mem_fini();
 }
 
@@ -217,6 +220,7 @@ const tdm__backend tdm__opencl_backend = {
     .device_native = ocl_device_native,
     .mem_native = ocl_mem_native,
     .mem_import = ocl_mem_import,
+    .event_import = ocl_event_import,
     .address_range = ocl_mem_range,
     .native_wait = ocl_native_wait,
     .native_flush = ocl_native_flush,
