@@ -9,6 +9,7 @@
 
 #include <limits.h>
 #include <stdlib.h>
+#include <string.h>
 
 PyObject *tdmpy_event_new(tdmpy_state *st, tdm_event *ev, PyObject *cell, PyObject *foreign) {
   EventObject *self = PyObject_GC_New(EventObject, st->event_type);
@@ -185,6 +186,27 @@ int tdmpy_event_arg(tdmpy_state *st, PyObject *obj, tdm_device *dev, tdm_event *
   void *native;
   if (foreign_handle(obj, &native) < 0) return -1;
 #ifdef TDMPY_HAVE_EVENT_IMPORT
+  /* A pyopencl event names its context: import it on the OpenCL device of that context. */
+  PyObject *ctx, *ctx_ptr = NULL;
+  int r = tdmpy_getattr_opt(obj, "context", &ctx);
+  if (r < 0) return -1;
+  if (r) {
+    r = tdmpy_getattr_opt(ctx, "int_ptr", &ctx_ptr);
+    Py_DECREF(ctx);
+    if (r < 0) return -1;
+  }
+  if (ctx_ptr) {
+    void *want = PyLong_AsVoidPtr(ctx_ptr);
+    Py_DECREF(ctx_ptr);
+    if (PyErr_Occurred()) return -1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(st->devices); i++) {
+      DeviceObject *d = (DeviceObject *)PyTuple_GET_ITEM(st->devices, i);
+      void *have;
+      if (strcmp(d->info.backend, "opencl") == 0 && tdm_device_native(d->dev, &have) == 0 &&
+          have == want)
+        dev = d->dev;
+    }
+  }
   int rc = tdm_event_import(dev, native, out);
   if (rc < 0) return tdmpy_raise(st, rc), -1;
   *owned = 1;
