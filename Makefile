@@ -1,8 +1,13 @@
 # Thin wrapper over CMake: `make run` and `make check` are what a new user types.
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
+# The Python package's test environment (made by scripts/bootstrap) and its build folder.
+VENV ?= build-venv
+PYBUILD ?= build-python
+PY := $(VENV)/bin/python
 
-.PHONY: all bootstrap build run check check-normal check-asan check-tsan bench clean
+.PHONY: all bootstrap build run check check-normal check-python check-asan check-tsan bench \
+        bench-python clean
 
 all: build
 
@@ -17,11 +22,23 @@ build: bootstrap
 run: build
 	./build/tools/tandem moe --preset tiny --device cpu:0
 
-# Every test: the normal build, then ASan+UBSan, then TSan.
-check: check-normal check-asan check-tsan
+# Every test: the normal build, the Python package, then ASan+UBSan, then TSan.
+check: check-normal check-python check-asan check-tsan
 
 check-normal: build
 	cd build && ctest --output-on-failure -j $(JOBS)
+
+# The Python package, installed into the test environment by scikit-build-core (an incremental
+# build in $(PYBUILD)/), then its pytest suite on cpu:0 and opencl:0 (PoCL's pthread driver),
+# the OpenCL tests again under PoCL's basic driver, and the Python examples.
+check-python: bootstrap
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+	  --config-settings=build-dir=$(PYBUILD) .
+	$(PY) -m pytest -q python/tests
+	POCL_DEVICES=basic $(PY) -m pytest -q python/tests -k opencl
+	$(PY) examples/python/pipeline_cpu.py
+	$(PY) examples/python/pyopencl_interop.py
+	$(PY) examples/python/order_manager_cupy.py
 
 check-asan: bootstrap
 	@cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DTANDEM_SANITIZE=address $(CMAKE_FLAGS) >/dev/null
@@ -37,5 +54,9 @@ check-tsan: bootstrap
 bench: build
 	./build/bench/bench-runtime --json bench/results/runtime-cpu.json
 
+# Per-call cost of the Python API on cpu:0 (against CuPy where a GPU and CuPy are present).
+bench-python: check-python
+	$(PY) bench/python_overhead.py --device cpu:0 --json bench/results/python-cpu.json
+
 clean:
-	rm -rf build build-asan build-tsan
+	rm -rf build build-asan build-tsan $(PYBUILD)
