@@ -5,9 +5,11 @@
 int main(void) {
   tdm_device *d; tdm_queue *q; void *h, *dv;
   if (tdm_init() || tdm_device_find("cpu:0", &d) || tdm_queue_create(d, 0, &q)) return 1;
-  if (tdm_malloc(d, TDM_MEM_PINNED, 1 << 16, &h) || tdm_malloc(d, TDM_MEM_DEVICE, 1 << 16, &dv)) return 1;
+  if (tdm_malloc(d, TDM_MEM_PINNED, 1 << 16, &h) || tdm_malloc(d, TDM_MEM_DEVICE, 1 << 16, &dv))
+    return 1;
   for (int i = 0; i < 20000; i++) {
-    if (tdm_memcpy(q, (char *)dv + (i % 1000) * 64, (char *)h + (i % 1000) * 64, 64, TDM_COPY_H2D, 0, NULL, NULL)) return 2;
+    size_t off = (size_t)(i % 1000) * 64;
+    if (tdm_memcpy(q, (char *)dv + off, (char *)h + off, 64, TDM_COPY_H2D, 0, NULL, NULL)) return 2;
     if (i % 64 == 63 && tdm_queue_sync(q)) return 3;
   }
   tdm_queue_sync(q);

@@ -55,7 +55,8 @@ extern _Atomic(tdm__slot *) tdm__slot_chunks[TDM__SLOT_MAX_CHUNKS];
 static inline void *tdm__handle_obj(const void *handle, unsigned kind) {
   uint64_t h = (uint64_t)(uintptr_t)handle;
   uint32_t i = (uint32_t)h & ((1u << TDM__HANDLE_INDEX_BITS) - 1);
-  if (((uint32_t)h >> TDM__HANDLE_INDEX_BITS) != kind || (i >> TDM__SLOT_CHUNK_SHIFT) >= TDM__SLOT_MAX_CHUNKS)
+  if (((uint32_t)h >> TDM__HANDLE_INDEX_BITS) != kind ||
+      (i >> TDM__SLOT_CHUNK_SHIFT) >= TDM__SLOT_MAX_CHUNKS)
     return NULL;
   tdm__slot *c =
       atomic_load_explicit(&tdm__slot_chunks[i >> TDM__SLOT_CHUNK_SHIFT], memory_order_acquire);

@@ -292,8 +292,11 @@ static const char *dir_name(tdm_copy_dir d) {
   return (unsigned)d < 5 ? names[d] : "invalid";
 }
 
-static inline __attribute__((always_inline)) int check_copy(tdm__queue *q, tdm_device *alt, const side *d, const side *s,
-                      tdm_copy_dir *dir) {
+/* Inlined by force: the copy checks are on every submission of a copy. */
+#define TDM__INLINE static inline __attribute__((always_inline))
+
+TDM__INLINE int check_copy(tdm__queue *q, tdm_device *alt, const side *d, const side *s,
+                           tdm_copy_dir *dir) {
   tdm_copy_dir want = s->device ? (d->device ? TDM_COPY_D2D : TDM_COPY_D2H)
                                 : (d->device ? TDM_COPY_H2D : TDM_COPY_H2H);
   if (*dir == TDM_COPY_AUTO) *dir = want;
@@ -318,7 +321,7 @@ static inline int check_overlap(const void *dst, const void *src, size_t n) {
   return 0;
 }
 
-static inline __attribute__((always_inline)) int resolve_both(void *dst, const void *src, size_t n, side *d, side *s) {
+TDM__INLINE int resolve_both(void *dst, const void *src, size_t n, side *d, side *s) {
   if (!dst || !src) return tdm__error(TDM_EINVAL, 0, "memcpy: NULL %s", dst ? "src" : "dst");
   int rc = check_overlap(dst, src, n);
   if (rc) return rc;
