@@ -428,6 +428,22 @@ static int size_arg(PyObject *obj, size_t *out, int *given) {
   return 0;
 }
 
+/* After a copy or fill was submitted (rc) with h holding its operands: on failure raises and
+ * drops h; else h stays alive until the command is done, and the new Event is returned. */
+static PyObject *submitted(tdmpy_state *st, QueueObject *self, tdmpy_hold *h, int rc,
+                           tdm_event *ev) {
+  if (rc < 0) {
+    tdmpy_raise(st, rc);
+    tdmpy_hold_drop(h);
+    return NULL;
+  }
+  if (tdmpy_hold_submit(st, self->q, h) < 0) {
+    tdm_event_release(ev);
+    return NULL;
+  }
+  return tdmpy_event_new(st, ev, NULL, NULL);
+}
+
 static PyObject *queue_copy(QueueObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"dst", "src", "nbytes", "deps", NULL};
   PyObject *dst, *src, *nobj = Py_None, *depseq = NULL;
@@ -462,16 +478,7 @@ static PyObject *queue_copy(QueueObject *self, PyObject *args, PyObject *kw) {
   rc = tdm_memcpy(self->q, d.ptr, s.ptr, n, TDM_COPY_AUTO, deps.n, deps.ev, &ev);
   Py_END_ALLOW_THREADS
   tdmpy_deps_free(&deps);
-  if (rc < 0) {
-    tdmpy_raise(st, rc);
-    tdmpy_hold_drop(h);
-    return NULL;
-  }
-  if (tdmpy_hold_submit(st, self->q, h) < 0) {
-    tdm_event_release(ev);
-    return NULL;
-  }
-  return tdmpy_event_new(st, ev, NULL, NULL);
+  return submitted(st, self, h, rc, ev);
 fail:
   tdmpy_deps_free(&deps);
   tdmpy_hold_drop(h);
@@ -512,16 +519,7 @@ static PyObject *queue_fill(QueueObject *self, PyObject *args, PyObject *kw) {
   rc = tdm_memset(self->q, d.ptr, value, n, deps.n, deps.ev, &ev);
   Py_END_ALLOW_THREADS
   tdmpy_deps_free(&deps);
-  if (rc < 0) {
-    tdmpy_raise(st, rc);
-    tdmpy_hold_drop(h);
-    return NULL;
-  }
-  if (tdmpy_hold_submit(st, self->q, h) < 0) {
-    tdm_event_release(ev);
-    return NULL;
-  }
-  return tdmpy_event_new(st, ev, NULL, NULL);
+  return submitted(st, self, h, rc, ev);
 fail:
   tdmpy_deps_free(&deps);
   tdmpy_hold_drop(h);

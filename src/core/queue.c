@@ -99,6 +99,21 @@ int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, boo
   return 0;
 }
 
+/* The end of a queue's life, once it has drained: its tracker goes, the references taken
+ * ahead for events that will never be are given back, and the handle's reference is dropped
+ * (events still alive keep the struct). */
+static void queue_retire(tdm__queue *q) {
+  pthread_mutex_lock(&q->submit_mu);
+  atomic_store(&q->destroying, true);
+  tdm__tracker_fini(q);
+  int stock = q->ref_stock;
+  q->ref_stock = 0;
+  pthread_mutex_unlock(&q->submit_mu);
+  if (stock) atomic_fetch_sub(&q->refs, stock);
+  atomic_store(&q->magic, TDM__MAGIC_DEAD);
+  tdm__queue_unref(q);
+}
+
 /* The caller has claimed q (q->claimed), so no other destroy runs on it. */
 int tdm__queue_destroy_internal(tdm__queue *q) {
   if (tdm__tls_queue == q) {
@@ -125,17 +140,9 @@ int tdm__queue_destroy_internal(tdm__queue *q) {
   tdm__exec_stop(q);
   q->dev->be->queue_destroy(q->bq);
   q->bq = NULL;
-  pthread_mutex_lock(&q->submit_mu);
-  tdm__tracker_fini(q);
-  /* References taken ahead for events that will never be: the handle's keeps q alive. */
-  int stock = q->ref_stock;
-  q->ref_stock = 0;
-  pthread_mutex_unlock(&q->submit_mu);
-  if (stock) atomic_fetch_sub(&q->refs, stock);
-  atomic_store(&q->magic, TDM__MAGIC_DEAD);
   atomic_store(&q->handle, 0);
   atomic_fetch_sub(&tdm__g.n_queues, 1);
-  tdm__queue_unref(q);
+  queue_retire(q);
   if (status < 0) tdm__error(status, 0, "%s had an unreported error", q->label);
   return status;
 }
@@ -180,15 +187,7 @@ void tdm__queue_destroy_imports(tdm__queue *q) {
     q->cv_sleepers--;
   }
   pthread_mutex_unlock(&q->mu);
-  pthread_mutex_lock(&q->submit_mu);
-  atomic_store(&q->destroying, true);
-  tdm__tracker_fini(q);
-  int stock = q->ref_stock;
-  q->ref_stock = 0;
-  pthread_mutex_unlock(&q->submit_mu);
-  if (stock) atomic_fetch_sub(&q->refs, stock);
-  atomic_store(&q->magic, TDM__MAGIC_DEAD);
-  tdm__queue_unref(q);
+  queue_retire(q);
 }
 
 /* Frees every queue struct and its pools; the last shutdown calls this after destroying
