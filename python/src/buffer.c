@@ -2,9 +2,10 @@
  * memory (host, pinned, and device memory of devices whose memory is host memory) and
  * __cuda_array_interface__ (version 3) on CUDA device memory. DLPack is in dlpack.c.
  *
- * Freeing: free() refuses while views or DLPack capsules are alive; while copies or fills
- * that use the buffer are pending, the memory goes when the last of them is done (their hold
- * counts it in `inflight`). Collecting the object frees it too.
+ * Freeing: free() refuses while views or DLPack capsules are alive. The memory is given back
+ * with tdm_free_async on the buffer's queue, so work on that queue (copies and fills there take
+ * no hold) finishes first; work on other queues holds the buffer (counted in `inflight`) and
+ * the memory goes when the last of it is done. Collecting the object frees it too.
  */
 #include "tdmpy.h"
 
@@ -96,25 +97,34 @@ static int buffer_traverse(BufferObject *self, visitproc visit, void *arg) {
   return 0;
 }
 
-static int buffer_clear(BufferObject *self) {
-  Py_CLEAR(self->queue);
-  return 0;
-}
-
-static void free_memory(tdmpy_state *st, BufferObject *self) {
+/* Gives the memory back, ordered after the work of the buffer's queue: copies and fills on
+ * that queue take no hold (queue.c), so its pending work may still use the memory. At once
+ * when the queue is gone (destroying it drained it) or cannot take the free (its device is
+ * lost, and its work with it). */
+void tdmpy_buffer_free_memory(tdmpy_state *st, BufferObject *self) {
   void *p = self->ptr;
   self->ptr = NULL;
   if (!p || !st->live) return;
+  QueueObject *q = (QueueObject *)self->queue;
+  tdm_queue *tq = q ? q->q : NULL;
   Py_BEGIN_ALLOW_THREADS
-  tdm_free(p);
+  if (!tq || tdm_free_async(tq, p, 0, NULL, NULL) < 0) tdm_free(p);
   Py_END_ALLOW_THREADS
+}
+
+/* A buffer in a garbage cycle gives its memory back while it still knows its queue. */
+static int buffer_clear(BufferObject *self) {
+  if (self->inflight == 0 && self->exports == 0)
+    tdmpy_buffer_free_memory(tdmpy_state_of_type(Py_TYPE(self)), self);
+  Py_CLEAR(self->queue);
+  return 0;
 }
 
 static void buffer_dealloc(BufferObject *self) {
   PyTypeObject *tp = Py_TYPE(self);
   PyObject_GC_UnTrack(self);
-  free_memory(tdmpy_state_of_type(tp), self);
-  buffer_clear(self);
+  tdmpy_buffer_free_memory(tdmpy_state_of_type(tp), self);
+  Py_CLEAR(self->queue);
   Py_CLEAR(self->device);
   tp->tp_free((PyObject *)self);
   Py_DECREF(tp);
@@ -129,7 +139,7 @@ static PyObject *buffer_free(BufferObject *self, PyObject *unused) {
     return NULL;
   }
   self->released = 1;
-  if (self->inflight == 0) free_memory(st, self);
+  if (self->inflight == 0) tdmpy_buffer_free_memory(st, self);
   Py_RETURN_NONE;
 }
 

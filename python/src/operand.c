@@ -38,10 +38,7 @@ int tdmpy_hold_add(tdmpy_hold *h, PyObject *obj) {
 }
 
 static void buffer_done(tdmpy_state *st, BufferObject *b) {
-  if (--b->inflight == 0 && b->released && b->ptr && st->live) {
-    tdm_free(b->ptr); /* freeing imported or idle memory never waits */
-    b->ptr = NULL;
-  }
+  if (--b->inflight == 0 && b->released) tdmpy_buffer_free_memory(st, b);
 }
 
 static void import_done(tdmpy_state *st, PyObject *key) {

@@ -428,20 +428,32 @@ static int size_arg(PyObject *obj, size_t *out, int *given) {
   return 0;
 }
 
-/* After a copy or fill was submitted (rc) with h holding its operands: on failure raises and
- * drops h; else h stays alive until the command is done, and the new Event is returned. */
+/* After a copy or fill was submitted (rc) with h holding its operands (NULL: the queue's own
+ * buffers, which need no hold): on failure raises and drops h; else h stays alive until the
+ * command is done, and the new Event is returned. */
 static PyObject *submitted(tdmpy_state *st, QueueObject *self, tdmpy_hold *h, int rc,
                            tdm_event *ev) {
   if (rc < 0) {
     tdmpy_raise(st, rc);
-    tdmpy_hold_drop(h);
+    if (h) tdmpy_hold_drop(h);
     return NULL;
   }
-  if (tdmpy_hold_submit(st, self->q, h) < 0) {
+  if (h && tdmpy_hold_submit(st, self->q, h) < 0) {
     tdm_event_release(ev);
     return NULL;
   }
   return tdmpy_event_new(st, ev, NULL, NULL);
+}
+
+/* A tandem Buffer whose queue is q needs no hold: freeing it is ordered after q's work
+ * (tdmpy_buffer_free_memory), and the Buffer keeps q alive. 1 and the span, or 0. */
+static int own_buffer(tdmpy_state *st, QueueObject *q, PyObject *obj, tdmpy_span *out) {
+  if (Py_TYPE(obj) != st->buffer_type) return 0;
+  BufferObject *b = (BufferObject *)obj;
+  if (b->queue != (PyObject *)q || !b->ptr || b->released) return 0;
+  out->ptr = b->ptr;
+  out->nbytes = b->nbytes;
+  return 1;
 }
 
 static PyObject *queue_copy(QueueObject *self, PyObject *args, PyObject *kw) {
@@ -453,13 +465,15 @@ static PyObject *queue_copy(QueueObject *self, PyObject *args, PyObject *kw) {
   size_t n;
   int given;
   if (usable(st, self) < 0 || size_arg(nobj, &n, &given) < 0) return NULL;
-  tdmpy_hold *h = tdmpy_hold_new();
-  if (!h) return PyErr_NoMemory();
+  tdmpy_hold *h = NULL;
   tdmpy_span d, s;
   tdmpy_deps deps = {0};
-  if (tdmpy_operand(st, self, dst, 1, h, &d) < 0 || tdmpy_operand(st, self, src, 0, h, &s) < 0 ||
-      tdmpy_deps_get(st, depseq, qdev(self), &deps) < 0)
-    goto fail;
+  if (!own_buffer(st, self, dst, &d) || !own_buffer(st, self, src, &s)) {
+    if (!(h = tdmpy_hold_new())) return PyErr_NoMemory();
+    if (tdmpy_operand(st, self, dst, 1, h, &d) < 0 || tdmpy_operand(st, self, src, 0, h, &s) < 0)
+      goto fail;
+  }
+  if (tdmpy_deps_get(st, depseq, qdev(self), &deps) < 0) goto fail;
   if (!given) {
     n = s.nbytes;
     if (d.nbytes < n) {
@@ -481,7 +495,7 @@ static PyObject *queue_copy(QueueObject *self, PyObject *args, PyObject *kw) {
   return submitted(st, self, h, rc, ev);
 fail:
   tdmpy_deps_free(&deps);
-  tdmpy_hold_drop(h);
+  if (h) tdmpy_hold_drop(h);
   return NULL;
 }
 
@@ -499,13 +513,14 @@ static PyObject *queue_fill(QueueObject *self, PyObject *args, PyObject *kw) {
     PyErr_SetString(PyExc_ValueError, "fill: value is a byte, 0 to 255");
     return NULL;
   }
-  tdmpy_hold *h = tdmpy_hold_new();
-  if (!h) return PyErr_NoMemory();
+  tdmpy_hold *h = NULL;
   tdmpy_span d;
   tdmpy_deps deps = {0};
-  if (tdmpy_operand(st, self, dst, 1, h, &d) < 0 ||
-      tdmpy_deps_get(st, depseq, qdev(self), &deps) < 0)
-    goto fail;
+  if (!own_buffer(st, self, dst, &d)) {
+    if (!(h = tdmpy_hold_new())) return PyErr_NoMemory();
+    if (tdmpy_operand(st, self, dst, 1, h, &d) < 0) goto fail;
+  }
+  if (tdmpy_deps_get(st, depseq, qdev(self), &deps) < 0) goto fail;
   if (!given) {
     n = d.nbytes;
   } else if (n > d.nbytes) {
@@ -522,7 +537,7 @@ static PyObject *queue_fill(QueueObject *self, PyObject *args, PyObject *kw) {
   return submitted(st, self, h, rc, ev);
 fail:
   tdmpy_deps_free(&deps);
-  tdmpy_hold_drop(h);
+  if (h) tdmpy_hold_drop(h);
   return NULL;
 }
 

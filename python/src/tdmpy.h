@@ -69,7 +69,7 @@ typedef struct {
   PyObject *device;   /* Device */
   PyObject *queue;    /* Queue whose work produces the contents (CAI stream, DLPack sync) */
   Py_ssize_t exports; /* live buffer-protocol views and DLPack capsules */
-  Py_ssize_t inflight;/* copies and fills pending on it (keep-alives not yet released) */
+  Py_ssize_t inflight;/* copies and fills on other queues pending on it (their holds) */
   int released;       /* free() was called: the memory goes once inflight drops to 0 */
 } BufferObject;
 
@@ -131,6 +131,9 @@ void tdmpy_deps_free(tdmpy_deps *d);
 /* buffer.c */
 extern PyType_Spec tdmpy_buffer_spec;
 PyObject *tdmpy_malloc(tdmpy_state *st, PyObject *args, PyObject *kwargs);
+/* Gives a buffer's memory back after its queue's pending work (tdm_free_async); the GIL is
+ * held and released inside. */
+void tdmpy_buffer_free_memory(tdmpy_state *st, BufferObject *self);
 
 /* operand.c: what a copy or fill can take, resolved to a pointer, and kept alive */
 typedef struct tdmpy_hold tdmpy_hold;

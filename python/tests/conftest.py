@@ -4,7 +4,9 @@ busy for a while (a host task that sleeps) so ordering is really tested.
 The suite runs on cpu:0 and on PoCL's opencl:0; `make check` runs the OpenCL tests a second
 time with POCL_DEVICES=basic (PoCL's other driver). A device that is absent is skipped.
 """
+import faulthandler
 import os
+import sys
 import time
 
 import numpy as np
@@ -13,6 +15,19 @@ import pytest
 import tandem
 
 DEVICE_IDS = ["cpu:0", "opencl:0"]
+
+# TANDEM_TEST_HANG_DUMP=<seconds>: a test still running after that long prints every thread's
+# Python stack (and goes on), so a hang names where each thread is.
+HANG_DUMP = float(os.environ.get("TANDEM_TEST_HANG_DUMP", "0") or 0)
+
+
+@pytest.fixture(autouse=True)
+def _hang_dump():
+    if HANG_DUMP > 0:
+        faulthandler.dump_traceback_later(HANG_DUMP, repeat=False, file=sys.stderr)
+    yield
+    if HANG_DUMP > 0:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _device(dev_id):

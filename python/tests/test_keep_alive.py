@@ -3,6 +3,7 @@ import gc
 import weakref
 
 import numpy as np
+import pytest
 
 import tandem
 from conftest import assert_same, eventually, random_floats, stall
@@ -88,3 +89,31 @@ def test_buffer_freed_after_pending_copy(device, rng):
     buf.free()  # the memory goes once the copies are done
     q.synchronize()
     assert_same(out, x)
+
+
+@pytest.mark.parametrize("how", ["free", "del"])
+def test_own_queue_buffers_outlive_pending_copies(device, rng, how):
+    # Buffers of q used on q take no hold: their memory goes after q's pending work instead.
+    q = tandem.Queue(device)
+    x = random_floats(rng, 1 << 14)
+    a = tandem.malloc(x.nbytes, "pinned", queue=q)
+    b = tandem.malloc(x.nbytes, "pinned", queue=q)
+    out = tandem.malloc(x.nbytes, "pinned", queue=q)
+    q.copy(a, x)
+    q.synchronize()
+    stall(q, 0.2)
+    q.copy(b, a)
+    q.fill(a, 0x7F)
+    q.copy(out, b)
+    if how == "free":
+        a.free()
+        b.free()
+    else:
+        del a, b
+        gc.collect()
+    # Memory given back at once would be handed out again here and overwritten by the host.
+    junk = [tandem.malloc(x.nbytes, "pinned", queue=q) for _ in range(4)]
+    for j in junk:
+        np.frombuffer(j, dtype=np.uint8)[:] = 0xFF
+    q.synchronize()
+    assert_same(np.frombuffer(out, dtype=np.float32), x)
