@@ -24,6 +24,16 @@
  * Pinned memory (TDM_MEM_PINNED) comes from cudaHostAlloc; tdm_host_register uses
  * cudaHostRegister. Every tandem call saves and restores the caller's current device.
  * Host memory given to a copy must stay untouched until the copy's event completes.
+ *
+ * The legacy default stream and device-side waits. A synchronous call on the legacy default
+ * stream (cudaMemcpy or cudaMemcpyAsync with pageable memory, say) that waits device-side,
+ * through cudaStreamWaitEvent on tdm_event_native(ev), for a command tandem runs on the host
+ * (host tasks, pageable and host-only copies: the stream is held at a gate until tandem's
+ * thread has done the work) blocks the CUDA calls of every other thread until it returns
+ * (measured on an H200 with CUDA 13.0: cudaEventRecord on an unrelated non-blocking stream
+ * waited for it). tandem's thread then cannot finish the command: a deadlock. Order the legacy
+ * stream after tandem's work on the host (tdm_event_wait), or use a stream of your own created
+ * non-blocking; tandem itself never makes the legacy stream wait.
  */
 #ifndef TANDEM_CUDA_H
 #define TANDEM_CUDA_H

@@ -106,7 +106,10 @@ PyObject *tdmpy_buffer_dlpack_device(BufferObject *self, PyObject *unused) {
 }
 
 /* Orders the consumer after the buffer's queue: on the device for a CUDA consumer stream,
- * else on the host. */
+ * else on the host. The legacy default stream (None, 0 and 1 name it) is ordered on the host
+ * too: a synchronous call on it (CuPy's asnumpy, PyTorch's .cpu()) waiting device-side for a
+ * command tandem runs on the host (a pageable copy) would block every thread's CUDA calls, the
+ * tandem thread's among them, until that command is done: a deadlock (tandem/cuda.h). */
 static int order_for_consumer(tdmpy_state *st, BufferObject *self, DLDevice dev,
                               PyObject *stream) {
   if (stream != Py_None) {
@@ -121,10 +124,9 @@ static int order_for_consumer(tdmpy_state *st, BufferObject *self, DLDevice dev,
     }
     return tdmpy_buffer_sync(st, self);
   }
-  /* None, and 0 (which the standard leaves out), name the legacy default stream (1). */
   void *consumer = stream == Py_None ? NULL : PyLong_AsVoidPtr(stream);
   if (PyErr_Occurred()) return -1;
-  if (!consumer) consumer = (void *)1;
+  if (consumer == NULL || consumer == (void *)1) return tdmpy_buffer_sync(st, self);
   QueueObject *q = (QueueObject *)self->queue;
   void *mine = NULL;
   if (!q->q) return 0;

@@ -148,7 +148,11 @@ def test_cuda_array_interface_round_trip(cupy_dev, rng):
     assert_same(out, x * np.float32(2))
 
 
-def test_dlpack_round_trip(cupy_dev, rng):
+@pytest.mark.parametrize("consumer", ["legacy", "non_blocking"])
+def test_dlpack_round_trip(cupy_dev, rng, consumer):
+    # The legacy default stream is ordered on the host, any other stream on the device; the
+    # copy from pageable memory runs on tandem's thread, which a synchronous legacy-stream call
+    # waiting for it device-side would block (tandem/cuda.h).
     cp, dev = cupy_dev
     q = tandem.Queue(dev)
     x = random_floats(rng, N)
@@ -156,9 +160,11 @@ def test_dlpack_round_trip(cupy_dev, rng):
     assert buf.__dlpack_device__() == (2, dev.native)
     stall(q, 0.2)
     q.copy(buf, x)
-    a = cp.from_dlpack(buf).view(cp.float32)    # ordered after q's copy on the device
-    assert a.data.ptr == buf.ptr
-    assert_same(cp.asnumpy(a), x)
+    s = cp.cuda.Stream(non_blocking=True) if consumer == "non_blocking" else cp.cuda.Stream.null
+    with s:
+        a = cp.from_dlpack(buf).view(cp.float32)    # ordered after q's copy
+        assert a.data.ptr == buf.ptr
+        assert_same(cp.asnumpy(a, stream=s), x)
     with pytest.raises(tandem.BusyError):
         buf.free()                              # a DLPack tensor of it is alive
     # CuPy arrays as copy operands, DLPack-only

@@ -43,6 +43,21 @@ def test_scenario_pytorch_op_on_external_stream(torch_dev, rng):
     assert_same(a.cpu().numpy(), x + np.float32(1))
 
 
+def test_dlpack_to_a_side_stream(torch_dev, rng):
+    # A stream other than the legacy default one is ordered on the device.
+    torch, dev = torch_dev
+    q = tandem.Queue(dev)
+    x = random_floats(rng, N)
+    buf = tandem.malloc(x.nbytes, "device", dev, queue=q)
+    stall(q, 0.2)
+    q.copy(buf, x)                                  # from pageable memory: tandem's thread
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        t = torch.from_dlpack(buf).view(torch.float32)
+        got = t.cpu().numpy()
+    assert_same(got, x)
+
+
 def test_dlpack_and_cai_round_trip(torch_dev, rng):
     torch, dev = torch_dev
     q = tandem.Queue(dev)
