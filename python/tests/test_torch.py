@@ -49,9 +49,11 @@ def test_dlpack_to_a_side_stream(torch_dev, rng):
     q = tandem.Queue(dev)
     x = random_floats(rng, N)
     buf = tandem.malloc(x.nbytes, "device", dev, queue=q)
+    # Made before the stall: PyTorch's first stream from its pool waits for the device with
+    # the GIL held, and the stall is a Python host task, which needs the GIL (README, Python).
+    s = torch.cuda.Stream()
     stall(q, 0.2)
     q.copy(buf, x)                                  # from pageable memory: tandem's thread
-    s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         t = torch.from_dlpack(buf).view(torch.float32)
         got = t.cpu().numpy()
