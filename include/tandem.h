@@ -97,6 +97,10 @@ TDM_API const char *tdm_strerror(int code);
 TDM_API const char *tdm_last_error(void);
 /* The native error code (cudaError_t, cl_int, errno) behind this thread's last failure, or 0. */
 TDM_API int tdm_last_native_error(void);
+/* Forgets this thread's message and native error code (tdm_last_error() then says "no error"),
+ * so that a caller can tell whether the next call set a message of its own, as with errno.
+ * Needs no tdm_init(); never fails. */
+TDM_API void tdm_clear_error(void);
 
 /* ---- Lifecycle -------------------------------------------------------------------------- */
 

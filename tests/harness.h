@@ -12,6 +12,9 @@
  * case is its own process. CHECK* macros print file:line, the expression and, for tandem
  * calls, the error name and tdm_last_error(), then end the process with status 1. They may be
  * used from any thread (host tasks, keep-alive releases, helper threads).
+ *
+ * CHECK_OK and CHECK_RC clear the thread's message (tdm_clear_error) before the call, so a
+ * message they print or check was set by that call and not left over from an earlier one.
  */
 #ifndef TANDEM_TESTS_HARNESS_H
 #define TANDEM_TESTS_HARNESS_H
@@ -117,20 +120,73 @@ __attribute__((noreturn)) static void th_fail_rc(const char *file, int line, con
 /* A tandem call that must succeed. */
 #define CHECK_OK(call)                                                                        \
   do {                                                                                        \
+    tdm_clear_error();                                                                        \
     int th_rc_ = (call);                                                                      \
     if (th_rc_ != 0) th_fail_rc(__FILE__, __LINE__, #call, th_rc_, 0);                        \
   } while (0)
 
-/* A tandem call (or a status) that must equal `want`; a failure must also leave a message
- * (TDM_EAGAIN from a query is a state, not a failure, so it is exempt). */
+/* What tdm_last_error() says when no call has set a message since tdm_clear_error(). */
+#define TH_NO_MESSAGE "no error"
+
+/* Whether `msg` is a message that a failure with code `rc` set since the thread's message was
+ * last cleared: it names the code ("TDM_EINVAL: ...") or, where `call` is given, the function
+ * called ("tdm_queue_sync" for "tdm_queue_sync(q)"). */
+TH_HELPER int th_message_fits(const char *msg, int rc, const char *call) {
+  const char *name = tdm_err_name(rc);
+  size_t len = strlen(name);
+  char fn[128];
+  if (strcmp(msg, TH_NO_MESSAGE) == 0) return 0;
+  if (strncmp(msg, name, len) == 0 && msg[len] == ':') return 1;
+  if (!call) return 0;
+  len = strcspn(call, "( ");
+  if (len == 0 || len >= sizeof fn) return 0;
+  memcpy(fn, call, len);
+  fn[len] = '\0';
+  return strstr(msg, fn) != NULL;
+}
+
+/* The checks behind CHECK_RC: `rc` must equal `want`, and a failure must have set a message of
+ * its own (TDM_EAGAIN from a query is a state, not a failure, so it is exempt). */
+TH_HELPER void th_check_rc(const char *file, int line, const char *call, int rc, int want) {
+  char msg[512];
+  if (rc != want) th_fail_rc(file, line, call, rc, want);
+  if (rc >= 0 || rc == TDM_EAGAIN) return;
+  snprintf(msg, sizeof msg, "%s", tdm_last_error());
+  if (strcmp(msg, TH_NO_MESSAGE) == 0)
+    th_fail(file, line, "%s returned %s but set no message", call, tdm_err_name(rc));
+  if (!th_message_fits(msg, rc, call))
+    th_fail(file, line, "%s returned %s, but its message names neither the code nor the "
+            "call:\n  tdm_last_error: \"%s\"", call, tdm_err_name(rc), msg);
+}
+
+/* A tandem call that must return `want`; a failure must also set a message naming its code or
+ * the call. */
 #define CHECK_RC(call, want)                                                                  \
   do {                                                                                        \
-    int th_rc_ = (call);                                                                      \
     int th_want_ = (want);                                                                    \
-    if (th_rc_ != th_want_) th_fail_rc(__FILE__, __LINE__, #call, th_rc_, th_want_);          \
-    if (th_rc_ < 0 && th_rc_ != TDM_EAGAIN && tdm_last_error()[0] == '\0')                  \
-      th_fail(__FILE__, __LINE__, "%s returned %s but tdm_last_error() is empty", #call,      \
-              tdm_err_name(th_rc_));                                                          \
+    tdm_clear_error();                                                                        \
+    int th_rc_ = (call);                                                                      \
+    th_check_rc(__FILE__, __LINE__, #call, th_rc_, th_want_);                                 \
+  } while (0)
+
+/* A tandem call whose code is checked later (by another thread, or after more calls): clears
+ * the message first, fails at once if the call fails without a message of its own, and
+ * otherwise gives the code back. */
+TH_HELPER int th_call_checked(const char *file, int line, const char *call, int rc) {
+  if (rc < 0 && rc != TDM_EAGAIN) th_check_rc(file, line, call, rc, rc);
+  return rc;
+}
+#define TH_CALL(call) th_call_checked(__FILE__, __LINE__, #call, (tdm_clear_error(), (call)))
+
+/* A status that must equal `want` (one a host task or another thread got, or one kept from an
+ * earlier call): its message is not this thread's to check. */
+#define CHECK_STATUS(status, want)                                                            \
+  do {                                                                                        \
+    int th_rc_ = (status);                                                                    \
+    int th_want_ = (want);                                                                    \
+    if (th_rc_ != th_want_)                                                                   \
+      th_fail(__FILE__, __LINE__, "%s is %s (%d), expected %s (%d)", #status,                 \
+              tdm_err_name(th_rc_), th_rc_, tdm_err_name(th_want_), th_want_);                \
   } while (0)
 
 /* Integer comparison that prints both sides. */

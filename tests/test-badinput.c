@@ -3,7 +3,7 @@
  * NULL handles and out-parameters, destroyed and foreign handles, ranges past an allocation,
  * wrong copy directions, memory of another device, bad frees, calls before tdm_init, unknown
  * devices, and the error-name tables. Every failing call must leave its out-parameters
- * untouched (they hold sentinels here) and a non-empty tdm_last_error() (CHECK_RC checks it).
+ * untouched (they hold sentinels here) and set a message of its own (CHECK_RC checks it).
  * Stale handles are safe to pass because tandem pools queue and event memory; each stale check
  * runs right after the handle died, before anything could reuse its slot.
  */
@@ -95,6 +95,13 @@ TEST_CASE(null_handles) {
   tdm_device_info info;
   CHECK_RC(tdm_device_info_get(NULL, &info), TDM_EINVAL);
   CHECK(eo == SENTINEL_EVENT);
+  tdm_cpu_stream *cs = (tdm_cpu_stream *)SENTINEL_PTR;
+  CHECK_RC(tdm_cpu_stream_create(NULL), TDM_EINVAL);
+  CHECK_RC(tdm_cpu_stream_destroy(NULL), TDM_EHANDLE);
+  CHECK_RC(tdm_cpu_stream_launch(NULL, release_count, &ran), TDM_EHANDLE);
+  CHECK_OK(tdm_cpu_stream_create(&cs));
+  CHECK_RC(tdm_cpu_stream_launch(cs, NULL, &ran), TDM_EINVAL);
+  CHECK_OK(tdm_cpu_stream_destroy(cs));
 
   /* A dependency list with a NULL array or a NULL entry. */
   tdm_event *with_null[2] = {ev, NULL};
@@ -453,6 +460,27 @@ TEST_CASE(error_names) {
   CHECK(strcmp(tdm_err_name(5), "TDM_UNKNOWN") == 0);
   CHECK(tdm_strerror(0) != NULL && tdm_strerror(-1000) != NULL && tdm_strerror(-1000)[0]);
   CHECK(tdm_last_error() != NULL);
+}
+
+/* tdm_clear_error forgets the message and the native code, before tdm_init too, and a call
+ * that succeeds leaves the cleared state alone: how a caller tells that a failure set its own
+ * message. */
+TEST_CASE(clear_error) {
+  tdm_device *d = SENTINEL_DEVICE;
+  CHECK_RC(tdm_device_count(NULL), TDM_ENOTINIT);
+  CHECK(strncmp(tdm_last_error(), "TDM_ENOTINIT: ", 14) == 0);
+  tdm_clear_error();
+  CHECK(strcmp(tdm_last_error(), "no error") == 0);
+  CHECK_EQ(tdm_last_native_error(), 0);
+  th_open();
+  CHECK_RC(tdm_device_find("cpu:9", &d), TDM_ENODEV);
+  CHECK(strncmp(tdm_last_error(), "TDM_ENODEV: ", 12) == 0);
+  tdm_clear_error();
+  CHECK_OK(tdm_device_find("cpu:0", &d));
+  CHECK(strcmp(tdm_last_error(), "no error") == 0);
+  tdm_clear_error(); /* twice is fine */
+  CHECK(strcmp(tdm_last_error(), "no error") == 0);
+  th_close();
 }
 
 /* ---- Handles that outlive their objects --------------------------------------------------- */

@@ -29,21 +29,21 @@ struct self_call {
 
 static int task_sync_own(void *arg) {
   struct self_call *s = arg;
-  atomic_store(&s->rc, tdm_queue_sync(s->q));
+  atomic_store(&s->rc, TH_CALL(tdm_queue_sync(s->q)));
   atomic_store(&s->ran, 1);
   return 0;
 }
 
 static int task_destroy_own(void *arg) {
   struct self_call *s = arg;
-  atomic_store(&s->rc, tdm_queue_destroy(s->q));
+  atomic_store(&s->rc, TH_CALL(tdm_queue_destroy(s->q)));
   atomic_store(&s->ran, 1);
   return 0;
 }
 
 static int task_sync_other(void *arg) {
   struct self_call *s = arg;
-  atomic_store(&s->rc, tdm_queue_sync(s->other));
+  atomic_store(&s->rc, TH_CALL(tdm_queue_sync(s->other)));
   atomic_store(&s->ran, 1);
   return 0;
 }
@@ -58,7 +58,7 @@ static void self_call_round(tdm_device *dev, unsigned flags, tdm_host_fn fn) {
   CHECK_OK(tdm_event_wait(ev));
   CHECK_OK(tdm_event_release(ev));
   CHECK_EQ(atomic_load(&s.ran), 1);
-  CHECK_RC(atomic_load(&s.rc), TDM_EDEADLK);
+  CHECK_STATUS(atomic_load(&s.rc), TDM_EDEADLK);
   /* The queue is intact: it runs more work and can be destroyed from outside. */
   atomic_int count = 0;
   CHECK_OK(tdm_host_task(s.q, task_count, &count, 0, NULL, NULL));
@@ -114,8 +114,8 @@ struct later_wait {
 static int task_wait_later(void *arg) {
   struct later_wait *w = arg;
   if (!th_gate_wait(&w->handed, TH_HANG_MS)) return 1;
-  atomic_store(&w->rc_earlier, tdm_event_wait(w->earlier));
-  atomic_store(&w->rc_later, tdm_event_wait(atomic_load(&w->later)));
+  atomic_store(&w->rc_earlier, TH_CALL(tdm_event_wait(w->earlier)));
+  atomic_store(&w->rc_later, TH_CALL(tdm_event_wait(atomic_load(&w->later))));
   return 0;
 }
 
@@ -136,7 +136,7 @@ TEST_CASE(task_waits_later_event) {
   th_gate_open(&w.handed);
   CHECK_OK(tdm_event_wait(ev));
   CHECK_OK(atomic_load(&w.rc_earlier)); /* an earlier event of its own queue is fine */
-  CHECK_RC(atomic_load(&w.rc_later), TDM_EDEADLK);
+  CHECK_STATUS(atomic_load(&w.rc_later), TDM_EDEADLK);
   CHECK_OK(tdm_event_wait(later));
   CHECK_EQ(atomic_load(&count), 2);
   CHECK_OK(tdm_event_release(ev));
@@ -304,14 +304,14 @@ struct shutdown_call {
 
 static int task_shutdown(void *arg) {
   struct shutdown_call *s = arg;
-  atomic_store(&s->rc, tdm_shutdown());
+  atomic_store(&s->rc, TH_CALL(tdm_shutdown()));
   atomic_store(&s->done, 1);
   return 0;
 }
 
 static void release_shutdown(void *obj) {
   struct shutdown_call *s = obj;
-  atomic_store(&s->rc, tdm_shutdown());
+  atomic_store(&s->rc, TH_CALL(tdm_shutdown()));
   atomic_store(&s->done, 1);
 }
 
@@ -330,8 +330,8 @@ TEST_CASE(shutdown_from_tandem_threads) {
     CHECK_OK(tdm_keep_alive(q, release_shutdown, &r));
     CHECK_MSG(th_wait_atomic(&t.done, 1, TH_HANG_MS), "the host task never finished");
     CHECK_MSG(th_wait_atomic(&r.done, 1, TH_HANG_MS), "the release never finished");
-    CHECK_RC(atomic_load(&t.rc), TDM_EDEADLK);
-    CHECK_RC(atomic_load(&r.rc), TDM_EDEADLK);
+    CHECK_STATUS(atomic_load(&t.rc), TDM_EDEADLK);
+    CHECK_STATUS(atomic_load(&r.rc), TDM_EDEADLK);
     /* Still up: the queue works. */
     CHECK_OK(tdm_host_task(q, task_count, &count, 0, NULL, NULL));
     CHECK_OK(tdm_queue_sync(q));

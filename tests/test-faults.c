@@ -134,7 +134,11 @@ struct attempt {
   char msg[256];
 };
 
-static void arm(unsigned kinds, long n) { CHECK_OK(tdm_fault_inject(kinds, n, 0)); }
+/* Clears the message last, so that the message disarm() reads is the operation's own. */
+static void arm(unsigned kinds, long n) {
+  CHECK_OK(tdm_fault_inject(kinds, n, 0));
+  tdm_clear_error();
+}
 
 /* Reads the message before any other tandem call, then whether the fault fired, then
  * disarms (in that order: tdm_fault_inject resets the fired flag). */
@@ -159,7 +163,8 @@ static int judge(const char *what, unsigned kinds, long n, const struct attempt 
   int want_backend = a->rc == TDM_EBACKEND && (kinds & TDM_FAULT_BACKEND);
   CHECK_MSG(want_alloc || want_backend, "%s, n=%ld: failed with %s, not the injected code", what,
             n, tdm_err_name(a->rc));
-  CHECK_MSG(a->msg[0] != '\0', "%s, n=%ld: failed without a message", what, n);
+  CHECK_MSG(th_message_fits(a->msg, a->rc, NULL), "%s, n=%ld: failed without a message of its "
+            "own naming %s: \"%s\"", what, n, tdm_err_name(a->rc), a->msg);
   return 0;
 }
 

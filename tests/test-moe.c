@@ -300,6 +300,19 @@ TEST_CASE(streamer_bad_input) {
   CHECK_OK(tdm_streamer_release(s, 0, 0, NULL));
   CHECK_OK(tdm_streamer_acquire(s, 0, 1, &w, NULL));
   CHECK_OK(tdm_streamer_release(s, 0, 1, NULL));
+  /* Every refusal says why. */
+  int bad[1] = {4};
+  tdm_streamer_stats st;
+  CHECK_RC(tdm_streamer_acquire(s, 0, 4, &w, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_streamer_acquire(s, 0, 0, NULL, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_streamer_release(s, 1, 0, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_streamer_release(s, 0, 1, NULL), TDM_ESTATE); /* released already */
+  CHECK_RC(tdm_streamer_prefetch(s, 0, bad, 1), TDM_EINVAL);
+  CHECK_RC(tdm_streamer_prefetch(s, 1, bad, 0), TDM_EINVAL);
+  CHECK_RC(tdm_streamer_stats_get(s, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_streamer_stats_get(NULL, &st), TDM_EINVAL);
+  CHECK_RC(tdm_streamer_stats_reset(NULL), TDM_EINVAL);
+  CHECK_RC(tdm_streamer_destroy(NULL), TDM_EINVAL);
   CHECK_OK(tdm_streamer_destroy(s));
   free_experts(&x);
   CHECK_OK(tdm_queue_destroy(q));
@@ -380,9 +393,9 @@ TEST_CASE(moe_bad_input) {
   tdm_moe_config c = {.preset = p, .device = dev, .seed = 1, .max_tokens = 8,
                       .budget_bytes = tdm_moe_expert_bytes(p) / 2, .staging_slots = 2};
   tdm_moe_model *m = NULL;
-  int rc = tdm_moe_model_create(&c, &m);
+  int rc = TH_CALL(tdm_moe_model_create(&c, &m));
   if (rc == TDM_ENOTSUP) TH_SKIP("no MoE operations on %s", th_device_id);
-  CHECK_RC(rc, TDM_EINVAL);
+  CHECK_STATUS(rc, TDM_EINVAL);
   CHECK(strstr(tdm_last_error(), "cannot hold one") != NULL);
   CHECK(m == NULL);
   /* A preset whose experts cannot fit in this machine's memory: a clear refusal. */

@@ -83,14 +83,14 @@ TEST_CASE(queues) {
     tdm_queue *qs[2] = {NULL, NULL};
     atomic_int ran = 0;
     fail_nth(n);
-    int rc = tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &qs[0]);
-    if (!rc && ooo) rc = tdm_queue_create(dev, TDM_QUEUE_OUT_OF_ORDER, &qs[1]);
+    int rc = TH_CALL(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &qs[0]));
+    if (!rc && ooo) rc = TH_CALL(tdm_queue_create(dev, TDM_QUEUE_OUT_OF_ORDER, &qs[1]));
     for (int i = 0; !rc && i < 2; i++)
-      if (qs[i]) rc = tdm_host_task(qs[i], task_count, &ran, 0, NULL, NULL);
+      if (qs[i]) rc = TH_CALL(tdm_host_task(qs[i], task_count, &ran, 0, NULL, NULL));
     bool fired = fail_none();
     if (rc) {
       CHECK_MSG(fired, "failed without a failed thread: %s", tdm_last_error());
-      CHECK_RC(rc, TDM_ENOMEM);
+      CHECK_STATUS(rc, TDM_ENOMEM);
     }
     for (int i = 0; i < 2; i++)
       if (qs[i]) {
@@ -134,11 +134,11 @@ TEST_CASE(moe_model) {
   for (long k = 0;; k++) {
     m = NULL;
     fail_nth(k);
-    rc = tdm_moe_model_create(&cfg, &m);
+    rc = TH_CALL(tdm_moe_model_create(&cfg, &m));
     bool fired = fail_none();
     if (rc) {
       CHECK_MSG(fired, "failed without a failed thread: %s", tdm_last_error());
-      CHECK_RC(rc, TDM_ENOMEM);
+      CHECK_STATUS(rc, TDM_ENOMEM);
       CHECK(m == NULL);
     } else {
       memset(y, 0xff, n * sizeof *y);

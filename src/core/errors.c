@@ -36,6 +36,12 @@ const char *tdm_last_error(void) { return tls_msg[0] ? tls_msg : "no error"; }
 
 int tdm_last_native_error(void) { return tls_native; }
 
+void tdm_clear_error(void) {
+  tls_msg[0] = '\0';
+  tls_detail[0] = '\0';
+  tls_native = 0;
+}
+
 const char *tdm__last_detail(void) { return tls_detail; }
 
 /* The detail may quote tdm__last_detail() (a nested failure), so it is formatted aside. */

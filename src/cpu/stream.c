@@ -5,6 +5,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 
+#include "core/internal.h" /* tdm__error: the interop calls below may come before tdm_init */
 #include "cpu.h"
 
 #define STREAM_MAGIC 0x43505553u /* "CPUS" */
@@ -109,24 +110,29 @@ int tdm__cpu_stream_push(tdm_cpu_stream *s, tdm__cmd *cmd) {
 /* ---- public interop (tandem/cpu.h) ---- */
 
 int tdm_cpu_stream_create(tdm_cpu_stream **out) {
-  if (!out) return TDM_EINVAL;
-  return tdm__cpu_stream_new(out);
+  if (!out) return tdm__error(TDM_EINVAL, 0, "tdm_cpu_stream_create: out is NULL");
+  int rc = tdm__cpu_stream_new(out);
+  return rc ? tdm__error(rc, 0, "tdm_cpu_stream_create: cannot start the stream's worker") : 0;
 }
 
 int tdm_cpu_stream_destroy(tdm_cpu_stream *s) {
-  if (!tdm__cpu_stream_valid(s)) return TDM_EHANDLE;
+  if (!tdm__cpu_stream_valid(s))
+    return tdm__error(TDM_EHANDLE, 0, "tdm_cpu_stream_destroy: %p is not a tdm_cpu_stream",
+                      (void *)s);
   tdm__cpu_stream_free(s);
   return 0;
 }
 
 int tdm_cpu_stream_launch(tdm_cpu_stream *s, void (*fn)(void *), void *arg) {
-  if (!tdm__cpu_stream_valid(s)) return TDM_EHANDLE;
-  if (!fn) return TDM_EINVAL;
+  if (!tdm__cpu_stream_valid(s))
+    return tdm__error(TDM_EHANDLE, 0, "tdm_cpu_stream_launch: %p is not a tdm_cpu_stream",
+                      (void *)s);
+  if (!fn) return tdm__error(TDM_EINVAL, 0, "tdm_cpu_stream_launch: fn is NULL");
   raw *r = calloc(1, sizeof *r);
-  if (!r) return TDM_ENOMEM;
+  if (!r) return tdm__error(TDM_ENOMEM, 0, "tdm_cpu_stream_launch: no memory for the launch");
   r->fn = fn;
   r->arg = arg;
   int rc = tdm__cpu_stream_push(s, &r->cmd);
   if (rc) free(r);
-  return rc;
+  return rc ? tdm__error(rc, 0, "tdm_cpu_stream_launch: the stream is being destroyed") : 0;
 }

@@ -19,10 +19,11 @@
  * (cublasSetWorkspace, so cuBLAS never picks a per-stream pool), keeps the default math mode
  * and disallows atomics.
  *
- * Errors: 0 or a negative TDM_E* code. Failures of the public calls made here set
- * tdm_last_error(); a failing CUDA or cuBLAS call returns TDM_EBACKEND (TDM_ENOMEM when it ran
- * out of memory) and is recorded in the state (failed, native) for a debugger or a test: this
- * module cannot set tandem's thread message itself. */
+ * Errors: 0 or a negative TDM_E* code, and a message in tdm_last_error(): failures of the
+ * public calls made here set their own; the rest go through the module's core services
+ * (cu_svc, the same table cuda.c uses). A failing CUDA or cuBLAS call returns TDM_EBACKEND
+ * (TDM_ENOMEM when it ran out of memory) and is also recorded in the state (failed, native)
+ * for a debugger. */
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -34,7 +35,9 @@
 #include <string.h>
 
 extern "C" {
+#include "backend.h"
 #include "moe/ops.h"
+extern const tdm__services *cu_svc; /* cuda.c: how this module sets tandem's thread message */
 }
 
 /* The public calls made here are weak references. libtandem dlopens this module RTLD_LOCAL,
@@ -91,13 +94,15 @@ typedef struct moe_cuda {
 static int cuda_fail(moe_cuda *m, cudaError_t e, const char *what) {
   m->failed = what;
   m->native = (int)e;
-  return e == cudaErrorMemoryAllocation ? TDM_ENOMEM : TDM_EBACKEND;
+  return cu_svc->error(e == cudaErrorMemoryAllocation ? TDM_ENOMEM : TDM_EBACKEND, (int)e,
+                       "moe: %s: %s", what, cudaGetErrorString(e));
 }
 
 static int blas_fail(moe_cuda *m, cublasStatus_t st, const char *what) {
   m->failed = what;
   m->native = (int)st;
-  return st == CUBLAS_STATUS_ALLOC_FAILED ? TDM_ENOMEM : TDM_EBACKEND;
+  return cu_svc->error(st == CUBLAS_STATUS_ALLOC_FAILED ? TDM_ENOMEM : TDM_EBACKEND, (int)st,
+                       "moe: %s failed (cuBLAS status %d)", what, (int)st);
 }
 
 #define CK_CUDA(call)                                      \
@@ -128,6 +133,13 @@ static void leave(moe_cuda *m, int saved) {
 /* Every op checks that it runs on the queue its state was opened for: the cuBLAS handle is
  * bound to that queue's stream. */
 static int check_queue(moe_cuda *m, tdm_queue *q) { return m && q == m->q ? 0 : TDM_EINVAL; }
+
+/* An op's arguments were refused: TDM_EINVAL, with the reason. */
+static int bad_args(moe_cuda *m, tdm_queue *q, const char *op) {
+  if (check_queue(m, q))
+    return cu_svc->error(TDM_EINVAL, 0, "moe %s: the state was not opened on this queue", op);
+  return cu_svc->error(TDM_EINVAL, 0, "moe %s: NULL pointer or size out of range", op);
+}
 
 /* ---- device helpers ---- */
 
@@ -392,10 +404,11 @@ static int blas_setup(moe_cuda *m) {
 /* Only in-order queues of CUDA devices: an out-of-order queue spreads its commands over
  * several streams, and these ops would be ordered with only one of them. */
 static int cuda_open(tdm_queue *q, void **state) {
-  if (!q || !state) return TDM_EINVAL;
+  if (!q || !state) return cu_svc->error(TDM_EINVAL, 0, "moe open: NULL argument");
   if (!tdm_queue_device || !tdm_queue_flags || !tdm_queue_native || !tdm_device_info_get ||
       !tdm_device_native)
-    return TDM_ENOTSUP; /* the public API is not visible to this module (see MOE_WEAK) */
+    return cu_svc->error(TDM_ENOTSUP, 0, "moe open: libtandem's API is not visible to the "
+                         "CUDA module"); /* see MOE_WEAK */
   tdm_device *dev;
   tdm_device_info info;
   unsigned flags;
@@ -404,12 +417,14 @@ static int cuda_open(tdm_queue *q, void **state) {
   if ((rc = tdm_queue_device(q, &dev)) || (rc = tdm_device_info_get(dev, &info)) ||
       (rc = tdm_queue_flags(q, &flags)))
     return rc;
-  if (strcmp(info.backend, "cuda") != 0) return TDM_ENOTSUP;
-  if (flags & TDM_QUEUE_OUT_OF_ORDER) return TDM_EINVAL; /* as the CPU table answers */
+  if (strcmp(info.backend, "cuda") != 0)
+    return cu_svc->error(TDM_ENOTSUP, 0, "moe open: %s is not a CUDA device", info.id);
+  if (flags & TDM_QUEUE_OUT_OF_ORDER) /* as the CPU table answers */
+    return cu_svc->error(TDM_EINVAL, 0, "moe open: the ops need an in-order queue");
   if ((rc = tdm_device_native(dev, &ordinal)) || (rc = tdm_queue_native(q, &stream))) return rc;
 
   moe_cuda *m = (moe_cuda *)calloc(1, sizeof *m);
-  if (!m) return TDM_ENOMEM;
+  if (!m) return cu_svc->error(TDM_ENOMEM, 0, "moe open: no host memory");
   pthread_mutex_init(&m->plan_mu, NULL);
   m->q = q;
   m->s = (cudaStream_t)stream;
@@ -441,9 +456,9 @@ static void cuda_close(void *state) {
 static int cuda_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T,
                         int H, float eps) {
   moe_cuda *m = (moe_cuda *)st;
-  if (check_queue(m, q) || T < 0 || H <= 0 || !(eps >= 0.f)) return TDM_EINVAL;
+  if (check_queue(m, q) || T < 0 || H <= 0 || !(eps >= 0.f)) return bad_args(m, q, "rmsnorm");
   if (T == 0) return 0;
-  if (!y || !x || !w) return TDM_EINVAL;
+  if (!y || !x || !w) return bad_args(m, q, "rmsnorm");
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
   rmsnorm_kernel<<<T, MOE_THREADS, 0, m->s>>>(y, x, w, H, eps);
@@ -455,7 +470,9 @@ static int cuda_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, const 
 
 static int launch_router(moe_cuda *m, const float *x, const moe_bf16 *wr, const float *bias, int T,
                          int H, int E, int k, int renorm, int32_t *idx, float *weights) {
-  if (E > ROUTER_SMEM / 5) return TDM_EINVAL; /* p (4 bytes) and taken (1 byte) per expert */
+  if (E > ROUTER_SMEM / 5) /* p (4 bytes) and taken (1 byte) per expert */
+    return cu_svc->error(TDM_EINVAL, 0, "moe router: %d experts need more shared memory than "
+                         "%d bytes", E, ROUTER_SMEM);
   int tpb = ROUTER_SMEM / (E * 5);
   if (tpb > ROUTER_TOKENS) tpb = ROUTER_TOKENS;
   if (tpb > T) tpb = T;
@@ -471,9 +488,10 @@ static int cuda_router(void *st, tdm_queue *q, const float *x, const moe_bf16 *w
                        const float *bias, int T, int H, int E, int k, int renorm, int32_t *idx,
                        float *weights) {
   moe_cuda *m = (moe_cuda *)st;
-  if (check_queue(m, q) || T < 0 || H <= 0 || E <= 0 || k <= 0 || k > E) return TDM_EINVAL;
+  if (check_queue(m, q) || T < 0 || H <= 0 || E <= 0 || k <= 0 || k > E)
+    return bad_args(m, q, "router");
   if (T == 0) return 0;
-  if (!x || !wr || !idx || !weights) return TDM_EINVAL;
+  if (!x || !wr || !idx || !weights) return bad_args(m, q, "router");
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
   rc = launch_router(m, x, wr, bias, T, H, E, k, renorm, idx, weights);
@@ -536,7 +554,7 @@ static int plan_get(moe_cuda *m, int N, int K, int n, int ldb, unsigned align, g
   if (!p) {
     p = (gemm_plan *)calloc(1, sizeof *p);
     if (!p) {
-      rc = TDM_ENOMEM;
+      rc = cu_svc->error(TDM_ENOMEM, 0, "moe expert: no host memory for a GEMM plan");
     } else {
       p->N = N;
       p->K = K;
@@ -620,14 +638,16 @@ static int cuda_expert(void *st, tdm_queue *q, const float *x, const int32_t *ro
                        const int32_t *slot, int n, const moe_bf16 *w, int H, int I, float *out,
                        void *workspace, size_t workspace_bytes) {
   moe_cuda *m = (moe_cuda *)st;
-  if (check_queue(m, q) || n < 0 || H <= 0 || I <= 0 || I > INT_MAX / 4) return TDM_EINVAL;
+  if (check_queue(m, q) || n < 0 || H <= 0 || I <= 0 || I > INT_MAX / 4)
+    return bad_args(m, q, "expert");
   if (n == 0) return 0;
   if (!x || !rows || !slot || !w || !out || !workspace || ((uintptr_t)workspace & 15))
-    return TDM_EINVAL;
+    return bad_args(m, q, "expert");
   size_t contract = ws_contract((size_t)n, (size_t)H, (size_t)I);
   if (!contract || workspace_bytes < contract ||
       expert_off_o((size_t)n, (size_t)I) + 4 * (size_t)n * H > workspace_bytes)
-    return TDM_EINVAL;
+    return cu_svc->error(TDM_EINVAL, 0, "moe expert: a workspace of %zu bytes is too small",
+                         workspace_bytes);
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
   rc = run_expert(m, x, rows, slot, n, w, H, I, out, (unsigned char *)workspace);
@@ -638,9 +658,9 @@ static int cuda_expert(void *st, tdm_queue *q, const float *x, const int32_t *ro
 static int cuda_combine(void *st, tdm_queue *q, float *y, const float *out, const float *weights,
                         int T, int H, int k) {
   moe_cuda *m = (moe_cuda *)st;
-  if (check_queue(m, q) || T < 0 || H <= 0 || k <= 0) return TDM_EINVAL;
+  if (check_queue(m, q) || T < 0 || H <= 0 || k <= 0) return bad_args(m, q, "combine");
   if (T == 0) return 0;
-  if (!y || !out || !weights) return TDM_EINVAL;
+  if (!y || !out || !weights) return bad_args(m, q, "combine");
   size_t total = (size_t)T * H;
   size_t blocks = (total + MOE_THREADS - 1) / MOE_THREADS;
   if (blocks > (1u << 20)) blocks = 1u << 20; /* the kernel strides over the rest */

@@ -97,7 +97,7 @@ int tdm_streamer_create(const tdm_streamer_config *cfg, tdm_streamer **out) {
   tdm_device *dev;
   if ((rc = tdm_queue_device(cfg->compute, &dev))) return rc;
   tdm_streamer *s = calloc(1, sizeof *s);
-  if (!s) return TDM_ENOMEM;
+  if (!s) return tdm__error(TDM_ENOMEM, 0, "tdm_streamer_create: no memory for the streamer");
   s->cfg = *cfg;
   s->dev = dev;
   long keys = (long)cfg->layers * cfg->experts;
@@ -151,7 +151,7 @@ int tdm_streamer_create(const tdm_streamer_config *cfg, tdm_streamer **out) {
 }
 
 int tdm_streamer_destroy(tdm_streamer *s) {
-  if (!s) return TDM_EINVAL;
+  if (!s) return tdm__error(TDM_EINVAL, 0, "tdm_streamer_destroy: s is NULL");
   if (s->demand) tdm_queue_sync(s->demand);
   if (s->prefetch) tdm_queue_sync(s->prefetch);
   for (int i = 0; s->slots && i < s->nslots; i++) slot_clear_events(&s->slots[i]);
@@ -178,9 +178,11 @@ static int key_of(tdm_streamer *s, int layer, int e) {
 
 int tdm_streamer_acquire(tdm_streamer *s, int layer, int e, const void **dptr,
                          tdm_event **ready) {
-  if (!s || !dptr) return TDM_EINVAL;
+  if (!s || !dptr) return tdm__error(TDM_EINVAL, 0, "tdm_streamer_acquire: s or dptr is NULL");
   int key = key_of(s, layer, e);
-  if (key < 0) return TDM_EINVAL;
+  if (key < 0)
+    return tdm__error(TDM_EINVAL, 0, "tdm_streamer_acquire: expert %d of layer %d does not exist",
+                      e, layer);
   pthread_mutex_lock(&s->mu);
   int rc = 0, i = s->map[key];
   s->st.acquires++;
@@ -223,14 +225,17 @@ int tdm_streamer_acquire(tdm_streamer *s, int layer, int e, const void **dptr,
 }
 
 int tdm_streamer_release(tdm_streamer *s, int layer, int e, tdm_event *done) {
-  if (!s) return TDM_EINVAL;
+  if (!s) return tdm__error(TDM_EINVAL, 0, "tdm_streamer_release: s is NULL");
   int key = key_of(s, layer, e);
-  if (key < 0) return TDM_EINVAL;
+  if (key < 0)
+    return tdm__error(TDM_EINVAL, 0, "tdm_streamer_release: expert %d of layer %d does not exist",
+                      e, layer);
   pthread_mutex_lock(&s->mu);
   int i = s->map[key];
   if (i < 0 || s->slots[i].pins == 0) {
     pthread_mutex_unlock(&s->mu);
-    return TDM_ESTATE;
+    return tdm__error(TDM_ESTATE, 0, "tdm_streamer_release: expert %d of layer %d is not acquired",
+                      e, layer);
   }
   slot *sl = &s->slots[i];
   /* A resident slot is never overwritten: no event to keep. Else the given one, or one
@@ -250,7 +255,8 @@ int tdm_streamer_release(tdm_streamer *s, int layer, int e, tdm_event *done) {
 }
 
 int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts, int n) {
-  if (!s || (n && !experts) || layer < 0 || layer >= s->cfg.layers) return TDM_EINVAL;
+  if (!s || (n && !experts) || layer < 0 || layer >= s->cfg.layers)
+    return tdm__error(TDM_EINVAL, 0, "tdm_streamer_prefetch: bad arguments");
   pthread_mutex_lock(&s->mu);
   /* Forget prefetches that have landed. */
   int k = 0;
@@ -266,7 +272,8 @@ int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts, int n)
   for (int j = 0; j < n && !rc; j++) {
     int key = key_of(s, layer, experts[j]);
     if (key < 0) {
-      rc = TDM_EINVAL;
+      rc = tdm__error(TDM_EINVAL, 0, "tdm_streamer_prefetch: expert %d of layer %d does not exist",
+                      experts[j], layer);
       break;
     }
     if (s->map[key] >= 0) continue;
@@ -350,7 +357,7 @@ int tdm_streamer_queues(tdm_streamer *s, tdm_queue **demand, tdm_queue **prefetc
 }
 
 int tdm_streamer_stats_get(tdm_streamer *s, tdm_streamer_stats *out) {
-  if (!s || !out) return TDM_EINVAL;
+  if (!s || !out) return tdm__error(TDM_EINVAL, 0, "tdm_streamer_stats_get: s or out is NULL");
   pthread_mutex_lock(&s->mu);
   *out = s->st;
   pthread_mutex_unlock(&s->mu);
@@ -358,7 +365,7 @@ int tdm_streamer_stats_get(tdm_streamer *s, tdm_streamer_stats *out) {
 }
 
 int tdm_streamer_stats_reset(tdm_streamer *s) {
-  if (!s) return TDM_EINVAL;
+  if (!s) return tdm__error(TDM_EINVAL, 0, "tdm_streamer_stats_reset: s is NULL");
   pthread_mutex_lock(&s->mu);
   s->st.acquires = s->st.hits = s->st.misses = 0;
   s->st.prefetches = s->st.prefetch_hits = s->st.prefetch_dropped = 0;

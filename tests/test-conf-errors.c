@@ -1,0 +1,209 @@
+/* test-conf-errors.c: conformance, failures and teardown: a failed command fails its event and
+ * the work that depends on it, sync reports and clears the first error, and destroying a queue
+ * drains what was submitted to it. */
+#include "conformance.h"
+
+/* ---- Errors ------------------------------------------------------------------------------ */
+
+TEST_CASE(error_propagation) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_IN_ORDER), *r = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  th_gate gate;
+  th_gate_init(&gate);
+  atomic_int ran_q = 0, ran_r = 0, ran_r2 = 0, ran_again = 0;
+  unsigned char *src = dev_alloc(dev, TDM_MEM_PINNED, 256), *dst = dev_alloc(dev, TDM_MEM_PINNED, 256);
+  unsigned char before[256];
+  th_fill_random(src, 256, &rng);
+  th_fill_random(dst, 256, &rng);
+  memcpy(before, dst, 256);
+  tdm_event *e_fail, *e_task, *e_copy, *e_dep, *e_dep2, *m;
+
+  /* Held back so that every submission below is made before anything runs. */
+  CHECK_OK(tdm_host_task(q, task_wait_gate, &gate, 0, NULL, NULL));
+  CHECK_OK(tdm_host_task(q, task_fail_einval, NULL, 0, NULL, &e_fail));
+  CHECK_OK(tdm_host_task(q, task_count, &ran_q, 0, NULL, &e_task));
+  CHECK_OK(tdm_memcpy(q, dst, src, 256, TDM_COPY_H2H, 0, NULL, &e_copy));
+  CHECK_OK(tdm_host_task(r, task_count, &ran_r, 1, &e_fail, &e_dep));
+  CHECK_OK(tdm_host_task(r, task_count, &ran_r2, 0, NULL, &e_dep2));
+  CHECK_OK(tdm_event_record(q, &m));
+  th_gate_open(&gate);
+
+  CHECK_RC(tdm_event_wait(e_fail), TDM_EINVAL);
+  CHECK_RC(tdm_event_wait(e_task), TDM_EDEP);
+  CHECK_RC(tdm_event_wait(e_copy), TDM_EDEP);
+  CHECK_RC(tdm_event_wait(e_dep), TDM_EDEP);
+  CHECK_RC(tdm_event_wait(e_dep2), TDM_EDEP);
+  CHECK_RC(tdm_event_wait(m), TDM_EINVAL); /* the marker reports the first error */
+  CHECK_RC(tdm_event_query(e_fail), TDM_EINVAL);
+  CHECK_EQ(atomic_load(&ran_q), 0);
+  CHECK_EQ(atomic_load(&ran_r), 0);
+  CHECK_EQ(atomic_load(&ran_r2), 0);
+  CHECK_MEM_EQ(dst, before, 256);
+
+  CHECK_RC(tdm_queue_sync(q), TDM_EINVAL);
+  CHECK_OK(tdm_queue_sync(q)); /* reported once */
+  CHECK_RC(tdm_queue_sync(r), TDM_EDEP);
+  CHECK_OK(tdm_queue_sync(r));
+
+  /* The queue works again. */
+  tdm_event *e_again = NULL, *m2 = NULL;
+  CHECK_OK(tdm_host_task(q, task_count, &ran_again, 0, NULL, &e_again));
+  CHECK_OK(tdm_memcpy(q, dst, src, 256, TDM_COPY_H2H, 0, NULL, NULL));
+  CHECK_OK(tdm_event_record(q, &m2));
+  wait_ok(e_again);
+  wait_ok(m2);
+  CHECK_EQ(atomic_load(&ran_again), 1);
+  CHECK_MEM_EQ(dst, src, 256);
+
+  tdm_event *all[] = {e_fail, e_task, e_copy, e_dep, e_dep2, m};
+  release_all(all, 6);
+  CHECK_OK(tdm_queue_destroy(q));
+  CHECK_OK(tdm_queue_destroy(r));
+  CHECK_OK(tdm_free(src));
+  CHECK_OK(tdm_free(dst));
+  th_gate_destroy(&gate);
+  th_close();
+}
+
+/* Waits for events that have already completed: a successful one orders nothing and the
+ * queue goes on (in-order and out-of-order), also as a dependency; a failed one still fails
+ * what waits for it. */
+TEST_CASE(wait_completed_events) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  unsigned char *src = dev_alloc(dev, TDM_MEM_PINNED, 512), *dst = dev_alloc(dev, TDM_MEM_PINNED, 512);
+  for (int round = 0; round < 2; round++) {
+    unsigned flags = round ? TDM_QUEUE_OUT_OF_ORDER : TDM_QUEUE_IN_ORDER;
+    if (round && !has_cap(dev, TDM_DEVICE_CAP_OUT_OF_ORDER)) break;
+    tdm_queue *p = new_queue(dev, TDM_QUEUE_IN_ORDER), *q = new_queue(dev, flags);
+    atomic_int ran = 0;
+    tdm_event *ok = NULL, *bad = NULL, *copied = NULL, *task = NULL, *after = NULL;
+    CHECK_OK(tdm_host_task(p, task_count, &ran, 0, NULL, &ok));
+    CHECK_OK(tdm_event_wait(ok));
+    CHECK_OK(tdm_queue_wait(q, ok));
+    th_fill_random(src, 512, &rng);
+    CHECK_OK(tdm_memcpy(q, dst, src, 512, TDM_COPY_H2H, 1, &ok, &copied));
+    CHECK_OK(tdm_event_wait(copied));
+    CHECK_MEM_EQ(dst, src, 512);
+    CHECK_OK(tdm_queue_sync(q));
+    /* A failed event stays a failure, completed or not. */
+    CHECK_OK(tdm_host_task(p, task_fail_einval, NULL, 0, NULL, &bad));
+    CHECK_RC(tdm_event_wait(bad), TDM_EINVAL);
+    CHECK_RC(tdm_queue_sync(p), TDM_EINVAL);
+    CHECK_OK(tdm_host_task(q, task_count, &ran, 1, &bad, &task));
+    CHECK_RC(tdm_event_wait(task), TDM_EDEP);
+    CHECK_OK(tdm_queue_wait(q, bad));
+    CHECK_OK(tdm_event_record(q, &after));
+    CHECK(tdm_event_wait(after) < 0);
+    CHECK(tdm_queue_sync(q) < 0);
+    CHECK_OK(tdm_queue_sync(q));
+    CHECK_EQ(atomic_load(&ran), 1);
+    tdm_event *all[] = {ok, bad, copied, task, after};
+    release_all(all, 5);
+    CHECK_OK(tdm_queue_destroy(q));
+    CHECK_OK(tdm_queue_destroy(p));
+  }
+  CHECK_OK(tdm_free(src));
+  CHECK_OK(tdm_free(dst));
+  th_close();
+}
+
+/* A marker reports a failure whose own event nobody asked for. */
+TEST_CASE(error_marker_without_event) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  tdm_event *m = NULL;
+  CHECK_OK(tdm_host_task(q, task_fail_einval, NULL, 0, NULL, NULL));
+  CHECK_OK(tdm_event_record(q, &m));
+  CHECK_RC(tdm_event_wait(m), TDM_EINVAL);
+  CHECK_OK(tdm_event_release(m));
+  CHECK_RC(tdm_queue_sync(q), TDM_EINVAL);
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+TEST_CASE(error_positive_return) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  tdm_event *ev = NULL;
+  CHECK_OK(tdm_host_task(q, task_return_positive, NULL, 0, NULL, &ev));
+  CHECK_RC(tdm_event_wait(ev), TDM_ETASK);
+  CHECK_OK(tdm_event_release(ev));
+  CHECK_RC(tdm_queue_sync(q), TDM_ETASK);
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* ---- Queue destruction ------------------------------------------------------------------- */
+
+struct opener {
+  th_gate *gate;
+};
+
+static void *open_gate_later(void *arg) {
+  th_sleep_ms(50); /* makes destroy really wait; the result does not depend on it */
+  th_gate_open(((struct opener *)arg)->gate);
+  return NULL;
+}
+
+static void destroy_drains_round(tdm_device *dev, unsigned flags) {
+  enum { N = 200 };
+  tdm_queue *q = new_queue(dev, flags);
+  th_gate gate;
+  th_gate_init(&gate);
+  struct flag_task first = {&gate, 0, 0};
+  atomic_int count = 0;
+  CHECK_OK(tdm_host_task(q, task_gate_then_done, &first, 0, NULL, NULL));
+  for (int i = 0; i < N; i++) CHECK_OK(tdm_host_task(q, task_count, &count, 0, NULL, NULL));
+  struct opener o = {&gate};
+  pthread_t th;
+  CHECK(pthread_create(&th, NULL, open_gate_later, &o) == 0);
+  CHECK_OK(tdm_queue_destroy(q));
+  CHECK_EQ(atomic_load(&first.done), 1);
+  CHECK_EQ(atomic_load(&count), N);
+  pthread_join(th, NULL);
+  th_gate_destroy(&gate);
+}
+
+TEST_CASE(destroy_drains) {
+  tdm_device *dev = th_open();
+  destroy_drains_round(dev, TDM_QUEUE_IN_ORDER);
+  if (has_cap(dev, TDM_DEVICE_CAP_OUT_OF_ORDER)) destroy_drains_round(dev, TDM_QUEUE_OUT_OF_ORDER);
+  th_close();
+}
+
+/* destroy returns the queue's unreported error; its events stay valid afterwards. */
+TEST_CASE(destroy_result_events_valid) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_IN_ORDER), *owner = NULL;
+  atomic_int count = 0;
+  tdm_event *e_ok = NULL, *m = NULL, *e_fail = NULL, *e_after = NULL;
+  CHECK_OK(tdm_host_task(q, task_count, &count, 0, NULL, &e_ok));
+  CHECK_OK(tdm_event_record(q, &m));
+  CHECK_OK(tdm_host_task(q, task_fail_einval, NULL, 0, NULL, &e_fail));
+  CHECK_OK(tdm_host_task(q, task_count, &count, 0, NULL, &e_after));
+  CHECK_RC(tdm_queue_destroy(q), TDM_EINVAL);
+  CHECK_OK(tdm_event_query(e_ok));
+  CHECK_OK(tdm_event_wait(m));
+  CHECK_RC(tdm_event_wait(e_fail), TDM_EINVAL);
+  CHECK_RC(tdm_event_query(e_after), TDM_EDEP);
+  CHECK_OK(tdm_event_queue(e_ok, &owner)); /* borrowed, and destroyed: only the call is valid */
+  CHECK_EQ(atomic_load(&count), 1);
+  CHECK_OK(tdm_event_release(e_ok));
+  CHECK_OK(tdm_event_release(m));
+  CHECK_OK(tdm_event_release(e_fail));
+  CHECK_OK(tdm_event_release(e_after));
+
+  /* A clean queue destroys with 0, and a reported error is not reported again. */
+  q = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  CHECK_OK(tdm_host_task(q, task_count, &count, 0, NULL, NULL));
+  CHECK_OK(tdm_queue_destroy(q));
+  q = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  CHECK_OK(tdm_host_task(q, task_fail_einval, NULL, 0, NULL, NULL));
+  CHECK_RC(tdm_queue_sync(q), TDM_EINVAL);
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
