@@ -7,7 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/internal.h" /* tdm__error only: everything else goes through the public API */
 #include "tandem/streamer.h"
 
 typedef struct slot {
@@ -84,15 +83,15 @@ int tdm_streamer_create(const tdm_streamer_config *cfg, tdm_streamer **out) {
   int rc;
   if (!cfg || !out || !cfg->compute || !cfg->host || cfg->layers <= 0 || cfg->experts <= 0 ||
       cfg->expert_bytes == 0)
-    return tdm__error(TDM_EINVAL, 0, "tdm_streamer_create: a required field is missing");
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_create: a required field is missing");
   if (cfg->staging_slots < 1)
-    return tdm__error(TDM_EINVAL, 0, "the streamer needs at least one staging slot (got %d)",
+    return tdm_set_error(TDM_EINVAL, 0, "the streamer needs at least one staging slot (got %d)",
                       cfg->staging_slots);
   if (cfg->prefetch_depth < 0)
-    return tdm__error(TDM_EINVAL, 0, "a prefetch depth of %d copies (0 or more)",
+    return tdm_set_error(TDM_EINVAL, 0, "a prefetch depth of %d copies (0 or more)",
                       cfg->prefetch_depth);
   if (cfg->budget_bytes && cfg->budget_bytes < cfg->expert_bytes)
-    return tdm__error(TDM_EINVAL, 0, "a budget of %zu bytes cannot hold one %zu-byte expert",
+    return tdm_set_error(TDM_EINVAL, 0, "a budget of %zu bytes cannot hold one %zu-byte expert",
                       cfg->budget_bytes, cfg->expert_bytes);
   tdm_device *dev;
   if ((rc = tdm_queue_device(cfg->compute, &dev))) return rc;
@@ -112,14 +111,14 @@ int tdm_streamer_create(const tdm_streamer_config *cfg, tdm_streamer **out) {
   s->inflight = calloc((size_t)s->depth, sizeof *s->inflight);
   pthread_mutex_init(&s->mu, NULL);
   rc = (!s->slots || !s->evictable || !s->map || !s->inflight)
-           ? tdm__error(TDM_ENOMEM, 0, "no memory for the streamer's tables")
+           ? tdm_set_error(TDM_ENOMEM, 0, "no memory for the streamer's tables")
            : 0;
   if (!rc) rc = tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &s->demand);
   if (!rc) rc = tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &s->prefetch);
   if (!rc &&
       (rc = tdm_malloc(dev, TDM_MEM_DEVICE, (size_t)s->nslots * cfg->expert_bytes, (void **)&s->base)))
-    tdm__error(rc, 0, "%d expert slots of %zu bytes (%d resident + %d staging) do not fit: %s",
-               s->nslots, cfg->expert_bytes, s->nfixed, cfg->staging_slots, tdm__last_detail());
+    tdm_set_error(rc, 0, "%d expert slots of %zu bytes (%d resident + %d staging) do not fit: %s",
+               s->nslots, cfg->expert_bytes, s->nfixed, cfg->staging_slots, tdm_last_error());
   if (rc) {
     tdm_streamer_destroy(s);
     return rc;
@@ -192,7 +191,7 @@ int tdm_streamer_acquire(tdm_streamer *s, int layer, int e, const void **dptr,
     s->st.misses++;
     i = victim(s, false);
     if (i < 0) {
-      rc = tdm__error(TDM_EBUSY, 0, "all %d streamer slots are acquired: release some",
+      rc = tdm_set_error(TDM_EBUSY, 0, "all %d streamer slots are acquired: release some",
                       s->nslots);
     } else {
       rc = load(s, i, key, s->demand);
@@ -301,10 +300,10 @@ static void sort_by_tick(tdm_streamer *s, int *keys, int n, int layer) {
 
 int tdm_streamer_schedule(tdm_streamer *s, int layer, int *experts, int n) {
   if (!s || n < 0 || (n && !experts) || layer < 0 || layer >= s->cfg.layers)
-    return tdm__error(TDM_EINVAL, 0, "tdm_streamer_schedule: bad arguments");
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_schedule: bad arguments");
   if (n < 2) return 0;
   int *buf = malloc((size_t)n * 3 * sizeof *buf);
-  if (!buf) return tdm__error(TDM_ENOMEM, 0, "no memory to order %d experts", n);
+  if (!buf) return tdm_set_error(TDM_ENOMEM, 0, "no memory to order %d experts", n);
   int *staged = buf, *held = buf + n, *absent = buf + 2 * n, ns = 0, nh = 0, na = 0;
   pthread_mutex_lock(&s->mu);
   for (int j = 0; j < n; j++) {
@@ -312,7 +311,7 @@ int tdm_streamer_schedule(tdm_streamer *s, int layer, int *experts, int n) {
     if (key < 0) {
       pthread_mutex_unlock(&s->mu);
       free(buf);
-      return tdm__error(TDM_EINVAL, 0, "tdm_streamer_schedule: expert %d of layer %d does not exist",
+      return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_schedule: expert %d of layer %d does not exist",
                         experts[j], layer);
     }
     int i = s->map[key];
@@ -343,7 +342,7 @@ int tdm_streamer_schedule(tdm_streamer *s, int layer, int *experts, int n) {
 }
 
 int tdm_streamer_queues(tdm_streamer *s, tdm_queue **demand, tdm_queue **prefetch) {
-  if (!s) return tdm__error(TDM_EINVAL, 0, "tdm_streamer_queues: s is NULL");
+  if (!s) return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_queues: s is NULL");
   if (demand) *demand = s->demand;
   if (prefetch) *prefetch = s->prefetch;
   return 0;

@@ -1,0 +1,68 @@
+/* test-interop.c: what the interop headers promise a program that enqueues its own native
+ * work on tandem's queues (tandem/opencl.h, tandem/cuda.h). Today: whether commands behind a
+ * host task wait in tandem (TDM_DEVICE_CAP_HOST_DEFERRAL) or on the native queue, as the
+ * device's capability says, seen through the public calls tandem/opencl.h tells programs to
+ * use (tdm_event_native, tdm_queue_dependencies). Run on the GPU backends; OpenCL under both of
+ * PoCL's CPU drivers (basic defers, pthread does not).
+ */
+#include "harness.h"
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <time.h>
+
+/* Holds its queue until *arg is set (10 s at most, so a broken test cannot hang). */
+static int hold_until_set(void *arg) {
+  atomic_int *go = arg;
+  struct timespec nap = {0, 1000000};
+  for (int i = 0; i < 10000 && !atomic_load(go); i++) nanosleep(&nap, NULL);
+  return 0;
+}
+
+/* A copy queued behind a host task that has not run: with the capability, it waits in tandem
+ * and has no native event (and the queue's dependencies show an incomplete event without
+ * one); without it, it is on the native queue already, with its native event. */
+TEST_CASE(held_commands_match_the_cap) {
+  tdm_device *dev = th_open();
+  tdm_device_info info;
+  CHECK_OK(tdm_device_info_get(dev, &info));
+  if (info.caps & TDM_DEVICE_CAP_HOST_MEMORY)
+    TH_SKIP("%s runs every command on the host: it has no native queue to share", info.id);
+  bool defer = (info.caps & TDM_DEVICE_CAP_HOST_DEFERRAL) != 0;
+  printf("%s: host deferral %s\n", info.id, defer ? "on" : "off");
+  enum { N = 4096 };
+  tdm_queue *q;
+  void *dbuf, *hbuf;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, N, &dbuf));
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, N, &hbuf));
+  memset(hbuf, 7, N);
+  atomic_int go = 0;
+  tdm_event *copied;
+  CHECK_OK(tdm_host_task(q, hold_until_set, &go, 0, NULL, NULL));
+  CHECK_OK(tdm_memcpy(q, dbuf, hbuf, N, TDM_COPY_H2D, 0, NULL, &copied));
+
+  void *native = NULL;
+  int rc = tdm_event_native(copied, &native);
+  CHECK_MSG(defer ? rc != 0 : rc == 0, "tdm_event_native of a copy behind a pending host "
+            "task: %s (host deferral %s)", tdm_err_name(rc), defer ? "on" : "off");
+  tdm_event *deps[8];
+  size_t n = 0;
+  bool held = false;
+  CHECK_OK(tdm_queue_dependencies(q, deps, 8, &n));
+  for (size_t i = 0; i < n; i++) {
+    if (tdm_event_query(deps[i]) == TDM_EAGAIN && tdm_event_native(deps[i], &native) != 0)
+      held = true;
+    CHECK_OK(tdm_event_release(deps[i]));
+  }
+  CHECK_MSG(held == defer, "held work seen: %d, host deferral: %d", held, defer);
+
+  atomic_store(&go, 1);
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_event_query(copied));
+  CHECK_OK(tdm_event_release(copied));
+  CHECK_OK(tdm_free(dbuf));
+  CHECK_OK(tdm_free(hbuf));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
