@@ -46,7 +46,14 @@ echo "pkg-config --cflags --libs tandem-moe: $flags"
 # shellcheck disable=SC2086 # the flags are words
 "$cc" -std=c11 -Wall -Wextra -Werror "$src/tests/install/moe-presets.c" $flags \
   -Wl,-rpath,"$libdir" -o "$tmp/moe-presets-pc"
-"$tmp/moe-presets-pc" || fail "the MoE program built with pkg-config failed"
+# Where the build has the OpenCL MoE module and PoCL's device, the moved tree must load it.
+moe_dev=
+if [ -e "$build/moe/libtandem_moe-opencl.so" ] &&
+  "$build/tools/tandem" devices | grep -q '^  opencl:0 '; then
+  moe_dev=opencl:0
+fi
+# shellcheck disable=SC2086 # empty when there is no device to ask for
+"$tmp/moe-presets-pc" $moe_dev || fail "the MoE program built with pkg-config failed"
 
 # CMake: find_package(tandem) in a user's project.
 "$cmake" -S "$src/tests/install" -B "$tmp/user" -DCMAKE_PREFIX_PATH="$prefix" \
@@ -56,7 +63,8 @@ grep "tandem_DIR: $prefix/" "$tmp/user.log" || fail "find_package(tandem) did no
 "$cmake" --build "$tmp/user" >"$tmp/build.log" ||
   { cat "$tmp/build.log"; fail "building against tandem::tandem"; }
 TANDEM_DEVICE=cpu:0 "$tmp/user/copy-overlap" || fail "the program built with CMake failed"
-"$tmp/user/moe-presets" || fail "the MoE program built with CMake (tandem::moe) failed"
+# shellcheck disable=SC2086
+"$tmp/user/moe-presets" $moe_dev || fail "the MoE program built with CMake (tandem::moe) failed"
 
 # The tool finds libtandem and the backend modules in the moved tree.
 "$prefix/bin/tandem" devices >"$tmp/devices.txt" || fail "the installed tandem tool failed"

@@ -607,7 +607,7 @@ static int cuda_expert(void *st, tdm_queue *q, const float *x, const int32_t *ro
   if (n == 0) return 0;
   if (!x || !rows || !slot || !w || !out || !workspace || ((uintptr_t)workspace & 15))
     return bad_args("expert");
-  size_t contract = tdm_moe_ops_workspace(n, H, I);
+  size_t contract = tdm_moe__workspace(n, H, I);
   if (!contract || workspace_bytes < contract ||
       expert_off_o((size_t)n, (size_t)I) + 4 * (size_t)n * H > workspace_bytes)
     return tdm_set_error(TDM_EINVAL, 0, "moe expert: a workspace of %zu bytes; n=%d H=%d I=%d "
@@ -646,3 +646,8 @@ extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .expert = */ cuda_expert,
     /* .combine = */ cuda_combine,
 };
+
+/* The entry libtandem_moe looks up when it loads this module (libtandem_moe-cuda.so). */
+extern "C" __attribute__((visibility("default"))) const tdm_moe_ops *tdm_moe_ops_module(int abi) {
+  return abi == TDM_MOE__OPS_ABI ? &tdm_moe__cuda_ops : NULL;
+}

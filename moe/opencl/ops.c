@@ -527,7 +527,7 @@ static int ocl_moe_expert(void *st, tdm_queue *q, const float *x, const int32_t 
   if (!x || !rows || !slot || !w || !out || n < 0 || H <= 0 || I <= 0 || I > INT_MAX / 2)
     return bad_args("expert");
   if (n == 0) return 0;
-  size_t need = tdm_moe_ops_workspace(n, H, I);
+  size_t need = tdm_moe__workspace(n, H, I);
   if (!workspace || need == 0 || workspace_bytes < need || (uintptr_t)workspace % sizeof(float))
     return tdm_set_error(TDM_EINVAL, 0,
                           "moe expert: workspace %p of %zu bytes; n=%d H=%d I=%d need %zu, "
@@ -710,3 +710,8 @@ const tdm_moe_ops tdm_moe__opencl_ops = {
     .expert = ocl_moe_expert,
     .combine = ocl_moe_combine,
 };
+
+/* The entry libtandem_moe looks up when it loads this module (libtandem_moe-opencl.so). */
+__attribute__((visibility("default"))) const tdm_moe_ops *tdm_moe_ops_module(int abi) {
+  return abi == TDM_MOE__OPS_ABI ? &tdm_moe__opencl_ops : NULL;
+}
