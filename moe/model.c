@@ -290,8 +290,8 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   m->maxT = cfg->max_tokens;
   int rc = 0;
   if (cfg->budget_bytes && cfg->budget_bytes < m->ebytes && !cfg->all_resident)
-    rc = tdm_set_error(TDM_EINVAL, 0, "a device budget of %zu bytes cannot hold one %zu-byte expert "
-                    "of %s", cfg->budget_bytes, m->ebytes, m->p.name);
+    rc = tdm_set_error(TDM_EINVAL, 0, "a device budget of %zu bytes cannot hold one %zu-byte "
+                       "expert of %s", cfg->budget_bytes, m->ebytes, m->p.name);
   size_t host = tdm_moe_host_bytes(&m->p, m->L);
   uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
   if (!rc && host > phys / 10 * 8)
@@ -527,7 +527,8 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
 
 int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool overlap, tdm_moe_pass_stats *st) {
   if (T < 1 || T > m->maxT)
-    return tdm_set_error(TDM_EINVAL, 0, "a ubatch of %d tokens (this model takes 1 to %d)", T, m->maxT);
+    return tdm_set_error(TDM_EINVAL, 0, "a ubatch of %d tokens (this model takes 1 to %d)", T,
+                         m->maxT);
   memset(st, 0, sizeof *st);
   size_t bytes = (size_t)T * m->H * sizeof(float);
   float *xh = m->x_h;

@@ -280,7 +280,8 @@ TEST_CASE(router_ref) {
 static double silu(double g) { return g / (1.0 + exp(-g)); }
 
 /* The expert's output for one token, in double. */
-static void ref_expert(const float *x, const tdm_moe_bf16 *w, int H, int I, double *h, double *out) {
+static void ref_expert(const float *x, const tdm_moe_bf16 *w, int H, int I, double *h,
+                       double *out) {
   const tdm_moe_bf16 *wg = w, *wu = w + (size_t)I * H, *wd = w + 2 * (size_t)I * H;
   for (int i = 0; i < I; i++) {
     double g = 0.0, u = 0.0;

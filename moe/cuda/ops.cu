@@ -432,8 +432,8 @@ static int cuda_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, const 
   return rc;
 }
 
-static int launch_router(moe_cuda *m, const float *x, const tdm_moe_bf16 *wr, const float *bias, int T,
-                         int H, int E, int k, int renorm, int32_t *idx, float *weights) {
+static int launch_router(moe_cuda *m, const float *x, const tdm_moe_bf16 *wr, const float *bias,
+                         int T, int H, int E, int k, int renorm, int32_t *idx, float *weights) {
   if (E > ROUTER_SMEM / 5) /* p (4 bytes) and taken (1 byte) per expert */
     return tdm_set_error(TDM_EINVAL, 0, "moe router: %d experts need more shared memory than "
                          "the kernel takes", E);

@@ -23,11 +23,11 @@
  * a host task that enqueues its commands when it runs (in-order queues only, which open()
  * requires). Otherwise ops enqueue directly and never block the caller.
  *
- * Errors: 0 or a negative TDM_E* code with tandem's message set (tdm_set_error): TDM_EINVAL for arguments,
- * TDM_ERANGE for a buffer too small, TDM_ENOMEM when OpenCL or CLBlast ran out of memory,
- * TDM_EBACKEND for any other OpenCL or CLBlast failure. Indices are device data written by
- * earlier commands: a row outside x gathers zeros and a slot outside out is not written (a
- * kernel cannot report TDM_ERANGE as the CPU table does), as in the CUDA table. */
+ * Errors: 0 or a negative TDM_E* code with tandem's message set (tdm_set_error): TDM_EINVAL
+ * for arguments, TDM_ERANGE for a buffer too small, TDM_ENOMEM when OpenCL or CLBlast ran out
+ * of memory, TDM_EBACKEND for any other OpenCL or CLBlast failure. Indices are device data
+ * written by earlier commands: a row outside x gathers zeros and a slot outside out is not
+ * written (a kernel cannot report TDM_ERANGE as the CPU table does), as in the CUDA table. */
 #include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -519,8 +519,8 @@ static int ocl_moe_router(void *st, tdm_queue *q, const float *x, const tdm_moe_
 static size_t round256(size_t b) { return (b + 255) / 256 * 256; }
 
 static int ocl_moe_expert(void *st, tdm_queue *q, const float *x, const int32_t *rows,
-                          const int32_t *slot, int n, const tdm_moe_bf16 *w, int H, int I, float *out,
-                          void *workspace, size_t workspace_bytes) {
+                          const int32_t *slot, int n, const tdm_moe_bf16 *w, int H, int I,
+                          float *out, void *workspace, size_t workspace_bytes) {
   moe_ocl *m = st;
   int rc = check_state(m, q, "expert");
   if (rc) return rc;

@@ -311,8 +311,9 @@ int tdm_streamer_schedule(tdm_streamer *s, int layer, int *experts, int n) {
     if (key < 0) {
       pthread_mutex_unlock(&s->mu);
       free(buf);
-      return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_schedule: expert %d of layer %d does not exist",
-                        experts[j], layer);
+      return tdm_set_error(TDM_EINVAL, 0,
+                           "tdm_streamer_schedule: expert %d of layer %d does not exist",
+                           experts[j], layer);
     }
     int i = s->map[key];
     if (i < 0) {
