@@ -1,15 +1,49 @@
-/* test-interop.c: what the interop headers promise a program that enqueues its own native
- * work on tandem's queues (tandem/opencl.h, tandem/cuda.h). Today: whether commands behind a
- * host task wait in tandem (TDM_DEVICE_CAP_HOST_DEFERRAL) or on the native queue, as the
- * device's capability says, seen through the public calls tandem/opencl.h tells programs to
- * use (tdm_event_native, tdm_queue_dependencies). Run on the GPU backends; OpenCL under both of
- * PoCL's CPU drivers (basic defers, pthread does not).
+/* test-interop.c: what tandem promises code built on it. Libraries layered on tandem (its own
+ * MoE library among them) report through tandem's message (tdm_set_error) and reach its fault
+ * hook (tdm_fault_point). Programs that enqueue their own native work on tandem's queues
+ * (tandem/opencl.h, tandem/cuda.h) see whether commands behind a host task wait in tandem
+ * (TDM_DEVICE_CAP_HOST_DEFERRAL) or on the native queue, as the device's capability says,
+ * through the public calls tandem/opencl.h tells them to use (tdm_event_native,
+ * tdm_queue_dependencies); OpenCL runs under both of PoCL's CPU drivers (basic defers, pthread
+ * does not).
  */
 #include "harness.h"
 
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <time.h>
+
+/* A layered library's message is tandem's: the same words, code name and native code, and it
+ * may quote the message it replaces. */
+TEST_CASE(set_error_is_the_message) {
+  th_open();
+  CHECK_EQ(tdm_set_error(TDM_EINVAL, 42, "layered %s %d", "call", 7), TDM_EINVAL);
+  CHECK(strcmp(tdm_last_error(), "TDM_EINVAL: layered call 7 (native error 42)") == 0);
+  CHECK_EQ(tdm_last_native_error(), 42);
+  CHECK_EQ(tdm_set_error(TDM_EBACKEND, 0, "outer: %s", tdm_last_error()), TDM_EBACKEND);
+  CHECK_MSG(strcmp(tdm_last_error(),
+                   "TDM_EBACKEND: outer: TDM_EINVAL: layered call 7 (native error 42)") == 0,
+            "%s", tdm_last_error());
+  CHECK_EQ(tdm_last_native_error(), 0);
+  th_close();
+}
+
+/* tdm_fault_point counts with tandem's own operations of its kind, fires once, and says so. */
+TEST_CASE(fault_point_fires_once) {
+  th_open();
+  CHECK_OK(tdm_fault_inject(TDM_FAULT_ALLOC, 1, 0));
+  CHECK_EQ(tdm_fault_point(TDM_FAULT_BACKEND), 0); /* another kind: not counted */
+  CHECK_EQ(tdm_fault_point(TDM_FAULT_ALLOC), 0);
+  CHECK(!tdm_fault_fired());
+  CHECK_EQ(tdm_fault_point(TDM_FAULT_ALLOC), TDM_ENOMEM);
+  CHECK(tdm_fault_fired());
+  CHECK(strstr(tdm_last_error(), "injected") != NULL);
+  CHECK_EQ(tdm_fault_point(TDM_FAULT_ALLOC), 0);
+  CHECK_OK(tdm_fault_inject(TDM_FAULT_BACKEND, 0, TDM_EDEVLOST));
+  CHECK_EQ(tdm_fault_point(TDM_FAULT_BACKEND), TDM_EDEVLOST);
+  CHECK_OK(tdm_fault_inject(TDM_FAULT_ALLOC, -1, 0));
+  th_close();
+}
 
 /* Holds its queue until *arg is set (10 s at most, so a broken test cannot hang). */
 static int hold_until_set(void *arg) {
