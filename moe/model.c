@@ -299,7 +299,7 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
                     "this machine has %.1f GiB: use --layers to run fewer", m->p.name, m->L,
                     host / 1073741824.0, phys / 1073741824.0);
   if (!rc && !(m->ops = tdm_moe_ops_for(cfg->device)))
-    rc = tdm_set_error(TDM_ENOTSUP, 0, "no MoE operations for this device's backend yet");
+    rc = TDM_ENOTSUP; /* tdm_moe_ops_for's message says why (no BLAS, a module that failed) */
   if (!rc) rc = tdm_queue_create(cfg->device, TDM_QUEUE_IN_ORDER, &m->q);
   if (!rc) rc = m->ops->open(m->q, &m->ops_state);
   if (!rc) rc = tdm_malloc(cfg->device, TDM_MEM_PINNED, host, (void **)&m->host_experts);

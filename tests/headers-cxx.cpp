@@ -1,8 +1,8 @@
 /* headers-cxx.cpp: a C++ program that includes every public header and calls libtandem
  * through each one that declares functions, on cpu:0: an expert streamed to the device and
  * read back, a tdm_cpu_stream adopted as a queue, a MoE preset looked up, a MoE op workspace
- * sized, a layered library's message set. It links only if
- * every declaration has C linkage (tandem/cuda.h and tandem/opencl.h declare none).
+ * sized, a layered library's message set. It links only if every declaration has C linkage
+ * (tandem/cuda.h and tandem/opencl.h declare none).
  */
 #include <tandem.h>
 #include <tandem/cpu.h>
