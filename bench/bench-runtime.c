@@ -16,7 +16,7 @@
  * trip within 1.5x of the bare one.
  */
 #include "bare.h"
-#include "benchutil.h"
+#include "measure.h"
 #include "placement.h"
 
 #include <tandem.h>

@@ -101,6 +101,16 @@ TDM_API int tdm_last_native_error(void);
  * so that a caller can tell whether the next call set a message of its own, as with errno.
  * Needs no tdm_init(); never fails. */
 TDM_API void tdm_clear_error(void);
+/* For libraries built on tandem (tandem's own MoE library, say): sets this thread's message,
+ * as tdm_last_error() and tdm_last_native_error() then report it ("TDM_EINVAL: <detail>", with
+ * the native code when it is not 0), and returns code. So a layered library reports its
+ * failures where its callers already look, and a failure of a tandem call it makes can be
+ * quoted in its own message: the arguments may include tdm_last_error() itself. */
+TDM_API int tdm_set_error(int code, int native, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
 
 /* ---- Lifecycle -------------------------------------------------------------------------- */
 
@@ -138,7 +148,11 @@ enum {
   TDM_DEVICE_CAP_OUT_OF_ORDER = 1u << 1,
   TDM_DEVICE_CAP_ADOPT = 1u << 2,     /* tdm_queue_adopt works */
   TDM_DEVICE_CAP_HOST_MEMORY = 1u << 3, /* device memory is host memory (the CPU backend) */
-  TDM_DEVICE_CAP_GPU = 1u << 4          /* a GPU or other accelerator (not a CPU device) */
+  TDM_DEVICE_CAP_GPU = 1u << 4,         /* a GPU or other accelerator (not a CPU device) */
+  /* Host work is gated on the host: a host task, or a dependency with no native event yet,
+   * holds the later commands of its queue in tandem, unsubmitted, so native work enqueued on
+   * tdm_queue_native() meanwhile runs before them (see tandem/opencl.h). */
+  TDM_DEVICE_CAP_HOST_DEFERRAL = 1u << 5
 };
 
 typedef struct tdm_device_info {
@@ -406,7 +420,7 @@ TDM_API int tdm_current_queue_pop(void);
 /* ---- Testing hooks ---------------------------------------------------------------------- */
 
 enum {
-  TDM_FAULT_ALLOC = 1u << 0,  /* tandem's own host allocations */
+  TDM_FAULT_ALLOC = 1u << 0,  /* host allocations: tandem's own, and tdm_fault_point()'s */
   TDM_FAULT_BACKEND = 1u << 1 /* calls through the backend table */
 };
 
@@ -416,6 +430,11 @@ enum {
 TDM_API int tdm_fault_inject(unsigned kinds, long nth, int code);
 /* Whether an injected fault has fired since the last tdm_fault_inject(). */
 TDM_API int tdm_fault_fired(void);
+/* For libraries built on tandem: call it where an operation of the given kind (one
+ * TDM_FAULT_* bit) is about to happen, such as a host allocation, so that tdm_fault_inject()
+ * can fail it too. Returns 0, or the injected code when the armed fault fires here (this
+ * thread's message then says so): fail the operation with that code. */
+TDM_API int tdm_fault_point(unsigned kind);
 
 typedef struct tdm_stats {
   long queues;      /* live queues, including tandem's cached default queues */

@@ -29,7 +29,7 @@
 
 #include "tandem.h"
 
-#define TDM__BACKEND_ABI 0x00010004u
+#define TDM__BACKEND_ABI 0x00010005u /* 5: the MoE extension entry is gone */
 
 typedef struct tdm__bqueue tdm__bqueue; /* a backend's queue; opaque to the core */
 /* The core's event and queue objects. The public tdm_event and tdm_queue are handles that the
@@ -221,9 +221,6 @@ typedef struct tdm__backend {
   int (*host_copy)(tdm__cmd *cmd);
   /* Optional: milliseconds between two native events of timed queues; NULL: host clock. */
   int (*event_elapsed)(void *start, void *end, double *ms);
-  /* Optional: a named extension table the backend carries ("moe-ops": the MoE operations of
-   * src/moe/ops.h), or NULL. */
-  const void *(*extension)(const char *name);
 } tdm__backend;
 
 /* The built-in CPU backend. */

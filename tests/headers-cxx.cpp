@@ -1,12 +1,14 @@
 /* headers-cxx.cpp: a C++ program that includes every public header and calls libtandem
  * through each one that declares functions, on cpu:0: an expert streamed to the device and
- * read back, a tdm_cpu_stream adopted as a queue, a MoE preset looked up. It links only if
- * every declaration has C linkage (tandem/cuda.h and tandem/opencl.h declare none).
+ * read back, a tdm_cpu_stream adopted as a queue, a MoE preset looked up, a MoE op workspace
+ * sized, a layered library's message set. It links only if every declaration has C linkage
+ * (tandem/cuda.h and tandem/opencl.h declare none).
  */
 #include <tandem.h>
 #include <tandem/cpu.h>
 #include <tandem/cuda.h>
 #include <tandem/moe.h>
+#include <tandem/moe_ops.h>
 #include <tandem/opencl.h>
 #include <tandem/streamer.h>
 
@@ -87,6 +89,10 @@ int main() {
   const tdm_moe_preset *tiny = tdm_moe_preset_find("tiny");
   EXPECT(tiny != nullptr && tdm_moe_npresets > 0);
   EXPECT(tdm_moe_expert_bytes(tiny) > 0);
+  EXPECT(tdm_moe_ops_workspace(1, 8, 8) > 0);
+  EXPECT(tdm_moe_bf16_to_f32(tdm_moe_f32_to_bf16(1.5f)) == 1.5f);
+  EXPECT(tdm_set_error(TDM_EINVAL, 0, "from C++") == TDM_EINVAL);
+  EXPECT(std::strcmp(tdm_last_error(), "TDM_EINVAL: from C++") == 0);
   EXPECT(tdm_shutdown() == 0);
   std::printf("C++: every public header compiled and linked; cpu:0 ran\n");
   return 0;

@@ -1,5 +1,5 @@
 /* test-jsonwriter.c: the JSON writer that the tool and the benchmarks print with
- * (bench/json.h), byte for byte: escapes, UTF-8 checking, numbers that are not finite, layout,
+ * (util/json.h), byte for byte: escapes, UTF-8 checking, numbers that are not finite, layout,
  * and what it does when it is misused or its stream fails. It needs no device; each case runs
  * once, on cpu:0 by name only. */
 #include "harness.h"

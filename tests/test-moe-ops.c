@@ -1,4 +1,4 @@
-/* test-moe-ops.c: the MoE op tables (src/moe/ops.h) against an fp64 reference written here.
+/* test-moe-ops.c: the MoE op tables (tandem/moe_ops.h) against an fp64 reference written here.
  *
  * Each case uploads random inputs (never zero, seed printed) into device memory, runs one op
  * on the device's table, reads the result back into pinned memory and compares it with a
@@ -16,7 +16,7 @@
 
 #include <math.h>
 
-#include "moe/ops.h"
+#include <tandem/moe_ops.h>
 
 /* The CPU computes in f32 from bf16 weights (1e-4 holds); GPU backends feed bf16 activations
  * to their matrix units, and bf16 work is held to 1e-2 against the fp64 reference. */
@@ -28,7 +28,7 @@
 typedef struct fixture {
   tdm_device *dev;
   tdm_queue *q;
-  const moe_ops *ops;
+  const tdm_moe_ops *ops;
   void *st;
   uint64_t rng;
 } fixture;
@@ -36,7 +36,7 @@ typedef struct fixture {
 static fixture setup(void) {
   fixture f = {0};
   f.dev = th_open();
-  f.ops = moe_ops_for(f.dev);
+  f.ops = tdm_moe_ops_for(f.dev);
   if (!f.ops) TH_SKIP("no MoE op table for the %s backend", th_backend_of(f.dev));
   CHECK_OK(tdm_queue_create(f.dev, TDM_QUEUE_IN_ORDER, &f.q));
   CHECK_OK(f.ops->open(f.q, &f.st));
@@ -84,9 +84,9 @@ static float *rnd_f32(fixture *f, size_t n, float scale) {
   return p;
 }
 
-static moe_bf16 *rnd_bf16(fixture *f, size_t n, float scale) {
-  moe_bf16 *p = alloc(f, TDM_MEM_PINNED, n * sizeof *p);
-  for (size_t i = 0; i < n; i++) p[i] = moe_f32_to_bf16(rnd(&f->rng, scale));
+static tdm_moe_bf16 *rnd_bf16(fixture *f, size_t n, float scale) {
+  tdm_moe_bf16 *p = alloc(f, TDM_MEM_PINNED, n * sizeof *p);
+  for (size_t i = 0; i < n; i++) p[i] = tdm_moe_f32_to_bf16(rnd(&f->rng, scale));
   return p;
 }
 
@@ -171,12 +171,12 @@ TEST_CASE(rmsnorm_ref) {
 /* ---- router ------------------------------------------------------------------------------ */
 
 /* Reference probabilities of one token, in double. */
-static void ref_probs(const float *x, const moe_bf16 *wr, const float *bias, int H, int E,
+static void ref_probs(const float *x, const tdm_moe_bf16 *wr, const float *bias, int H, int E,
                       double *p) {
   double m = -INFINITY, sum = 0.0;
   for (int e = 0; e < E; e++) {
     double l = bias ? bias[e] : 0.0;
-    for (int h = 0; h < H; h++) l += (double)x[h] * moe_bf16_to_f32(wr[(size_t)e * H + h]);
+    for (int h = 0; h < H; h++) l += (double)x[h] * tdm_moe_bf16_to_f32(wr[(size_t)e * H + h]);
     p[e] = l;
     if (l > m) m = l;
   }
@@ -200,12 +200,12 @@ static void ref_order(const double *p, int E, int *order) {
 /* Runs the router once and checks it; returns how many positions were too close to call. */
 static int check_router(fixture *f, int T, int H, int E, int k, int renorm, int with_bias) {
   float *x = rnd_f32(f, (size_t)T * H, 1.0f);
-  moe_bf16 *wr = rnd_bf16(f, (size_t)E * H, 4.0f / sqrtf((float)H));
+  tdm_moe_bf16 *wr = rnd_bf16(f, (size_t)E * H, 4.0f / sqrtf((float)H));
   float *bias = with_bias ? rnd_f32(f, E, 0.5f) : NULL;
   int32_t *idx = alloc(f, TDM_MEM_PINNED, (size_t)T * k * sizeof *idx);
   float *wts = alloc(f, TDM_MEM_PINNED, (size_t)T * k * sizeof *wts);
   float *dx = upload(f, x, (size_t)T * H * sizeof *x);
-  moe_bf16 *dwr = upload(f, wr, (size_t)E * H * sizeof *wr);
+  tdm_moe_bf16 *dwr = upload(f, wr, (size_t)E * H * sizeof *wr);
   float *dbias = with_bias ? upload(f, bias, E * sizeof *bias) : NULL;
   int32_t *didx = alloc(f, TDM_MEM_DEVICE, (size_t)T * k * sizeof *didx);
   float *dwts = alloc(f, TDM_MEM_DEVICE, (size_t)T * k * sizeof *dwts);
@@ -280,19 +280,20 @@ TEST_CASE(router_ref) {
 static double silu(double g) { return g / (1.0 + exp(-g)); }
 
 /* The expert's output for one token, in double. */
-static void ref_expert(const float *x, const moe_bf16 *w, int H, int I, double *h, double *out) {
-  const moe_bf16 *wg = w, *wu = w + (size_t)I * H, *wd = w + 2 * (size_t)I * H;
+static void ref_expert(const float *x, const tdm_moe_bf16 *w, int H, int I, double *h,
+                       double *out) {
+  const tdm_moe_bf16 *wg = w, *wu = w + (size_t)I * H, *wd = w + 2 * (size_t)I * H;
   for (int i = 0; i < I; i++) {
     double g = 0.0, u = 0.0;
     for (int c = 0; c < H; c++) {
-      g += (double)x[c] * moe_bf16_to_f32(wg[(size_t)i * H + c]);
-      u += (double)x[c] * moe_bf16_to_f32(wu[(size_t)i * H + c]);
+      g += (double)x[c] * tdm_moe_bf16_to_f32(wg[(size_t)i * H + c]);
+      u += (double)x[c] * tdm_moe_bf16_to_f32(wu[(size_t)i * H + c]);
     }
     h[i] = silu(g) * u;
   }
   for (int c = 0; c < H; c++) {
     double s = 0.0;
-    for (int i = 0; i < I; i++) s += h[i] * moe_bf16_to_f32(wd[(size_t)c * I + i]);
+    for (int i = 0; i < I; i++) s += h[i] * tdm_moe_bf16_to_f32(wd[(size_t)c * I + i]);
     out[c] = s;
   }
 }
@@ -301,10 +302,10 @@ static void ref_expert(const float *x, const moe_bf16 *w, int H, int I, double *
 typedef struct expert_case {
   int T, H, I, n, k;
   float *x;                 /* pinned [T x H] */
-  moe_bf16 *w;              /* pinned, 3HI */
+  tdm_moe_bf16 *w;              /* pinned, 3HI */
   int32_t *rows, *slot;     /* pinned [n] */
   float *dx, *dout;         /* device */
-  moe_bf16 *dw;
+  tdm_moe_bf16 *dw;
   int32_t *drows, *dslot;
   void *ws;
   size_t ws_bytes;
@@ -320,7 +321,7 @@ static expert_case expert_setup(fixture *f, int T, int H, int I, int n, int k) {
   c.w = rnd_bf16(f, 3 * hi, 1.0f);
   for (size_t i = 0; i < 3 * hi; i++) {
     float s = i < 2 * hi ? 2.0f / sqrtf((float)H) : 2.0f / sqrtf((float)I);
-    c.w[i] = moe_f32_to_bf16(moe_bf16_to_f32(c.w[i]) * s);
+    c.w[i] = tdm_moe_f32_to_bf16(tdm_moe_bf16_to_f32(c.w[i]) * s);
   }
   c.rows = rnd_distinct(f, T, n);
   c.slot = rnd_distinct(f, T * k, n);
@@ -329,7 +330,7 @@ static expert_case expert_setup(fixture *f, int T, int H, int I, int n, int k) {
   c.drows = upload(f, c.rows, (size_t)n * sizeof *c.rows);
   c.dslot = upload(f, c.slot, (size_t)n * sizeof *c.slot);
   c.dout = alloc(f, TDM_MEM_DEVICE, (size_t)T * k * H * sizeof *c.dout);
-  c.ws_bytes = moe_ops_workspace(n, H, I);
+  c.ws_bytes = tdm_moe_ops_workspace(n, H, I);
   CHECK(c.ws_bytes > 0 && c.ws_bytes % 256 == 0);
   c.ws = alloc(f, TDM_MEM_DEVICE, c.ws_bytes);
   CHECK_OK(tdm_queue_sync(f->q));
@@ -512,7 +513,7 @@ TEST_CASE(bad_args) {
   enum { T = 4, H = 8, I = 16, E = 4 };
   fixture f = setup();
   expert_case c = expert_setup(&f, T, H, I, T, 1);
-  const moe_ops *o = f.ops;
+  const tdm_moe_ops *o = f.ops;
   float *buf = alloc(&f, TDM_MEM_DEVICE, (size_t)T * E * H * sizeof(float));
   int32_t *ibuf = alloc(&f, TDM_MEM_DEVICE, (size_t)T * E * sizeof(int32_t));
 

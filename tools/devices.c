@@ -29,6 +29,7 @@ static const struct {
     {TDM_DEVICE_CAP_ADOPT, "adopt"},
     {TDM_DEVICE_CAP_HOST_MEMORY, "host-memory"},
     {TDM_DEVICE_CAP_GPU, "gpu"},
+    {TDM_DEVICE_CAP_HOST_DEFERRAL, "host-deferral"},
 };
 #define NCAPS (sizeof cap_names / sizeof cap_names[0])
 

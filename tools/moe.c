@@ -122,46 +122,54 @@ static const struct option moe_options[] = {
     {NULL, 0, NULL, 0},
 };
 
+/* One option with a value (or a flag) into o: 0, or -1 after reporting a usage error. */
+static int parse_option(int c, const char *v, moe_opts *o) {
+  static const char cmd[] = "moe";
+  switch (c) {
+    case OPT_PRESET: o->preset = v; return 0;
+    case OPT_DEVICE: o->device = v; return 0;
+    case OPT_TRACE: o->trace = v; return 0;
+    case OPT_JSON: o->json = 1; return 0;
+    case OPT_NO_OVERLAP: o->overlap_only_serial = 1; return 0;
+    case OPT_NO_CHECK: o->check = 0; return 0;
+    case OPT_PREDICT: o->predict = 1; return 0;
+    case OPT_LAYERS: return tool_parse_count(cmd, "--layers", v, 1000, &o->layers);
+    case OPT_TOKENS: return tool_parse_count(cmd, "--tokens", v, 1 << 20, &o->tokens);
+    case OPT_UBATCH: return tool_parse_count(cmd, "--ubatch", v, 1 << 16, &o->ubatch);
+    case OPT_DECODE: return tool_parse_count(cmd, "--decode", v, 1 << 20, &o->decode);
+    case OPT_SLOTS: return tool_parse_count(cmd, "--slots", v, 4096, &o->slots);
+    case OPT_DEPTH: return tool_parse_count(cmd, "--prefetch-depth", v, 1 << 16, &o->depth);
+    case OPT_SEED: return tool_parse_count(cmd, "--seed", v, 1L << 40, &o->seed);
+    case OPT_SKEW:
+      if (parse_double(v, 0, 10, &o->skew))
+        return USAGE("--skew wants a number in [0, 10], not '%s'", v);
+      return 0;
+    case OPT_LOCALITY:
+      if (parse_double(v, 0, 0.99, &o->locality))
+        return USAGE("--locality wants a number in [0, 0.99], not '%s'", v);
+      return 0;
+    case OPT_POLICY:
+      if (strcmp(v, "static") == 0) o->policy = TDM_CACHE_STATIC;
+      else if (strcmp(v, "lru") == 0) o->policy = TDM_CACHE_LRU;
+      else return USAGE("--cache-policy is static or lru, not '%s'", v);
+      return 0;
+    case OPT_BUDGET: return parse_budget(v, o);
+    default: return -1; /* reported */
+  }
+}
+
 /* Returns 0, 1 after printing the help, or -1 after a usage error. */
 static int parse(int argc, char **argv, moe_opts *o) {
-  static const char cmd[] = "moe";
   *o = (moe_opts){.preset = "tiny", .tokens = 256, .slots = 16, .seed = 1, .skew = 1.0,
                   .locality = 0.8, .budget_pct = -1, .check = 1};
   const char *v;
   int c, bad = 0;
-  while (!bad && (c = tool_getopt(cmd, argc, argv, moe_options, &v)) != -1) {
-    switch (c) {
-      case 'h': fputs(moe_help, stdout); return 1;
-      case OPT_PRESET: o->preset = v; break;
-      case OPT_DEVICE: o->device = v; break;
-      case OPT_TRACE: o->trace = v; break;
-      case OPT_JSON: o->json = 1; break;
-      case OPT_NO_OVERLAP: o->overlap_only_serial = 1; break;
-      case OPT_NO_CHECK: o->check = 0; break;
-      case OPT_PREDICT: o->predict = 1; break;
-      case OPT_LAYERS: bad = tool_parse_count(cmd, "--layers", v, 1000, &o->layers); break;
-      case OPT_TOKENS: bad = tool_parse_count(cmd, "--tokens", v, 1 << 20, &o->tokens); break;
-      case OPT_UBATCH: bad = tool_parse_count(cmd, "--ubatch", v, 1 << 16, &o->ubatch); break;
-      case OPT_DECODE: bad = tool_parse_count(cmd, "--decode", v, 1 << 20, &o->decode); break;
-      case OPT_SLOTS: bad = tool_parse_count(cmd, "--slots", v, 4096, &o->slots); break;
-      case OPT_DEPTH: bad = tool_parse_count(cmd, "--prefetch-depth", v, 1 << 16, &o->depth); break;
-      case OPT_SEED: bad = tool_parse_count(cmd, "--seed", v, 1L << 40, &o->seed); break;
-      case OPT_SKEW:
-        if (parse_double(v, 0, 10, &o->skew))
-          bad = USAGE("--skew wants a number in [0, 10], not '%s'", v);
-        break;
-      case OPT_LOCALITY:
-        if (parse_double(v, 0, 0.99, &o->locality))
-          bad = USAGE("--locality wants a number in [0, 0.99], not '%s'", v);
-        break;
-      case OPT_POLICY:
-        if (strcmp(v, "static") == 0) o->policy = TDM_CACHE_STATIC;
-        else if (strcmp(v, "lru") == 0) o->policy = TDM_CACHE_LRU;
-        else bad = USAGE("--cache-policy is static or lru, not '%s'", v);
-        break;
-      case OPT_BUDGET: bad = parse_budget(v, o); break;
-      default: bad = -1; break; /* reported */
+  while (!bad && (c = tool_getopt("moe", argc, argv, moe_options, &v)) != -1) {
+    if (c == 'h') {
+      fputs(moe_help, stdout);
+      return 1;
     }
+    bad = parse_option(c, v, o);
   }
   if (bad) return -1;
   if (!tdm_moe_preset_find(o->preset)) {
@@ -299,237 +307,300 @@ static int do_run(tdm_moe_model *m, const moe_opts *o, int H, bool overlap, cons
   r->tokens_per_s = (o->tokens + o->decode) / r->seconds;
   return rc;
 }
-int tool_cmd_moe(int argc, char **argv) {
-  moe_opts o;
-  int prc = parse(argc, argv, &o);
-  if (prc) return prc > 0 ? TOOL_OK : TOOL_USAGE;
-  int rc = tool_trace_check(o.trace);
-  if (rc != TOOL_OK) return rc;
-  if ((rc = tdm_init()) < 0) return tool_fail("tdm_init", rc);
-  int code = TOOL_FAILED;
-  const tdm_moe_preset *p = tdm_moe_preset_find(o.preset);
-  tdm_device *dev = NULL;
-  tdm_device_info info;
-  tdm_moe_model *m = NULL;
-  float *x = NULL, *yref = NULL, *y = NULL;
-  run runs[3];
-  int nruns = 0;
-  double peak = 0;
-  long layers = o.layers ? o.layers : p->layers;
-  size_t ebytes = tdm_moe_expert_bytes(p);
-  size_t all = tdm_moe_host_bytes(p, (int)layers);
-  size_t budget = o.budget_pct >= 0 ? (size_t)(all * (o.budget_pct / 100.0)) : o.budget_bytes;
-  /* A percentage rounds up to one expert; a byte count below one is the user's to fix. */
-  if (o.budget_pct > 0 && budget < ebytes) budget = ebytes;
-  if ((code = tool_find_device("moe", o.device, &dev)) != TOOL_OK) goto out;
-  code = TOOL_FAILED;
-  if ((rc = tdm_device_info_get(dev, &info))) {
-    tool_fail("tdm_device_info_get", rc);
-    goto out;
-  }
-  if ((rc = measure_peak(dev, &peak))) {
-    tool_fail("measuring the link", rc);
-    goto out;
-  }
-  tdm_moe_config cfg = {.preset = p, .layers = (int)layers, .device = dev,
-                        .seed = (uint64_t)o.seed, .skew = o.skew, .locality = o.locality,
-                        .max_tokens = (int)o.ubatch, .budget_bytes = budget,
-                        .staging_slots = (int)o.slots, .prefetch_depth = (int)o.depth,
-                        .policy = o.policy, .predict = o.predict != 0};
-  size_t H = (size_t)p->hidden, total = (size_t)(o.tokens + o.decode);
-  x = malloc(((size_t)o.ubatch + o.decode) * H * sizeof *x);
-  y = malloc(total * H * sizeof *y);
-  yref = o.check ? malloc(total * H * sizeof *yref) : NULL;
-  if (!x || !y || (o.check && !yref)) {
-    fprintf(stderr, "tandem: no host memory for %zu tokens of activations\n", total);
-    goto out;
-  }
-  if (!o.json) {
-    printf("tandem moe: %s (%s), %ld layers, %zu-byte experts, %.2f GiB of experts in pinned "
-           "host memory\n", p->name, p->note, layers, ebytes, all / 1073741824.0);
-    fflush(stdout);
-  }
-  if (o.check) {
-    /* The reference: every expert resident, nothing streamed. */
-    tdm_moe_config rc_cfg = cfg;
-    rc_cfg.all_resident = true;
-    if ((rc = tdm_moe_model_create(&rc_cfg, &m)) == 0) {
-      rc = do_run(m, &o, (int)H, true, "all resident", true, x, yref, &runs[nruns]);
-      runs[nruns++].ok = -1; /* the reference itself */
-      tdm_moe_model_destroy(m);
-      m = NULL;
-    }
-    if (rc) {
-      fprintf(stderr, "tandem: the all-resident reference could not run (%s); no check\n",
-              tdm_last_error()); /* the message starts with the code's name */
-      free(yref);
-      yref = NULL;
-      nruns = 0;
-    }
-  }
-  if ((rc = tdm_moe_model_create(&cfg, &m))) {
-    tool_fail("creating the model", rc);
-    goto out;
-  }
-  const bool modes[2] = {true, false};
-  for (int k = o.overlap_only_serial ? 1 : 0; k < 2; k++) {
-    if ((rc = do_run(m, &o, (int)H, modes[k], modes[k] ? "streamed, overlapped" : "streamed, serialized",
-                     nruns == 0, x, y, &runs[nruns]))) {
-      tool_fail("the forward pass", rc);
-      goto out;
-    }
-    runs[nruns].ok = yref ? memcmp(y, yref, total * H * sizeof *y) == 0 : -1;
-    nruns++;
-  }
-  tdm_streamer_stats ss;
-  tdm_streamer_stats_get(tdm_moe_streamer(m), &ss);
 
-  /* Figures. */
-  const run *res = (yref && runs[0].name && strcmp(runs[0].name, "all resident") == 0) ? &runs[0] : NULL;
-  const run *ovl = NULL, *ser = NULL;
-  for (int i = 0; i < nruns; i++) {
-    if (strstr(runs[i].name, "overlapped")) ovl = &runs[i];
-    if (strstr(runs[i].name, "serialized")) ser = &runs[i];
+/* One `tandem moe` invocation: the options, the device and model shape, the buffers, and the
+ * runs made so far (all resident, streamed overlapped, streamed serialized). */
+typedef struct session {
+  moe_opts o;
+  const tdm_moe_preset *p;
+  tdm_device *dev;
+  tdm_device_info info;
+  tdm_moe_config cfg;
+  long layers;
+  size_t ebytes, all, budget, H, total;
+  double peak;
+  float *x, *yref, *y; /* yref: the all-resident output, NULL when there is no check */
+  run runs[3];
+  int nruns;
+  tdm_streamer_stats ss; /* the streamed model's, after its runs */
+} session;
+
+/* What the runs show: the link utilization, the hidden fraction and the overlap efficiency
+ * (NAN when they cannot be told), and whether every checked output matched. */
+typedef struct figures {
+  const run *res, *ovl, *ser, *main_run;
+  double link, copy_s, hidden, efficiency;
+  bool all_ok;
+} figures;
+
+/* The device, the budget, the link's peak, the model's configuration and the activations. */
+static int session_setup(session *s) {
+  const moe_opts *o = &s->o;
+  int rc, code;
+  s->p = tdm_moe_preset_find(o->preset);
+  s->layers = o->layers ? o->layers : s->p->layers;
+  s->ebytes = tdm_moe_expert_bytes(s->p);
+  s->all = tdm_moe_host_bytes(s->p, (int)s->layers);
+  s->budget = o->budget_pct >= 0 ? (size_t)(s->all * (o->budget_pct / 100.0)) : o->budget_bytes;
+  /* A percentage rounds up to one expert; a byte count below one is the user's to fix. */
+  if (o->budget_pct > 0 && s->budget < s->ebytes) s->budget = s->ebytes;
+  if ((code = tool_find_device("moe", o->device, &s->dev)) != TOOL_OK) return code;
+  if ((rc = tdm_device_info_get(s->dev, &s->info))) return tool_fail("tdm_device_info_get", rc);
+  if ((rc = measure_peak(s->dev, &s->peak))) return tool_fail("measuring the link", rc);
+  s->cfg = (tdm_moe_config){.preset = s->p, .layers = (int)s->layers, .device = s->dev,
+                            .seed = (uint64_t)o->seed, .skew = o->skew, .locality = o->locality,
+                            .max_tokens = (int)o->ubatch, .budget_bytes = s->budget,
+                            .staging_slots = (int)o->slots, .prefetch_depth = (int)o->depth,
+                            .policy = o->policy, .predict = o->predict != 0};
+  s->H = (size_t)s->p->hidden;
+  s->total = (size_t)(o->tokens + o->decode);
+  s->x = malloc(((size_t)o->ubatch + o->decode) * s->H * sizeof *s->x);
+  s->y = malloc(s->total * s->H * sizeof *s->y);
+  s->yref = o->check ? malloc(s->total * s->H * sizeof *s->yref) : NULL;
+  if (!s->x || !s->y || (o->check && !s->yref)) {
+    fprintf(stderr, "tandem: no host memory for %zu tokens of activations\n", s->total);
+    return TOOL_FAILED;
   }
-  const run *main_run = ovl ? ovl : ser;
-  double link = main_run->bytes / main_run->seconds / 1e9 / peak;
-  double copy_s = main_run->bytes / (peak * 1e9);
+  return TOOL_OK;
+}
+
+/* The reference: every expert resident, nothing streamed. When it cannot run, there is no
+ * check (yref is dropped), and the streamed runs still go on. */
+static void run_reference(session *s) {
+  tdm_moe_config cfg = s->cfg;
+  tdm_moe_model *m = NULL;
+  cfg.all_resident = true;
+  int rc = tdm_moe_model_create(&cfg, &m);
+  if (!rc) {
+    rc = do_run(m, &s->o, (int)s->H, true, "all resident", true, s->x, s->yref,
+                &s->runs[s->nruns]);
+    s->runs[s->nruns++].ok = -1; /* the reference itself */
+    tdm_moe_model_destroy(m);
+  }
+  if (rc) {
+    fprintf(stderr, "tandem: the all-resident reference could not run (%s); no check\n",
+            tdm_last_error()); /* the message starts with the code's name */
+    free(s->yref);
+    s->yref = NULL;
+    s->nruns = 0;
+  }
+}
+
+/* The streamed runs, overlapped then serialized (or serialized alone), on one model. */
+static int run_streamed(session *s) {
+  tdm_moe_model *m = NULL;
+  int rc;
+  if ((rc = tdm_moe_model_create(&s->cfg, &m))) return tool_fail("creating the model", rc);
+  const bool modes[2] = {true, false};
+  for (int k = s->o.overlap_only_serial ? 1 : 0; !rc && k < 2; k++) {
+    run *r = &s->runs[s->nruns];
+    rc = do_run(m, &s->o, (int)s->H, modes[k],
+                modes[k] ? "streamed, overlapped" : "streamed, serialized", s->nruns == 0, s->x,
+                s->y, r);
+    if (rc) {
+      tool_fail("the forward pass", rc);
+      break;
+    }
+    r->ok = s->yref ? memcmp(s->y, s->yref, s->total * s->H * sizeof *s->y) == 0 : -1;
+    s->nruns++;
+  }
+  if (!rc) tdm_streamer_stats_get(tdm_moe_streamer(m), &s->ss);
+  tdm_moe_model_destroy(m);
+  return rc;
+}
+
+static figures compute_figures(const session *s) {
+  figures f = {.hidden = NAN, .efficiency = NAN, .all_ok = true};
+  if (s->yref && s->runs[0].name && strcmp(s->runs[0].name, "all resident") == 0)
+    f.res = &s->runs[0];
+  for (int i = 0; i < s->nruns; i++) {
+    if (strstr(s->runs[i].name, "overlapped")) f.ovl = &s->runs[i];
+    if (strstr(s->runs[i].name, "serialized")) f.ser = &s->runs[i];
+    if (s->runs[i].ok == 0) f.all_ok = false;
+  }
+  f.main_run = f.ovl ? f.ovl : f.ser;
+  f.link = f.main_run->bytes / f.main_run->seconds / 1e9 / s->peak;
+  f.copy_s = f.main_run->bytes / (s->peak * 1e9);
   /* hidden: how much of the shorter side the overlap hid, against the serialized pass (none
    * when nothing was copied: nothing to hide); efficiency: how close the overlapped pass came
    * to the longer side alone (copy at the link's peak, or the all-resident pass). */
-  double hidden = NAN, efficiency = NAN;
-  if (ovl && ser && res) {
-    double shorter = copy_s < res->seconds ? copy_s : res->seconds;
-    if (shorter > 0) hidden = (ser->seconds - ovl->seconds) / shorter;
+  if (f.ovl && f.ser && f.res) {
+    double shorter = f.copy_s < f.res->seconds ? f.copy_s : f.res->seconds;
+    if (shorter > 0) f.hidden = (f.ser->seconds - f.ovl->seconds) / shorter;
   }
-  if (ovl && res) efficiency = (copy_s > res->seconds ? copy_s : res->seconds) / ovl->seconds;
-  bool all_ok = true;
-  for (int i = 0; i < nruns; i++)
-    if (runs[i].ok == 0) all_ok = false;
-  if (o.json) {
-    /* Decode's bound: link / ((1 - hit rate) x expert bytes per token); null when nothing
-     * was copied (no decode, or every expert hit). */
-    double bound = NAN;
-    if (o.decode && main_run->decode_acquires) {
-      double h = (double)main_run->decode_hits / main_run->decode_acquires;
-      if (h < 1) bound = peak * 1e9 / ((1 - h) * (double)layers * p->topk * (double)ebytes);
-    }
-    bu_json j;
-    bu_json_init(&j, stdout, 2);
-    bu_json_object(&j, NULL);
-    tool_json_header(&j);
-    bu_json_string(&j, "preset", p->name);
-    bu_json_string(&j, "device", info.id);
-    bu_json_string(&j, "device_name", info.name);
-    bu_json_int(&j, "layers", layers);
-    bu_json_int(&j, "tokens", o.tokens);
-    bu_json_int(&j, "ubatch", o.ubatch);
-    bu_json_int(&j, "decode", o.decode);
-    bu_json_double(&j, "skew", o.skew, -6);
-    bu_json_double(&j, "locality", o.locality, -6);
-    bu_json_string(&j, "policy", o.policy == TDM_CACHE_LRU ? "lru" : "static");
-    bu_json_bool(&j, "predict", o.predict);
-    bu_json_uint(&j, "budget_bytes", budget);
-    bu_json_int(&j, "staging_slots", ss.staging_slots);
-    bu_json_int(&j, "resident_slots", ss.resident_slots);
-    bu_json_int(&j, "prefetch_depth", ss.prefetch_depth);
-    bu_json_uint(&j, "expert_bytes", ebytes);
-    bu_json_double(&j, "peak_gbps", peak, 3);
-    bu_json_array(&j, "runs");
-    for (int i = 0; i < nruns; i++) {
-      const run *r = &runs[i];
-      bu_json_object(&j, NULL);
-      bu_json_string(&j, "name", r->name);
-      bu_json_double(&j, "seconds", r->seconds, 6);
-      bu_json_double(&j, "host_wait_seconds", r->wait_seconds, 6);
-      bu_json_double(&j, "host_ops_seconds", r->ops_seconds, 6);
-      bu_json_double(&j, "host_streamer_seconds", r->streamer_seconds, 6);
-      bu_json_int(&j, "experts", r->experts);
-      bu_json_double(&j, "tokens_per_s", r->tokens_per_s, 3);
-      bu_json_uint(&j, "bytes_copied", r->bytes);
-      bu_json_double(&j, "hit_rate", r->acquires ? (double)r->hits / r->acquires : 0.0, 4);
-      bu_json_double(&j, "decode_tokens_per_s",
-                     r->decode_seconds > 0 ? o.decode / r->decode_seconds : 0.0, 3);
-      bu_json_double(&j, "decode_hit_rate",
-                     r->decode_acquires ? (double)r->decode_hits / r->decode_acquires : 0.0, 4);
-      if (r->ok < 0) bu_json_null(&j, "matches_resident");
-      else bu_json_bool(&j, "matches_resident", r->ok);
-      bu_json_end(&j);
-    }
-    bu_json_end(&j);
-    bu_json_double(&j, "link_utilization", link, 4);
-    bu_json_double(&j, "hidden_fraction", hidden, 4);
-    bu_json_double(&j, "overlap_efficiency", efficiency, 4);
-    bu_json_double(&j, "copy_seconds_at_peak", copy_s, 6);
-    bu_json_double(&j, "decode_bound_tokens_per_s", bound, 3);
-    bu_json_string(&j, "check", yref ? (all_ok ? "ok" : "FAILED") : "skipped");
-    bu_json_end(&j);
-    if (bu_json_finish(&j) < 0) {
-      fprintf(stderr, "tandem: writing the JSON to stdout failed\n");
-      goto out;
-    }
-  } else {
-    char b1[32], b2[32];
-    printf("\non %s (%s): %ld prefill tokens in ubatches of %ld, %ld decode tokens\n", info.id,
-           info.name, o.tokens, o.ubatch, o.decode);
-    tool_format_bytes(budget, b1, sizeof b1);
-    tool_format_bytes(ss.device_bytes, b2, sizeof b2);
-    printf("  routing    Zipf skew %.2f, decode locality %.2f, policy %s\n", o.skew, o.locality,
-           o.policy == TDM_CACHE_LRU ? "lru" : "static");
-    printf("  device     budget %s (%d resident slots) + %d staging slots = %s; prefetch "
-           "depth %d\n", b1, ss.resident_slots, ss.staging_slots, b2, ss.prefetch_depth);
-    printf("  link       %.2f GB/s peak (one large pinned copy, this process)\n\n", peak);
-    printf("  %-22s %10s %12s %12s %12s %9s %8s\n", "run", "time", "host waits", "tokens/s",
-           "copied", "hit rate", "output");
-    for (int i = 0; i < nruns; i++) {
-      tool_format_bytes(runs[i].bytes, b1, sizeof b1);
-      printf("  %-22s %8.1f ms %9.1f ms %12.1f %12s %8.1f%% %8s\n", runs[i].name,
-             runs[i].seconds * 1e3, runs[i].wait_seconds * 1e3, runs[i].tokens_per_s, b1,
-             runs[i].acquires ? 100.0 * runs[i].hits / runs[i].acquires : 0.0,
-             runs[i].ok < 0 ? "-" : runs[i].ok ? "equal" : "DIFFERS");
-    }
-    printf("\n  link utilization   %.2f   expert bytes copied / wall time / peak\n", link);
-    if (!isnan(hidden)) {
-      printf("  hidden fraction    %.2f   (serialized - overlapped) / min(copy, compute)", hidden);
-      /* A shorter side of a few percent of the run is within the runs' timing noise. */
-      double shorter = copy_s < res->seconds ? copy_s : res->seconds;
-      if (shorter < 0.05 * ovl->seconds)
-        printf("; the shorter side is %.1f%% of the run, within timing noise", 100 * shorter / ovl->seconds);
-      printf("\n");
-    }
-    if (!isnan(efficiency))
-      printf("  overlap efficiency %.2f   max(copy at peak, all-resident time) / overlapped\n",
-             efficiency);
-    if (ovl && ser) printf("  speed-up           %.2fx  serialized / overlapped\n", ser->seconds / ovl->seconds);
-    if (main_run->experts)
-      printf("  host per expert    %.1f us in expert operations + %.1f us in the streamer (%s run; "
-             "the host waited %.0f%% of the time)\n",
-             1e6 * main_run->ops_seconds / main_run->experts,
-             1e6 * main_run->streamer_seconds / main_run->experts, main_run->name,
-             100 * main_run->wait_seconds / main_run->seconds);
-    if (o.decode && main_run->decode_seconds > 0) {
-      /* Decode at batch 1 is bound by the bytes it must copy: link / ((1 - hit) x bytes/token). */
-      double h = main_run->decode_acquires ? (double)main_run->decode_hits / main_run->decode_acquires : 0;
-      double per_token = (double)layers * p->topk * ebytes;
-      printf("  decode             %.1f tokens/s at a %.1f%% hit rate; ",
-             o.decode / main_run->decode_seconds, 100 * h);
-      if (h < 1)
-        printf("bound %.1f tokens/s (link / ((1 - hit) x %.1f MB per token))\n",
-               peak * 1e9 / ((1 - h) * per_token), per_token / 1e6);
-      else
-        printf("nothing copied, so the link sets no bound\n");
-    }
-    printf("  check              %s\n", yref ? (all_ok ? "ok: streamed output bitwise equal to "
-                                                         "the all-resident output"
-                                                       : "FAILED: outputs differ")
-                                             : "skipped");
+  if (f.ovl && f.res)
+    f.efficiency = (f.copy_s > f.res->seconds ? f.copy_s : f.res->seconds) / f.ovl->seconds;
+  return f;
+}
+
+static void json_run(bu_json *j, const run *r, long decode) {
+  bu_json_object(j, NULL);
+  bu_json_string(j, "name", r->name);
+  bu_json_double(j, "seconds", r->seconds, 6);
+  bu_json_double(j, "host_wait_seconds", r->wait_seconds, 6);
+  bu_json_double(j, "host_ops_seconds", r->ops_seconds, 6);
+  bu_json_double(j, "host_streamer_seconds", r->streamer_seconds, 6);
+  bu_json_int(j, "experts", r->experts);
+  bu_json_double(j, "tokens_per_s", r->tokens_per_s, 3);
+  bu_json_uint(j, "bytes_copied", r->bytes);
+  bu_json_double(j, "hit_rate", r->acquires ? (double)r->hits / r->acquires : 0.0, 4);
+  bu_json_double(j, "decode_tokens_per_s", r->decode_seconds > 0 ? decode / r->decode_seconds : 0.0,
+                 3);
+  bu_json_double(j, "decode_hit_rate",
+                 r->decode_acquires ? (double)r->decode_hits / r->decode_acquires : 0.0, 4);
+  if (r->ok < 0) bu_json_null(j, "matches_resident");
+  else bu_json_bool(j, "matches_resident", r->ok);
+  bu_json_end(j);
+}
+
+/* The results as one JSON object on stdout; TOOL_FAILED when writing it failed. */
+static int print_json(const session *s, const figures *f) {
+  const moe_opts *o = &s->o;
+  const run *mr = f->main_run;
+  /* Decode's bound: link / ((1 - hit rate) x expert bytes per token); null when nothing
+   * was copied (no decode, or every expert hit). */
+  double bound = NAN;
+  if (o->decode && mr->decode_acquires) {
+    double h = (double)mr->decode_hits / mr->decode_acquires;
+    if (h < 1)
+      bound = s->peak * 1e9 / ((1 - h) * (double)s->layers * s->p->topk * (double)s->ebytes);
   }
-  code = (yref && !all_ok) ? TOOL_FAILED : TOOL_OK;
-out:
-  if (m) tdm_moe_model_destroy(m);
-  free(x);
-  free(y);
-  free(yref);
+  bu_json j;
+  bu_json_init(&j, stdout, 2);
+  bu_json_object(&j, NULL);
+  tool_json_header(&j);
+  bu_json_string(&j, "preset", s->p->name);
+  bu_json_string(&j, "device", s->info.id);
+  bu_json_string(&j, "device_name", s->info.name);
+  bu_json_int(&j, "layers", s->layers);
+  bu_json_int(&j, "tokens", o->tokens);
+  bu_json_int(&j, "ubatch", o->ubatch);
+  bu_json_int(&j, "decode", o->decode);
+  bu_json_double(&j, "skew", o->skew, -6);
+  bu_json_double(&j, "locality", o->locality, -6);
+  bu_json_string(&j, "policy", o->policy == TDM_CACHE_LRU ? "lru" : "static");
+  bu_json_bool(&j, "predict", o->predict);
+  bu_json_uint(&j, "budget_bytes", s->budget);
+  bu_json_int(&j, "staging_slots", s->ss.staging_slots);
+  bu_json_int(&j, "resident_slots", s->ss.resident_slots);
+  bu_json_int(&j, "prefetch_depth", s->ss.prefetch_depth);
+  bu_json_uint(&j, "expert_bytes", s->ebytes);
+  bu_json_double(&j, "peak_gbps", s->peak, 3);
+  bu_json_array(&j, "runs");
+  for (int i = 0; i < s->nruns; i++) json_run(&j, &s->runs[i], o->decode);
+  bu_json_end(&j);
+  bu_json_double(&j, "link_utilization", f->link, 4);
+  bu_json_double(&j, "hidden_fraction", f->hidden, 4);
+  bu_json_double(&j, "overlap_efficiency", f->efficiency, 4);
+  bu_json_double(&j, "copy_seconds_at_peak", f->copy_s, 6);
+  bu_json_double(&j, "decode_bound_tokens_per_s", bound, 3);
+  bu_json_string(&j, "check", s->yref ? (f->all_ok ? "ok" : "FAILED") : "skipped");
+  bu_json_end(&j);
+  if (bu_json_finish(&j) < 0) {
+    fprintf(stderr, "tandem: writing the JSON to stdout failed\n");
+    return TOOL_FAILED;
+  }
+  return TOOL_OK;
+}
+
+/* The table's head: the setting, then one line per run. */
+static void print_runs(const session *s) {
+  const moe_opts *o = &s->o;
+  char b1[32], b2[32];
+  printf("\non %s (%s): %ld prefill tokens in ubatches of %ld, %ld decode tokens\n", s->info.id,
+         s->info.name, o->tokens, o->ubatch, o->decode);
+  tool_format_bytes(s->budget, b1, sizeof b1);
+  tool_format_bytes(s->ss.device_bytes, b2, sizeof b2);
+  printf("  routing    Zipf skew %.2f, decode locality %.2f, policy %s\n", o->skew, o->locality,
+         o->policy == TDM_CACHE_LRU ? "lru" : "static");
+  printf("  device     budget %s (%d resident slots) + %d staging slots = %s; prefetch "
+         "depth %d\n", b1, s->ss.resident_slots, s->ss.staging_slots, b2, s->ss.prefetch_depth);
+  printf("  link       %.2f GB/s peak (one large pinned copy, this process)\n\n", s->peak);
+  printf("  %-22s %10s %12s %12s %12s %9s %8s\n", "run", "time", "host waits", "tokens/s",
+         "copied", "hit rate", "output");
+  for (int i = 0; i < s->nruns; i++) {
+    const run *r = &s->runs[i];
+    tool_format_bytes(r->bytes, b1, sizeof b1);
+    printf("  %-22s %8.1f ms %9.1f ms %12.1f %12s %8.1f%% %8s\n", r->name, r->seconds * 1e3,
+           r->wait_seconds * 1e3, r->tokens_per_s, b1,
+           r->acquires ? 100.0 * r->hits / r->acquires : 0.0,
+           r->ok < 0 ? "-" : r->ok ? "equal" : "DIFFERS");
+  }
+}
+
+/* Decode at batch 1 is bound by the bytes it must copy: link / ((1 - hit) x bytes/token). */
+static void print_decode(const session *s, const run *mr) {
+  double h = mr->decode_acquires ? (double)mr->decode_hits / mr->decode_acquires : 0;
+  double per_token = (double)s->layers * s->p->topk * s->ebytes;
+  printf("  decode             %.1f tokens/s at a %.1f%% hit rate; ",
+         s->o.decode / mr->decode_seconds, 100 * h);
+  if (h < 1)
+    printf("bound %.1f tokens/s (link / ((1 - hit) x %.1f MB per token))\n",
+           s->peak * 1e9 / ((1 - h) * per_token), per_token / 1e6);
+  else
+    printf("nothing copied, so the link sets no bound\n");
+}
+
+/* The figures under the table. */
+static void print_figures(const session *s, const figures *f) {
+  const run *mr = f->main_run;
+  printf("\n  link utilization   %.2f   expert bytes copied / wall time / peak\n", f->link);
+  if (!isnan(f->hidden)) {
+    printf("  hidden fraction    %.2f   (serialized - overlapped) / min(copy, compute)",
+           f->hidden);
+    /* A shorter side of a few percent of the run is within the runs' timing noise. */
+    double shorter = f->copy_s < f->res->seconds ? f->copy_s : f->res->seconds;
+    if (shorter < 0.05 * f->ovl->seconds)
+      printf("; the shorter side is %.1f%% of the run, within timing noise",
+             100 * shorter / f->ovl->seconds);
+    printf("\n");
+  }
+  if (!isnan(f->efficiency))
+    printf("  overlap efficiency %.2f   max(copy at peak, all-resident time) / overlapped\n",
+           f->efficiency);
+  if (f->ovl && f->ser)
+    printf("  speed-up           %.2fx  serialized / overlapped\n",
+           f->ser->seconds / f->ovl->seconds);
+  if (mr->experts)
+    printf("  host per expert    %.1f us in expert operations + %.1f us in the streamer (%s run; "
+           "the host waited %.0f%% of the time)\n",
+           1e6 * mr->ops_seconds / mr->experts, 1e6 * mr->streamer_seconds / mr->experts,
+           mr->name, 100 * mr->wait_seconds / mr->seconds);
+  if (s->o.decode && mr->decode_seconds > 0) print_decode(s, mr);
+  printf("  check              %s\n", s->yref ? (f->all_ok ? "ok: streamed output bitwise equal "
+                                                              "to the all-resident output"
+                                                            : "FAILED: outputs differ")
+                                            : "skipped");
+}
+
+int tool_cmd_moe(int argc, char **argv) {
+  session s = {0};
+  int prc = parse(argc, argv, &s.o);
+  if (prc) return prc > 0 ? TOOL_OK : TOOL_USAGE;
+  int rc = tool_trace_check(s.o.trace);
+  if (rc != TOOL_OK) return rc;
+  if ((rc = tdm_init()) < 0) return tool_fail("tdm_init", rc);
+  int code = session_setup(&s);
+  if (code == TOOL_OK && !s.o.json) {
+    printf("tandem moe: %s (%s), %ld layers, %zu-byte experts, %.2f GiB of experts in pinned "
+           "host memory\n", s.p->name, s.p->note, s.layers, s.ebytes, s.all / 1073741824.0);
+    fflush(stdout);
+  }
+  if (code == TOOL_OK && s.o.check) run_reference(&s);
+  if (code == TOOL_OK && run_streamed(&s)) code = TOOL_FAILED;
+  if (code == TOOL_OK) {
+    figures f = compute_figures(&s);
+    if (s.o.json) {
+      code = print_json(&s, &f);
+    } else {
+      print_runs(&s);
+      print_figures(&s, &f);
+    }
+    if (code == TOOL_OK && s.yref && !f.all_ok) code = TOOL_FAILED;
+  }
+  free(s.x);
+  free(s.y);
+  free(s.yref);
   tdm_shutdown();
   return code;
 }

@@ -15,7 +15,7 @@
 #include "overlap_dev.h"
 #include "tool.h"
 
-#include "benchutil.h"
+#include "measure.h"
 
 #include <tandem.h>
 

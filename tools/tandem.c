@@ -5,7 +5,7 @@
  */
 #include "tool.h"
 
-#include "benchutil.h" /* bu_join_argv, bu_json_header */
+#include "measure.h" /* bu_join_argv, bu_json_header */
 
 #include <tandem.h>
 

@@ -12,7 +12,7 @@
  */
 #include "bcuda.h"
 
-#include "benchutil.h"
+#include "measure.h"
 
 #include <errno.h>
 #include <stdlib.h>

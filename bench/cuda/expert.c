@@ -1,5 +1,5 @@
 /* expert.c: `bench-cuda expert`: what one MoE expert costs the thread that submits it, with the
- * CUDA backend's expert operation (src/moe/ops.h: gather, gate/up GEMM, SwiGLU, down GEMM,
+ * CUDA backend's expert operation (tandem/moe_ops.h: gather, gate/up GEMM, SwiGLU, down GEMM,
  * scatter on the queue's stream), at Qwen3-30B-A3B's shapes (hidden 2048, expert FFN 768, bf16
  * weights, f32 accumulate) and n gathered tokens per expert (128 and 512: a 2048- and an
  * 8192-token ubatch over 128 experts, top-8).
@@ -18,8 +18,8 @@
  */
 #include "bcuda.h"
 
-#include "benchutil.h"
-#include "moe/ops.h"
+#include "measure.h"
+#include <tandem/moe_ops.h>
 
 #include <math.h>
 #include <stdlib.h>
@@ -36,7 +36,7 @@ typedef struct ex {
   bc_ctx *c;
   int n;                  /* tokens per expert, nominal */
   int ns_fixed[CALLS], ns_vary[CALLS];
-  const moe_ops *ops;
+  const tdm_moe_ops *ops;
   void *st;
   tdm_queue *q, *cq;      /* compute, and the busy copy queue */
   cudaStream_t s;         /* q's native stream */
@@ -88,7 +88,7 @@ out:
   return rc;
 }
 
-/* C = A W^T row-major through column-major cuBLAS, as the op does it (see moe_ops.cu). */
+/* C = A W^T row-major through column-major cuBLAS, as the op does it (see moe/cuda/ops.cu). */
 static int gemm_pair(ex *e, const int *ns, double *sec) {
   int rc = -1;
   const float one = 1.f, zero = 0.f;
@@ -138,7 +138,7 @@ out:
 
 /* ---- the check ------------------------------------------------------------------------------ */
 
-static double rounded_bf16(float f) { return (double)moe_bf16_to_f32(moe_f32_to_bf16(f)); }
+static double rounded_bf16(float f) { return (double)tdm_moe_bf16_to_f32(tdm_moe_f32_to_bf16(f)); }
 
 /* Token i of the gathered set: out[i] (slot i) against fp64 on the host, with the inputs
  * rounded to bf16 as the op rounds them. */
@@ -159,7 +159,7 @@ static int check_rows(ex *e) {
     for (int j = 0; j < 2 * FFN; j++) {
       double acc = 0;
       for (int k = 0; k < HID; k++)
-        acc += rounded_bf16(xr[k]) * moe_bf16_to_f32(e->hw[(size_t)j * HID + k]);
+        acc += rounded_bf16(xr[k]) * tdm_moe_bf16_to_f32(e->hw[(size_t)j * HID + k]);
       gu[j] = acc;
     }
     for (int j = 0; j < FFN; j++)
@@ -169,7 +169,7 @@ static int check_rows(ex *e) {
       const uint16_t *wd = e->hw + 2 * (size_t)FFN * HID + (size_t)c * FFN;
       double acc = 0;
       for (int j = 0; j < FFN; j++)
-        acc += gu[j] * moe_bf16_to_f32(wd[j]);
+        acc += gu[j] * tdm_moe_bf16_to_f32(wd[j]);
       num += (got[c] - acc) * (got[c] - acc);
       den += acc * acc;
       ref[c] = acc;
@@ -217,14 +217,14 @@ static int setup(ex *e) {
     e->ns_fixed[i] = e->n;
     e->ns_vary[i] = e->n / 2 + (int)(bc_next_seed(c) % (uint64_t)(e->n + 1));
   }
-  CK(e->ops = moe_ops_for(dev), "no MoE operations for %s", e->c->info.id);
+  CK(e->ops = tdm_moe_ops_for(dev), "no MoE operations for %s", e->c->info.id);
   CK_TDM(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &e->q));
   CK_TDM(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &e->cq));
   CK_TDM(e->ops->open(e->q, &e->st));
   void *native;
   CK_TDM(tdm_queue_native(e->q, &native));
   e->s = (cudaStream_t)native;
-  e->ws_bytes = moe_ops_workspace(nmax, HID, FFN);
+  e->ws_bytes = tdm_moe_ops_workspace(nmax, HID, FFN);
   CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, xn * sizeof(float), (void **)&e->x));
   CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, (size_t)nmax * HID * sizeof(float), (void **)&e->out));
   CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, wn * sizeof(uint16_t), (void **)&e->w));
@@ -248,7 +248,7 @@ static int setup(ex *e) {
     e->hx[i] = (float)unit(c);
   for (size_t i = 0; i < wn; i++) {
     double scale = i < 2 * (size_t)HID * FFN ? 1.0 / sqrt(HID) : 1.0 / sqrt(FFN);
-    e->hw[i] = moe_f32_to_bf16((float)(scale * unit(c)));
+    e->hw[i] = tdm_moe_f32_to_bf16((float)(scale * unit(c)));
   }
   for (int i = 0; i < nmax; i++) {
     e->hrows[i] = (int32_t)(bc_next_seed(c) % (uint64_t)e->T);

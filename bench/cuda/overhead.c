@@ -20,7 +20,7 @@
  */
 #include "bcuda.h"
 
-#include "benchutil.h"
+#include "measure.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -26,7 +26,7 @@
  */
 #include "bcuda.h"
 
-#include "benchutil.h"
+#include "measure.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -15,7 +15,7 @@
  */
 #include "bcuda.h"
 
-#include "benchutil.h"
+#include "measure.h"
 
 #include <pthread.h>
 #include <stdlib.h>

@@ -20,7 +20,7 @@
 #define CL_TARGET_OPENCL_VERSION 120
 #include <CL/cl.h>
 
-#include "benchutil.h"
+#include "measure.h"
 
 #include <tandem.h>
 #include <tandem/opencl.h>

@@ -22,6 +22,16 @@
  * - tdm_mem_import(dev, m, n, &p): a tandem pointer for a foreign cl_mem of n bytes, created in
  *                                 the device's context; tandem retains it until tdm_free(p).
  *
+ * Native work and host tasks. Where TDM_DEVICE_CAP_HOST_DEFERRAL is set (PoCL's basic driver,
+ * whose user events hang, or TANDEM_OPENCL_DEFER=1), tandem gates host work on the host: after
+ * a host task, or a dependency with no native event yet, the queue's later commands wait in
+ * tandem, unsubmitted, and a kernel enqueued on the native queue meanwhile would run before
+ * them. Such held work shows as an event of tdm_queue_dependencies() that is incomplete
+ * (tdm_event_query: TDM_EAGAIN) and has no native event (tdm_event_native fails); while there
+ * is one, enqueue native work from a host task on the queue instead (it then runs in queue
+ * order). Without the capability, commands after a host task wait on the device for a user
+ * event, and native work enqueued after them is ordered after them too.
+ *
  * Pinned memory (TDM_MEM_PINNED) is a CL_MEM_ALLOC_HOST_PTR buffer mapped for the host. Host
  * memory given to a copy must stay untouched until the copy's event completes.
  */

@@ -44,13 +44,11 @@ void tdm_clear_error(void) {
 
 const char *tdm__last_detail(void) { return tls_detail; }
 
-/* The detail may quote tdm__last_detail() (a nested failure), so it is formatted aside. */
-int tdm__error(int code, int native, const char *fmt, ...) {
+/* The detail may quote tdm__last_detail() or tdm_last_error() (a nested failure), so it is
+ * formatted aside. */
+static int set_error(int code, int native, const char *fmt, va_list ap) {
   char detail[sizeof tls_detail];
-  va_list ap;
-  va_start(ap, fmt);
   vsnprintf(detail, sizeof detail, fmt, ap);
-  va_end(ap);
   memcpy(tls_detail, detail, sizeof detail);
   if (native)
     snprintf(tls_msg, sizeof tls_msg, "%s: %s (native error %d)", tdm_err_name(code), detail,
@@ -58,5 +56,22 @@ int tdm__error(int code, int native, const char *fmt, ...) {
   else
     snprintf(tls_msg, sizeof tls_msg, "%s: %s", tdm_err_name(code), detail);
   tls_native = native;
+  return code;
+}
+
+int tdm__error(int code, int native, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  set_error(code, native, fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+/* The public entry for layered libraries: the same message, the same thread. */
+int tdm_set_error(int code, int native, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  set_error(code, native, fmt ? fmt : "", ap);
+  va_end(ap);
   return code;
 }

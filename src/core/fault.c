@@ -1,6 +1,7 @@
 /* fault.c: fault injection and live-object counts for tests. Every host allocation of the
  * core and every call through the backend table passes tdm__fault(), so a test can make the
- * Nth one fail and check that the operation fails cleanly. */
+ * Nth one fail and check that the operation fails cleanly; libraries built on tandem reach the
+ * same counter through tdm_fault_point(). */
 #include <stdlib.h>
 
 #include "internal.h"
@@ -50,6 +51,8 @@ int tdm__fault(unsigned kind) {
 }
 
 int tdm__fault_code_taken(void) { return tls_taken_code; }
+
+int tdm_fault_point(unsigned kind) { return tdm__fault(kind) ? tls_taken_code : 0; }
 
 void *tdm__malloc(size_t n) {
   if (tdm__fault(TDM_FAULT_ALLOC)) return NULL;

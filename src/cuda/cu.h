@@ -131,9 +131,6 @@ int cu_import_notify(cu_event *ev, void (*fn)(void *), void *arg);
 /* At shutdown: waits for the import streams and frees them. */
 void cu_import_fini(cu_device *d);
 
-/* moe_ops.cu: the MoE operations' table ("moe-ops"), or NULL. */
-const void *tdm_cuda_extension(const char *name);
-
 /* cusubmit.c */
 int cu_submit(tdm__bqueue *bq, tdm__cmd *cmd);
 int cu_native_wait(void *handle, int *native);

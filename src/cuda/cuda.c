@@ -389,9 +389,6 @@ const tdm__backend tdm__cuda_backend = {
     .gate_open = cu_gate_open_entry,
     .host_copy = cu_host_copy,
     .event_elapsed = cu_event_elapsed,
-#ifdef TANDEM_CUDA_MOE
-    .extension = tdm_cuda_extension,
-#endif
 };
 
 __attribute__((visibility("default"))) const void *tdm_backend_module(void) {

@@ -20,11 +20,6 @@ typedef struct ocl_device {
   bool ooo;
   bool defer; /* user events hang on this driver: gate on the host instead */
   bool gpu;   /* CL_DEVICE_TYPE_GPU or _ACCELERATOR */
-  /* moe_ops.c's program, built by the first open on the device (under moe_ops.c's lock), for
-   * work-groups of moe_wg; or, when the build failed, its log. Released with the device. */
-  cl_program moe_prog;
-  size_t moe_wg;
-  char *moe_log;
 } ocl_device;
 
 /* One command of an out-of-order queue on the native queue: given back when its event
@@ -102,8 +97,5 @@ int ocl_native_notify(void *handle, void (*fn)(void *), void *arg);
 void ocl_notices_stop(void);
 void ocl_notices_free(void);
 void ocl_gate_open(void *gate);
-
-/* moe_ops.c (built with CLBlast): the backend's extension entry; "moe-ops" is its table. */
-const void *tdm_opencl_extension(const char *name);
 
 #endif

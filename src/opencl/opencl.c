@@ -32,8 +32,6 @@ int ocl_error(cl_int err, const char *what) {
 
 static void release_devices(void) {
   for (int i = 0; i < ocl_ndevs; i++) {
-    if (ocl_devs[i].moe_prog) clReleaseProgram(ocl_devs[i].moe_prog);
-    free(ocl_devs[i].moe_log);
     if (ocl_devs[i].internal) clReleaseCommandQueue(ocl_devs[i].internal);
     if (ocl_devs[i].ctx) clReleaseContext(ocl_devs[i].ctx);
   }
@@ -123,7 +121,8 @@ static int ocl_device_info(int bdev, tdm_device_info *info) {
   snprintf(info->name, sizeof info->name, "%s", d->name);
   info->total_memory = d->memory;
   info->caps = TDM_DEVICE_CAP_TIMING | TDM_DEVICE_CAP_ADOPT |
-               (d->ooo ? TDM_DEVICE_CAP_OUT_OF_ORDER : 0) | (d->gpu ? TDM_DEVICE_CAP_GPU : 0);
+               (d->ooo ? TDM_DEVICE_CAP_OUT_OF_ORDER : 0) | (d->gpu ? TDM_DEVICE_CAP_GPU : 0) |
+               (d->defer ? TDM_DEVICE_CAP_HOST_DEFERRAL : 0);
   return 0;
 }
 
@@ -227,9 +226,6 @@ const tdm__backend tdm__opencl_backend = {
     .native_release = ocl_native_release,
     .native_notify = ocl_native_notify,
     .gate_open = ocl_gate_open,
-#ifdef TANDEM_OPENCL_MOE
-    .extension = tdm_opencl_extension,
-#endif
 };
 
 __attribute__((visibility("default"))) const void *tdm_backend_module(void) {

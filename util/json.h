@@ -13,8 +13,8 @@
  *
  * Every value takes a key: its name inside an object, NULL inside an array or at the top.
  */
-#ifndef TANDEM_BENCH_JSON_H
-#define TANDEM_BENCH_JSON_H
+#ifndef TANDEM_UTIL_JSON_H
+#define TANDEM_UTIL_JSON_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -58,4 +58,4 @@ void bu_json_raw(bu_json *j, const char *key, const char *json, size_t len);
  * the stream reported no error, else -1. Flushes; does not close the stream. */
 int bu_json_finish(bu_json *j);
 
-#endif /* TANDEM_BENCH_JSON_H */
+#endif /* TANDEM_UTIL_JSON_H */

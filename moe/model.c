@@ -9,8 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "core/internal.h" /* tdm__error only */
-#include "moe/ops.h"
+#include "ops.h"
 #include "tandem/moe.h"
 
 const tdm_moe_preset tdm_moe_presets[] = {
@@ -40,16 +39,16 @@ struct tdm_moe_model {
   tdm_moe_preset p;
   int L, H, E, k, I;
   size_t ebytes;
-  const moe_ops *ops;
+  const tdm_moe_ops *ops;
   void *ops_state;
   tdm_queue *q;
-  moe_bf16 *host_experts;     /* pinned: L * E experts */
+  tdm_moe_bf16 *host_experts;     /* pinned: L * E experts */
   const void **host_ptrs;     /* per key */
   tdm_streamer *streamer;
   /* device side, per layer */
-  moe_bf16 *router;           /* L x E x H */
+  tdm_moe_bf16 *router;           /* L x E x H */
   float *bias, *norm;         /* L x E, L x H */
-  moe_bf16 *shared;           /* L x shared experts, resident */
+  tdm_moe_bf16 *shared;           /* L x shared experts, resident */
   size_t shared_bytes;
   int *rank;                  /* L x E: popularity rank of each expert (0: most popular) */
   /* per ubatch (device) */
@@ -91,18 +90,18 @@ typedef struct fill_job {
   int t, n;
 } fill_job;
 
-static void fill_expert(const tdm_moe_model *m, moe_bf16 *w, uint64_t seed) {
+static void fill_expert(const tdm_moe_model *m, tdm_moe_bf16 *w, uint64_t seed) {
   uint64_t s = seed;
   size_t hi = (size_t)m->H * m->I;
   float a = 1.0f / sqrtf((float)m->H), b = 1.0f / sqrtf((float)m->I);
-  for (size_t i = 0; i < 2 * hi; i++) w[i] = moe_f32_to_bf16(a * unit(&s)); /* Wg, Wu */
-  for (size_t i = 2 * hi; i < 3 * hi; i++) w[i] = moe_f32_to_bf16(b * unit(&s)); /* Wd */
+  for (size_t i = 0; i < 2 * hi; i++) w[i] = tdm_moe_f32_to_bf16(a * unit(&s)); /* Wg, Wu */
+  for (size_t i = 2 * hi; i < 3 * hi; i++) w[i] = tdm_moe_f32_to_bf16(b * unit(&s)); /* Wd */
 }
 
 static void *fill_main(void *arg) {
   fill_job *j = arg;
   tdm_moe_model *m = j->m;
-  size_t per = m->ebytes / sizeof(moe_bf16);
+  size_t per = m->ebytes / sizeof(tdm_moe_bf16);
   for (long key = j->t; key < (long)m->L * m->E; key += j->n)
     fill_expert(m, m->host_experts + (size_t)key * per, m->cfg.seed * 1000003u + (uint64_t)key);
   return NULL;
@@ -143,13 +142,13 @@ static int dev_alloc(tdm_moe_model *m, size_t n, void *out) {
 
 static int setup_small_weights(tdm_moe_model *m) {
   size_t nr = (size_t)m->L * m->E * m->H;
-  moe_bf16 *r = malloc(nr * sizeof *r);
+  tdm_moe_bf16 *r = malloc(nr * sizeof *r);
   float *bias = malloc((size_t)m->L * m->E * sizeof *bias);
   float *norm = malloc((size_t)m->L * m->H * sizeof *norm);
   m->rank = malloc((size_t)m->L * m->E * sizeof *m->rank);
-  int rc = (r && bias && norm && m->rank) ? 0 : tdm__error(TDM_ENOMEM, 0, "no host memory");
+  int rc = (r && bias && norm && m->rank) ? 0 : tdm_set_error(TDM_ENOMEM, 0, "no host memory");
   uint64_t s = m->cfg.seed ^ 0x5eedu;
-  for (size_t i = 0; !rc && i < nr; i++) r[i] = moe_f32_to_bf16(gauss(&s) / sqrtf((float)m->H));
+  for (size_t i = 0; !rc && i < nr; i++) r[i] = tdm_moe_f32_to_bf16(gauss(&s) / sqrtf((float)m->H));
   for (int l = 0; !rc && l < m->L; l++) {
     /* A random popularity order per layer; the expert of rank r gets a logit bias of
      * -skew * ln(r + 1), so its routing probability falls like (r + 1)^-skew. */
@@ -176,8 +175,8 @@ static int setup_small_weights(tdm_moe_model *m) {
     sp.ffn = m->p.shared_ffn;
     size_t sb = tdm_moe_expert_bytes(&sp), n = (size_t)m->L * m->p.shared;
     m->shared_bytes = sb * n;
-    moe_bf16 *h = malloc(m->shared_bytes);
-    rc = h ? dev_alloc(m, m->shared_bytes, &m->shared) : tdm__error(TDM_ENOMEM, 0, "no memory");
+    tdm_moe_bf16 *h = malloc(m->shared_bytes);
+    rc = h ? dev_alloc(m, m->shared_bytes, &m->shared) : tdm_set_error(TDM_ENOMEM, 0, "no memory");
     tdm_moe_model tmp = *m;
     tmp.I = m->p.shared_ffn;
     for (size_t i = 0; !rc && i < n; i++)
@@ -194,7 +193,7 @@ static int setup_small_weights(tdm_moe_model *m) {
 static int setup_buffers(tdm_moe_model *m) {
   int T = m->maxT, Imax = m->I > m->p.shared_ffn ? m->I : m->p.shared_ffn;
   size_t th = (size_t)T * m->H * sizeof(float), tk = (size_t)T * m->k;
-  m->ws_bytes = moe_ops_workspace(T, m->H, Imax);
+  m->ws_bytes = tdm_moe_ops_workspace(T, m->H, Imax);
   int rc = 0;
   if (!rc) rc = dev_alloc(m, th, &m->x);
   if (!rc) rc = dev_alloc(m, th, &m->xn);
@@ -210,7 +209,7 @@ static int setup_buffers(tdm_moe_model *m) {
   if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, th, (void **)&m->x_h);
   if (!rc && (!(m->scratch = malloc((size_t)m->E * 3 * sizeof *m->scratch)) ||
               !(m->fill = malloc((size_t)m->E * sizeof *m->fill))))
-    rc = tdm__error(TDM_ENOMEM, 0, "no memory");
+    rc = tdm_set_error(TDM_ENOMEM, 0, "no memory");
   if (!rc && m->cfg.predict) {
     rc = dev_alloc(m, tk * sizeof(int32_t), &m->pidx);
     if (!rc) rc = dev_alloc(m, tk * sizeof(float), &m->pwts);
@@ -222,7 +221,7 @@ static int setup_buffers(tdm_moe_model *m) {
     if (!rc) rc = dev_alloc(m, (size_t)T * sizeof(int32_t), &m->iota);
     float *ones = malloc((size_t)T * sizeof *ones);
     int32_t *iota = malloc((size_t)T * sizeof *iota);
-    if (!rc && (!ones || !iota)) rc = tdm__error(TDM_ENOMEM, 0, "no memory");
+    if (!rc && (!ones || !iota)) rc = tdm_set_error(TDM_ENOMEM, 0, "no memory");
     for (int t = 0; !rc && t < T; t++) {
       ones[t] = 1.0f;
       iota[t] = t;
@@ -241,9 +240,9 @@ static int setup_streamer(tdm_moe_model *m) {
   int *resident = malloc((size_t)keys * sizeof *resident);
   if (!m->host_ptrs || !resident) {
     free(resident);
-    return tdm__error(TDM_ENOMEM, 0, "no memory");
+    return tdm_set_error(TDM_ENOMEM, 0, "no memory");
   }
-  size_t per = m->ebytes / sizeof(moe_bf16);
+  size_t per = m->ebytes / sizeof(tdm_moe_bf16);
   for (long key = 0; key < keys; key++) m->host_ptrs[key] = m->host_experts + (size_t)key * per;
   /* The static resident set: the most popular experts of every layer first. */
   long n = 0;
@@ -277,9 +276,9 @@ static int setup_streamer(tdm_moe_model *m) {
 
 int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   if (!cfg || !cfg->preset || !cfg->device || !out || cfg->max_tokens < 1)
-    return tdm__error(TDM_EINVAL, 0, "tdm_moe_model_create: bad configuration");
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: bad configuration");
   tdm_moe_model *m = calloc(1, sizeof *m);
-  if (!m) return tdm__error(TDM_ENOMEM, 0, "no memory");
+  if (!m) return tdm_set_error(TDM_ENOMEM, 0, "no memory");
   m->cfg = *cfg;
   m->p = *cfg->preset;
   m->L = cfg->layers > 0 ? cfg->layers : m->p.layers;
@@ -291,21 +290,21 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   m->maxT = cfg->max_tokens;
   int rc = 0;
   if (cfg->budget_bytes && cfg->budget_bytes < m->ebytes && !cfg->all_resident)
-    rc = tdm__error(TDM_EINVAL, 0, "a device budget of %zu bytes cannot hold one %zu-byte expert "
-                    "of %s", cfg->budget_bytes, m->ebytes, m->p.name);
+    rc = tdm_set_error(TDM_EINVAL, 0, "a device budget of %zu bytes cannot hold one %zu-byte "
+                       "expert of %s", cfg->budget_bytes, m->ebytes, m->p.name);
   size_t host = tdm_moe_host_bytes(&m->p, m->L);
   uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
   if (!rc && host > phys / 10 * 8)
-    rc = tdm__error(TDM_ENOMEM, 0, "%s with %d layers needs %.1f GiB of pinned host memory; "
+    rc = tdm_set_error(TDM_ENOMEM, 0, "%s with %d layers needs %.1f GiB of pinned host memory; "
                     "this machine has %.1f GiB: use --layers to run fewer", m->p.name, m->L,
                     host / 1073741824.0, phys / 1073741824.0);
-  if (!rc && !(m->ops = moe_ops_for(cfg->device)))
-    rc = tdm__error(TDM_ENOTSUP, 0, "no MoE operations for this device's backend yet");
+  if (!rc && !(m->ops = tdm_moe_ops_for(cfg->device)))
+    rc = TDM_ENOTSUP; /* tdm_moe_ops_for's message says why (no BLAS, a module that failed) */
   if (!rc) rc = tdm_queue_create(cfg->device, TDM_QUEUE_IN_ORDER, &m->q);
   if (!rc) rc = m->ops->open(m->q, &m->ops_state);
   if (!rc) rc = tdm_malloc(cfg->device, TDM_MEM_PINNED, host, (void **)&m->host_experts);
   if (rc == TDM_ENOMEM && !m->host_experts && m->q)
-    tdm__error(TDM_ENOMEM, 0, "cannot pin %.1f GiB of host memory for the experts",
+    tdm_set_error(TDM_ENOMEM, 0, "cannot pin %.1f GiB of host memory for the experts",
                host / 1073741824.0);
   if (!rc) rc = fill_parallel(m);
   if (!rc) rc = setup_small_weights(m);
@@ -378,27 +377,28 @@ static void group(tdm_moe_model *m, int T, int *count, int *offset) {
     }
 }
 
-static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stats *st, int *count,
-                 int *offset, int *order) {
-  const moe_ops *ops = m->ops;
+/* RMSNorm and the router, then the control plane: this layer's routing lands in pinned memory
+ * and the host waits for that small copy only, never for the whole device; then the tokens
+ * are grouped per expert and the groups go back to the device. The predictor (the next
+ * layer's router on this layer's input) is queued before the wait, so its answer lands while
+ * this layer's experts compute; *predicted is its copy's event (NULL without one). */
+static int layer_route(tdm_moe_model *m, int l, int T, tdm_moe_pass_stats *st, int *count,
+                       int *offset, tdm_event **predicted) {
+  const tdm_moe_ops *ops = m->ops;
   void *os = m->ops_state;
   int H = m->H, E = m->E, k = m->k, rc;
+  *predicted = NULL;
   if ((rc = ops->rmsnorm(os, m->q, m->xn, m->x, m->norm + (size_t)l * H, T, H, 1e-6f))) return rc;
   if ((rc = ops->router(os, m->q, m->xn, m->router + (size_t)l * E * H, m->bias + (size_t)l * E, T,
                         H, E, k, m->p.renorm, m->idx, m->wts)))
     return rc;
-  /* The predictor: the next layer's router on this layer's input, queued now so its answer
-   * lands while this layer's experts compute; the host reads it after submitting them. */
-  tdm_event *predicted = NULL;
   if (m->cfg.predict && l + 1 < m->L &&
       ((rc = ops->router(os, m->q, m->xn, m->router + (size_t)(l + 1) * E * H,
                          m->bias + (size_t)(l + 1) * E, T, H, E, k, m->p.renorm, m->pidx,
                          m->pwts)) ||
        (rc = tdm_memcpy(m->q, m->pidx_h, m->pidx, (size_t)T * k * sizeof(int32_t),
-                        TDM_COPY_D2H, 0, NULL, &predicted))))
+                        TDM_COPY_D2H, 0, NULL, predicted))))
     return rc;
-  /* The control plane: this layer's routing lands in pinned memory; the host waits for that
-   * small copy only, never for the whole device. */
   tdm_event *routed;
   if ((rc = tdm_memcpy(m->q, m->idx_h, m->idx, (size_t)T * k * sizeof(int32_t), TDM_COPY_D2H, 0,
                        NULL, &routed)))
@@ -407,24 +407,31 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
   rc = tdm_event_wait(routed);
   st->wait_seconds += now_s() - w0;
   tdm_event_release(routed);
-  if (rc) {
-    if (predicted) tdm_event_release(predicted);
-    return rc;
-  }
+  if (rc) return rc;
   group(m, T, count, offset);
   if ((rc = tdm_memcpy(m->q, m->rows, m->rows_h, (size_t)T * k * sizeof(int32_t), TDM_COPY_H2D, 0,
-                       NULL, NULL)) ||
-      (rc = tdm_memcpy(m->q, m->slots, m->slots_h, (size_t)T * k * sizeof(int32_t), TDM_COPY_H2D,
-                       0, NULL, NULL)))
+                       NULL, NULL)))
     return rc;
-  /* Routed experts, most popular first, then in the streamer's order: what it staged ahead
-   * first, then the copies, with the experts held on the device computed while each lands.
-   * Both runs, overlapped and serialized, take the same order. */
-  int n = 0;
+  return tdm_memcpy(m->q, m->slots, m->slots_h, (size_t)T * k * sizeof(int32_t), TDM_COPY_H2D, 0,
+                    NULL, NULL);
+}
+
+/* Routed experts, most popular first: order[0..n) gets the experts with tokens, by rank. */
+static int layer_order(const tdm_moe_model *m, int l, const int *count, int *order) {
+  int E = m->E, n = 0;
   for (int e = 0; e < E; e++) order[e] = -1;
   for (int e = 0; e < E; e++) order[m->rank[(size_t)l * E + e]] = count[e] ? e : -1;
   for (int r = 0; r < E; r++)
     if (order[r] >= 0) order[n++] = order[r];
+  return n;
+}
+
+/* The routed experts order[0..n), in the streamer's order: what it staged ahead first, then
+ * the copies, with the experts held on the device computed while each lands. Both runs,
+ * overlapped and serialized, take the same order. */
+static int layer_experts(tdm_moe_model *m, int l, bool overlap, tdm_moe_pass_stats *st,
+                         const int *count, const int *offset, int *order, int n) {
+  int rc;
   if ((rc = tdm_streamer_schedule(m->streamer, l, order, n))) return rc;
   tdm_queue *demand = NULL;
   tdm_streamer_queues(m->streamer, &demand, NULL);
@@ -435,8 +442,8 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
     double t0 = now_s();
     if ((rc = tdm_streamer_acquire(m->streamer, l, e, &w, NULL))) return rc;
     double t1 = now_s();
-    rc = ops->expert(os, m->q, m->xn, m->rows + offset[e], m->slots + offset[e], count[e], w, H,
-                     m->I, m->out, m->ws, m->ws_bytes);
+    rc = m->ops->expert(m->ops_state, m->q, m->xn, m->rows + offset[e], m->slots + offset[e],
+                        count[e], w, m->H, m->I, m->out, m->ws, m->ws_bytes);
     double t2 = now_s();
     st->ops_seconds += t2 - t1;
     st->streamer_seconds += t1 - t0;
@@ -456,9 +463,17 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
     st->streamer_seconds += now_s() - t2;
     st->experts_computed++;
   }
+  return 0;
+}
+
+/* The next layer's experts, streamed ahead while this layer finishes: the predicted ones, each
+ * once (the serialized baseline copies nothing ahead); or, in prefill (a ubatch that touched
+ * n of this layer's experts, nearly all), the next layer's most popular ones, into the staging
+ * slots this layer frees while its last experts compute and its routing travels. */
+static int layer_lookahead(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stats *st,
+                           tdm_event *predicted, int n, int *count, int *order) {
+  int E = m->E, k = m->k, rc;
   if (predicted) {
-    /* Prefetch the predicted experts of the next layer, each once (the serialized baseline
-     * copies nothing ahead). */
     double p0 = now_s();
     rc = tdm_event_wait(predicted);
     st->wait_seconds += now_s() - p0;
@@ -468,28 +483,52 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
     memset(count, 0, (size_t)E * sizeof *count);
     for (int i = 0; overlap && i < T * k; i++)
       if (!count[m->pidx_h[i]]++) order[np++] = m->pidx_h[i];
-    if (np && (rc = tdm_streamer_prefetch(m->streamer, l + 1, order, np))) return rc;
-  } else if (overlap && l + 1 < m->L && n >= E - E / 8) {
-    /* Prefill: a ubatch that touched nearly every expert of this layer will touch nearly every
-     * expert of the next, so its most popular ones start streaming into the staging slots
-     * this layer frees, while this layer's last experts compute and its routing travels. */
-    for (int e = 0; e < E; e++) order[m->rank[(size_t)(l + 1) * E + e]] = e;
-    if ((rc = tdm_streamer_prefetch(m->streamer, l + 1, order, E))) return rc;
+    return np ? tdm_streamer_prefetch(m->streamer, l + 1, order, np) : 0;
   }
+  if (overlap && l + 1 < m->L && n >= E - E / 8) {
+    for (int e = 0; e < E; e++) order[m->rank[(size_t)(l + 1) * E + e]] = e;
+    return tdm_streamer_prefetch(m->streamer, l + 1, order, E);
+  }
+  return 0;
+}
+
+/* The shared experts (every token, resident), then the routed experts' weighted sum. */
+static int layer_combine(tdm_moe_model *m, int l, int T) {
+  const tdm_moe_ops *ops = m->ops;
+  void *os = m->ops_state;
+  int H = m->H, rc;
   for (int j = 0; j < m->p.shared; j++) {
     size_t sb = (size_t)3 * H * m->p.shared_ffn;
-    const moe_bf16 *w = m->shared + ((size_t)l * m->p.shared + j) * sb;
+    const tdm_moe_bf16 *w = m->shared + ((size_t)l * m->p.shared + j) * sb;
     if ((rc = ops->expert(os, m->q, m->xn, m->iota, m->iota, T, w, H, m->p.shared_ffn,
                           m->out_shared, m->ws, m->ws_bytes)) ||
         (rc = ops->combine(os, m->q, m->x, m->out_shared, m->ones, T, H, 1)))
       return rc;
   }
-  return ops->combine(os, m->q, m->x, m->out, m->wts, T, H, k);
+  return ops->combine(os, m->q, m->x, m->out, m->wts, T, H, m->k);
+}
+
+/* One layer, x += MoE(RMSNorm(x)), submitted on the compute queue. */
+static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stats *st, int *count,
+                 int *offset, int *order) {
+  tdm_event *predicted = NULL;
+  int rc = layer_route(m, l, T, st, count, offset, &predicted), n = 0;
+  if (!rc) {
+    n = layer_order(m, l, count, order);
+    rc = layer_experts(m, l, overlap, st, count, offset, order, n);
+  }
+  if (rc) {
+    if (predicted) tdm_event_release(predicted);
+    return rc;
+  }
+  if ((rc = layer_lookahead(m, l, T, overlap, st, predicted, n, count, order))) return rc;
+  return layer_combine(m, l, T);
 }
 
 int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool overlap, tdm_moe_pass_stats *st) {
   if (T < 1 || T > m->maxT)
-    return tdm__error(TDM_EINVAL, 0, "a ubatch of %d tokens (this model takes 1 to %d)", T, m->maxT);
+    return tdm_set_error(TDM_EINVAL, 0, "a ubatch of %d tokens (this model takes 1 to %d)", T,
+                         m->maxT);
   memset(st, 0, sizeof *st);
   size_t bytes = (size_t)T * m->H * sizeof(float);
   float *xh = m->x_h;

@@ -1,4 +1,5 @@
-/* moe_ops.cu: the CUDA backend's MoE operations (the moe_ops table of src/moe/ops.h).
+/* cuda/ops.cu: the CUDA backend's MoE operations (tdm_moe__cuda_ops, a table of
+ * tandem/moe_ops.h).
  *
  * Everything runs on the queue's native stream (tdm_queue_native), so it is ordered with the
  * queue's tandem commands and covered by tdm_event_record / tdm_queue_sync. rmsnorm, the
@@ -19,11 +20,11 @@
  * (cublasSetWorkspace, so cuBLAS never picks a per-stream pool), keeps the default math mode
  * and disallows atomics.
  *
- * Errors: 0 or a negative TDM_E* code, and a message in tdm_last_error(): failures of the
- * public calls made here set their own; the rest go through the module's core services
- * (cu_svc, the same table cuda.c uses). A failing CUDA or cuBLAS call returns TDM_EBACKEND
- * (TDM_ENOMEM when it ran out of memory) and is also recorded in the state (failed, native)
- * for a debugger. */
+ * Errors: 0 or a negative TDM_E* code with tandem's message set (tdm_set_error): TDM_EINVAL
+ * for arguments; a failing CUDA or cuBLAS call gives TDM_EBACKEND (TDM_ENOMEM when it ran out
+ * of memory) with its status as the native error, and is also kept in the state (failed,
+ * native) for a debugger. Only tandem's public API and its CUDA interop (tandem/cuda.h) are
+ * used: the stream and the device ordinal come from tdm_queue_native and tdm_device_native. */
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -35,23 +36,9 @@
 #include <string.h>
 
 extern "C" {
-#include "backend.h"
-#include "moe/ops.h"
-extern const tdm__services *cu_svc; /* cuda.c: how this module sets tandem's thread message */
+#include "ops.h" /* moe/ops.h */
+#include "tandem/cuda.h"
 }
-
-/* The public calls made here are weak references. libtandem dlopens this module RTLD_LOCAL,
- * and where libtandem itself was loaded RTLD_LOCAL (Python's ctypes) or linked statically into
- * a program that does not export it, its symbols are not in the global scope: a strong
- * reference would make the whole CUDA module fail to load there. A weak one leaves only these
- * ops unavailable (open returns TDM_ENOTSUP). */
-#define MOE_WEAK extern "C" __attribute__((weak))
-MOE_WEAK int tdm_queue_device(tdm_queue *q, tdm_device **dev);
-MOE_WEAK int tdm_queue_flags(tdm_queue *q, unsigned *flags);
-MOE_WEAK int tdm_queue_native(tdm_queue *q, void **native);
-MOE_WEAK int tdm_device_info_get(tdm_device *dev, tdm_device_info *info);
-MOE_WEAK int tdm_device_native(tdm_device *dev, void **native);
-MOE_WEAK int tdm_mem_query(const void *ptr, tdm_mem_info *info);
 
 #define MOE_THREADS 256 /* threads per block for every kernel here (a power of two) */
 #define MOE_WARPS (MOE_THREADS / 32)
@@ -94,15 +81,20 @@ typedef struct moe_cuda {
 static int cuda_fail(moe_cuda *m, cudaError_t e, const char *what) {
   m->failed = what;
   m->native = (int)e;
-  return cu_svc->error(e == cudaErrorMemoryAllocation ? TDM_ENOMEM : TDM_EBACKEND, (int)e,
-                       "moe: %s: %s", what, cudaGetErrorString(e));
+  return tdm_set_error(e == cudaErrorMemoryAllocation ? TDM_ENOMEM : TDM_EBACKEND, (int)e,
+                       "moe cuda: %s failed: %s", what, cudaGetErrorString(e));
 }
 
 static int blas_fail(moe_cuda *m, cublasStatus_t st, const char *what) {
   m->failed = what;
   m->native = (int)st;
-  return cu_svc->error(st == CUBLAS_STATUS_ALLOC_FAILED ? TDM_ENOMEM : TDM_EBACKEND, (int)st,
-                       "moe: %s failed (cuBLAS status %d)", what, (int)st);
+  return tdm_set_error(st == CUBLAS_STATUS_ALLOC_FAILED ? TDM_ENOMEM : TDM_EBACKEND, (int)st,
+                       "moe cuda: %s failed with cuBLAS status %d", what, (int)st);
+}
+
+static int bad_args(const char *op) {
+  return tdm_set_error(TDM_EINVAL, 0, "moe %s: bad arguments (NULL pointer, size out of range, "
+                       "or a state opened on another queue)", op);
 }
 
 #define CK_CUDA(call)                                      \
@@ -132,14 +124,7 @@ static void leave(moe_cuda *m, int saved) {
 
 /* Every op checks that it runs on the queue its state was opened for: the cuBLAS handle is
  * bound to that queue's stream. */
-static int check_queue(moe_cuda *m, tdm_queue *q) { return m && q == m->q ? 0 : TDM_EINVAL; }
-
-/* An op's arguments were refused: TDM_EINVAL, with the reason. */
-static int bad_args(moe_cuda *m, tdm_queue *q, const char *op) {
-  if (check_queue(m, q))
-    return cu_svc->error(TDM_EINVAL, 0, "moe %s: the state was not opened on this queue", op);
-  return cu_svc->error(TDM_EINVAL, 0, "moe %s: NULL pointer or size out of range", op);
-}
+static int check_queue(moe_cuda *m, tdm_queue *q) { return m && q == m->q ? 0 : -1; }
 
 /* ---- device helpers ---- */
 
@@ -147,7 +132,7 @@ static __device__ __forceinline__ float bf16_to_f32(uint16_t h) {
   return __uint_as_float((uint32_t)h << 16);
 }
 
-/* The same rounding as moe_f32_to_bf16 on the host: nearest even, NaN stays a (quiet) NaN. */
+/* The same rounding as tdm_moe_f32_to_bf16 on the host: nearest even, NaN stays a (quiet) NaN. */
 static __device__ __forceinline__ uint16_t f32_to_bf16(float f) {
   uint32_t u = __float_as_uint(f);
   if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return (uint16_t)((u >> 16) | 0x40);
@@ -283,28 +268,11 @@ static __global__ void router_kernel(const float *x, const uint16_t *wr, const f
  *                         dead once the gate/up GEMM has run, which precedes the down GEMM in
  *                         stream order.
  * Total off_o + 4nH bytes: within ops.h's n(2I + H) f32 + nH bf16 whenever 2nH >= 255, and
- * well within moe_ops_workspace(n, H, I), which expert() requires of every backend. */
+ * well within tdm_moe_ops_workspace(n, H, I), which expert() requires of every backend. */
 
 static size_t round_ws(size_t b) { return (b + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN; }
 
 static size_t expert_off_o(size_t n, size_t I) { return round_ws(8 * n * I); }
-
-/* moe_ops_workspace() of src/moe/ops.c, which is inside libtandem and not visible to this
- * module. Every backend takes the same workspace, so a size the CPU table refuses is refused
- * here too, though this layout needs less. Keep the two in step. 0 when it overflows. */
-static size_t ws_contract(size_t n, size_t H, size_t I) {
-  size_t hi, nh, ni, parts[4], total = 0;
-  if (__builtin_mul_overflow(H, I, &hi) || __builtin_mul_overflow(n, H, &nh) ||
-      __builtin_mul_overflow(n, I, &ni) || __builtin_mul_overflow(hi, 12, &parts[0]) ||
-      __builtin_mul_overflow(nh, 4, &parts[1]) || __builtin_mul_overflow(ni, 8, &parts[2]) ||
-      __builtin_mul_overflow(nh, 2, &parts[3]))
-    return 0;
-  for (int i = 0; i < 4; i++) {
-    if (parts[i] > SIZE_MAX - WS_ALIGN || __builtin_add_overflow(total, round_ws(parts[i]), &total))
-      return 0;
-  }
-  return total;
-}
 
 /* Indices are device data written by earlier commands, so they are checked only here, against
  * the rows the host saw in the allocations (limit): a bad row gathers zeros and a bad slot is
@@ -404,11 +372,7 @@ static int blas_setup(moe_cuda *m) {
 /* Only in-order queues of CUDA devices: an out-of-order queue spreads its commands over
  * several streams, and these ops would be ordered with only one of them. */
 static int cuda_open(tdm_queue *q, void **state) {
-  if (!q || !state) return cu_svc->error(TDM_EINVAL, 0, "moe open: NULL argument");
-  if (!tdm_queue_device || !tdm_queue_flags || !tdm_queue_native || !tdm_device_info_get ||
-      !tdm_device_native)
-    return cu_svc->error(TDM_ENOTSUP, 0, "moe open: libtandem's API is not visible to the "
-                         "CUDA module"); /* see MOE_WEAK */
+  if (!q || !state) return bad_args("open");
   tdm_device *dev;
   tdm_device_info info;
   unsigned flags;
@@ -418,13 +382,13 @@ static int cuda_open(tdm_queue *q, void **state) {
       (rc = tdm_queue_flags(q, &flags)))
     return rc;
   if (strcmp(info.backend, "cuda") != 0)
-    return cu_svc->error(TDM_ENOTSUP, 0, "moe open: %s is not a CUDA device", info.id);
+    return tdm_set_error(TDM_ENOTSUP, 0, "moe open: %s is not a CUDA device", info.id);
   if (flags & TDM_QUEUE_OUT_OF_ORDER) /* as the CPU table answers */
-    return cu_svc->error(TDM_EINVAL, 0, "moe open: the ops need an in-order queue");
+    return tdm_set_error(TDM_EINVAL, 0, "moe open: the ops need an in-order queue");
   if ((rc = tdm_device_native(dev, &ordinal)) || (rc = tdm_queue_native(q, &stream))) return rc;
 
   moe_cuda *m = (moe_cuda *)calloc(1, sizeof *m);
-  if (!m) return cu_svc->error(TDM_ENOMEM, 0, "moe open: no host memory");
+  if (!m) return tdm_set_error(TDM_ENOMEM, 0, "moe open: no host memory");
   pthread_mutex_init(&m->plan_mu, NULL);
   m->q = q;
   m->s = (cudaStream_t)stream;
@@ -456,9 +420,9 @@ static void cuda_close(void *state) {
 static int cuda_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T,
                         int H, float eps) {
   moe_cuda *m = (moe_cuda *)st;
-  if (check_queue(m, q) || T < 0 || H <= 0 || !(eps >= 0.f)) return bad_args(m, q, "rmsnorm");
+  if (check_queue(m, q) || T < 0 || H <= 0 || !(eps >= 0.f)) return bad_args("rmsnorm");
   if (T == 0) return 0;
-  if (!y || !x || !w) return bad_args(m, q, "rmsnorm");
+  if (!y || !x || !w) return bad_args("rmsnorm");
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
   rmsnorm_kernel<<<T, MOE_THREADS, 0, m->s>>>(y, x, w, H, eps);
@@ -468,11 +432,11 @@ static int cuda_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, const 
   return rc;
 }
 
-static int launch_router(moe_cuda *m, const float *x, const moe_bf16 *wr, const float *bias, int T,
-                         int H, int E, int k, int renorm, int32_t *idx, float *weights) {
+static int launch_router(moe_cuda *m, const float *x, const tdm_moe_bf16 *wr, const float *bias,
+                         int T, int H, int E, int k, int renorm, int32_t *idx, float *weights) {
   if (E > ROUTER_SMEM / 5) /* p (4 bytes) and taken (1 byte) per expert */
-    return cu_svc->error(TDM_EINVAL, 0, "moe router: %d experts need more shared memory than "
-                         "%d bytes", E, ROUTER_SMEM);
+    return tdm_set_error(TDM_EINVAL, 0, "moe router: %d experts need more shared memory than "
+                         "the kernel takes", E);
   int tpb = ROUTER_SMEM / (E * 5);
   if (tpb > ROUTER_TOKENS) tpb = ROUTER_TOKENS;
   if (tpb > T) tpb = T;
@@ -484,14 +448,14 @@ static int launch_router(moe_cuda *m, const float *x, const moe_bf16 *wr, const 
   return e == cudaSuccess ? 0 : cuda_fail(m, e, "router_kernel");
 }
 
-static int cuda_router(void *st, tdm_queue *q, const float *x, const moe_bf16 *wr,
+static int cuda_router(void *st, tdm_queue *q, const float *x, const tdm_moe_bf16 *wr,
                        const float *bias, int T, int H, int E, int k, int renorm, int32_t *idx,
                        float *weights) {
   moe_cuda *m = (moe_cuda *)st;
   if (check_queue(m, q) || T < 0 || H <= 0 || E <= 0 || k <= 0 || k > E)
-    return bad_args(m, q, "router");
+    return bad_args("router");
   if (T == 0) return 0;
-  if (!x || !wr || !idx || !weights) return bad_args(m, q, "router");
+  if (!x || !wr || !idx || !weights) return bad_args("router");
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
   rc = launch_router(m, x, wr, bias, T, H, E, k, renorm, idx, weights);
@@ -554,7 +518,7 @@ static int plan_get(moe_cuda *m, int N, int K, int n, int ldb, unsigned align, g
   if (!p) {
     p = (gemm_plan *)calloc(1, sizeof *p);
     if (!p) {
-      rc = cu_svc->error(TDM_ENOMEM, 0, "moe expert: no host memory for a GEMM plan");
+      rc = tdm_set_error(TDM_ENOMEM, 0, "moe expert: no host memory for a GEMM plan");
     } else {
       p->N = N;
       p->K = K;
@@ -608,7 +572,7 @@ static int gemm_rows(moe_cuda *m, int ntok, int N, int K, const void *A, int a_s
 static uint32_t rows_in(const float *p, int H) {
   tdm_mem_info mi;
   size_t rows = (size_t)INT32_MAX + 1;
-  if (tdm_mem_query && tdm_mem_query(p, &mi) == 0 && mi.base) {
+  if (tdm_mem_query(p, &mi) == 0 && mi.base) {
     size_t left = (size_t)((const char *)mi.base + mi.size - (const char *)p);
     if (left / sizeof(float) / (size_t)H < rows) rows = left / sizeof(float) / (size_t)H;
   }
@@ -616,7 +580,7 @@ static uint32_t rows_in(const float *p, int H) {
 }
 
 static int run_expert(moe_cuda *m, const float *x, const int32_t *rows, const int32_t *slot, int n,
-                      const moe_bf16 *w, int H, int I, float *out, unsigned char *ws) {
+                      const tdm_moe_bf16 *w, int H, int I, float *out, unsigned char *ws) {
   float *GU = (float *)ws;
   uint16_t *X = (uint16_t *)(ws + expert_off_o((size_t)n, (size_t)I));
   float *O = (float *)X;
@@ -635,19 +599,19 @@ static int run_expert(moe_cuda *m, const float *x, const int32_t *rows, const in
 }
 
 static int cuda_expert(void *st, tdm_queue *q, const float *x, const int32_t *rows,
-                       const int32_t *slot, int n, const moe_bf16 *w, int H, int I, float *out,
+                       const int32_t *slot, int n, const tdm_moe_bf16 *w, int H, int I, float *out,
                        void *workspace, size_t workspace_bytes) {
   moe_cuda *m = (moe_cuda *)st;
   if (check_queue(m, q) || n < 0 || H <= 0 || I <= 0 || I > INT_MAX / 4)
-    return bad_args(m, q, "expert");
+    return bad_args("expert");
   if (n == 0) return 0;
   if (!x || !rows || !slot || !w || !out || !workspace || ((uintptr_t)workspace & 15))
-    return bad_args(m, q, "expert");
-  size_t contract = ws_contract((size_t)n, (size_t)H, (size_t)I);
+    return bad_args("expert");
+  size_t contract = tdm_moe__workspace(n, H, I);
   if (!contract || workspace_bytes < contract ||
       expert_off_o((size_t)n, (size_t)I) + 4 * (size_t)n * H > workspace_bytes)
-    return cu_svc->error(TDM_EINVAL, 0, "moe expert: a workspace of %zu bytes is too small",
-                         workspace_bytes);
+    return tdm_set_error(TDM_EINVAL, 0, "moe expert: a workspace of %zu bytes; n=%d H=%d I=%d "
+                         "need %zu", workspace_bytes, n, H, I, contract);
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
   rc = run_expert(m, x, rows, slot, n, w, H, I, out, (unsigned char *)workspace);
@@ -658,9 +622,9 @@ static int cuda_expert(void *st, tdm_queue *q, const float *x, const int32_t *ro
 static int cuda_combine(void *st, tdm_queue *q, float *y, const float *out, const float *weights,
                         int T, int H, int k) {
   moe_cuda *m = (moe_cuda *)st;
-  if (check_queue(m, q) || T < 0 || H <= 0 || k <= 0) return bad_args(m, q, "combine");
+  if (check_queue(m, q) || T < 0 || H <= 0 || k <= 0) return bad_args("combine");
   if (T == 0) return 0;
-  if (!y || !out || !weights) return bad_args(m, q, "combine");
+  if (!y || !out || !weights) return bad_args("combine");
   size_t total = (size_t)T * H;
   size_t blocks = (total + MOE_THREADS - 1) / MOE_THREADS;
   if (blocks > (1u << 20)) blocks = 1u << 20; /* the kernel strides over the rest */
@@ -673,7 +637,7 @@ static int cuda_combine(void *st, tdm_queue *q, float *y, const float *out, cons
   return rc;
 }
 
-extern "C" const moe_ops moe_ops_cuda = {
+extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .name = */ "cuda",
     /* .open = */ cuda_open,
     /* .close = */ cuda_close,
@@ -683,7 +647,7 @@ extern "C" const moe_ops moe_ops_cuda = {
     /* .combine = */ cuda_combine,
 };
 
-/* The backend table's extension entry: "moe-ops" is the table above. */
-extern "C" const void *tdm_cuda_extension(const char *name) {
-  return name && strcmp(name, "moe-ops") == 0 ? &moe_ops_cuda : NULL;
+/* The entry libtandem_moe looks up when it loads this module (libtandem_moe-cuda.so). */
+extern "C" __attribute__((visibility("default"))) const tdm_moe_ops *tdm_moe_ops_module(int abi) {
+  return abi == TDM_MOE__OPS_ABI ? &tdm_moe__cuda_ops : NULL;
 }

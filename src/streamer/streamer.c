@@ -7,7 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/internal.h" /* tdm__error only: everything else goes through the public API */
 #include "tandem/streamer.h"
 
 typedef struct slot {
@@ -84,20 +83,20 @@ int tdm_streamer_create(const tdm_streamer_config *cfg, tdm_streamer **out) {
   int rc;
   if (!cfg || !out || !cfg->compute || !cfg->host || cfg->layers <= 0 || cfg->experts <= 0 ||
       cfg->expert_bytes == 0)
-    return tdm__error(TDM_EINVAL, 0, "tdm_streamer_create: a required field is missing");
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_create: a required field is missing");
   if (cfg->staging_slots < 1)
-    return tdm__error(TDM_EINVAL, 0, "the streamer needs at least one staging slot (got %d)",
+    return tdm_set_error(TDM_EINVAL, 0, "the streamer needs at least one staging slot (got %d)",
                       cfg->staging_slots);
   if (cfg->prefetch_depth < 0)
-    return tdm__error(TDM_EINVAL, 0, "a prefetch depth of %d copies (0 or more)",
+    return tdm_set_error(TDM_EINVAL, 0, "a prefetch depth of %d copies (0 or more)",
                       cfg->prefetch_depth);
   if (cfg->budget_bytes && cfg->budget_bytes < cfg->expert_bytes)
-    return tdm__error(TDM_EINVAL, 0, "a budget of %zu bytes cannot hold one %zu-byte expert",
+    return tdm_set_error(TDM_EINVAL, 0, "a budget of %zu bytes cannot hold one %zu-byte expert",
                       cfg->budget_bytes, cfg->expert_bytes);
   tdm_device *dev;
   if ((rc = tdm_queue_device(cfg->compute, &dev))) return rc;
   tdm_streamer *s = calloc(1, sizeof *s);
-  if (!s) return tdm__error(TDM_ENOMEM, 0, "tdm_streamer_create: no memory for the streamer");
+  if (!s) return tdm_set_error(TDM_ENOMEM, 0, "tdm_streamer_create: no memory for the streamer");
   s->cfg = *cfg;
   s->dev = dev;
   long keys = (long)cfg->layers * cfg->experts;
@@ -112,14 +111,14 @@ int tdm_streamer_create(const tdm_streamer_config *cfg, tdm_streamer **out) {
   s->inflight = calloc((size_t)s->depth, sizeof *s->inflight);
   pthread_mutex_init(&s->mu, NULL);
   rc = (!s->slots || !s->evictable || !s->map || !s->inflight)
-           ? tdm__error(TDM_ENOMEM, 0, "no memory for the streamer's tables")
+           ? tdm_set_error(TDM_ENOMEM, 0, "no memory for the streamer's tables")
            : 0;
   if (!rc) rc = tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &s->demand);
   if (!rc) rc = tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &s->prefetch);
   if (!rc &&
       (rc = tdm_malloc(dev, TDM_MEM_DEVICE, (size_t)s->nslots * cfg->expert_bytes, (void **)&s->base)))
-    tdm__error(rc, 0, "%d expert slots of %zu bytes (%d resident + %d staging) do not fit: %s",
-               s->nslots, cfg->expert_bytes, s->nfixed, cfg->staging_slots, tdm__last_detail());
+    tdm_set_error(rc, 0, "%d expert slots of %zu bytes (%d resident + %d staging) do not fit: %s",
+               s->nslots, cfg->expert_bytes, s->nfixed, cfg->staging_slots, tdm_last_error());
   if (rc) {
     tdm_streamer_destroy(s);
     return rc;
@@ -151,7 +150,7 @@ int tdm_streamer_create(const tdm_streamer_config *cfg, tdm_streamer **out) {
 }
 
 int tdm_streamer_destroy(tdm_streamer *s) {
-  if (!s) return tdm__error(TDM_EINVAL, 0, "tdm_streamer_destroy: s is NULL");
+  if (!s) return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_destroy: s is NULL");
   if (s->demand) tdm_queue_sync(s->demand);
   if (s->prefetch) tdm_queue_sync(s->prefetch);
   for (int i = 0; s->slots && i < s->nslots; i++) slot_clear_events(&s->slots[i]);
@@ -178,10 +177,10 @@ static int key_of(tdm_streamer *s, int layer, int e) {
 
 int tdm_streamer_acquire(tdm_streamer *s, int layer, int e, const void **dptr,
                          tdm_event **ready) {
-  if (!s || !dptr) return tdm__error(TDM_EINVAL, 0, "tdm_streamer_acquire: s or dptr is NULL");
+  if (!s || !dptr) return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_acquire: s or dptr is NULL");
   int key = key_of(s, layer, e);
   if (key < 0)
-    return tdm__error(TDM_EINVAL, 0, "tdm_streamer_acquire: expert %d of layer %d does not exist",
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_acquire: expert %d of layer %d does not exist",
                       e, layer);
   pthread_mutex_lock(&s->mu);
   int rc = 0, i = s->map[key];
@@ -194,7 +193,7 @@ int tdm_streamer_acquire(tdm_streamer *s, int layer, int e, const void **dptr,
     s->st.misses++;
     i = victim(s, false);
     if (i < 0) {
-      rc = tdm__error(TDM_EBUSY, 0, "all %d streamer slots are acquired: release some",
+      rc = tdm_set_error(TDM_EBUSY, 0, "all %d streamer slots are acquired: release some",
                       s->nslots);
     } else {
       rc = load(s, i, key, s->demand);
@@ -225,16 +224,16 @@ int tdm_streamer_acquire(tdm_streamer *s, int layer, int e, const void **dptr,
 }
 
 int tdm_streamer_release(tdm_streamer *s, int layer, int e, tdm_event *done) {
-  if (!s) return tdm__error(TDM_EINVAL, 0, "tdm_streamer_release: s is NULL");
+  if (!s) return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_release: s is NULL");
   int key = key_of(s, layer, e);
   if (key < 0)
-    return tdm__error(TDM_EINVAL, 0, "tdm_streamer_release: expert %d of layer %d does not exist",
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_release: expert %d of layer %d does not exist",
                       e, layer);
   pthread_mutex_lock(&s->mu);
   int i = s->map[key];
   if (i < 0 || s->slots[i].pins == 0) {
     pthread_mutex_unlock(&s->mu);
-    return tdm__error(TDM_ESTATE, 0, "tdm_streamer_release: expert %d of layer %d is not acquired",
+    return tdm_set_error(TDM_ESTATE, 0, "tdm_streamer_release: expert %d of layer %d is not acquired",
                       e, layer);
   }
   slot *sl = &s->slots[i];
@@ -256,7 +255,7 @@ int tdm_streamer_release(tdm_streamer *s, int layer, int e, tdm_event *done) {
 
 int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts, int n) {
   if (!s || (n && !experts) || layer < 0 || layer >= s->cfg.layers)
-    return tdm__error(TDM_EINVAL, 0, "tdm_streamer_prefetch: bad arguments");
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_prefetch: bad arguments");
   pthread_mutex_lock(&s->mu);
   /* Forget prefetches that have landed. */
   int k = 0;
@@ -272,7 +271,7 @@ int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts, int n)
   for (int j = 0; j < n && !rc; j++) {
     int key = key_of(s, layer, experts[j]);
     if (key < 0) {
-      rc = tdm__error(TDM_EINVAL, 0, "tdm_streamer_prefetch: expert %d of layer %d does not exist",
+      rc = tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_prefetch: expert %d of layer %d does not exist",
                       experts[j], layer);
       break;
     }
@@ -308,10 +307,10 @@ static void sort_by_tick(tdm_streamer *s, int *keys, int n, int layer) {
 
 int tdm_streamer_schedule(tdm_streamer *s, int layer, int *experts, int n) {
   if (!s || n < 0 || (n && !experts) || layer < 0 || layer >= s->cfg.layers)
-    return tdm__error(TDM_EINVAL, 0, "tdm_streamer_schedule: bad arguments");
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_schedule: bad arguments");
   if (n < 2) return 0;
   int *buf = malloc((size_t)n * 3 * sizeof *buf);
-  if (!buf) return tdm__error(TDM_ENOMEM, 0, "no memory to order %d experts", n);
+  if (!buf) return tdm_set_error(TDM_ENOMEM, 0, "no memory to order %d experts", n);
   int *staged = buf, *held = buf + n, *absent = buf + 2 * n, ns = 0, nh = 0, na = 0;
   pthread_mutex_lock(&s->mu);
   for (int j = 0; j < n; j++) {
@@ -319,8 +318,9 @@ int tdm_streamer_schedule(tdm_streamer *s, int layer, int *experts, int n) {
     if (key < 0) {
       pthread_mutex_unlock(&s->mu);
       free(buf);
-      return tdm__error(TDM_EINVAL, 0, "tdm_streamer_schedule: expert %d of layer %d does not exist",
-                        experts[j], layer);
+      return tdm_set_error(TDM_EINVAL, 0,
+                           "tdm_streamer_schedule: expert %d of layer %d does not exist",
+                           experts[j], layer);
     }
     int i = s->map[key];
     if (i < 0) {
@@ -350,14 +350,14 @@ int tdm_streamer_schedule(tdm_streamer *s, int layer, int *experts, int n) {
 }
 
 int tdm_streamer_queues(tdm_streamer *s, tdm_queue **demand, tdm_queue **prefetch) {
-  if (!s) return tdm__error(TDM_EINVAL, 0, "tdm_streamer_queues: s is NULL");
+  if (!s) return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_queues: s is NULL");
   if (demand) *demand = s->demand;
   if (prefetch) *prefetch = s->prefetch;
   return 0;
 }
 
 int tdm_streamer_stats_get(tdm_streamer *s, tdm_streamer_stats *out) {
-  if (!s || !out) return tdm__error(TDM_EINVAL, 0, "tdm_streamer_stats_get: s or out is NULL");
+  if (!s || !out) return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_stats_get: s or out is NULL");
   pthread_mutex_lock(&s->mu);
   *out = s->st;
   pthread_mutex_unlock(&s->mu);
@@ -365,7 +365,7 @@ int tdm_streamer_stats_get(tdm_streamer *s, tdm_streamer_stats *out) {
 }
 
 int tdm_streamer_stats_reset(tdm_streamer *s) {
-  if (!s) return tdm__error(TDM_EINVAL, 0, "tdm_streamer_stats_reset: s is NULL");
+  if (!s) return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_stats_reset: s is NULL");
   pthread_mutex_lock(&s->mu);
   s->st.acquires = s->st.hits = s->st.misses = 0;
   s->st.prefetches = s->st.prefetch_hits = s->st.prefetch_dropped = 0;

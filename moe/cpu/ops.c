@@ -1,4 +1,4 @@
-/* ops_cpu.c: the MoE operations for the CPU backend (moe_ops_cpu).
+/* cpu/ops.c: the MoE operations for the CPU backend (tdm_moe__cpu_ops).
  *
  * On the CPU backend device memory is host memory, so each op is a host task that runs on the
  * queue's worker thread in stream order. The call checks what it can see at once (sizes,
@@ -25,9 +25,7 @@
  *
  * Every other reduction (rmsnorm, softmax, top-k, combine) is a plain loop in a fixed order.
  */
-#include "ops.h"
-
-#include "core/internal.h" /* tdm__error, tdm__malloc: messages and fault injection */
+#include "ops.h" /* moe/ops.h */
 
 #include <math.h>
 #include <stdatomic.h>
@@ -87,17 +85,22 @@ static int task_submit(tdm_queue *q, task *t) {
 
 static int check_state(void *st, tdm_queue *q, const char *op) {
   if (st && q && ((cpu_state *)st)->q == q) return 0;
-  return tdm__error(TDM_EINVAL, 0, "moe %s: the state was not opened on this queue", op);
+  return tdm_set_error(TDM_EINVAL, 0, "moe %s: the state was not opened on this queue", op);
 }
 
 static int bad_args(const char *op) {
-  return tdm__error(TDM_EINVAL, 0, "moe %s: NULL pointer or size out of range", op);
+  return tdm_set_error(TDM_EINVAL, 0, "moe %s: NULL pointer or size out of range", op);
 }
 
-/* `size` bytes of host memory (an argument block, the state), or NULL with the error set. */
+/* `size` bytes of host memory (an argument block, the state), or NULL with the error set.
+ * tandem's fault hook sees it, so a test can fail it as it fails tandem's own allocations. */
+static void *host_alloc(size_t size) {
+  return tdm_fault_point(TDM_FAULT_ALLOC) ? NULL : malloc(size);
+}
+
 static void *task_alloc(size_t size, const char *op) {
-  void *p = tdm__malloc(size);
-  if (!p) tdm__error(TDM_ENOMEM, 0, "moe %s: no host memory for %zu bytes", op, size);
+  void *p = host_alloc(size);
+  if (!p) tdm_set_error(TDM_ENOMEM, 0, "moe %s: no host memory for %zu bytes", op, size);
   return p;
 }
 
@@ -110,8 +113,8 @@ static size_t rows_available(const float *p, int width) {
   return left / ((size_t)width * sizeof(float));
 }
 
-static void bf16_to_f32(float *dst, const moe_bf16 *src, size_t n) {
-  for (size_t i = 0; i < n; i++) dst[i] = moe_bf16_to_f32(src[i]);
+static void bf16_to_f32(float *dst, const tdm_moe_bf16 *src, size_t n) {
+  for (size_t i = 0; i < n; i++) dst[i] = tdm_moe_bf16_to_f32(src[i]);
 }
 
 /* ---- open / close ------------------------------------------------------------------------ */
@@ -121,16 +124,16 @@ static int cpu_open(tdm_queue *q, void **state) {
   tdm_device_info info;
   unsigned flags;
   int rc;
-  if (!q || !state) return tdm__error(TDM_EINVAL, 0, "moe open: NULL argument");
+  if (!q || !state) return tdm_set_error(TDM_EINVAL, 0, "moe open: NULL argument");
   if ((rc = tdm_queue_device(q, &dev)) || (rc = tdm_device_info_get(dev, &info)) ||
       (rc = tdm_queue_flags(q, &flags)))
     return rc;
   /* The tasks dereference device pointers, which only host-memory devices allow. */
   if (!(info.caps & TDM_DEVICE_CAP_HOST_MEMORY))
-    return tdm__error(TDM_ENOTSUP, 0, "moe open: %s is not a host-memory (CPU) device", info.id);
+    return tdm_set_error(TDM_ENOTSUP, 0, "moe open: %s is not a host-memory (CPU) device", info.id);
   /* Ops take no dependency lists: on an out-of-order queue they would not be ordered. */
   if (flags & TDM_QUEUE_OUT_OF_ORDER)
-    return tdm__error(TDM_EINVAL, 0, "moe open: the ops need an in-order queue");
+    return tdm_set_error(TDM_EINVAL, 0, "moe open: the ops need an in-order queue");
   cpu_state *s = task_alloc(sizeof *s, "open");
   if (!s) return TDM_ENOMEM;
   s->q = q;
@@ -181,7 +184,7 @@ static int cpu_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, const f
 typedef struct router_args {
   task t; /* first */
   const float *x;
-  const moe_bf16 *wr;
+  const tdm_moe_bf16 *wr;
   const float *bias; /* or NULL */
   int T, H, E, k, renorm;
   int32_t *idx;
@@ -226,8 +229,8 @@ static void top_k(const float *p, int E, int k, int renorm, int32_t *idx, float 
 static int router_body(const task *t) {
   const router_args *a = (const router_args *)t;
   /* Scratch is taken here, not at submission, so that layers queued ahead do not all hold it. */
-  float *wr = tdm__malloc((size_t)a->E * a->H * sizeof *wr);
-  float *logits = tdm__malloc((size_t)a->T * a->E * sizeof *logits);
+  float *wr = host_alloc((size_t)a->E * a->H * sizeof *wr);
+  float *logits = host_alloc((size_t)a->T * a->E * sizeof *logits);
   if (!wr || !logits) {
     free(wr);
     free(logits);
@@ -248,7 +251,7 @@ static int router_body(const task *t) {
   return 0;
 }
 
-static int cpu_router(void *st, tdm_queue *q, const float *x, const moe_bf16 *wr,
+static int cpu_router(void *st, tdm_queue *q, const float *x, const tdm_moe_bf16 *wr,
                       const float *bias, int T, int H, int E, int k, int renorm, int32_t *idx,
                       float *weights) {
   int rc = check_state(st, q, "router");
@@ -266,7 +269,7 @@ static int cpu_router(void *st, tdm_queue *q, const float *x, const moe_bf16 *wr
 /* ---- expert ------------------------------------------------------------------------------ */
 
 /* Workspace layout, each region starting on a 256-byte boundary, all within
- * moe_ops_workspace(n, H, I): the expert's weights in f32 [Wg | Wu | Wd] (3HI), the gathered
+ * tdm_moe_ops_workspace(n, H, I): the expert's weights in f32 [Wg | Wu | Wd] (3HI), the gathered
  * rows (n x H, reused for the output rows), then gate|up side by side (n x 2I), h = silu(gate)
  * * up overwriting the gate half. */
 static size_t round256(size_t b) { return (b + 255) / 256 * 256; }
@@ -276,7 +279,7 @@ typedef struct expert_args {
   const float *x;
   const int32_t *rows, *slot;
   int n, H, I;
-  const moe_bf16 *w;
+  const tdm_moe_bf16 *w;
   float *out;
   float *ws;
   size_t x_rows, out_rows; /* bounds of x and out, from tdm_mem_query */
@@ -314,16 +317,16 @@ static int expert_body(const task *t) {
 }
 
 static int cpu_expert(void *st, tdm_queue *q, const float *x, const int32_t *rows,
-                      const int32_t *slot, int n, const moe_bf16 *w, int H, int I, float *out,
+                      const int32_t *slot, int n, const tdm_moe_bf16 *w, int H, int I, float *out,
                       void *workspace, size_t workspace_bytes) {
   int rc = check_state(st, q, "expert");
   if (rc) return rc;
   if (!x || !rows || !slot || !w || !out || n < 0 || H <= 0 || I <= 0) return bad_args("expert");
   if (n == 0) return 0;
-  size_t need = moe_ops_workspace(n, H, I);
+  size_t need = tdm_moe_ops_workspace(n, H, I);
   if (!workspace || need == 0 || workspace_bytes < need ||
       (uintptr_t)workspace % sizeof(float))
-    return tdm__error(TDM_EINVAL, 0,
+    return tdm_set_error(TDM_EINVAL, 0,
                       "moe expert: workspace %p of %zu bytes; n=%d H=%d I=%d need %zu, aligned",
                       workspace, workspace_bytes, n, H, I, need);
   expert_args *a = task_alloc(sizeof *a, "expert");
@@ -371,7 +374,7 @@ static int cpu_combine(void *st, tdm_queue *q, float *y, const float *out, const
   return task_submit(q, &a->t);
 }
 
-const moe_ops moe_ops_cpu = {
+const tdm_moe_ops tdm_moe__cpu_ops = {
     .name = "cpu",
     .open = cpu_open,
     .close = cpu_close,

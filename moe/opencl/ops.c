@@ -1,14 +1,15 @@
-/* moe_ops.c: the OpenCL backend's MoE operations (the moe_ops table of src/moe/ops.h), with
- * kernels of our own and CLBlast's SGEMM.
+/* opencl/ops.c: the OpenCL backend's MoE operations (tdm_moe__opencl_ops, a table of
+ * tandem/moe_ops.h), with kernels of our own and CLBlast's SGEMM.
  *
  * Everything is enqueued on the queue's cl_command_queue (tdm_queue_native): ordinary native
  * commands, so tandem's markers and syncs cover them. Every kernel argument is a (cl_mem,
  * offset in elements) pair resolved from a tandem pointer with tdm_mem_native. Compute is f32
  * (OpenCL 1.2 has no bf16, and PoCL no fp16): the expert's bf16 weights are widened into the
  * workspace, then CLBlastSgemm does gate|up (Wg and Wu are adjacent: one GEMM of width 2I, as
- * in the CPU table) and down. The program is built once per context, by the first open(), and
- * kept in the device (ocl_device.moe_prog); a build failure keeps its log there for the
- * message.
+ * in the CPU table) and down. Each open() builds the program for its queue's device (drivers
+ * keep a cache of built binaries, PoCL on disk, so a model's later opens are cheap) and a
+ * build failure quotes the build log. Only tandem's public API and its OpenCL interop
+ * (tandem/opencl.h) are used: the context is tdm_device_native's, the device the queue's.
  *
  * Determinism: no atomics; every sum has a fixed order that does not depend on how work-items
  * are scheduled: rmsnorm is a fixed tree in one work-group per token, a router logit is one
@@ -16,48 +17,33 @@
  * their tiling from (device, m, n, k), so for fixed shapes its reduction order is fixed too.
  *
  * Deferral. On drivers where tandem gates host work on the host (TANDEM_OPENCL_DEFER, PoCL's
- * basic driver), a host task holds the later commands of its queue on the host, unsubmitted,
- * and native work enqueued meanwhile would overtake them. So when the queue has such held
- * work, an op is itself submitted as a host task that enqueues its commands when it runs
- * (in-order queues only, which open() requires). Otherwise ops enqueue directly and never
- * block the caller.
+ * basic driver: TDM_DEVICE_CAP_HOST_DEFERRAL), a host task holds the later commands of its
+ * queue on the host, unsubmitted, and native work enqueued meanwhile would overtake them. So,
+ * as tandem/opencl.h advises, when the queue has such held work, an op is itself submitted as
+ * a host task that enqueues its commands when it runs (in-order queues only, which open()
+ * requires). Otherwise ops enqueue directly and never block the caller.
  *
- * Errors: 0 or a negative TDM_E* code with tandem's message set: TDM_EINVAL for arguments,
- * TDM_ERANGE for a buffer too small, TDM_ENOMEM when OpenCL or CLBlast ran out of memory,
- * TDM_EBACKEND for any other OpenCL or CLBlast failure. Indices are device data written by
- * earlier commands: a row outside x gathers zeros and a slot outside out is not written (a
- * kernel cannot report TDM_ERANGE as the CPU table does), as in the CUDA table. */
+ * Errors: 0 or a negative TDM_E* code with tandem's message set (tdm_set_error): TDM_EINVAL
+ * for arguments, TDM_ERANGE for a buffer too small, TDM_ENOMEM when OpenCL or CLBlast ran out
+ * of memory, TDM_EBACKEND for any other OpenCL or CLBlast failure. Indices are device data
+ * written by earlier commands: a row outside x gathers zeros and a slot outside out is not
+ * written (a kernel cannot report TDM_ERANGE as the CPU table does), as in the CUDA table. */
 #include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "ocl.h" /* first: it fixes CL_TARGET_OPENCL_VERSION */
-
+/* OpenCL 1.2, as tandem's backend: the same entry points on every ICD loader. */
+#define CL_TARGET_OPENCL_VERSION 120
+#include <CL/cl.h>
 #include <clblast_c.h>
 
-#include "moe/ops.h"
-
-/* The public calls made here are weak references, as in the CUDA module: where libtandem's
- * symbols are not visible to this module, only these ops are missing (open: TDM_ENOTSUP). */
-#define MOE_WEAK extern __attribute__((weak))
-MOE_WEAK int tdm_queue_device(tdm_queue *q, tdm_device **dev);
-MOE_WEAK int tdm_queue_flags(tdm_queue *q, unsigned *flags);
-MOE_WEAK int tdm_queue_native(tdm_queue *q, void **native);
-MOE_WEAK int tdm_device_info_get(tdm_device *dev, tdm_device_info *info);
-MOE_WEAK int tdm_mem_query(const void *ptr, tdm_mem_info *info);
-MOE_WEAK int tdm_mem_native(const void *ptr, void **native, size_t *offset);
-MOE_WEAK int tdm_host_task(tdm_queue *q, tdm_host_fn fn, void *arg, size_t ndeps,
-                           tdm_event *const *deps, tdm_event **out);
-MOE_WEAK int tdm_keep_alive(tdm_queue *q, void (*release)(void *obj), void *obj);
-MOE_WEAK int tdm_queue_dependencies(tdm_queue *q, tdm_event **deps, size_t cap, size_t *n);
-MOE_WEAK int tdm_event_query(tdm_event *ev);
-MOE_WEAK int tdm_event_release(tdm_event *ev);
-MOE_WEAK int tdm_event_native(tdm_event *ev, void **native);
-MOE_WEAK size_t moe_ops_workspace(int n, int H, int I);
+#include "ops.h" /* moe/ops.h */
+#include "tandem/opencl.h"
 
 #define MOE_WG_MAX 256 /* work-group size ceiling: the largest power of two the device takes */
 
@@ -200,6 +186,8 @@ typedef struct moe_ocl {
   bool defer;           /* the device gates host work on the host (see Deferral) */
   size_t wg;            /* the work-group size the program was built for */
   cl_ulong router_local; /* local memory the router's two arrays may take */
+  cl_device_id id;      /* the queue's device */
+  cl_program prog;      /* the kernels' program, built by open() */
   cl_kernel k[K_COUNT];
   pthread_mutex_t mu;   /* kernel arguments: set and enqueued under it */
   atomic_int refs;      /* open()'s, and one per op submitted as a host task */
@@ -209,6 +197,7 @@ static void state_drop(moe_ocl *m) {
   if (atomic_fetch_sub(&m->refs, 1) != 1) return;
   for (int i = 0; i < K_COUNT; i++)
     if (m->k[i]) clReleaseKernel(m->k[i]);
+  if (m->prog) clReleaseProgram(m->prog);
   if (m->cq) clReleaseCommandQueue(m->cq);
   pthread_mutex_destroy(&m->mu);
   free(m);
@@ -222,18 +211,18 @@ static int alloc_failure(cl_int err) {
 }
 
 static int cl_fail(const char *op, const char *what, cl_int err) {
-  return ocl_svc->error(alloc_failure(err) ? TDM_ENOMEM : TDM_EBACKEND, err,
+  return tdm_set_error(alloc_failure(err) ? TDM_ENOMEM : TDM_EBACKEND, err,
                         "moe %s: %s failed with OpenCL error %d", op, what, err);
 }
 
 /* CLBlast's statuses are OpenCL's where they overlap (-4, -5, -6 are the allocation ones). */
 static int blast_fail(const char *op, const char *what, CLBlastStatusCode st) {
-  return ocl_svc->error(alloc_failure((cl_int)st) ? TDM_ENOMEM : TDM_EBACKEND, (int)st,
+  return tdm_set_error(alloc_failure((cl_int)st) ? TDM_ENOMEM : TDM_EBACKEND, (int)st,
                         "moe %s: %s failed with CLBlast status %d", op, what, (int)st);
 }
 
 static int bad_args(const char *op) {
-  return ocl_svc->error(TDM_EINVAL, 0, "moe %s: NULL pointer or size out of range", op);
+  return tdm_set_error(TDM_EINVAL, 0, "moe %s: NULL pointer or size out of range", op);
 }
 
 /* ---- arguments ---- */
@@ -254,15 +243,15 @@ static int resolve(moe_ocl *m, const char *op, const char *name, const void *p, 
   int rc = tdm_mem_query(p, &mi);
   if (rc) return rc;
   if (!mi.base || mi.kind != TDM_MEM_DEVICE || mi.device != m->dev)
-    return ocl_svc->error(TDM_EINVAL, 0, "moe %s: %s (%p) is not device memory of this queue's "
+    return tdm_set_error(TDM_EINVAL, 0, "moe %s: %s (%p) is not device memory of this queue's "
                           "device", op, name, p);
   size_t left = (size_t)((const char *)mi.base + mi.size - (const char *)p) / size;
   if (count > left)
-    return ocl_svc->error(TDM_ERANGE, 0, "moe %s: %s needs %zu elements, its allocation has %zu "
+    return tdm_set_error(TDM_ERANGE, 0, "moe %s: %s needs %zu elements, its allocation has %zu "
                           "from there", op, name, count, left);
   if ((rc = tdm_mem_native(p, &mem, &off))) return rc;
   if (off % size)
-    return ocl_svc->error(TDM_EINVAL, 0, "moe %s: %s is not aligned to %zu bytes", op, name, size);
+    return tdm_set_error(TDM_EINVAL, 0, "moe %s: %s is not aligned to %zu bytes", op, name, size);
   out->mem = mem;
   out->off = off / size;
   if (avail) *avail = left;
@@ -415,7 +404,7 @@ static bool held_work(moe_ocl *m) {
   for (size_t i = 0; i < n; i++) {
     void *native = NULL;
     if (!held && tdm_event_query(deps[i]) == TDM_EAGAIN &&
-        (!tdm_event_native || tdm_event_native(deps[i], &native) != 0))
+        tdm_event_native(deps[i], &native) != 0)
       held = true;
     tdm_event_release(deps[i]);
   }
@@ -457,7 +446,7 @@ static int submit(moe_ocl *m, const job *j) {
     return rc;
   }
   held_job *h = malloc(sizeof *h);
-  if (!h) return ocl_svc->error(TDM_ENOMEM, 0, "moe: no host memory for a deferred op");
+  if (!h) return tdm_set_error(TDM_ENOMEM, 0, "moe: no host memory for a deferred op");
   h->j = *j;
   h->m = m;
   atomic_init(&h->refs, 2);
@@ -474,7 +463,7 @@ static int submit(moe_ocl *m, const job *j) {
 
 static int check_state(moe_ocl *m, tdm_queue *q, const char *op) {
   if (m && q && m->q == q) return 0;
-  return ocl_svc->error(TDM_EINVAL, 0, "moe %s: the state was not opened on this queue", op);
+  return tdm_set_error(TDM_EINVAL, 0, "moe %s: the state was not opened on this queue", op);
 }
 
 /* ---- the table's entries ---- */
@@ -496,7 +485,7 @@ static int ocl_moe_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, con
   return submit(m, &j);
 }
 
-static int ocl_moe_router(void *st, tdm_queue *q, const float *x, const moe_bf16 *wr,
+static int ocl_moe_router(void *st, tdm_queue *q, const float *x, const tdm_moe_bf16 *wr,
                           const float *bias, int T, int H, int E, int k, int renorm, int32_t *idx,
                           float *weights) {
   moe_ocl *m = st;
@@ -506,7 +495,7 @@ static int ocl_moe_router(void *st, tdm_queue *q, const float *x, const moe_bf16
     return bad_args("router");
   if (T == 0) return 0;
   if ((cl_ulong)E * (sizeof(cl_float) + 1) > m->router_local)
-    return ocl_svc->error(TDM_EINVAL, 0, "moe router: %d experts need more local memory than "
+    return tdm_set_error(TDM_EINVAL, 0, "moe router: %d experts need more local memory than "
                           "the device's %llu bytes", E, (unsigned long long)m->router_local);
   job j = {.run = run_router,
            .u.router = {.T = T, .H = H, .E = E, .k = k, .renorm = renorm != 0,
@@ -514,7 +503,7 @@ static int ocl_moe_router(void *st, tdm_queue *q, const float *x, const moe_bf16
   router_job *a = &j.u.router;
   size_t Tk = (size_t)T * k;
   if ((rc = resolve(m, "router", "x", x, (size_t)T * H, sizeof(float), &a->x, NULL)) ||
-      (rc = resolve(m, "router", "wr", wr, (size_t)E * H, sizeof(moe_bf16), &a->wr, NULL)) ||
+      (rc = resolve(m, "router", "wr", wr, (size_t)E * H, sizeof(tdm_moe_bf16), &a->wr, NULL)) ||
       (bias && (rc = resolve(m, "router", "bias", bias, (size_t)E, sizeof(float), &a->bias,
                              NULL))) ||
       (rc = resolve(m, "router", "idx", idx, Tk, sizeof(int32_t), &a->idx, NULL)) ||
@@ -524,23 +513,23 @@ static int ocl_moe_router(void *st, tdm_queue *q, const float *x, const moe_bf16
 }
 
 /* Workspace layout, as the CPU table's, each region on a 256-byte boundary within
- * moe_ops_workspace(n, H, I): the weights in f32 [Wg | Wu | Wd] (3HI), the gathered rows
+ * tdm_moe_ops_workspace(n, H, I): the weights in f32 [Wg | Wu | Wd] (3HI), the gathered rows
  * (n x H, reused for the output rows), then gate|up side by side (n x 2I), h = silu(gate) *
  * up overwriting the gate half. */
 static size_t round256(size_t b) { return (b + 255) / 256 * 256; }
 
 static int ocl_moe_expert(void *st, tdm_queue *q, const float *x, const int32_t *rows,
-                          const int32_t *slot, int n, const moe_bf16 *w, int H, int I, float *out,
-                          void *workspace, size_t workspace_bytes) {
+                          const int32_t *slot, int n, const tdm_moe_bf16 *w, int H, int I,
+                          float *out, void *workspace, size_t workspace_bytes) {
   moe_ocl *m = st;
   int rc = check_state(m, q, "expert");
   if (rc) return rc;
   if (!x || !rows || !slot || !w || !out || n < 0 || H <= 0 || I <= 0 || I > INT_MAX / 2)
     return bad_args("expert");
   if (n == 0) return 0;
-  size_t need = moe_ops_workspace(n, H, I);
+  size_t need = tdm_moe__workspace(n, H, I);
   if (!workspace || need == 0 || workspace_bytes < need || (uintptr_t)workspace % sizeof(float))
-    return ocl_svc->error(TDM_EINVAL, 0,
+    return tdm_set_error(TDM_EINVAL, 0,
                           "moe expert: workspace %p of %zu bytes; n=%d H=%d I=%d need %zu, "
                           "aligned", workspace, workspace_bytes, n, H, I, need);
   job j = {.run = run_expert, .u.expert = {.n = n, .H = H, .I = I}};
@@ -551,14 +540,14 @@ static int ocl_moe_expert(void *st, tdm_queue *q, const float *x, const int32_t 
   if ((rc = resolve(m, "expert", "x", x, sH, sizeof(float), &a->x, &x_avail)) ||
       (rc = resolve(m, "expert", "rows", rows, sn, sizeof(int32_t), &a->rows, NULL)) ||
       (rc = resolve(m, "expert", "slot", slot, sn, sizeof(int32_t), &a->slot, NULL)) ||
-      (rc = resolve(m, "expert", "w", w, 3 * sH * sI, sizeof(moe_bf16), &a->w, NULL)) ||
+      (rc = resolve(m, "expert", "w", w, 3 * sH * sI, sizeof(tdm_moe_bf16), &a->w, NULL)) ||
       (rc = resolve(m, "expert", "out", out, sH, sizeof(float), &a->out, &out_avail)) ||
       (rc = resolve(m, "expert", "workspace", workspace, need / sizeof(float), sizeof(float),
                     &ws, NULL)))
     return rc;
   /* CLBlast's single-kernel GEMM takes offsets as int. */
   if (ws.off + need / sizeof(float) > INT_MAX)
-    return ocl_svc->error(TDM_EINVAL, 0, "moe expert: the workspace lies beyond 8 GiB into its "
+    return tdm_set_error(TDM_EINVAL, 0, "moe expert: the workspace lies beyond 8 GiB into its "
                           "buffer, where CLBlast cannot address it");
   size_t xo = round256(3 * sH * sI * sizeof(float)) / sizeof(float);
   size_t gu = xo + round256(sn * sH * sizeof(float)) / sizeof(float);
@@ -590,19 +579,17 @@ static int ocl_moe_combine(void *st, tdm_queue *q, float *y, const float *out,
 
 /* ---- open / close ---- */
 
-static pthread_mutex_t build_mu = PTHREAD_MUTEX_INITIALIZER;
-
 /* The largest power of two, at most MOE_WG_MAX, that the device takes as a work-group. */
-static int pick_wg(ocl_device *d, size_t *wg) {
+static int pick_wg(cl_device_id id, size_t *wg) {
   size_t dev_max = 0, items[64], items_size = 0;
-  cl_int err = clGetDeviceInfo(d->id, CL_DEVICE_MAX_WORK_GROUP_SIZE, sizeof dev_max, &dev_max,
+  cl_int err = clGetDeviceInfo(id, CL_DEVICE_MAX_WORK_GROUP_SIZE, sizeof dev_max, &dev_max,
                                NULL);
   if (err == CL_SUCCESS)
-    err = clGetDeviceInfo(d->id, CL_DEVICE_MAX_WORK_ITEM_SIZES, 0, NULL, &items_size);
+    err = clGetDeviceInfo(id, CL_DEVICE_MAX_WORK_ITEM_SIZES, 0, NULL, &items_size);
   if (err == CL_SUCCESS && (items_size < sizeof items[0] || items_size > sizeof items))
     err = CL_INVALID_VALUE;
   if (err == CL_SUCCESS)
-    err = clGetDeviceInfo(d->id, CL_DEVICE_MAX_WORK_ITEM_SIZES, items_size, items, NULL);
+    err = clGetDeviceInfo(id, CL_DEVICE_MAX_WORK_ITEM_SIZES, items_size, items, NULL);
   if (err != CL_SUCCESS) return cl_fail("open", "clGetDeviceInfo (work-group sizes)", err);
   size_t cap = MOE_WG_MAX < dev_max ? MOE_WG_MAX : dev_max;
   if (items[0] < cap) cap = items[0];
@@ -611,113 +598,92 @@ static int pick_wg(ocl_device *d, size_t *wg) {
   return 0;
 }
 
-static int build_failed(ocl_device *d) {
-  return ocl_svc->error(TDM_EBACKEND, CL_BUILD_PROGRAM_FAILURE,
-                        "moe open: the kernels do not build on %s: %.300s", d->name, d->moe_log);
+/* A failed build's message quotes the start of the driver's log. */
+static int build_failed(cl_program prog, cl_device_id id, const char *name) {
+  char log[301] = "";
+  size_t len = 0;
+  if (clGetProgramBuildInfo(prog, id, CL_PROGRAM_BUILD_LOG, sizeof log - 1, log, &len) !=
+      CL_SUCCESS)
+    log[0] = '\0';
+  return tdm_set_error(TDM_EBACKEND, CL_BUILD_PROGRAM_FAILURE,
+                       "moe open: the kernels do not build on %s: %.300s", name, log);
 }
 
-/* The device's program, built by the first caller; a build failure is kept with its log. */
-static int device_program(ocl_device *d) {
-  if (d->moe_prog) return 0;
-  if (d->moe_log) return build_failed(d);
-  size_t wg = 0;
-  int rc = pick_wg(d, &wg);
+/* The kernels' program for m's device, built for work-groups of m->wg. */
+static int build_program(moe_ocl *m, cl_context ctx, const char *name) {
+  int rc = pick_wg(m->id, &m->wg);
   if (rc) return rc;
   char opts[64];
-  snprintf(opts, sizeof opts, "-DMOE_WG=%zu", wg);
+  snprintf(opts, sizeof opts, "-DMOE_WG=%zu", m->wg);
   const char *src = moe_cl_source;
   cl_int err;
-  cl_program prog = clCreateProgramWithSource(d->ctx, 1, &src, NULL, &err);
-  if (!prog) return cl_fail("open", "clCreateProgramWithSource", err);
-  err = clBuildProgram(prog, 1, &d->id, opts, NULL, NULL);
-  if (err == CL_SUCCESS) {
-    d->moe_prog = prog;
-    d->moe_wg = wg;
-    return 0;
-  }
-  if (err == CL_BUILD_PROGRAM_FAILURE) {
-    size_t len = 0;
-    clGetProgramBuildInfo(prog, d->id, CL_PROGRAM_BUILD_LOG, 0, NULL, &len);
-    char *log = malloc(len + 1);
-    if (log) {
-      if (clGetProgramBuildInfo(prog, d->id, CL_PROGRAM_BUILD_LOG, len, log, NULL) != CL_SUCCESS)
-        len = 0;
-      log[len] = '\0';
-      d->moe_log = log;
-    }
-  }
-  clReleaseProgram(prog);
-  return d->moe_log ? build_failed(d) : cl_fail("open", "clBuildProgram", err);
+  m->prog = clCreateProgramWithSource(ctx, 1, &src, NULL, &err);
+  if (!m->prog) return cl_fail("open", "clCreateProgramWithSource", err);
+  err = clBuildProgram(m->prog, 1, &m->id, opts, NULL, NULL);
+  if (err == CL_BUILD_PROGRAM_FAILURE) return build_failed(m->prog, m->id, name);
+  return err == CL_SUCCESS ? 0 : cl_fail("open", "clBuildProgram", err);
 }
 
 /* Kernels of its own (their arguments are per state), and the limits they run under. */
-static int make_kernels(moe_ocl *m, ocl_device *d) {
+static int make_kernels(moe_ocl *m, const char *name) {
   cl_int err;
   for (int i = 0; i < K_COUNT; i++) {
-    m->k[i] = clCreateKernel(d->moe_prog, kernel_names[i], &err);
+    m->k[i] = clCreateKernel(m->prog, kernel_names[i], &err);
     if (!m->k[i]) return cl_fail("open", "clCreateKernel", err);
     size_t kwg = 0;
-    err = clGetKernelWorkGroupInfo(m->k[i], d->id, CL_KERNEL_WORK_GROUP_SIZE, sizeof kwg, &kwg,
+    err = clGetKernelWorkGroupInfo(m->k[i], m->id, CL_KERNEL_WORK_GROUP_SIZE, sizeof kwg, &kwg,
                                    NULL);
     if (err != CL_SUCCESS) return cl_fail("open", "clGetKernelWorkGroupInfo", err);
     if (kwg < m->wg)
-      return ocl_svc->error(TDM_ENOTSUP, 0, "moe open: %s runs work-groups of %zu on %s, not "
-                            "%zu", kernel_names[i], kwg, d->name, m->wg);
+      return tdm_set_error(TDM_ENOTSUP, 0, "moe open: %s runs work-groups of %zu on %s, not "
+                           "%zu", kernel_names[i], kwg, name, m->wg);
   }
   cl_ulong dev_local = 0, used = 0;
-  err = clGetDeviceInfo(d->id, CL_DEVICE_LOCAL_MEM_SIZE, sizeof dev_local, &dev_local, NULL);
+  err = clGetDeviceInfo(m->id, CL_DEVICE_LOCAL_MEM_SIZE, sizeof dev_local, &dev_local, NULL);
   if (err == CL_SUCCESS)
-    err = clGetKernelWorkGroupInfo(m->k[K_ROUTER], d->id, CL_KERNEL_LOCAL_MEM_SIZE, sizeof used,
+    err = clGetKernelWorkGroupInfo(m->k[K_ROUTER], m->id, CL_KERNEL_LOCAL_MEM_SIZE, sizeof used,
                                    &used, NULL);
   if (err != CL_SUCCESS) return cl_fail("open", "local memory query", err);
   m->router_local = dev_local > used ? dev_local - used : 0;
   return 0;
 }
 
+/* The native queue (retained), its device, the program and the kernels. */
+static int state_setup(moe_ocl *m, cl_command_queue cq, cl_context ctx, const char *name) {
+  cl_int err = clRetainCommandQueue(cq);
+  if (err != CL_SUCCESS) return cl_fail("open", "clRetainCommandQueue", err);
+  m->cq = cq;
+  err = clGetCommandQueueInfo(cq, CL_QUEUE_DEVICE, sizeof m->id, &m->id, NULL);
+  if (err != CL_SUCCESS) return cl_fail("open", "clGetCommandQueueInfo (device)", err);
+  int rc = build_program(m, ctx, name);
+  return rc ? rc : make_kernels(m, name);
+}
+
 /* Only in-order queues of OpenCL devices: the ops take no dependency lists. */
 static int ocl_moe_open(tdm_queue *q, void **state) {
-  if (!q || !state) return ocl_svc->error(TDM_EINVAL, 0, "moe open: NULL argument");
-  if (!tdm_queue_device || !tdm_queue_flags || !tdm_queue_native || !tdm_device_info_get ||
-      !tdm_mem_query || !tdm_mem_native || !tdm_host_task || !tdm_keep_alive ||
-      !tdm_queue_dependencies || !tdm_event_query || !tdm_event_release || !moe_ops_workspace)
-    return ocl_svc->error(TDM_ENOTSUP, 0, "moe open: libtandem's API is not visible to the "
-                          "OpenCL module");
+  if (!q || !state) return tdm_set_error(TDM_EINVAL, 0, "moe open: NULL argument");
   tdm_device *dev;
   tdm_device_info info;
   unsigned flags;
-  void *native;
+  void *native, *ctx;
   int rc;
   if ((rc = tdm_queue_device(q, &dev)) || (rc = tdm_device_info_get(dev, &info)) ||
       (rc = tdm_queue_flags(q, &flags)))
     return rc;
-  if (strcmp(info.backend, "opencl") != 0 || info.backend_index < 0 ||
-      info.backend_index >= ocl_ndevs)
-    return ocl_svc->error(TDM_ENOTSUP, 0, "moe open: %s is not an OpenCL device", info.id);
+  if (strcmp(info.backend, "opencl") != 0)
+    return tdm_set_error(TDM_ENOTSUP, 0, "moe open: %s is not an OpenCL device", info.id);
   if (flags & TDM_QUEUE_OUT_OF_ORDER)
-    return ocl_svc->error(TDM_EINVAL, 0, "moe open: the ops need an in-order queue");
-  if ((rc = tdm_queue_native(q, &native))) return rc;
-  ocl_device *d = &ocl_devs[info.backend_index];
-
-  pthread_mutex_lock(&build_mu);
-  rc = device_program(d);
-  pthread_mutex_unlock(&build_mu);
-  if (rc) return rc;
+    return tdm_set_error(TDM_EINVAL, 0, "moe open: the ops need an in-order queue");
+  if ((rc = tdm_queue_native(q, &native)) || (rc = tdm_device_native(dev, &ctx))) return rc;
 
   moe_ocl *m = calloc(1, sizeof *m);
-  if (!m) return ocl_svc->error(TDM_ENOMEM, 0, "moe open: no host memory");
+  if (!m) return tdm_set_error(TDM_ENOMEM, 0, "moe open: no host memory");
   m->q = q;
   m->dev = dev;
-  m->defer = d->defer;
-  m->wg = d->moe_wg;
+  m->defer = (info.caps & TDM_DEVICE_CAP_HOST_DEFERRAL) != 0;
   pthread_mutex_init(&m->mu, NULL);
   atomic_init(&m->refs, 1);
-  cl_int err = clRetainCommandQueue((cl_command_queue)native);
-  if (err != CL_SUCCESS) {
-    state_drop(m);
-    return cl_fail("open", "clRetainCommandQueue", err);
-  }
-  m->cq = native;
-  if ((rc = make_kernels(m, d))) {
+  if ((rc = state_setup(m, (cl_command_queue)native, (cl_context)ctx, info.name))) {
     state_drop(m);
     return rc;
   }
@@ -735,7 +701,7 @@ static void ocl_moe_close(void *state) {
   state_drop(m);
 }
 
-const moe_ops moe_ops_opencl = {
+const tdm_moe_ops tdm_moe__opencl_ops = {
     .name = "opencl",
     .open = ocl_moe_open,
     .close = ocl_moe_close,
@@ -745,7 +711,7 @@ const moe_ops moe_ops_opencl = {
     .combine = ocl_moe_combine,
 };
 
-/* The backend table's extension entry: "moe-ops" is the table above. */
-const void *tdm_opencl_extension(const char *name) {
-  return name && strcmp(name, "moe-ops") == 0 ? &moe_ops_opencl : NULL;
+/* The entry libtandem_moe looks up when it loads this module (libtandem_moe-opencl.so). */
+__attribute__((visibility("default"))) const tdm_moe_ops *tdm_moe_ops_module(int abi) {
+  return abi == TDM_MOE__OPS_ABI ? &tdm_moe__opencl_ops : NULL;
 }

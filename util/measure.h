@@ -1,12 +1,13 @@
-/* benchutil.h: the small pieces every tandem benchmark shares (bench/bench-runtime.c and the
- * tool's `tandem bench overlap`): a monotonic clock, the median, and what result files carry:
- * the command, the commit, the machine and the date, written with the JSON writer of json.h.
+/* measure.h: the small pieces every tandem measurement shares (the benchmarks of bench/ and the
+ * tool's `tandem bench overlap` and `tandem moe`): a monotonic clock, the median, and what
+ * result files carry: the command, the commit, the machine and the date, written with the JSON
+ * writer of json.h. Not part of any library: a helper of the programs in bench/ and tools/.
  *
- * Static inline, apart from json.c (the library benchutil: link it). Needs _GNU_SOURCE (the
+ * Static inline, apart from json.c (the library tandem-util: link it). Needs _GNU_SOURCE (the
  * build defines it) for gethostname and gmtime_r.
  */
-#ifndef TANDEM_BENCHUTIL_H
-#define TANDEM_BENCHUTIL_H
+#ifndef TANDEM_UTIL_MEASURE_H
+#define TANDEM_UTIL_MEASURE_H
 
 #include <errno.h>
 #include <stdio.h>
@@ -176,4 +177,4 @@ static inline int bu_json_close(bu_json *j, const char *prog, const char *path) 
   return 0;
 }
 
-#endif /* TANDEM_BENCHUTIL_H */
+#endif /* TANDEM_UTIL_MEASURE_H */

@@ -1,0 +1,91 @@
+/* tandem/moe_ops.h: the compute operations of tandem's MoE library (libtandem_moe), one table
+ * per backend: RMSNorm, the router's softmax top-k, one SwiGLU expert on gathered tokens, and
+ * the weighted combine. The forward pass of tandem/moe.h is made of them; a program that runs
+ * its own MoE layers on tandem queues can call them too (the benchmarks and tests do).
+ *
+ * Each operation is submitted to a tandem queue in stream order (never blocking the caller)
+ * and takes tandem pointers (device memory of the queue's device, unless said otherwise).
+ *
+ * Data: activations are f32 [T x H] row-major; expert weights are bf16 (uint16_t holding the
+ * top half of an f32) laid out per expert as [Wg (I x H) | Wu (I x H) | Wd (H x I)], each
+ * row-major, so gate = x Wg^T, up = x Wu^T, out = (silu(gate) * up) Wd^T. Router weights are
+ * bf16 [E x H]. Reductions are deterministic: no atomics; every sum has a fixed order, so a
+ * run is bitwise repeatable on one backend.
+ *
+ * Every entry returns 0 or a negative TDM_E* code, with tdm_last_error() set. Scratch memory
+ * an op needs comes from tdm_moe_ops_workspace(). */
+#ifndef TANDEM_MOE_OPS_H
+#define TANDEM_MOE_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../tandem.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef uint16_t tdm_moe_bf16;
+
+/* bf16 <-> f32 on the host (round to nearest even; NaN stays NaN). */
+static inline float tdm_moe_bf16_to_f32(tdm_moe_bf16 h) {
+  union { uint32_t u; float f; } v;
+  v.u = (uint32_t)h << 16;
+  return v.f;
+}
+static inline tdm_moe_bf16 tdm_moe_f32_to_bf16(float f) {
+  union { float f; uint32_t u; } v;
+  v.f = f;
+  if ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x7fffffu))
+    return (tdm_moe_bf16)((v.u >> 16) | 0x40);
+  return (tdm_moe_bf16)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+typedef struct tdm_moe_ops {
+  const char *name; /* "cpu", "cuda", "opencl" */
+
+  /* Per-queue state (BLAS handles bound to the queue's native stream, ...), for one in-order
+   * queue of the table's device; every op is given that queue. close() waits for the queue's
+   * work: call it before destroying the queue, never from a host task on it. */
+  int (*open)(tdm_queue *q, void **state);
+  void (*close)(void *state);
+
+  /* y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, for t < T. w: f32 [H]. */
+  int (*rmsnorm)(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T, int H,
+                 float eps);
+
+  /* Router: logits = x Wr^T + bias (f32 [T x E]; bias f32 [E], device memory, or NULL for
+   * none); p = softmax(logits); the k largest p per token (ties: the lower expert index
+   * first), in descending order, into idx [T x k] (int32) and weights [T x k] (f32) = p / sum
+   * of the k chosen p when renorm, else p. */
+  int (*router)(void *st, tdm_queue *q, const float *x, const tdm_moe_bf16 *wr, const float *bias,
+                int T, int H, int E, int k, int renorm, int32_t *idx, float *weights);
+
+  /* One expert on n gathered tokens: rows[i] (int32, device memory) are token indices into x
+   * [T x H]; w the expert's weights (device memory, bf16, layout above); writes
+   * out[slot[i]] = SwiGLU expert output (f32 [H]) for each i, where slot[i] (int32, device) is
+   * the token's position in the [T*k x H] result buffer. Intermediates live in the workspace
+   * (tdm_moe_ops_workspace(n, H, I) bytes at least). */
+  int (*expert)(void *st, tdm_queue *q, const float *x, const int32_t *rows, const int32_t *slot,
+                int n, const tdm_moe_bf16 *w, int H, int I, float *out, void *workspace,
+                size_t workspace_bytes);
+
+  /* Deterministic combine: y[t] += sum_{j<k} weights[t*k+j] * out[t*k+j], j ascending. */
+  int (*combine)(void *st, tdm_queue *q, float *y, const float *out, const float *weights, int T,
+                 int H, int k);
+} tdm_moe_ops;
+
+/* The table for the device's backend, or NULL (with tdm_last_error() set) when this build of
+ * the library has none for it. Static storage. */
+TDM_API const tdm_moe_ops *tdm_moe_ops_for(tdm_device *dev);
+
+/* Workspace bytes expert() needs for up to n tokens (the same on every backend); 0 when an
+ * argument is not positive or the size does not fit in size_t. */
+TDM_API size_t tdm_moe_ops_workspace(int n, int H, int I);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
