@@ -1,6 +1,9 @@
 /* fault.c: fault injection and live-object counts for tests. Every host allocation of the
- * core and every call through the backend table passes tdm__fault(), so a test can make the
- * Nth one fail and check that the operation fails cleanly. */
+ * core (tdm__malloc, tdm__calloc) and every fallible call through the backend table (the
+ * wrappers of backend.c) passes tdm__fault(), so a test can make the Nth one fail and check
+ * that the operation fails cleanly. Backend entries that cannot fail (the void ones,
+ * native_export, extension, and native_notify, whose declining is a fallback) are not
+ * counted. */
 #include <stdlib.h>
 
 #include "internal.h"
@@ -40,6 +43,7 @@ int tdm__fault(unsigned kind) {
       hit = 1;
       fault_fired = 1;
       atomic_store(&fault_armed, 0);
+      /* Backend faults of either kind (a call's, or a completion's) default to EBACKEND. */
       tls_taken_code = fault_code ? fault_code
                                   : (kind == TDM_FAULT_ALLOC ? TDM_ENOMEM : TDM_EBACKEND);
     }
