@@ -2,7 +2,7 @@
  *
  * A backend (the built-in CPU backend, or a module such as libtandem-cuda.so) fills one
  * tdm__backend with designated initializers. Only src/core/backend.c calls through it (the
- * test suite's core.gateway check holds every other file to that): that is where arguments are
+ * test suite's core.cpu.gateway check holds every other file to that): that is where arguments are
  * validated, missing optional entries fall back, faults are injected and lost devices noted.
  *
  * A module exports `const void *tdm_backend_module(void)` returning its table; the core refuses

@@ -6,7 +6,7 @@
  *   make once a submission has returned, which fail a command rather than a call);
  * - marks the device lost when the backend says TDM_EDEVLOST (tdm__device_note).
  * Wrappers for entries that cannot fail (void ones, native_export, extension) only dispatch.
- * No other file of the core reaches into the table (the test suite's core.gateway check greps
+ * No other file of the core reaches into the table (the test suite's core.cpu.gateway check greps
  * for it). The wrappers on the submission and completion paths add one relaxed atomic load
  * (the fault check) and nothing else: no lock, no allocation. */
 #include <string.h>
