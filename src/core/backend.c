@@ -176,6 +176,8 @@ void tdm__b_native_release(const tdm_device *dev, void *handle) {
 void tdm__b_gate_open(const tdm_device *dev, void *gate) { dev->be->gate_open(gate); }
 
 int tdm__b_native_flush(tdm__queue *q, void **handle) {
+  if (!q->dev->be->native_flush) /* the executor holds commands back only when it has one */
+    return tdm__error(TDM_ENOTSUP, 0, "%s cannot flush its native queue", q->dev->info.id);
   return BCALL(q->dev, TDM_FAULT_NATIVE, q->dev->be->native_flush(q->bq, handle));
 }
 
