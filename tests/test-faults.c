@@ -975,3 +975,50 @@ TEST_CASE(fault_native_completion) {
   free(pageable_back);
   fx_close();
 }
+
+/* ---- Lost devices -------------------------------------------------------------------------
+ * A backend call that reports TDM_EDEVLOST, whether a public call made it (TDM_FAULT_BACKEND)
+ * or tandem's own thread did on completion (TDM_FAULT_NATIVE), marks the device lost: later
+ * calls on it say so, its queue can still be destroyed, and the next init starts afresh. */
+static void device_lost_by(unsigned kind, const char *name) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = NULL, *q2 = SENTINEL_QUEUE;
+  void *d = NULL, *d2 = SENTINEL_PTR;
+  tdm_event *ev = NULL;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, N, &d));
+  CHECK_OK(tdm_fault_inject(kind, 0, TDM_EDEVLOST));
+  int rc = tdm_memset(q, d, PATTERN, N, 0, NULL, &ev);
+  if (rc == 0) {
+    rc = th_event_wait_limited(ev, TH_HANG_MS);
+    CHECK_OK(tdm_event_release(ev));
+  }
+  int fired = tdm_fault_fired();
+  CHECK_OK(tdm_fault_inject(0, -1, 0));
+  if (!fired) {
+    /* Nothing of the kind on this backend (the CPU backend makes no native calls). */
+    CHECK_OK(rc);
+    printf("device lost through %s: no such call on %s\n", name, th_backend_of(dev));
+  } else {
+    CHECK_RC(rc, TDM_EDEVLOST);
+    CHECK_RC(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q2), TDM_EDEVLOST);
+    CHECK(q2 == SENTINEL_QUEUE);
+    CHECK_RC(tdm_malloc(dev, TDM_MEM_DEVICE, N, &d2), TDM_EDEVLOST);
+    CHECK(d2 == SENTINEL_PTR);
+    CHECK_RC(tdm_memset(q, d, 0, N, 0, NULL, NULL), TDM_EDEVLOST);
+    printf("device lost through %s: later calls refused\n", name);
+  }
+  (void)tdm_queue_destroy(q); /* drains; the status may report the loss */
+  CHECK_OK(tdm_free(d));
+  th_close();
+  /* A new context enumerates the device afresh. */
+  dev = th_open();
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+TEST_CASE(fault_device_lost) {
+  device_lost_by(TDM_FAULT_BACKEND, "a submission");
+  device_lost_by(TDM_FAULT_NATIVE, "a completion");
+}
