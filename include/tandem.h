@@ -420,8 +420,12 @@ TDM_API int tdm_current_queue_pop(void);
 /* ---- Testing hooks ---------------------------------------------------------------------- */
 
 enum {
-  TDM_FAULT_ALLOC = 1u << 0,  /* host allocations: tandem's own, and tdm_fault_point()'s */
-  TDM_FAULT_BACKEND = 1u << 1 /* calls through the backend table */
+  TDM_FAULT_ALLOC = 1u << 0,   /* host allocations: tandem's own, and tdm_fault_point()'s */
+  TDM_FAULT_BACKEND = 1u << 1, /* calls through the backend table made by a public call */
+  /* Backend calls tandem's own threads make once a submission has returned (native waits and
+   * flushes, host-side copies): the command fails with the code, the call that submitted it
+   * does not. Apart from TDM_FAULT_BACKEND so that a test of a call's own steps is not hit. */
+  TDM_FAULT_NATIVE = 1u << 2
 };
 
 /* Makes the nth (0-based) matching operation from now fail with `code` (0: TDM_ENOMEM for an

@@ -1,8 +1,9 @@
 /* backend.h: the backend table, the one interface between tandem's core and a backend.
  *
  * A backend (the built-in CPU backend, or a module such as libtandem-cuda.so) fills one
- * tdm__backend with designated initializers. Only src/core/ calls through it: that is where
- * arguments are validated, missing optional entries fall back, and faults are injected.
+ * tdm__backend with designated initializers. Only src/core/backend.c calls through it (the
+ * test suite's core.cpu.gateway check holds every other file to that): that is where arguments are
+ * validated, missing optional entries fall back, faults are injected and lost devices noted.
  *
  * A module exports `const void *tdm_backend_module(void)` returning its table; the core refuses
  * a table whose abi_version differs from TDM__BACKEND_ABI (the first member, so any version's
@@ -29,7 +30,11 @@
 
 #include "tandem.h"
 
-#define TDM__BACKEND_ABI 0x00010005u /* 5: the MoE extension entry is gone */
+/* 0x00010006: mem_alloc and mem_import return a tdm__bmem that the core keeps in its registry
+ * entry; mem_free, mem_native and commands carry it back (tdm__memref), so a backend keeps no
+ * registry of its own; and the MoE extension entry is gone (the MoE operations live in
+ * libtandem_moe, on the public API). */
+#define TDM__BACKEND_ABI 0x00010006u
 
 typedef struct tdm__bqueue tdm__bqueue; /* a backend's queue; opaque to the core */
 /* The core's event and queue objects. The public tdm_event and tdm_queue are handles that the
@@ -61,6 +66,28 @@ enum {
                                       completes with the next handle of the queue */
 };
 
+/* What a backend keeps about one allocation: set by mem_alloc or mem_import, stored in the
+ * core's registry entry for the allocation's life, and handed back with every command and call
+ * on that memory. */
+typedef struct tdm__bmem {
+  void *handle;   /* the backend's object (OpenCL: the cl_mem); NULL where it needs none */
+  unsigned flags; /* TDM__BMEM_*, set by the core */
+} tdm__bmem;
+
+enum {
+  TDM__BMEM_IMPORTED = 1u << 0 /* tdm_mem_import: foreign memory, which tandem never frees */
+};
+
+/* One side of a copy or fill as the core's registry resolved it. Memory of another backend's
+ * device reaches a backend only as host memory (kind TDM_MEM_PINNED, _REGISTERED or 0), with
+ * no handle. */
+typedef struct tdm__memref {
+  tdm_mem_kind kind; /* 0: memory tandem does not know, which is pageable host memory */
+  int bdev;          /* the owning device, within this backend; -1 when there is no handle */
+  tdm__bmem bm;      /* zero unless bdev >= 0 */
+  size_t offset;     /* of the pointer from the start of its allocation */
+} tdm__memref;
+
 typedef struct tdm__cmd tdm__cmd;
 
 /* A continuation run when an event completes, on the completing thread, outside every lock.
@@ -87,12 +114,12 @@ struct tdm__cmd {
   tdm__dep *deps;          /* inline_deps, or heap storage for larger lists */
   tdm__dep inline_deps[TDM__INLINE_DEPS];
   union {
-    /* dkind, skind: the memory's kind as the core's registry knows it; 0 for memory tandem
-     * does not know, which is pageable host memory. */
-    struct { void *dst; const void *src; size_t n; tdm_mem_kind dkind, skind; } copy;
-    struct { void *dst; int value; size_t n; tdm_mem_kind dkind; } fill;
+    /* d, s: the memory as the core's registry knows it, so a backend never looks pointers up
+     * (no registry of its own, no driver queries on this path). */
+    struct { void *dst; const void *src; size_t n; tdm__memref d, s; } copy;
+    struct { void *dst; int value; size_t n; tdm__memref d; } fill;
     struct { tdm_host_fn fn; void *arg; } host;
-    struct { void *ptr; } free_;
+    struct { void *ptr; tdm__memref m; } free_; /* ptr is the allocation's start */
   } u;
   void *wait;              /* native backends: handle native_wait waits for */
   void *gate;              /* native backends, host tasks: handle gate_open releases */
@@ -136,75 +163,105 @@ typedef struct tdm__services {
   bool (*event_imported)(tdm__event *ev);
 } tdm__services;
 
-/* Every entry returns 0 or a TDM_E* code and sets the message through svc->error. "Required"
- * entries are never NULL; the core falls back or returns TDM_ENOTSUP where optional ones are. */
+/* The table. Only src/core/backend.c calls through it, one wrapper (tdm__b_<entry>) per entry:
+ * the wrapper checks optional entries for NULL (falling back, or failing with TDM_ENOTSUP and a
+ * message), lets a test fail the call (tdm_fault_inject: TDM_FAULT_BACKEND for calls a public
+ * call makes, TDM_FAULT_NATIVE for those tandem's threads make after a submission returned),
+ * and marks the device lost when an entry returns TDM_EDEVLOST.
+ *
+ * Every int entry returns 0 or a TDM_E* code and sets the message through svc->error; on
+ * failure it leaves its out-parameters alone and has changed nothing. "Required" entries are
+ * never NULL. Unless an entry says otherwise it may be called from any thread, with no lock of
+ * the core held, and may block briefly (a driver call), never on device work of a queue. */
 typedef struct tdm__backend {
   unsigned abi_version; /* TDM__BACKEND_ABI; must stay the first member */
   const char *name;     /* "cpu", "cuda", "opencl": device ids are "<name>:<index>" */
 
-  /* Required. Called once per context, before anything else; finds the devices. */
+  /* ---- life ---- */
+  /* Required. Called once per context, before anything else, from tdm_init (under the init
+   * lock); finds the devices. On failure the backend is listed as refused and nothing else of
+   * it is called. */
   int (*init)(const tdm__services *svc, int *ndevices);
-  /* Required. Called at the last shutdown after every queue is destroyed; joins threads. */
+  /* Required. Called at the last shutdown, after every queue is destroyed and every
+   * allocation freed; joins the backend's threads. The module is unloaded right after. */
   void (*shutdown)(void);
-  /* Required. Fills everything but index. */
+  /* Required. Called at init for each device; fills everything but the index fields. A
+   * failure refuses the backend (shutdown is then called). */
   int (*device_info)(int bdev, tdm_device_info *info);
+  /* Optional: the address range the device's memory takes its pointers from, when that range
+   * is the backend's own and no host memory lives in it (OpenCL's reserved range). A pointer
+   * in it outside every live allocation is refused instead of being taken as host memory.
+   * Called once, at init, after device_info; a failure refuses the backend. */
+  int (*address_range)(int bdev, uintptr_t *base, size_t *size);
 
+  /* ---- queues ---- */
   /* Required. adopt is NULL for a new queue, else the native queue to wrap (never destroyed
    * by the backend). May block briefly (thread creation); the core holds no lock. */
   int (*queue_create)(int bdev, unsigned flags, void *adopt, tdm__bqueue **out);
-  /* Required. The core has drained the queue; frees it (an adopted native queue survives). */
+  /* Required. The core has drained the queue and stopped its executor; frees it (an adopted
+   * native queue survives). No lock held. */
   void (*queue_destroy)(tdm__bqueue *bq);
-  /* Optional. The native handle for user code; NULL entry: TDM_ENOTSUP. */
+  /* Optional (NULL: TDM_ENOTSUP). The native handle for user code; must not block. */
   int (*queue_native)(tdm__bqueue *bq, void **native);
   /* Required. Takes ownership of cmd on success and must eventually complete it with
    * svc->cmd_done (possibly from another thread, possibly before returning). Called with the
    * queue's submission lock held, so it must not wait for device work or call back into the
-   * public API; on failure it leaves cmd untouched. */
+   * public API; on failure it leaves cmd untouched. Must not allocate in steady state. */
   int (*submit)(tdm__bqueue *bq, tdm__cmd *cmd);
 
-  /* Required. Allocates size bytes of the kind (TDM_MEM_DEVICE, _PINNED or _HOST). */
-  int (*mem_alloc)(int bdev, tdm_mem_kind kind, size_t size, void **ptr);
-  /* Required. Never called while a command may still use the memory. */
-  void (*mem_free)(int bdev, tdm_mem_kind kind, void *ptr);
+  /* ---- memory ----
+   * The core's registry holds every allocation; a backend keeps what it needs about one in the
+   * tdm__bmem it fills, which comes back with every call and command on that memory. */
+  /* Required. Allocates size bytes of the kind (TDM_MEM_DEVICE, _PINNED or _HOST) and sets
+   * bm->handle (bm comes zeroed). */
+  int (*mem_alloc)(int bdev, tdm_mem_kind kind, size_t size, void **ptr, tdm__bmem *bm);
+  /* Required. Frees what mem_alloc or mem_import made (bm as it returned it, with the core's
+   * flags: an import is only forgotten). Never called while a command may still use the
+   * memory; may block (a driver free); no lock of the core held. */
+  void (*mem_free)(int bdev, tdm_mem_kind kind, void *ptr, const tdm__bmem *bm);
   /* Optional. Pins caller memory; a NULL entry means registration is bookkeeping only. */
   int (*host_register)(int bdev, void *ptr, size_t size);
+  /* Optional; called for every successful host_register. */
   void (*host_unregister)(int bdev, void *ptr);
 
-  /* Optional interop entries (NULL: TDM_ENOTSUP). */
+  /* ---- interop (optional; NULL: TDM_ENOTSUP) ---- */
   int (*device_native)(int bdev, void **native);
-  /* The native object and offset for a pointer inside the allocation starting at base. */
-  int (*mem_native)(int bdev, void *base, void *ptr, void **native, size_t *offset);
-  /* Wraps foreign device memory; freed later through mem_free(bdev, TDM_MEM_DEVICE, ptr). */
-  int (*mem_import)(int bdev, void *native, size_t size, void **ptr);
+  /* The native object and offset for ptr, inside the device allocation at base (bm as
+   * mem_alloc or mem_import set it). Must not block. */
+  int (*mem_native)(int bdev, void *base, void *ptr, const tdm__bmem *bm, void **native,
+                    size_t *offset);
+  /* Wraps foreign device memory, setting *ptr and bm->handle; the core flags the entry
+   * TDM__BMEM_IMPORTED, and mem_free later only forgets it. */
+  int (*mem_import)(int bdev, void *native, size_t size, void **ptr, tdm__bmem *bm);
   /* Optional (NULL: TDM_ENOTSUP; needs native_notify). tdm_event_import: turns a native event
    * of the device that other code made into a handle as native_wait, native_notify and
    * native_release take, that completes with the work the native event covers now (not with
    * what other code records into it later). *handle comes with two references: the core
-   * attaches one to the tandem event and waits with the other. Called from any thread, with
-   * no lock of the core held; must not wait for device work. */
+   * attaches one to the tandem event and waits with the other. Must not wait for device
+   * work. */
   int (*event_import)(int bdev, void *native, void **handle);
   /* Optional: the native event user code sees for a handle the backend attached to an event
-   * (tdm_event_native), when that handle is not the native event itself; NULL: the handle. */
+   * (tdm_event_native), when that handle is not the native event itself; NULL: the handle.
+   * Cannot fail; must not block. */
   void *(*native_export)(void *handle);
-  /* Optional: the address range the device's memory takes its pointers from, when that range
-   * is the backend's own and no host memory lives in it (OpenCL's reserved range). A pointer
-   * in it outside every live allocation is refused instead of being taken as host memory.
-   * Called once, at init, after device_info. */
-  int (*address_range)(int bdev, uintptr_t *base, size_t *size);
 
-  /* Native backends only (NULL for host-executed ones). Host tasks, and copies or fills the
-   * backend marks TDM__CMD_ON_HOST, are done by the core on the host once cmd->wait completes;
-   * then the core opens cmd->gate, if the backend set one. */
-  /* Blocks the executor until the handle's work completes; returns 0 or the mapped error and
-   * its native code. Must not call back into the core. */
+  /* ---- native backends only (NULL for host-executed ones) ----
+   * Host tasks, and copies or fills the backend marks TDM__CMD_ON_HOST, are done by the core
+   * on the host once cmd->wait completes; then the core opens cmd->gate, if the backend set
+   * one. */
+  /* Required of native backends: whether a backend is one. Blocks the executor (or a pool
+   * thread) until the handle's work completes; returns 0 or the mapped error and its native
+   * code. Must not call back into the core. */
   int (*native_wait)(void *handle, int *native);
   /* Optional: calls fn(arg) once the handle completes, from any thread, possibly at once in
-   * the caller's. fn only pushes onto a list and wakes a thread. Returns 0 if registered. */
+   * the caller's. fn only pushes onto a list and wakes a thread. Returns 0 if registered;
+   * anything else only declines (a pool thread then waits with native_wait). */
   int (*native_notify)(void *handle, void (*fn)(void *arg), void *arg);
-  /* Releases a handle given in cmd->wait or event_set_native. Never blocks. */
+  /* Required of native backends. Releases a handle given in cmd->wait or event_set_native.
+   * Never blocks; called from any thread, possibly under the queue's submission lock. */
   void (*native_release)(void *handle);
-  /* Lets the native queue run past a host task's gate (called once per gate, by the
-   * executor, after the task ran or was skipped). */
+  /* Required of native backends. Lets the native queue run past a host task's gate (called
+   * once per gate, by the executor, after the task ran or was skipped). Never blocks. */
   void (*gate_open)(void *gate);
   /* Optional: records a native handle covering everything enqueued on the queue so far
    * (quiet commands enqueued without one complete with it); called by the executor with the
@@ -219,7 +276,8 @@ typedef struct tdm__backend {
    * side, device memory on the other), on the executor; returns 0 or a TDM_E* code. It may
    * wait for its own private stream, never for a gated one. NULL: memmove. */
   int (*host_copy)(tdm__cmd *cmd);
-  /* Optional: milliseconds between two native events of timed queues; NULL: host clock. */
+  /* Optional: milliseconds between two native events of timed queues (both complete); NULL:
+   * the host clock's times of completion. */
   int (*event_elapsed)(void *start, void *end, double *ms);
 } tdm__backend;
 

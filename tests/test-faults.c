@@ -1,5 +1,9 @@
-/* test-faults.c: fault injection (cpu:0). Each case loops n = 0, 1, 2, ... making the nth
- * host allocation and/or backend call of one operation fail, until the operation succeeds.
+/* test-faults.c: fault injection (cpu:0, opencl:0, cuda:0). Each case loops n = 0, 1, 2, ...
+ * making the nth host allocation and/or backend call of one operation fail, until the
+ * operation succeeds. Between them the cases fail every fallible wrapper of the backend
+ * gateway (src/core/backend.c) that the device's backend fills; the ones tandem's own threads
+ * call after a submission returned (native waits and flushes, host-side copies) are failed
+ * with TDM_FAULT_NATIVE by fault_native_completion, where the command, not the call, fails.
  *
  * Every iteration must end in one of two ways:
  * - success: no fault fired (the operation used fewer than n+1 fallible steps), the work runs,
@@ -16,6 +20,10 @@
  * a gate, so no tandem thread makes fallible calls of its own that could take the fault.
  */
 #include "harness.h"
+
+#ifdef TANDEM_TEST_CUDA
+#include <cuda_runtime.h>
+#endif
 
 enum { N = 4096, MAX_ITER = 2000, PATTERN = 0x6b };
 
@@ -652,4 +660,370 @@ TEST_CASE(fault_init) {
   CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
   CHECK_OK(tdm_queue_destroy(q));
   th_close();
+}
+
+/* ---- Native handles (interop) -------------------------------------------------------------- */
+
+/* Entries a backend may leave out answer TDM_ENOTSUP with a message, whether or not a fault is
+ * armed; returns 1 (and prints why) when the call is one of those. */
+static int unsupported(const char *what, int rc) {
+  if (rc != TDM_ENOTSUP) return 0;
+  CHECK_MSG(tdm_last_error()[0] != '\0', "%s: TDM_ENOTSUP without a message", what);
+  printf("%s: not supported on %s (%s)\n", what, th_backend_of(F.dev), tdm_last_error());
+  return 1;
+}
+
+#define SENTINEL_PTR ((void *)(uintptr_t)0x5e)
+
+static int try_queue_native(unsigned kinds, long n) {
+  void *native = SENTINEL_PTR;
+  arm(kinds, n);
+  struct attempt a = disarm(tdm_queue_native(F.q, &native));
+  int ok = judge("tdm_queue_native", kinds, n, &a);
+  CHECK(ok ? native != SENTINEL_PTR : native == SENTINEL_PTR);
+  expect_baseline("tdm_queue_native", n);
+  return ok;
+}
+
+static int try_device_native(unsigned kinds, long n) {
+  void *native = SENTINEL_PTR;
+  arm(kinds, n);
+  struct attempt a = disarm(tdm_device_native(F.dev, &native));
+  int ok = judge("tdm_device_native", kinds, n, &a);
+  CHECK(ok ? native != SENTINEL_PTR : native == SENTINEL_PTR);
+  expect_baseline("tdm_device_native", n);
+  return ok;
+}
+
+static int try_mem_native(unsigned kinds, long n) {
+  void *native = SENTINEL_PTR;
+  size_t off = 99;
+  arm(kinds, n);
+  struct attempt a = disarm(tdm_mem_native(F.dbuf + 16, &native, &off));
+  int ok = judge("tdm_mem_native", kinds, n, &a);
+  if (ok) {
+    CHECK(native != SENTINEL_PTR);
+    CHECK(off <= 16);
+  } else {
+    CHECK(native == SENTINEL_PTR);
+    CHECK_EQ(off, 99);
+  }
+  expect_baseline("tdm_mem_native", n);
+  return ok;
+}
+
+TEST_CASE(fault_native_handles) {
+  fx_open();
+  void *native = NULL;
+  size_t off = 0;
+  if (!unsupported("tdm_queue_native", tdm_queue_native(F.q, &native)))
+    fault_loop("tdm_queue_native", try_queue_native);
+  if (!unsupported("tdm_device_native", tdm_device_native(F.dev, &native)))
+    fault_loop("tdm_device_native", try_device_native);
+  if (!unsupported("tdm_mem_native", tdm_mem_native(F.dbuf, &native, &off)))
+    fault_loop("tdm_mem_native", try_mem_native);
+  fx_close();
+}
+
+/* ---- Imports ------------------------------------------------------------------------------- */
+
+/* Device memory tandem does not know, as tdm_mem_import takes it: OpenCL, a cl_mem of the
+ * device's context (here the one behind an allocation of tandem's own, which the import then
+ * aliases); CUDA, a cudaMalloc pointer. NULL where the backend imports nothing. */
+static void *foreign_mem, *foreign_owner;
+
+static void foreign_open(void) {
+  foreign_mem = foreign_owner = NULL;
+  const char *b = th_backend_of(F.dev);
+  if (strcmp(b, "opencl") == 0) {
+    size_t off = 0;
+    CHECK_OK(tdm_malloc(F.dev, TDM_MEM_DEVICE, N, &foreign_owner));
+    CHECK_OK(tdm_mem_native(foreign_owner, &foreign_mem, &off));
+    CHECK_EQ(off, 0);
+  } else if (strcmp(b, "cuda") == 0) {
+#ifdef TANDEM_TEST_CUDA
+    CHECK(cudaMalloc(&foreign_mem, N) == cudaSuccess);
+#else
+    TH_SKIP("this build has no CUDA runtime for the test");
+#endif
+  }
+}
+
+static void foreign_close(void) {
+  if (foreign_owner) CHECK_OK(tdm_free(foreign_owner));
+#ifdef TANDEM_TEST_CUDA
+  else if (foreign_mem)
+    CHECK(cudaFree(foreign_mem) == cudaSuccess);
+#endif
+  foreign_mem = foreign_owner = NULL;
+}
+
+/* A failed import leaves nothing registered; a good one is usable for copies, and freeing it
+ * leaves the foreign memory to its owner. */
+static int try_mem_import(unsigned kinds, long n) {
+  void *p = SENTINEL_PTR;
+  arm(kinds, n);
+  struct attempt a = disarm(tdm_mem_import(F.dev, foreign_mem, N, &p));
+  int ok = judge("tdm_mem_import", kinds, n, &a);
+  if (ok) {
+    tdm_mem_info info;
+    CHECK_OK(tdm_mem_query(p, &info));
+    CHECK_EQ(info.kind, TDM_MEM_DEVICE);
+    CHECK_OK(tdm_memcpy(F.q, p, F.src, N, TDM_COPY_H2D, 0, NULL, NULL));
+    CHECK_OK(tdm_memcpy(F.q, F.back, p, N, TDM_COPY_D2H, 0, NULL, NULL));
+    CHECK_OK(tdm_queue_sync(F.q));
+    CHECK_MEM_EQ(F.back, F.src, N);
+    CHECK_OK(tdm_free(p));
+  } else {
+    CHECK(p == SENTINEL_PTR);
+  }
+  expect_baseline("tdm_mem_import", n);
+  return ok;
+}
+
+TEST_CASE(fault_mem_import) {
+  fx_open();
+  foreign_open();
+  void *p = NULL;
+  if (!foreign_mem) {
+    int dummy = 0;
+    CHECK(unsupported("tdm_mem_import", tdm_mem_import(F.dev, &dummy, N, &p)));
+  } else {
+    fx_settle();
+    CHECK_OK(tdm_stats_get(&F.base)); /* with the foreign memory's owner */
+    fault_loop("tdm_mem_import", try_mem_import);
+  }
+  foreign_close();
+  fx_close();
+}
+
+/* An event of the device's native queue (a tandem record's), imported as other code's. */
+static tdm_event *import_src;
+
+static int try_event_import(unsigned kinds, long n) {
+  void *native = NULL;
+  tdm_event *out = SENTINEL_EVENT;
+  CHECK_OK(tdm_event_native(import_src, &native));
+  arm(kinds, n);
+  struct attempt a = disarm(tdm_event_import(F.dev, native, &out));
+  int ok = judge("tdm_event_import", kinds, n, &a);
+  if (ok) {
+    CHECK_OK(tdm_event_wait(out));
+    CHECK_OK(tdm_event_release(out));
+  } else {
+    CHECK(out == SENTINEL_EVENT);
+  }
+  expect_baseline("tdm_event_import", n);
+  return ok;
+}
+
+TEST_CASE(fault_event_import) {
+  fx_open();
+  void *native = NULL;
+  tdm_event *first = NULL;
+  CHECK_OK(tdm_event_record(F.q, &import_src));
+  CHECK_OK(tdm_event_wait(import_src));
+  int rc = tdm_event_native(import_src, &native);
+  if (rc == TDM_ENOTSUP || (rc == 0 && tdm_event_import(F.dev, native, &first) == TDM_ENOTSUP)) {
+    printf("tdm_event_import: no native events on %s (%s)\n", th_backend_of(F.dev),
+           tdm_last_error());
+  } else {
+    CHECK_OK(rc);
+    CHECK(first != NULL);
+    /* The first import makes the device's import queue, which lives until shutdown: the
+     * baseline includes it. */
+    CHECK_OK(tdm_event_wait(first));
+    CHECK_OK(tdm_event_release(first));
+    fx_settle();
+    CHECK_OK(tdm_stats_get(&F.base));
+    fault_loop("tdm_event_import", try_event_import);
+  }
+  CHECK_OK(tdm_event_release(import_src));
+  fx_close();
+}
+
+/* Timing: backends without native timing use the host clock and have nothing to fail. */
+static tdm_event *timed[2];
+
+static int try_event_elapsed(unsigned kinds, long n) {
+  double ms = -1;
+  arm(kinds, n);
+  struct attempt a = disarm(tdm_event_elapsed(timed[0], timed[1], &ms));
+  int ok = judge("tdm_event_elapsed", kinds, n, &a);
+  CHECK(ok ? ms >= 0 : ms == -1);
+  return ok;
+}
+
+TEST_CASE(fault_event_elapsed) {
+  fx_open();
+  tdm_device_info info;
+  CHECK_OK(tdm_device_info_get(F.dev, &info));
+  if (!(info.caps & TDM_DEVICE_CAP_TIMING)) {
+    printf("tdm_event_elapsed: %s has no timing\n", info.id);
+  } else {
+    tdm_queue *tq = NULL;
+    CHECK_OK(tdm_queue_create(F.dev, TDM_QUEUE_IN_ORDER | TDM_QUEUE_TIMING, &tq));
+    CHECK_OK(tdm_event_record(tq, &timed[0]));
+    CHECK_OK(tdm_memcpy(tq, F.dbuf, F.src, N, TDM_COPY_H2D, 0, NULL, NULL));
+    CHECK_OK(tdm_event_record(tq, &timed[1]));
+    CHECK_OK(tdm_queue_sync(tq));
+    fault_loop("tdm_event_elapsed", try_event_elapsed);
+    CHECK_OK(tdm_event_release(timed[0]));
+    CHECK_OK(tdm_event_release(timed[1]));
+    CHECK_OK(tdm_queue_destroy(tq));
+  }
+  fx_close();
+}
+
+/* ---- Completion: backend calls tandem's own threads make ------------------------------------
+ * With TDM_FAULT_NATIVE armed, the nth native wait, flush or host-side copy that the executor
+ * or a pool thread makes fails. Submitting never takes such a fault, so every call succeeds;
+ * a fault that fired must then show as TDM_EBACKEND in the queue's next sync (the first error
+ * since the last one, or the sync marker's own), with every other command complete (done or
+ * TDM_EDEP), nothing hung, and nothing leaked (a record whose own wait failed reports it
+ * on its event instead); the sync after that is clean and the queue works. n runs until a round passes with no fault fired. The round mixes what completes
+ * natively: an H2D copy with an event, a quiet fill (the executor flushes for it), a
+ * pageable D2H copy (host-side on native backends), a host task (gated) and a record, on an
+ * in-order and an out-of-order queue. */
+static unsigned char *pageable_back;
+
+static int round_status_ok(int rc) { return rc == 0 || rc == TDM_EBACKEND || rc == TDM_EDEP; }
+
+static int native_round(tdm_queue *q, int ooo, long n) {
+  atomic_int ran = 0;
+  tdm_event *ev[3] = {NULL, NULL, NULL}, *m = NULL, *c = NULL;
+  CHECK_OK(tdm_fault_inject(TDM_FAULT_NATIVE, n, 0));
+  CHECK_OK(tdm_memcpy(q, F.dbuf, F.src, N, TDM_COPY_H2D, 0, NULL, &ev[0]));
+  /* In order, the fill and the D2H copy are quiet; out of order, each waits for the last. */
+  CHECK_OK(tdm_memset(q, F.dbuf + N / 2, PATTERN, N / 2, ooo, &ev[0], ooo ? &m : NULL));
+  CHECK_OK(tdm_memcpy(q, pageable_back, F.dbuf, N, TDM_COPY_D2H, ooo, &m, ooo ? &c : NULL));
+  CHECK_OK(tdm_host_task(q, task_count, &ran, ooo, &c, &ev[1]));
+  CHECK_OK(tdm_event_record(q, &ev[2]));
+  if (m) CHECK_OK(tdm_event_release(m));
+  if (c) CHECK_OK(tdm_event_release(c));
+  int st[3];
+  for (int i = 0; i < 3; i++) {
+    st[i] = th_event_wait_limited(ev[i], TH_HANG_MS);
+    CHECK_MSG(round_status_ok(st[i]), "n=%ld: event %d completed with %s (%s)", n, i,
+              tdm_err_name(st[i]), tdm_last_error());
+  }
+  int sync = tdm_queue_sync(q);
+  char msg[256];
+  snprintf(msg, sizeof msg, "%s", tdm_last_error());
+  int fired = tdm_fault_fired();
+  CHECK_OK(tdm_fault_inject(0, -1, 0));
+  for (int i = 0; i < 3; i++) CHECK_OK(tdm_event_release(ev[i]));
+  if (!fired) {
+    CHECK_MSG(sync == 0, "n=%ld: sync failed with %s (%s) but no fault fired", n,
+              tdm_err_name(sync), msg);
+    for (int i = 0; i < 3; i++) CHECK_OK(st[i]);
+    CHECK_EQ(atomic_load(&ran), 1);
+    CHECK_MEM_EQ(pageable_back, F.src, N / 2);
+  } else {
+    /* A marker whose own native wait failed reports it on its event only: a marker's status
+     * is never the queue's error (it reports earlier ones). */
+    int seen = sync == TDM_EBACKEND;
+    for (int i = 0; i < 3; i++) seen |= st[i] == TDM_EBACKEND;
+    CHECK_MSG(seen, "n=%ld: a fault fired but no event and no sync reported it (sync: %s, %s)",
+              n, tdm_err_name(sync), msg);
+    CHECK_MSG(sync == 0 || sync == TDM_EBACKEND, "n=%ld: the sync returned %s (%s)", n,
+              tdm_err_name(sync), msg);
+    CHECK_MSG(sync == 0 || msg[0] != '\0', "n=%ld: the sync failed without a message", n);
+    CHECK_MSG(atomic_load(&ran) <= 1, "n=%ld: the host task ran twice", n);
+  }
+  /* Reported once: the queue is clean and usable again. */
+  CHECK_OK(tdm_queue_sync(q));
+  atomic_int again = 0;
+  CHECK_OK(tdm_host_task(q, task_count, &again, 0, NULL, NULL));
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_EQ(atomic_load(&again), 1);
+  expect_baseline("native completion", n);
+  return !fired;
+}
+
+static tdm_queue *native_q;
+static int native_ooo;
+static int try_native_round(unsigned kinds, long n) {
+  (void)kinds;
+  return native_round(native_q, native_ooo, n);
+}
+
+TEST_CASE(fault_native_completion) {
+  fx_open();
+  pageable_back = malloc(N);
+  CHECK(pageable_back != NULL);
+  tdm_device_info info;
+  CHECK_OK(tdm_device_info_get(F.dev, &info));
+  native_q = F.q;
+  native_ooo = 0;
+  long n = 0;
+  while (!try_native_round(TDM_FAULT_NATIVE, n)) {
+    n++;
+    CHECK_MSG(n < MAX_ITER, "still failing after %d injected faults", MAX_ITER);
+  }
+  printf("native completion, in-order: %ld failing point(s), then success\n", n);
+  if (info.caps & TDM_DEVICE_CAP_OUT_OF_ORDER) {
+    tdm_queue *oq = NULL;
+    CHECK_OK(tdm_queue_create(F.dev, TDM_QUEUE_OUT_OF_ORDER, &oq));
+    fx_settle();
+    CHECK_OK(tdm_stats_get(&F.base));
+    native_q = oq;
+    native_ooo = 1;
+    n = 0;
+    while (!try_native_round(TDM_FAULT_NATIVE, n)) {
+      n++;
+      CHECK_MSG(n < MAX_ITER, "still failing after %d injected faults", MAX_ITER);
+    }
+    printf("native completion, out-of-order: %ld failing point(s), then success\n", n);
+    CHECK_OK(tdm_queue_destroy(oq));
+  }
+  free(pageable_back);
+  fx_close();
+}
+
+/* ---- Lost devices -------------------------------------------------------------------------
+ * A backend call that reports TDM_EDEVLOST, whether a public call made it (TDM_FAULT_BACKEND)
+ * or tandem's own thread did on completion (TDM_FAULT_NATIVE), marks the device lost: later
+ * calls on it say so, its queue can still be destroyed, and the next init starts afresh. */
+static void device_lost_by(unsigned kind, const char *name) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = NULL, *q2 = SENTINEL_QUEUE;
+  void *d = NULL, *d2 = SENTINEL_PTR;
+  tdm_event *ev = NULL;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, N, &d));
+  CHECK_OK(tdm_fault_inject(kind, 0, TDM_EDEVLOST));
+  int rc = tdm_memset(q, d, PATTERN, N, 0, NULL, &ev);
+  if (rc == 0) {
+    rc = th_event_wait_limited(ev, TH_HANG_MS);
+    CHECK_OK(tdm_event_release(ev));
+  }
+  int fired = tdm_fault_fired();
+  CHECK_OK(tdm_fault_inject(0, -1, 0));
+  if (!fired) {
+    /* Nothing of the kind on this backend (the CPU backend makes no native calls). */
+    CHECK_OK(rc);
+    printf("device lost through %s: no such call on %s\n", name, th_backend_of(dev));
+  } else {
+    CHECK_RC(rc, TDM_EDEVLOST);
+    CHECK_RC(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q2), TDM_EDEVLOST);
+    CHECK(q2 == SENTINEL_QUEUE);
+    CHECK_RC(tdm_malloc(dev, TDM_MEM_DEVICE, N, &d2), TDM_EDEVLOST);
+    CHECK(d2 == SENTINEL_PTR);
+    CHECK_RC(tdm_memset(q, d, 0, N, 0, NULL, NULL), TDM_EDEVLOST);
+    printf("device lost through %s: later calls refused\n", name);
+  }
+  (void)tdm_queue_destroy(q); /* drains; the status may report the loss */
+  CHECK_OK(tdm_free(d));
+  th_close();
+  /* A new context enumerates the device afresh. */
+  dev = th_open();
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+TEST_CASE(fault_device_lost) {
+  device_lost_by(TDM_FAULT_BACKEND, "a submission");
+  device_lost_by(TDM_FAULT_NATIVE, "a completion");
 }

@@ -56,17 +56,17 @@ void tdm__backend_add(const tdm__backend *be, void *dl, const char *detail) {
   if (tdm__g.nbackends == TDM__MAX_BACKENDS) return;
   tdm__backend_slot *slot = &tdm__g.backends[tdm__g.nbackends++];
   memset(slot, 0, sizeof *slot);
-  snprintf(slot->info.name, sizeof slot->info.name, "%s", be->name);
+  const char *name = tdm__b_name(be);
+  snprintf(slot->info.name, sizeof slot->info.name, "%s", name);
   snprintf(slot->info.detail, sizeof slot->info.detail, "%s", detail ? detail : "");
   slot->dl = dl;
   int n = 0;
-  int rc = be->init(&tdm__g.svc, &n);
+  int rc = tdm__b_init(be, &n);
   if (rc) {
     slot->info.status = rc;
     snprintf(slot->info.detail, sizeof slot->info.detail, "%s", tdm__last_detail());
     return;
   }
-  slot->be = be;
   slot->first_device = tdm__g.ndevices;
   for (int i = 0; i < n && tdm__g.ndevices < TDM__MAX_DEVICES; i++) {
     tdm_device *d = &tdm__g.devices[tdm__g.ndevices];
@@ -74,20 +74,26 @@ void tdm__backend_add(const tdm__backend *be, void *dl, const char *detail) {
     d->be = be;
     d->bindex = i;
     d->index = tdm__g.ndevices;
-    if (be->device_info(i, &d->info)) continue;
-    d->info.index = d->index;
-    uintptr_t rb = 0;
-    size_t rs = 0;
-    if (be->address_range && be->address_range(i, &rb, &rs) == 0 && rs) {
-      d->range_base = rb;
-      d->range_end = rb + rs;
+    /* A device that cannot describe itself, or whose address range is unknown (a freed
+     * pointer in it would pass for host memory), refuses the whole backend: its devices would
+     * otherwise be half-known. */
+    if ((rc = tdm__b_device_info(d)) || (rc = tdm__b_address_range(d))) {
+      slot->info.status = rc;
+      snprintf(slot->info.detail, sizeof slot->info.detail, "device %d: %s", i,
+               tdm__last_detail());
+      tdm__g.ndevices = slot->first_device;
+      slot->info.device_count = 0;
+      tdm__b_shutdown(be);
+      return;
     }
+    d->info.index = d->index;
     d->info.backend_index = i;
-    snprintf(d->info.backend, sizeof d->info.backend, "%s", be->name);
-    snprintf(d->info.id, sizeof d->info.id, "%s:%d", be->name, i);
+    snprintf(d->info.backend, sizeof d->info.backend, "%s", name);
+    snprintf(d->info.id, sizeof d->info.id, "%s:%d", name, i);
     tdm__g.ndevices++;
     slot->info.device_count++;
   }
+  slot->be = be;
 }
 
 /* Set up by the first init; services backends use instead of linking to the core. */
@@ -258,10 +264,8 @@ int tdm_device_native(tdm_device *dev, void **native) {
   int rc = tdm__device_check(dev);
   if (rc) return rc;
   if (!native) return tdm__error(TDM_EINVAL, 0, "tdm_device_native: native is NULL");
-  if (!dev->be->device_native)
-    return tdm__error(TDM_ENOTSUP, 0, "%s has no native device handle", dev->info.id);
   void *n = NULL;
-  if ((rc = dev->be->device_native(dev->bindex, &n))) return rc;
+  if ((rc = tdm__b_device_native(dev, &n))) return rc;
   *native = n;
   return 0;
 }

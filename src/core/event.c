@@ -58,7 +58,7 @@ void tdm__event_ref(tdm__event *ev) { atomic_fetch_add(&ev->refs, 1); }
 void tdm__event_free(tdm__event *ev) {
   tdm__queue *q = ev->q;
   void *bev = atomic_exchange(&ev->bev, NULL);
-  if (bev) q->dev->be->native_release(bev);
+  if (bev) tdm__b_native_release(q->dev, bev);
   atomic_store_explicit(&ev->magic, TDM__MAGIC_DEAD, memory_order_relaxed);
   ev->q = NULL;
   tdm__pool_put(&q->events, ev);
@@ -189,11 +189,7 @@ int tdm_event_elapsed(tdm_event *start_h, tdm_event *end_h, double *ms) {
   if (!atomic_load_explicit(&start->done, memory_order_acquire) ||
       !atomic_load_explicit(&end->done, memory_order_acquire))
     return tdm__error(TDM_EAGAIN, 0, "an event is still pending");
-  const tdm__backend *be = start->q->dev->be;
-  void *a = atomic_load(&start->bev), *b = atomic_load(&end->bev);
-  if (be->event_elapsed && a && b) return be->event_elapsed(a, b, ms);
-  *ms = ((double)end->t_ns - (double)start->t_ns) / 1e6;
-  return 0;
+  return tdm__b_event_elapsed(start, end, ms);
 }
 
 /* The callers' count only moves between positive values: once it reaches 0 the handle is
@@ -243,7 +239,6 @@ int tdm_event_native(tdm_event *h, void **native) {
   if (!native) return tdm__error(TDM_EINVAL, 0, "tdm_event_native: native is NULL");
   void *bev = atomic_load_explicit(&ev->bev, memory_order_acquire);
   if (!bev) return tdm__error(TDM_ENOTSUP, 0, "this event has no native event (yet)");
-  const tdm__backend *be = ev->q->dev->be;
-  *native = be->native_export ? be->native_export(bev) : bev;
+  *native = tdm__b_native_export(ev->q->dev, bev);
   return 0;
 }

@@ -107,11 +107,11 @@ void tdm__cmdq_stop(tdm__cmdq *f) {
 
 /* ---- the executor: one thread per native queue ---- */
 
-static bool exec_lazy(const tdm__queue *q) { return q->dev->be->wake_lazily; }
+static bool exec_lazy(const tdm__queue *q) { return tdm__b_wakes_lazily(q->dev); }
 
 /* A quiet command without a native handle: it completes with the next handle. */
 static bool held_back(const tdm__queue *q, const tdm__cmd *c) {
-  return (c->flags & TDM__CMD_QUIET) && !c->wait && !c->gate && q->dev->be->native_flush;
+  return (c->flags & TDM__CMD_QUIET) && !c->wait && !c->gate && tdm__b_can_flush(q->dev);
 }
 
 static bool needs_host(const tdm__cmd *c) {
@@ -135,9 +135,8 @@ static void finish_held(tdm__cmd **held, tdm__cmd ***tail, int nstatus, int nati
 /* Waits for a native handle; returns the mapped status (the device is marked lost on
  * TDM_EDEVLOST) and releases the handle. */
 static int wait_native(tdm__queue *q, void *handle, int *native) {
-  const tdm__backend *be = q->dev->be;
-  int st = tdm__device_note(q->dev, be->native_wait(handle, native));
-  be->native_release(handle);
+  int st = tdm__b_native_wait(q->dev, handle, native);
+  tdm__b_native_release(q->dev, handle);
   return st;
 }
 
@@ -158,7 +157,7 @@ static bool flush_held(tdm__queue *q, tdm__cmd **held, tdm__cmd ***tail, bool al
     pthread_mutex_unlock(&q->submit_mu);
     return false;
   }
-  int st = tdm__device_note(q->dev, q->dev->be->native_flush(q->bq, &h));
+  int st = tdm__b_native_flush(q, &h);
   pthread_mutex_unlock(&q->submit_mu);
   if (st == 0) st = wait_native(q, h, &native);
   finish_held(held, tail, st, native);

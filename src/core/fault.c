@@ -1,7 +1,9 @@
 /* fault.c: fault injection and live-object counts for tests. Every host allocation of the
- * core and every call through the backend table passes tdm__fault(), so a test can make the
- * Nth one fail and check that the operation fails cleanly; libraries built on tandem reach the
- * same counter through tdm_fault_point(). */
+ * core (tdm__malloc, tdm__calloc) and every fallible call through the backend table (the
+ * wrappers of backend.c) passes tdm__fault(), so a test can make the Nth one fail and check
+ * that the operation fails cleanly. Backend entries that cannot fail (the void ones,
+ * native_export, and native_notify, whose declining is a fallback) are not counted.
+ * Libraries built on tandem reach the same counter through tdm_fault_point(). */
 #include <stdlib.h>
 
 #include "internal.h"
@@ -41,6 +43,7 @@ int tdm__fault(unsigned kind) {
       hit = 1;
       fault_fired = 1;
       atomic_store(&fault_armed, 0);
+      /* Backend faults of either kind (a call's, or a completion's) default to EBACKEND. */
       tls_taken_code = fault_code ? fault_code
                                   : (kind == TDM_FAULT_ALLOC ? TDM_ENOMEM : TDM_EBACKEND);
     }

@@ -36,20 +36,20 @@ int tdm_event_import(tdm_device *dev, void *native, tdm_event **out) {
   int rc = tdm__device_check(dev);
   if (rc) return rc;
   if (!native || !out) return tdm__error(TDM_EINVAL, 0, "tdm_event_import: NULL argument");
-  const tdm__backend *be = dev->be;
-  if (!be->event_import || !be->native_notify)
+  /* Refused before the import queue is made, for a device that cannot import. */
+  if (!tdm__b_can_import(dev))
     return tdm__error(TDM_ENOTSUP, 0, "%s cannot import native events", dev->info.id);
   tdm__queue *q;
   if ((rc = import_queue(dev, &q))) return rc;
   void *handle = NULL;
-  rc = TDM__BCALL(dev, be->event_import(dev->bindex, native, &handle));
+  rc = tdm__b_event_import(dev, native, &handle);
   if (rc)
     return tdm__error(rc, tdm_last_native_error(), "importing a native event on %s: %s",
                       dev->info.id, tdm__last_detail());
   tdm__spec s = {.kind = TDM__CMD_BARRIER, .op = "import", .untracked = true, .native = handle};
   if ((rc = tdm__submit(q, &s, 0, NULL, NULL, out))) {
-    be->native_release(handle);
-    be->native_release(handle);
+    tdm__b_native_release(dev, handle);
+    tdm__b_native_release(dev, handle);
   }
   return rc;
 }

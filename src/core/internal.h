@@ -154,13 +154,12 @@ const char *tdm__last_detail(void);
 int tdm__error(int code, int native, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-/* ---- fault.c: fault injection; every backend call and host allocation goes through here ---- */
+/* ---- fault.c: fault injection. Every host allocation of the core (tdm__malloc, tdm__calloc)
+ * and every fallible wrapper of backend.c pass tdm__fault(); backend entries that cannot fail
+ * (void ones, native_export, native_notify's declining) do not. */
 int tdm__fault(unsigned kind);
 void *tdm__malloc(size_t n);
 void *tdm__calloc(size_t n, size_t size);
-#define TDM__BCALL(dev, expr)                                                         \
-  (tdm__fault(TDM_FAULT_BACKEND) ? tdm__device_note((dev), tdm__fault_code_taken()) \
-                                 : tdm__device_note((dev), (expr)))
 int tdm__fault_code_taken(void);
 /* Whether $TANDEM_BACKENDS allows the named backend. */
 bool tdm__backend_allowed(const char *name);
@@ -328,12 +327,12 @@ typedef struct tdm__spec {
   bool gate;           /* out-of-order: later commands wait for this one */
   bool all_prior;      /* out-of-order: waits for every tracked entry (marker, full barrier) */
   bool untracked;      /* not added to the tracker (the tracker's own collapse barrier) */
-  void *u_ptr0;        /* copy.dst, fill.dst, host.fn (as a function pointer), free_.ptr */
+  void *u_ptr0;        /* copy.dst, fill.dst, free_.ptr (host tasks: unused) */
   const void *u_ptr1;  /* copy.src, host.arg */
   size_t u_n;
   int u_value;
-  tdm_host_fn fn;
-  tdm_mem_kind dkind, skind; /* copy and fill: what the registry said (0: unknown memory) */
+  tdm_host_fn fn;      /* host.fn: a function pointer, which a void * may not hold in C */
+  tdm__memref dref, sref; /* copy (both), fill and free (dref): what the registry said */
   void *native;        /* an import (a barrier without deps): the handle event_import made,
                           with its two references; nothing goes to the backend's submit */
 } tdm__spec;
@@ -407,23 +406,64 @@ void tdm__xwait_cancel(tdm__queue *q);
 /* After a submission: drops entries the queue's order now covers. */
 void tdm__xwait_consumed(tdm__queue *q, bool covers_all);
 
+/* ---- backend.c: the one gateway to the backend table ----
+ * One wrapper per entry (backend.h documents the entries); nothing else in the core calls
+ * through the table. Fallible wrappers return 0 or TDM_E*, with the message set, and mark the
+ * device lost on TDM_EDEVLOST. */
+typedef struct tdm__alloc tdm__alloc;
+int tdm__b_check_version(const tdm__backend *be, unsigned *version);
+const char *tdm__b_name(const tdm__backend *be);
+int tdm__b_init(const tdm__backend *be, int *ndevices);
+void tdm__b_shutdown(const tdm__backend *be);
+int tdm__b_device_info(tdm_device *dev);       /* fills dev->info */
+int tdm__b_address_range(tdm_device *dev);     /* sets dev->range_base and range_end */
+int tdm__b_queue_create(tdm__queue *q, void *adopt); /* sets q->bq (q->dev, q->flags set) */
+void tdm__b_queue_destroy(tdm__queue *q);
+int tdm__b_queue_native(tdm__queue *q, void **native);
+int tdm__b_submit(tdm__queue *q, tdm__cmd *cmd);
+int tdm__b_mem_alloc(tdm_device *dev, tdm_mem_kind kind, size_t size, void **ptr,
+                     tdm__bmem *bm);
+void tdm__b_mem_free(tdm_device *dev, tdm_mem_kind kind, void *ptr, const tdm__bmem *bm);
+int tdm__b_host_register(tdm_device *dev, void *ptr, size_t size);
+void tdm__b_host_unregister(tdm_device *dev, void *ptr);
+int tdm__b_device_native(tdm_device *dev, void **native);
+int tdm__b_mem_native(const tdm__alloc *a, const void *ptr, void **native, size_t *offset);
+int tdm__b_mem_import(tdm_device *dev, void *native, size_t size, void **ptr, tdm__bmem *bm);
+int tdm__b_event_import(tdm_device *dev, void *native, void **handle);
+void *tdm__b_native_export(const tdm_device *dev, void *handle);
+int tdm__b_event_elapsed(const tdm__event *start, const tdm__event *end, double *ms);
+bool tdm__b_is_native(const tdm_device *dev);   /* a native backend (it has native_wait) */
+bool tdm__b_wakes_lazily(const tdm_device *dev);
+bool tdm__b_can_flush(const tdm_device *dev);
+bool tdm__b_can_notify(const tdm_device *dev);
+bool tdm__b_can_import(const tdm_device *dev);  /* event_import and native_notify */
+int tdm__b_native_wait(tdm_device *dev, void *handle, int *native);
+int tdm__b_native_notify(tdm_device *dev, void *handle, void (*fn)(void *), void *arg);
+void tdm__b_native_release(const tdm_device *dev, void *handle);
+void tdm__b_gate_open(const tdm_device *dev, void *gate);
+int tdm__b_native_flush(tdm__queue *q, void **handle);
+int tdm__b_host_copy(tdm_device *dev, tdm__cmd *cmd); /* NULL entry: memmove */
+
 /* ---- memory.c ---- */
-typedef struct tdm__alloc {
+struct tdm__alloc {
   uintptr_t base;
   size_t size;
   tdm_mem_kind kind;
   tdm_device *dev;
+  tdm__bmem bm;             /* the backend's handle (mem_alloc, mem_import) and TDM__BMEM_* */
   bool freeing;             /* a stream-ordered free is pending */
-} tdm__alloc;
+};
 /* Checks a copy or fill on q and resolves TDM_COPY_AUTO. alt: a second device whose memory
  * may also take part (the destination queue's of a cross-queue copy), or NULL. */
+/* The checks fill a tdm__memref per side from the registry, for the command (backend.h). */
 int tdm__mem_check_copy(tdm__queue *q, tdm_device *alt, void *dst, const void *src, size_t n,
-                        tdm_copy_dir *dir, tdm_mem_kind *dkind, tdm_mem_kind *skind);
+                        tdm_copy_dir *dir, tdm__memref *d, tdm__memref *s);
 /* Checks a cross-queue copy (run on src_q; dst_q waits for it). */
 int tdm__mem_check_cross(tdm__queue *src_q, tdm__queue *dst_q, void *dst, const void *src,
-                         size_t n, tdm_mem_kind *dkind, tdm_mem_kind *skind);
-int tdm__mem_check_fill(tdm__queue *q, void *dst, size_t n, tdm_mem_kind *dkind);
-int tdm__mem_begin_free(tdm__queue *q, void *ptr);
+                         size_t n, tdm__memref *d, tdm__memref *s);
+int tdm__mem_check_fill(tdm__queue *q, void *dst, size_t n, tdm__memref *d);
+/* Marks the allocation at ptr as being freed and describes it for the free command. */
+int tdm__mem_begin_free(tdm__queue *q, void *ptr, tdm__memref *m);
 void tdm__mem_cancel_free(void *ptr);
 /* freed: the backend already freed it natively; only the registry entry goes. */
 void tdm__mem_finish_free(void *ptr, bool freed);

@@ -1,5 +1,8 @@
 /* memory.c: allocation, registration and the registry that resolves any pointer to the
- * allocation holding it, so copies are checked (kind, device, range) before they are queued. */
+ * allocation holding it, so copies are checked (kind, device, range) before they are queued.
+ * The registry is the only one: each entry carries the backend's handle for the allocation
+ * (tdm__bmem: OpenCL's cl_mem, the imported flag), which goes back to the backend with every
+ * command on that memory, so no backend keeps a registry or queries the driver on a copy. */
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -97,13 +100,14 @@ int tdm_malloc(tdm_device *dev, tdm_mem_kind kind, size_t size, void **ptr) {
     return tdm__error(TDM_ENOMEM, 0, "allocating %zu bytes of %s memory on %s: more than it "
                       "can hold", size, kind_name(kind), dev->info.id);
   void *p = NULL;
-  rc = TDM__BCALL(dev, dev->be->mem_alloc(dev->bindex, kind, size, &p));
+  tdm__alloc a = {.size = size, .kind = kind, .dev = dev};
+  rc = tdm__b_mem_alloc(dev, kind, size, &p, &a.bm);
   if (rc)
     return tdm__error(rc, tdm_last_native_error(), "allocating %zu bytes of %s memory on %s: %s",
                       size, kind_name(kind), dev->info.id, tdm__last_detail());
-  tdm__alloc a = {.base = (uintptr_t)p, .size = size, .kind = kind, .dev = dev};
+  a.base = (uintptr_t)p;
   if ((rc = reg_insert(&a))) {
-    dev->be->mem_free(dev->bindex, kind, p);
+    tdm__b_mem_free(dev, kind, p, &a.bm);
     return rc;
   }
   *ptr = p;
@@ -111,11 +115,10 @@ int tdm_malloc(tdm_device *dev, tdm_mem_kind kind, size_t size, void **ptr) {
 }
 
 static void release_entry(const tdm__alloc *a) {
-  if (a->kind == TDM_MEM_REGISTERED) {
-    if (a->dev->be->host_unregister) a->dev->be->host_unregister(a->dev->bindex, (void *)a->base);
-  } else {
-    a->dev->be->mem_free(a->dev->bindex, a->kind, (void *)a->base);
-  }
+  if (a->kind == TDM_MEM_REGISTERED)
+    tdm__b_host_unregister(a->dev, (void *)a->base);
+  else
+    tdm__b_mem_free(a->dev, a->kind, (void *)a->base, &a->bm);
 }
 
 int tdm_free(void *ptr) {
@@ -132,7 +135,7 @@ int tdm_free(void *ptr) {
   return 0;
 }
 
-int tdm__mem_begin_free(tdm__queue *q, void *ptr) {
+int tdm__mem_begin_free(tdm__queue *q, void *ptr, tdm__memref *m) {
   if (!ptr) return tdm__error(TDM_EINVAL, 0, "tdm_free_async: ptr is NULL");
   pthread_rwlock_wrlock(&reg_lock);
   long i = find((uintptr_t)ptr);
@@ -141,8 +144,13 @@ int tdm__mem_begin_free(tdm__queue *q, void *ptr) {
     rc = tdm__error(TDM_EINVAL, 0, "%p is not the start of a live tandem allocation", ptr);
   else if (reg[i].kind == TDM_MEM_REGISTERED)
     rc = tdm__error(TDM_EINVAL, 0, "%p is registered memory: use tdm_host_unregister", ptr);
-  else
+  else {
     reg[i].freeing = true;
+    /* The free runs on q's backend, which gets the entry's handle only if it made it. */
+    bool own = reg[i].dev->be == q->dev->be;
+    *m = (tdm__memref){reg[i].kind, own ? reg[i].dev->bindex : -1,
+                       own ? reg[i].bm : (tdm__bmem){NULL, 0}, 0};
+  }
   pthread_rwlock_unlock(&reg_lock);
   return rc;
 }
@@ -174,13 +182,11 @@ int tdm_host_register(tdm_device *dev, void *ptr, size_t size) {
   int rc = tdm__device_check(dev);
   if (rc) return rc;
   if (!ptr || !size) return tdm__error(TDM_EINVAL, 0, "tdm_host_register: empty range");
-  if (dev->be->host_register &&
-      (rc = TDM__BCALL(dev, dev->be->host_register(dev->bindex, ptr, size))))
+  if ((rc = tdm__b_host_register(dev, ptr, size)))
     return tdm__error(rc, tdm_last_native_error(), "registering %zu bytes at %p on %s: %s",
                       size, ptr, dev->info.id, tdm__last_detail());
   tdm__alloc a = {.base = (uintptr_t)ptr, .size = size, .kind = TDM_MEM_REGISTERED, .dev = dev};
-  if ((rc = reg_insert(&a)) && dev->be->host_unregister)
-    dev->be->host_unregister(dev->bindex, ptr);
+  if ((rc = reg_insert(&a))) tdm__b_host_unregister(dev, ptr);
   return rc;
 }
 
@@ -295,6 +301,22 @@ static const char *dir_name(tdm_copy_dir d) {
 /* Inlined by force: the copy checks are on every submission of a copy. */
 #define TDM__INLINE static inline __attribute__((always_inline))
 
+#define MEMREF_NONE ((tdm__memref){0, -1, {NULL, 0}, 0})
+
+/* What the command tells q's backend about one side: the registry's kind, and the entry's
+ * handle and the pointer's offset in it when that backend made the entry (memory of another
+ * backend's device reaches it only as host memory). */
+TDM__INLINE void memref_of(const side *x, const tdm__queue *q, const void *p, tdm__memref *m) {
+  if (!x->known) {
+    *m = MEMREF_NONE;
+    return;
+  }
+  bool own = x->a.dev->be == q->dev->be;
+  *m = (tdm__memref){x->a.kind, own ? x->a.dev->bindex : -1,
+                     own ? x->a.bm : (tdm__bmem){NULL, 0},
+                     (size_t)((uintptr_t)p - x->a.base)};
+}
+
 TDM__INLINE int check_copy(tdm__queue *q, tdm_device *alt, const side *d, const side *s,
                            tdm_copy_dir *dir) {
   tdm_copy_dir want = s->device ? (d->device ? TDM_COPY_D2D : TDM_COPY_D2H)
@@ -333,18 +355,18 @@ TDM__INLINE int resolve_both(void *dst, const void *src, size_t n, side *d, side
 }
 
 int tdm__mem_check_copy(tdm__queue *q, tdm_device *alt, void *dst, const void *src, size_t n,
-                        tdm_copy_dir *dir, tdm_mem_kind *dkind, tdm_mem_kind *skind) {
+                        tdm_copy_dir *dir, tdm__memref *dref, tdm__memref *sref) {
   if (n == 0) { /* a no-op command: its pointers are not looked at */
     if ((unsigned)*dir > TDM_COPY_H2H)
       return tdm__error(TDM_EINVAL, 0, "copy direction %d is not a tdm_copy_dir", (int)*dir);
-    *dkind = *skind = 0;
+    *dref = *sref = MEMREF_NONE;
     return 0;
   }
   side d, s;
   int rc = resolve_both(dst, src, n, &d, &s);
   if (rc) return rc;
-  *dkind = d.known ? d.a.kind : 0;
-  *skind = s.known ? s.a.kind : 0;
+  memref_of(&d, q, dst, dref);
+  memref_of(&s, q, src, sref);
   return check_copy(q, alt, &d, &s, dir);
 }
 
@@ -364,22 +386,22 @@ static int cross_side(tdm__queue *src_q, side *x) {
 }
 
 int tdm__mem_check_cross(tdm__queue *src_q, tdm__queue *dst_q, void *dst, const void *src,
-                         size_t n, tdm_mem_kind *dkind, tdm_mem_kind *skind) {
-  *dkind = *skind = 0;
+                         size_t n, tdm__memref *dref, tdm__memref *sref) {
+  *dref = *sref = MEMREF_NONE;
   if (n == 0) return 0;
   side d, s;
   int rc = resolve_both(dst, src, n, &d, &s);
   if (!rc) rc = cross_side(src_q, &d);
   if (!rc) rc = cross_side(src_q, &s);
   if (rc) return rc;
-  *dkind = d.known ? d.a.kind : 0;
-  *skind = s.known ? s.a.kind : 0;
+  memref_of(&d, src_q, dst, dref);
+  memref_of(&s, src_q, src, sref);
   tdm_copy_dir dir = TDM_COPY_AUTO;
   return check_copy(src_q, dst_q->dev, &d, &s, &dir);
 }
 
-int tdm__mem_check_fill(tdm__queue *q, void *dst, size_t n, tdm_mem_kind *dkind) {
-  *dkind = 0;
+int tdm__mem_check_fill(tdm__queue *q, void *dst, size_t n, tdm__memref *dref) {
+  *dref = MEMREF_NONE;
   if (n == 0) return 0; /* a no-op command */
   if (!dst) return tdm__error(TDM_EINVAL, 0, "memset: dst is NULL");
   side d;
@@ -387,7 +409,7 @@ int tdm__mem_check_fill(tdm__queue *q, void *dst, size_t n, tdm_mem_kind *dkind)
   int rc = resolve(dst, n, "destination", &d);
   pthread_rwlock_unlock(&reg_lock);
   if (rc) return rc;
-  *dkind = d.known ? d.a.kind : 0;
+  memref_of(&d, q, dst, dref);
   return d.device ? device_ok(&d, q, NULL, false) : 0;
 }
 
@@ -401,11 +423,9 @@ int tdm_mem_native(const void *ptr, void **native, size_t *offset) {
   pthread_rwlock_unlock(&reg_lock);
   if (i < 0 || a.kind != TDM_MEM_DEVICE)
     return tdm__error(TDM_EINVAL, 0, "%p is not tandem device memory", ptr);
-  if (!a.dev->be->mem_native)
-    return tdm__error(TDM_ENOTSUP, 0, "%s memory has no native object", a.dev->info.id);
   void *n = NULL;
   size_t off = 0;
-  int rc = a.dev->be->mem_native(a.dev->bindex, (void *)a.base, (void *)ptr, &n, &off);
+  int rc = tdm__b_mem_native(&a, ptr, &n, &off);
   if (rc) return rc;
   *native = n;
   *offset = off;
@@ -417,14 +437,12 @@ int tdm_mem_import(tdm_device *dev, void *native, size_t size, void **ptr) {
   int rc = tdm__device_check(dev);
   if (rc) return rc;
   if (!native || !size || !ptr) return tdm__error(TDM_EINVAL, 0, "tdm_mem_import: bad argument");
-  if (!dev->be->mem_import)
-    return tdm__error(TDM_ENOTSUP, 0, "%s cannot import foreign memory", dev->info.id);
   void *p = NULL;
-  rc = TDM__BCALL(dev, dev->be->mem_import(dev->bindex, native, size, &p));
-  if (rc) return rc;
-  tdm__alloc a = {.base = (uintptr_t)p, .size = size, .kind = TDM_MEM_DEVICE, .dev = dev};
+  tdm__alloc a = {.size = size, .kind = TDM_MEM_DEVICE, .dev = dev};
+  if ((rc = tdm__b_mem_import(dev, native, size, &p, &a.bm))) return rc;
+  a.base = (uintptr_t)p;
   if ((rc = reg_insert(&a))) {
-    dev->be->mem_free(dev->bindex, TDM_MEM_DEVICE, p);
+    tdm__b_mem_free(dev, TDM_MEM_DEVICE, p, &a.bm);
     return rc;
   }
   *ptr = p;

@@ -52,9 +52,10 @@ static void load_one(const char *dir, const char *file) {
     dlclose(dl);
     return;
   }
-  if (be->abi_version != TDM__BACKEND_ABI) {
+  unsigned version = 0;
+  if (tdm__b_check_version(be, &version)) {
     snprintf(msg, sizeof msg, "%s: table version 0x%x, this libtandem needs 0x%x", path,
-             be->abi_version, TDM__BACKEND_ABI);
+             version, TDM__BACKEND_ABI);
     refuse(name, TDM_EVERSION, msg);
     dlclose(dl);
     return;
@@ -169,7 +170,7 @@ void tdm__modules_load(void) {
 void tdm__modules_unload(void) {
   for (int i = tdm__g.nbackends - 1; i >= 0; i--) {
     tdm__backend_slot *s = &tdm__g.backends[i];
-    if (s->be) s->be->shutdown();
+    if (s->be) tdm__b_shutdown(s->be);
     if (s->dl) dlclose(s->dl);
     s->be = NULL;
     s->dl = NULL;

@@ -121,8 +121,7 @@ static void native_done(void *arg) { release_one(arg); }
  * threads could otherwise starve the completions they wait for). */
 void tdm__cmd_native(tdm__cmd *cmd) {
   tdm__queue *q = cmd->ev->q;
-  const tdm__backend *be = q->dev->be;
-  if (!(q->flags & TDM_QUEUE_OUT_OF_ORDER) || !be->native_notify) {
+  if (!(q->flags & TDM_QUEUE_OUT_OF_ORDER) || !tdm__b_can_notify(q->dev)) {
     tdm__exec_push(cmd);
     return;
   }
@@ -133,6 +132,6 @@ void tdm__cmd_native(tdm__cmd *cmd) {
     if (tdm__event_on_complete(d->ev, &d->w)) release_one(cmd);
   }
   /* Without a handle, or a notification, a pool thread waits for the native work itself. */
-  if (!cmd->wait || be->native_notify(cmd->wait, native_done, cmd)) release_one(cmd);
+  if (!cmd->wait || tdm__b_native_notify(q->dev, cmd->wait, native_done, cmd)) release_one(cmd);
   release_one(cmd);
 }

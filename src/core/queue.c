@@ -75,9 +75,9 @@ int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, boo
   snprintf(q->label, sizeof q->label, "%s/q%d", dev->info.id, q->id);
   int rc = (flags & TDM_QUEUE_OUT_OF_ORDER) ? tdm__pool_start() : 0;
   if (!rc) rc = tdm__tracker_init(q);
-  if (!rc && dev->be->native_wait && (rc = tdm__exec_start(q))) tdm__tracker_fini(q);
+  if (!rc && tdm__b_is_native(dev) && (rc = tdm__exec_start(q))) tdm__tracker_fini(q);
   if (!rc) {
-    rc = TDM__BCALL(dev, dev->be->queue_create(dev->bindex, flags, adopt, &q->bq));
+    rc = tdm__b_queue_create(q, adopt);
     if (rc) {
       tdm__error(rc, tdm_last_native_error(), "creating a queue on %s: %s", dev->info.id,
                  tdm__last_detail());
@@ -138,8 +138,7 @@ int tdm__queue_destroy_internal(tdm__queue *q) {
   }
   tdm__defaults_forget(q);
   tdm__exec_stop(q);
-  q->dev->be->queue_destroy(q->bq);
-  q->bq = NULL;
+  tdm__b_queue_destroy(q);
   atomic_store(&q->handle, 0);
   atomic_fetch_sub(&tdm__g.n_queues, 1);
   queue_retire(q);
@@ -224,7 +223,7 @@ void tdm__queues_release_native(void) {
   for (tdm__queue *q = tdm__g.queues; q; q = q->next_all)
     for (tdm__event *ev = q->all_events; ev; ev = ev->next_all) {
       void *bev = atomic_exchange(&ev->bev, NULL);
-      if (bev) q->dev->be->native_release(bev);
+      if (bev) tdm__b_native_release(q->dev, bev);
     }
 }
 
@@ -272,10 +271,8 @@ int tdm_queue_native(tdm_queue *h, void **native) {
   int rc = tdm__queue_get(h, &q);
   if (rc) return rc;
   if (!native) return tdm__error(TDM_EINVAL, 0, "tdm_queue_native: native is NULL");
-  if (!q->dev->be->queue_native)
-    return tdm__error(TDM_ENOTSUP, 0, "%s backend has no native queues", q->dev->be->name);
   void *n = NULL;
-  if ((rc = q->dev->be->queue_native(q->bq, &n))) return rc;
+  if ((rc = tdm__b_queue_native(q, &n))) return rc;
   *native = n;
   return 0;
 }

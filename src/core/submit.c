@@ -122,20 +122,23 @@ int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
       cmd->u.copy.dst = spec->u_ptr0;
       cmd->u.copy.src = spec->u_ptr1;
       cmd->u.copy.n = spec->u_n;
-      cmd->u.copy.dkind = spec->dkind;
-      cmd->u.copy.skind = spec->skind;
+      cmd->u.copy.d = spec->dref;
+      cmd->u.copy.s = spec->sref;
       break;
     case TDM__CMD_FILL:
       cmd->u.fill.dst = spec->u_ptr0;
       cmd->u.fill.value = spec->u_value;
       cmd->u.fill.n = spec->u_n;
-      cmd->u.fill.dkind = spec->dkind;
+      cmd->u.fill.d = spec->dref;
       break;
     case TDM__CMD_HOST:
       cmd->u.host.fn = spec->fn;
       cmd->u.host.arg = (void *)spec->u_ptr1;
       break;
-    case TDM__CMD_FREE: cmd->u.free_.ptr = spec->u_ptr0; break;
+    case TDM__CMD_FREE:
+      cmd->u.free_.ptr = spec->u_ptr0;
+      cmd->u.free_.m = spec->dref;
+      break;
     default: break;
   }
   /* A dependency that has completed without error orders nothing any more: host-observed
@@ -195,7 +198,7 @@ int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
     tdm__cmd_native(cmd);
     rc = 0;
   } else {
-    rc = TDM__BCALL(q->dev, q->dev->be->submit(q->bq, cmd));
+    rc = tdm__b_submit(q, cmd);
   }
   if (rc) {
     atomic_fetch_add_explicit(&q->n_done, 1, memory_order_relaxed);
@@ -277,9 +280,9 @@ static int run_host_task(tdm__cmd *cmd) {
 void tdm__cmd_run(tdm__cmd *cmd) {
   int native = 0, nstatus = 0;
   if (cmd->wait) {
-    const tdm__backend *be = cmd->ev->q->dev->be;
-    nstatus = tdm__device_note(cmd->ev->q->dev, be->native_wait(cmd->wait, &native));
-    be->native_release(cmd->wait);
+    tdm_device *dev = cmd->ev->q->dev;
+    nstatus = tdm__b_native_wait(dev, cmd->wait, &native);
+    tdm__b_native_release(dev, cmd->wait);
     cmd->wait = NULL;
   }
   tdm__cmd_finish(cmd, nstatus, native);
@@ -287,7 +290,6 @@ void tdm__cmd_run(tdm__cmd *cmd) {
 
 void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native) {
   tdm__queue *q = cmd->ev->q;
-  const tdm__backend *be = q->dev->be;
   int status = 0;
   for (size_t i = 0; i < cmd->ndeps; i++)
     if (tdm__event_wait_raw(cmd->deps[i].ev) < 0) status = TDM_EDEP;
@@ -311,17 +313,14 @@ void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native) {
   }
   if (status == 0 && !ooo(q) && q->chain_error) status = TDM_EDEP;
   if (status == 0 && nstatus) status = nstatus;
-  bool host = be->native_wait == NULL || (cmd->flags & TDM__CMD_ON_HOST);
+  bool host = !tdm__b_is_native(q->dev) || (cmd->flags & TDM__CMD_ON_HOST);
   if ((host || cmd->kind == TDM__CMD_HOST) &&
       atomic_load_explicit(&tdm__tracing, memory_order_relaxed))
     cmd->t_start = tdm__now_ns();
   if (status == 0) {
     switch (cmd->kind) {
       case TDM__CMD_COPY:
-        if (host && be->host_copy)
-          status = be->host_copy(cmd);
-        else if (host && cmd->u.copy.n)
-          memcpy(cmd->u.copy.dst, cmd->u.copy.src, cmd->u.copy.n);
+        if (host) status = tdm__b_host_copy(q->dev, cmd);
         break;
       case TDM__CMD_FILL:
         if (host && cmd->u.fill.n) memset(cmd->u.fill.dst, cmd->u.fill.value, cmd->u.fill.n);
@@ -334,7 +333,7 @@ void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native) {
   if (cmd->kind == TDM__CMD_FREE)
     tdm__mem_finish_free(cmd->u.free_.ptr, (cmd->flags & TDM__CMD_NATIVE_FREED) != 0);
   if (cmd->gate) {
-    be->gate_open(cmd->gate);
+    tdm__b_gate_open(q->dev, cmd->gate);
     cmd->gate = NULL;
   }
   tdm__cmd_done(cmd, status, status == nstatus ? native : 0);
@@ -366,7 +365,7 @@ int tdm_memcpy(tdm_queue *qh, void *dst, const void *src, size_t n, tdm_copy_dir
   TDM__ENTER();
   GET_Q(qh, q);
   tdm__spec s = {.kind = TDM__CMD_COPY, .op = "memcpy", .u_ptr0 = dst, .u_ptr1 = src, .u_n = n};
-  int rc = tdm__mem_check_copy(q, NULL, dst, src, n, &dir, &s.dkind, &s.skind);
+  int rc = tdm__mem_check_copy(q, NULL, dst, src, n, &dir, &s.dref, &s.sref);
   if (rc) return rc;
   return submit_public(q, &s, ndeps, deps, out);
 }
@@ -377,7 +376,7 @@ int tdm_memset(tdm_queue *qh, void *dst, int value, size_t n, size_t ndeps,
   GET_Q(qh, q);
   tdm__spec s = {.kind = TDM__CMD_FILL, .op = "memset", .u_ptr0 = dst, .u_value = value,
                  .u_n = n};
-  int rc = tdm__mem_check_fill(q, dst, n, &s.dkind);
+  int rc = tdm__mem_check_fill(q, dst, n, &s.dref);
   if (rc) return rc;
   return submit_public(q, &s, ndeps, deps, out);
 }
@@ -398,8 +397,8 @@ int tdm_free_async(tdm_queue *qh, void *ptr, size_t ndeps, tdm_event *const *dep
   tdm__deplist d;
   int rc = tdm__deps_get(ndeps, deps, &d);
   if (rc) return rc;
-  if (!(rc = tdm__mem_begin_free(q, ptr))) {
-    tdm__spec s = {.kind = TDM__CMD_FREE, .op = "free", .u_ptr0 = ptr, .all_prior = true};
+  tdm__spec s = {.kind = TDM__CMD_FREE, .op = "free", .u_ptr0 = ptr, .all_prior = true};
+  if (!(rc = tdm__mem_begin_free(q, ptr, &s.dref))) {
     if ((rc = tdm__submit(q, &s, d.n, d.v, NULL, out))) tdm__mem_cancel_free(ptr);
   }
   tdm__deps_put(&d);
@@ -413,7 +412,7 @@ int tdm_memcpy_cross(tdm_queue *src_h, tdm_queue *dst_h, void *dst, const void *
   GET_Q(dst_h, dst_q);
   tdm__spec copy = {.kind = TDM__CMD_COPY, .op = "cross-queue memcpy", .u_ptr0 = dst,
                     .u_ptr1 = src, .u_n = n};
-  int rc = tdm__mem_check_cross(src_q, dst_q, dst, src, n, &copy.dkind, &copy.skind);
+  int rc = tdm__mem_check_cross(src_q, dst_q, dst, src, n, &copy.dref, &copy.sref);
   if (rc) return rc;
   tdm__deplist d;
   if ((rc = tdm__deps_get(ndeps, deps, &d))) return rc;

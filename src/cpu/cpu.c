@@ -105,7 +105,8 @@ static int cpu_submit(tdm__bqueue *bq, tdm__cmd *cmd) {
   return rc ? tdm__cpu_svc->error(rc, 0, "the CPU stream is shutting down") : 0;
 }
 
-static int cpu_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr) {
+/* No handle: a CPU pointer is all there is to the memory. */
+static int cpu_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr, tdm__bmem *bm) {
   /* Device memory is aligned like a GPU allocation; pinned memory to a page. */
   size_t align = kind == TDM_MEM_DEVICE ? 256 : kind == TDM_MEM_PINNED ? 4096 : 16;
   size_t rounded = (size + align - 1) / align * align;
@@ -116,7 +117,9 @@ static int cpu_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr) {
   return 0;
 }
 
-static void cpu_mem_free(int bdev, tdm_mem_kind kind, void *ptr) { free(ptr); }
+static void cpu_mem_free(int bdev, tdm_mem_kind kind, void *ptr, const tdm__bmem *bm) {
+  free(ptr);
+}
 
 const tdm__backend tdm__cpu_backend = {
     .abi_version = TDM__BACKEND_ABI,

@@ -112,15 +112,13 @@ void cu_gate_open(cu_gate *g);
 /* cumem.c */
 int cu_mem_init(cu_device *d);
 void cu_mem_fini(cu_device *d);
-int cu_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr);
-void cu_mem_free(int bdev, tdm_mem_kind kind, void *ptr);
+int cu_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr, tdm__bmem *bm);
+void cu_mem_free(int bdev, tdm_mem_kind kind, void *ptr, const tdm__bmem *bm);
 int cu_host_register(int bdev, void *ptr, size_t size);
 void cu_host_unregister(int bdev, void *ptr);
-int cu_mem_native(int bdev, void *base, void *ptr, void **native, size_t *offset);
-int cu_mem_import(int bdev, void *native, size_t size, void **ptr);
-
-bool cu_is_device(const void *p);
-bool cu_is_imported(const void *p);
+int cu_mem_native(int bdev, void *base, void *ptr, const tdm__bmem *bm, void **native,
+                  size_t *offset);
+int cu_mem_import(int bdev, void *native, size_t size, void **ptr, tdm__bmem *bm);
 int cu_host_copy(tdm__cmd *cmd);
 
 /* cuimport.c */

@@ -143,7 +143,7 @@ void cu_mem_fini(cu_device *d) {
   }
 }
 
-int cu_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr) {
+int cu_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr, tdm__bmem *bm) {
   if (kind == TDM_MEM_HOST) {
     void *p = malloc(size);
     if (!p) return cu_svc->error(TDM_ENOMEM, 0, "cannot allocate %zu bytes", size);
@@ -167,43 +167,14 @@ int cu_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr) {
   return rc;
 }
 
-/* Imported device memory is tagged by the low bit of a side table entry: it is never freed. */
-typedef struct imported {
-  struct imported *next;
-  void *ptr;
-} imported;
-static pthread_mutex_t imp_mu = PTHREAD_MUTEX_INITIALIZER;
-static imported *imports;
-
-static bool take_import(void *ptr) {
-  pthread_mutex_lock(&imp_mu);
-  bool found = false;
-  for (imported **pp = &imports; *pp; pp = &(*pp)->next)
-    if ((*pp)->ptr == ptr) {
-      imported *dead = *pp;
-      *pp = dead->next;
-      free(dead);
-      found = true;
-      break;
-    }
-  pthread_mutex_unlock(&imp_mu);
-  return found;
-}
-
-bool cu_is_imported(const void *p) {
-  pthread_mutex_lock(&imp_mu);
-  bool found = false;
-  for (imported *it = imports; it && !found; it = it->next) found = it->ptr == p;
-  pthread_mutex_unlock(&imp_mu);
-  return found;
-}
-
-void cu_mem_free(int bdev, tdm_mem_kind kind, void *ptr) {
+/* Imported device memory is flagged in the core's registry entry (TDM__BMEM_IMPORTED), which
+ * comes back here: it belongs to other code and is only forgotten. */
+void cu_mem_free(int bdev, tdm_mem_kind kind, void *ptr, const tdm__bmem *bm) {
   if (kind == TDM_MEM_HOST) {
     free(ptr);
     return;
   }
-  if (kind == TDM_MEM_DEVICE && take_import(ptr)) return;
+  if (bm->flags & TDM__BMEM_IMPORTED) return;
   int saved;
   if (cu_enter(bdev, &saved)) return;
   if (kind == TDM_MEM_PINNED)
@@ -229,42 +200,22 @@ void cu_host_unregister(int bdev, void *ptr) {
   cu_leave(saved);
 }
 
-int cu_mem_native(int bdev, void *base, void *ptr, void **native, size_t *offset) {
+int cu_mem_native(int bdev, void *base, void *ptr, const tdm__bmem *bm, void **native,
+                  size_t *offset) {
   *native = ptr;
   *offset = 0;
   return 0;
 }
 
-int cu_mem_import(int bdev, void *native, size_t size, void **ptr) {
+int cu_mem_import(int bdev, void *native, size_t size, void **ptr, tdm__bmem *bm) {
   struct cudaPointerAttributes a;
   cudaError_t e = cudaPointerGetAttributes(&a, native);
   if (e != cudaSuccess) return cu_error(e, "cudaPointerGetAttributes on imported memory");
   if (a.type != cudaMemoryTypeDevice || a.device != cu_devs[bdev].ordinal)
     return cu_svc->error(TDM_EINVAL, 0, "%p is not device memory of CUDA device %d", native,
                          cu_devs[bdev].ordinal);
-  imported *im = malloc(sizeof *im);
-  if (!im) return cu_svc->error(TDM_ENOMEM, 0, "no memory");
-  im->ptr = native;
-  pthread_mutex_lock(&imp_mu);
-  im->next = imports;
-  imports = im;
-  pthread_mutex_unlock(&imp_mu);
   *ptr = native;
   return 0;
-}
-
-static enum cudaMemoryType kind_of(const void *p) {
-  struct cudaPointerAttributes a;
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    cudaGetLastError();
-    return cudaMemoryTypeUnregistered;
-  }
-  return a.type;
-}
-
-bool cu_is_device(const void *p) {
-  enum cudaMemoryType t = kind_of(p);
-  return t == cudaMemoryTypeDevice || t == cudaMemoryTypeManaged;
 }
 
 /* A copy with pageable host memory on one side, run by the executor once earlier work on the
@@ -275,17 +226,17 @@ int cu_host_copy(tdm__cmd *cmd) {
   char *dst = cmd->u.copy.dst;
   const char *src = cmd->u.copy.src;
   size_t n = cmd->u.copy.n;
-  bool to_dev = cu_is_device(dst), from_dev = cu_is_device(src);
+  /* The core's registry says which side is device memory and on which device: no pointer
+   * queries on this path. */
+  const tdm__memref *dm = &cmd->u.copy.d, *sm = &cmd->u.copy.s;
+  bool to_dev = dm->kind == TDM_MEM_DEVICE, from_dev = sm->kind == TDM_MEM_DEVICE;
   if (!to_dev && !from_dev) {
     memmove(dst, src, n);
     return 0;
   }
-  int bdev = -1;
-  struct cudaPointerAttributes a;
-  if (cudaPointerGetAttributes(&a, to_dev ? (const void *)dst : (const void *)src) == cudaSuccess)
-    for (int i = 0; i < cu_ndevs; i++)
-      if (cu_devs[i].ordinal == a.device) bdev = i;
-  if (bdev < 0) return cu_svc->error(TDM_EINVAL, 0, "device memory of no known CUDA device");
+  int bdev = to_dev ? dm->bdev : sm->bdev;
+  if (bdev < 0 || bdev >= cu_ndevs)
+    return cu_svc->error(TDM_EINVAL, 0, "device memory of no known CUDA device");
   cu_device *d = &cu_devs[bdev];
   int saved, rc = cu_enter(bdev, &saved);
   if (rc) return rc;

@@ -119,7 +119,7 @@ static int enqueue(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
       void *dst = cmd->u.copy.dst;
       const void *src = cmd->u.copy.src;
       /* The core's registry says what the memory is: no pointer queries on this path. */
-      tdm_mem_kind dk = cmd->u.copy.dkind, sk = cmd->u.copy.skind;
+      tdm_mem_kind dk = cmd->u.copy.d.kind, sk = cmd->u.copy.s.kind;
       bool dd = dk == TDM_MEM_DEVICE, sd = sk == TDM_MEM_DEVICE;
       bool dpage = dk == 0 || dk == TDM_MEM_HOST, spage = sk == 0 || sk == TDM_MEM_HOST;
       if (cmd->u.copy.n && ((!dd && !sd) || (dd && spage) || (sd && dpage)))
@@ -129,7 +129,7 @@ static int enqueue(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
       break;
     }
     case TDM__CMD_FILL:
-      if (cmd->u.fill.n && cmd->u.fill.dkind != TDM_MEM_DEVICE) return host_work(bq, si, cmd);
+      if (cmd->u.fill.n && cmd->u.fill.d.kind != TDM_MEM_DEVICE) return host_work(bq, si, cmd);
       what = "cudaMemsetAsync";
       if (cmd->u.fill.n) e = cudaMemsetAsync(cmd->u.fill.dst, cmd->u.fill.value, cmd->u.fill.n, s);
       break;
@@ -139,15 +139,14 @@ static int enqueue(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
                                             "run host tasks");
       return host_work(bq, si, cmd);
     case TDM__CMD_FREE: {
-      struct cudaPointerAttributes a;
-      if (cudaPointerGetAttributes(&a, cmd->u.free_.ptr) == cudaSuccess &&
-          a.type == cudaMemoryTypeDevice && !cu_is_imported(cmd->u.free_.ptr)) {
+      /* The registry entry says what the memory is: device memory tandem allocated is freed
+       * in stream order; an import is only forgotten, and host memory is freed by the core
+       * after the marker below, from the executor. */
+      const tdm__memref *m = &cmd->u.free_.m;
+      if (m->kind == TDM_MEM_DEVICE && m->bdev >= 0 && !(m->bm.flags & TDM__BMEM_IMPORTED)) {
         what = "cudaFreeAsync";
         e = cudaFreeAsync(cmd->u.free_.ptr, s);
         if (e == cudaSuccess) cmd->flags |= TDM__CMD_NATIVE_FREED;
-      } else {
-        cudaGetLastError();
-        /* Host memory: the core frees it after the marker below, from the executor. */
       }
       break;
     }

@@ -1,7 +1,9 @@
 /* clmem.c: OpenCL memory behind tandem's pointers. Device allocations get addresses from a
  * reserved, inaccessible range and are never reused, so any pointer resolves to one cl_mem and
- * an offset (for user kernels and, later, CLBlast). Pinned host memory is a
- * CL_MEM_ALLOC_HOST_PTR buffer mapped for the host. */
+ * an offset (for user kernels and CLBlast). Pinned host memory is a CL_MEM_ALLOC_HOST_PTR
+ * buffer mapped for the host. The cl_mem of every allocation is kept in the core's registry
+ * entry (tdm__bmem.handle) and comes back with each command and call, so this file keeps no
+ * table of its own: only the range's next free address. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,9 +11,7 @@
 
 #include "ocl.h"
 
-static pthread_rwlock_t lock = PTHREAD_RWLOCK_INITIALIZER;
-static ocl_buf *bufs; /* sorted by base */
-static size_t nbufs, capbufs;
+static pthread_mutex_t range_mu = PTHREAD_MUTEX_INITIALIZER;
 static uintptr_t range_base, range_next, range_end;
 
 int ocl_mem_init(void) {
@@ -35,96 +35,34 @@ int ocl_mem_range(int bdev, uintptr_t *base, size_t *size) {
 }
 
 void ocl_mem_fini(void) {
-  pthread_rwlock_wrlock(&lock);
+  pthread_mutex_lock(&range_mu);
   if (range_base) munmap((void *)range_base, range_end - range_base);
   range_base = range_next = range_end = 0;
-  free(bufs);
-  bufs = NULL;
-  nbufs = capbufs = 0;
-  pthread_rwlock_unlock(&lock);
-}
-
-static long find_locked(uintptr_t p) {
-  size_t lo = 0, hi = nbufs;
-  while (lo < hi) {
-    size_t mid = (lo + hi) / 2;
-    if (bufs[mid].base + bufs[mid].size <= p)
-      lo = mid + 1;
-    else if (bufs[mid].base > p)
-      hi = mid;
-    else
-      return (long)mid;
-  }
-  return -1;
-}
-
-bool ocl_mem_find(const void *p, ocl_buf *out) {
-  pthread_rwlock_rdlock(&lock);
-  long i = find_locked((uintptr_t)p);
-  if (i >= 0) *out = bufs[i];
-  pthread_rwlock_unlock(&lock);
-  return i >= 0;
-}
-
-static int insert(const ocl_buf *b) {
-  pthread_rwlock_wrlock(&lock);
-  if (nbufs == capbufs) {
-    size_t cap = capbufs ? capbufs * 2 : 64;
-    ocl_buf *n = realloc(bufs, cap * sizeof *n);
-    if (!n) {
-      pthread_rwlock_unlock(&lock);
-      return ocl_svc->error(TDM_ENOMEM, 0, "no memory to record an OpenCL buffer");
-    }
-    bufs = n;
-    capbufs = cap;
-  }
-  size_t i = 0;
-  while (i < nbufs && bufs[i].base < b->base) i++;
-  memmove(&bufs[i + 1], &bufs[i], (nbufs - i) * sizeof *bufs);
-  bufs[i] = *b;
-  nbufs++;
-  pthread_rwlock_unlock(&lock);
-  return 0;
-}
-
-static bool take(uintptr_t base, ocl_buf *out) {
-  pthread_rwlock_wrlock(&lock);
-  long i = find_locked(base);
-  bool ok = i >= 0 && bufs[i].base == base;
-  if (ok) {
-    *out = bufs[i];
-    memmove(&bufs[i], &bufs[i + 1], (nbufs - (size_t)i - 1) * sizeof *bufs);
-    nbufs--;
-  }
-  pthread_rwlock_unlock(&lock);
-  return ok;
+  pthread_mutex_unlock(&range_mu);
 }
 
 /* A fresh address range; ranges are never reused, so a stale pointer never aliases. */
 static uintptr_t new_range(size_t size) {
-  pthread_rwlock_wrlock(&lock);
+  pthread_mutex_lock(&range_mu);
   size_t span = (size + 4095) & ~(size_t)4095;
   uintptr_t p = 0;
   if (span >= size && range_end - range_next >= span) {
     p = range_next;
     range_next += span;
   }
-  pthread_rwlock_unlock(&lock);
+  pthread_mutex_unlock(&range_mu);
   return p;
 }
 
-static int device_buffer(int bdev, cl_mem mem, size_t size, bool imported, void **ptr) {
+static int device_buffer(cl_mem mem, size_t size, void **ptr, tdm__bmem *bm) {
   uintptr_t p = new_range(size);
   if (!p) return ocl_svc->error(TDM_ENOMEM, 0, "OpenCL address range exhausted");
-  ocl_buf b = {.base = p, .size = size, .mem = mem, .bdev = bdev, .kind = TDM_MEM_DEVICE,
-               .imported = imported};
-  int rc = insert(&b);
-  if (rc) return rc;
+  bm->handle = mem;
   *ptr = (void *)p;
   return 0;
 }
 
-int ocl_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr) {
+int ocl_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr, tdm__bmem *bm) {
   ocl_device *d = &ocl_devs[bdev];
   cl_int err;
   if (kind == TDM_MEM_HOST) {
@@ -140,7 +78,7 @@ int ocl_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr) {
                           size);
   if (!mem) return ocl_error(err, "clCreateBuffer");
   if (kind == TDM_MEM_DEVICE) {
-    int rc = device_buffer(bdev, mem, size, false, ptr);
+    int rc = device_buffer(mem, size, ptr, bm);
     if (rc) clReleaseMemObject(mem);
     return rc;
   }
@@ -150,44 +88,36 @@ int ocl_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr) {
     clReleaseMemObject(mem);
     return ocl_error(err, "clEnqueueMapBuffer");
   }
-  ocl_buf b = {.base = (uintptr_t)host, .size = size, .mem = mem, .bdev = bdev,
-               .kind = TDM_MEM_PINNED};
-  int rc = insert(&b);
-  if (rc) {
-    clEnqueueUnmapMemObject(d->internal, mem, host, 0, NULL, NULL);
-    clFinish(d->internal);
-    clReleaseMemObject(mem);
-    return rc;
-  }
+  bm->handle = mem;
   *ptr = host;
   return 0;
 }
 
-void ocl_mem_free(int bdev, tdm_mem_kind kind, void *ptr) {
+void ocl_mem_free(int bdev, tdm_mem_kind kind, void *ptr, const tdm__bmem *bm) {
   if (kind == TDM_MEM_HOST) {
     free(ptr);
     return;
   }
-  ocl_buf b;
-  if (!take((uintptr_t)ptr, &b)) return;
-  if (b.kind == TDM_MEM_PINNED) {
-    clEnqueueUnmapMemObject(ocl_devs[b.bdev].internal, b.mem, ptr, 0, NULL, NULL);
-    clFinish(ocl_devs[b.bdev].internal);
+  cl_mem mem = bm->handle;
+  if (!mem) return;
+  if (kind == TDM_MEM_PINNED) {
+    clEnqueueUnmapMemObject(ocl_devs[bdev].internal, mem, ptr, 0, NULL, NULL);
+    clFinish(ocl_devs[bdev].internal);
   }
-  /* The runtime keeps the object until commands using it have completed. */
-  clReleaseMemObject(b.mem);
+  /* The runtime keeps the object until commands using it have completed. An import was
+   * retained by ocl_mem_import, so it is released the same way. */
+  clReleaseMemObject(mem);
 }
 
-int ocl_mem_native(int bdev, void *base, void *ptr, void **native, size_t *offset) {
-  ocl_buf b;
-  if (!ocl_mem_find(ptr, &b))
-    return ocl_svc->error(TDM_EINVAL, 0, "%p is not an OpenCL buffer", ptr);
-  *native = b.mem;
-  *offset = (uintptr_t)ptr - b.base;
+int ocl_mem_native(int bdev, void *base, void *ptr, const tdm__bmem *bm, void **native,
+                   size_t *offset) {
+  if (!bm->handle) return ocl_svc->error(TDM_EINVAL, 0, "%p is not an OpenCL buffer", ptr);
+  *native = bm->handle;
+  *offset = (uintptr_t)ptr - (uintptr_t)base;
   return 0;
 }
 
-int ocl_mem_import(int bdev, void *native, size_t size, void **ptr) {
+int ocl_mem_import(int bdev, void *native, size_t size, void **ptr, tdm__bmem *bm) {
   cl_mem mem = native;
   cl_context ctx;
   size_t real = 0;
@@ -200,7 +130,7 @@ int ocl_mem_import(int bdev, void *native, size_t size, void **ptr) {
   if (size > real)
     return ocl_svc->error(TDM_ERANGE, 0, "import of %zu bytes from a %zu-byte cl_mem", size, real);
   clRetainMemObject(mem);
-  int rc = device_buffer(bdev, mem, size, true, ptr);
+  int rc = device_buffer(mem, size, ptr, bm);
   if (rc) clReleaseMemObject(mem);
   return rc;
 }

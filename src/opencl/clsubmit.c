@@ -177,6 +177,12 @@ static int host_work_ooo(tdm__bqueue *bq, tdm__cmd *cmd, bool gated) {
   return 0;
 }
 
+/* Whether one side of a copy or fill is an OpenCL device buffer (the cl_mem in its registry
+ * entry); pinned and pageable host memory are host pointers to the native queue. */
+static inline bool ocl_is_buffer(const tdm__memref *m) {
+  return m->kind == TDM_MEM_DEVICE && m->bm.handle;
+}
+
 static int enqueue(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl) {
   cl_command_queue q = bq->q;
   cl_event ev = NULL;
@@ -189,37 +195,39 @@ static int enqueue(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl) {
       (cmd->flags & TDM__CMD_QUIET) && cmd->kind != TDM__CMD_BARRIER && !bq->defer ? NULL : &ev;
   cl_int err = CL_SUCCESS;
   const char *what = "enqueue";
-  ocl_buf d, s;
   switch (cmd->kind) {
     case TDM__CMD_COPY: {
+      /* The core's registry entry carries each side's cl_mem and offset. */
       size_t n = cmd->u.copy.n;
-      bool dd = ocl_mem_find(cmd->u.copy.dst, &d) && d.kind == TDM_MEM_DEVICE;
-      bool sd = ocl_mem_find(cmd->u.copy.src, &s) && s.kind == TDM_MEM_DEVICE;
+      const tdm__memref *d = &cmd->u.copy.d, *s = &cmd->u.copy.s;
+      bool dd = ocl_is_buffer(d), sd = ocl_is_buffer(s);
       if (n == 0 || (!dd && !sd)) return host_work(bq, cmd, wl, n != 0);
-      if (dd && sd && d.bdev != s.bdev)
+      if (dd && sd && d->bdev != s->bdev)
         return ocl_svc->error(TDM_ENOTSUP, 0, "copies between OpenCL devices are not supported");
-      size_t doff = (uintptr_t)cmd->u.copy.dst - d.base, soff = (uintptr_t)cmd->u.copy.src - s.base;
       const cl_event *w = wl->n ? wl->ev : NULL;
       if (dd && sd) {
         what = "clEnqueueCopyBuffer";
-        err = clEnqueueCopyBuffer(q, s.mem, d.mem, soff, doff, n, wl->n, w, evp);
+        err = clEnqueueCopyBuffer(q, s->bm.handle, d->bm.handle, s->offset, d->offset, n, wl->n,
+                                  w, evp);
       } else if (dd) {
         what = "clEnqueueWriteBuffer";
-        err = clEnqueueWriteBuffer(q, d.mem, CL_FALSE, doff, n, cmd->u.copy.src, wl->n, w, evp);
+        err = clEnqueueWriteBuffer(q, d->bm.handle, CL_FALSE, d->offset, n, cmd->u.copy.src,
+                                   wl->n, w, evp);
       } else {
         what = "clEnqueueReadBuffer";
-        err = clEnqueueReadBuffer(q, s.mem, CL_FALSE, soff, n, cmd->u.copy.dst, wl->n, w, evp);
+        err = clEnqueueReadBuffer(q, s->bm.handle, CL_FALSE, s->offset, n, cmd->u.copy.dst,
+                                  wl->n, w, evp);
       }
       break;
     }
     case TDM__CMD_FILL: {
       size_t n = cmd->u.fill.n;
-      if (n == 0 || !ocl_mem_find(cmd->u.fill.dst, &d) || d.kind != TDM_MEM_DEVICE)
-        return host_work(bq, cmd, wl, n != 0);
+      const tdm__memref *d = &cmd->u.fill.d;
+      if (n == 0 || !ocl_is_buffer(d)) return host_work(bq, cmd, wl, n != 0);
       cl_uchar byte = (cl_uchar)cmd->u.fill.value;
       what = "clEnqueueFillBuffer";
-      err = clEnqueueFillBuffer(q, d.mem, &byte, 1, (uintptr_t)cmd->u.fill.dst - d.base, n,
-                                wl->n, wl->n ? wl->ev : NULL, evp);
+      err = clEnqueueFillBuffer(q, d->bm.handle, &byte, 1, d->offset, n, wl->n,
+                                wl->n ? wl->ev : NULL, evp);
       break;
     }
     case TDM__CMD_HOST: return host_work(bq, cmd, wl, true);
@@ -271,14 +279,12 @@ static int submit_now(tdm__bqueue *bq, tdm__cmd *cmd) {
 #define DEFER_GATE(bq) ((void *)((uintptr_t)(bq) | 1u))
 
 static bool needs_gate(const tdm__cmd *cmd) {
-  ocl_buf b;
   switch (cmd->kind) {
     case TDM__CMD_HOST: return true;
     case TDM__CMD_COPY:
-      return cmd->u.copy.n && !(ocl_mem_find(cmd->u.copy.dst, &b) && b.kind == TDM_MEM_DEVICE) &&
-             !(ocl_mem_find(cmd->u.copy.src, &b) && b.kind == TDM_MEM_DEVICE);
+      return cmd->u.copy.n && !ocl_is_buffer(&cmd->u.copy.d) && !ocl_is_buffer(&cmd->u.copy.s);
     case TDM__CMD_FILL:
-      return cmd->u.fill.n && !(ocl_mem_find(cmd->u.fill.dst, &b) && b.kind == TDM_MEM_DEVICE);
+      return cmd->u.fill.n && !ocl_is_buffer(&cmd->u.fill.d);
     default: return false;
   }
 }

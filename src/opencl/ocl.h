@@ -65,25 +65,16 @@ extern int ocl_ndevs;
 /* Maps an OpenCL error to a tandem code and sets the message. */
 int ocl_error(cl_int err, const char *what);
 
-/* clmem.c: tandem pointers <-> (cl_mem, offset). */
-typedef struct ocl_buf {
-  uintptr_t base;
-  size_t size;
-  cl_mem mem;
-  int bdev;
-  tdm_mem_kind kind;
-  bool imported;
-} ocl_buf;
+/* clmem.c: tandem pointers <-> (cl_mem, offset); the cl_mem lives in the core's registry. */
 int ocl_mem_init(void);
 void ocl_mem_fini(void);
-/* The buffer holding p (device memory or pinned host memory), or false. */
-bool ocl_mem_find(const void *p, ocl_buf *out);
 /* The reserved range device buffers take their addresses from. */
 int ocl_mem_range(int bdev, uintptr_t *base, size_t *size);
-int ocl_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr);
-void ocl_mem_free(int bdev, tdm_mem_kind kind, void *ptr);
-int ocl_mem_native(int bdev, void *base, void *ptr, void **native, size_t *offset);
-int ocl_mem_import(int bdev, void *native, size_t size, void **ptr);
+int ocl_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr, tdm__bmem *bm);
+void ocl_mem_free(int bdev, tdm_mem_kind kind, void *ptr, const tdm__bmem *bm);
+int ocl_mem_native(int bdev, void *base, void *ptr, const tdm__bmem *bm, void **native,
+                   size_t *offset);
+int ocl_mem_import(int bdev, void *native, size_t size, void **ptr, tdm__bmem *bm);
 
 /* clsubmit.c */
 int ocl_submit(tdm__bqueue *bq, tdm__cmd *cmd);
