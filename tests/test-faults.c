@@ -993,9 +993,9 @@ static void device_lost_by(unsigned kind, const char *name) {
   CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
   CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, N, &d));
   CHECK_OK(tdm_fault_inject(kind, 0, TDM_EDEVLOST));
-  int rc = tdm_memset(q, d, PATTERN, N, 0, NULL, &ev);
+  int rc = TH_CALL(tdm_memset(q, d, PATTERN, N, 0, NULL, &ev));
   if (rc == 0) {
-    rc = th_event_wait_limited(ev, TH_HANG_MS);
+    rc = TH_CALL(th_event_wait_limited(ev, TH_HANG_MS));
     CHECK_OK(tdm_event_release(ev));
   }
   int fired = tdm_fault_fired();
@@ -1005,7 +1005,7 @@ static void device_lost_by(unsigned kind, const char *name) {
     CHECK_OK(rc);
     printf("device lost through %s: no such call on %s\n", name, th_backend_of(dev));
   } else {
-    CHECK_RC(rc, TDM_EDEVLOST);
+    CHECK_STATUS(rc, TDM_EDEVLOST); /* its message was checked by TH_CALL */
     CHECK_RC(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q2), TDM_EDEVLOST);
     CHECK(q2 == SENTINEL_QUEUE);
     CHECK_RC(tdm_malloc(dev, TDM_MEM_DEVICE, N, &d2), TDM_EDEVLOST);
