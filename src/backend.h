@@ -28,8 +28,9 @@
 #include <stdint.h>
 
 #include "tandem.h"
+#include "util/workq.h"
 
-#define TDM__BACKEND_ABI 0x00010004u
+#define TDM__BACKEND_ABI 0x00010005u
 
 typedef struct tdm__bqueue tdm__bqueue; /* a backend's queue; opaque to the core */
 /* The core's event and queue objects. The public tdm_event and tdm_queue are handles that the
@@ -79,7 +80,9 @@ typedef struct tdm__dep {
 #define TDM__INLINE_DEPS 4
 
 struct tdm__cmd {
-  tdm__cmd *next;          /* free for the backend's FIFO while it owns the command */
+  tdm__cmd *next;          /* free for the backend's lists while it owns the command */
+  tdm__workq_item link;    /* the workq (util/workq.h) that runs the command: the core's once
+                              it has the command back, the CPU stream's while it is there */
   tdm__cmd_kind kind;
   unsigned flags;
   tdm__event *ev;           /* completes with the command's status */

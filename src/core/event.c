@@ -7,6 +7,12 @@
 #include "internal.h"
 #include "lfstack.h"
 
+_Atomic long tdm__signaling;
+
+void tdm__signals_quiesce(void) {
+  while (atomic_load_explicit(&tdm__signaling, memory_order_acquire)) sched_yield();
+}
+
 /* ---- pools: a local list popped under the owner's lock, refilled whole from a lock-free
  * stack that any thread pushes onto (lfstack.h). */
 

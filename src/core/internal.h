@@ -206,30 +206,12 @@ int tdm__event_wait_raw(tdm__event *ev);
 int tdm__event_wait_blocking(tdm__event *ev);
 uint64_t tdm__now_ns(void);
 
-/* ---- exec.c: a FIFO of commands served by threads (the pool, a queue's executor) ---- */
-typedef struct tdm__cmdq {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  tdm__cmd *head, *tail;
-  bool stop;
-  int sleepers;             /* serving threads waiting on cv */
-  unsigned unsignaled;      /* pushed without a wake-up since a thread went to sleep */
-} tdm__cmdq;
-void tdm__cmdq_init(tdm__cmdq *f);
-/* Appends cmd; wakes a sleeping server if wake, or once TDM__CMDQ_BATCH commands have come
- * without one. */
-void tdm__cmdq_push(tdm__cmdq *f, tdm__cmd *cmd, bool wake);
-/* Wakes a sleeping server if commands are queued. */
-void tdm__cmdq_kick(tdm__cmdq *f);
-/* Runs tdm__cmd_run on what is pushed until tdm__cmdq_stop, then on what is left; for the
- * threads serving the FIFO. */
-void tdm__cmdq_serve(tdm__cmdq *f);
-void tdm__cmdq_stop(tdm__cmdq *f);
-/* Wake-ups are made after the waker lets go of its lock (a woken thread that shares the CPU
- * then does not block on it at once). Each one in progress is counted from inside the lock to
- * after the signal: a driver's callback thread may still be signaling a FIFO or a queue whose
- * work it just completed when shutdown comes to destroy them, so shutdown first waits for the
- * count to reach zero (tdm__signals_quiesce). */
+/* ---- event.c: wake-ups of a queue's waiters ---- */
+/* Wake-ups of q->cv are made after the waker lets go of q->mu (a woken thread that shares the
+ * CPU then does not block on it at once). Each one in progress is counted from inside the lock
+ * to after the signal: a driver's callback thread may still be signaling a queue whose work it
+ * just completed when shutdown comes to destroy it, so shutdown first waits for the count to
+ * reach zero (tdm__signals_quiesce). A workq counts its own (util/workq.h). */
 extern _Atomic long tdm__signaling;
 static inline void tdm__signal_begin(void) {
   atomic_fetch_add_explicit(&tdm__signaling, 1, memory_order_relaxed);
@@ -288,12 +270,12 @@ struct tdm__queue {
    * a barrier (out-of-order). Capacity trk_cap; nxres slots are reserved by copies underway. */
   tdm__event **xwait;
   size_t nxwait, nxres;
-  /* Native backends: the executor (exec.c), a thread serving this FIFO of natively enqueued
-   * commands. The FIFO's lock and condition live as long as the struct (a waiter may kick the
-   * FIFO of a queue that is being destroyed). */
-  tdm__cmdq xq;
-  bool x_running;
-  pthread_t x_thread;
+  /* Native backends: the executor (exec.c), a workq serving natively enqueued commands. Its
+   * lock and condition live as long as the struct (a waiter may kick the executor of a queue
+   * that is being destroyed). x_held: quiet commands waiting for the next native handle, in
+   * order; the executor's thread alone touches them. */
+  tdm__workq xq;
+  tdm__cmd *x_held, **x_held_tail;
   uint64_t trace_last_end;  /* tracing, in-order queues: end of the last command */
 };
 /* Resolves a caller's handle to a live queue (not being destroyed, device not lost). */
@@ -366,6 +348,8 @@ extern _Thread_local uint64_t tdm__tls_seq;
 
 /* ---- exec.c: the per-queue executor ---- */
 
+/* Once per queue struct: the executor's workq (its lock lives as long as the struct). */
+int tdm__exec_init(tdm__queue *q);
 int tdm__exec_start(tdm__queue *q);
 /* Runs what is queued, then joins the thread. */
 void tdm__exec_stop(tdm__queue *q);

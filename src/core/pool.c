@@ -16,12 +16,16 @@
 #define TDM__POOL_SPARES 256
 
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER; /* guards the thread list */
-static tdm__cmdq ready;
+static tdm__workq ready; /* commands ready to run, served by every pool thread */
 static pthread_t *threads;
 static long nthreads, target, nblocked; /* under pool_mu */
 static _Thread_local bool tls_pool_thread;
 
-void tdm__pool_ready(tdm__cmd *cmd) { tdm__cmdq_push(&ready, cmd, true); }
+void tdm__pool_ready(tdm__cmd *cmd) { tdm__workq_push(&ready, &cmd->link, true); }
+
+static void run_ready(tdm__workq *wq, tdm__workq_item *it) {
+  tdm__cmd_run(TDM__CONTAINER_OF(it, tdm__cmd, link));
+}
 
 static void release_one(tdm__cmd *cmd) {
   if (__atomic_sub_fetch(&cmd->bcount, 1, __ATOMIC_ACQ_REL) == 0) tdm__pool_ready(cmd);
@@ -34,7 +38,7 @@ static void dep_done(tdm__waiter *w, tdm__event *ev) {
 
 static void *pool_main(void *arg) {
   tls_pool_thread = true;
-  tdm__cmdq_serve(&ready);
+  tdm__workq_serve(&ready);
   return NULL;
 }
 
@@ -59,9 +63,12 @@ int tdm__pool_start(void) {
   pthread_mutex_lock(&pool_mu);
   int rc = 0;
   if (!threads) {
-    tdm__cmdq_init(&ready);
     target = n;
     nblocked = 0;
+    if (tdm__workq_init(&ready, run_ready, NULL, NULL)) {
+      pthread_mutex_unlock(&pool_mu);
+      return tdm__error(TDM_ENOMEM, 0, "cannot start tandem's host threads");
+    }
     threads = calloc((size_t)(n + TDM__POOL_SPARES), sizeof *threads);
     if (!threads) rc = TDM_ENOMEM;
     for (long i = 0; !rc && i < n; i++) {
@@ -75,8 +82,7 @@ int tdm__pool_start(void) {
     if (rc) {                         /* none started: leave no half-made pool behind */
       free(threads);
       threads = NULL;
-      pthread_mutex_destroy(&ready.mu);
-      pthread_cond_destroy(&ready.cv);
+      tdm__workq_fini(&ready);
     }
   }
   pthread_mutex_unlock(&pool_mu);
@@ -89,14 +95,12 @@ void tdm__pool_stop(void) {
   bool started = threads != NULL;
   pthread_mutex_unlock(&pool_mu);
   if (!started) return;
-  tdm__cmdq_stop(&ready);
+  tdm__workq_close(&ready);
   pthread_mutex_lock(&pool_mu); /* no spare starts now: every queue has drained */
   long n = nthreads;
   pthread_mutex_unlock(&pool_mu);
   for (long i = 0; i < n; i++) pthread_join(threads[i], NULL);
-  tdm__signals_quiesce(); /* a completion thread may still be waking the list */
-  pthread_mutex_destroy(&ready.mu);
-  pthread_cond_destroy(&ready.cv);
+  tdm__workq_fini(&ready); /* a completion thread may still be waking the list */
   free(threads);
   threads = NULL;
   nthreads = 0;

@@ -35,14 +35,17 @@ static tdm__queue *queue_struct(void) {
   tdm__queue *q = tdm__g.free_queues;
   if (q) {
     tdm__g.free_queues = q->next_free;
-  } else if ((q = tdm__calloc(1, sizeof *q)) && tdm__slot_new(q, &q->slot, &q->gen)) {
+  } else if ((q = tdm__calloc(1, sizeof *q)) && tdm__exec_init(q)) {
+    free(q);
+    q = NULL;
+  } else if (q && tdm__slot_new(q, &q->slot, &q->gen)) {
+    tdm__workq_fini(&q->xq);
     free(q);
     q = NULL;
   } else if (q) {
     pthread_mutex_init(&q->submit_mu, NULL);
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);
-    tdm__cmdq_init(&q->xq);
     q->next_all = tdm__g.queues;
     tdm__g.queues = q;
   }
@@ -193,7 +196,7 @@ void tdm__queue_destroy_imports(tdm__queue *q) {
 /* Frees every queue struct and its pools; the last shutdown calls this after destroying
  * every live queue. */
 void tdm__queues_free_all(void) {
-  tdm__signals_quiesce(); /* no wake-up of a queue's FIFO or events is still in progress */
+  tdm__signals_quiesce(); /* no wake-up of a queue's waiters is still in progress */
   tdm__queue *q = tdm__g.queues;
   while (q) {
     tdm__queue *n = q->next_all;
@@ -209,8 +212,7 @@ void tdm__queues_free_all(void) {
     pthread_mutex_destroy(&q->submit_mu);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);
-    pthread_mutex_destroy(&q->xq.mu);
-    pthread_cond_destroy(&q->xq.cv);
+    tdm__workq_fini(&q->xq); /* after wake-ups of the executor in progress */
     tdm__slot_free(q->slot, q->gen);
     free(q);
     q = n;
