@@ -24,12 +24,15 @@ typedef struct cu_event {
   bool timed;
   int stream;             /* index of the stream it was recorded on (out-of-order queues) */
   struct tdm__bqueue *bq; /* the queue that recorded it; NULL for an import */
-  /* Imports (cuimport.c): whether this is one, and the handshake between the host function
-   * that reports its completion and native_notify, whichever comes second calling note_fn. */
+  /* native_notify: what to call once the event completes. For an event of an out-of-order
+   * queue, the queue's notifier calls it (note_link is the event's place in its FIFO). For an
+   * import (cuimport.c), the host function that reports its completion or native_notify,
+   * whichever comes second, calls it (note_state is their handshake). */
   bool imported;
   _Atomic int note_state;
   void (*note_fn)(void *);
   void *note_arg;
+  tdm__workq_item note_link;
 } cu_event;
 
 /* A gate: the stream waits until *host reaches target (cuStreamWaitValue32), or, without stream
@@ -69,15 +72,6 @@ typedef struct cu_device {
   cudaEvent_t stage_done[2];
 } cu_device;
 
-/* Per out-of-order stream: a thread that waits for events in order and notifies the core. */
-typedef struct cu_notifier {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  struct cu_note *head, *tail;
-  bool stop;
-  pthread_t thread;
-} cu_notifier;
-
 struct tdm__bqueue {
   int bdev;
   bool ooo, adopted, timed;
@@ -85,7 +79,9 @@ struct tdm__bqueue {
   cudaStream_t s[CU_OOO_STREAMS];
   unsigned rr; /* next stream (out-of-order) */
   cu_event *ev_local; /* events taken from the device's pool; under the core's submission lock */
-  cu_notifier note[CU_OOO_STREAMS];
+  /* Out-of-order queues: the notifier, one thread for all the queue's streams, waits for the
+   * events handed to native_notify in the order they were handed over and notifies the core. */
+  tdm__workq notes;
 };
 
 extern const tdm__services *cu_svc;
@@ -145,8 +141,8 @@ int cu_native_notify(void *handle, void (*fn)(void *), void *arg);
 void *cu_native_export(void *handle);
 void cu_gate_open_entry(void *gate);
 int cu_event_elapsed(void *a, void *b, double *ms);
-/* Starts the notifier's thread; TDM_ENOMEM (nothing left to stop) if it cannot. */
-int cu_notifier_start(cu_notifier *n);
-void cu_notifier_stop(cu_notifier *n);
+/* Starts bq's notifier; TDM_ENOMEM (nothing left to stop) if it cannot. */
+int cu_notifier_start(struct tdm__bqueue *bq);
+void cu_notifier_stop(struct tdm__bqueue *bq);
 
 #endif

@@ -323,14 +323,11 @@ static int cuda_queue_create(int bdev, unsigned flags, void *adopt, tdm__bqueue 
       }
     }
   }
-  for (int i = 0; bq->ooo && i < bq->nstreams; i++) {
-    if ((rc = cu_notifier_start(&bq->note[i]))) {
-      while (i--) cu_notifier_stop(&bq->note[i]);
-      for (int k = 0; k < bq->nstreams; k++) cudaStreamDestroy(bq->s[k]); /* never adopted */
-      free(bq);
-      cu_leave(saved);
-      return rc;
-    }
+  if (bq->ooo && (rc = cu_notifier_start(bq))) {
+    for (int k = 0; k < bq->nstreams; k++) cudaStreamDestroy(bq->s[k]); /* never adopted */
+    free(bq);
+    cu_leave(saved);
+    return rc;
   }
   cu_leave(saved);
   *out = bq;
@@ -340,8 +337,7 @@ static int cuda_queue_create(int bdev, unsigned flags, void *adopt, tdm__bqueue 
 static void cuda_queue_destroy(tdm__bqueue *bq) {
   int saved;
   cu_enter(bq->bdev, &saved);
-  if (bq->ooo)
-    for (int i = 0; i < bq->nstreams; i++) cu_notifier_stop(&bq->note[i]);
+  if (bq->ooo) cu_notifier_stop(bq);
   if (!bq->adopted)
     for (int i = 0; i < bq->nstreams; i++) cudaStreamDestroy(bq->s[i]);
   cu_leave(saved);

@@ -1,8 +1,8 @@
 /* cusubmit.c: turns tandem commands into stream operations. Every command ends with a pooled
  * event recorded on its stream, except quiet ones (whose completion only the queue can
  * observe: they complete with the next event, or one cu_native_flush records); the core waits
- * for it on the queue's executor (in-order) or is notified by this backend's per-stream
- * notifier threads (out-of-order queues, which round-robin over CU_OOO_STREAMS streams).
+ * for it on the queue's executor (in-order) or is notified by the queue's notifier thread
+ * (out-of-order queues, which round-robin over CU_OOO_STREAMS streams).
  * Host work (host tasks, pageable and host-only copies, host fills) holds the stream at a gate
  * until the core has done it; nothing tandem runs inside a CUDA callback. */
 #include <stdlib.h>
@@ -222,76 +222,41 @@ int cu_event_elapsed(void *a, void *b, double *ms) {
   return 0;
 }
 
-/* ---- notifiers: one thread per out-of-order stream waits for its events in order ---- */
+/* ---- the notifier: one thread per out-of-order queue ----
+ * Events come in submission order, so waiting for them one after the other keeps each
+ * stream's completions in order, and never waits for an event before one it could depend on
+ * (a dependency is always submitted first). The price: a stream whose work ends early is
+ * reported after the events handed over before its own. The event itself is the FIFO item,
+ * so notifying allocates nothing. */
 
-typedef struct cu_note {
-  struct cu_note *next;
-  cu_event *ev;
-  void (*fn)(void *);
-  void *arg;
-} cu_note;
-
-static void *notifier_main(void *arg) {
-  cu_notifier *n = arg;
-  pthread_mutex_lock(&n->mu);
-  for (;;) {
-    while (!n->head && !n->stop) pthread_cond_wait(&n->cv, &n->mu);
-    cu_note *it = n->head;
-    if (!it) break;
-    n->head = it->next;
-    if (!n->head) n->tail = NULL;
-    pthread_mutex_unlock(&n->mu);
-    cudaSetDevice(cu_devs[it->ev->dev].ordinal);
-    cudaEventSynchronize(it->ev->e); /* the core reads the status itself */
-    it->fn(it->arg);
-    free(it);
-    pthread_mutex_lock(&n->mu);
-  }
-  pthread_mutex_unlock(&n->mu);
-  return NULL;
+static void notify_one(tdm__workq *wq, tdm__workq_item *it) {
+  cu_event *ev = TDM__CONTAINER_OF(it, cu_event, note_link);
+  void (*fn)(void *) = ev->note_fn;
+  void *arg = ev->note_arg;
+  cudaSetDevice(cu_devs[ev->dev].ordinal);
+  cudaEventSynchronize(ev->e); /* the core reads the status itself */
+  fn(arg); /* may release the core's reference to ev: the last touch */
 }
 
-int cu_notifier_start(cu_notifier *n) {
-  pthread_mutex_init(&n->mu, NULL);
-  pthread_cond_init(&n->cv, NULL);
-  n->head = n->tail = NULL;
-  n->stop = false;
-  int e = pthread_create(&n->thread, NULL, notifier_main, n);
-  if (e) {
-    pthread_mutex_destroy(&n->mu);
-    pthread_cond_destroy(&n->cv);
-    return cu_svc->error(TDM_ENOMEM, e, "cannot start a CUDA queue's notifier thread");
-  }
+int cu_notifier_start(tdm__bqueue *bq) {
+  int e = tdm__workq_init(&bq->notes, notify_one, NULL, bq);
+  if (!e && (e = tdm__workq_start(&bq->notes))) tdm__workq_fini(&bq->notes);
+  if (e) return cu_svc->error(TDM_ENOMEM, e, "cannot start a CUDA queue's notifier thread");
   return 0;
 }
 
-void cu_notifier_stop(cu_notifier *n) {
-  pthread_mutex_lock(&n->mu);
-  n->stop = true;
-  pthread_cond_signal(&n->cv);
-  pthread_mutex_unlock(&n->mu);
-  pthread_join(n->thread, NULL);
-  pthread_mutex_destroy(&n->mu);
-  pthread_cond_destroy(&n->cv);
+/* The core has drained the queue: every notice has been given. */
+void cu_notifier_stop(tdm__bqueue *bq) {
+  tdm__workq_stop(&bq->notes);
+  tdm__workq_fini(&bq->notes);
 }
 
 int cu_native_notify(void *handle, void (*fn)(void *), void *arg) {
   cu_event *ev = handle;
   if (ev->imported) return cu_import_notify(ev, fn, arg);
-  cu_notifier *n = &ev->bq->note[ev->stream];
-  cu_note *it = malloc(sizeof *it);
-  if (!it) return TDM_ENOMEM;
-  it->ev = ev;
-  it->fn = fn;
-  it->arg = arg;
-  it->next = NULL;
-  pthread_mutex_lock(&n->mu);
-  if (n->tail)
-    n->tail->next = it;
-  else
-    n->head = it;
-  n->tail = it;
-  pthread_cond_signal(&n->cv);
-  pthread_mutex_unlock(&n->mu);
+  /* The core holds its reference to ev (cmd->wait) until fn has been called. */
+  ev->note_fn = fn;
+  ev->note_arg = arg;
+  tdm__workq_push(&ev->bq->notes, &ev->note_link, true);
   return 0;
 }
