@@ -121,13 +121,13 @@ typedef struct tdm__services {
   /* Reads an option of the environment table ("TANDEM_CPU_DEVICES"), or def if unset. */
   long (*option_long)(const char *name, long def);
   /* Native backends: hands a command enqueued natively to the core, which completes it in
-   * order on the queue's executor (in-order queues) or, on out-of-order queues, on a pool
-   * thread once native_notify reports its handle complete. From this call on, the core owns
-   * cmd->bcount and cmd->deps[].w. */
+   * order on the queue's executor (in-order queues) or, on out-of-order queues, on a thread of
+   * its thread pool once native_notify reports its handle complete. From this call on, the core
+   * owns cmd->bcount and cmd->deps[].w. */
   void (*cmd_native)(tdm__cmd *cmd);
-  /* Host-executed backends: runs cmd_run on a pool thread once its deps have completed
-   * (out-of-order queues), without occupying a thread while it waits. */
-  void (*pool_submit)(tdm__cmd *cmd);
+  /* Host-executed backends: runs cmd_run on a thread of the core's thread pool once its deps
+   * have completed (out-of-order queues), without occupying a thread while it waits. */
+  void (*threadpool_submit)(tdm__cmd *cmd);
   /* Native backends: attaches a native event to ev (released with native_release when ev is
    * freed), so other queues of the same backend can wait for it natively. */
   void (*event_set_native)(tdm__event *ev, void *handle);

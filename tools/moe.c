@@ -63,7 +63,7 @@ typedef struct moe_opts {
   long layers, tokens, ubatch, decode, slots, depth, seed;
   double skew, locality, budget_pct;
   size_t budget_bytes;
-  int policy, overlap_only_serial, check, json, predict;
+  int policy, serialized_only, check, json, predict;
 } moe_opts;
 
 static int parse_double(const char *s, double lo, double hi, double *out) {
@@ -136,7 +136,7 @@ static int parse(int argc, char **argv, moe_opts *o) {
       case OPT_DEVICE: o->device = v; break;
       case OPT_TRACE: o->trace = v; break;
       case OPT_JSON: o->json = 1; break;
-      case OPT_NO_OVERLAP: o->overlap_only_serial = 1; break;
+      case OPT_NO_OVERLAP: o->serialized_only = 1; break;
       case OPT_NO_CHECK: o->check = 0; break;
       case OPT_PREDICT: o->predict = 1; break;
       case OPT_LAYERS: bad = tool_parse_count(cmd, "--layers", v, 1000, &o->layers); break;
@@ -372,7 +372,7 @@ int tool_cmd_moe(int argc, char **argv) {
     goto out;
   }
   const bool modes[2] = {true, false};
-  for (int k = o.overlap_only_serial ? 1 : 0; k < 2; k++) {
+  for (int k = o.serialized_only ? 1 : 0; k < 2; k++) {
     if ((rc = do_run(m, &o, (int)H, modes[k], modes[k] ? "streamed, overlapped" : "streamed, serialized",
                      nruns == 0, x, y, &runs[nruns]))) {
       tool_fail("the forward pass", rc);

@@ -4,8 +4,8 @@
  * - ctx.mu guards the device table, the default queues and the list of queues. Never held
  *   across a backend call that may block on device work.
  * - q->submit_mu serializes submissions to one queue (their order is the order of taking it)
- *   and guards the queue's pools' local lists, its tracker and its sequence numbers. It is held
- *   across backend->submit, never across a wait.
+ *   and guards the local halves of the queue's free lists, its tracker and its sequence
+ *   numbers. It is held across backend->submit, never across a wait.
  * - q->mu guards completion state of q's events (status, waiter lists) and q->cv. A leaf lock:
  *   held for a few instructions, never while calling a backend or a continuation, never while
  *   taking another lock.
@@ -30,7 +30,7 @@
 /* ---- handle.c ---- */
 enum { TDM__KIND_QUEUE = 1, TDM__KIND_EVENT = 2 };
 #define TDM__HANDLE_INDEX_BITS 30 /* a handle: [generation:32][kind:2][index:30] */
-/* A slot for a new struct (cold: when a pool is empty), and the slot's last generation, from
+/* A slot for a new struct (cold: when a free list is empty), and the slot's last generation, from
  * which the struct goes on issuing handles. */
 int tdm__slot_new(void *obj, uint32_t *slot, uint32_t *gen);
 /* Gives the slot back with the last generation the struct issued (the struct is being freed). */
@@ -86,15 +86,16 @@ typedef struct tdm__options {
 void tdm__options_load(tdm__options *o);
 long tdm__option_long(const char *name, long def);
 
-/* ---- lock-free return stack + locked local list (pool.c in core: event.c) ---- */
-typedef struct tdm__pool {
+/* ---- event.c: free lists of recycled structs (a queue's events and commands): a locked local
+ * list refilled whole from a lock-free return stack ---- */
+typedef struct tdm__freelist {
   void *local;               /* popped under the owner's lock */
   _Atomic(void *) returned;  /* pushed from any thread, taken whole by exchange */
-} tdm__pool;
+} tdm__freelist;
 /* Items start with a `void *next` link. */
-void *tdm__pool_get(tdm__pool *p);
-void tdm__pool_put(tdm__pool *p, void *item);
-void tdm__pool_drain(tdm__pool *p, void (*destroy)(void *));
+void *tdm__freelist_get(tdm__freelist *p);
+void tdm__freelist_put(tdm__freelist *p, void *item);
+void tdm__freelist_drain(tdm__freelist *p, void (*destroy)(void *));
 
 /* ---- devices and context (context.c) ---- */
 typedef struct tdm__backend_slot {
@@ -167,7 +168,7 @@ bool tdm__backend_allowed(const char *name);
 
 /* ---- event.c ---- */
 struct tdm__event {
-  void *next;               /* pool link; must be first */
+  void *next;               /* free-list link; must be first */
   _Atomic uint32_t magic;   /* TDM__MAGIC_EVENT while in use, for internal consistency */
   _Atomic int refs;         /* every holder: the command, the tracker, the callers (one) */
   _Atomic int urefs;        /* the callers' references; together they hold one of refs */
@@ -202,7 +203,7 @@ int tdm__event_on_complete(tdm__event *ev, tdm__waiter *w);
 /* Blocks until ev completes; returns its status. No deadlock check. */
 int tdm__event_wait_raw(tdm__event *ev);
 /* The same for waits a caller's thread makes (public waits, syncs, destroys): a pool thread
- * that blocks here is replaced while it waits (pool.c), so the pool cannot starve. */
+ * that blocks here is replaced while it waits (threadpool.c), so the pool cannot starve. */
 int tdm__event_wait_blocking(tdm__event *ev);
 uint64_t tdm__now_ns(void);
 
@@ -245,7 +246,7 @@ struct tdm__queue {
   pthread_cond_t cv;        /* completions of this queue's events (with mu) */
   int cv_sleepers;          /* threads waiting on cv, under mu */
   uint64_t seq;             /* under submit_mu */
-  tdm__pool events, cmds;
+  tdm__freelist events, cmds;
   tdm__event *all_events;    /* under submit_mu */
   /* Counters, per queue so submitters share none. The submitter's side has one writer (under
    * submit_mu) and is never written by completing threads, so a submission takes no atomic
@@ -359,14 +360,14 @@ void tdm__exec_push(tdm__cmd *cmd);
  * queues without an executor, and on destroyed ones. */
 void tdm__exec_kick(tdm__queue *q);
 
-/* ---- pool.c: shared host threads for out-of-order queues ---- */
-int tdm__pool_start(void);
-void tdm__pool_stop(void);
+/* ---- threadpool.c: tandem's shared host threads, for out-of-order queues ---- */
+int tdm__threadpool_start(void);
+void tdm__threadpool_stop(void);
 /* Runs cmd (tdm__cmd_run) on a pool thread once every dependency has completed. */
-void tdm__pool_after_deps(tdm__cmd *cmd);
-void tdm__pool_ready(tdm__cmd *cmd);
+void tdm__threadpool_after_deps(tdm__cmd *cmd);
+void tdm__threadpool_ready(tdm__cmd *cmd);
 /* A natively enqueued command: to the queue's executor (in-order) or, on an out-of-order
- * queue of a backend with native_notify, to the pool when the driver says it completed. */
+ * queue of a backend with native_notify, to the thread pool when the driver says it completed. */
 void tdm__cmd_native(tdm__cmd *cmd);
 
 /* ---- trace.c ---- */

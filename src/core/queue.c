@@ -76,7 +76,7 @@ int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, boo
   q->chain_error = 0;
   q->seq = 0;
   snprintf(q->label, sizeof q->label, "%s/q%d", dev->info.id, q->id);
-  int rc = (flags & TDM_QUEUE_OUT_OF_ORDER) ? tdm__pool_start() : 0;
+  int rc = (flags & TDM_QUEUE_OUT_OF_ORDER) ? tdm__threadpool_start() : 0;
   if (!rc) rc = tdm__tracker_init(q);
   if (!rc && dev->be->native_wait && (rc = tdm__exec_start(q))) tdm__tracker_fini(q);
   if (!rc) {
@@ -166,7 +166,7 @@ int tdm__queue_create_imports(tdm_device *dev, tdm__queue **out) {
   q->chain_error = 0;
   q->seq = 0;
   snprintf(q->label, sizeof q->label, "%s/import", dev->info.id);
-  int rc = tdm__pool_start();
+  int rc = tdm__threadpool_start();
   if (!rc) rc = tdm__tracker_init(q);
   atomic_store(&q->refs, 1);
   if (rc) {
@@ -181,7 +181,7 @@ int tdm__queue_create_imports(tdm_device *dev, tdm__queue **out) {
 }
 
 void tdm__queue_destroy_imports(tdm__queue *q) {
-  /* Each import completes on a pool thread once its driver says so; completions broadcast
+  /* Each import completes on a thread-pool thread once its driver says so; completions broadcast
    * q->cv to sleepers after counting themselves done (tdm__cmd_done). */
   pthread_mutex_lock(&q->mu);
   while (atomic_load(&q->n_done) != atomic_load(&q->n_submitted)) {
@@ -193,7 +193,7 @@ void tdm__queue_destroy_imports(tdm__queue *q) {
   queue_retire(q);
 }
 
-/* Frees every queue struct and its pools; the last shutdown calls this after destroying
+/* Frees every queue struct and its free lists; the last shutdown calls this after destroying
  * every live queue. */
 void tdm__queues_free_all(void) {
   tdm__signals_quiesce(); /* no wake-up of a queue's waiters is still in progress */
@@ -208,7 +208,7 @@ void tdm__queues_free_all(void) {
     }
     q->events.local = NULL;
     atomic_store(&q->events.returned, NULL);
-    tdm__pool_drain(&q->cmds, free_cmd_mem);
+    tdm__freelist_drain(&q->cmds, free_cmd_mem);
     pthread_mutex_destroy(&q->submit_mu);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);

@@ -43,18 +43,18 @@ static void cmd_release_deps(tdm__cmd *cmd) {
   cmd->ndeps = 0;
 }
 
-/* Reserves a command and its event from q's pools (allocating only when they are empty). */
+/* Reserves a command and its event from q's free lists (allocating only when they are empty). */
 static int reserve(tdm__queue *q, size_t total, tdm__cmd **cmd_out, tdm__event **ev_out) {
-  tdm__cmd *cmd = tdm__pool_get(&q->cmds);
+  tdm__cmd *cmd = tdm__freelist_get(&q->cmds);
   if (!cmd && !(cmd = tdm__calloc(1, sizeof *cmd)))
     return tdm__error(TDM_ENOMEM, 0, "no memory for a command on %s", q->label);
   cmd->deps = cmd->inline_deps;
   if (total > TDM__INLINE_DEPS && !(cmd->deps = tdm__malloc(total * sizeof(tdm__dep)))) {
     cmd->deps = cmd->inline_deps;
-    tdm__pool_put(&q->cmds, cmd);
+    tdm__freelist_put(&q->cmds, cmd);
     return tdm__error(TDM_ENOMEM, 0, "no memory for %zu dependencies on %s", total, q->label);
   }
-  tdm__event *ev = tdm__pool_get(&q->events);
+  tdm__event *ev = tdm__freelist_get(&q->events);
   if (!ev && (ev = tdm__calloc(1, sizeof *ev))) {
     if (tdm__slot_new(ev, &ev->slot, &ev->gen)) {
       free(ev);
@@ -67,7 +67,7 @@ static int reserve(tdm__queue *q, size_t total, tdm__cmd **cmd_out, tdm__event *
   if (!ev) {
     if (cmd->deps != cmd->inline_deps) free(cmd->deps);
     cmd->deps = cmd->inline_deps;
-    tdm__pool_put(&q->cmds, cmd);
+    tdm__freelist_put(&q->cmds, cmd);
     return tdm__error(TDM_ENOMEM, 0, "no memory for an event on %s", q->label);
   }
   *cmd_out = cmd;
@@ -202,7 +202,7 @@ int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
     cmd_release_deps(cmd);
     atomic_store(&ev->refs, 1);
     tdm__event_unref(ev);
-    tdm__pool_put(&q->cmds, cmd);
+    tdm__freelist_put(&q->cmds, cmd);
     return tdm__error(rc, tdm_last_native_error(), "submitting %s to %s: %s", spec->op,
                       q->label, tdm__last_detail());
   }
@@ -248,7 +248,7 @@ void tdm__cmd_done(tdm__cmd *cmd, int status, int native) {
   if (atomic_load_explicit(&tdm__tracing, memory_order_relaxed)) tdm__trace_cmd(cmd, status);
   cmd_release_deps(cmd);
   cmd->ev = NULL;
-  tdm__pool_put(&q->cmds, cmd);
+  tdm__freelist_put(&q->cmds, cmd);
   atomic_fetch_add_explicit(&q->n_done, 1, memory_order_relaxed);
   tdm__event_complete_unref(ev, status, native);
 }

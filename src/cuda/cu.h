@@ -15,9 +15,9 @@
 #define CU_OOO_STREAMS 4 /* an out-of-order queue round-robins over this many streams */
 #define CU_GATES 4096    /* gate slots per device */
 
-/* A pooled native event. refs: one per holder (the tandem event, the core's wait). */
+/* A recycled native event. refs: one per holder (the tandem event, the core's wait). */
 typedef struct cu_event {
-  struct cu_event *next; /* first: the pool's link (lfstack.h) */
+  struct cu_event *next; /* first: the free list's link (lfstack.h) */
   cudaEvent_t e;
   _Atomic int refs;
   int dev;
@@ -51,7 +51,7 @@ typedef struct cu_device {
   size_t memory;
   bool wait_value;         /* cuStreamWaitValue32 works on this device */
   cudaStream_t internal;   /* allocation, frees and staging: never gated */
-  _Atomic(void *) ev_returned; /* event pool: a stack any thread pushes onto (lfstack.h) */
+  _Atomic(void *) ev_returned; /* event free list: a stack any thread pushes onto (lfstack.h) */
   pthread_mutex_t gate_mu; /* gate slots */
   pthread_cond_t gate_cv;  /* fallback host functions wait here */
   volatile uint32_t *gate_host;
@@ -61,7 +61,7 @@ typedef struct cu_device {
   int ngate_free;
   cu_gate gates[CU_GATES];
   /* Imports (cuimport.c), under imp_mu: streams that each carry one pending import at a
-   * time, up to CU_IMPORT_STREAMS of them, made on demand; events taken from the pool. */
+   * time, up to CU_IMPORT_STREAMS of them, made on demand; events taken from the free list. */
   pthread_mutex_t imp_mu;
   struct cu_import_stream *imp;
   int nimp;
@@ -78,7 +78,7 @@ struct tdm__bqueue {
   int nstreams;
   cudaStream_t s[CU_OOO_STREAMS];
   unsigned rr; /* next stream (out-of-order) */
-  cu_event *ev_local; /* events taken from the device's pool; under the core's submission lock */
+  cu_event *ev_local; /* taken from the device's free list; under the core's submission lock */
   /* Out-of-order queues: the notifier, one thread for all the queue's streams, waits for the
    * events handed to native_notify in the order they were handed over and notifies the core. */
   tdm__workq notes;
@@ -98,7 +98,7 @@ void cu_leave(int saved);
 
 /* With bq's submission lock held (every backend entry that records is called with it). */
 cu_event *cu_event_get(struct tdm__bqueue *bq);
-/* The same from a list of the caller's (guarded by the caller) refilled from dev's pool. */
+/* The same from a list of the caller's (guarded by the caller) refilled from dev's free list. */
 cu_event *cu_event_take(cu_event **local, int dev, bool timed);
 void cu_event_put(cu_event *ev);
 cu_gate *cu_gate_get(int dev);
@@ -135,8 +135,8 @@ int cu_submit(tdm__bqueue *bq, tdm__cmd *cmd);
 int cu_native_wait(void *handle, int *native);
 void cu_native_release(void *handle);
 int cu_native_flush(tdm__bqueue *bq, void **handle);
-/* Joins the threads that do the host side of staged copies (at shutdown). */
-void cu_copy_pool_stop(void);
+/* Joins the memcpy team, the threads that do the host side of staged copies (at shutdown). */
+void cu_memcpy_team_stop(void);
 int cu_native_notify(void *handle, void (*fn)(void *), void *arg);
 void *cu_native_export(void *handle);
 void cu_gate_open_entry(void *gate);

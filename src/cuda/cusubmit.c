@@ -1,4 +1,4 @@
-/* cusubmit.c: turns tandem commands into stream operations. Every command ends with a pooled
+/* cusubmit.c: turns tandem commands into stream operations. Every command ends with a recycled
  * event recorded on its stream, except quiet ones (whose completion only the queue can
  * observe: they complete with the next event, or one cu_native_flush records); the core waits
  * for it on the queue's executor (in-order) or is notified by the queue's notifier thread

@@ -46,7 +46,8 @@ typedef struct tdm__workq_item {
   struct tdm__workq_item *next;
 } tdm__workq_item;
 
-#define TDM__CONTAINER_OF(ptr, type, member) ((type *)(void *)((char *)(ptr) - offsetof(type, member)))
+#define TDM__CONTAINER_OF(ptr, type, member) \
+  ((type *)(void *)((char *)(ptr) - offsetof(type, member)))
 
 typedef struct tdm__workq tdm__workq;
 typedef void (*tdm__workq_run_fn)(tdm__workq *wq, tdm__workq_item *item);
