@@ -14,10 +14,17 @@
  *   the error rules, executes the command on the host and completes it;
  * - native backends (CUDA, OpenCL) enqueue the command on the native queue, set cmd->wait to
  *   a native handle that completes with it (and, for host tasks, cmd->gate to what holds the
- *   native queue until the task has run), and call svc->cmd_native. The queue's executor, a
- *   tandem thread, then waits for the handle with native_wait in submission order, runs host
- *   tasks, opens their gates with gate_open, and completes the command. Driver callbacks are
- *   never needed and never run tandem code.
+ *   native queue until the task has run), and call svc->cmd_native. On an in-order queue the
+ *   queue's executor, a tandem thread, then waits for the handle with native_wait in
+ *   submission order, runs host tasks, opens their gates with gate_open, and completes the
+ *   command. On an out-of-order queue the core asks native_notify to report the handle's
+ *   completion, and a thread of its thread pool completes the command.
+ * Driver callbacks: a backend may report completions from one (OpenCL's clSetEventCallback,
+ * the host function behind a CUDA import), and then it runs tandem code there, but only the
+ * notification native_notify was given: it counts the command's pending work down and, at
+ * zero, pushes the command onto the thread pool's ready list and wakes a thread (a leaf lock,
+ * never held across a backend call). Host tasks, releases and completions themselves never
+ * run inside a driver callback.
  * A backend never frees a command or its event itself.
  */
 #ifndef TANDEM_BACKEND_H

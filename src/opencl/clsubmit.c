@@ -8,8 +8,11 @@
  * notices").
  *
  * The queue's submission lock is held across these enqueues. That is safe even with PoCL's
- * basic driver, which may run commands inline in this thread, because no tandem code ever runs
- * inside an OpenCL call (gates are user events opened by the executor). */
+ * basic driver, which may run commands and their callbacks inline in this thread: gates are
+ * user events opened by the executor, and the one callback tandem sets (on_complete, below)
+ * runs only the core's notification, which counts a command down and may push it onto the
+ * thread pool's ready list, taking that list's lock and no other; no thread holds that lock
+ * across an OpenCL call. */
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
