@@ -340,6 +340,8 @@ int tdm__submit(tdm__queue *q, const tdm__spec *spec, size_t ndeps, tdm__event *
 int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
                        tdm__event *const *deps, tdm__event **out, tdm_event **out_handle);
 void tdm__cmd_run(tdm__cmd *cmd);
+/* Frees a command of a queue's free list (at shutdown), with the storage it kept. */
+void tdm__cmd_mem_free(void *p);
 /* The rest of tdm__cmd_run once cmd's native work is known to be done, with its status. */
 void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native);
 void tdm__cmd_done(tdm__cmd *cmd, int status, int native);

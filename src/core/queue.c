@@ -20,8 +20,6 @@ int tdm__queue_get(tdm_queue *h, tdm__queue **out) {
   return 0;
 }
 
-static void free_cmd_mem(void *p) { free(p); }
-
 void tdm__queue_unref(tdm__queue *q) {
   if (atomic_fetch_sub(&q->refs, 1) != 1) return;
   pthread_mutex_lock(&tdm__g.mu);
@@ -208,7 +206,7 @@ void tdm__queues_free_all(void) {
     }
     q->events.local = NULL;
     atomic_store(&q->events.returned, NULL);
-    tdm__freelist_drain(&q->cmds, free_cmd_mem);
+    tdm__freelist_drain(&q->cmds, tdm__cmd_mem_free);
     pthread_mutex_destroy(&q->submit_mu);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);

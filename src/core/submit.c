@@ -36,9 +36,43 @@ void tdm__deps_put(tdm__deplist *d) {
 
 static bool ooo(const tdm__queue *q) { return (q->flags & TDM_QUEUE_OUT_OF_ORDER) != 0; }
 
+/* A command as the core allocates it: what backends see, and storage for dependency lists
+ * longer than the inline one, which stays with the command across uses (up to DEPS_KEPT
+ * entries), so a queue that keeps submitting long lists allocates only until its commands
+ * have grown to fit. */
+typedef struct cmd_mem {
+  tdm__cmd cmd; /* first: its first member is the free list's link */
+  tdm__dep *heap;
+  size_t heap_cap;
+} cmd_mem;
+
+#define DEPS_KEPT 256
+
+void tdm__cmd_mem_free(void *p) {
+  cmd_mem *m = p;
+  free(m->heap);
+  free(m);
+}
+
+/* Storage for n dependencies (n > TDM__INLINE_DEPS), or NULL. */
+static tdm__dep *deps_storage(cmd_mem *m, size_t n) {
+  if (m->heap_cap >= n) return m->heap;
+  tdm__dep *d = tdm__malloc(n * sizeof *d);
+  if (!d) return NULL;
+  free(m->heap);
+  m->heap = d;
+  m->heap_cap = n;
+  return d;
+}
+
 static void cmd_release_deps(tdm__cmd *cmd) {
   for (size_t i = 0; i < cmd->ndeps; i++) tdm__event_unref(cmd->deps[i].ev);
-  if (cmd->deps != cmd->inline_deps) free(cmd->deps);
+  cmd_mem *m = (cmd_mem *)cmd;
+  if (m->heap_cap > DEPS_KEPT) {
+    free(m->heap);
+    m->heap = NULL;
+    m->heap_cap = 0;
+  }
   cmd->deps = cmd->inline_deps;
   cmd->ndeps = 0;
 }
@@ -46,10 +80,13 @@ static void cmd_release_deps(tdm__cmd *cmd) {
 /* Reserves a command and its event from q's free lists (allocating only when they are empty). */
 static int reserve(tdm__queue *q, size_t total, tdm__cmd **cmd_out, tdm__event **ev_out) {
   tdm__cmd *cmd = tdm__freelist_get(&q->cmds);
-  if (!cmd && !(cmd = tdm__calloc(1, sizeof *cmd)))
-    return tdm__error(TDM_ENOMEM, 0, "no memory for a command on %s", q->label);
+  if (!cmd) {
+    cmd_mem *m = tdm__calloc(1, sizeof *m);
+    if (!m) return tdm__error(TDM_ENOMEM, 0, "no memory for a command on %s", q->label);
+    cmd = &m->cmd;
+  }
   cmd->deps = cmd->inline_deps;
-  if (total > TDM__INLINE_DEPS && !(cmd->deps = tdm__malloc(total * sizeof(tdm__dep)))) {
+  if (total > TDM__INLINE_DEPS && !(cmd->deps = deps_storage((cmd_mem *)cmd, total))) {
     cmd->deps = cmd->inline_deps;
     tdm__freelist_put(&q->cmds, cmd);
     return tdm__error(TDM_ENOMEM, 0, "no memory for %zu dependencies on %s", total, q->label);
@@ -65,7 +102,6 @@ static int reserve(tdm__queue *q, size_t total, tdm__cmd **cmd_out, tdm__event *
     }
   }
   if (!ev) {
-    if (cmd->deps != cmd->inline_deps) free(cmd->deps);
     cmd->deps = cmd->inline_deps;
     tdm__freelist_put(&q->cmds, cmd);
     return tdm__error(TDM_ENOMEM, 0, "no memory for an event on %s", q->label);
