@@ -246,7 +246,7 @@ struct tdm__queue {
   pthread_cond_t cv;        /* completions of this queue's events (with mu) */
   int cv_sleepers;          /* threads waiting on cv, under mu */
   uint64_t seq;             /* under submit_mu */
-  tdm__freelist events, cmds;
+  tdm__freelist events, cmds, keeps; /* keeps: keep-alives (release.c) */
   tdm__event *all_events;    /* under submit_mu */
   /* Counters, per queue so submitters share none. The submitter's side has one writer (under
    * submit_mu) and is never written by completing threads, so a submission takes no atomic

@@ -207,6 +207,7 @@ void tdm__queues_free_all(void) {
     q->events.local = NULL;
     atomic_store(&q->events.returned, NULL);
     tdm__freelist_drain(&q->cmds, tdm__cmd_mem_free);
+    tdm__freelist_drain(&q->keeps, free);
     pthread_mutex_destroy(&q->submit_mu);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);

@@ -5,7 +5,11 @@
 
 #include "internal.h"
 
+/* A keep-alive. Recycled through its queue's free list (q->keeps), so registering one
+ * allocates nothing in steady state; queue structs outlive the release thread. */
 typedef struct keep {
+  void *next;             /* first: the free list's link */
+  tdm__queue *q;          /* whose free list it goes back to */
   tdm__waiter w;          /* the continuation node */
   tdm__workq_item link;   /* the release thread's FIFO */
   void (*release)(void *);
@@ -28,7 +32,7 @@ static void run_release(tdm__workq *wq, tdm__workq_item *it) {
   tdm__tls_releasing = true;
   tdm__event_unref(k->marker);
   k->release(k->obj);
-  free(k);
+  tdm__freelist_put(&k->q->keeps, k);
   tdm__workq_expect(wq, -1);
 }
 
@@ -55,15 +59,20 @@ int tdm_keep_alive(tdm_queue *h, void (*release)(void *obj), void *obj) {
   int rc = tdm__queue_get(h, &q);
   if (rc) return rc;
   if (!release) return tdm__error(TDM_EINVAL, 0, "tdm_keep_alive: release is NULL");
-  keep *k = tdm__malloc(sizeof *k);
-  if (!k) return tdm__error(TDM_ENOMEM, 0, "no memory for a keep-alive");
+  tdm__spec s = {.kind = TDM__CMD_MARKER, .op = "keep-alive marker", .all_prior = true};
+  pthread_mutex_lock(&q->submit_mu); /* guards q->keeps' local list, as tdm__submit does */
+  keep *k = NULL;
+  if (atomic_load(&q->destroying))
+    rc = tdm__error(TDM_EHANDLE, 0, "%s is being destroyed", q->label);
+  else if (!(k = tdm__freelist_get(&q->keeps)) && !(k = tdm__malloc(sizeof *k)))
+    rc = tdm__error(TDM_ENOMEM, 0, "no memory for a keep-alive");
+  else if ((rc = tdm__submit_locked(q, &s, 0, NULL, &k->marker, NULL)))
+    tdm__freelist_put(&q->keeps, k);
+  pthread_mutex_unlock(&q->submit_mu);
+  if (rc) return rc;
+  k->q = q;
   k->release = release;
   k->obj = obj;
-  tdm__spec s = {.kind = TDM__CMD_MARKER, .op = "keep-alive marker", .all_prior = true};
-  if ((rc = tdm__submit(q, &s, 0, NULL, &k->marker, NULL))) {
-    free(k);
-    return rc;
-  }
   tdm__workq_expect(&rel, 1);
   k->w.fn = on_marker;
   if (tdm__event_on_complete(k->marker, &k->w)) on_marker(&k->w, k->marker);
