@@ -9,11 +9,51 @@
 _Thread_local tdm__queue *tdm__tls_queue;
 _Thread_local uint64_t tdm__tls_seq;
 
+/* A caller's list longer than the inline one is resolved into storage of the calling thread's,
+ * kept from call to call (and freed by a key's destructor when the thread exits), so a caller
+ * that keeps passing long lists allocates only while its lists grow. A second list on the same
+ * thread before the first is put back (no caller does that today), or a thread whose storage
+ * cannot be registered with the key, falls back to an allocation per call. */
+static pthread_key_t deps_key;
+static pthread_once_t deps_once = PTHREAD_ONCE_INIT;
+static bool deps_key_ok;
+static _Thread_local tdm__event **tls_deps;
+static _Thread_local size_t tls_deps_cap;
+static _Thread_local bool tls_deps_busy;
+
+static void deps_key_make(void) { deps_key_ok = pthread_key_create(&deps_key, free) == 0; }
+
+static tdm__event **deps_storage_get(size_t n) {
+  if (tls_deps_busy) return tdm__malloc(n * sizeof(tdm__event *));
+  if (tls_deps_cap < n) {
+    pthread_once(&deps_once, deps_key_make);
+    if (!deps_key_ok) return tdm__malloc(n * sizeof(tdm__event *));
+    tdm__event **v = tdm__malloc(n * sizeof *v);
+    if (!v) return NULL;
+    if (pthread_setspecific(deps_key, v)) {
+      free(v);
+      return tdm__malloc(n * sizeof(tdm__event *));
+    }
+    free(tls_deps);
+    tls_deps = v;
+    tls_deps_cap = n;
+  }
+  tls_deps_busy = true;
+  return tls_deps;
+}
+
+static void deps_storage_put(tdm__event **v) {
+  if (v == tls_deps)
+    tls_deps_busy = false;
+  else
+    free(v);
+}
+
 int tdm__deps_get(size_t ndeps, tdm_event *const *deps, tdm__deplist *out) {
   out->n = 0;
   out->v = out->inl;
   if (ndeps && !deps) return tdm__error(TDM_EINVAL, 0, "ndeps is %zu but deps is NULL", ndeps);
-  if (ndeps > TDM__INLINE_DEPLIST && !(out->v = tdm__malloc(ndeps * sizeof *out->v))) {
+  if (ndeps > TDM__INLINE_DEPLIST && !(out->v = deps_storage_get(ndeps))) {
     out->v = out->inl;
     return tdm__error(TDM_ENOMEM, 0, "no memory for a list of %zu dependencies", ndeps);
   }
@@ -29,7 +69,7 @@ int tdm__deps_get(size_t ndeps, tdm_event *const *deps, tdm__deplist *out) {
 }
 
 void tdm__deps_put(tdm__deplist *d) {
-  if (d->v != d->inl) free(d->v);
+  if (d->v != d->inl) deps_storage_put(d->v);
   d->v = d->inl;
   d->n = 0;
 }
