@@ -1,7 +1,7 @@
 /* exec.c: the per-queue executor of native backends (CUDA, OpenCL), a workq (util/workq.h)
- * with one thread. Natively enqueued commands are handed over in
- * submission order; the executor waits for each one's native handle, runs host tasks and
- * opens their gates, and completes the command. This is how the core learns of completion
+ * with one thread. Natively enqueued commands are handed over in submission order; the
+ * executor waits for each one's native handle, runs host tasks and opens their gates, and
+ * completes the command. This is how the core learns of completion
  * without running anything inside a driver callback.
  *
  * Keeping the submitting thread lean (backends with native_flush):
