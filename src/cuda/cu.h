@@ -25,14 +25,16 @@ typedef struct cu_event {
   int stream;             /* index of the stream it was recorded on (out-of-order queues) */
   struct tdm__bqueue *bq; /* the queue that recorded it; NULL for an import */
   /* native_notify: what to call once the event completes. For an event of an out-of-order
-   * queue, the queue's notifier calls it (note_link is the event's place in its FIFO). For an
-   * import (cuimport.c), the host function that reports its completion or native_notify,
-   * whichever comes second, calls it (note_state is their handshake). */
+   * queue, the queue's notifier calls it (note_link: the event's place in the notifier's FIFO,
+   * then note_next in its stream's pending list). For an import (cuimport.c), the host function
+   * that reports its completion or native_notify, whichever comes second, calls it
+   * (note_state is their handshake). */
   bool imported;
   _Atomic int note_state;
   void (*note_fn)(void *);
   void *note_arg;
   tdm__workq_item note_link;
+  struct cu_event *note_next;
 } cu_event;
 
 /* A gate: the stream waits until *host reaches target (cuStreamWaitValue32), or, without stream
@@ -79,9 +81,12 @@ struct tdm__bqueue {
   cudaStream_t s[CU_OOO_STREAMS];
   unsigned rr; /* next stream (out-of-order) */
   cu_event *ev_local; /* taken from the device's free list; under the core's submission lock */
-  /* Out-of-order queues: the notifier, one thread for all the queue's streams, waits for the
-   * events handed to native_notify in the order they were handed over and notifies the core. */
+  /* Out-of-order queues: the notifier, one thread for all the queue's streams (cusubmit.c).
+   * The pending lists and the back-off are its thread's alone. */
   tdm__workq notes;
+  cu_event *pend_head[CU_OOO_STREAMS], *pend_tail[CU_OOO_STREAMS];
+  int npend;
+  unsigned backoff_us;
 };
 
 extern const tdm__services *cu_svc;

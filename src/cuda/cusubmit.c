@@ -2,11 +2,13 @@
  * event recorded on its stream, except quiet ones (whose completion only the queue can
  * observe: they complete with the next event, or one cu_native_flush records); the core waits
  * for it on the queue's executor (in-order) or is notified by the queue's notifier thread
- * (out-of-order queues, which round-robin over CU_OOO_STREAMS streams).
+ * (out-of-order queues, which round-robin over CU_OOO_STREAMS streams; see the notifier).
  * Host work (host tasks, pageable and host-only copies, host fills) holds the stream at a gate
  * until the core has done it; nothing tandem runs inside a CUDA callback. */
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cu.h"
 
@@ -223,23 +225,80 @@ int cu_event_elapsed(void *a, void *b, double *ms) {
 }
 
 /* ---- the notifier: one thread per out-of-order queue ----
- * Events come in submission order, so waiting for them one after the other keeps each
- * stream's completions in order, and never waits for an event before one it could depend on
- * (a dependency is always submitted first). The price: a stream whose work ends early is
- * reported after the events handed over before its own. The event itself is the FIFO item,
- * so notifying allocates nothing. */
+ * native_notify pushes the event (its own link: nothing is allocated) onto the queue's
+ * notifier, a workq whose thread moves it to its stream's pending list. Each stream's events
+ * complete in order, so only each list's head needs looking at; the lists are independent,
+ * and a later stream's event may well be the one an earlier stream's work waits for (through
+ * a gate on a host task that waits for it). So the thread never blocks on one stream's event
+ * while others are pending: CUDA has no wait for the first of several events, so it polls the
+ * heads (cudaEventQuery, which also reports a failed or lost device at once), backing off from
+ * a yield to NOTE_BACKOFF_MAX_US between fruitless rounds, and sleeps on the workq once
+ * nothing is pending. Each completion is notified in its stream's order. */
 
-static void notify_one(tdm__workq *wq, tdm__workq_item *it) {
+#define NOTE_BACKOFF_MAX_US 200
+
+/* Run on the notifier's thread, for each event pushed: to its stream's pending list. */
+static void note_take(tdm__workq *wq, tdm__workq_item *it) {
+  tdm__bqueue *bq = wq->ctx;
   cu_event *ev = TDM__CONTAINER_OF(it, cu_event, note_link);
-  void (*fn)(void *) = ev->note_fn;
-  void *arg = ev->note_arg;
-  cudaSetDevice(cu_devs[ev->dev].ordinal);
-  cudaEventSynchronize(ev->e); /* the core reads the status itself */
-  fn(arg); /* may release the core's reference to ev: the last touch */
+  int si = ev->stream;
+  ev->note_next = NULL;
+  if (bq->pend_tail[si])
+    bq->pend_tail[si]->note_next = ev;
+  else
+    bq->pend_head[si] = ev;
+  bq->pend_tail[si] = ev;
+  bq->npend++;
+  bq->backoff_us = 0;
+}
+
+/* Notifies the completed heads of stream si's list; returns how many. */
+static int note_stream(tdm__bqueue *bq, int si) {
+  int n = 0;
+  cu_event *ev;
+  while ((ev = bq->pend_head[si]) && cudaEventQuery(ev->e) != cudaErrorNotReady) {
+    bq->pend_head[si] = ev->note_next;
+    if (!bq->pend_head[si]) bq->pend_tail[si] = NULL;
+    bq->npend--;
+    void (*fn)(void *) = ev->note_fn;
+    void *arg = ev->note_arg;
+    fn(arg); /* may release the core's reference to ev: the last touch */
+    n++;
+  }
+  return n;
+}
+
+static void note_back_off(tdm__bqueue *bq) {
+  if (bq->backoff_us == 0) {
+    sched_yield();
+    bq->backoff_us = 1;
+    return;
+  }
+  struct timespec ts = {0, (long)bq->backoff_us * 1000};
+  nanosleep(&ts, NULL);
+  bq->backoff_us = bq->backoff_us * 2 > NOTE_BACKOFF_MAX_US ? NOTE_BACKOFF_MAX_US
+                                                           : bq->backoff_us * 2;
+}
+
+/* Run on the notifier's thread whenever its FIFO is empty: one round over the pending lists.
+ * Returns true (look at the FIFO again, then come back) while any event is pending. */
+static bool note_poll(tdm__workq *wq) {
+  tdm__bqueue *bq = wq->ctx;
+  if (!bq->npend) return false;
+  cudaSetDevice(cu_devs[bq->bdev].ordinal);
+  int done = 0;
+  for (int si = 0; si < bq->nstreams; si++) done += note_stream(bq, si);
+  if (done)
+    bq->backoff_us = 0;
+  else
+    note_back_off(bq);
+  return true;
 }
 
 int cu_notifier_start(tdm__bqueue *bq) {
-  int e = tdm__workq_init(&bq->notes, notify_one, NULL, bq);
+  bq->npend = 0;
+  bq->backoff_us = 0;
+  int e = tdm__workq_init(&bq->notes, note_take, note_poll, bq);
   if (!e && (e = tdm__workq_start(&bq->notes))) tdm__workq_fini(&bq->notes);
   if (e) return cu_svc->error(TDM_ENOMEM, e, "cannot start a CUDA queue's notifier thread");
   return 0;
