@@ -22,7 +22,9 @@
  *   others sleep on. tdm__workq_kick wakes a server if items are queued. A wake-up is a
  *   condition signal made after the lock is let go (a woken thread sharing the CPU does not
  *   block on its waker's lock at once) and only when a server sleeps: no lost wake-up (the
- *   sleeper count is read under the lock it sleeps on) and no needless signal. Nothing spins.
+ *   sleeper count is read under the lock it sleeps on) and no needless signal. The workq
+ *   itself never spins; an idle function that returns true keeps its thread awake (the CUDA
+ *   notifier polls events that way).
  * - Stop: tdm__workq_stop (or _close, for threads the caller started) lets the servers run
  *   every item already pushed, and any pushed while they drain, and leaves once the FIFO is
  *   empty and every item announced with tdm__workq_expect has come and run.
