@@ -15,10 +15,17 @@
  *   the error rules, executes the command on the host and completes it;
  * - native backends (CUDA, OpenCL) enqueue the command on the native queue, set cmd->wait to
  *   a native handle that completes with it (and, for host tasks, cmd->gate to what holds the
- *   native queue until the task has run), and call svc->cmd_native. The queue's executor, a
- *   tandem thread, then waits for the handle with native_wait in submission order, runs host
- *   tasks, opens their gates with gate_open, and completes the command. Driver callbacks are
- *   never needed and never run tandem code.
+ *   native queue until the task has run), and call svc->cmd_native. On an in-order queue the
+ *   queue's executor, a tandem thread, then waits for the handle with native_wait in
+ *   submission order, runs host tasks, opens their gates with gate_open, and completes the
+ *   command. On an out-of-order queue the core asks native_notify to report the handle's
+ *   completion, and a thread of its thread pool completes the command.
+ * Driver callbacks: a backend may report completions from one (OpenCL's clSetEventCallback,
+ * the host function behind a CUDA import), and then it runs tandem code there, but only the
+ * notification native_notify was given: it counts the command's pending work down and, at
+ * zero, pushes the command onto the thread pool's ready list and wakes a thread (a leaf lock,
+ * never held across a backend call). Host tasks, releases and completions themselves never
+ * run inside a driver callback.
  * A backend never frees a command or its event itself.
  */
 #ifndef TANDEM_BACKEND_H
@@ -29,11 +36,13 @@
 #include <stdint.h>
 
 #include "tandem.h"
+#include "util/workq.h"
 
 /* 0x00010006: mem_alloc and mem_import return a tdm__bmem that the core keeps in its registry
  * entry; mem_free, mem_native and commands carry it back (tdm__memref), so a backend keeps no
  * registry of its own; and the MoE extension entry is gone (the MoE operations live in
- * libtandem_moe, on the public API). */
+ * libtandem_moe, on the public API); and commands embed the link of the queue-worker
+ * primitive (tdm__workq_item, src/util/workq.h). */
 #define TDM__BACKEND_ABI 0x00010006u
 
 typedef struct tdm__bqueue tdm__bqueue; /* a backend's queue; opaque to the core */
@@ -106,7 +115,9 @@ typedef struct tdm__dep {
 #define TDM__INLINE_DEPS 4
 
 struct tdm__cmd {
-  tdm__cmd *next;          /* free for the backend's FIFO while it owns the command */
+  tdm__cmd *next;          /* free for the backend's lists while it owns the command */
+  tdm__workq_item link;    /* the workq (util/workq.h) that runs the command: the core's once
+                              it has the command back, the CPU stream's while it is there */
   tdm__cmd_kind kind;
   unsigned flags;
   tdm__event *ev;           /* completes with the command's status */
@@ -145,13 +156,13 @@ typedef struct tdm__services {
   /* Reads an option of the environment table ("TANDEM_CPU_DEVICES"), or def if unset. */
   long (*option_long)(const char *name, long def);
   /* Native backends: hands a command enqueued natively to the core, which completes it in
-   * order on the queue's executor (in-order queues) or, on out-of-order queues, on a pool
-   * thread once native_notify reports its handle complete. From this call on, the core owns
-   * cmd->bcount and cmd->deps[].w. */
+   * order on the queue's executor (in-order queues) or, on out-of-order queues, on a thread of
+   * its thread pool once native_notify reports its handle complete. From this call on, the core
+   * owns cmd->bcount and cmd->deps[].w. */
   void (*cmd_native)(tdm__cmd *cmd);
-  /* Host-executed backends: runs cmd_run on a pool thread once its deps have completed
-   * (out-of-order queues), without occupying a thread while it waits. */
-  void (*pool_submit)(tdm__cmd *cmd);
+  /* Host-executed backends: runs cmd_run on a thread of the core's thread pool once its deps
+   * have completed (out-of-order queues), without occupying a thread while it waits. */
+  void (*threadpool_submit)(tdm__cmd *cmd);
   /* Native backends: attaches a native event to ev (released with native_release when ev is
    * freed), so other queues of the same backend can wait for it natively. */
   void (*event_set_native)(tdm__event *ev, void *handle);

@@ -63,7 +63,7 @@ typedef struct moe_opts {
   long layers, tokens, ubatch, decode, slots, depth, seed;
   double skew, locality, budget_pct;
   size_t budget_bytes;
-  int policy, overlap_only_serial, check, json, predict;
+  int policy, serialized_only, check, json, predict;
 } moe_opts;
 
 static int parse_double(const char *s, double lo, double hi, double *out) {
@@ -130,7 +130,7 @@ static int parse_option(int c, const char *v, moe_opts *o) {
     case OPT_DEVICE: o->device = v; return 0;
     case OPT_TRACE: o->trace = v; return 0;
     case OPT_JSON: o->json = 1; return 0;
-    case OPT_NO_OVERLAP: o->overlap_only_serial = 1; return 0;
+    case OPT_NO_OVERLAP: o->serialized_only = 1; return 0;
     case OPT_NO_CHECK: o->check = 0; return 0;
     case OPT_PREDICT: o->predict = 1; return 0;
     case OPT_LAYERS: return tool_parse_count(cmd, "--layers", v, 1000, &o->layers);
@@ -392,7 +392,7 @@ static int run_streamed(session *s) {
   int rc;
   if ((rc = tdm_moe_model_create(&s->cfg, &m))) return tool_fail("creating the model", rc);
   const bool modes[2] = {true, false};
-  for (int k = s->o.overlap_only_serial ? 1 : 0; !rc && k < 2; k++) {
+  for (int k = s->o.serialized_only ? 1 : 0; !rc && k < 2; k++) {
     run *r = &s->runs[s->nruns];
     rc = do_run(m, &s->o, (int)s->H, modes[k],
                 modes[k] ? "streamed, overlapped" : "streamed, serialized", s->nruns == 0, s->x,

@@ -119,7 +119,7 @@ static void fill_services(tdm__services *s) {
   s->error = tdm__error;
   s->option_long = tdm__option_long;
   s->cmd_native = tdm__cmd_native;
-  s->pool_submit = tdm__pool_after_deps;
+  s->threadpool_submit = tdm__threadpool_after_deps;
   s->event_set_native = event_set_native;
   s->event_native = event_native;
   s->event_device = event_device;
@@ -183,7 +183,7 @@ int tdm_shutdown(void) {
     }
   tdm__imports_stop();
   tdm__release_stop();
-  tdm__pool_stop();
+  tdm__threadpool_stop();
   tdm__trace_flush();
   atomic_store(&tdm__g.live, 0);
   tdm__mem_free_all();

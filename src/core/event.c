@@ -1,5 +1,5 @@
-/* event.c: events (reference counted, pooled per queue, completed once with a status) and the
- * pools that make submission allocation-free in steady state. */
+/* event.c: events (reference counted, recycled per queue, completed once with a status) and the
+ * free lists that make submission allocation-free in steady state. */
 #include <sched.h>
 #include <stdlib.h>
 #include <time.h>
@@ -7,19 +7,25 @@
 #include "internal.h"
 #include "lfstack.h"
 
-/* ---- pools: a local list popped under the owner's lock, refilled whole from a lock-free
+_Atomic long tdm__signaling;
+
+void tdm__signals_quiesce(void) {
+  while (atomic_load_explicit(&tdm__signaling, memory_order_acquire)) sched_yield();
+}
+
+/* ---- free lists: a local list popped under the owner's lock, refilled whole from a lock-free
  * stack that any thread pushes onto (lfstack.h). */
 
-void *tdm__pool_get(tdm__pool *p) {
+void *tdm__freelist_get(tdm__freelist *p) {
   if (!p->local) p->local = tdm__lfstack_take(&p->returned);
   tdm__link *it = p->local;
   if (it) p->local = it->next;
   return it;
 }
 
-void tdm__pool_put(tdm__pool *p, void *item) { tdm__lfstack_push(&p->returned, item); }
+void tdm__freelist_put(tdm__freelist *p, void *item) { tdm__lfstack_push(&p->returned, item); }
 
-void tdm__pool_drain(tdm__pool *p, void (*destroy)(void *)) {
+void tdm__freelist_drain(tdm__freelist *p, void (*destroy)(void *)) {
   tdm__link *lists[2] = {p->local, tdm__lfstack_take(&p->returned)};
   p->local = NULL;
   for (int i = 0; i < 2; i++)
@@ -61,7 +67,7 @@ void tdm__event_free(tdm__event *ev) {
   if (bev) tdm__b_native_release(q->dev, bev);
   atomic_store_explicit(&ev->magic, TDM__MAGIC_DEAD, memory_order_relaxed);
   ev->q = NULL;
-  tdm__pool_put(&q->events, ev);
+  tdm__freelist_put(&q->events, ev);
   atomic_fetch_add_explicit(&q->n_freed, 1, memory_order_relaxed);
   tdm__queue_unref(q);
 }

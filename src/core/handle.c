@@ -1,7 +1,7 @@
 /* handle.c: the handles callers hold. A tdm_queue * or tdm_event * is not the address of the
  * object but a 64-bit value, [generation:32][kind:2][index:30], naming a slot of one table and
  * the generation the slot had when the handle was issued. A slot belongs to one object struct
- * for the struct's whole life; structs are pooled and recycled, and every reuse issues a new
+ * for the struct's whole life; structs are recycled, and every reuse issues a new
  * generation, so a handle of a destroyed or released object stays invalid after its memory is
  * reused, and a value that was never a handle (a stray pointer, a handle of another kind) is
  * never taken for one. The struct keeps its slot's generation while it owns the slot and the

@@ -6,7 +6,7 @@
  * that exists only for this: out of order, with no backend queue and no executor. The command
  * is a barrier without dependencies whose native handle is the import's, so it takes the same
  * road as any native command of an out-of-order queue: the driver's notification
- * (native_notify) puts it on the pool's ready list, a pool thread reads its status and
+ * (native_notify) puts it on the thread pool's ready list, a pool thread reads its status and
  * completes the event. No thread waits per import, and one import never waits behind another.
  * The handle is also attached to the event, so queues of the same backend wait for it
  * natively; the others bridge to it through the event's completion, as for any event. */

@@ -4,8 +4,8 @@
  * - ctx.mu guards the device table, the default queues and the list of queues. Never held
  *   across a backend call that may block on device work.
  * - q->submit_mu serializes submissions to one queue (their order is the order of taking it)
- *   and guards the queue's pools' local lists, its tracker and its sequence numbers. It is held
- *   across backend->submit, never across a wait.
+ *   and guards the local halves of the queue's free lists, its tracker and its sequence
+ *   numbers. It is held across backend->submit, never across a wait.
  * - q->mu guards completion state of q's events (status, waiter lists) and q->cv. A leaf lock:
  *   held for a few instructions, never while calling a backend or a continuation, never while
  *   taking another lock.
@@ -30,7 +30,7 @@
 /* ---- handle.c ---- */
 enum { TDM__KIND_QUEUE = 1, TDM__KIND_EVENT = 2 };
 #define TDM__HANDLE_INDEX_BITS 30 /* a handle: [generation:32][kind:2][index:30] */
-/* A slot for a new struct (cold: when a pool is empty), and the slot's last generation, from
+/* A slot for a new struct (cold: when a free list is empty), and the slot's last generation, from
  * which the struct goes on issuing handles. */
 int tdm__slot_new(void *obj, uint32_t *slot, uint32_t *gen);
 /* Gives the slot back with the last generation the struct issued (the struct is being freed). */
@@ -86,15 +86,16 @@ typedef struct tdm__options {
 void tdm__options_load(tdm__options *o);
 long tdm__option_long(const char *name, long def);
 
-/* ---- lock-free return stack + locked local list (pool.c in core: event.c) ---- */
-typedef struct tdm__pool {
+/* ---- event.c: free lists of recycled structs (a queue's events and commands): a locked local
+ * list refilled whole from a lock-free return stack ---- */
+typedef struct tdm__freelist {
   void *local;               /* popped under the owner's lock */
   _Atomic(void *) returned;  /* pushed from any thread, taken whole by exchange */
-} tdm__pool;
+} tdm__freelist;
 /* Items start with a `void *next` link. */
-void *tdm__pool_get(tdm__pool *p);
-void tdm__pool_put(tdm__pool *p, void *item);
-void tdm__pool_drain(tdm__pool *p, void (*destroy)(void *));
+void *tdm__freelist_get(tdm__freelist *p);
+void tdm__freelist_put(tdm__freelist *p, void *item);
+void tdm__freelist_drain(tdm__freelist *p, void (*destroy)(void *));
 
 /* ---- devices and context (context.c) ---- */
 typedef struct tdm__backend_slot {
@@ -166,7 +167,7 @@ bool tdm__backend_allowed(const char *name);
 
 /* ---- event.c ---- */
 struct tdm__event {
-  void *next;               /* pool link; must be first */
+  void *next;               /* free-list link; must be first */
   _Atomic uint32_t magic;   /* TDM__MAGIC_EVENT while in use, for internal consistency */
   _Atomic int refs;         /* every holder: the command, the tracker, the callers (one) */
   _Atomic int urefs;        /* the callers' references; together they hold one of refs */
@@ -201,34 +202,16 @@ int tdm__event_on_complete(tdm__event *ev, tdm__waiter *w);
 /* Blocks until ev completes; returns its status. No deadlock check. */
 int tdm__event_wait_raw(tdm__event *ev);
 /* The same for waits a caller's thread makes (public waits, syncs, destroys): a pool thread
- * that blocks here is replaced while it waits (pool.c), so the pool cannot starve. */
+ * that blocks here is replaced while it waits (threadpool.c), so the pool cannot starve. */
 int tdm__event_wait_blocking(tdm__event *ev);
 uint64_t tdm__now_ns(void);
 
-/* ---- exec.c: a FIFO of commands served by threads (the pool, a queue's executor) ---- */
-typedef struct tdm__cmdq {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  tdm__cmd *head, *tail;
-  bool stop;
-  int sleepers;             /* serving threads waiting on cv */
-  unsigned unsignaled;      /* pushed without a wake-up since a thread went to sleep */
-} tdm__cmdq;
-void tdm__cmdq_init(tdm__cmdq *f);
-/* Appends cmd; wakes a sleeping server if wake, or once TDM__CMDQ_BATCH commands have come
- * without one. */
-void tdm__cmdq_push(tdm__cmdq *f, tdm__cmd *cmd, bool wake);
-/* Wakes a sleeping server if commands are queued. */
-void tdm__cmdq_kick(tdm__cmdq *f);
-/* Runs tdm__cmd_run on what is pushed until tdm__cmdq_stop, then on what is left; for the
- * threads serving the FIFO. */
-void tdm__cmdq_serve(tdm__cmdq *f);
-void tdm__cmdq_stop(tdm__cmdq *f);
-/* Wake-ups are made after the waker lets go of its lock (a woken thread that shares the CPU
- * then does not block on it at once). Each one in progress is counted from inside the lock to
- * after the signal: a driver's callback thread may still be signaling a FIFO or a queue whose
- * work it just completed when shutdown comes to destroy them, so shutdown first waits for the
- * count to reach zero (tdm__signals_quiesce). */
+/* ---- event.c: wake-ups of a queue's waiters ---- */
+/* Wake-ups of q->cv are made after the waker lets go of q->mu (a woken thread that shares the
+ * CPU then does not block on it at once). Each one in progress is counted from inside the lock
+ * to after the signal: a driver's callback thread may still be signaling a queue whose work it
+ * just completed when shutdown comes to destroy it, so shutdown first waits for the count to
+ * reach zero (tdm__signals_quiesce). A workq counts its own (util/workq.h). */
 extern _Atomic long tdm__signaling;
 static inline void tdm__signal_begin(void) {
   atomic_fetch_add_explicit(&tdm__signaling, 1, memory_order_relaxed);
@@ -262,7 +245,7 @@ struct tdm__queue {
   pthread_cond_t cv;        /* completions of this queue's events (with mu) */
   int cv_sleepers;          /* threads waiting on cv, under mu */
   uint64_t seq;             /* under submit_mu */
-  tdm__pool events, cmds;
+  tdm__freelist events, cmds, keeps; /* keeps: keep-alives (release.c) */
   tdm__event *all_events;    /* under submit_mu */
   /* Counters, per queue so submitters share none. The submitter's side has one writer (under
    * submit_mu) and is never written by completing threads, so a submission takes no atomic
@@ -287,12 +270,12 @@ struct tdm__queue {
    * a barrier (out-of-order). Capacity trk_cap; nxres slots are reserved by copies underway. */
   tdm__event **xwait;
   size_t nxwait, nxres;
-  /* Native backends: the executor (exec.c), a thread serving this FIFO of natively enqueued
-   * commands. The FIFO's lock and condition live as long as the struct (a waiter may kick the
-   * FIFO of a queue that is being destroyed). */
-  tdm__cmdq xq;
-  bool x_running;
-  pthread_t x_thread;
+  /* Native backends: the executor (exec.c), a workq serving natively enqueued commands. Its
+   * lock and condition live as long as the struct (a waiter may kick the executor of a queue
+   * that is being destroyed). x_held: quiet commands waiting for the next native handle, in
+   * order; the executor's thread alone touches them. */
+  tdm__workq xq;
+  tdm__cmd *x_held, **x_held_tail;
   uint64_t trace_last_end;  /* tracing, in-order queues: end of the last command */
 };
 /* Resolves a caller's handle to a live queue (not being destroyed, device not lost). */
@@ -356,6 +339,8 @@ int tdm__submit(tdm__queue *q, const tdm__spec *spec, size_t ndeps, tdm__event *
 int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
                        tdm__event *const *deps, tdm__event **out, tdm_event **out_handle);
 void tdm__cmd_run(tdm__cmd *cmd);
+/* Frees a command of a queue's free list (at shutdown), with the storage it kept. */
+void tdm__cmd_mem_free(void *p);
 /* The rest of tdm__cmd_run once cmd's native work is known to be done, with its status. */
 void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native);
 void tdm__cmd_done(tdm__cmd *cmd, int status, int native);
@@ -365,6 +350,8 @@ extern _Thread_local uint64_t tdm__tls_seq;
 
 /* ---- exec.c: the per-queue executor ---- */
 
+/* Once per queue struct: the executor's workq (its lock lives as long as the struct). */
+int tdm__exec_init(tdm__queue *q);
 int tdm__exec_start(tdm__queue *q);
 /* Runs what is queued, then joins the thread. */
 void tdm__exec_stop(tdm__queue *q);
@@ -374,14 +361,14 @@ void tdm__exec_push(tdm__cmd *cmd);
  * queues without an executor, and on destroyed ones. */
 void tdm__exec_kick(tdm__queue *q);
 
-/* ---- pool.c: shared host threads for out-of-order queues ---- */
-int tdm__pool_start(void);
-void tdm__pool_stop(void);
+/* ---- threadpool.c: tandem's shared host threads, for out-of-order queues ---- */
+int tdm__threadpool_start(void);
+void tdm__threadpool_stop(void);
 /* Runs cmd (tdm__cmd_run) on a pool thread once every dependency has completed. */
-void tdm__pool_after_deps(tdm__cmd *cmd);
-void tdm__pool_ready(tdm__cmd *cmd);
+void tdm__threadpool_after_deps(tdm__cmd *cmd);
+void tdm__threadpool_ready(tdm__cmd *cmd);
 /* A natively enqueued command: to the queue's executor (in-order) or, on an out-of-order
- * queue of a backend with native_notify, to the pool when the driver says it completed. */
+ * queue of a backend with native_notify, to the thread pool when the driver says it completed. */
 void tdm__cmd_native(tdm__cmd *cmd);
 
 /* ---- trace.c ---- */

@@ -20,8 +20,6 @@ int tdm__queue_get(tdm_queue *h, tdm__queue **out) {
   return 0;
 }
 
-static void free_cmd_mem(void *p) { free(p); }
-
 void tdm__queue_unref(tdm__queue *q) {
   if (atomic_fetch_sub(&q->refs, 1) != 1) return;
   pthread_mutex_lock(&tdm__g.mu);
@@ -35,14 +33,17 @@ static tdm__queue *queue_struct(void) {
   tdm__queue *q = tdm__g.free_queues;
   if (q) {
     tdm__g.free_queues = q->next_free;
-  } else if ((q = tdm__calloc(1, sizeof *q)) && tdm__slot_new(q, &q->slot, &q->gen)) {
+  } else if ((q = tdm__calloc(1, sizeof *q)) && tdm__exec_init(q)) {
+    free(q);
+    q = NULL;
+  } else if (q && tdm__slot_new(q, &q->slot, &q->gen)) {
+    tdm__workq_fini(&q->xq);
     free(q);
     q = NULL;
   } else if (q) {
     pthread_mutex_init(&q->submit_mu, NULL);
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);
-    tdm__cmdq_init(&q->xq);
     q->next_all = tdm__g.queues;
     tdm__g.queues = q;
   }
@@ -73,7 +74,7 @@ int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, boo
   q->chain_error = 0;
   q->seq = 0;
   snprintf(q->label, sizeof q->label, "%s/q%d", dev->info.id, q->id);
-  int rc = (flags & TDM_QUEUE_OUT_OF_ORDER) ? tdm__pool_start() : 0;
+  int rc = (flags & TDM_QUEUE_OUT_OF_ORDER) ? tdm__threadpool_start() : 0;
   if (!rc) rc = tdm__tracker_init(q);
   if (!rc && tdm__b_is_native(dev) && (rc = tdm__exec_start(q))) tdm__tracker_fini(q);
   if (!rc) {
@@ -162,7 +163,7 @@ int tdm__queue_create_imports(tdm_device *dev, tdm__queue **out) {
   q->chain_error = 0;
   q->seq = 0;
   snprintf(q->label, sizeof q->label, "%s/import", dev->info.id);
-  int rc = tdm__pool_start();
+  int rc = tdm__threadpool_start();
   if (!rc) rc = tdm__tracker_init(q);
   atomic_store(&q->refs, 1);
   if (rc) {
@@ -177,7 +178,7 @@ int tdm__queue_create_imports(tdm_device *dev, tdm__queue **out) {
 }
 
 void tdm__queue_destroy_imports(tdm__queue *q) {
-  /* Each import completes on a pool thread once its driver says so; completions broadcast
+  /* Each import completes on a thread-pool thread once its driver says so; completions broadcast
    * q->cv to sleepers after counting themselves done (tdm__cmd_done). */
   pthread_mutex_lock(&q->mu);
   while (atomic_load(&q->n_done) != atomic_load(&q->n_submitted)) {
@@ -189,10 +190,10 @@ void tdm__queue_destroy_imports(tdm__queue *q) {
   queue_retire(q);
 }
 
-/* Frees every queue struct and its pools; the last shutdown calls this after destroying
+/* Frees every queue struct and its free lists; the last shutdown calls this after destroying
  * every live queue. */
 void tdm__queues_free_all(void) {
-  tdm__signals_quiesce(); /* no wake-up of a queue's FIFO or events is still in progress */
+  tdm__signals_quiesce(); /* no wake-up of a queue's waiters is still in progress */
   tdm__queue *q = tdm__g.queues;
   while (q) {
     tdm__queue *n = q->next_all;
@@ -204,12 +205,12 @@ void tdm__queues_free_all(void) {
     }
     q->events.local = NULL;
     atomic_store(&q->events.returned, NULL);
-    tdm__pool_drain(&q->cmds, free_cmd_mem);
+    tdm__freelist_drain(&q->cmds, tdm__cmd_mem_free);
+    tdm__freelist_drain(&q->keeps, free);
     pthread_mutex_destroy(&q->submit_mu);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);
-    pthread_mutex_destroy(&q->xq.mu);
-    pthread_cond_destroy(&q->xq.cv);
+    tdm__workq_fini(&q->xq); /* after wake-ups of the executor in progress */
     tdm__slot_free(q->slot, q->gen);
     free(q);
     q = n;

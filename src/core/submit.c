@@ -9,11 +9,51 @@
 _Thread_local tdm__queue *tdm__tls_queue;
 _Thread_local uint64_t tdm__tls_seq;
 
+/* A caller's list longer than the inline one is resolved into storage of the calling thread's,
+ * kept from call to call (and freed by a key's destructor when the thread exits), so a caller
+ * that keeps passing long lists allocates only while its lists grow. A second list on the same
+ * thread before the first is put back (no caller does that today), or a thread whose storage
+ * cannot be registered with the key, falls back to an allocation per call. */
+static pthread_key_t deps_key;
+static pthread_once_t deps_once = PTHREAD_ONCE_INIT;
+static bool deps_key_ok;
+static _Thread_local tdm__event **tls_deps;
+static _Thread_local size_t tls_deps_cap;
+static _Thread_local bool tls_deps_busy;
+
+static void deps_key_make(void) { deps_key_ok = pthread_key_create(&deps_key, free) == 0; }
+
+static tdm__event **deps_storage_get(size_t n) {
+  if (tls_deps_busy) return tdm__malloc(n * sizeof(tdm__event *));
+  if (tls_deps_cap < n) {
+    pthread_once(&deps_once, deps_key_make);
+    if (!deps_key_ok) return tdm__malloc(n * sizeof(tdm__event *));
+    tdm__event **v = tdm__malloc(n * sizeof *v);
+    if (!v) return NULL;
+    if (pthread_setspecific(deps_key, v)) {
+      free(v);
+      return tdm__malloc(n * sizeof(tdm__event *));
+    }
+    free(tls_deps);
+    tls_deps = v;
+    tls_deps_cap = n;
+  }
+  tls_deps_busy = true;
+  return tls_deps;
+}
+
+static void deps_storage_put(tdm__event **v) {
+  if (v == tls_deps)
+    tls_deps_busy = false;
+  else
+    free(v);
+}
+
 int tdm__deps_get(size_t ndeps, tdm_event *const *deps, tdm__deplist *out) {
   out->n = 0;
   out->v = out->inl;
   if (ndeps && !deps) return tdm__error(TDM_EINVAL, 0, "ndeps is %zu but deps is NULL", ndeps);
-  if (ndeps > TDM__INLINE_DEPLIST && !(out->v = tdm__malloc(ndeps * sizeof *out->v))) {
+  if (ndeps > TDM__INLINE_DEPLIST && !(out->v = deps_storage_get(ndeps))) {
     out->v = out->inl;
     return tdm__error(TDM_ENOMEM, 0, "no memory for a list of %zu dependencies", ndeps);
   }
@@ -29,32 +69,69 @@ int tdm__deps_get(size_t ndeps, tdm_event *const *deps, tdm__deplist *out) {
 }
 
 void tdm__deps_put(tdm__deplist *d) {
-  if (d->v != d->inl) free(d->v);
+  if (d->v != d->inl) deps_storage_put(d->v);
   d->v = d->inl;
   d->n = 0;
 }
 
 static bool ooo(const tdm__queue *q) { return (q->flags & TDM_QUEUE_OUT_OF_ORDER) != 0; }
 
+/* A command as the core allocates it: what backends see, and storage for dependency lists
+ * longer than the inline one, which stays with the command across uses (up to DEPS_KEPT
+ * entries), so a queue that keeps submitting long lists allocates only until its commands
+ * have grown to fit. */
+typedef struct cmd_mem {
+  tdm__cmd cmd; /* first: its first member is the free list's link */
+  tdm__dep *heap;
+  size_t heap_cap;
+} cmd_mem;
+
+#define DEPS_KEPT 256
+
+void tdm__cmd_mem_free(void *p) {
+  cmd_mem *m = p;
+  free(m->heap);
+  free(m);
+}
+
+/* Storage for n dependencies (n > TDM__INLINE_DEPS), or NULL. */
+static tdm__dep *deps_storage(cmd_mem *m, size_t n) {
+  if (m->heap_cap >= n) return m->heap;
+  tdm__dep *d = tdm__malloc(n * sizeof *d);
+  if (!d) return NULL;
+  free(m->heap);
+  m->heap = d;
+  m->heap_cap = n;
+  return d;
+}
+
 static void cmd_release_deps(tdm__cmd *cmd) {
   for (size_t i = 0; i < cmd->ndeps; i++) tdm__event_unref(cmd->deps[i].ev);
-  if (cmd->deps != cmd->inline_deps) free(cmd->deps);
+  cmd_mem *m = (cmd_mem *)cmd;
+  if (m->heap_cap > DEPS_KEPT) {
+    free(m->heap);
+    m->heap = NULL;
+    m->heap_cap = 0;
+  }
   cmd->deps = cmd->inline_deps;
   cmd->ndeps = 0;
 }
 
-/* Reserves a command and its event from q's pools (allocating only when they are empty). */
+/* Reserves a command and its event from q's free lists (allocating only when they are empty). */
 static int reserve(tdm__queue *q, size_t total, tdm__cmd **cmd_out, tdm__event **ev_out) {
-  tdm__cmd *cmd = tdm__pool_get(&q->cmds);
-  if (!cmd && !(cmd = tdm__calloc(1, sizeof *cmd)))
-    return tdm__error(TDM_ENOMEM, 0, "no memory for a command on %s", q->label);
+  tdm__cmd *cmd = tdm__freelist_get(&q->cmds);
+  if (!cmd) {
+    cmd_mem *m = tdm__calloc(1, sizeof *m);
+    if (!m) return tdm__error(TDM_ENOMEM, 0, "no memory for a command on %s", q->label);
+    cmd = &m->cmd;
+  }
   cmd->deps = cmd->inline_deps;
-  if (total > TDM__INLINE_DEPS && !(cmd->deps = tdm__malloc(total * sizeof(tdm__dep)))) {
+  if (total > TDM__INLINE_DEPS && !(cmd->deps = deps_storage((cmd_mem *)cmd, total))) {
     cmd->deps = cmd->inline_deps;
-    tdm__pool_put(&q->cmds, cmd);
+    tdm__freelist_put(&q->cmds, cmd);
     return tdm__error(TDM_ENOMEM, 0, "no memory for %zu dependencies on %s", total, q->label);
   }
-  tdm__event *ev = tdm__pool_get(&q->events);
+  tdm__event *ev = tdm__freelist_get(&q->events);
   if (!ev && (ev = tdm__calloc(1, sizeof *ev))) {
     if (tdm__slot_new(ev, &ev->slot, &ev->gen)) {
       free(ev);
@@ -65,9 +142,8 @@ static int reserve(tdm__queue *q, size_t total, tdm__cmd **cmd_out, tdm__event *
     }
   }
   if (!ev) {
-    if (cmd->deps != cmd->inline_deps) free(cmd->deps);
     cmd->deps = cmd->inline_deps;
-    tdm__pool_put(&q->cmds, cmd);
+    tdm__freelist_put(&q->cmds, cmd);
     return tdm__error(TDM_ENOMEM, 0, "no memory for an event on %s", q->label);
   }
   *cmd_out = cmd;
@@ -84,39 +160,41 @@ static void add_dep(tdm__cmd *cmd, tdm__event *ev) {
   d->w.fn = NULL;
 }
 
-int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
-                       tdm__event *const *deps, tdm__event **out, tdm_event **out_handle) {
-  int rc;
-  if (!spec->untracked && (rc = tdm__tracker_reserve(q))) return rc;
-
-  /* Implicit dependencies: copies from other queues that this queue must wait for, and on
-   * out-of-order queues the gate (last barrier or wait) and, for markers and full barriers,
-   * every tracked entry. */
-  tdm__event *gate_dep = NULL;
-  size_t nall = 0;
+/* The implicit dependencies of a submission: copies from other queues that this queue must
+ * wait for, and on out-of-order queues the gate (last barrier or wait) and, for markers and full
+ * barriers, every tracked entry. Returns how many dependencies the command may have at most. */
+static size_t implicit_deps(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
+                            tdm__event **gate_dep, size_t *nall) {
+  *gate_dep = NULL;
+  *nall = 0;
   if (ooo(q)) {
-    if (q->gate && !atomic_load(&q->gate->done)) gate_dep = q->gate;
-    if (spec->all_prior) nall = q->ntrk;
+    if (q->gate && !atomic_load(&q->gate->done)) *gate_dep = q->gate;
+    if (spec->all_prior) *nall = q->ntrk;
   }
-  size_t total = ndeps + (gate_dep ? 1 : 0) + nall + q->nxwait;
+  return ndeps + (*gate_dep ? 1 : 0) + *nall + q->nxwait;
+}
 
-  tdm__cmd *cmd = NULL;
-  tdm__event *ev = NULL;
-  if ((rc = reserve(q, total, &cmd, &ev))) return rc;
+/* Whether only the queue itself can observe the command's completion (TDM__CMD_QUIET). */
+static bool quiet(const tdm__queue *q, const tdm__spec *spec, bool observed) {
+  return !observed && !ooo(q) && !(q->flags & TDM_QUEUE_TIMING) &&
+         spec->kind != TDM__CMD_HOST && spec->kind != TDM__CMD_FREE &&
+         spec->kind != TDM__CMD_MARKER &&
+         !atomic_load_explicit(&tdm__tracing, memory_order_relaxed);
+}
 
+/* The command's kind, flags and operands, from the spec. */
+static void cmd_fill(tdm__cmd *cmd, const tdm__spec *spec, bool is_quiet) {
   cmd->kind = spec->kind;
-  cmd->flags = spec->flags | (spec->all_prior ? TDM__CMD_ALL_PRIOR : 0);
-  if (!out && !out_handle && !ooo(q) && !(q->flags & TDM_QUEUE_TIMING) &&
-      spec->kind != TDM__CMD_HOST &&
-      spec->kind != TDM__CMD_FREE && spec->kind != TDM__CMD_MARKER &&
-      !atomic_load_explicit(&tdm__tracing, memory_order_relaxed))
-    cmd->flags |= TDM__CMD_QUIET;
+  cmd->flags = spec->flags | (spec->all_prior ? TDM__CMD_ALL_PRIOR : 0) |
+               (is_quiet ? TDM__CMD_QUIET : 0);
   cmd->ndeps = 0;
   cmd->bdata = NULL;
   cmd->bcount = 0;
   cmd->t_start = 0;
   cmd->t_submit = atomic_load_explicit(&tdm__tracing, memory_order_relaxed) ? tdm__now_ns() : 0;
   cmd->next = NULL;
+  cmd->wait = NULL;
+  cmd->gate = NULL;
   switch (spec->kind) {
     case TDM__CMD_COPY:
       cmd->u.copy.dst = spec->u_ptr0;
@@ -141,9 +219,14 @@ int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
       break;
     default: break;
   }
-  /* A dependency that has completed without error orders nothing any more: host-observed
-   * completion means its effects are visible to whatever runs after it, so neither the
-   * backend nor the executor need to hear of it (a failed one is kept: it fails the command). */
+}
+
+/* The caller's dependencies, then the implicit ones (implicit_deps). A dependency that has
+ * completed without error orders nothing any more: host-observed completion means its effects
+ * are visible to whatever runs after it, so neither the backend nor the executor need to hear
+ * of it (a failed one is kept: it fails the command). */
+static void cmd_add_deps(tdm__queue *q, tdm__cmd *cmd, size_t ndeps, tdm__event *const *deps,
+                         tdm__event *gate_dep, size_t nall) {
   for (size_t i = 0; i < ndeps; i++)
     if (!atomic_load_explicit(&deps[i]->done, memory_order_acquire) || deps[i]->status != 0)
       add_dep(cmd, deps[i]);
@@ -152,19 +235,19 @@ int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
     if (q->trk[i] != q->gate) add_dep(cmd, q->trk[i]);
   for (size_t i = 0; i < q->nxwait; i++)
     if (!atomic_load(&q->xwait[i]->done)) add_dep(cmd, q->xwait[i]);
+}
 
-  /* Every reference the event will have is taken before the backend sees the command: the
-   * command may complete (and drop its own) before submit returns. No other thread can see
-   * the event before the backend hands the command over (under a lock, which publishes these
-   * stores), so they need no ordering of their own: plain stores let the CPU go on while the
-   * event's cache line, last written by the thread that completed its previous use, comes
-   * back. */
-  bool track = !spec->untracked;
-  bool gate = spec->gate && ooo(q);
-  atomic_store_explicit(&ev->refs, 1 + (track ? 1 : 0) + (gate ? 1 : 0) + (out ? 1 : 0) +
-                                      (out_handle ? 1 : 0),
-                        memory_order_relaxed);
-  atomic_store_explicit(&ev->urefs, out_handle ? 1 : 0, memory_order_relaxed);
+/* Readies ev for this use with refs references (urefs of them the caller's) and issues its
+ * handle. Every reference the event will have is taken before the backend sees the command:
+ * the command may complete (and drop its own) before submit returns. No other thread can see
+ * the event before the backend hands the command over (under a lock, which publishes these
+ * stores), so they need no ordering of their own: plain stores let the CPU go on while the
+ * event's cache line, last written by the thread that completed its previous use, comes
+ * back. */
+static uint64_t event_begin(tdm__queue *q, tdm__event *ev, const tdm__spec *spec, int refs,
+                            int urefs) {
+  atomic_store_explicit(&ev->refs, refs, memory_order_relaxed);
+  atomic_store_explicit(&ev->urefs, urefs, memory_order_relaxed);
   atomic_store_explicit(&ev->done, 0, memory_order_relaxed);
   ev->status = 0;
   ev->native = 0;
@@ -175,8 +258,6 @@ int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
   ev->q = q;
   ev->waiters = NULL;
   atomic_store_explicit(&ev->bev, NULL, memory_order_relaxed);
-  cmd->wait = NULL;
-  cmd->gate = NULL;
   if (q->ref_stock == 0) {
     atomic_fetch_add_explicit(&q->refs, TDM__QUEUE_REF_BATCH, memory_order_relaxed);
     q->ref_stock = TDM__QUEUE_REF_BATCH;
@@ -185,30 +266,36 @@ int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
   atomic_store_explicit(&ev->magic, TDM__MAGIC_EVENT, memory_order_relaxed);
   uint64_t handle = tdm__handle_make(ev->slot, &ev->gen, TDM__KIND_EVENT);
   atomic_store_explicit(&ev->handle, handle, memory_order_relaxed);
-  cmd->ev = ev;
-  atomic_store_explicit(&q->n_submitted,
-                        atomic_load_explicit(&q->n_submitted, memory_order_relaxed) + 1,
-                        memory_order_relaxed);
+  return handle;
+}
 
+/* Hands the command to the backend, or, for an import (import.c), straight to the core's
+ * completion path: the backend made the native handle already, and nothing is enqueued; the
+ * handle's two references go to the event and to the wait. */
+static int give_to_backend(tdm__queue *q, const tdm__spec *spec, tdm__cmd *cmd) {
   if (spec->native) {
-    /* An import (import.c): the backend made the native handle already, and nothing is
-     * enqueued; the handle's two references go to the event and to the wait. */
-    atomic_store_explicit(&ev->bev, spec->native, memory_order_release);
+    atomic_store_explicit(&cmd->ev->bev, spec->native, memory_order_release);
     cmd->wait = spec->native;
     tdm__cmd_native(cmd);
-    rc = 0;
-  } else {
-    rc = tdm__b_submit(q, cmd);
+    return 0;
   }
-  if (rc) {
-    atomic_fetch_add_explicit(&q->n_done, 1, memory_order_relaxed);
-    cmd_release_deps(cmd);
-    atomic_store(&ev->refs, 1);
-    tdm__event_unref(ev);
-    tdm__pool_put(&q->cmds, cmd);
-    return tdm__error(rc, tdm_last_native_error(), "submitting %s to %s: %s", spec->op,
-                      q->label, tdm__last_detail());
-  }
+  return tdm__b_submit(q, cmd);
+}
+
+/* The backend refused the command: everything reserved goes back; returns the error. */
+static int submit_failed(tdm__queue *q, const tdm__spec *spec, tdm__cmd *cmd, int rc) {
+  tdm__event *ev = cmd->ev;
+  atomic_fetch_add_explicit(&q->n_done, 1, memory_order_relaxed);
+  cmd_release_deps(cmd);
+  atomic_store(&ev->refs, 1);
+  tdm__event_unref(ev);
+  tdm__freelist_put(&q->cmds, cmd);
+  return tdm__error(rc, tdm_last_native_error(), "submitting %s to %s: %s", spec->op, q->label,
+                    tdm__last_detail());
+}
+
+/* The backend took the command: the queue's order now includes it. */
+static void submit_commit(tdm__queue *q, tdm__event *ev, bool track, bool gate) {
   q->seq++;
   if (q->nxwait) tdm__xwait_consumed(q, !ooo(q) || gate);
   if (track) tdm__tracker_add(q, ev, true);
@@ -216,6 +303,31 @@ int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
     if (q->gate) tdm__event_unref(q->gate);
     q->gate = ev;
   }
+}
+
+int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
+                       tdm__event *const *deps, tdm__event **out, tdm_event **out_handle) {
+  int rc;
+  if (!spec->untracked && (rc = tdm__tracker_reserve(q))) return rc;
+  tdm__event *gate_dep;
+  size_t nall;
+  size_t total = implicit_deps(q, spec, ndeps, &gate_dep, &nall);
+  tdm__cmd *cmd = NULL;
+  tdm__event *ev = NULL;
+  if ((rc = reserve(q, total, &cmd, &ev))) return rc;
+
+  cmd_fill(cmd, spec, quiet(q, spec, out || out_handle));
+  cmd_add_deps(q, cmd, ndeps, deps, gate_dep, nall);
+  bool track = !spec->untracked;
+  bool gate = spec->gate && ooo(q);
+  int refs = 1 + (track ? 1 : 0) + (gate ? 1 : 0) + (out ? 1 : 0) + (out_handle ? 1 : 0);
+  uint64_t handle = event_begin(q, ev, spec, refs, out_handle ? 1 : 0);
+  cmd->ev = ev;
+  atomic_store_explicit(&q->n_submitted,
+                        atomic_load_explicit(&q->n_submitted, memory_order_relaxed) + 1,
+                        memory_order_relaxed);
+  if ((rc = give_to_backend(q, spec, cmd))) return submit_failed(q, spec, cmd, rc);
+  submit_commit(q, ev, track, gate);
   if (out) *out = ev;
   if (out_handle) *out_handle = (tdm_event *)(uintptr_t)handle;
   return 0;
@@ -251,7 +363,7 @@ void tdm__cmd_done(tdm__cmd *cmd, int status, int native) {
   if (atomic_load_explicit(&tdm__tracing, memory_order_relaxed)) tdm__trace_cmd(cmd, status);
   cmd_release_deps(cmd);
   cmd->ev = NULL;
-  tdm__pool_put(&q->cmds, cmd);
+  tdm__freelist_put(&q->cmds, cmd);
   atomic_fetch_add_explicit(&q->n_done, 1, memory_order_relaxed);
   tdm__event_complete_unref(ev, status, native);
 }

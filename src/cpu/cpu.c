@@ -1,7 +1,7 @@
 /* cpu.c: the CPU backend's table. Devices are the host (TANDEM_CPU_DEVICES of them, all the
  * same machine); "device" memory is host memory that the core tags as device memory, so copy
  * directions are checked as on a GPU. In-order queues are tdm_cpu_streams; out-of-order queues
- * share the pool. */
+ * share the core's thread pool. */
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -68,7 +68,7 @@ static int cpu_queue_create(int bdev, unsigned flags, void *adopt, tdm__bqueue *
   if (!bq) return svc->error(TDM_ENOMEM, 0, "no memory for a CPU queue");
   int rc = 0;
   if (flags & TDM_QUEUE_OUT_OF_ORDER) {
-    /* served by the core's pool */
+    /* served by the core's thread pool */
   } else if (adopt) {
     bq->stream = adopt;
   } else {
@@ -98,7 +98,7 @@ static int cpu_queue_native(tdm__bqueue *bq, void **native) {
 
 static int cpu_submit(tdm__bqueue *bq, tdm__cmd *cmd) {
   if (!bq->stream) {
-    tdm__cpu_svc->pool_submit(cmd);
+    tdm__cpu_svc->threadpool_submit(cmd);
     return 0;
   }
   int rc = tdm__cpu_stream_push(bq->stream, cmd);

@@ -1,7 +1,6 @@
 /* stream.c: the tdm_cpu_stream, the CPU backend's native in-order queue: one worker thread
  * and a FIFO. tandem commands and raw launches by user code share the FIFO, which is why a
  * marker covers work that other code launched. Host tasks run inline on the worker. */
-#include <pthread.h>
 #include <stdbool.h>
 #include <stdlib.h>
 
@@ -10,14 +9,10 @@
 
 #define STREAM_MAGIC 0x43505553u /* "CPUS" */
 
+/* The worker is a workq (util/workq.h) with one thread: commands run in push order. */
 struct tdm_cpu_stream {
   unsigned magic;
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  tdm__cmd *head, *tail;
-  bool stop;
-  bool idle; /* the worker sleeps on cv (under mu) */
-  pthread_t thread;
+  tdm__workq wq;
 };
 
 /* A raw launch travels in the FIFO as a command without an event. */
@@ -27,41 +22,26 @@ typedef struct raw {
   void *arg;
 } raw;
 
-static void *worker(void *arg) {
-  tdm_cpu_stream *s = arg;
-  pthread_mutex_lock(&s->mu);
-  for (;;) {
-    while (!s->head && !s->stop) {
-      s->idle = true;
-      pthread_cond_wait(&s->cv, &s->mu);
-      s->idle = false;
-    }
-    tdm__cmd *c = s->head;
-    if (!c) break; /* stopped and drained */
-    s->head = c->next;
-    if (!s->head) s->tail = NULL;
-    pthread_mutex_unlock(&s->mu);
-    if (c->ev) {
-      tdm__cpu_svc->cmd_run(c);
-    } else {
-      raw *r = (raw *)c;
-      r->fn(r->arg);
-      free(r);
-    }
-    pthread_mutex_lock(&s->mu);
+static void run_one(tdm__workq *wq, tdm__workq_item *it) {
+  tdm__cmd *c = TDM__CONTAINER_OF(it, tdm__cmd, link);
+  if (c->ev) {
+    tdm__cpu_svc->cmd_run(c);
+  } else {
+    raw *r = (raw *)c;
+    r->fn(r->arg);
+    free(r);
   }
-  pthread_mutex_unlock(&s->mu);
-  return NULL;
 }
 
 int tdm__cpu_stream_new(tdm_cpu_stream **out) {
   tdm_cpu_stream *s = calloc(1, sizeof *s);
   if (!s) return TDM_ENOMEM;
-  pthread_mutex_init(&s->mu, NULL);
-  pthread_cond_init(&s->cv, NULL);
-  if (pthread_create(&s->thread, NULL, worker, s)) {
-    pthread_mutex_destroy(&s->mu);
-    pthread_cond_destroy(&s->cv);
+  if (tdm__workq_init(&s->wq, run_one, NULL, s)) {
+    free(s);
+    return TDM_ENOMEM;
+  }
+  if (tdm__workq_start(&s->wq)) {
+    tdm__workq_fini(&s->wq);
     free(s);
     return TDM_ENOMEM;
   }
@@ -72,39 +52,19 @@ int tdm__cpu_stream_new(tdm_cpu_stream **out) {
 
 /* Runs what is queued, then joins the worker. */
 void tdm__cpu_stream_free(tdm_cpu_stream *s) {
-  pthread_mutex_lock(&s->mu);
-  s->stop = true;
-  pthread_cond_signal(&s->cv);
-  pthread_mutex_unlock(&s->mu);
-  pthread_join(s->thread, NULL);
+  tdm__workq_stop(&s->wq);
   s->magic = 0;
-  pthread_mutex_destroy(&s->mu);
-  pthread_cond_destroy(&s->cv);
+  tdm__workq_fini(&s->wq);
   free(s);
 }
 
 int tdm__cpu_stream_valid(const tdm_cpu_stream *s) { return s && s->magic == STREAM_MAGIC; }
 
+/* Every push wakes a sleeping worker: the stream's work is what the queue waits for. The
+ * stream outlives this call (it is freed only once its queue is destroyed, which waits for
+ * submissions in progress). */
 int tdm__cpu_stream_push(tdm_cpu_stream *s, tdm__cmd *cmd) {
-  pthread_mutex_lock(&s->mu);
-  if (s->stop) {
-    pthread_mutex_unlock(&s->mu);
-    return TDM_ESTATE;
-  }
-  cmd->next = NULL;
-  if (s->tail)
-    s->tail->next = cmd;
-  else
-    s->head = cmd;
-  s->tail = cmd;
-  /* Woken after the lock is let go: a worker that shares this CPU then runs without first
-   * blocking on the lock its waker still holds. The stream outlives this call (it is freed
-   * only once its queue is destroyed, which waits for submissions in progress). */
-  bool wake = s->idle;
-  s->idle = false;
-  pthread_mutex_unlock(&s->mu);
-  if (wake) pthread_cond_signal(&s->cv);
-  return 0;
+  return tdm__workq_try_push(&s->wq, &cmd->link, true) ? 0 : TDM_ESTATE;
 }
 
 /* ---- public interop (tandem/cpu.h) ---- */

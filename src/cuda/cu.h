@@ -15,21 +15,26 @@
 #define CU_OOO_STREAMS 4 /* an out-of-order queue round-robins over this many streams */
 #define CU_GATES 4096    /* gate slots per device */
 
-/* A pooled native event. refs: one per holder (the tandem event, the core's wait). */
+/* A recycled native event. refs: one per holder (the tandem event, the core's wait). */
 typedef struct cu_event {
-  struct cu_event *next; /* first: the pool's link (lfstack.h) */
+  struct cu_event *next; /* first: the free list's link (lfstack.h) */
   cudaEvent_t e;
   _Atomic int refs;
   int dev;
   bool timed;
   int stream;             /* index of the stream it was recorded on (out-of-order queues) */
   struct tdm__bqueue *bq; /* the queue that recorded it; NULL for an import */
-  /* Imports (cuimport.c): whether this is one, and the handshake between the host function
-   * that reports its completion and native_notify, whichever comes second calling note_fn. */
+  /* native_notify: what to call once the event completes. For an event of an out-of-order
+   * queue, the queue's notifier calls it (note_link: the event's place in the notifier's FIFO,
+   * then note_next in its stream's pending list). For an import (cuimport.c), the host function
+   * that reports its completion or native_notify, whichever comes second, calls it
+   * (note_state is their handshake). */
   bool imported;
   _Atomic int note_state;
   void (*note_fn)(void *);
   void *note_arg;
+  tdm__workq_item note_link;
+  struct cu_event *note_next;
 } cu_event;
 
 /* A gate: the stream waits until *host reaches target (cuStreamWaitValue32), or, without stream
@@ -48,7 +53,7 @@ typedef struct cu_device {
   size_t memory;
   bool wait_value;         /* cuStreamWaitValue32 works on this device */
   cudaStream_t internal;   /* allocation, frees and staging: never gated */
-  _Atomic(void *) ev_returned; /* event pool: a stack any thread pushes onto (lfstack.h) */
+  _Atomic(void *) ev_returned; /* event free list: a stack any thread pushes onto (lfstack.h) */
   pthread_mutex_t gate_mu; /* gate slots */
   pthread_cond_t gate_cv;  /* fallback host functions wait here */
   volatile uint32_t *gate_host;
@@ -58,7 +63,7 @@ typedef struct cu_device {
   int ngate_free;
   cu_gate gates[CU_GATES];
   /* Imports (cuimport.c), under imp_mu: streams that each carry one pending import at a
-   * time, up to CU_IMPORT_STREAMS of them, made on demand; events taken from the pool. */
+   * time, up to CU_IMPORT_STREAMS of them, made on demand; events taken from the free list. */
   pthread_mutex_t imp_mu;
   struct cu_import_stream *imp;
   int nimp;
@@ -69,23 +74,19 @@ typedef struct cu_device {
   cudaEvent_t stage_done[2];
 } cu_device;
 
-/* Per out-of-order stream: a thread that waits for events in order and notifies the core. */
-typedef struct cu_notifier {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  struct cu_note *head, *tail;
-  bool stop;
-  pthread_t thread;
-} cu_notifier;
-
 struct tdm__bqueue {
   int bdev;
   bool ooo, adopted, timed;
   int nstreams;
   cudaStream_t s[CU_OOO_STREAMS];
   unsigned rr; /* next stream (out-of-order) */
-  cu_event *ev_local; /* events taken from the device's pool; under the core's submission lock */
-  cu_notifier note[CU_OOO_STREAMS];
+  cu_event *ev_local; /* taken from the device's free list; under the core's submission lock */
+  /* Out-of-order queues: the notifier, one thread for all the queue's streams (cusubmit.c).
+   * The pending lists and the back-off are its thread's alone. */
+  tdm__workq notes;
+  cu_event *pend_head[CU_OOO_STREAMS], *pend_tail[CU_OOO_STREAMS];
+  int npend;
+  unsigned backoff_us;
 };
 
 extern const tdm__services *cu_svc;
@@ -102,7 +103,7 @@ void cu_leave(int saved);
 
 /* With bq's submission lock held (every backend entry that records is called with it). */
 cu_event *cu_event_get(struct tdm__bqueue *bq);
-/* The same from a list of the caller's (guarded by the caller) refilled from dev's pool. */
+/* The same from a list of the caller's (guarded by the caller) refilled from dev's free list. */
 cu_event *cu_event_take(cu_event **local, int dev, bool timed);
 void cu_event_put(cu_event *ev);
 cu_gate *cu_gate_get(int dev);
@@ -134,14 +135,14 @@ int cu_submit(tdm__bqueue *bq, tdm__cmd *cmd);
 int cu_native_wait(void *handle, int *native);
 void cu_native_release(void *handle);
 int cu_native_flush(tdm__bqueue *bq, void **handle);
-/* Joins the threads that do the host side of staged copies (at shutdown). */
-void cu_copy_pool_stop(void);
+/* Joins the memcpy team, the threads that do the host side of staged copies (at shutdown). */
+void cu_memcpy_team_stop(void);
 int cu_native_notify(void *handle, void (*fn)(void *), void *arg);
 void *cu_native_export(void *handle);
 void cu_gate_open_entry(void *gate);
 int cu_event_elapsed(void *a, void *b, double *ms);
-/* Starts the notifier's thread; TDM_ENOMEM (nothing left to stop) if it cannot. */
-int cu_notifier_start(cu_notifier *n);
-void cu_notifier_stop(cu_notifier *n);
+/* Starts bq's notifier; TDM_ENOMEM (nothing left to stop) if it cannot. */
+int cu_notifier_start(struct tdm__bqueue *bq);
+void cu_notifier_stop(struct tdm__bqueue *bq);
 
 #endif

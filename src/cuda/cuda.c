@@ -1,5 +1,5 @@
 /* cuda.c: the CUDA backend's table (the module libtandem-cuda.so): devices, queues (owned
- * non-blocking streams, or adopted ones), pooled events, gates, error mapping, and the
+ * non-blocking streams, or adopted ones), recycled events, gates, error mapping, and the
  * current-device discipline (every entry saves and restores the caller's device). */
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,9 +59,9 @@ void cu_leave(int saved) {
   if (saved >= 0 && cudaGetDevice(&now) == cudaSuccess && now != saved) cudaSetDevice(saved);
 }
 
-/* ---- events: pooled per device, timing only where asked ---- */
+/* ---- events: recycled per device, timing only where asked ---- */
 
-/* Pooled per device without a lock: a queue takes events from a list of its own (touched
+/* A free list per device without a lock: a queue takes events from a list of its own (touched
  * only under its submission lock) and refills it, all at once, from the device's stack, onto
  * which whoever drops an event's last reference pushes it. Popping the whole stack at once
  * leaves no ABA hazard; the thread completing events writes no line the submitting thread
@@ -97,7 +97,7 @@ cu_event *cu_event_get(tdm__bqueue *bq) { return cu_event_take(&bq->ev_local, bq
 void cu_event_put(cu_event *ev) {
   if (atomic_fetch_sub(&ev->refs, 1) != 1) return;
   if (ev->timed) {
-    /* Timed events are rare (timing queues): not pooled. cudaEventDestroy does not block. */
+    /* Timed events are rare (timing queues): not recycled. cudaEventDestroy does not block. */
     cudaEventDestroy(ev->e);
     free(ev);
     return;
@@ -243,7 +243,7 @@ static int cuda_init(const tdm__services *svc, int *ndevices) {
 }
 
 static void cuda_shutdown(void) {
-  cu_copy_pool_stop();
+  cu_memcpy_team_stop();
   for (int i = 0; i < cu_ndevs; i++) {
     cu_device *d = &cu_devs[i];
     cudaSetDevice(d->ordinal);
@@ -323,14 +323,11 @@ static int cuda_queue_create(int bdev, unsigned flags, void *adopt, tdm__bqueue 
       }
     }
   }
-  for (int i = 0; bq->ooo && i < bq->nstreams; i++) {
-    if ((rc = cu_notifier_start(&bq->note[i]))) {
-      while (i--) cu_notifier_stop(&bq->note[i]);
-      for (int k = 0; k < bq->nstreams; k++) cudaStreamDestroy(bq->s[k]); /* never adopted */
-      free(bq);
-      cu_leave(saved);
-      return rc;
-    }
+  if (bq->ooo && (rc = cu_notifier_start(bq))) {
+    for (int k = 0; k < bq->nstreams; k++) cudaStreamDestroy(bq->s[k]); /* never adopted */
+    free(bq);
+    cu_leave(saved);
+    return rc;
   }
   cu_leave(saved);
   *out = bq;
@@ -340,8 +337,7 @@ static int cuda_queue_create(int bdev, unsigned flags, void *adopt, tdm__bqueue 
 static void cuda_queue_destroy(tdm__bqueue *bq) {
   int saved;
   cu_enter(bq->bdev, &saved);
-  if (bq->ooo)
-    for (int i = 0; i < bq->nstreams; i++) cu_notifier_stop(&bq->note[i]);
+  if (bq->ooo) cu_notifier_stop(bq);
   if (!bq->adopted)
     for (int i = 0; i < bq->nstreams; i++) cudaStreamDestroy(bq->s[i]);
   cu_leave(saved);

@@ -3,7 +3,7 @@
  *
  * tandem does not keep the caller's cudaEvent_t. A stream of its own waits for it
  * (cudaStreamWaitEvent, which takes the work recorded into the event at that moment) and then
- * records a pooled event of tandem's, which stands for the import from then on. So the
+ * records a recycled event of tandem's, which stands for the import from then on. So the
  * caller may destroy or re-record its event as soon as the call returns, which Python callers
  * cannot help doing (a CuPy or PyTorch event is destroyed with its last Python reference, and
  * loops re-record one event every step), and the import means the same work whatever other
@@ -39,7 +39,7 @@ enum { NOTE_OFF, NOTE_WAIT, NOTE_FIRED, NOTE_SET };
 static void CUDART_CB import_fired(void *arg) {
   cu_event *ev = arg;
   if (atomic_exchange(&ev->note_state, NOTE_FIRED) == NOTE_SET) ev->note_fn(ev->note_arg);
-  cu_event_put(ev); /* an untimed event: back onto the pool's lock-free stack */
+  cu_event_put(ev); /* an untimed event: back onto the free list's lock-free stack */
 }
 
 int cu_import_notify(cu_event *ev, void (*fn)(void *), void *arg) {

@@ -13,10 +13,11 @@
 #define STAGE_BYTES (8u << 20)
 #define COPY_THREADS_MAX 8 /* one host thread cannot keep up with the link; eight nearly can */
 
-/* ---- host copies over a few persistent threads (pageable memory to or from staging) ----
- * The executor posts a job and copies the first slice itself; the helpers, started on first
- * use, spin briefly for the next job (a staged copy posts one every few hundred microseconds)
- * and then sleep. One job at a time (staging on several devices at once takes turns). */
+/* ---- the memcpy team: host copies over persistent threads (pageable memory and staging) ----
+ * A fork-join team, not a FIFO: the executor posts a job and copies the first slice itself,
+ * and each helper copies one slice of the same job. The helpers, started on first use, spin
+ * briefly for the next job (a staged copy posts one every few hundred microseconds) and then
+ * sleep. One job at a time (staging on several devices at once takes turns). */
 
 /* A polite busy-wait step. */
 static inline void relax(void) {
@@ -27,7 +28,7 @@ static inline void relax(void) {
 #endif
 }
 
-typedef struct copy_pool {
+typedef struct memcpy_team {
   pthread_mutex_t use_mu;        /* one job at a time */
   pthread_mutex_t mu;
   pthread_cond_t go, done;
@@ -41,91 +42,91 @@ typedef struct copy_pool {
   size_t n, per;
   pthread_t th[COPY_THREADS_MAX];
   int index[COPY_THREADS_MAX];
-} copy_pool;
+} memcpy_team;
 
-static copy_pool pool = {.use_mu = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
-                         .go = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
+static memcpy_team team = {.use_mu = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
+                           .go = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
 
 static void copy_slice(int i) {
-  size_t off = (size_t)i * pool.per;
-  if (off < pool.n)
-    memcpy(pool.dst + off, pool.src + off, pool.n - off < pool.per ? pool.n - off : pool.per);
+  size_t off = (size_t)i * team.per;
+  if (off < team.n)
+    memcpy(team.dst + off, team.src + off, team.n - off < team.per ? team.n - off : team.per);
 }
 
 static void *helper_main(void *arg) {
   int i = *(int *)arg;
   /* Not the current gen: a job may have been posted before this thread got to run. */
-  unsigned seen = pool.start_gen;
+  unsigned seen = team.start_gen;
   for (;;) {
     /* Spin a little (about 100 us) before sleeping: the next chunk usually comes soon. */
-    for (int k = 0; k < 20000 && atomic_load_explicit(&pool.gen, memory_order_acquire) == seen; k++)
+    for (int k = 0; k < 20000 && atomic_load_explicit(&team.gen, memory_order_acquire) == seen; k++)
       relax();
-    pthread_mutex_lock(&pool.mu);
-    while (atomic_load(&pool.gen) == seen && !pool.stop) pthread_cond_wait(&pool.go, &pool.mu);
-    bool stop = pool.stop;
-    pthread_mutex_unlock(&pool.mu);
+    pthread_mutex_lock(&team.mu);
+    while (atomic_load(&team.gen) == seen && !team.stop) pthread_cond_wait(&team.go, &team.mu);
+    bool stop = team.stop;
+    pthread_mutex_unlock(&team.mu);
     if (stop) return NULL;
-    seen = atomic_load(&pool.gen);
+    seen = atomic_load(&team.gen);
     copy_slice(i);
-    if (atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_acq_rel) == 1) {
-      pthread_mutex_lock(&pool.mu);
-      pthread_cond_signal(&pool.done);
-      pthread_mutex_unlock(&pool.mu);
+    if (atomic_fetch_sub_explicit(&team.remaining, 1, memory_order_acq_rel) == 1) {
+      pthread_mutex_lock(&team.mu);
+      pthread_cond_signal(&team.done);
+      pthread_mutex_unlock(&team.mu);
     }
   }
 }
 
 /* Starts the helpers once; called with use_mu held. */
-static void pool_start(void) {
-  if (pool.nthreads) return;
+static void team_start(void) {
+  if (team.nthreads) return;
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   int want = cpus >= COPY_THREADS_MAX ? COPY_THREADS_MAX : (cpus > 1 ? (int)cpus : 1);
-  pool.nthreads = 1;
-  pool.start_gen = atomic_load(&pool.gen);
+  team.nthreads = 1;
+  team.start_gen = atomic_load(&team.gen);
   for (int i = 1; i < want; i++) {
-    pool.index[i] = i;
-    if (pthread_create(&pool.th[i], NULL, helper_main, &pool.index[i])) break;
-    pool.nthreads++;
+    team.index[i] = i;
+    if (pthread_create(&team.th[i], NULL, helper_main, &team.index[i])) break;
+    team.nthreads++;
   }
 }
 
-static void pool_stop(void) {
-  pthread_mutex_lock(&pool.use_mu);
-  pthread_mutex_lock(&pool.mu);
-  pool.stop = true;
-  pthread_cond_broadcast(&pool.go);
-  pthread_mutex_unlock(&pool.mu);
-  for (int i = 1; i < pool.nthreads; i++) pthread_join(pool.th[i], NULL);
-  pool.nthreads = 0;
-  pool.stop = false;
-  pthread_mutex_unlock(&pool.use_mu);
+static void team_stop(void) {
+  pthread_mutex_lock(&team.use_mu);
+  pthread_mutex_lock(&team.mu);
+  team.stop = true;
+  pthread_cond_broadcast(&team.go);
+  pthread_mutex_unlock(&team.mu);
+  for (int i = 1; i < team.nthreads; i++) pthread_join(team.th[i], NULL);
+  team.nthreads = 0;
+  team.stop = false;
+  pthread_mutex_unlock(&team.use_mu);
 }
 
-/* memcpy over the pool for large blocks; called with use_mu held. */
+/* memcpy split over the team for large blocks; called with use_mu held. */
 static void par_memcpy(void *dst, const void *src, size_t n) {
-  if (n < ((size_t)1 << 20) || pool.nthreads < 2) {
+  if (n < ((size_t)1 << 20) || team.nthreads < 2) {
     memcpy(dst, src, n);
     return;
   }
-  int t = pool.nthreads;
-  pool.dst = dst;
-  pool.src = src;
-  pool.n = n;
-  pool.per = ((n + (size_t)t - 1) / (size_t)t + 4095) & ~(size_t)4095; /* t slices cover n */
-  atomic_store(&pool.remaining, t - 1);
-  pthread_mutex_lock(&pool.mu);
-  atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
-  pthread_cond_broadcast(&pool.go);
-  pthread_mutex_unlock(&pool.mu);
+  int t = team.nthreads;
+  team.dst = dst;
+  team.src = src;
+  team.n = n;
+  team.per = ((n + (size_t)t - 1) / (size_t)t + 4095) & ~(size_t)4095; /* t slices cover n */
+  atomic_store(&team.remaining, t - 1);
+  pthread_mutex_lock(&team.mu);
+  atomic_fetch_add_explicit(&team.gen, 1, memory_order_release);
+  pthread_cond_broadcast(&team.go);
+  pthread_mutex_unlock(&team.mu);
   copy_slice(0);
-  for (int k = 0; k < 20000 && atomic_load_explicit(&pool.remaining, memory_order_acquire); k++)
+  for (int k = 0; k < 20000 && atomic_load_explicit(&team.remaining, memory_order_acquire); k++)
     relax();
-  pthread_mutex_lock(&pool.mu);
-  while (atomic_load(&pool.remaining)) pthread_cond_wait(&pool.done, &pool.mu);
-  pthread_mutex_unlock(&pool.mu);
+  pthread_mutex_lock(&team.mu);
+  while (atomic_load(&team.remaining)) pthread_cond_wait(&team.done, &team.mu);
+  pthread_mutex_unlock(&team.mu);
 }
 
-void cu_copy_pool_stop(void) { pool_stop(); }
+void cu_memcpy_team_stop(void) { team_stop(); }
 
 int cu_mem_init(cu_device *d) {
   for (int i = 0; i < 2; i++) {
@@ -241,8 +242,8 @@ int cu_host_copy(tdm__cmd *cmd) {
   int saved, rc = cu_enter(bdev, &saved);
   if (rc) return rc;
   pthread_mutex_lock(&d->stage_mu);
-  pthread_mutex_lock(&pool.use_mu);
-  pool_start();
+  pthread_mutex_lock(&team.use_mu);
+  team_start();
   cudaError_t e = cudaSuccess;
   if (to_dev) {
     for (size_t off = 0, k = 0; off < n && e == cudaSuccess; off += STAGE_BYTES, k++) {
@@ -270,7 +271,7 @@ int cu_host_copy(tdm__cmd *cmd) {
       }
     }
   }
-  pthread_mutex_unlock(&pool.use_mu);
+  pthread_mutex_unlock(&team.use_mu);
   if (e == cudaSuccess) e = cudaStreamSynchronize(d->internal);
   pthread_mutex_unlock(&d->stage_mu);
   rc = e == cudaSuccess ? 0 : cu_error(e, "staging a pageable copy");

@@ -1,12 +1,14 @@
-/* cusubmit.c: turns tandem commands into stream operations. Every command ends with a pooled
+/* cusubmit.c: turns tandem commands into stream operations. Every command ends with a recycled
  * event recorded on its stream, except quiet ones (whose completion only the queue can
  * observe: they complete with the next event, or one cu_native_flush records); the core waits
- * for it on the queue's executor (in-order) or is notified by this backend's per-stream
- * notifier threads (out-of-order queues, which round-robin over CU_OOO_STREAMS streams).
+ * for it on the queue's executor (in-order) or is notified by the queue's notifier thread
+ * (out-of-order queues, which round-robin over CU_OOO_STREAMS streams; see the notifier).
  * Host work (host tasks, pageable and host-only copies, host fills) holds the stream at a gate
  * until the core has done it; nothing tandem runs inside a CUDA callback. */
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cu.h"
 
@@ -221,76 +223,98 @@ int cu_event_elapsed(void *a, void *b, double *ms) {
   return 0;
 }
 
-/* ---- notifiers: one thread per out-of-order stream waits for its events in order ---- */
+/* ---- the notifier: one thread per out-of-order queue ----
+ * native_notify pushes the event (its own link: nothing is allocated) onto the queue's
+ * notifier, a workq whose thread moves it to its stream's pending list. Each stream's events
+ * complete in order, so only each list's head needs looking at; the lists are independent,
+ * and a later stream's event may well be the one an earlier stream's work waits for (through
+ * a gate on a host task that waits for it). So the thread never blocks on one stream's event
+ * while others are pending: CUDA has no wait for the first of several events, so it polls the
+ * heads (cudaEventQuery, which also reports a failed or lost device at once), backing off from
+ * a yield to NOTE_BACKOFF_MAX_US between fruitless rounds, and sleeps on the workq once
+ * nothing is pending. Each completion is notified in its stream's order. */
 
-typedef struct cu_note {
-  struct cu_note *next;
-  cu_event *ev;
-  void (*fn)(void *);
-  void *arg;
-} cu_note;
+#define NOTE_BACKOFF_MAX_US 200
 
-static void *notifier_main(void *arg) {
-  cu_notifier *n = arg;
-  pthread_mutex_lock(&n->mu);
-  for (;;) {
-    while (!n->head && !n->stop) pthread_cond_wait(&n->cv, &n->mu);
-    cu_note *it = n->head;
-    if (!it) break;
-    n->head = it->next;
-    if (!n->head) n->tail = NULL;
-    pthread_mutex_unlock(&n->mu);
-    cudaSetDevice(cu_devs[it->ev->dev].ordinal);
-    cudaEventSynchronize(it->ev->e); /* the core reads the status itself */
-    it->fn(it->arg);
-    free(it);
-    pthread_mutex_lock(&n->mu);
-  }
-  pthread_mutex_unlock(&n->mu);
-  return NULL;
+/* Run on the notifier's thread, for each event pushed: to its stream's pending list. */
+static void note_take(tdm__workq *wq, tdm__workq_item *it) {
+  tdm__bqueue *bq = wq->ctx;
+  cu_event *ev = TDM__CONTAINER_OF(it, cu_event, note_link);
+  int si = ev->stream;
+  ev->note_next = NULL;
+  if (bq->pend_tail[si])
+    bq->pend_tail[si]->note_next = ev;
+  else
+    bq->pend_head[si] = ev;
+  bq->pend_tail[si] = ev;
+  bq->npend++;
+  bq->backoff_us = 0;
 }
 
-int cu_notifier_start(cu_notifier *n) {
-  pthread_mutex_init(&n->mu, NULL);
-  pthread_cond_init(&n->cv, NULL);
-  n->head = n->tail = NULL;
-  n->stop = false;
-  int e = pthread_create(&n->thread, NULL, notifier_main, n);
-  if (e) {
-    pthread_mutex_destroy(&n->mu);
-    pthread_cond_destroy(&n->cv);
-    return cu_svc->error(TDM_ENOMEM, e, "cannot start a CUDA queue's notifier thread");
+/* Notifies the completed heads of stream si's list; returns how many. */
+static int note_stream(tdm__bqueue *bq, int si) {
+  int n = 0;
+  cu_event *ev;
+  while ((ev = bq->pend_head[si]) && cudaEventQuery(ev->e) != cudaErrorNotReady) {
+    bq->pend_head[si] = ev->note_next;
+    if (!bq->pend_head[si]) bq->pend_tail[si] = NULL;
+    bq->npend--;
+    void (*fn)(void *) = ev->note_fn;
+    void *arg = ev->note_arg;
+    fn(arg); /* may release the core's reference to ev: the last touch */
+    n++;
   }
+  return n;
+}
+
+static void note_back_off(tdm__bqueue *bq) {
+  if (bq->backoff_us == 0) {
+    sched_yield();
+    bq->backoff_us = 1;
+    return;
+  }
+  struct timespec ts = {0, (long)bq->backoff_us * 1000};
+  nanosleep(&ts, NULL);
+  bq->backoff_us = bq->backoff_us * 2 > NOTE_BACKOFF_MAX_US ? NOTE_BACKOFF_MAX_US
+                                                           : bq->backoff_us * 2;
+}
+
+/* Run on the notifier's thread whenever its FIFO is empty: one round over the pending lists.
+ * Returns true (look at the FIFO again, then come back) while any event is pending. */
+static bool note_poll(tdm__workq *wq) {
+  tdm__bqueue *bq = wq->ctx;
+  if (!bq->npend) return false;
+  cudaSetDevice(cu_devs[bq->bdev].ordinal);
+  int done = 0;
+  for (int si = 0; si < bq->nstreams; si++) done += note_stream(bq, si);
+  if (done)
+    bq->backoff_us = 0;
+  else
+    note_back_off(bq);
+  return true;
+}
+
+int cu_notifier_start(tdm__bqueue *bq) {
+  bq->npend = 0;
+  bq->backoff_us = 0;
+  int e = tdm__workq_init(&bq->notes, note_take, note_poll, bq);
+  if (!e && (e = tdm__workq_start(&bq->notes))) tdm__workq_fini(&bq->notes);
+  if (e) return cu_svc->error(TDM_ENOMEM, e, "cannot start a CUDA queue's notifier thread");
   return 0;
 }
 
-void cu_notifier_stop(cu_notifier *n) {
-  pthread_mutex_lock(&n->mu);
-  n->stop = true;
-  pthread_cond_signal(&n->cv);
-  pthread_mutex_unlock(&n->mu);
-  pthread_join(n->thread, NULL);
-  pthread_mutex_destroy(&n->mu);
-  pthread_cond_destroy(&n->cv);
+/* The core has drained the queue: every notice has been given. */
+void cu_notifier_stop(tdm__bqueue *bq) {
+  tdm__workq_stop(&bq->notes);
+  tdm__workq_fini(&bq->notes);
 }
 
 int cu_native_notify(void *handle, void (*fn)(void *), void *arg) {
   cu_event *ev = handle;
   if (ev->imported) return cu_import_notify(ev, fn, arg);
-  cu_notifier *n = &ev->bq->note[ev->stream];
-  cu_note *it = malloc(sizeof *it);
-  if (!it) return TDM_ENOMEM;
-  it->ev = ev;
-  it->fn = fn;
-  it->arg = arg;
-  it->next = NULL;
-  pthread_mutex_lock(&n->mu);
-  if (n->tail)
-    n->tail->next = it;
-  else
-    n->head = it;
-  n->tail = it;
-  pthread_cond_signal(&n->cv);
-  pthread_mutex_unlock(&n->mu);
+  /* The core holds its reference to ev (cmd->wait) until fn has been called. */
+  ev->note_fn = fn;
+  ev->note_arg = arg;
+  tdm__workq_push(&ev->bq->notes, &ev->note_link, true);
   return 0;
 }

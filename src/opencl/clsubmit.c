@@ -8,8 +8,11 @@
  * notices").
  *
  * The queue's submission lock is held across these enqueues. That is safe even with PoCL's
- * basic driver, which may run commands inline in this thread, because no tandem code ever runs
- * inside an OpenCL call (gates are user events opened by the executor). */
+ * basic driver, which may run commands and their callbacks inline in this thread: gates are
+ * user events opened by the executor, and the one callback tandem sets (on_complete, below)
+ * runs only the core's notification, which counts a command down and may push it onto the
+ * thread pool's ready list, taking that list's lock and no other; no thread holds that lock
+ * across an OpenCL call. */
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -571,7 +574,9 @@ int ocl_event_import(int bdev, void *native, void **handle) {
  * so a watcher thread also looks at the events whose notice is pending, every OCL_WATCH_MS
  * while there are any, and gives notice for those that failed. Whichever comes first gives
  * notice; the other does nothing. A notice the watcher gave stays allocated until shutdown,
- * since a driver that keeps to the standard may still call back for it. */
+ * since a driver that keeps to the standard may still call back for it; one the driver called
+ * back for is kept for reuse (watch.spare), so giving notice allocates nothing in steady
+ * state. */
 
 #define OCL_WATCH_MS 10
 
@@ -589,6 +594,7 @@ static struct {
   pthread_cond_t cv;
   notice *pending; /* looked at every OCL_WATCH_MS */
   notice *failed;  /* notice given by the watcher: freed at shutdown */
+  notice *spare;   /* called back and looked at: free for reuse */
   bool started, stop;
   pthread_t thread;
 } watch = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
@@ -601,14 +607,15 @@ static void CL_CALLBACK on_complete(cl_event ev, cl_int status, void *user) {
 }
 
 /* Looks at each notice of the list once, without watch.mu (clGetEventInfo may wait for the
- * driver's locks); returns those still pending. */
-static notice *watch_pass(notice *list) {
+ * driver's locks); returns those still pending, and in *spare those done with. */
+static notice *watch_pass(notice *list, notice **spare) {
   notice *keep = NULL;
   for (notice *n = list, *next; n; n = next) {
     next = n->next;
     if (atomic_load_explicit(&n->called_back, memory_order_acquire)) {
       clReleaseEvent(n->ev);
-      free(n);
+      n->next = *spare;
+      *spare = n;
       continue;
     }
     cl_int st = CL_COMPLETE;
@@ -648,8 +655,15 @@ static void *watch_main(void *arg) {
     notice *list = watch.pending;
     watch.pending = NULL;
     pthread_mutex_unlock(&watch.mu);
-    notice *keep = watch_pass(list);
+    notice *spare = NULL;
+    notice *keep = watch_pass(list, &spare);
     pthread_mutex_lock(&watch.mu);
+    while (spare) {
+      notice *next = spare->next;
+      spare->next = watch.spare;
+      watch.spare = spare;
+      spare = next;
+    }
     while (keep) {
       notice *next = keep->next;
       keep->next = watch.pending;
@@ -663,14 +677,20 @@ static void *watch_main(void *arg) {
 
 int ocl_native_notify(void *handle, void (*fn)(void *), void *arg) {
   cl_event ev = handle;
-  notice *n = malloc(sizeof *n);
-  if (!n) return TDM_ENOMEM;
+  pthread_mutex_lock(&watch.mu);
+  notice *n = watch.spare;
+  if (n) {
+    watch.spare = n->next;
+  } else {
+    pthread_mutex_unlock(&watch.mu); /* not across malloc */
+    if (!(n = malloc(sizeof *n))) return TDM_ENOMEM;
+    pthread_mutex_lock(&watch.mu);
+  }
   n->ev = ev;
   n->fn = fn;
   n->arg = arg;
-  atomic_init(&n->given, false);
-  atomic_init(&n->called_back, false);
-  pthread_mutex_lock(&watch.mu);
+  atomic_store_explicit(&n->given, false, memory_order_relaxed);
+  atomic_store_explicit(&n->called_back, false, memory_order_relaxed);
   if (!watch.started && pthread_create(&watch.thread, NULL, watch_main, NULL) == 0)
     watch.started = true;
   bool ok = watch.started;
@@ -706,16 +726,16 @@ void ocl_notices_stop(void) {
 
 /* After every context is released: no callback can come any more. */
 void ocl_notices_free(void) {
-  for (int pass = 0; pass < 2; pass++) {
-    notice *n = pass ? watch.failed : watch.pending;
+  for (int pass = 0; pass < 3; pass++) {
+    notice *n = pass == 0 ? watch.pending : pass == 1 ? watch.failed : watch.spare;
     while (n) {
       notice *next = n->next;
-      if (n->ev) clReleaseEvent(n->ev);
+      if (n->ev && pass < 2) clReleaseEvent(n->ev);
       free(n);
       n = next;
     }
   }
-  watch.pending = watch.failed = NULL;
+  watch.pending = watch.failed = watch.spare = NULL;
 }
 
 void ocl_gate_open(void *gate) {

@@ -1,30 +1,35 @@
-/* pool.c: tandem's shared host threads. They run commands of out-of-order queues: a command
- * is held back, without occupying a thread, until its dependencies complete (each completion
- * decrements its count through a continuation), or, for native backends, until the driver
- * notifies that its native work completed; then any pool thread runs it with tdm__cmd_run.
- * The driver notification only pushes onto the ready list and wakes a thread.
+/* threadpool.c: the thread pool, tandem's shared host threads. They run commands of
+ * out-of-order queues: a command is held back, without occupying a thread, until its
+ * dependencies complete (each completion decrements its count through a continuation), or, for
+ * native backends, until the driver notifies that its native work completed; then any pool
+ * thread runs it with tdm__cmd_run. The ready list is a workq (util/workq.h) that every pool
+ * thread serves; the driver notification only pushes onto it and wakes a thread.
  *
  * Host tasks may call tandem, and so may block a pool thread in a wait for work that only
  * another pool thread can run (a task waiting for a later, independent task of an
  * out-of-order queue). So a pool thread that blocks in a caller's wait is replaced: while it
  * waits, the pool keeps its number of unblocked threads by starting a spare (up to
- * TDM__POOL_SPARES of them; spares stay until shutdown and sleep when idle). */
+ * TDM__THREADPOOL_SPARES of them; spares stay until shutdown and sleep when idle). */
 #include <stdlib.h>
 
 #include "internal.h"
 
-#define TDM__POOL_SPARES 256
+#define TDM__THREADPOOL_SPARES 256
 
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER; /* guards the thread list */
-static tdm__cmdq ready;
+static tdm__workq ready; /* commands ready to run, served by every pool thread */
 static pthread_t *threads;
 static long nthreads, target, nblocked; /* under pool_mu */
 static _Thread_local bool tls_pool_thread;
 
-void tdm__pool_ready(tdm__cmd *cmd) { tdm__cmdq_push(&ready, cmd, true); }
+void tdm__threadpool_ready(tdm__cmd *cmd) { tdm__workq_push(&ready, &cmd->link, true); }
+
+static void run_ready(tdm__workq *wq, tdm__workq_item *it) {
+  tdm__cmd_run(TDM__CONTAINER_OF(it, tdm__cmd, link));
+}
 
 static void release_one(tdm__cmd *cmd) {
-  if (__atomic_sub_fetch(&cmd->bcount, 1, __ATOMIC_ACQ_REL) == 0) tdm__pool_ready(cmd);
+  if (__atomic_sub_fetch(&cmd->bcount, 1, __ATOMIC_ACQ_REL) == 0) tdm__threadpool_ready(cmd);
 }
 
 static void dep_done(tdm__waiter *w, tdm__event *ev) {
@@ -34,7 +39,7 @@ static void dep_done(tdm__waiter *w, tdm__event *ev) {
 
 static void *pool_main(void *arg) {
   tls_pool_thread = true;
-  tdm__cmdq_serve(&ready);
+  tdm__workq_serve(&ready);
   return NULL;
 }
 
@@ -43,7 +48,7 @@ int tdm__event_wait_blocking(tdm__event *ev) {
     return tdm__event_wait_raw(ev);
   pthread_mutex_lock(&pool_mu);
   nblocked++;
-  if (nthreads - nblocked < target && nthreads < target + TDM__POOL_SPARES &&
+  if (nthreads - nblocked < target && nthreads < target + TDM__THREADPOOL_SPARES &&
       pthread_create(&threads[nthreads], NULL, pool_main, NULL) == 0)
     nthreads++; /* if none can start, this wait blocks as it would have */
   pthread_mutex_unlock(&pool_mu);
@@ -54,15 +59,18 @@ int tdm__event_wait_blocking(tdm__event *ev) {
   return st;
 }
 
-int tdm__pool_start(void) {
+int tdm__threadpool_start(void) {
   long n = tdm__g.opts.cpu_pool_threads;
   pthread_mutex_lock(&pool_mu);
   int rc = 0;
   if (!threads) {
-    tdm__cmdq_init(&ready);
     target = n;
     nblocked = 0;
-    threads = calloc((size_t)(n + TDM__POOL_SPARES), sizeof *threads);
+    if (tdm__workq_init(&ready, run_ready, NULL, NULL)) {
+      pthread_mutex_unlock(&pool_mu);
+      return tdm__error(TDM_ENOMEM, 0, "cannot start tandem's host threads");
+    }
+    threads = calloc((size_t)(n + TDM__THREADPOOL_SPARES), sizeof *threads);
     if (!threads) rc = TDM_ENOMEM;
     for (long i = 0; !rc && i < n; i++) {
       if (pthread_create(&threads[i], NULL, pool_main, NULL)) {
@@ -75,8 +83,7 @@ int tdm__pool_start(void) {
     if (rc) {                         /* none started: leave no half-made pool behind */
       free(threads);
       threads = NULL;
-      pthread_mutex_destroy(&ready.mu);
-      pthread_cond_destroy(&ready.cv);
+      tdm__workq_fini(&ready);
     }
   }
   pthread_mutex_unlock(&pool_mu);
@@ -84,25 +91,23 @@ int tdm__pool_start(void) {
 }
 
 /* Runs after every queue has drained. */
-void tdm__pool_stop(void) {
+void tdm__threadpool_stop(void) {
   pthread_mutex_lock(&pool_mu);
   bool started = threads != NULL;
   pthread_mutex_unlock(&pool_mu);
   if (!started) return;
-  tdm__cmdq_stop(&ready);
+  tdm__workq_close(&ready);
   pthread_mutex_lock(&pool_mu); /* no spare starts now: every queue has drained */
   long n = nthreads;
   pthread_mutex_unlock(&pool_mu);
   for (long i = 0; i < n; i++) pthread_join(threads[i], NULL);
-  tdm__signals_quiesce(); /* a completion thread may still be waking the list */
-  pthread_mutex_destroy(&ready.mu);
-  pthread_cond_destroy(&ready.cv);
+  tdm__workq_fini(&ready); /* a completion thread may still be waking the list */
   free(threads);
   threads = NULL;
   nthreads = 0;
 }
 
-void tdm__pool_after_deps(tdm__cmd *cmd) {
+void tdm__threadpool_after_deps(tdm__cmd *cmd) {
   /* One extra count, dropped last, so the command cannot start while deps are registered. */
   cmd->bcount = (long)cmd->ndeps + 1;
   for (size_t i = 0; i < cmd->ndeps; i++) {
