@@ -24,8 +24,9 @@ What offload_experts does, in order, so that an error at any step leaves the mod
 
 The replaced forward of a block: the block's own router runs on the GPU (so routing is exactly
 transformers'); the (token, k) pairs are sorted by expert on the GPU and the per-expert counts
-reach the host in one small copy per layer; the streamer orders the routed experts (those on
-the device first, so the GPU computes them while the others land); under the static policy
+reach the host in one small copy per layer; the streamer orders the routed experts so the GPU
+computes those already on the device while the others land (Streamer.schedule); under the
+static policy
 every copy the layer needs starts at once on the prefetch queue, as soon as the routing is
 known, and under LRU (where a prefetch could evict a cached expert the layer still needs) the
 acquires run ahead of compute, a window of slots - 1 experts, so demand copies overlap the
@@ -37,7 +38,7 @@ its slot is reused only once that work completes.
 
 Results are bitwise independent of the policy, the budget and the order experts are computed
 in: an expert's output for its rows goes to its own (token, k) place in a buffer, and the block
-output is summed from that buffer in a fixed order (k = 0, 1, ...) afterwards, never
+output is summed from that buffer afterwards, in an order fixed by the buffer's shape, never
 accumulated in compute order. An expert always computes the same rows, in the same order, with
 the same kernels, wherever its weights came from. The all-resident reference is this same code
 path with a budget of "100%". The combine is one sum over k of the weighted outputs, kept in
