@@ -30,8 +30,10 @@ static policy
 every copy the layer needs starts at once on the prefetch queue, as soon as the routing is
 known, and under LRU (where a prefetch could evict a cached expert the layer still needs) the
 acquires run ahead of compute, a window of slots - 1 experts, so demand copies overlap the
-experts before them. Each expert comes as a device pointer plus a device-side wait on the
-compute stream. Each expert is computed on PyTorch's current stream of the pass (tandem's
+experts before them. Once a layer's experts are queued, the next block's experts as its router
+predicts them from this block's input (the predictor rides in the same count copy) are
+prefetched, so their copies run while this layer computes. Each expert comes as a device
+pointer plus a device-side wait on the compute stream. Each expert is computed on PyTorch's current stream of the pass (tandem's
 compute queue is a torch stream the handle owns, adopted by tandem; the caller's stream and it
 wait for each other device-side around the block) and released right after its last kernel, so
 its slot is reused only once that work completes.
@@ -97,12 +99,14 @@ class _DeviceBytes:
 
 def offload_experts(model: Any, budget: Union[str, int] = "8GiB", policy: str = "auto",
                     slots: int = 16, device: str = "cuda:0", *,
-                    prefetch_depth: int = 0) -> "OffloadHandle":
+                    prefetch_depth: int = 0, lookahead: bool = True) -> "OffloadHandle":
     """Moves the expert weights of `model`'s MoE blocks into pinned host memory and streams
     them to `device` on demand (see the module's docstring). `budget`: device bytes for
     resident experts ("8GiB", "500MB", an int, or "25%" of the experts' bytes); `policy`:
     "auto", "static" or "lru"; `slots`: staging slots (one expert each) besides the budget;
-    `prefetch_depth`: prefetch copies in flight at most (0: as many as staging slots).
+    `prefetch_depth`: prefetch copies in flight at most (0: as many as staging slots);
+    `lookahead`: prefetch the next block's experts as its router, applied to this block's
+    input, predicts them.
     Returns an OffloadHandle. Raises OffloadError (UnsupportedBlockError for a block type it
     does not know) or a tandem/torch error, with the model unchanged."""
     plan.policy_for(policy, 1, 1)          # reject a bad policy before anything else
@@ -140,7 +144,7 @@ def offload_experts(model: Any, budget: Union[str, int] = "8GiB", policy: str = 
     cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     plan.check_device_room(budget_bytes, staging, free, on_dev + max(0, cached))
     return OffloadHandle(blocks, layout, dtype, dev, budget_bytes, slots, policy,
-                         prefetch_depth)
+                         prefetch_depth, lookahead)
 
 
 class OffloadHandle:
@@ -149,7 +153,7 @@ class OffloadHandle:
 
     def __init__(self, blocks: List[plan.BlockInfo], layout: plan.ExpertLayout,
                  dtype: torch.dtype, device: torch.device, budget_bytes: int, slots: int,
-                 policy: str, prefetch_depth: int) -> None:
+                 policy: str, prefetch_depth: int, lookahead: bool = True) -> None:
         self._blocks = blocks
         self._layout = layout
         self._dtype = dtype
@@ -158,6 +162,7 @@ class OffloadHandle:
         self.slots = slots
         self.policy = policy
         self._prefetch_depth = prefetch_depth
+        self._lookahead = lookahead
         self._lock = threading.Lock()
         self._streamer: Any = None
         self._streamer_policy: Optional[str] = None
@@ -174,7 +179,8 @@ class OffloadHandle:
         # of a process may wait for the whole device with the GIL held).
         self._stream = torch.cuda.Stream(device)
         self._queue = _adopt(self._stream)
-        self._counts = torch.empty(layout.experts, dtype=torch.int64, pin_memory=True)
+        # This block's routed counts, then the next block's predicted ones: one copy a layer.
+        self._counts = torch.empty(2 * layout.experts, dtype=torch.int64, pin_memory=True)
         self._counts_ready = torch.cuda.Event()
         self._host = tandem.malloc(layout.total_bytes, "pinned", tdev)
         flat = torch.frombuffer(self._host, dtype=torch.uint8).view(dtype)
@@ -386,12 +392,23 @@ class OffloadHandle:
         rows = torch.argsort(flat, stable=True)        # (token, k) positions, by expert
         tokens = torch.div(rows, topk, rounding_mode="floor")
         # scatter_add_, not bincount: bincount on CUDA waits for the device to size its output.
-        counts = torch.zeros(lay.experts, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
-        self._counts.copy_(counts, non_blocking=True)
+        both = torch.zeros(2 * lay.experts, dtype=torch.int64, device=x.device)
+        both[:lay.experts].scatter_add_(0, flat, torch.ones_like(flat))
+        nxt_gate = self._blocks[layer + 1].module.gate \
+            if self._lookahead and layer + 1 < lay.layers else None
+        if nxt_gate is not None:
+            # The predictor: the next block's router weights applied to this block's input
+            # (top-k of the logits is top-k of the softmax). A wrong guess costs copies, never
+            # results; the router module is not called, so no hook sees the guess.
+            guess = torch.topk(F.linear(x, nxt_gate.weight), topk, dim=-1).indices.reshape(-1)
+            both[lay.experts:].scatter_add_(0, guess, torch.ones_like(guess))
+        self._counts.copy_(both, non_blocking=True)
         self._counts_ready.record()
         self._counts_ready.synchronize()               # the layer's one device-to-host wait
         counts = self._counts.tolist()
+        predicted = sorted((e for e in range(lay.experts) if counts[lay.experts + e]),
+                           key=lambda e: -counts[lay.experts + e])
+        counts = counts[:lay.experts]
         base = layer * lay.experts
         for e, n in enumerate(counts):
             self._key_counts[base + e] += n
@@ -443,6 +460,8 @@ class OffloadHandle:
         finally:
             for he in [busy] * (busy >= 0) + [he for he, _ in held]:   # only after an error
                 s.release(layer, he)
+        if predicted:
+            s.prefetch(layer + 1, predicted)     # most tokens first
         # The fixed-order combine: one reduction over k, the same shape every time, whatever
         # order the experts ran in (transformers' grouped_mm path sums the same way).
         return ys.view(ntok, topk, -1).sum(dim=1).to(x.dtype)

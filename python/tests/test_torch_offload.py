@@ -118,6 +118,9 @@ def test_logits_bitwise_for_every_budget_and_policy(env, arch):
                     assert st["bytes_copied"] > 0 and st["hit_rate"] < 1.0, st
             finally:
                 h.restore()
+    for kw in (dict(slots=1), dict(lookahead=False), dict(prefetch_depth=1)):
+        with tt.offload_experts(model, budget="25%", **kw):
+            assert torch.equal(logits(torch, model, ids), resident), f"{arch} {kw}"
     assert torch.equal(logits(torch, model, ids), ref), "restore() changed the model"
 
 
