@@ -39,6 +39,7 @@ check-python: bootstrap
 	$(PY) examples/python/pipeline_cpu.py
 	$(PY) examples/python/pyopencl_interop.py
 	$(PY) examples/python/order_manager_cupy.py
+	$(PY) examples/python/offload_qwen3_moe.py
 
 check-asan: bootstrap
 	@cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DTANDEM_SANITIZE=address $(CMAKE_FLAGS) >/dev/null
