@@ -26,17 +26,16 @@ The replaced forward of a block: the block's own router runs on the GPU (so rout
 transformers'); the (token, k) pairs are sorted by expert on the GPU and the per-expert counts
 reach the host in one small copy per layer; the streamer orders the routed experts so the GPU
 computes those already on the device while the others land (Streamer.schedule); under the
-static policy
-every copy the layer needs starts at once on the prefetch queue, as soon as the routing is
-known, and under LRU (where a prefetch could evict a cached expert the layer still needs) the
+static policy every copy the layer needs starts at once on the prefetch queue, as soon as the
+routing is known, and under LRU (where a prefetch could evict a cached expert the layer still needs) the
 acquires run ahead of compute, a window of slots - 1 experts, so demand copies overlap the
 experts before them. Once a layer's experts are queued, the next block's experts as its router
 predicts them from this block's input (the predictor rides in the same count copy) are
 prefetched, so their copies run while this layer computes. Each expert comes as a device
-pointer plus a device-side wait on the compute stream. Each expert is computed on PyTorch's current stream of the pass (tandem's
-compute queue is a torch stream the handle owns, adopted by tandem; the caller's stream and it
-wait for each other device-side around the block) and released right after its last kernel, so
-its slot is reused only once that work completes.
+pointer plus a device-side wait on the compute stream, is computed on PyTorch's current stream
+of the pass (tandem's compute queue is a torch stream the handle owns, adopted by tandem; the
+caller's stream and it wait for each other device-side around the block) and is released right
+after its last kernel, so its slot is reused only once that work completes.
 
 Results are bitwise independent of the policy, the budget and the order experts are computed
 in: an expert's output for its rows goes to its own (token, k) place in a buffer, and the block
