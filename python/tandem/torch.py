@@ -27,9 +27,9 @@ transformers'); the (token, k) pairs are sorted by expert on the GPU and the per
 reach the host in one small copy per layer; the streamer orders the routed experts so the GPU
 computes those already on the device while the others land (Streamer.schedule); under the
 static policy every copy the layer needs starts at once on the prefetch queue, as soon as the
-routing is known, and under LRU (where a prefetch could evict a cached expert the layer still needs) the
-acquires run ahead of compute, a window of slots - 1 experts, so demand copies overlap the
-experts before them. Once a layer's experts are queued, the next block's experts as its router
+routing is known, and under LRU (where a prefetch could evict a cached expert the layer still
+needs) the acquires run ahead of compute, a window of slots - 1 experts, so demand copies
+overlap the experts before them. Once a layer's experts are queued, the next block's experts as its router
 predicts them from this block's input (the predictor rides in the same count copy) are
 prefetched, so their copies run while this layer computes. Each expert comes as a device
 pointer plus a device-side wait on the compute stream, is computed on PyTorch's current stream
