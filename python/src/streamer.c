@@ -312,6 +312,19 @@ fail:
 
 /* ---- closing ---------------------------------------------------------------------------- */
 
+/* Forgets the ended views that no array exports any more; returns how many are left. */
+static Py_ssize_t prune_lingering(StreamerObject *self) {
+  if (!self->lingering) return 0;
+  Py_ssize_t n = PyList_GET_SIZE(self->lingering);
+  for (Py_ssize_t i = n - 1; i >= 0; i--)
+    if (((BufferObject *)PyList_GET_ITEM(self->lingering, i))->exports == 0 &&
+        PyList_SetSlice(self->lingering, i, i + 1, NULL) < 0)
+      PyErr_Clear(); /* cannot fail when shrinking; kept listed if it did */
+  n = PyList_GET_SIZE(self->lingering);
+  if (n == 0) Py_CLEAR(self->lingering);
+  return n;
+}
+
 /* Ends the expert's view. An array that still reads the slot keeps the view listed, so that
  * close() can refuse to free the memory under it. */
 static void end_view(StreamerObject *self, long key) {
@@ -319,24 +332,20 @@ static void end_view(StreamerObject *self, long key) {
   if (!v) return;
   self->views[key] = NULL;
   tdmpy_buffer_end_view((BufferObject *)v);
-  if (((BufferObject *)v)->exports > 0 &&
-      ((!self->lingering && !(self->lingering = PyList_New(0))) ||
-       PyList_Append(self->lingering, v) < 0))
-    PyErr_Clear(); /* out of memory: only the refusal is lost */
+  if (((BufferObject *)v)->exports > 0) {
+    prune_lingering(self);
+    if ((!self->lingering && !(self->lingering = PyList_New(0))) ||
+        PyList_Append(self->lingering, v) < 0)
+      PyErr_Clear(); /* out of memory: only the refusal is lost */
+  }
   Py_DECREF(v);
 }
 
-/* Whether any array still views a slot; forgets the views nobody exports any more. */
+/* Whether any array still views a slot. */
 static int views_exported(StreamerObject *self) {
   for (long k = 0; k < nkeys(self); k++)
     if (self->views[k] && ((BufferObject *)self->views[k])->exports > 0) return 1;
-  Py_ssize_t n = self->lingering ? PyList_GET_SIZE(self->lingering) : 0, kept = 0;
-  for (Py_ssize_t i = 0; i < n; i++) {
-    PyObject *v = PyList_GET_ITEM(self->lingering, i);
-    if (((BufferObject *)v)->exports > 0) kept++;
-  }
-  if (kept == 0) Py_CLEAR(self->lingering);
-  return kept > 0;
+  return prune_lingering(self) > 0;
 }
 
 /* Destroys the C streamer (waiting for its copies) and lets go of everything it used. force:

@@ -306,3 +306,37 @@ def test_release_after_pyopencl_event(opencl, rng):
         assert_same(outs[k], data[k])
     assert s.stats()["misses"] == 3
     s.close()
+
+
+def test_threads_share_a_streamer(device, rng):
+    """Four threads acquire, read and release experts at once (one slot each at most, so no
+    acquire is refused); every read sees its expert and every acquire is counted once."""
+    q = tandem.Queue(device)
+    host, data = make_host(device, rng)
+    s = tandem.Streamer(q, LAYERS, EXPERTS, EB, host, staging_slots=4, policy="lru")
+    seeds = rng.integers(0, 1 << 31, 4)
+    errors = []
+
+    def worker(seed):
+        r = np.random.default_rng(seed)
+        try:
+            for _ in range(20):
+                k = int(r.integers(0, KEYS))
+                s.acquire(k // EXPERTS, k % EXPERTS)
+                out = np.full(FLOATS, np.nan, np.float32)
+                done = q.copy(out, s.slot_view(k // EXPERTS, k % EXPERTS))
+                s.release(k // EXPERTS, k % EXPERTS, done)
+                done.wait()
+                assert_same(out, data[k])
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(int(sd),)) for sd in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    st = s.stats()
+    assert st["acquires"] == 80 and st["hits"] + st["misses"] == 80
+    s.close()
