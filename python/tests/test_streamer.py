@@ -340,3 +340,13 @@ def test_threads_share_a_streamer(device, rng):
     st = s.stats()
     assert st["acquires"] == 80 and st["hits"] + st["misses"] == 80
     s.close()
+
+
+def test_out_of_order_compute_queue(device, rng):
+    q = tandem.Queue(device, in_order=False)
+    host, data = make_host(device, rng)
+    with tandem.Streamer(q, LAYERS, EXPERTS, EB, host, budget_bytes=3 * EB, staging_slots=1,
+                         policy="lru") as s:
+        for k in [5, 0, 11, 5, 7, 0, 3]:
+            assert_same(read_slot(s, q, k // EXPERTS, k % EXPERTS), data[k])
+        assert s.stats()["acquires"] == 7
