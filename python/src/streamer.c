@@ -9,7 +9,7 @@
  *   the memory until the streamer is closed: it copies from them until then);
  * - per expert, how often this object saw it acquired and the slot pointer it got, so that
  *   close() can refuse while experts are acquired and slot_view() can find the slot;
- * - the Queue objects of queues (not owned: they stop working at close) and the slot views
+ * - the Queue objects of `queues` (not owned: they stop working at close) and the slot views
  *   it handed out (ended at release or close, since the slot may then hold another expert
  *   or be freed).
  * A view holds a reference to its Streamer, so a numpy array over a slot keeps the slot's
