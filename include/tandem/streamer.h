@@ -47,8 +47,19 @@ typedef struct tdm_streamer_config {
   int prefetch_depth;       /* prefetch copies in flight at most (0: staging_slots) */
 } tdm_streamer_config;
 
+/* What the acquires found. Every successful acquire counts once, in exactly one of
+ * resident_hits, inflight_hits and misses, so acquires = hits + misses and
+ * hits = resident_hits + inflight_hits; a refused acquire (TDM_EBUSY, bad input) counts nowhere.
+ * Whether an expert's copy is complete is asked of the copy's event (tdm_event_query) at the
+ * acquire, so the answer never waits; a copy that failed counts as not complete. */
 typedef struct tdm_streamer_stats {
-  uint64_t acquires, hits, misses; /* a hit: the expert was on the device (or on its way) */
+  uint64_t acquires;
+  uint64_t hits;          /* resident_hits + inflight_hits, kept for older callers */
+  uint64_t misses;        /* not on the device nor on its way: a demand copy was made */
+  uint64_t resident_hits; /* on the device with its copy complete: a cache hit, nothing waits */
+  uint64_t inflight_hits; /* in a slot whose copy was still in flight (a prefetch's, an earlier
+                             demand's, or the static resident set's first load): no new copy,
+                             but the compute queue waits for that one */
   uint64_t prefetches, prefetch_hits, prefetch_dropped; /* issued, then acquired, over depth */
   uint64_t bytes_copied;           /* expert bytes copied host-to-device */
   int resident_slots, staging_slots;

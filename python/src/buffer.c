@@ -81,8 +81,32 @@ PyObject *tdmpy_malloc(tdmpy_state *st, PyObject *args, PyObject *kw) {
   b->queue = queue; /* the reference taken above */
   b->exports = b->inflight = 0;
   b->released = 0;
+  b->owner = NULL;
   PyObject_GC_Track(b);
   return (PyObject *)b;
+}
+
+PyObject *tdmpy_buffer_view(tdmpy_state *st, PyObject *owner, void *ptr, size_t nbytes,
+                            PyObject *device, PyObject *queue) {
+  BufferObject *b = PyObject_GC_New(BufferObject, st->buffer_type);
+  if (!b) return NULL;
+  b->ptr = ptr;
+  b->nbytes = nbytes;
+  b->kind = TDM_MEM_DEVICE;
+  b->device = Py_NewRef(device);
+  b->queue = Py_NewRef(queue);
+  b->exports = b->inflight = 0;
+  b->released = 0;
+  b->owner = Py_NewRef(owner);
+  PyObject_GC_Track(b);
+  return (PyObject *)b;
+}
+
+/* Copies already submitted with the view keep the pointer they were given; nothing new
+ * can start from it. */
+void tdmpy_buffer_end_view(BufferObject *view) {
+  view->ptr = NULL;
+  view->released = 1;
 }
 
 static PyObject *buffer_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
@@ -94,6 +118,7 @@ static int buffer_traverse(BufferObject *self, visitproc visit, void *arg) {
   Py_VISIT(Py_TYPE(self));
   Py_VISIT(self->device);
   Py_VISIT(self->queue);
+  Py_VISIT(self->owner);
   return 0;
 }
 
@@ -104,7 +129,7 @@ static int buffer_traverse(BufferObject *self, visitproc visit, void *arg) {
 void tdmpy_buffer_free_memory(tdmpy_state *st, BufferObject *self) {
   void *p = self->ptr;
   self->ptr = NULL;
-  if (!p || !st->live) return;
+  if (!p || !st->live || self->owner) return;
   QueueObject *q = (QueueObject *)self->queue;
   tdm_queue *tq = q ? q->q : NULL;
   Py_BEGIN_ALLOW_THREADS
@@ -117,6 +142,7 @@ static int buffer_clear(BufferObject *self) {
   if (self->inflight == 0 && self->exports == 0)
     tdmpy_buffer_free_memory(tdmpy_state_of_type(Py_TYPE(self)), self);
   Py_CLEAR(self->queue);
+  Py_CLEAR(self->owner);
   return 0;
 }
 
@@ -126,6 +152,7 @@ static void buffer_dealloc(BufferObject *self) {
   tdmpy_buffer_free_memory(tdmpy_state_of_type(tp), self);
   Py_CLEAR(self->queue);
   Py_CLEAR(self->device);
+  Py_CLEAR(self->owner);
   tp->tp_free((PyObject *)self);
   Py_DECREF(tp);
 }
@@ -150,7 +177,7 @@ static int host_accessible(BufferObject *self) {
 
 static int buffer_getbuffer(BufferObject *self, Py_buffer *view, int flags) {
   if (!self->ptr || self->released) {
-    PyErr_SetString(PyExc_BufferError, "the buffer was freed");
+    PyErr_SetString(PyExc_BufferError, tdmpy_buffer_gone(self));
     return -1;
   }
   if (!host_accessible(self)) {
@@ -208,7 +235,7 @@ static PyObject *get_cai(BufferObject *self, void *closure) {
 static PyObject *get_ptr(BufferObject *self, void *closure) {
   tdmpy_state *st = tdmpy_state_of_type(Py_TYPE(self));
   if (!self->ptr || self->released) {
-    PyErr_SetString(st->errors[-TDM_EHANDLE], "the buffer was freed");
+    PyErr_SetString(st->errors[-TDM_EHANDLE], tdmpy_buffer_gone(self));
     return NULL;
   }
   return PyLong_FromVoidPtr(self->ptr);
@@ -222,7 +249,7 @@ static PyObject *get_cl_mem(BufferObject *self, void *closure) {
     return NULL;
   }
   if (!self->ptr || self->released) {
-    PyErr_SetString(st->errors[-TDM_EHANDLE], "the buffer was freed");
+    PyErr_SetString(st->errors[-TDM_EHANDLE], tdmpy_buffer_gone(self));
     return NULL;
   }
   void *native;
@@ -252,9 +279,10 @@ static PyObject *get_released(BufferObject *self, void *closure) {
 static Py_ssize_t buffer_length(BufferObject *self) { return (Py_ssize_t)self->nbytes; }
 
 static PyObject *buffer_repr(BufferObject *self) {
-  return PyUnicode_FromFormat("<tandem.Buffer %zu bytes of %s memory on %s%s>", self->nbytes,
+  return PyUnicode_FromFormat("<tandem.Buffer %zu bytes of %s memory on %s%s%s>", self->nbytes,
                               kind_name(self->kind), ((DeviceObject *)self->device)->info.id,
-                              self->released ? ", freed" : "");
+                              self->owner ? ", a slot view" : "",
+                              self->released ? (self->owner ? ", ended" : ", freed") : "");
 }
 
 static PyMethodDef buffer_methods[] = {

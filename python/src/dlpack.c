@@ -145,7 +145,7 @@ PyObject *tdmpy_buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw) 
   tdmpy_state *st = tdmpy_state_of_type(Py_TYPE(self));
   if (tdmpy_check_live(st) < 0) return NULL;
   if (!self->ptr || self->released) {
-    PyErr_SetString(PyExc_BufferError, "the buffer was freed");
+    PyErr_SetString(PyExc_BufferError, tdmpy_buffer_gone(self));
     return NULL;
   }
   DLDevice dev;

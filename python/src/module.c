@@ -386,6 +386,7 @@ static int module_exec(PyObject *m) {
   ADD_TYPE(queue_type, tdmpy_queue_spec, "Queue");
   ADD_TYPE(event_type, tdmpy_event_spec, "Event");
   ADD_TYPE(buffer_type, tdmpy_buffer_spec, "Buffer");
+  ADD_TYPE(streamer_type, tdmpy_streamer_spec, "Streamer");
 #undef ADD_TYPE
   if (!(st->defaults = PyDict_New()) || !(st->installed = PyDict_New()) ||
       !(st->imports = PyDict_New()) ||
@@ -415,6 +416,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
   Py_VISIT(st->queue_type);
   Py_VISIT(st->event_type);
   Py_VISIT(st->buffer_type);
+  Py_VISIT(st->streamer_type);
   Py_VISIT(st->error);
   for (int i = 1; i <= TDMPY_NERRORS; i++) Py_VISIT(st->errors[i]);
   Py_VISIT(st->devices);
@@ -433,6 +435,7 @@ static int module_clear(PyObject *m) {
   Py_CLEAR(st->tls_key);
   for (int i = 1; i <= TDMPY_NERRORS; i++) Py_CLEAR(st->errors[i]);
   Py_CLEAR(st->error);
+  Py_CLEAR(st->streamer_type);
   Py_CLEAR(st->buffer_type);
   Py_CLEAR(st->event_type);
   Py_CLEAR(st->queue_type);

@@ -150,7 +150,7 @@ fail:
 
 static int buffer_operand(tdmpy_state *st, BufferObject *b, tdmpy_hold *h, tdmpy_span *out) {
   if (!b->ptr || b->released) {
-    PyErr_SetString(st->errors[-TDM_EHANDLE], "the buffer was freed");
+    PyErr_SetString(st->errors[-TDM_EHANDLE], tdmpy_buffer_gone(b));
     return -1;
   }
   if (h->nbufs == HOLD_MAX) {

@@ -51,6 +51,8 @@ PyObject *tdmpy_queue_wrap(tdmpy_state *st, tdm_queue *q, PyObject *device, unsi
   self->device = Py_NewRef(device);
   self->flags = flags;
   self->owned = owned;
+  self->owner = owned ? NULL : "tandem's default";
+  self->users = 0;
   self->adopted = Py_XNewRef(adopted);
   self->weakreflist = NULL;
   self->errors = PyList_New(0);
@@ -125,8 +127,13 @@ static PyObject *queue_destroy(QueueObject *self, PyObject *unused) {
   tdmpy_state *st = qstate(self);
   if (!self->q) Py_RETURN_NONE;
   if (!self->owned) {
-    PyErr_SetString(st->errors[-TDM_EBUSY], "a default queue belongs to tandem: it cannot be "
-                    "destroyed");
+    PyErr_Format(st->errors[-TDM_EBUSY], "the queue is %s: it cannot be destroyed here",
+                 self->owner);
+    return NULL;
+  }
+  if (self->users > 0) {
+    PyErr_Format(st->errors[-TDM_EBUSY], "%zd Streamers compute on the queue: close them first",
+                 self->users);
     return NULL;
   }
   if (tdmpy_uninstall(st, (PyObject *)self) < 0) return NULL;
@@ -704,11 +711,13 @@ static PyObject *queue_adopt(PyTypeObject *tp, PyObject *args, PyObject *kw) {
 }
 
 static PyObject *queue_repr(QueueObject *self) {
-  return PyUnicode_FromFormat("<tandem.Queue %s%s%s%s%s>",
+  return PyUnicode_FromFormat("<tandem.Queue %s%s%s%s%s%s%s>",
                               ((DeviceObject *)self->device)->info.id,
                               self->flags & TDM_QUEUE_OUT_OF_ORDER ? " out_of_order" : " in_order",
                               self->flags & TDM_QUEUE_TIMING ? " timing" : "",
-                              self->owned ? "" : " (tandem's default)",
+                              self->owned ? "" : " (",
+                              self->owned ? "" : self->owner,
+                              self->owned ? "" : ")",
                               self->q ? "" : " destroyed");
 }
 

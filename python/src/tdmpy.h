@@ -21,6 +21,7 @@ typedef struct {
   PyTypeObject *queue_type;
   PyTypeObject *event_type;
   PyTypeObject *buffer_type;
+  PyTypeObject *streamer_type;
   PyObject *error;                      /* tandem.TandemError */
   PyObject *errors[TDMPY_NERRORS + 1];  /* [-code]: its subclass; [0] unused */
   PyObject *devices;    /* tuple of Device, by tandem's device index */
@@ -48,6 +49,8 @@ typedef struct {
   PyObject *device;      /* Device */
   unsigned flags;        /* TDM_QUEUE_* */
   int owned;             /* 1: created or adopted here, destroyed with the object */
+  const char *owner;     /* owned == 0: whose queue it is, in words ("tandem's default") */
+  Py_ssize_t users;      /* Streamers computing on it: destroy() is refused while any are */
   PyObject *adopted;     /* the foreign queue object kept alive while adopted, or NULL */
   PyObject *errors;      /* list: exceptions raised by host tasks, oldest first, shared with
                             the tasks themselves; synchronize() re-raises the first */
@@ -71,6 +74,8 @@ typedef struct {
   Py_ssize_t exports; /* live buffer-protocol views and DLPack capsules */
   Py_ssize_t inflight;/* copies and fills on other queues pending on it (their holds) */
   int released;       /* free() was called: the memory goes once inflight drops to 0 */
+  PyObject *owner;    /* whose memory it is when not tandem.malloc's (a Streamer, for a view
+                         of a slot): never freed here, and unusable once released */
 } BufferObject;
 
 /* getattr that tells "absent" (0) from an error (-1); 1 and a new reference when present. */
@@ -132,8 +137,22 @@ void tdmpy_deps_free(tdmpy_deps *d);
 extern PyType_Spec tdmpy_buffer_spec;
 PyObject *tdmpy_malloc(tdmpy_state *st, PyObject *args, PyObject *kwargs);
 /* Gives a buffer's memory back after its queue's pending work (tdm_free_async); the GIL is
- * held and released inside. */
+ * held and released inside. A view of another object's memory only forgets it. */
 void tdmpy_buffer_free_memory(tdmpy_state *st, BufferObject *self);
+/* A new Buffer viewing nbytes at ptr of owner's device memory (kind "device"), its users
+ * ordered by queue; the owner ends it with tdmpy_buffer_end_view. */
+PyObject *tdmpy_buffer_view(tdmpy_state *st, PyObject *owner, void *ptr, size_t nbytes,
+                            PyObject *device, PyObject *queue);
+void tdmpy_buffer_end_view(BufferObject *view);
+/* Why a buffer cannot be used any more, in words. */
+static inline const char *tdmpy_buffer_gone(BufferObject *b) {
+  return b->owner ? "the slot view is no longer valid: its expert was released or the "
+                    "streamer closed"
+                  : "the buffer was freed";
+}
+
+/* streamer.c */
+extern PyType_Spec tdmpy_streamer_spec;
 
 /* operand.c: what a copy or fill can take, resolved to a pointer, and kept alive */
 typedef struct tdmpy_hold tdmpy_hold;

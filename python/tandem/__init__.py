@@ -19,6 +19,7 @@ from ._tandem import (
     Device,
     Event,
     Queue,
+    Streamer,
     TandemError,
     backends,
     devices,
@@ -54,7 +55,8 @@ from ._order import SequentialOrderManager
 __version__ = "0.1.0"
 
 __all__ = [
-    "Buffer", "Device", "Event", "Queue", "SequentialOrderManager", "TandemError", "backends",
+    "Buffer", "Device", "Event", "Queue", "SequentialOrderManager", "Streamer", "TandemError",
+    "backends",
     "devices", "get_current_queue", "get_default_queue", "malloc", "set_default_queue",
     "BackendError", "BusyError", "CrossDeviceError", "DeadlockError", "DependencyError",
     "DeviceLostError", "DirectionError", "ForkError", "HandleError", "HostTaskError",

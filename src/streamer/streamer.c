@@ -184,13 +184,15 @@ int tdm_streamer_acquire(tdm_streamer *s, int layer, int e, const void **dptr,
                       e, layer);
   pthread_mutex_lock(&s->mu);
   int rc = 0, i = s->map[key];
-  s->st.acquires++;
+  /* Where the expert was, counted once the acquire succeeds. A mapped slot's copy is
+   * complete when its event says so now; asking never waits. */
+  enum { RESIDENT, INFLIGHT, MISS } found = MISS;
+  bool prefetched = false;
   if (i >= 0) {
-    s->st.hits++;
-    if (s->slots[i].unused_prefetch) s->st.prefetch_hits++;
-    s->slots[i].unused_prefetch = false;
+    const slot *sl = &s->slots[i];
+    found = (!sl->ready || tdm_event_query(sl->ready) == 0) ? RESIDENT : INFLIGHT;
+    prefetched = sl->unused_prefetch;
   } else {
-    s->st.misses++;
     i = victim(s, false);
     if (i < 0) {
       rc = tdm_set_error(TDM_EBUSY, 0, "all %d streamer slots are acquired: release some",
@@ -203,19 +205,31 @@ int tdm_streamer_acquire(tdm_streamer *s, int layer, int e, const void **dptr,
   if (sl) {
     sl->pins++;
     sl->last_use = ++s->tick;
-    /* The compute queue waits for the copy on the device; nothing waits here. */
-    if (sl->ready && tdm_event_query(sl->ready) != 0) rc = tdm_queue_wait(s->cfg.compute, sl->ready);
+    /* The compute queue waits for the copy on the device; nothing waits here. A resident
+     * expert's copy is complete: no wait to add. */
+    if (found != RESIDENT && sl->ready && tdm_event_query(sl->ready) != 0)
+      rc = tdm_queue_wait(s->cfg.compute, sl->ready);
+    if (!rc && ready) {
+      if (sl->ready) {
+        tdm_event_retain(sl->ready);
+        *ready = sl->ready;
+      } else {
+        rc = tdm_event_record(s->demand, ready);
+      }
+    }
     if (rc) {
       sl->pins--;
     } else {
       *dptr = s->base + (size_t)i * s->cfg.expert_bytes;
-      if (ready) {
-        if (sl->ready) {
-          tdm_event_retain(sl->ready);
-          *ready = sl->ready;
-        } else {
-          rc = tdm_event_record(s->demand, ready);
-        }
+      sl->unused_prefetch = false;
+      s->st.acquires++;
+      if (found == MISS) {
+        s->st.misses++;
+      } else {
+        s->st.hits++;
+        if (found == RESIDENT) s->st.resident_hits++;
+        else s->st.inflight_hits++;
+        if (prefetched) s->st.prefetch_hits++;
       }
     }
   }
@@ -368,6 +382,7 @@ int tdm_streamer_stats_reset(tdm_streamer *s) {
   if (!s) return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_stats_reset: s is NULL");
   pthread_mutex_lock(&s->mu);
   s->st.acquires = s->st.hits = s->st.misses = 0;
+  s->st.resident_hits = s->st.inflight_hits = 0;
   s->st.prefetches = s->st.prefetch_hits = s->st.prefetch_dropped = 0;
   s->st.bytes_copied = 0;
   pthread_mutex_unlock(&s->mu);
