@@ -244,3 +244,59 @@ TEST_CASE(stats_misses) {
   CHECK_OK(tdm_queue_destroy(q));
   th_close();
 }
+
+/* An expert acquired twice is released twice, the later-finishing reader first: its slot is
+ * overwritten only after both readers (the copy into it waits for every release's event, not
+ * the last one given). One slot, so the next acquire of another expert must reuse it. */
+TEST_CASE(release_waits_for_every_reader) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q, *reader;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &reader));
+  experts x = make_experts(dev, 2, &rng);
+  unsigned char *back;
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, 2 * (size_t)XB, (void **)&back));
+  memset(back, 0, 2 * (size_t)XB);
+  tdm_streamer_config cfg = {.compute = q, .layers = 1, .experts = 2, .expert_bytes = XB,
+                             .host = x.ptrs, .budget_bytes = 0, .staging_slots = 1,
+                             .policy = TDM_CACHE_LRU};
+  tdm_streamer *s;
+  CHECK_OK(tdm_streamer_create(&cfg, &s));
+  const void *w, *w2;
+  CHECK_OK(tdm_streamer_acquire(s, 0, 0, &w, NULL));
+  CHECK_OK(tdm_streamer_acquire(s, 0, 0, &w2, NULL));
+  CHECK(w == w2);
+  CHECK_OK(tdm_queue_sync(q)); /* the copy has landed */
+  /* The slow reader: a copy out of the slot on another queue, held behind a gate. */
+  th_gate gate;
+  th_gate_init(&gate);
+  tdm_event *held, *slow, *fast;
+  CHECK_OK(tdm_host_task(reader, gate_task, &gate, 0, NULL, &held));
+  CHECK_OK(tdm_memcpy(reader, back, w, XB, TDM_COPY_D2H, 0, NULL, &slow));
+  CHECK_OK(tdm_event_record(q, &fast)); /* a reader that is already done */
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_streamer_release(s, 0, 0, slow));
+  CHECK_OK(tdm_streamer_release(s, 0, 0, fast));
+  /* Expert 1 must wait for the slow reader before it overwrites the one slot. */
+  const void *w1;
+  CHECK_OK(tdm_streamer_acquire(s, 0, 1, &w1, NULL));
+  CHECK(w1 == w);
+  CHECK_OK(tdm_memcpy(q, back + XB, w1, XB, TDM_COPY_D2H, 0, NULL, NULL));
+  th_sleep_ms(50); /* room for a copy that would not wait */
+  CHECK_EQ(tdm_event_query(slow), TDM_EAGAIN);
+  th_gate_open(&gate);
+  CHECK_OK(tdm_queue_sync(reader));
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_MSG(memcmp(back, x.ptrs[0], XB) == 0, "the slow reader saw the slot overwritten");
+  CHECK_MSG(memcmp(back + XB, x.ptrs[1], XB) == 0, "expert 1 read back other bytes");
+  CHECK_OK(tdm_streamer_release(s, 0, 1, NULL));
+  for (tdm_event **e = (tdm_event *[]){held, slow, fast, NULL}; *e; e++)
+    CHECK_OK(tdm_event_release(*e));
+  CHECK_OK(tdm_streamer_destroy(s));
+  CHECK_OK(tdm_free(back));
+  free_experts(&x);
+  CHECK_OK(tdm_queue_destroy(reader));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}

@@ -83,7 +83,8 @@ TDM_API TDM_NODISCARD int tdm_streamer_acquire(tdm_streamer *s, int layer, int e
 /* Unpins expert (layer, e); its slot may be overwritten once `done` completes (NULL: once all
  * work submitted to the compute queue so far completes; an event is recorded for it only if
  * the slot can be overwritten at all, not for the static resident set). tandem keeps its own
- * reference. */
+ * reference. An expert acquired n times (by several threads, say) is released n times, in any
+ * order: its slot is overwritten only after every release's event. */
 TDM_API TDM_NODISCARD int tdm_streamer_release(tdm_streamer *s, int layer, int e,
                                                tdm_event *done);
 /* Starts copying the listed experts of `layer` that are not on the device yet, on the

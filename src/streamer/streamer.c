@@ -1,13 +1,15 @@
 /* streamer.c: the expert streamer (tandem/streamer.h), built on tandem's public API only: two
  * copy queues of its own (demand misses and prefetches), device slots in one allocation, and a
- * key -> slot map. A slot is reused only after the compute that last read it: the copy into it
- * depends on that event, so the wait happens on the device. */
+ * key -> slot map. A slot is reused only after every compute that read it since its copy: the
+ * copy into it depends on those events, so the wait happens on the device. */
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "tandem/streamer.h"
+
+enum { FREE_MAX = 4 }; /* release events kept per slot before they are joined into one */
 
 typedef struct slot {
   int key;             /* -1: empty */
@@ -16,7 +18,10 @@ typedef struct slot {
   bool unused_prefetch;/* prefetched and not acquired yet: prefetches do not evict it */
   uint64_t last_use;
   tdm_event *ready;    /* the copy into the slot */
-  tdm_event *free;     /* the last compute that read it */
+  /* The releases' events not known to be complete: the slot is overwritten only after all of
+   * them (an expert acquired by several threads is released once by each, in any order). */
+  tdm_event *free[FREE_MAX];
+  int nfree;
 } slot;
 
 struct tdm_streamer {
@@ -37,8 +42,37 @@ struct tdm_streamer {
 
 static void slot_clear_events(slot *sl) {
   if (sl->ready) tdm_event_release(sl->ready);
-  if (sl->free) tdm_event_release(sl->free);
-  sl->ready = sl->free = NULL;
+  sl->ready = NULL;
+  for (int j = 0; j < sl->nfree; j++) tdm_event_release(sl->free[j]);
+  sl->nfree = 0;
+}
+
+/* Adds a release's event (a reference the slot now owns) to those the slot's next copy waits
+ * for, dropping the ones already complete; when FREE_MAX are still pending they are joined
+ * into one barrier on the compute queue (whose later work may then wait for them too: they
+ * were all recorded before it, so this adds no cycle). */
+static int slot_add_free(tdm_streamer *s, slot *sl, tdm_event *ev) {
+  int k = 0;
+  for (int j = 0; j < sl->nfree; j++) {
+    if (tdm_event_query(sl->free[j]) == TDM_EAGAIN)
+      sl->free[k++] = sl->free[j];
+    else
+      tdm_event_release(sl->free[j]);
+  }
+  sl->nfree = k;
+  if (sl->nfree == FREE_MAX) {
+    tdm_event *joined;
+    int rc = tdm_queue_barrier(s->cfg.compute, (size_t)sl->nfree, sl->free, &joined);
+    if (rc) {
+      tdm_event_release(ev);
+      return rc;
+    }
+    for (int j = 0; j < sl->nfree; j++) tdm_event_release(sl->free[j]);
+    sl->free[0] = joined;
+    sl->nfree = 1;
+  }
+  sl->free[sl->nfree++] = ev;
+  return 0;
 }
 
 /* Copies key into slot i on queue q, after the slot's last reader; the slot is the key's. */
@@ -46,9 +80,9 @@ static int load(tdm_streamer *s, int i, int key, tdm_queue *q) {
   slot *sl = &s->slots[i];
   /* After the slot's last reader, and after a copy into it that may still be landing (an
    * evicted prefetch on the other queue). */
-  tdm_event *deps[2], *ready = NULL;
+  tdm_event *deps[FREE_MAX + 1], *ready = NULL;
   size_t nd = 0;
-  if (sl->free) deps[nd++] = sl->free;
+  for (int j = 0; j < sl->nfree; j++) deps[nd++] = sl->free[j];
   if (sl->ready) deps[nd++] = sl->ready;
   void *dst = s->base + (size_t)i * s->cfg.expert_bytes;
   int rc = tdm_memcpy(q, dst, s->cfg.host[key], s->cfg.expert_bytes, TDM_COPY_H2D, nd,
@@ -257,10 +291,7 @@ int tdm_streamer_release(tdm_streamer *s, int layer, int e, tdm_event *done) {
   if (!sl->fixed) {
     tdm_event *ev = done;
     rc = done ? tdm_event_retain(done) : tdm_event_record(s->cfg.compute, &ev);
-    if (!rc) {
-      if (sl->free) tdm_event_release(sl->free);
-      sl->free = ev;
-    }
+    if (!rc) rc = slot_add_free(s, sl, ev);
   }
   if (!rc) sl->pins--;
   pthread_mutex_unlock(&s->mu);
