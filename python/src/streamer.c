@@ -454,6 +454,10 @@ static PyObject *streamer_acquire(StreamerObject *self, PyObject *args) {
   Py_END_ALLOW_THREADS
   self->busy--;
   if (rc < 0) return tdmpy_raise(st, rc);
+  /* Another thread's release may have let the expert leave its slot (and come back to another
+   * one) before that thread got the GIL back to end its view: a view of another slot is
+   * stale, whatever the counts here say. */
+  if (self->views[key] && self->slot[key] != dptr) end_view(self, key);
   self->pins[key]++;
   self->pinned++;
   self->slot[key] = dptr;
