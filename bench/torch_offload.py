@@ -45,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 SKIP = 77
 CONFIGS = ("resident", "accelerate", "tandem0", "tandem50")
@@ -269,7 +270,7 @@ def measure_prefill(torch, s, cfg, a, peak):
                 w, _ = timed(torch, lambda: s.model(ids, use_cache=False))
                 walls.append(w)
                 copied.append(s.copied(1))
-        i = walls.index(statistics.median(walls))
+        i = sorted(range(len(walls)), key=walls.__getitem__)[len(walls) // 2]   # the median
         r = {"tokens": t, "wall_s": walls[i], "tokens_per_s": t / walls[i],
              "walls_s": walls, "expert_bytes_copied": copied[i]}
         if copied[i]:
@@ -382,7 +383,18 @@ def breakdown(doc, path):
 # ---- the run -----------------------------------------------------------------------------
 
 def run_config(name, torch, transformers, cfg, a, peak, doc):
-    torch.cuda.reset_peak_memory_stats(a.device)
+    """One configuration's figures; an error in it is reported (with its traceback) and the
+    other configurations still run."""
+    try:
+        return measure_config(name, torch, transformers, cfg, a, peak, doc)
+    except Exception as e:                          # noqa: BLE001 - reported, not hidden
+        traceback.print_exc()
+        print(f"{name}: FAILED ({type(e).__name__}: {e})")
+        free(torch)
+        return {"config": name, "error": f"{type(e).__name__}: {e}"}
+
+
+def measure_config(name, torch, transformers, cfg, a, peak, doc):
     t0 = time.perf_counter()
     if name == "resident":
         s, why = setup_resident(torch, transformers, cfg, a), None
@@ -394,6 +406,7 @@ def run_config(name, torch, transformers, cfg, a, peak, doc):
         print(f"{name}: skipped ({why})")
         return {"config": name, "skipped": why}
     build_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats(a.device)    # the peak while it runs, not while built
     res = {"config": name, "note": s.note, "build_s": build_s}
     try:
         res["prefill"] = measure_prefill(torch, s, cfg, a, peak)
@@ -415,7 +428,7 @@ def run_config(name, torch, transformers, cfg, a, peak, doc):
 
 
 def derive(results):
-    by = {r["config"]: r for r in results if "skipped" not in r}
+    by = {r["config"]: r for r in results if "prefill" in r}
     d = {}
     acc = by.get("accelerate")
     for name in ("tandem0", "tandem50"):
@@ -440,8 +453,9 @@ def report(results, derived, peak, trace):
     lines.append(f"{'config':<11} {'phase':<13} {'tok/s':>10} {'ms':>9} {'GB copied':>10} "
                  f"{'link frac':>9} {'hit rate':>8} {'link bound':>10} {'x accel':>8}")
     for r in results:
-        if "skipped" in r:
-            lines.append(f"{r['config']:<11} skipped: {r['skipped']}")
+        if "prefill" not in r:
+            what = "skipped" if "skipped" in r else "FAILED"
+            lines.append(f"{r['config']:<11} {what}: {r.get('skipped') or r.get('error')}")
             continue
         dv = derived.get(r["config"], {})
         for p in r["prefill"]:
@@ -477,7 +491,7 @@ def report(results, derived, peak, trace):
 
 def summary(results, derived):
     """One line for scripts/gpu-check's summary table."""
-    by = {r["config"]: r for r in results if "skipped" not in r}
+    by = {r["config"]: r for r in results if "prefill" in r}
     parts = []
     t0, t50 = by.get("tandem0"), by.get("tandem50")
     if t0:
