@@ -300,7 +300,12 @@ def decode_steps(torch, s, cfg, a, trace=None):
                 walls.append(w)
         st = s.handle.stats() if s.handle is not None else None
         if trace is not None:
-            trace["breakdown"] = trace_step(torch, s, nxt, past, trace["file"])
+            # A profiler that cannot start (no CUPTI, say) costs the breakdown, not the figures.
+            try:
+                trace["breakdown"] = trace_step(torch, s, nxt, past, trace["file"])
+            except Exception as e:                  # noqa: BLE001 - reported in the output
+                traceback.print_exc()
+                trace["breakdown"] = {"error": f"{type(e).__name__}: {e}"}
     return walls, st
 
 
