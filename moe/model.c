@@ -551,6 +551,10 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   st->acquires = s1.acquires - s0.acquires;
   st->hits = s1.hits - s0.hits;
   st->misses = s1.misses - s0.misses;
+  st->resident_hits = s1.resident_hits - s0.resident_hits;
+  st->inflight_hits = s1.inflight_hits - s0.inflight_hits;
+  st->demand_misses = st->misses;
+  st->host_experts = 0; /* no expert is placed on the host yet */
   if (!rc) memcpy(y, xh, bytes);
   return rc;
 }

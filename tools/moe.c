@@ -2,9 +2,10 @@
  * expert streamer while the compute queue works. It runs the same prefill (and decode) three
  * ways in one process: all experts resident (the reference output and the compute-only time),
  * streamed and overlapped, and streamed serialized; then it reports tokens/s, bytes copied,
- * link utilization against a raw pinned copy measured at start-up, the hidden fraction, the
- * cache hit rate, the staging slots, and whether the streamed output is bitwise equal to the
- * all-resident output. */
+ * link utilization against a raw pinned copy measured at start-up, the hidden fraction, where
+ * the routed experts were found (resident, covered by a copy in flight, demand miss), the
+ * staging slots, and whether the streamed output is bitwise equal to the all-resident output;
+ * for decode, the bytes copied per token and the bound the link sets from them. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,8 +30,11 @@ static const char moe_help[] =
     "work runs all-resident (the reference), streamed and overlapped, and streamed serialized;\n"
     "each run is timed after an untimed warm-up (for the first run of the process, its whole\n"
     "workload). The table reports tokens/s, the time the host waited for the device, bytes\n"
-    "copied, hit rate, link utilization, hidden fraction, the host's time per expert, and the\n"
-    "bitwise check of the streamed output against the all-resident one.\n"
+    "copied, where the routed experts were found (resident: a cache hit; in flight: covered\n"
+    "by a copy already on its way; miss: copied on demand), link utilization, hidden\n"
+    "fraction, the host's time per expert, and the bitwise check of the streamed output\n"
+    "against the all-resident one. With --decode, the decode line gives the bytes copied per\n"
+    "decode token and the bound the link sets from them (peak / bytes per token).\n"
     "\n"
     "  --preset P         tiny (default), qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3,\n"
     "                     mixtral-8x7b. The large presets hold tens to hundreds of GiB of\n"
@@ -217,17 +221,27 @@ static int measure_peak(tdm_device *dev, double *gbps) {
   return rc;
 }
 
+/* Where a run's routed experts were found (tdm_moe_pass_stats's definitions, summed). */
+typedef struct found {
+  uint64_t acquires, resident, inflight, misses, host, bytes;
+} found;
+
 typedef struct run {
   const char *name;
   double seconds, tokens_per_s;
-  uint64_t bytes, acquires, hits;
+  found all;             /* the whole run */
   double wait_seconds;   /* the host waiting for the device (routing results, final sync) */
   double ops_seconds, streamer_seconds; /* host time in expert operations, in the streamer */
   long experts;          /* experts computed */
   double decode_seconds; /* the decode part alone */
-  uint64_t decode_acquires, decode_hits, decode_bytes;
+  found decode;
   int ok;
 } run;
+
+/* The share of acquires n is (0 when there were none). */
+static double rate(uint64_t n, const found *f) {
+  return f->acquires ? (double)n / f->acquires : 0.0;
+}
 
 static void progress(const char *what, long done, long total) {
   if (!isatty(2)) return;
@@ -239,6 +253,15 @@ static void progress(const char *what, long done, long total) {
   fflush(stderr);
 }
 
+static void add_found(found *f, const tdm_moe_pass_stats *st) {
+  f->acquires += st->acquires;
+  f->resident += st->resident_hits;
+  f->inflight += st->inflight_hits;
+  f->misses += st->demand_misses;
+  f->host += st->host_experts;
+  f->bytes += st->bytes_copied;
+}
+
 /* Adds one pass's statistics to a run (a decode pass also to its decode part). */
 static void add_pass(run *r, const tdm_moe_pass_stats *st, bool decode) {
   r->seconds += st->seconds;
@@ -246,14 +269,10 @@ static void add_pass(run *r, const tdm_moe_pass_stats *st, bool decode) {
   r->ops_seconds += st->ops_seconds;
   r->streamer_seconds += st->streamer_seconds;
   r->experts += st->experts_computed;
-  r->bytes += st->bytes_copied;
-  r->acquires += st->acquires;
-  r->hits += st->hits;
+  add_found(&r->all, st);
   if (decode) {
     r->decode_seconds += st->seconds;
-    r->decode_acquires += st->acquires;
-    r->decode_hits += st->hits;
-    r->decode_bytes += st->bytes_copied;
+    add_found(&r->decode, st);
   }
 }
 
@@ -419,8 +438,8 @@ static figures compute_figures(const session *s) {
     if (s->runs[i].ok == 0) f.all_ok = false;
   }
   f.main_run = f.ovl ? f.ovl : f.ser;
-  f.link = f.main_run->bytes / f.main_run->seconds / 1e9 / s->peak;
-  f.copy_s = f.main_run->bytes / (s->peak * 1e9);
+  f.link = f.main_run->all.bytes / f.main_run->seconds / 1e9 / s->peak;
+  f.copy_s = f.main_run->all.bytes / (s->peak * 1e9);
   /* hidden: how much of the shorter side the overlap hid, against the serialized pass (none
    * when nothing was copied: nothing to hide); efficiency: how close the overlapped pass came
    * to the longer side alone (copy at the link's peak, or the all-resident pass). */
@@ -433,6 +452,24 @@ static figures compute_figures(const session *s) {
   return f;
 }
 
+/* Where the experts were found, as counts and shares of the acquires, under names that start
+ * with `prefix`. hit_rate is resident or in flight (the name older scripts read); the cache hit
+ * rate is resident_hit_rate. */
+static void json_found(bu_json *j, const char *prefix, const found *f) {
+  char key[64];
+#define KEY(name) (snprintf(key, sizeof key, "%s%s", prefix, name), key)
+  bu_json_double(j, KEY("hit_rate"), rate(f->resident + f->inflight, f), 4);
+  bu_json_double(j, KEY("resident_hit_rate"), rate(f->resident, f), 4);
+  bu_json_double(j, KEY("inflight_hit_rate"), rate(f->inflight, f), 4);
+  bu_json_double(j, KEY("miss_rate"), rate(f->misses, f), 4);
+  bu_json_uint(j, KEY("acquires"), f->acquires);
+  bu_json_uint(j, KEY("resident_hits"), f->resident);
+  bu_json_uint(j, KEY("inflight_hits"), f->inflight);
+  bu_json_uint(j, KEY("demand_misses"), f->misses);
+  bu_json_uint(j, KEY("host_experts"), f->host);
+#undef KEY
+}
+
 static void json_run(bu_json *j, const run *r, long decode) {
   bu_json_object(j, NULL);
   bu_json_string(j, "name", r->name);
@@ -442,29 +479,32 @@ static void json_run(bu_json *j, const run *r, long decode) {
   bu_json_double(j, "host_streamer_seconds", r->streamer_seconds, 6);
   bu_json_int(j, "experts", r->experts);
   bu_json_double(j, "tokens_per_s", r->tokens_per_s, 3);
-  bu_json_uint(j, "bytes_copied", r->bytes);
-  bu_json_double(j, "hit_rate", r->acquires ? (double)r->hits / r->acquires : 0.0, 4);
+  bu_json_uint(j, "bytes_copied", r->all.bytes);
+  json_found(j, "", &r->all);
   bu_json_double(j, "decode_tokens_per_s", r->decode_seconds > 0 ? decode / r->decode_seconds : 0.0,
                  3);
-  bu_json_double(j, "decode_hit_rate",
-                 r->decode_acquires ? (double)r->decode_hits / r->decode_acquires : 0.0, 4);
+  json_found(j, "decode_", &r->decode);
+  bu_json_uint(j, "decode_bytes_copied", r->decode.bytes);
+  bu_json_double(j, "decode_bytes_per_token", decode ? (double)r->decode.bytes / decode : 0.0, 1);
   if (r->ok < 0) bu_json_null(j, "matches_resident");
   else bu_json_bool(j, "matches_resident", r->ok);
   bu_json_end(j);
+}
+
+/* Decode at batch 1 moves every byte it copies once per token, so the link bounds it at
+ * peak / (bytes copied per decode token): what was copied, prefetches included, not a figure
+ * derived from a hit rate (a copy in flight is still a copy). NAN when decode copied nothing
+ * (or did not run): then the link sets no bound. */
+static double decode_bound(const session *s, const run *r) {
+  if (!s->o.decode || !r->decode.bytes) return NAN;
+  return s->peak * 1e9 / ((double)r->decode.bytes / s->o.decode);
 }
 
 /* The results as one JSON object on stdout; TOOL_FAILED when writing it failed. */
 static int print_json(const session *s, const figures *f) {
   const moe_opts *o = &s->o;
   const run *mr = f->main_run;
-  /* Decode's bound: link / ((1 - hit rate) x expert bytes per token); null when nothing
-   * was copied (no decode, or every expert hit). */
-  double bound = NAN;
-  if (o->decode && mr->decode_acquires) {
-    double h = (double)mr->decode_hits / mr->decode_acquires;
-    if (h < 1)
-      bound = s->peak * 1e9 / ((1 - h) * (double)s->layers * s->p->topk * (double)s->ebytes);
-  }
+  double bound = decode_bound(s, mr);
   bu_json j;
   bu_json_init(&j, stdout, 2);
   bu_json_object(&j, NULL);
@@ -493,6 +533,8 @@ static int print_json(const session *s, const figures *f) {
   bu_json_double(&j, "hidden_fraction", f->hidden, 4);
   bu_json_double(&j, "overlap_efficiency", f->efficiency, 4);
   bu_json_double(&j, "copy_seconds_at_peak", f->copy_s, 6);
+  bu_json_double(&j, "decode_bytes_per_token",
+                 o->decode ? (double)mr->decode.bytes / o->decode : NAN, 1);
   bu_json_double(&j, "decode_bound_tokens_per_s", bound, 3);
   bu_json_string(&j, "check", s->yref ? (f->all_ok ? "ok" : "FAILED") : "skipped");
   bu_json_end(&j);
@@ -516,29 +558,36 @@ static void print_runs(const session *s) {
   printf("  device     budget %s (%d resident slots) + %d staging slots = %s; prefetch "
          "depth %d\n", b1, s->ss.resident_slots, s->ss.staging_slots, b2, s->ss.prefetch_depth);
   printf("  link       %.2f GB/s peak (one large pinned copy, this process)\n\n", s->peak);
-  printf("  %-22s %10s %12s %12s %12s %9s %8s\n", "run", "time", "host waits", "tokens/s",
-         "copied", "hit rate", "output");
+  printf("  %-22s %10s %12s %12s %12s %9s %9s %7s %8s\n", "run", "time", "host waits",
+         "tokens/s", "copied", "resident", "in flight", "miss", "output");
   for (int i = 0; i < s->nruns; i++) {
     const run *r = &s->runs[i];
-    tool_format_bytes(r->bytes, b1, sizeof b1);
-    printf("  %-22s %8.1f ms %9.1f ms %12.1f %12s %8.1f%% %8s\n", r->name, r->seconds * 1e3,
-           r->wait_seconds * 1e3, r->tokens_per_s, b1,
-           r->acquires ? 100.0 * r->hits / r->acquires : 0.0,
-           r->ok < 0 ? "-" : r->ok ? "equal" : "DIFFERS");
+    tool_format_bytes(r->all.bytes, b1, sizeof b1);
+    printf("  %-22s %8.1f ms %9.1f ms %12.1f %12s %8.1f%% %8.1f%% %6.1f%% %8s\n", r->name,
+           r->seconds * 1e3, r->wait_seconds * 1e3, r->tokens_per_s, b1,
+           100 * rate(r->all.resident, &r->all), 100 * rate(r->all.inflight, &r->all),
+           100 * rate(r->all.misses, &r->all), r->ok < 0 ? "-" : r->ok ? "equal" : "DIFFERS");
   }
+  /* No column for experts computed on the host: there is no host placement yet, so it would
+   * always read 0; the JSON keeps host_experts for when there is. */
+  printf("  (routed experts: resident = on the device when routed, a cache hit; in flight = "
+         "covered by a copy\n   already on its way; miss = copied on demand)\n");
 }
 
-/* Decode at batch 1 is bound by the bytes it must copy: link / ((1 - hit) x bytes/token). */
+/* The decode part: measured tokens/s beside the bound the link sets from the bytes actually
+ * copied per token, and where its routed experts were found. */
 static void print_decode(const session *s, const run *mr) {
-  double h = mr->decode_acquires ? (double)mr->decode_hits / mr->decode_acquires : 0;
-  double per_token = (double)s->layers * s->p->topk * s->ebytes;
-  printf("  decode             %.1f tokens/s at a %.1f%% hit rate; ",
-         s->o.decode / mr->decode_seconds, 100 * h);
-  if (h < 1)
-    printf("bound %.1f tokens/s (link / ((1 - hit) x %.1f MB per token))\n",
-           s->peak * 1e9 / ((1 - h) * per_token), per_token / 1e6);
+  const found *d = &mr->decode;
+  double bound = decode_bound(s, mr);
+  printf("  decode             %.1f tokens/s measured; ", s->o.decode / mr->decode_seconds);
+  if (!isnan(bound))
+    printf("the link bounds it at %.1f tokens/s (peak / %.2f MB copied per decode token)\n",
+           bound, (double)d->bytes / s->o.decode / 1e6);
   else
-    printf("nothing copied, so the link sets no bound\n");
+    printf("nothing copied during decode, so the link sets no bound\n");
+  printf("                     routed experts: %.1f%% resident, %.1f%% in flight, %.1f%% demand "
+         "misses (%s run)\n", 100 * rate(d->resident, d), 100 * rate(d->inflight, d),
+         100 * rate(d->misses, d), mr->name);
 }
 
 /* The figures under the table. */

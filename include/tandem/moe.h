@@ -73,8 +73,20 @@ typedef struct tdm_moe_pass_stats {
   double ops_seconds;       /* host time in the backend's expert operations (kernel launches,
                                BLAS calls) */
   double streamer_seconds;  /* host time in the streamer's calls and the events they take */
-  uint64_t bytes_copied, acquires, hits, misses;
+  uint64_t bytes_copied;     /* expert bytes copied host-to-device during the pass */
+  /* Where each routed expert was found, as tdm_streamer_stats counts it: every acquire counts
+   * once in resident_hits, inflight_hits or demand_misses, so acquires is their sum. */
+  uint64_t acquires;
+  uint64_t hits;            /* resident_hits + inflight_hits ("resident or in flight"), kept for
+                               older callers; it is not a cache hit rate */
+  uint64_t misses;          /* = demand_misses, kept for older callers */
   int experts_computed;     /* routed experts computed (routed, non-empty) */
+  uint64_t resident_hits;   /* resident when routed, copy complete: a cache hit, nothing waits */
+  uint64_t inflight_hits;   /* covered by a copy already in flight (a prefetch's or an earlier
+                               demand's): nothing new copied, but the compute waits for it */
+  uint64_t demand_misses;   /* neither: copied on demand, the compute waits for the whole copy */
+  uint64_t host_experts;    /* routed experts computed on the host instead of copied; 0 until
+                               experts can be placed on the host */
 } tdm_moe_pass_stats;
 
 /* Runs every layer on a ubatch of T tokens: x (host f32 [T x H]) in, y out. overlap false makes
