@@ -3,7 +3,9 @@
 trace the runtime writes for it (--trace FILE, $TANDEM_TRACE), edge cases included: a budget
 that keeps every expert resident (nothing copied, so no hidden fraction), a budget of 0, a
 trace whose path holds a quote, a backslash, a tab and a byte that is not UTF-8, a trace of no
-commands at all.
+commands at all. The `moe` runs also say where their experts were found: every acquire counts
+once as resident, in flight or a demand miss; all resident shows resident hits only; decode
+under LRU with no budget has demand misses and copies bytes every token.
 
 usage: test-json.py TANDEM DEVICE
 
@@ -91,6 +93,20 @@ def devices(tool, device, tmp):
     return ids
 
 
+def check_found(r, prefix, what):
+    """Every acquire counts once: resident, in flight or a demand miss; hit_rate is the first
+    two together; nothing is computed on the host yet."""
+    get = lambda key: r[prefix + key]
+    n = get("acquires")
+    if get("resident_hits") + get("inflight_hits") + get("demand_misses") != n:
+        raise Failed(f"{what}: run {r['name']!r}: {prefix}resident + in flight + misses "
+                     f"!= {n} acquires")
+    if get("host_experts") != 0:
+        raise Failed(f"{what}: run {r['name']!r}: {get('host_experts')} {prefix}host experts")
+    if n and abs(get("hit_rate") - (get("resident_hits") + get("inflight_hits")) / n) > 1e-3:
+        raise Failed(f"{what}: run {r['name']!r}: {prefix}hit_rate {get('hit_rate')}")
+
+
 def moe(tool, device, tmp):
     base = [b"moe", b"--device", device.encode(), b"--tokens", b"16", b"--json"]
     # Every expert resident: nothing is copied, so there is no hidden fraction.
@@ -102,6 +118,10 @@ def moe(tool, device, tmp):
     for r in doc["runs"]:
         if r["bytes_copied"] != 0:
             raise Failed(f"{what}: run {r['name']!r} copied {r['bytes_copied']} bytes")
+        check_found(r, "", what)
+        if r["resident_hits"] != r["acquires"] or not r["acquires"]:
+            raise Failed(f"{what}: run {r['name']!r}: {r['resident_hits']} resident hits of "
+                         f"{r['acquires']} acquires")
     # Nothing resident, with decode: every figure is a number or null.
     what = "moe --device-budget 0 --decode 2"
     doc, command = run(tool, base + [b"--device-budget", b"0", b"--decode", b"2"], what)
@@ -111,6 +131,22 @@ def moe(tool, device, tmp):
         check_number_or_null(doc, key, what)
     if doc.get("check") != "ok":
         raise Failed(f"{what}: check is {doc.get('check')!r}")
+    # Decode under LRU with a budget that holds none of the working set: the serialized run
+    # copies nothing ahead, so it has demand misses and copies bytes every token.
+    what = "moe --device-budget 0 --cache-policy lru --decode 4"
+    doc, command = run(tool, base + [b"--device-budget", b"0", b"--cache-policy", b"lru",
+                                     b"--decode", b"4", b"--slots", b"2"], what)
+    check_header(doc, command, what)
+    for r in doc["runs"]:
+        check_found(r, "", what)
+        check_found(r, "decode_", what)
+    ser = [r for r in doc["runs"] if r["name"] == "streamed, serialized"][0]
+    if not (ser["decode_demand_misses"] > 0 and ser["decode_bytes_per_token"] > 0):
+        raise Failed(f"{what}: serialized decode has {ser['decode_demand_misses']} demand "
+                     f"misses and copies {ser['decode_bytes_per_token']} bytes a token")
+    if not (doc["decode_bytes_per_token"] > 0 and doc["decode_bound_tokens_per_s"] > 0):
+        raise Failed(f"{what}: decode copies {doc['decode_bytes_per_token']} bytes a token, "
+                     f"bound {doc['decode_bound_tokens_per_s']}")
     # A trace whose path needs escaping in the command string, and is not even UTF-8.
     trace = os.path.join(os.fsencode(tmp), b'a "quoted" \\ back\tslash \xff.json')
     what = "moe --trace <a path with a quote, a backslash, a tab, a byte not UTF-8>"

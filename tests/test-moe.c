@@ -5,7 +5,7 @@
  *   for every cache policy, budget and slot count;
  * - the slot-reuse hazard: two slots, many experts, slow compute: no compute ever reads a
  *   half-written or replaced expert;
- * - prefetch depth, LRU hits, statistics;
+ * - prefetch depth, LRU hits, statistics; a pass's counts: resident, in flight, demand miss;
  * - bad input: unknown preset, budgets and slot counts that cannot hold an expert, host
  *   memory too small for a preset.
  */
@@ -382,6 +382,61 @@ TEST_CASE(streamed_equals_resident) {
       }
   free(x);
   free(ref);
+  free(y);
+  th_close();
+}
+
+/* Every acquire of a pass counts once: resident, in flight or a demand miss. */
+static void check_found(const tdm_moe_pass_stats *st, const char *what) {
+  CHECK_MSG(st->resident_hits + st->inflight_hits + st->demand_misses == st->acquires,
+            "%s: %llu resident + %llu in flight + %llu misses != %llu acquires", what,
+            (unsigned long long)st->resident_hits, (unsigned long long)st->inflight_hits,
+            (unsigned long long)st->demand_misses, (unsigned long long)st->acquires);
+  CHECK(st->hits == st->resident_hits + st->inflight_hits);
+  CHECK(st->misses == st->demand_misses);
+  CHECK_EQ((long)st->host_experts, 0L); /* no host placement yet */
+}
+
+/* What a pass reports it found. Decode under LRU with two slots for sixteen experts a token:
+ * serialized, nothing is copied ahead, so there are demand misses; overlapped, the routed
+ * experts are prefetched, and whether a copy has landed by its acquire (resident) or not (in
+ * flight) depends on timing, but either way every token copies bytes. All resident, once the
+ * resident set has landed: resident hits only, nothing copied. */
+TEST_CASE(pass_counts) {
+  tdm_device *dev = th_open();
+  const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
+  CHECK(p != NULL);
+  enum { DECODE = 4 };
+  tdm_moe_config base = {.preset = p, .device = dev, .seed = th_seed(), .skew = 1.0,
+                         .locality = 0.8, .max_tokens = 8};
+  size_t H = (size_t)p->hidden;
+  float *x = malloc(DECODE * H * sizeof *x), *y = malloc(DECODE * H * sizeof *y);
+  tdm_moe_pass_stats st;
+  tdm_moe_model *m = make_model(dev, &base, false, 0, 2, TDM_CACHE_LRU);
+  tdm_moe_make_input(m, x, DECODE, 0, true);
+  for (int ov = 0; ov < 2; ov++)
+    for (int t = 0; t < DECODE; t++) {
+      CHECK_OK(tdm_moe_forward(m, x + t * H, y + t * H, 1, ov, &st));
+      check_found(&st, ov ? "overlapped decode" : "serialized decode");
+      CHECK(st.acquires > 0);
+      CHECK(st.bytes_copied > 0);
+      if (!ov) CHECK(st.demand_misses > 0);
+    }
+  tdm_moe_model_destroy(m);
+
+  m = make_model(dev, &base, true, 0, 2, TDM_CACHE_STATIC);
+  tdm_queue *prefetch = NULL;
+  CHECK_OK(tdm_streamer_queues(tdm_moe_streamer(m), NULL, &prefetch));
+  CHECK_OK(tdm_queue_sync(prefetch)); /* the resident set's first load, on the prefetch queue */
+  for (int t = 0; t < DECODE; t++) {
+    CHECK_OK(tdm_moe_forward(m, x + t * H, y + t * H, 1, true, &st));
+    check_found(&st, "all resident");
+    CHECK(st.acquires > 0);
+    CHECK_EQ((long)st.resident_hits, (long)st.acquires);
+    CHECK_EQ((long)st.bytes_copied, 0L);
+  }
+  tdm_moe_model_destroy(m);
+  free(x);
   free(y);
   th_close();
 }
