@@ -51,7 +51,12 @@ typedef struct tdm_streamer_config {
  * resident_hits, inflight_hits and misses, so acquires = hits + misses and
  * hits = resident_hits + inflight_hits; a refused acquire (TDM_EBUSY, bad input) counts nowhere.
  * Whether an expert's copy is complete is asked of the copy's event (tdm_event_query) at the
- * acquire, so the answer never waits; a copy that failed counts as not complete. */
+ * acquire, so the answer never waits; a copy that failed counts as not complete.
+ * The cache hit rate is resident_hits / acquires. hits / acquires is "resident or in flight":
+ * an expert prefetched just before its acquire counts there although it was copied for this
+ * use, so it says nothing of the bytes moved. Those are bytes_copied, which counts every copy
+ * (demand and prefetch alike, used or not); the link bounds a workload by them, not by misses.
+ * `tandem moe` reports these same figures (resident, in flight, miss, bytes copied). */
 typedef struct tdm_streamer_stats {
   uint64_t acquires;
   uint64_t hits;          /* resident_hits + inflight_hits, kept for older callers */
