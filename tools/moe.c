@@ -253,6 +253,7 @@ static void progress(const char *what, long done, long total) {
   fflush(stderr);
 }
 
+/* A run keeps the pass's counts whole, so its shares weigh every acquire alike. */
 static void add_found(found *f, const tdm_moe_pass_stats *st) {
   f->acquires += st->acquires;
   f->resident += st->resident_hits;
