@@ -23,10 +23,11 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import threading
 import time
+
+from benchinfo import commit
 
 P = ctypes.c_void_p
 
@@ -153,18 +154,6 @@ def sync_copy_blocks_others(c, hold, legacy):
         c.rt.cudaFree(p)
     c.rt.cudaFreeHost(pinned)
     return {"stream": where, "copy_ms": round(ms, 3), "other_thread": results}
-
-
-def commit():
-    if os.environ.get("TANDEM_COMMIT"):
-        return os.environ["TANDEM_COMMIT"]
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
-                              capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() \
-            or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def main():

@@ -21,11 +21,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import tandem
+
+from benchinfo import commit
 
 
 def per_call_us(fn, iters, reps, sync):
@@ -103,18 +104,6 @@ def cupy_ops(dev):
 
     return ({"record": record, "wait": wait, "copy4": copy4, "with": with_}, s.synchronize,
             f"CuPy {cp.__version__}")
-
-
-def commit():
-    if os.environ.get("TANDEM_COMMIT"):
-        return os.environ["TANDEM_COMMIT"]
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
-                              capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() \
-            or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def main():

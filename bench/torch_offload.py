@@ -42,10 +42,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
+
+from benchinfo import commit
 
 SKIP = 77
 CONFIGS = ("resident", "accelerate", "tandem0", "tandem50")
@@ -95,18 +96,6 @@ def parse_args(argv=None):
 def skip(msg):
     print(f"torch_offload: skipped ({msg})")
     sys.exit(SKIP)
-
-
-def commit():
-    if os.environ.get("TANDEM_COMMIT"):
-        return os.environ["TANDEM_COMMIT"]
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
-                              capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() \
-            or "unknown"
-    except OSError:
-        return "unknown"
 
 
 # ---- the model ---------------------------------------------------------------------------

@@ -353,16 +353,22 @@ static PyObject *queue_record(QueueObject *self, PyObject *unused) {
   return tdmpy_event_new(st, ev, NULL, NULL);
 }
 
-static PyObject *queue_wait(QueueObject *self, PyObject *event) {
+/* fn(q, ev) for an Event or a foreign event (imported for the call): wait and track. */
+static PyObject *queue_with_event(QueueObject *self, PyObject *event,
+                                  int (*fn)(tdm_queue *, tdm_event *)) {
   tdmpy_state *st = qstate(self);
   if (usable(st, self) < 0) return NULL;
   tdm_event *ev;
   int owned;
   if (tdmpy_event_arg(st, event, qdev(self), &ev, &owned) < 0) return NULL;
-  int rc = tdm_queue_wait(self->q, ev);
+  int rc = fn(self->q, ev);
   if (owned) tdm_event_release(ev);
   if (rc < 0) return tdmpy_raise(st, rc);
   Py_RETURN_NONE;
+}
+
+static PyObject *queue_wait(QueueObject *self, PyObject *event) {
+  return queue_with_event(self, event, tdm_queue_wait);
 }
 
 static PyObject *queue_barrier(QueueObject *self, PyObject *args, PyObject *kw) {
@@ -381,15 +387,7 @@ static PyObject *queue_barrier(QueueObject *self, PyObject *args, PyObject *kw) 
 }
 
 static PyObject *queue_track(QueueObject *self, PyObject *event) {
-  tdmpy_state *st = qstate(self);
-  if (usable(st, self) < 0) return NULL;
-  tdm_event *ev;
-  int owned;
-  if (tdmpy_event_arg(st, event, qdev(self), &ev, &owned) < 0) return NULL;
-  int rc = tdm_queue_track(self->q, ev);
-  if (owned) tdm_event_release(ev);
-  if (rc < 0) return tdmpy_raise(st, rc);
-  Py_RETURN_NONE;
+  return queue_with_event(self, event, tdm_queue_track);
 }
 
 static PyObject *queue_dependencies(QueueObject *self, PyObject *unused) {
