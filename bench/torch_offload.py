@@ -25,7 +25,15 @@ of 3). Derived: link fraction = expert bytes copied / wall time / that peak; tan
 accelerate for prefill and decode; for decode, the hit rate (experts resident when routed) and
 the bound the link sets at that hit rate = peak / (routed expert bytes per token x (1 - hit
 rate)). --trace-decode FILE writes a torch.profiler trace of one decode step of tandem50 and
-prints where its time goes (kernels, copies, both, neither).
+prints where its time goes (kernels, copies, both, neither); --trace-prefill FILE does the same
+for one prefill of tandem0 (the largest) and prints how long the link sat idle and what the GPU
+and the host were doing in its longest idle gaps.
+
+Attention is transformers' SDPA with PyTorch's cuDNN backend switched off (--cudnn-sdpa leaves
+it on): on the H200 with torch 2.11 that backend spent about 7.7 ms of host time per layer in
+every decode step (a graph built again for each new KV length), which made the all-resident
+model decode at 12 tok/s and drowned what this benchmark compares. Every configuration runs the
+same attention, so the choice moves every row alike.
 
 It reports figures and never passes or fails on them (the goals are printed beside them).
 Exits 77 with a message when PyTorch, transformers or a CUDA GPU is missing; a configuration
@@ -79,6 +87,13 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--trace-decode", default=None, metavar="FILE",
                     help="torch.profiler trace of one decode step of tandem50, and its breakdown")
+    ap.add_argument("--trace-prefill", default=None, metavar="FILE",
+                    help="torch.profiler trace of one prefill (the largest) of tandem0, with the "
+                         "link's idle gaps")
+    ap.add_argument("--cudnn-sdpa", action="store_true",
+                    help="leave PyTorch's cuDNN attention on (off by default: it rebuilds its "
+                         "graph for every new KV length, milliseconds of host time per layer "
+                         "and decode step, the same in every configuration)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     if args.quick:
@@ -247,7 +262,7 @@ def tokens(torch, cfg, n, seed, device):
     return torch.randint(0, cfg.vocab_size, (1, n), generator=g).to(device)
 
 
-def measure_prefill(torch, s, cfg, a, peak):
+def measure_prefill(torch, s, cfg, a, peak, trace=None):
     rows = []
     for t in a.prefill:
         ids = tokens(torch, cfg, t, a.seed + t, a.device)
@@ -267,6 +282,15 @@ def measure_prefill(torch, s, cfg, a, peak):
         if s.handle is not None:
             r["stats"] = s.handle.stats()
         rows.append(r)
+        if trace is not None and t == max(a.prefill):
+            try:
+                with torch.no_grad():
+                    trace["breakdown"] = traced(torch, "prefill", trace["file"],
+                                                lambda: s.model(ids, use_cache=False))
+                trace["breakdown"]["tokens"] = t
+            except Exception as e:                  # noqa: BLE001 - reported in the output
+                traceback.print_exc()
+                trace["breakdown"] = {"error": f"{type(e).__name__}: {e}"}
     return rows
 
 
@@ -338,36 +362,77 @@ def trace_step(torch, s, nxt, past, path):
     """One more decode step under torch.profiler; writes the Chrome trace to `path` and returns
     the step's wall time split by what the GPU did: kernels only, copies only, both at once,
     neither (the GPU waits for the host: Python, routing, launches, syncs)."""
+    return traced(torch, "decode_step", path,
+                  lambda: s.model(nxt, past_key_values=past, use_cache=True))
+
+
+def traced(torch, label, path, fn):
     from torch.profiler import ProfilerActivity, profile, record_function
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     with profile(activities=acts) as prof:
-        with record_function("decode_step"):
-            s.model(nxt, past_key_values=past, use_cache=True)
+        with record_function(label):
+            fn()
             torch.cuda.synchronize()
     prof.export_chrome_trace(path)
     with open(path) as f:
-        return breakdown(json.load(f), path)
+        return breakdown(json.load(f), path, label)
 
 
-def breakdown(doc, path):
-    """trace_step's figures from a Chrome trace as torch.profiler writes it (times in us)."""
+def gaps(busy, lo, hi, min_us):
+    """The intervals of [lo, hi] that no interval of `busy` covers, min_us or longer."""
+    out, at = [], lo
+    for a, b in sorted(busy):
+        if a > at and a - at >= min_us:
+            out.append((at, a))
+        at = max(at, b)
+    if hi - at >= min_us:
+        out.append((at, hi))
+    return out
+
+
+def during(evs, a, b, top=3):
+    """The names of the events that overlap [a, b] most, with the overlap in us."""
+    over = {}
+    for e in evs:
+        o = min(b, e["ts"] + e["dur"]) - max(a, e["ts"])
+        if o > 0:
+            name = e.get("name", "?")[:48]
+            over[name] = over.get(name, 0.0) + o
+    return [f"{n} ({us:.0f} us)" for n, us in sorted(over.items(), key=lambda kv: -kv[1])[:top]]
+
+
+def breakdown(doc, path, label="decode_step"):
+    """traced()'s figures from a Chrome trace as torch.profiler writes it (times in us): the
+    wall split by what the GPU did, and the link's idle gaps of 50 us or more with what the
+    GPU's kernels and the host's CUDA calls were doing in the longest ones."""
     evs = [e for e in (doc.get("traceEvents") if isinstance(doc, dict) else doc) or []
            if e.get("ph") == "X" and "dur" in e]
-    step = [e for e in evs if e.get("name") == "decode_step" and e.get("cat") == "user_annotation"]
+    step = [e for e in evs if e.get("name") == label and e.get("cat") == "user_annotation"]
     if not step:
-        return {"error": "no decode_step annotation in the trace"}
+        return {"error": f"no {label} annotation in the trace"}
     lo, hi = step[0]["ts"], step[0]["ts"] + step[0]["dur"]
-    kern = clip([(e["ts"], e["ts"] + e["dur"]) for e in evs if e.get("cat") == "kernel"], lo, hi)
+    kev = [e for e in evs if e.get("cat") == "kernel"]
+    kern = clip([(e["ts"], e["ts"] + e["dur"]) for e in kev], lo, hi)
     cps = [e for e in evs if e.get("cat") == "gpu_memcpy"]
     copy = clip([(e["ts"], e["ts"] + e["dur"]) for e in cps], lo, hi)
     h2d = [e for e in cps if "HtoD" in e.get("name", "")]
+    link = clip([(e["ts"], e["ts"] + e["dur"]) for e in h2d], lo, hi)
     wall, k, c, kc = hi - lo, union(kern), union(copy), union(kern + copy)
     launch = [e for e in evs if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    idle = gaps(link, lo, hi, 50.0)
+    longest = sorted(idle, key=lambda g: g[0] - g[1])[:8]
     return {
+        "label": label,
         "wall_us": wall, "kernels_us": k, "copies_us": c, "both_us": k + c - kc,
         "kernels_only_us": kc - c, "copies_only_us": kc - k, "gpu_idle_us": wall - kc,
         "kernels": len(kern), "copies": len(copy), "h2d_copies": len(h2d),
         "h2d_bytes": sum(int(e.get("args", {}).get("bytes", 0) or 0) for e in h2d),
+        "link_busy_us": union(link),
+        "link_first_us": min((a for a, _ in link), default=hi) - lo,
+        "link_last_us": hi - max((b for _, b in link), default=lo),
+        "link_gaps": len(idle), "link_gaps_us": sum(b - a for a, b in idle),
+        "link_longest_gaps": [{"at_us": a - lo, "us": b - a, "kernels": during(kev, a, b),
+                               "host": during(launch, a, b)} for a, b in longest],
         "cuda_api_calls": len(launch),
         "cuda_api_us": union(clip([(e["ts"], e["ts"] + e["dur"]) for e in launch], lo, hi)),
         "trace": path,
@@ -403,7 +468,12 @@ def measure_config(name, torch, transformers, cfg, a, peak, doc):
     torch.cuda.reset_peak_memory_stats(a.device)    # the peak while it runs, not while built
     res = {"config": name, "note": s.note, "build_s": build_s}
     try:
-        res["prefill"] = measure_prefill(torch, s, cfg, a, peak)
+        ptrace = None
+        if a.trace_prefill and name == "tandem0":
+            ptrace = {"file": a.trace_prefill}
+        res["prefill"] = measure_prefill(torch, s, cfg, a, peak, ptrace)
+        if ptrace is not None:
+            doc["trace_prefill"] = ptrace["breakdown"]
         trace = None
         if a.trace_decode and name == "tandem50":
             trace = {"file": a.trace_decode}
@@ -441,7 +511,7 @@ def fmt(v, spec=".2f"):
     return "-" if v is None else format(v, spec)
 
 
-def report(results, derived, peak, trace):
+def report(results, derived, peak, trace, ptrace=None):
     lines = [f"link peak (one {PEAK_BYTES >> 30} GiB pinned H2D copy, best of 3): "
              f"{peak / 1e9:.1f} GB/s", ""]
     lines.append(f"{'config':<11} {'phase':<13} {'tok/s':>10} {'ms':>9} {'GB copied':>10} "
@@ -480,6 +550,21 @@ def report(results, derived, peak, trace):
                      f"({trace['cuda_api_us'] / 1e3:.2f} ms)")
     elif trace:
         lines.append(f"trace: {trace.get('error')}")
+    if ptrace and "wall_us" in ptrace:
+        w = ptrace["wall_us"] or 1.0
+        lines.append("")
+        lines.append(f"one tandem0 prefill of {ptrace.get('tokens')} ({ptrace['trace']}): "
+                     f"{w / 1e3:.2f} ms wall; link busy {ptrace['link_busy_us'] / w:.0%} "
+                     f"({ptrace['h2d_copies']} H2D copies, {ptrace['h2d_bytes'] / 1e9:.2f} GB); "
+                     f"before the first copy {ptrace['link_first_us'] / 1e3:.2f} ms, after the "
+                     f"last {ptrace['link_last_us'] / 1e3:.2f} ms; {ptrace['link_gaps']} gaps "
+                     f">= 50 us, {ptrace['link_gaps_us'] / 1e3:.2f} ms in all")
+        for g in ptrace["link_longest_gaps"]:
+            lines.append(f"  gap at {g['at_us'] / 1e3:7.2f} ms, {g['us']:7.0f} us: kernels "
+                         f"{'; '.join(g['kernels']) or 'none'} | host "
+                         f"{'; '.join(g['host']) or 'no CUDA call'}")
+    elif ptrace:
+        lines.append(f"prefill trace: {ptrace.get('error')}")
     return "\n".join(lines)
 
 
@@ -519,6 +604,8 @@ def main(argv=None):
     if not hasattr(transformers, "Qwen3MoeConfig"):
         skip(f"transformers {transformers.__version__} has no Qwen3MoeConfig")
     torch.cuda.set_device(torch.device(a.device))
+    if not a.cudnn_sdpa and hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
     cfg = make_config(transformers, a)
     eb = expert_bytes(cfg)
     model_desc = {
@@ -529,6 +616,7 @@ def main(argv=None):
         "dtype": "bfloat16", "expert_bytes": eb,
         "experts_total_bytes": eb * cfg.num_experts * cfg.num_hidden_layers,
         "experts_implementation": "transformers' default",
+        "attention": "sdpa" + ("" if a.cudnn_sdpa else ", cuDNN backend off"),
     }
     print(f"model: {model_desc['layers']} layers, hidden {cfg.hidden_size}, {cfg.num_experts} "
           f"experts of {a.expert_size} (top {cfg.num_experts_per_tok}), "
@@ -543,7 +631,7 @@ def main(argv=None):
         results.append(run_config(name, torch, transformers, cfg, a, peak, doc))
     derived = derive(results)
     print()
-    print(report(results, derived, peak, doc.get("trace_decode")))
+    print(report(results, derived, peak, doc.get("trace_decode"), doc.get("trace_prefill")))
     line = summary(results, derived)
     print()
     print("summary: " + line)
@@ -575,6 +663,7 @@ def main(argv=None):
             "results": results,
             "derived": derived,
             "trace_decode": doc.get("trace_decode"),
+            "trace_prefill": doc.get("trace_prefill"),
             "summary": line,
         }
         with open(a.json, "w") as f:

@@ -38,8 +38,9 @@ caller's stream and it wait for each other device-side around the block) and is 
 after its last kernel, so its slot is reused only once that work completes.
 
 Results are bitwise independent of the policy, the budget and the order experts are computed
-in: an expert's output for its rows goes to its own (token, k) place in a buffer, and the block
-output is summed from that buffer afterwards, in an order fixed by the buffer's shape, never
+in: an expert's weighted output goes to its own rows of an expert-sorted buffer (inputs and
+routing weights are gathered in that order once, so an expert's are slices), the buffer goes
+back to (token, k) order in one copy, and the block output is summed from it afterwards, in an order fixed by the buffer's shape, never
 accumulated in compute order. An expert always computes the same rows, in the same order, with
 the same kernels, wherever its weights came from. The all-resident reference is this same code
 path with a budget of "100%". The combine is one sum over k of the weighted outputs, kept in
@@ -419,11 +420,14 @@ class OffloadHandle:
             # expert. Under LRU a prefetch could evict a cached expert this layer still needs,
             # so there the acquires below copy on demand, running ahead of compute.
             s.prefetch(layer, order)
-        w_flat = weights.reshape(-1)
-        # An expert's rows land in their own (token, k) places, in the dtype its weighted
-        # output has (float32 under Mixtral's float32 routing weights, as in transformers).
-        ys = torch.empty(ntok * topk, x.shape[1], device=x.device,
-                         dtype=torch.promote_types(x.dtype, weights.dtype))
+        # One gather for every expert's input rows and routing weights, in expert order, so an
+        # expert's inputs and outputs are slices (views) and it costs its own kernels only.
+        # Its weighted rows land in the dtype that output has (float32 under Mixtral's float32
+        # routing weights, as in transformers) and go back to (token, k) order once, below.
+        xs = x[tokens]
+        ws = weights.reshape(-1)[rows].unsqueeze(1)
+        ys_sorted = torch.empty(ntok * topk, x.shape[1], device=x.device,
+                                dtype=torch.promote_types(x.dtype, weights.dtype))
         gate = getattr(experts, "_apply_gate", None)
         act = experts.act_fn
         # Acquires run ahead of compute (so demand copies overlap the experts before them),
@@ -445,15 +449,14 @@ class OffloadHandle:
                 busy = e
                 gu, dn = self._slot(ptr)
                 start, n = segs[e]
-                r = rows[start:start + n]
-                h = F.linear(x[tokens[start:start + n]], gu)
+                end = start + n
+                h = F.linear(xs[start:end], gu)
                 if gate is not None:
                     h = gate(h)
                 else:
                     g, u = h.chunk(2, dim=-1)
                     h = act(g) * u
-                y = F.linear(h, dn)
-                ys.index_copy_(0, r, y * w_flat[r, None])
+                torch.mul(F.linear(h, dn), ws[start:end], out=ys_sorted[start:end])
                 s.release(layer, e)              # after the expert's last kernel
                 busy = -1
         finally:
@@ -463,6 +466,8 @@ class OffloadHandle:
             s.prefetch(layer + 1, predicted)     # most tokens first
         # The fixed-order combine: one reduction over k, the same shape every time, whatever
         # order the experts ran in (transformers' grouped_mm path sums the same way).
+        ys = torch.empty_like(ys_sorted).index_copy_(0, rows, ys_sorted)
+        del ys_sorted
         return ys.view(ntok, topk, -1).sum(dim=1).to(x.dtype)
 
 
