@@ -13,10 +13,7 @@
  *   (host tasks, gates, host copies, frees, syncs) or when TDM__WORKQ_BATCH commands have piled
  *   up; anyone about to wait for or poll an event kicks its queue's executor
  *   (tdm__exec_kick), so completions are never late for an observer, and the submitting
- *   thread rarely pays for a wake-up or competes with the executor for the driver.
- * - With native_done, the executor of an in-order queue skips the waits that a later command
- *   already covers (covered()): on a queue that runs ahead of its executor, a batch of
- *   commands completes after a query or two instead of a driver call each. */
+ *   thread rarely pays for a wake-up or competes with the executor for the driver. */
 #include "internal.h"
 
 /* ---- the executor: one thread per native queue ---- */
@@ -44,39 +41,6 @@ static void finish_held(tdm__queue *q, int nstatus, int native) {
     tdm__cmd_finish(c, nstatus, native);
     c = n;
   }
-}
-
-/* The executor asks its newest queued command again after this many waits. */
-#define PROBE_EVERY 8
-
-/* Whether c's native work is known to have completed without error, so that its own handle
- * needs no wait: a command queued after it (on an in-order native queue, whose work runs in
- * order) has completed without error (native_done). The command asked is the newest queued
- * when no earlier question is pending; while it is not done, it is asked again after every
- * PROBE_EVERY waits, until the executor reaches it. It stays queued, so its handle stays
- * valid, until then (tdm__workq_last), and covered() is never asked about a command after it
- * without the question being dropped first. So this never waits for a later handle (which
- * could deadlock on a gate), and costs a busy queue one query per PROBE_EVERY waits. */
-static bool covered(tdm__queue *q, const tdm__cmd *c) {
-  uint64_t seq = c->ev->seq;
-  if (seq <= q->x_ok_seq) return true;
-  if (q->x_probe_seq < seq) {
-    q->x_probe_seq = 0;
-    q->x_probe_h = NULL;
-    tdm__workq_item *it = tdm__workq_last(&q->xq);
-    tdm__cmd *t = it ? TDM__CONTAINER_OF(it, tdm__cmd, link) : NULL;
-    if (!t || !t->wait || t->ev->seq <= seq) return false;
-    q->x_probe_seq = t->ev->seq;
-    q->x_probe_h = t->wait;
-    q->x_probe_skip = PROBE_EVERY; /* ask at once */
-  }
-  if (++q->x_probe_skip < PROBE_EVERY) return false;
-  q->x_probe_skip = 0;
-  if (!tdm__b_native_done(q->dev, q->x_probe_h)) return false;
-  q->x_ok_seq = q->x_probe_seq;
-  q->x_probe_seq = 0;
-  q->x_probe_h = NULL;
-  return true;
 }
 
 /* Waits for a native handle; returns the mapped status (the device is marked lost on
@@ -130,13 +94,10 @@ static void exec_run(tdm__workq *wq, tdm__workq_item *it) {
     if (q->x_held) flush_held(q, true);
     tdm__cmd_run(c);
   } else {
-    int native = 0, st = 0;
+    int native = 0;
     void *h = c->wait;
     c->wait = NULL;
-    if (q->can_skip && covered(q, c))
-      tdm__b_native_release(q->dev, h);
-    else
-      st = wait_native(q, h, &native);
+    int st = wait_native(q, h, &native);
     if (q->x_held) finish_held(q, st, native);
     tdm__cmd_finish(c, st, native);
   }
@@ -147,10 +108,6 @@ int tdm__exec_init(tdm__queue *q) { return tdm__workq_init(&q->xq, exec_run, exe
 int tdm__exec_start(tdm__queue *q) {
   q->x_held = NULL;
   q->x_held_tail = &q->x_held;
-  q->x_ok_seq = q->x_probe_seq = 0;
-  q->x_probe_h = NULL;
-  q->x_probe_skip = 0;
-  q->can_skip = !(q->flags & TDM_QUEUE_OUT_OF_ORDER) && tdm__b_can_query(q->dev);
   if (tdm__workq_start(&q->xq))
     return tdm__error(TDM_ENOMEM, 0, "cannot start a queue executor thread");
   return 0;

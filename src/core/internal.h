@@ -273,15 +273,9 @@ struct tdm__queue {
   /* Native backends: the executor (exec.c), a workq serving natively enqueued commands. Its
    * lock and condition live as long as the struct (a waiter may kick the executor of a queue
    * that is being destroyed). x_held: quiet commands waiting for the next native handle, in
-   * order; x_ok_seq, x_probe*: what exec.c's covered() knows of completions ahead. The
-   * executor's thread alone touches them. */
+   * order; the executor's thread alone touches them. */
   tdm__workq xq;
   tdm__cmd *x_held, **x_held_tail;
-  uint64_t x_ok_seq;    /* every command up to this one has completed without error */
-  uint64_t x_probe_seq; /* a queued command to ask again (0: none), */
-  void *x_probe_h;      /* its native handle, */
-  unsigned x_probe_skip; /* and the commands waited for since it was last asked */
-  bool can_skip;        /* in-order, and the backend has native_done */
   uint64_t trace_last_end;  /* tracing, in-order queues: end of the last command */
 };
 /* Resolves a caller's handle to a live queue (not being destroyed, device not lost). */
@@ -428,9 +422,6 @@ int tdm__b_event_elapsed(const tdm__event *start, const tdm__event *end, double 
 bool tdm__b_is_native(const tdm_device *dev);   /* a native backend (it has native_wait) */
 bool tdm__b_wakes_lazily(const tdm_device *dev);
 bool tdm__b_can_flush(const tdm_device *dev);
-bool tdm__b_can_query(const tdm_device *dev); /* native_done */
-/* native_done (backend.h); 0 without one. */
-int tdm__b_native_done(const tdm_device *dev, void *handle);
 bool tdm__b_can_notify(const tdm_device *dev);
 bool tdm__b_can_import(const tdm_device *dev);  /* event_import and native_notify */
 int tdm__b_native_wait(tdm_device *dev, void *handle, int *native);

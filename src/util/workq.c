@@ -83,13 +83,6 @@ bool tdm__workq_empty(tdm__workq *wq) {
   return empty;
 }
 
-tdm__workq_item *tdm__workq_last(tdm__workq *wq) {
-  pthread_mutex_lock(&wq->mu);
-  tdm__workq_item *it = wq->head ? wq->tail : NULL;
-  pthread_mutex_unlock(&wq->mu);
-  return it;
-}
-
 void tdm__workq_expect(tdm__workq *wq, long n) {
   pthread_mutex_lock(&wq->mu);
   wq->expected += n;

@@ -93,9 +93,6 @@ bool tdm__workq_try_push(tdm__workq *wq, tdm__workq_item *item, bool wake);
 void tdm__workq_kick(tdm__workq *wq);
 /* Whether the FIFO is empty now. */
 bool tdm__workq_empty(tdm__workq *wq);
-/* The newest item still queued, or NULL. With one serving thread, it stays queued, and so
- * valid, until that thread runs it: only the server may use what this returns. */
-tdm__workq_item *tdm__workq_last(tdm__workq *wq);
 /* Announces n items that will be pushed later (n > 0), or that n of them ran (n < 0): a stop
  * waits for them. */
 void tdm__workq_expect(tdm__workq *wq, long n);
