@@ -38,12 +38,14 @@
 #include "tandem.h"
 #include "util/workq.h"
 
-/* 0x00010006: mem_alloc and mem_import return a tdm__bmem that the core keeps in its registry
+/* 0x00010007: the optional native_done (a non-blocking query that lets an in-order queue
+ * complete unwatched commands lazily, on the submitting thread: src/core/exec.c).
+ * 0x00010006: mem_alloc and mem_import return a tdm__bmem that the core keeps in its registry
  * entry; mem_free, mem_native and commands carry it back (tdm__memref), so a backend keeps no
  * registry of its own; and the MoE extension entry is gone (the MoE operations live in
  * libtandem_moe, on the public API); and commands embed the link of the queue-worker
  * primitive (tdm__workq_item, src/util/workq.h). */
-#define TDM__BACKEND_ABI 0x00010006u
+#define TDM__BACKEND_ABI 0x00010007u
 
 typedef struct tdm__bqueue tdm__bqueue; /* a backend's queue; opaque to the core */
 /* The core's event and queue objects. The public tdm_event and tdm_queue are handles that the
@@ -290,6 +292,16 @@ typedef struct tdm__backend {
   /* Optional: milliseconds between two native events of timed queues (both complete); NULL:
    * the host clock's times of completion. */
   int (*event_elapsed)(void *start, void *end, double *ms);
+  /* Optional: whether the handle's work has completed without error, asked now, without
+   * blocking: nonzero yes; 0 not yet, failed, or cannot say. On an in-order queue the core
+   * asks it of a lazily completed command (exec.c), and a yes completes that command and
+   * every lazy one before it without a wait of their own. So a backend offers it only where a
+   * later command's success implies the earlier ones' (CUDA: a stream runs in order and a
+   * device fault is sticky). Called from any thread, with no lock of the core held but the
+   * queue's lazy-list lock; must not block or call back into the core. It also switches lazy
+   * completion on for the backend's in-order queues: its commands then get no executor wait
+   * until someone watches their events (tdm__exec_kick). */
+  int (*native_done)(void *handle);
 } tdm__backend;
 
 /* The built-in CPU backend. */

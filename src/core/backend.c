@@ -146,6 +146,12 @@ int tdm__b_event_elapsed(const tdm__event *start, const tdm__event *end, double 
 bool tdm__b_is_native(const tdm_device *dev) { return dev->be->native_wait != NULL; }
 bool tdm__b_wakes_lazily(const tdm_device *dev) { return dev->be->wake_lazily; }
 bool tdm__b_can_flush(const tdm_device *dev) { return dev->be->native_flush != NULL; }
+bool tdm__b_can_query(const tdm_device *dev) { return dev->be->native_done != NULL; }
+/* Not a fallible step either: "cannot say" is a valid answer, after which the executor waits
+ * with native_wait, where faults are injected. */
+int tdm__b_native_done(const tdm_device *dev, void *handle) {
+  return dev->be->native_done ? dev->be->native_done(handle) : 0;
+}
 bool tdm__b_can_notify(const tdm_device *dev) { return dev->be->native_notify != NULL; }
 bool tdm__b_can_import(const tdm_device *dev) {
   return dev->be->event_import && dev->be->native_notify;

@@ -276,6 +276,17 @@ struct tdm__queue {
    * order; the executor's thread alone touches them. */
   tdm__workq xq;
   tdm__cmd *x_held, **x_held_tail;
+  /* Lazy completion (exec.c): the lazy list and its candidate for the next reap, under
+   * lz_mu (which also orders every hand-over to the executor); lz_n its length; lz_reap asks
+   * the submitting thread for a reap; x_pushed (under lz_mu) and x_done count the commands
+   * handed to the executor and finished by it; lz_reaping: a reap is finishing commands. */
+  pthread_mutex_t lz_mu;
+  tdm__cmd *lz_head, *lz_tail, *lz_cand;
+  unsigned long lz_steps, x_pushed;
+  _Atomic long lz_n;
+  _Atomic int lz_reap, lz_reaping;
+  _Atomic unsigned long x_done;
+  bool can_lazy; /* in-order, neither timed nor traced at creation, backend has native_done */
   uint64_t trace_last_end;  /* tracing, in-order queues: end of the last command */
 };
 /* Resolves a caller's handle to a live queue (not being destroyed, device not lost). */
@@ -350,15 +361,22 @@ extern _Thread_local uint64_t tdm__tls_seq;
 
 /* ---- exec.c: the per-queue executor ---- */
 
-/* Once per queue struct: the executor's workq (its lock lives as long as the struct). */
+/* Once per queue struct: the executor's workq and the lazy list's lock (they live as long as
+ * the struct); tdm__exec_fini destroys them with it. */
 int tdm__exec_init(tdm__queue *q);
+void tdm__exec_fini(tdm__queue *q);
 int tdm__exec_start(tdm__queue *q);
-/* Runs what is queued, then joins the thread. */
+/* Hands the lazy list over, runs what is queued, then joins the thread. */
 void tdm__exec_stop(tdm__queue *q);
+/* A natively enqueued command of q: onto the lazy list or to the executor (exec.c). Called
+ * in q's submission order. */
 void tdm__exec_push(tdm__cmd *cmd);
-/* Wakes q's executor if it sleeps with commands queued: called before anyone waits for an
- * event of q (the executor otherwise sleeps until work needs it; see exec.c). Harmless on
- * queues without an executor, and on destroyed ones. */
+/* After a submission, with no lock held: finishes the lazy commands known complete, when a
+ * push asked for it (exec.c). */
+void tdm__exec_reap(tdm__queue *q);
+/* Hands q's lazy commands to its executor and wakes it if it sleeps with commands queued:
+ * called before anyone waits for an event of q (the executor otherwise sleeps until work
+ * needs it; see exec.c). Harmless on queues without an executor, and on destroyed ones. */
 void tdm__exec_kick(tdm__queue *q);
 
 /* ---- threadpool.c: tandem's shared host threads, for out-of-order queues ---- */
@@ -422,6 +440,9 @@ int tdm__b_event_elapsed(const tdm__event *start, const tdm__event *end, double 
 bool tdm__b_is_native(const tdm_device *dev);   /* a native backend (it has native_wait) */
 bool tdm__b_wakes_lazily(const tdm_device *dev);
 bool tdm__b_can_flush(const tdm_device *dev);
+bool tdm__b_can_query(const tdm_device *dev); /* native_done */
+/* native_done (backend.h); 0 without one. */
+int tdm__b_native_done(const tdm_device *dev, void *handle);
 bool tdm__b_can_notify(const tdm_device *dev);
 bool tdm__b_can_import(const tdm_device *dev);  /* event_import and native_notify */
 int tdm__b_native_wait(tdm_device *dev, void *handle, int *native);

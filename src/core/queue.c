@@ -37,7 +37,7 @@ static tdm__queue *queue_struct(void) {
     free(q);
     q = NULL;
   } else if (q && tdm__slot_new(q, &q->slot, &q->gen)) {
-    tdm__workq_fini(&q->xq);
+    tdm__exec_fini(q);
     free(q);
     q = NULL;
   } else if (q) {
@@ -73,6 +73,8 @@ int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, boo
   atomic_store(&q->first_error, 0);
   q->chain_error = 0;
   q->seq = 0;
+  q->can_lazy = false; /* tdm__exec_start sets it for native queues */
+  atomic_store(&q->lz_reap, 0);
   snprintf(q->label, sizeof q->label, "%s/q%d", dev->info.id, q->id);
   int rc = (flags & TDM_QUEUE_OUT_OF_ORDER) ? tdm__threadpool_start() : 0;
   if (!rc) rc = tdm__tracker_init(q);
@@ -210,7 +212,7 @@ void tdm__queues_free_all(void) {
     pthread_mutex_destroy(&q->submit_mu);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);
-    tdm__workq_fini(&q->xq); /* after wake-ups of the executor in progress */
+    tdm__exec_fini(q);
     tdm__slot_free(q->slot, q->gen);
     free(q);
     q = n;

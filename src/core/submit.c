@@ -340,6 +340,7 @@ int tdm__submit(tdm__queue *q, const tdm__spec *spec, size_t ndeps, tdm__event *
                ? tdm__error(TDM_EHANDLE, 0, "%s is being destroyed", q->label)
                : tdm__submit_locked(q, spec, ndeps, deps, out, out_handle);
   pthread_mutex_unlock(&q->submit_mu);
+  if (q->can_lazy) tdm__exec_reap(q);
   return rc;
 }
 

@@ -134,6 +134,7 @@ void cu_import_fini(cu_device *d);
 int cu_submit(tdm__bqueue *bq, tdm__cmd *cmd);
 int cu_native_wait(void *handle, int *native);
 void cu_native_release(void *handle);
+int cu_native_done(void *handle);
 int cu_native_flush(tdm__bqueue *bq, void **handle);
 /* Joins the memcpy team, the threads that do the host side of staged copies (at shutdown). */
 void cu_memcpy_team_stop(void);

@@ -208,6 +208,10 @@ int cu_native_wait(void *handle, int *native) {
 
 void cu_native_release(void *handle) { cu_event_put(handle); }
 
+/* cudaSuccess only: a device fault is sticky, so an event recorded after failed work never
+ * reports success. */
+int cu_native_done(void *handle) { return cudaEventQuery(((cu_event *)handle)->e) == cudaSuccess; }
+
 /* What user code waits for is the cudaEvent_t, not tandem's wrapper around it. */
 void *cu_native_export(void *handle) { return ((cu_event *)handle)->e; }
 
