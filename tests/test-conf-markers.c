@@ -258,6 +258,148 @@ TEST_CASE(event_query_polling) {
   th_close();
 }
 
+/* Events of an in-order queue complete in submission order however they are watched: a long
+ * run of records and copies with their events, most released at once and none waited for
+ * (on CUDA they complete lazily, on the submitting thread, or go to the executor when someone
+ * watches: src/core/exec.c); the kept ones are polled newest first, so once one is seen
+ * complete, every older one must be too; a host task behind them finds every one complete;
+ * another queue that waits for the newest one device-side, with nobody on the host watching
+ * it, reads what the copies before it wrote; and records behind a host task that fails all
+ * report its failure, newest waited for first. */
+struct all_done {
+  tdm_event **ev;
+  int n;
+  atomic_int not_done;
+};
+
+static int task_all_done(void *arg) {
+  struct all_done *a = arg;
+  for (int i = 0; i < a->n; i++)
+    if (tdm_event_query(a->ev[i]) != 0) atomic_fetch_add(&a->not_done, 1);
+  return 0;
+}
+
+static int task_sleep_then_fail(void *arg) {
+  (void)arg;
+  struct timespec ts = {0, 2 * 1000 * 1000};
+  nanosleep(&ts, NULL);
+  return TDM_EINVAL;
+}
+
+TEST_CASE(events_complete_in_order) {
+  enum { N = 240, KEEP_EVERY = 5, BYTES = 4096 };
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  tdm_queue *q2 = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  unsigned char *src = dev_alloc(dev, TDM_MEM_PINNED, (size_t)N * BYTES);
+  unsigned char *back = dev_alloc(dev, TDM_MEM_PINNED, (size_t)N * BYTES);
+  unsigned char *d = dev_alloc(dev, TDM_MEM_DEVICE, (size_t)N * BYTES);
+  th_fill_random(src, (size_t)N * BYTES, &rng);
+  memset(back, 0, (size_t)N * BYTES);
+  tdm_event *kept[N / KEEP_EVERY + 1];
+  int nkept = 0;
+  for (int i = 0; i < N; i++) {
+    tdm_event *e = NULL;
+    if (i % 2)
+      CHECK_OK(tdm_memcpy(q, d + (size_t)i * BYTES, src + (size_t)i * BYTES, BYTES,
+                          TDM_COPY_AUTO, 0, NULL, &e));
+    else
+      CHECK_OK(tdm_event_record(q, &e));
+    if (i % KEEP_EVERY == KEEP_EVERY - 1)
+      kept[nkept++] = e;
+    else
+      CHECK_OK(tdm_event_release(e));
+  }
+  /* Newest first: a completed event implies every older one. */
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (;;) {
+    int seen_done = -1;
+    for (int k = nkept - 1; k >= 0; k--) {
+      int rc = tdm_event_query(kept[k]);
+      CHECK_MSG(rc == 0 || rc == TDM_EAGAIN, "event %d: %s", k, tdm_err_name(rc));
+      if (rc == 0 && seen_done < 0) seen_done = k;
+      CHECK_MSG(rc == 0 || seen_done < 0,
+                "event %d is pending though the newer event %d completed", k, seen_done);
+    }
+    if (seen_done == nkept - 1) break;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    CHECK_MSG(t.tv_sec - t0.tv_sec < TH_HANG_MS / 1000, "the events never completed by polling");
+    sched_yield();
+  }
+  /* More of the same, then a host task that looks at all of them. */
+  for (int i = 0; i < N; i++) {
+    tdm_event *e = NULL;
+    CHECK_OK(tdm_event_record(q, &e));
+    CHECK_OK(tdm_event_release(e));
+  }
+  struct all_done a = {kept, nkept, 0};
+  tdm_event *task_ev = NULL;
+  CHECK_OK(tdm_host_task(q, task_all_done, &a, 0, NULL, &task_ev));
+  wait_ok(task_ev);
+  CHECK_EQ(atomic_load(&a.not_done), 0);
+  /* A device-side wait on an event nobody on the host watches: copies back on q2 after it. */
+  tdm_event *last = NULL;
+  CHECK_OK(tdm_event_record(q, &last));
+  CHECK_OK(tdm_queue_wait(q2, last));
+  CHECK_OK(tdm_event_release(last));
+  for (int i = 1; i < N; i += 2)
+    CHECK_OK(tdm_memcpy(q2, back + (size_t)i * BYTES, d + (size_t)i * BYTES, BYTES,
+                        TDM_COPY_AUTO, 0, NULL, NULL));
+  CHECK_OK(tdm_queue_sync(q2));
+  for (int i = 1; i < N; i += 2)
+    CHECK_MEM_EQ(back + (size_t)i * BYTES, src + (size_t)i * BYTES, BYTES);
+  for (int k = 0; k < nkept; k++) CHECK_OK(tdm_event_release(kept[k]));
+  CHECK_OK(tdm_queue_sync(q));
+  /* Submitting while watching: each round records more, polls the oldest kept event (which
+   * hands what is pending to whoever completes it) and checks the order newest first. */
+  enum { ROUNDS = 40, PER_ROUND = 17 };
+  tdm_event *w[ROUNDS];
+  for (int r = 0; r < ROUNDS; r++) {
+    for (int j = 0; j < PER_ROUND; j++) {
+      tdm_event *e = NULL;
+      CHECK_OK(tdm_event_record(q, &e));
+      if (j == PER_ROUND - 1)
+        w[r] = e;
+      else
+        CHECK_OK(tdm_event_release(e));
+    }
+    int rc = tdm_event_query(w[0]);
+    CHECK_MSG(rc == 0 || rc == TDM_EAGAIN, "round %d: %s", r, tdm_err_name(rc));
+    int seen_done = -1;
+    for (int k = r; k >= 0; k--) {
+      rc = tdm_event_query(w[k]);
+      if (rc == 0 && seen_done < 0) seen_done = k;
+      CHECK_MSG(rc == 0 || seen_done < 0,
+                "round %d: event %d is pending though the newer event %d completed", r, k,
+                seen_done);
+    }
+  }
+  for (int r = 0; r < ROUNDS; r++) wait_ok(w[r]);
+  /* Behind a host task that fails (slowly, so the records after it pile up), every record
+   * reports that failure, the first error since the last sync, whoever completes it. */
+  tdm_event *after[N];
+  CHECK_OK(tdm_host_task(q, task_sleep_then_fail, NULL, 0, NULL, NULL));
+  for (int i = 0; i < N; i++) CHECK_OK(tdm_event_record(q, &after[i]));
+  for (int i = N - 1; i >= 0; i--) {
+    int rc = th_event_wait_limited(after[i], TH_HANG_MS);
+    CHECK_MSG(rc == TDM_EINVAL, "record %d after the failed task: %s", i, tdm_err_name(rc));
+    CHECK_OK(tdm_event_release(after[i]));
+  }
+  CHECK_RC(tdm_queue_sync(q), TDM_EINVAL);
+  CHECK_OK(tdm_queue_sync(q));
+  tdm_stats st;
+  CHECK_OK(tdm_stats_get(&st));
+  CHECK_EQ(st.pending, 0);
+  CHECK_OK(tdm_free(src));
+  CHECK_OK(tdm_free(back));
+  CHECK_OK(tdm_free(d));
+  CHECK_OK(tdm_queue_destroy(q2));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
 TEST_CASE(event_timing) {
   tdm_device *dev = th_open();
   tdm_event *f1 = NULL, *f2 = NULL;
