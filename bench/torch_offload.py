@@ -468,18 +468,14 @@ def measure_config(name, torch, transformers, cfg, a, peak, doc):
     torch.cuda.reset_peak_memory_stats(a.device)    # the peak while it runs, not while built
     res = {"config": name, "note": s.note, "build_s": build_s}
     try:
-        ptrace = None
-        if a.trace_prefill and name == "tandem0":
-            ptrace = {"file": a.trace_prefill}
+        # A trace of one prefill of tandem0 and of one decode step of tandem50, when asked.
+        ptrace = {"file": a.trace_prefill} if a.trace_prefill and name == "tandem0" else None
+        dtrace = {"file": a.trace_decode} if a.trace_decode and name == "tandem50" else None
         res["prefill"] = measure_prefill(torch, s, cfg, a, peak, ptrace)
-        if ptrace is not None:
-            doc["trace_prefill"] = ptrace["breakdown"]
-        trace = None
-        if a.trace_decode and name == "tandem50":
-            trace = {"file": a.trace_decode}
-        res["decode"] = measure_decode(torch, s, cfg, a, peak, trace)
-        if trace is not None:
-            doc["trace_decode"] = trace["breakdown"]
+        res["decode"] = measure_decode(torch, s, cfg, a, peak, dtrace)
+        for key, t in (("trace_prefill", ptrace), ("trace_decode", dtrace)):
+            if t is not None:
+                doc[key] = t["breakdown"]
     finally:
         # restore() frees the streamer and the pinned buffer now, not whenever the cycle
         # between the handle and the blocks it patched is collected.
