@@ -354,33 +354,63 @@ static void expert_run(fixture *f, tdm_queue *q, void *st, expert_case *c, void 
   CHECK_OK(tdm_queue_sync(q));
 }
 
-TEST_CASE(expert_ref) {
-  enum { T = 50, H = 160, I = 272, N = 37, K = 2 };
-  fixture f = setup();
-  expert_case c = expert_setup(&f, T, H, I, N, K);
-  float *got = alloc(&f, TDM_MEM_PINNED, (size_t)T * K * H * sizeof *got);
-  expert_run(&f, f.q, f.st, &c, c.ws, got);
+/* Runs the expert of c and compares every token's row with ref_expert; rows no slot names
+ * must still hold the sentinel. */
+static void check_expert(fixture *f, expert_case *c, const char *what) {
+  const int H = c->H, I = c->I;
+  float *got = alloc(f, TDM_MEM_PINNED, (size_t)c->T * c->k * H * sizeof *got);
+  expert_run(f, f->q, f->st, c, c->ws, got);
 
   double *h = malloc(I * sizeof *h), *ref = malloc(H * sizeof *ref);
-  char *written = calloc((size_t)T * K, 1);
+  char *written = calloc((size_t)c->T * c->k, 1);
   CHECK(h && ref && written);
   errsum e = {0};
-  for (int i = 0; i < N; i++) {
-    ref_expert(c.x + (size_t)c.rows[i] * H, c.w, H, I, h, ref);
-    written[c.slot[i]] = 1;
+  for (int i = 0; i < c->n; i++) {
+    ref_expert(c->x + (size_t)c->rows[i] * H, c->w, H, I, h, ref);
+    written[c->slot[i]] = 1;
     for (int j = 0; j < H; j++)
-      err_add(&e, "out", (size_t)c.slot[i] * H + j, got[(size_t)c.slot[i] * H + j], ref[j]);
+      err_add(&e, "out", (size_t)c->slot[i] * H + j, got[(size_t)c->slot[i] * H + j], ref[j]);
   }
-  err_check(&e, "expert");
-  /* Rows no slot names are untouched. */
-  for (int s = 0; s < T * K; s++)
+  err_check(&e, what);
+  for (int s = 0; s < c->T * c->k; s++)
     if (!written[s])
       for (int j = 0; j < H; j++)
         CHECK_MSG(got[(size_t)s * H + j] == SENTINEL, "out[%d][%d] written", s, j);
 
   free(h); free(ref); free(written);
   tdm_free(got);
+}
+
+TEST_CASE(expert_ref) {
+  enum { T = 50, H = 160, I = 272, N = 37, K = 2 };
+  fixture f = setup();
+  expert_case c = expert_setup(&f, T, H, I, N, K);
+  check_expert(&f, &c, "expert");
   expert_teardown(&c);
+  teardown(&f);
+}
+
+/* The CPU computes an expert of at most this many tokens straight from the bf16 weights
+ * (moe/cpu/ops.c, GEMV_MAX_N), and a larger one with sgemm. */
+#define CPU_GEMV_MAX_N 8
+
+/* Few tokens (decode), on both sides of the CPU's threshold; other backends run the same
+ * sizes. H and I are not multiples of the CPU path's 32 lanes, so the tails are covered too.
+ * The CPU's tolerance (REL_TOL, 1e-4) holds with room: each f32 dot product of K <= 300 terms
+ * has a relative error of at most about K * 2^-24 = 2e-5 in the worst case (sqrt(K) * 2^-24 =
+ * 1e-6 typically) and two of them are chained through silu, while a wrong row, lane or tail in
+ * either projection moves the result by order one. */
+TEST_CASE(expert_few_tokens) {
+  enum { T = 12, H = 300, I = 200, K = 2 };
+  const int ns[] = {1, 2, 3, CPU_GEMV_MAX_N, CPU_GEMV_MAX_N + 1};
+  fixture f = setup();
+  for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+    char what[32];
+    snprintf(what, sizeof what, "expert n=%d", ns[i]);
+    expert_case c = expert_setup(&f, T, H, I, ns[i], K);
+    check_expert(&f, &c, what);
+    expert_teardown(&c);
+  }
   teardown(&f);
 }
 

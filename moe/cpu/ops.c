@@ -23,6 +23,12 @@
  * queues running experts at once. A token's result may still depend on n (which tile it falls
  * in), so comparisons must use the same per-expert batches.
  *
+ * An expert with few tokens (n <= GEMV_MAX_N, decode) skips the conversion and the GEMMs: each
+ * bf16 weight row is widened once into a small f32 buffer and dotted with every token's row
+ * (expert_gemv), so the weights are read once instead of being written out and read back as f32
+ * twice their size. Its dot products run in a fixed lane order that does not depend on n or on
+ * the thread count, so a token's result there is the same whatever else is in its batch.
+ *
  * Every other reduction (rmsnorm, softmax, top-k, combine) is a plain loop in a fixed order.
  */
 #include "ops.h" /* moe/ops.h */
@@ -266,9 +272,9 @@ static int cpu_router(void *st, tdm_queue *q, const float *x, const tdm_moe_bf16
   return task_submit(q, &a->t);
 }
 
-/* ---- expert ------------------------------------------------------------------------------ */
+/* ---- expert: arguments ------------------------------------------------------------------- */
 
-/* Workspace layout, each region starting on a 256-byte boundary, all within
+/* Workspace layout of the sgemm path, each region starting on a 256-byte boundary, all within
  * tdm_moe_ops_workspace(n, H, I): the expert's weights in f32 [Wg | Wu | Wd] (3HI), the gathered
  * rows (n x H, reused for the output rows), then gate|up side by side (n x 2I), h = silu(gate)
  * * up overwriting the gate half. */
@@ -285,6 +291,111 @@ typedef struct expert_args {
   size_t x_rows, out_rows; /* bounds of x and out, from tdm_mem_query */
 } expert_args;
 
+/* ---- expert, few tokens: bf16 rows dotted directly ---------------------------------------- */
+
+/* Tokens up to which the direct path beats convert + sgemm (bench/cpu-expert-gemv.c measures
+ * both). Past it the GEMMs' reuse of each weight across tokens wins. */
+enum { GEMV_MAX_N = 8 };
+
+/* Independent f32 accumulators per dot product: enough vector registers' worth (two of 16
+ * lanes, four of 8) that the FMA latency is hidden, few enough not to spill with SSE2. */
+enum { LANES = 32 };
+
+/* x86-64 builds get AVX-512 and AVX2 clones of the kernel, chosen once at load by the CPU
+ * (GCC/Clang function multiversioning); everything else, and older CPUs, the baseline one. The
+ * loops are plain C either way. */
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#define GEMV_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define GEMV_CLONES
+#endif
+
+/* The helpers below must be inlined into each clone to be compiled for its instruction set. */
+#if defined(__GNUC__)
+#define INLINE inline __attribute__((always_inline))
+#else
+#define INLINE inline
+#endif
+
+/* bf16 is the top half of an f32, so widening is a 16-bit shift (exact). */
+static inline float bf16_bits_to_f32(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* dst[0..K) = src widened; blocks of LANES so the compiler vectorizes without a cost model. */
+static INLINE void widen_row(float *restrict dst, const uint16_t *restrict src, size_t K) {
+  size_t k = 0;
+  for (; k + LANES <= K; k += LANES)
+    for (size_t l = 0; l < LANES; l++) dst[k + l] = bf16_bits_to_f32(src[k + l]);
+  for (; k < K; k++) dst[k] = bf16_bits_to_f32(src[k]);
+}
+
+/* res[t] = sum a[k] * x[t][k] in f32 for the T tokens (T a constant after inlining), one pass
+ * over a: each a[k] loaded once serves all T. For every token, lane l sums k = l mod LANES in
+ * ascending k, the tail adds in order, then the lanes add in ascending order: a fixed order
+ * that does not depend on T, so a token's result is the same whichever group it falls in. */
+static INLINE void dot_rows(const float *restrict a, const float *const *x, float *res, size_t K,
+                            int T) {
+  float acc[4][LANES] = {{0}};
+  size_t k = 0;
+  for (; k + LANES <= K; k += LANES)
+    for (int t = 0; t < T; t++)
+      for (size_t l = 0; l < LANES; l++) acc[t][l] += a[k + l] * x[t][k + l];
+  for (int t = 0; t < T; t++) {
+    float s = 0.0f;
+    for (size_t j = k; j < K; j++) s += a[j] * x[t][j];
+    for (size_t l = 0; l < LANES; l++) s += acc[t][l];
+    res[t] = s;
+  }
+}
+
+/* dot_rows for any n, in groups of up to four tokens (the accumulators of four fill half the
+ * vector registers of AVX-512 and AVX2, so a group costs no spills there). */
+static INLINE void dot_tokens(const float *restrict a, const float *const *x, float *res,
+                              size_t K, size_t n) {
+  size_t t = 0;
+  for (; t + 4 <= n; t += 4) dot_rows(a, x + t, res + t, K, 4);
+  switch (n - t) {
+  case 3: dot_rows(a, x + t, res + t, K, 3); break;
+  case 2: dot_rows(a, x + t, res + t, K, 2); break;
+  case 1: dot_rows(a, x + t, res + t, K, 1); break;
+  default: break;
+  }
+}
+
+/* The expert for n <= GEMV_MAX_N tokens. xs[t]: token t's input row (H); out[t]: its output row
+ * (H); row: max(H, I) floats of scratch; gu: n x 2I floats of scratch. Each weight row is read
+ * from memory once, widened into `row` (L1-sized) and dotted with every token's row from there. */
+GEMV_CLONES
+static void expert_gemv(const float *const *xs, float *const *out, size_t n, const uint16_t *w,
+                        size_t H, size_t I, float *restrict row, float *restrict gu) {
+  float res[GEMV_MAX_N];
+  /* [gate | up] for token t at gu + t*2I, rows of [Wg; Wu] in order. */
+  for (size_t r = 0; r < 2 * I; r++) {
+    widen_row(row, w + r * H, H);
+    dot_tokens(row, xs, res, H, n);
+    for (size_t t = 0; t < n; t++) gu[t * 2 * I + r] = res[t];
+  }
+  const float *hs[GEMV_MAX_N];
+  for (size_t t = 0; t < n; t++) {
+    float *g = gu + t * 2 * I;
+    const float *u = g + I;
+    for (size_t j = 0; j < I; j++) g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    hs[t] = g;
+  }
+  const uint16_t *wd = w + 2 * I * H;
+  for (size_t c = 0; c < H; c++) {
+    widen_row(row, wd + c * I, I);
+    dot_tokens(row, hs, res, I, n);
+    for (size_t t = 0; t < n; t++) out[t][c] = res[t];
+  }
+}
+
+/* ---- expert ------------------------------------------------------------------------------ */
+
 static int expert_body(const task *t) {
   const expert_args *a = (const expert_args *)t;
   const size_t H = (size_t)a->H, I = (size_t)a->I, n = (size_t)a->n;
@@ -292,6 +403,21 @@ static int expert_body(const task *t) {
   for (size_t i = 0; i < n; i++) {
     if (a->rows[i] < 0 || (size_t)a->rows[i] >= a->x_rows) return TDM_ERANGE;
     if (a->slot[i] < 0 || (size_t)a->slot[i] >= a->out_rows) return TDM_ERANGE;
+  }
+  if (n <= GEMV_MAX_N) {
+    /* Workspace: the row buffer, then gate|up (n x 2I); well inside the 3HI floats that the
+     * sgemm path's weight region alone takes. Outputs go straight to their slots: the inputs
+     * are all read before the first output is written, so x and out may even overlap. */
+    const float *xs[GEMV_MAX_N];
+    float *outs[GEMV_MAX_N];
+    for (size_t i = 0; i < n; i++) {
+      xs[i] = a->x + (size_t)a->rows[i] * H;
+      outs[i] = a->out + (size_t)a->slot[i] * H;
+    }
+    float *row = a->ws;
+    float *gu = (float *)((char *)row + round256((H > I ? H : I) * sizeof(float)));
+    expert_gemv(xs, outs, n, a->w, H, I, row, gu);
+    return 0;
   }
   float *w = a->ws;
   float *xo = (float *)((char *)w + round256(3 * H * I * sizeof(float)));
