@@ -225,7 +225,7 @@ int main(int argc, char **argv) {
     bu_json_double(&j, "old_over_new", to / tn, 3);
     bu_json_double(&j, "new_weight_gb_per_s", new_bw / 1e9, 3);
     bu_json_double(&j, "new_over_read_bandwidth", new_bw / read_bw, 3);
-    bu_json_double(&j, "relative_difference", rel, 3);
+    bu_json_double(&j, "relative_difference", rel, -3);
     bu_json_end(&j);
   }
   bu_json_end(&j);

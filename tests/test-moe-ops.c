@@ -6,7 +6,8 @@
  * measure is ||got - ref|| / ||ref|| over everything an op wrote, under 1e-4 for these f32
  * paths. The router is checked against the device's own routing: where two probabilities are
  * closer than rounding can separate, either order is right, so only positions whose
- * neighbours are at least ROUTE_TIE apart must match the reference. `deterministic` runs the
+ * neighbours are at least ROUTE_TIE apart must match the reference. `expert_few_tokens` covers
+ * decode sizes, on both sides of the CPU's direct bf16 path threshold. `deterministic` runs the
  * expert repeatedly, on one queue and on two at once, and wants bitwise equal output;
  * `ordered_after_host_task` wants ops queued behind a slow host task to wait for it;
  * `bad_args` and `alloc_faults` check the error paths. A device without a table is skipped
