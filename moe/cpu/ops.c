@@ -303,8 +303,17 @@ enum { LANES = 32 };
 
 /* x86-64 builds get AVX-512 and AVX2 clones of the kernel, chosen once at load by the CPU
  * (GCC/Clang function multiversioning); everything else, and older CPUs, the baseline one. The
- * loops are plain C either way. */
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+ * loops are plain C either way. Not under ThreadSanitizer: the loader runs the clones' resolver
+ * before TSan's runtime is up, and every program linking the library crashed at start. */
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define GEMV_TSAN 1
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define GEMV_TSAN 1
+#endif
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__) && !defined(GEMV_TSAN)
 #define GEMV_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define GEMV_CLONES
