@@ -297,8 +297,8 @@ typedef struct expert_args {
  * both). Past it the GEMMs' reuse of each weight across tokens wins. */
 enum { GEMV_MAX_N = 8 };
 
-/* Independent f32 accumulators per dot product: enough vector registers' worth (two of 16
- * lanes, four of 8) that the FMA latency is hidden, few enough not to spill with SSE2. */
+/* Independent f32 accumulators per dot product: two AVX-512 or four AVX2 registers per token,
+ * so that successive adds into one register do not wait on each other's latency. */
 enum { LANES = 32 };
 
 /* x86-64 builds get AVX-512 and AVX2 clones of the kernel, chosen once at load by the CPU
@@ -433,9 +433,11 @@ static int expert_body(const task *t) {
     if (a->slot[i] < 0 || (size_t)a->slot[i] >= a->out_rows) return TDM_ERANGE;
   }
   if (n <= GEMV_MAX_N) {
-    /* Workspace: the row buffer, then gate|up (n x 2I); well inside the 3HI floats that the
-     * sgemm path's weight region alone takes. Outputs go straight to their slots: the inputs
-     * are all read before the first output is written, so x and out may even overlap. */
+    /* Workspace: the row buffer, then gate|up (n x 2I). Both fit the sgemm path's layout, so
+     * tdm_moe_ops_workspace() covers them: the row buffer takes less than its weight region
+     * (max(H, I) <= 3HI floats), gate|up no more than its gathered rows and gate|up. Outputs
+     * go straight to their slots: the inputs are all read before the first output is written,
+     * so x and out may even overlap. */
     const float *xs[GEMV_MAX_N];
     float *outs[GEMV_MAX_N];
     for (size_t i = 0; i < n; i++) {
