@@ -19,15 +19,13 @@ or fails on them. Needs the CUDA runtime (libcudart.so.13 or --cudart) and a GPU
 """
 import argparse
 import ctypes
-import datetime
-import json
 import os
 import platform
 import sys
 import threading
 import time
 
-from benchinfo import commit
+from benchinfo import commit, utc_now, write_json
 
 P = ctypes.c_void_p
 
@@ -177,7 +175,7 @@ def main():
     doc = {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "commit": commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": utc_now(),
         "machine": {"hostname": platform.node()},
         "device": name.value.decode(errors="replace"),
         "hold_s": args.hold,
@@ -185,9 +183,7 @@ def main():
         "sync_copy_behind_gate": part2,
     }
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        write_json(args.json, doc)
     return 0
 
 

@@ -16,8 +16,6 @@ fails on them. JSON (--json FILE) carries the command, commit, device and date.
   python bench/python_overhead.py --device cuda:0 --json $OUT/python-overhead.json
 """
 import argparse
-import datetime
-import json
 import os
 import platform
 import statistics
@@ -26,7 +24,7 @@ import time
 
 import tandem
 
-from benchinfo import commit
+from benchinfo import commit, utc_now, write_json
 
 
 def per_call_us(fn, iters, reps, sync):
@@ -132,16 +130,14 @@ def main():
         "commit": commit(),
         "device": {"id": dev.id, "name": dev.name, "backend": dev.backend},
         "peer": peer,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": utc_now(),
         "python": platform.python_version(),
         "machine": {"hostname": platform.node(), "cores": os.cpu_count()},
         "options": {"iters": args.iters, "reps": args.reps},
         "results": results,
     }
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        write_json(args.json, doc)
     return 0
 
 

@@ -44,7 +44,6 @@ whose package (accelerate, tandem.torch) is missing is skipped with a note.
       --trace-decode bench/results/h200-torch-offload-trace.json
 """
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -54,7 +53,7 @@ import sys
 import time
 import traceback
 
-from benchinfo import commit
+from benchinfo import commit, utc_now, write_json
 
 SKIP = 77
 CONFIGS = ("resident", "accelerate", "tandem0", "tandem50")
@@ -646,7 +645,7 @@ def main(argv=None):
             "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
             "commit": commit(),
             "device": {"id": a.device, "name": torch.cuda.get_device_name(a.device)},
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "date": utc_now(),
             "python": platform.python_version(),
             "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
                          "transformers": transformers.__version__, "accelerate": acc_v,
@@ -662,8 +661,7 @@ def main(argv=None):
             "trace_prefill": doc.get("trace_prefill"),
             "summary": line,
         }
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1, default=str)
+        write_json(a.json, out)
         print(f"wrote {a.json}")
     return 0
 

@@ -48,9 +48,9 @@ static void reap_wait(tdm__queue *q) {
   while (atomic_load_explicit(&q->lz_reaping, memory_order_acquire)) sched_yield();
 }
 
-/* The executor has finished n commands handed to it. */
+/* The executor has finished n commands handed to it (counted where a reap needs to know). */
 static void exec_done(tdm__queue *q, unsigned long n) {
-  atomic_fetch_add_explicit(&q->x_done, n, memory_order_release);
+  if (q->can_lazy) atomic_fetch_add_explicit(&q->x_done, n, memory_order_release);
 }
 
 /* A quiet command without a native handle: it completes with the next handle. */
@@ -193,18 +193,22 @@ void tdm__exec_stop(tdm__queue *q) {
   tdm__workq_stop(&q->xq);
 }
 
-/* Whether nobody can be waiting for cmd yet, so that it may complete lazily (see the top). */
-static bool lazy_ok(const tdm__queue *q, const tdm__cmd *cmd) {
-  return q->can_lazy && cmd->wait && !cmd->gate && cmd->ndeps == 0 && !needs_host(cmd) &&
+/* Whether nobody can be waiting for cmd, of a queue that completes lazily, yet (see the top). */
+static bool lazy_ok(const tdm__cmd *cmd) {
+  return cmd->wait && !cmd->gate && cmd->ndeps == 0 && !needs_host(cmd) &&
          !(cmd->flags & TDM__CMD_QUIET) &&
          !atomic_load_explicit(&tdm__tracing, memory_order_relaxed);
 }
 
 void tdm__exec_push(tdm__cmd *cmd) {
   tdm__queue *q = cmd->ev->q;
+  if (!q->can_lazy) { /* no lazy list, so nothing to order against: the push alone */
+    tdm__workq_push(&q->xq, &cmd->link, !exec_lazy(q) || needs_host(cmd));
+    return;
+  }
   cmd->next = NULL;
   pthread_mutex_lock(&q->lz_mu);
-  if (lazy_ok(q, cmd)) {
+  if (lazy_ok(cmd)) {
     if (q->lz_tail)
       q->lz_tail->next = cmd;
     else

@@ -279,7 +279,8 @@ struct tdm__queue {
   /* Lazy completion (exec.c): the lazy list and its candidate for the next reap, under
    * lz_mu (which also orders every hand-over to the executor); lz_n its length; lz_reap asks
    * the submitting thread for a reap; x_pushed (under lz_mu) and x_done count the commands
-   * handed to the executor and finished by it; lz_reaping: a reap is finishing commands. */
+   * handed to the executor and finished by it; lz_reaping: a reap is finishing commands.
+   * Queues without can_lazy use none of them. */
   pthread_mutex_t lz_mu;
   tdm__cmd *lz_head, *lz_tail, *lz_cand;
   unsigned long lz_steps, x_pushed;
