@@ -1,6 +1,7 @@
 /* tandem/moe_ops.h: the compute operations of tandem's MoE library (libtandem_moe), one table
- * per backend: RMSNorm, the router's softmax top-k, one SwiGLU expert on gathered tokens, and
- * the weighted combine. The forward pass of tandem/moe.h is made of them; a program that runs
+ * per backend: RMSNorm, the router's softmax top-k, one SwiGLU expert on gathered tokens, a
+ * group of experts in one submission (with the routing grouped on the device), and the
+ * weighted combine. The forward pass of tandem/moe.h is made of them; a program that runs
  * its own MoE layers on tandem queues can call them too (the benchmarks and tests do).
  *
  * Each operation is submitted to a tandem queue in stream order (never blocking the caller)
@@ -42,6 +43,14 @@ static inline tdm_moe_bf16 tdm_moe_f32_to_bf16(float f) {
   return (tdm_moe_bf16)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* One entry of a group of experts (experts() below), in device memory. */
+typedef struct tdm_moe_group {
+  int64_t w;     /* the expert's weights: wbase + w, in bf16 elements (a multiple of 8 lets
+                    GPUs load them 16 bytes at a time) */
+  int32_t first; /* its tokens: rows[first + i] and slot[first + i] for i < count */
+  int32_t count; /* 0: nothing to compute (the entry is skipped) */
+} tdm_moe_group;
+
 typedef struct tdm_moe_ops {
   const char *name; /* "cpu", "cuda", "opencl" */
 
@@ -71,6 +80,39 @@ typedef struct tdm_moe_ops {
                 int n, const tdm_moe_bf16 *w, int H, int I, float *out, void *workspace,
                 size_t workspace_bytes);
 
+  /* A group of experts in one submission, so that the host's cost per layer does not grow
+   * with the number of routed experts: for each of the G entries of groups (device memory),
+   * the expert whose weights start at wbase + groups[g].w (the layout above) on the tokens
+   * rows[first + i], writing out[slot[first + i]] for i < count, as expert() does. rows and
+   * slot have n entries (device memory); entries must not name the same slot twice.
+   * - Every expert's weights lie in the tandem allocation that holds wbase (the streamer's
+   *   slots are one allocation), so one table serves resident and streamed experts alike.
+   * - An expert's output depends only on its weights and its own tokens, never on the other
+   *   entries or G: splitting a layer's experts into groups differently (as they land, say)
+   *   gives the same bits.
+   * - The table and the token lists are device data, written by earlier commands (group()
+   *   below, or a copy), checked when they run: on a GPU an entry whose range leaves [0, n)
+   *   or whose weights leave wbase's allocation is skipped, and so is a row or slot out of
+   *   range; the CPU table, which runs on the host, fails the command with TDM_ERANGE
+   *   instead (reported by the queue's next sync), as its expert() does.
+   * - Made for few tokens per expert (decode, small batches): the kernels read each expert's
+   *   weights once per few tokens, at the memory's bandwidth; for many tokens per expert
+   *   expert() (a GEMM per expert) is faster. Backends may compute in more precision than
+   *   expert(): the two agree within the tolerance of the fp64 reference, not bitwise.
+   * Workspace: tdm_moe_ops_workspace(n, H, I) bytes at least. */
+  int (*experts)(void *st, tdm_queue *q, const float *x, const int32_t *rows, const int32_t *slot,
+                 int n, const tdm_moe_bf16 *wbase, const tdm_moe_group *groups, int G, int H,
+                 int I, float *out, void *workspace, size_t workspace_bytes);
+
+  /* The routing grouped on the device, so that it never comes back to the host: from idx
+   * [T x k] (router()'s output) and wofs [E] (each expert's weights, as experts() takes
+   * them), writes rows and slot [T*k], expert by expert in ascending expert order with each
+   * expert's tokens ascending (token t's j-th choice has slot t*k + j), and groups
+   * [min(E, T*k)]: one entry per routed expert, in ascending expert order, then entries of
+   * count 0. All device memory. An index outside [0, E) is dropped: its slot is not written. */
+  int (*group)(void *st, tdm_queue *q, const int32_t *idx, int T, int k, int E,
+               const int64_t *wofs, int32_t *rows, int32_t *slot, tdm_moe_group *groups);
+
   /* Deterministic combine: y[t] += sum_{j<k} weights[t*k+j] * out[t*k+j], j ascending. */
   int (*combine)(void *st, tdm_queue *q, float *y, const float *out, const float *weights, int T,
                  int H, int k);
@@ -80,8 +122,9 @@ typedef struct tdm_moe_ops {
  * the library has none for it. Static storage. */
 TDM_API const tdm_moe_ops *tdm_moe_ops_for(tdm_device *dev);
 
-/* Workspace bytes expert() needs for up to n tokens (the same on every backend); 0 when an
- * argument is not positive or the size does not fit in size_t. */
+/* Workspace bytes expert() needs for up to n tokens, and experts() for n rows in all (the
+ * same on every backend); 0 when an argument is not positive or the size does not fit in
+ * size_t. */
 TDM_API size_t tdm_moe_ops_workspace(int n, int H, int I);
 
 #ifdef __cplusplus
