@@ -644,6 +644,8 @@ extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .rmsnorm = */ cuda_rmsnorm,
     /* .router = */ cuda_router,
     /* .expert = */ cuda_expert,
+    /* .experts = */ NULL,
+    /* .group = */ NULL,
     /* .combine = */ cuda_combine,
 };
 
