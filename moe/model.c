@@ -1,7 +1,18 @@
 /* model.c: the MoE model of `tandem moe`: presets with real shapes, seeded bf16 weights
  * generated in parallel into pinned host memory, a synthetic but realistic router (expert
  * popularity follows a Zipf law through a per-layer logit bias; decode tokens are correlated),
- * and the forward pass, whose routed experts come through the expert streamer. */
+ * and the forward pass, whose routed experts come through the expert streamer.
+ *
+ * Two ways through a layer's routed experts, chosen by the ubatch's size only (so the
+ * all-resident reference and a streamed run always take the same one, and their outputs stay
+ * bitwise equal):
+ * - a large ubatch (more than GROUPED_MAX_T tokens) runs expert() per routed expert, a GEMM
+ *   each, in the streamer's order, each as its weights land;
+ * - a small one (decode) runs experts(): a group of experts per submission, so the host's cost
+ *   no longer grows with the experts routed. When every expert is resident the routing never
+ *   comes back to the host (group() on the device, then one group of the whole layer); else
+ *   the host groups the tokens, submits the experts that are on the device as one group and
+ *   each expert still landing with the ready ones behind it as the next. */
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -34,6 +45,11 @@ size_t tdm_moe_host_bytes(const tdm_moe_preset *p, int layers) {
   return tdm_moe_expert_bytes(p) * (size_t)p->experts * (size_t)layers;
 }
 
+/* Ubatches of at most this many tokens compute their experts in groups (experts()); larger
+ * ones run a GEMM per expert. At 32 tokens and top-8 of 128 experts an expert averages two
+ * tokens: matrix-vector work, which the grouped kernels do at the weights' bandwidth. */
+#define GROUPED_MAX_T 32
+
 struct tdm_moe_model {
   tdm_moe_config cfg;
   tdm_moe_preset p;
@@ -60,6 +76,13 @@ struct tdm_moe_model {
   size_t ws_bytes;
   /* control plane (pinned host) */
   int32_t *idx_h, *rows_h, *slots_h, *pidx_h;
+  /* grouped experts: rows and slots are one buffer (one copy each way), laid out per pass */
+  int32_t *rs, *rs_h;
+  tdm_moe_group *groups, *groups_h; /* E entries each: one layer's groups */
+  const tdm_moe_bf16 *wbase;  /* the streamer's slots (one allocation), once seen */
+  bool device_routed;         /* every expert resident: small ubatches route on the device */
+  int64_t *wofs;              /* device [L x E]: each expert's weights from wbase */
+  int32_t *idx_all, *idx_all_h; /* device-routed passes: [L x min(maxT, GROUPED_MAX_T) x k] */
   float *x_h;                 /* pinned: a ubatch's activations, in and out */
   int *scratch;               /* 3 x E: per-expert counts, offsets, order */
   int *fill;                  /* E: group()'s cursors */
@@ -193,19 +216,29 @@ static int setup_small_weights(tdm_moe_model *m) {
 static int setup_buffers(tdm_moe_model *m) {
   int T = m->maxT, Imax = m->I > m->p.shared_ffn ? m->I : m->p.shared_ffn;
   size_t th = (size_t)T * m->H * sizeof(float), tk = (size_t)T * m->k;
-  m->ws_bytes = tdm_moe_ops_workspace(T, m->H, Imax);
-  int rc = 0;
+  int Tg = T < GROUPED_MAX_T ? T : GROUPED_MAX_T; /* the largest grouped ubatch */
+  size_t tgk = (size_t)Tg * m->k;
+  /* One workspace serves both ways: expert() on up to T tokens, experts() on Tg * k rows. */
+  size_t ws1 = tdm_moe_ops_workspace(T, m->H, Imax), ws2 = tdm_moe_ops_workspace((int)tgk, m->H, m->I);
+  m->ws_bytes = ws1 > ws2 ? ws1 : ws2;
+  int rc = ws1 && ws2 ? 0 : tdm_set_error(TDM_EINVAL, 0, "a ubatch of %d tokens is too large", T);
   if (!rc) rc = dev_alloc(m, th, &m->x);
   if (!rc) rc = dev_alloc(m, th, &m->xn);
   if (!rc) rc = dev_alloc(m, tk * m->H * sizeof(float), &m->out);
   if (!rc) rc = dev_alloc(m, tk * sizeof(float), &m->wts);
   if (!rc) rc = dev_alloc(m, tk * sizeof(int32_t), &m->idx);
-  if (!rc) rc = dev_alloc(m, tk * sizeof(int32_t), &m->rows);
-  if (!rc) rc = dev_alloc(m, tk * sizeof(int32_t), &m->slots);
+  if (!rc) rc = dev_alloc(m, 2 * tk * sizeof(int32_t), &m->rs);
+  if (!rc) rc = dev_alloc(m, (size_t)m->E * sizeof(tdm_moe_group), &m->groups);
   if (!rc) rc = dev_alloc(m, m->ws_bytes, &m->ws);
   if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * sizeof(int32_t), (void **)&m->idx_h);
-  if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * sizeof(int32_t), (void **)&m->rows_h);
-  if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * sizeof(int32_t), (void **)&m->slots_h);
+  if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, 2 * tk * sizeof(int32_t), (void **)&m->rs_h);
+  if (!rc)
+    rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, (size_t)m->E * sizeof(tdm_moe_group),
+                    (void **)&m->groups_h);
+  if (!rc) rc = dev_alloc(m, (size_t)m->L * tgk * sizeof(int32_t), &m->idx_all);
+  if (!rc)
+    rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, (size_t)m->L * tgk * sizeof(int32_t),
+                    (void **)&m->idx_all_h);
   if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, th, (void **)&m->x_h);
   if (!rc && (!(m->scratch = malloc((size_t)m->E * 3 * sizeof *m->scratch)) ||
               !(m->fill = malloc((size_t)m->E * sizeof *m->fill))))
@@ -234,6 +267,34 @@ static int setup_buffers(tdm_moe_model *m) {
   return rc;
 }
 
+/* Every expert is resident, in a slot that never changes: their places, as offsets from the
+ * slots' allocation, go to the device once (acquiring each expert once to learn it), so a
+ * small ubatch's routing can be grouped there and never come back to the host. */
+static int setup_device_routing(tdm_moe_model *m) {
+  long keys = (long)m->L * m->E;
+  int64_t *wofs = NULL;
+  int rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, (size_t)keys * sizeof *wofs, (void **)&wofs);
+  if (!rc) rc = dev_alloc(m, (size_t)keys * sizeof *wofs, &m->wofs);
+  for (long key = 0; !rc && key < keys; key++) {
+    const void *w;
+    int l = (int)(key / m->E), e = (int)(key % m->E);
+    if ((rc = tdm_streamer_acquire(m->streamer, l, e, &w, NULL))) break;
+    if (!m->wbase) {
+      tdm_mem_info mi;
+      if ((rc = tdm_mem_query(w, &mi))) break;
+      m->wbase = mi.base;
+    }
+    wofs[key] = (const tdm_moe_bf16 *)w - m->wbase;
+    rc = tdm_streamer_release(m->streamer, l, e, NULL);
+  }
+  if (!rc) rc = tdm_memcpy(m->q, m->wofs, wofs, (size_t)keys * sizeof *wofs, TDM_COPY_H2D, 0,
+                           NULL, NULL);
+  if (!rc) rc = tdm_queue_sync(m->q);
+  if (wofs) tdm_free(wofs);
+  if (!rc) m->device_routed = true;
+  return rc;
+}
+
 static int setup_streamer(tdm_moe_model *m) {
   long keys = (long)m->L * m->E;
   m->host_ptrs = malloc((size_t)keys * sizeof *m->host_ptrs);
@@ -250,15 +311,18 @@ static int setup_streamer(tdm_moe_model *m) {
     for (int l = 0; l < m->L; l++)
       for (int e = 0; e < m->E; e++)
         if (m->rank[(size_t)l * m->E + e] == r) resident[n++] = l * m->E + e;
+  /* A budget that holds every expert leaves a policy nothing to decide: all are loaded at
+   * creation and stay (the static policy), whatever policy was asked for. */
+  bool all = m->cfg.all_resident || m->cfg.budget_bytes / m->ebytes >= (size_t)keys;
   tdm_streamer_config sc = {
       .compute = m->q,
       .layers = m->L,
       .experts = m->E,
       .expert_bytes = m->ebytes,
       .host = m->host_ptrs,
-      .budget_bytes = m->cfg.all_resident ? (size_t)keys * m->ebytes : m->cfg.budget_bytes,
+      .budget_bytes = all ? (size_t)keys * m->ebytes : m->cfg.budget_bytes,
       .staging_slots = m->cfg.staging_slots > 0 ? m->cfg.staging_slots : 16,
-      .policy = m->cfg.all_resident ? TDM_CACHE_STATIC : m->cfg.policy,
+      .policy = all ? TDM_CACHE_STATIC : m->cfg.policy,
       .resident = resident,
       .nresident = (int)n,
       .prefetch_depth = m->cfg.prefetch_depth > 0 ? m->cfg.prefetch_depth
@@ -271,6 +335,7 @@ static int setup_streamer(tdm_moe_model *m) {
    * landed, so no pass is timed with that load inside it. */
   tdm_queue *prefetch = NULL;
   if (!rc && !(rc = tdm_streamer_queues(m->streamer, NULL, &prefetch))) rc = tdm_queue_sync(prefetch);
+  if (!rc && all) rc = setup_device_routing(m);
   return rc;
 }
 
@@ -323,10 +388,11 @@ void tdm_moe_model_destroy(tdm_moe_model *m) {
   if (m->q) tdm_queue_sync(m->q);
   if (m->streamer) tdm_streamer_destroy(m->streamer);
   if (m->q) tdm_queue_sync(m->q);
-  void *dev[] = {m->router, m->bias,  m->norm,  m->shared, m->x,   m->xn,   m->out,
-                 m->wts,    m->idx,   m->rows,  m->slots,  m->ws,  m->out_shared, m->ones,
-                 m->iota,   m->idx_h, m->rows_h, m->slots_h, m->host_experts,
-                 m->pidx,   m->pwts,  m->pidx_h, m->x_h};
+  void *dev[] = {m->router, m->bias,  m->norm,   m->shared,   m->x,         m->xn,
+                 m->out,    m->wts,   m->idx,    m->rs,       m->ws,        m->out_shared,
+                 m->ones,   m->iota,  m->idx_h,  m->rs_h,     m->host_experts, m->pidx,
+                 m->pwts,   m->pidx_h, m->x_h,   m->groups,   m->groups_h,  m->wofs,
+                 m->idx_all, m->idx_all_h};
   for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
     if (dev[i]) tdm_free(dev[i]);
   if (m->ops_state) m->ops->close(m->ops_state);
@@ -409,10 +475,8 @@ static int layer_route(tdm_moe_model *m, int l, int T, tdm_moe_pass_stats *st, i
   tdm_event_release(routed);
   if (rc) return rc;
   group(m, T, count, offset);
-  if ((rc = tdm_memcpy(m->q, m->rows, m->rows_h, (size_t)T * k * sizeof(int32_t), TDM_COPY_H2D, 0,
-                       NULL, NULL)))
-    return rc;
-  return tdm_memcpy(m->q, m->slots, m->slots_h, (size_t)T * k * sizeof(int32_t), TDM_COPY_H2D, 0,
+  /* rows and slots, back to back: one copy */
+  return tdm_memcpy(m->q, m->rs, m->rs_h, 2 * (size_t)T * k * sizeof(int32_t), TDM_COPY_H2D, 0,
                     NULL, NULL);
 }
 
@@ -466,6 +530,77 @@ static int layer_experts(tdm_moe_model *m, int l, bool overlap, tdm_moe_pass_sta
   return 0;
 }
 
+/* The batch of acquired experts b[0..nb) as one group: their table entries (at `at` in this
+ * layer's table, so no entry the device may still read is overwritten) go to the device, the
+ * group is computed, and each expert is released: overlapped, the streamer records the
+ * compute's end itself, and only for a slot that can be overwritten; serialized, the next copy
+ * waits for this compute. */
+static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stats *st,
+                       const int *b, int nb, int at) {
+  int rc;
+  double t0 = now_s();
+  if ((rc = tdm_memcpy(m->q, m->groups + at, m->groups_h + at, (size_t)nb * sizeof *m->groups_h,
+                       TDM_COPY_H2D, 0, NULL, NULL)) ||
+      (rc = m->ops->experts(m->ops_state, m->q, m->xn, m->rows, m->slots, T * m->k, m->wbase,
+                            m->groups + at, nb, m->H, m->I, m->out, m->ws, m->ws_bytes)))
+    return rc;
+  double t1 = now_s();
+  st->ops_seconds += t1 - t0;
+  tdm_event *done = NULL;
+  tdm_queue *demand = NULL;
+  if (!overlap && !(rc = tdm_event_record(m->q, &done)) &&
+      !(rc = tdm_streamer_queues(m->streamer, &demand, NULL)))
+    rc = tdm_queue_wait(demand, done);
+  for (int i = 0; i < nb; i++) {
+    int rr = tdm_streamer_release(m->streamer, l, b[i], done);
+    if (!rc) rc = rr;
+  }
+  if (done) tdm_event_release(done);
+  st->streamer_seconds += now_s() - t1;
+  st->experts_computed += nb;
+  return rc;
+}
+
+/* A small ubatch's routed experts order[0..n) in groups (experts()), in the streamer's order:
+ * the experts on the device go as one group, submitted before anything waits for a copy; each
+ * expert still landing closes the group before it and opens the next, which the ready experts
+ * behind it join. The compute queue waits for a copy only in the group that needs it. */
+static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
+                                 tdm_moe_pass_stats *st, const int *count, const int *offset,
+                                 int *order, int n) {
+  int rc, at = 0, nb = 0, *batch = m->fill; /* group()'s cursors are free again */
+  if ((rc = tdm_streamer_schedule(m->streamer, l, order, n))) return rc;
+  if (overlap && (rc = tdm_streamer_prefetch(m->streamer, l, order, n))) return rc;
+  for (int i = 0; !rc && i < n; i++) {
+    int e = order[i];
+    /* Serialized, every expert is a group of its own, so each copy follows the compute
+     * before it, as in the ungrouped baseline. */
+    if (nb > 0 && (!overlap || tdm_streamer_ready(m->streamer, l, e) != 1)) {
+      if ((rc = group_flush(m, l, T, overlap, st, batch, nb, at))) return rc;
+      at += nb;
+      nb = 0;
+    }
+    double t0 = now_s();
+    const void *w;
+    if ((rc = tdm_streamer_acquire(m->streamer, l, e, &w, NULL))) break;
+    batch[nb++] = e;
+    tdm_mem_info mi;
+    if (!m->wbase && !(rc = tdm_mem_query(w, &mi))) m->wbase = mi.base;
+    m->groups_h[at + nb - 1] = (tdm_moe_group){
+        .w = (const tdm_moe_bf16 *)w - m->wbase, .first = offset[e], .count = count[e]};
+    /* Keep the copy queue fed: prefetch what comes next, as far as the depth allows. */
+    if (!rc && overlap && i + 1 < n)
+      rc = tdm_streamer_prefetch(m->streamer, l, order + i + 1, n - i - 1);
+    st->streamer_seconds += now_s() - t0;
+  }
+  if (!rc) return nb ? group_flush(m, l, T, overlap, st, batch, nb, at) : 0;
+  for (int i = 0; i < nb; i++) { /* nothing computed; the slots are free after what was queued */
+    int rr = tdm_streamer_release(m->streamer, l, batch[i], NULL);
+    (void)rr; /* the first failure is the one reported */
+  }
+  return rc;
+}
+
 /* The next layer's experts, streamed ahead while this layer finishes: the predicted ones, each
  * once (the serialized baseline copies nothing ahead); or, in prefill (a ubatch that touched
  * n of this layer's experts, nearly all), the next layer's most popular ones, into the staging
@@ -508,14 +643,49 @@ static int layer_combine(tdm_moe_model *m, int l, int T) {
   return ops->combine(os, m->q, m->x, m->out, m->wts, T, H, m->k);
 }
 
+/* One layer of a small ubatch with every expert resident, all on the device: nothing comes
+ * back to the host and nothing waits; the routing is kept (idx_all) for the pass's figures. */
+static int layer_device(tdm_moe_model *m, int l, int T) {
+  const tdm_moe_ops *ops = m->ops;
+  void *os = m->ops_state;
+  int H = m->H, E = m->E, k = m->k, G = E < T * k ? E : T * k, rc;
+  int32_t *idx = m->idx_all + (size_t)l * T * k;
+  if ((rc = ops->rmsnorm(os, m->q, m->xn, m->x, m->norm + (size_t)l * H, T, H, 1e-6f)) ||
+      (rc = ops->router(os, m->q, m->xn, m->router + (size_t)l * E * H, m->bias + (size_t)l * E,
+                        T, H, E, k, m->p.renorm, idx, m->wts)) ||
+      (rc = ops->group(os, m->q, idx, T, k, E, m->wofs + (size_t)l * E, m->rows, m->slots,
+                       m->groups)) ||
+      (rc = ops->experts(os, m->q, m->xn, m->rows, m->slots, T * k, m->wbase, m->groups, G, H,
+                         m->I, m->out, m->ws, m->ws_bytes)))
+    return rc;
+  return layer_combine(m, l, T);
+}
+
+/* The experts of a device-routed pass, from its routing (read back after the pass): every one
+ * was resident, so each routed expert of a layer counts as one acquire that hit. */
+static void count_device_routed(tdm_moe_model *m, int T, tdm_moe_pass_stats *st) {
+  int *seen = m->fill, k = m->k;
+  for (int l = 0; l < m->L; l++) {
+    memset(seen, 0, (size_t)m->E * sizeof *seen);
+    const int32_t *idx = m->idx_all_h + (size_t)l * T * k;
+    for (int i = 0; i < T * k; i++)
+      if (idx[i] >= 0 && idx[i] < m->E && !seen[idx[i]]++) st->experts_computed++;
+  }
+  st->acquires = st->hits = st->resident_hits = (uint64_t)st->experts_computed;
+  st->device_routed_layers = (uint64_t)m->L;
+}
+
 /* One layer, x += MoE(RMSNorm(x)), submitted on the compute queue. */
 static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stats *st, int *count,
                  int *offset, int *order) {
+  if (T <= GROUPED_MAX_T && m->device_routed) return layer_device(m, l, T);
   tdm_event *predicted = NULL;
   int rc = layer_route(m, l, T, st, count, offset, &predicted), n = 0;
   if (!rc) {
     n = layer_order(m, l, count, order);
-    rc = layer_experts(m, l, overlap, st, count, offset, order, n);
+    rc = T <= GROUPED_MAX_T
+             ? layer_experts_grouped(m, l, T, overlap, st, count, offset, order, n)
+             : layer_experts(m, l, overlap, st, count, offset, order, n);
   }
   if (rc) {
     if (predicted) tdm_event_release(predicted);
@@ -534,6 +704,12 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   float *xh = m->x_h;
   int *count = m->scratch, rc;
   memcpy(xh, x, bytes);
+  /* rows then slots, back to back for this ubatch's size */
+  m->rows = m->rs;
+  m->slots = m->rs + (size_t)T * m->k;
+  m->rows_h = m->rs_h;
+  m->slots_h = m->rs_h + (size_t)T * m->k;
+  bool on_device = T <= GROUPED_MAX_T && m->device_routed;
   tdm_streamer_stats s0, s1;
   tdm_streamer_stats_get(m->streamer, &s0);
   double t0 = now_s();
@@ -541,6 +717,9 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   for (int l = 0; !rc && l < m->L; l++)
     rc = layer(m, l, T, overlap, st, count, count + m->E, count + 2 * m->E);
   if (!rc) rc = tdm_memcpy(m->q, xh, m->x, bytes, TDM_COPY_D2H, 0, NULL, NULL);
+  if (!rc && on_device)
+    rc = tdm_memcpy(m->q, m->idx_all_h, m->idx_all, (size_t)m->L * T * m->k * sizeof(int32_t),
+                    TDM_COPY_D2H, 0, NULL, NULL);
   double w0 = now_s();
   int src = tdm_queue_sync(m->q);
   st->wait_seconds += now_s() - w0;
@@ -555,6 +734,7 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   st->inflight_hits = s1.inflight_hits - s0.inflight_hits;
   st->demand_misses = st->misses;
   st->host_experts = 0; /* no expert is placed on the host yet */
+  if (!rc && on_device) count_device_routed(m, T, st);
   if (!rc) memcpy(y, xh, bytes);
   return rc;
 }

@@ -8,7 +8,9 @@
  *   it cannot have completed when the expert is acquired;
  * - a miss: an expert that is nowhere on the device is copied on demand;
  * - refused acquires count nowhere, and acquires = hits + misses,
- *   hits = resident_hits + inflight_hits throughout.
+ *   hits = resident_hits + inflight_hits throughout;
+ * - tdm_streamer_ready answers 0 for an expert that is absent or still in flight and 1 once its
+ *   copy has landed, and counts nowhere.
  * Every acquired slot is read back and compared with the expert's bytes, so a counter never
  * passes while the data is wrong. Written against the public headers only.
  */
@@ -157,9 +159,15 @@ TEST_CASE(stats_inflight_hit) {
   CHECK_OK(tdm_host_task(prefetch, gate_task, &gate, 0, NULL, &held_p));
   CHECK_OK(tdm_host_task(demand, gate_task, &gate, 0, NULL, &held_d));
 
-  /* A prefetch behind the gate, acquired before it can land. */
+  /* A prefetch behind the gate, acquired before it can land. Absent, then in flight: not
+   * ready either way; bad input is refused. */
   int want[1] = {6};
+  CHECK_EQ(tdm_streamer_ready(s, 0, 6), 0);
   CHECK_OK(tdm_streamer_prefetch(s, 0, want, 1));
+  CHECK_EQ(tdm_streamer_ready(s, 0, 6), 0);
+  CHECK_RC(tdm_streamer_ready(s, 0, 8), TDM_EINVAL);
+  CHECK_RC(tdm_streamer_ready(s, 1, 0), TDM_EINVAL);
+  CHECK_RC(tdm_streamer_ready(NULL, 0, 0), TDM_EINVAL);
   const void *w6, *w2, *w2b;
   tdm_event *r6, *r2, *r2b;
   CHECK_OK(tdm_streamer_acquire(s, 0, 6, &w6, &r6));
@@ -196,8 +204,13 @@ TEST_CASE(stats_inflight_hit) {
   for (tdm_event **e = (tdm_event *[]){r6, r2, r2b, held_p, held_d, NULL}; *e; e++)
     CHECK_OK(tdm_event_release(*e));
 
-  /* Landed now: the same experts are resident hits. */
+  /* Landed now: ready, and the same experts are resident hits. */
   sync_copies(s);
+  check_stats(s, 0, 2, 1);
+  CHECK_EQ(tdm_streamer_ready(s, 0, 6), 1);
+  CHECK_EQ(tdm_streamer_ready(s, 0, 2), 1);
+  CHECK_EQ(tdm_streamer_ready(s, 0, 5), 0);
+  check_stats(s, 0, 2, 1); /* asking counted nothing */
   use_expert(s, q, &x, 6, back);
   use_expert(s, q, &x, 2, back);
   check_stats(s, 2, 2, 1);

@@ -233,6 +233,7 @@ typedef struct run {
   double wait_seconds;   /* the host waiting for the device (routing results, final sync) */
   double ops_seconds, streamer_seconds; /* host time in expert operations, in the streamer */
   long experts;          /* experts computed */
+  uint64_t device_routed; /* layers whose routing stayed on the device */
   double decode_seconds; /* the decode part alone */
   found decode;
   int ok;
@@ -270,6 +271,7 @@ static void add_pass(run *r, const tdm_moe_pass_stats *st, bool decode) {
   r->ops_seconds += st->ops_seconds;
   r->streamer_seconds += st->streamer_seconds;
   r->experts += st->experts_computed;
+  r->device_routed += st->device_routed_layers;
   add_found(&r->all, st);
   if (decode) {
     r->decode_seconds += st->seconds;
@@ -488,6 +490,7 @@ static void json_run(bu_json *j, const run *r, long decode) {
   bu_json_double(j, "host_ops_seconds", r->ops_seconds, 6);
   bu_json_double(j, "host_streamer_seconds", r->streamer_seconds, 6);
   bu_json_int(j, "experts", r->experts);
+  bu_json_uint(j, "device_routed_layers", r->device_routed);
   bu_json_double(j, "tokens_per_s", r->tokens_per_s, 3);
   bu_json_uint(j, "bytes_copied", r->all.bytes);
   json_found(j, "", &r->all);
@@ -598,6 +601,9 @@ static void print_decode(const session *s, const run *mr) {
   printf("                     routed experts: %.1f%% resident, %.1f%% in flight, %.1f%% demand "
          "misses (%s run)\n", 100 * rate(d->resident, d), 100 * rate(d->inflight, d),
          100 * rate(d->misses, d), mr->name);
+  if (mr->device_routed)
+    printf("                     every expert resident: the routing of %llu layer passes stayed "
+           "on the device\n", (unsigned long long)mr->device_routed);
 }
 
 /* The figures under the table. */

@@ -35,7 +35,8 @@ typedef struct tdm_moe_config {
   double skew;             /* Zipf exponent of expert popularity */
   double locality;         /* correlation of successive decode tokens, in [0, 1) */
   int max_tokens;          /* the largest ubatch forward() will be given */
-  size_t budget_bytes;     /* resident experts on the device (all: everything resident) */
+  size_t budget_bytes;     /* resident experts on the device; one that holds every expert makes
+                              them all resident (loaded at creation, the static policy) */
   bool all_resident;       /* every expert resident: the reference run */
   int staging_slots;       /* slots besides the budget that always exist (0: 16) */
   int prefetch_depth;      /* prefetch copies in flight at most (0: the policy's default:
@@ -87,6 +88,9 @@ typedef struct tdm_moe_pass_stats {
   uint64_t demand_misses;   /* neither: copied on demand, the compute waits for the whole copy */
   uint64_t host_experts;    /* routed experts computed on the host instead of copied; 0 until
                                experts can be placed on the host */
+  uint64_t device_routed_layers; /* layers whose routing stayed on the device (a small ubatch
+                               with every expert resident): their experts count as resident
+                               hits, read from the routing after the pass */
 } tdm_moe_pass_stats;
 
 /* Runs every layer on a ubatch of T tokens: x (host f32 [T x H]) in, y out. overlap false makes

@@ -92,6 +92,12 @@ TDM_API TDM_NODISCARD int tdm_streamer_acquire(tdm_streamer *s, int layer, int e
  * order: its slot is overwritten only after every release's event. */
 TDM_API TDM_NODISCARD int tdm_streamer_release(tdm_streamer *s, int layer, int e,
                                                tdm_event *done);
+/* Whether expert (layer, e) is on the device with its copy complete, so that an acquire now
+ * would find it resident and make the compute queue wait for nothing: 1 yes, 0 no (not on
+ * the device, or its copy still in flight), a negative TDM_E* code for bad input. It never
+ * waits and counts nowhere; a copy in flight may land just after it answers. A caller that
+ * batches work uses it to submit what is ready before acquiring what is not. */
+TDM_API int tdm_streamer_ready(tdm_streamer *s, int layer, int e);
 /* Starts copying the listed experts of `layer` that are not on the device yet, on the
  * prefetch queue, up to prefetch_depth in flight; the rest are dropped (counted). */
 TDM_API TDM_NODISCARD int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts,

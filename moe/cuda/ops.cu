@@ -316,6 +316,215 @@ static __global__ void scatter_kernel(float *out, const float *O, const int32_t 
   for (int c = threadIdx.x; c < H; c += MOE_THREADS) dst[c] = src[c];
 }
 
+/* ---- a group of experts (experts()) ----
+ * Matrix-vector shaped: one warp per weight row, a block of MOE_WARPS rows of one entry's
+ * expert, the entry in blockIdx.y. A lane reads 8 consecutive weights (16 bytes when the rows
+ * allow it) and steps by 256 columns; every token of the entry (GX_NT at a time) is dotted with
+ * that row while it is in registers, so the weights are read once per GX_NT tokens. f32
+ * activations are read as they are (no bf16 rounding), and h stays f32 in the workspace:
+ * h [n x I], row first + i for the entry's i-th token.
+ * Order: lane l sums columns 256s + 8l + j, s then j ascending, one fmaf each, then the fixed
+ * warp tree: a token's result depends on its expert and its own activations only, not on the
+ * chunk it fell in, the other entries or G, and the 16-byte and the scalar loads give the same
+ * sums (the scalar path skips the columns past the row's end rather than adding zeros). */
+#define GX_NT 8 /* tokens per pass over a weight row */
+
+/* An entry that names rows outside [0, n) or weights outside wbase's allocation is skipped. */
+static __device__ __forceinline__ bool entry_ok(const tdm_moe_group &g, int n, long long wlimit,
+                                                long long wsize) {
+  return g.count > 0 && g.first >= 0 && (long long)g.first + g.count <= n && g.w >= 0 &&
+         g.w <= wlimit - wsize;
+}
+
+/* 8 f32 values from bf16 p[c..c+8) (VEC: one 16-byte load; else only those below K). */
+template <bool VEC>
+static __device__ __forceinline__ void load_bf8(const uint16_t *p, int c, int K, float v[8]) {
+  if (VEC) {
+    uint4 u = __ldg((const uint4 *)(p + c));
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      v[2 * j] = __uint_as_float(w[j] << 16);
+      v[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = c + j < K ? bf16_to_f32(p[c + j]) : 0.f;
+  }
+}
+
+/* 8 f32 values from p[c..c+8) (VEC: two 16-byte loads). */
+template <bool VEC>
+static __device__ __forceinline__ void load_f8(const float *p, int c, int K, float v[8]) {
+  if (VEC) {
+    float4 a = *(const float4 *)(p + c), b = *(const float4 *)(p + c + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = c + j < K ? p[c + j] : 0.f;
+  }
+}
+
+/* Gate and up row r of one expert (W: [Wg | Wu | Wd]) on its tokens; h = silu(g) * u. A row
+ * outside x's allocation gives h = 0, as expert() gathers zeros for it. */
+template <bool VEC>
+static __device__ void gx_gate_up_row(const float *x, uint32_t xlimit, const int32_t *rows,
+                                      const tdm_moe_group &g, const uint16_t *W, int H, int I,
+                                      int r, float *h) {
+  const int lane = threadIdx.x & 31;
+  const uint16_t *wg = W + (size_t)r * H, *wu = W + ((size_t)I + r) * H;
+  for (int t0 = 0; t0 < g.count; t0 += GX_NT) {
+    const int nt = min(GX_NT, g.count - t0);
+    const float *xr[GX_NT];
+#pragma unroll
+    for (int t = 0; t < GX_NT; t++) {
+      uint32_t row = t < nt ? (uint32_t)rows[g.first + t0 + t] : xlimit;
+      xr[t] = row < xlimit ? x + (size_t)row * H : NULL;
+    }
+    float ag[GX_NT], au[GX_NT];
+#pragma unroll
+    for (int t = 0; t < GX_NT; t++) ag[t] = au[t] = 0.f;
+    for (int c = lane * 8; c < H; c += 256) {
+      float gv[8], uv[8];
+      load_bf8<VEC>(wg, c, H, gv);
+      load_bf8<VEC>(wu, c, H, uv);
+#pragma unroll
+      for (int t = 0; t < GX_NT; t++) {
+        if (!xr[t]) continue;
+        float xv[8];
+        load_f8<VEC>(xr[t], c, H, xv);
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+          if (VEC || c + j < H) {
+            ag[t] = fmaf(xv[j], gv[j], ag[t]);
+            au[t] = fmaf(xv[j], uv[j], au[t]);
+          }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < GX_NT; t++) {
+      if (t >= nt) break;
+      float gs = warp_sum(ag[t]), us = warp_sum(au[t]);
+      if (lane == 0)
+        h[((size_t)g.first + t0 + t) * I + r] = xr[t] ? gs / (1.f + expf(-gs)) * us : 0.f;
+    }
+  }
+}
+
+/* Down row c of one expert on its tokens: out[slot][c] = h . Wd[c]; a slot outside out's
+ * allocation is not written. */
+template <bool VEC>
+static __device__ void gx_down_row(const float *h, const int32_t *slot, uint32_t olimit,
+                                   const tdm_moe_group &g, const uint16_t *Wd, int H, int I,
+                                   int c, float *out) {
+  const int lane = threadIdx.x & 31;
+  const uint16_t *wr = Wd + (size_t)c * I;
+  for (int t0 = 0; t0 < g.count; t0 += GX_NT) {
+    const int nt = min(GX_NT, g.count - t0);
+    float acc[GX_NT];
+#pragma unroll
+    for (int t = 0; t < GX_NT; t++) acc[t] = 0.f;
+    for (int i = lane * 8; i < I; i += 256) {
+      float wv[8];
+      load_bf8<VEC>(wr, i, I, wv);
+#pragma unroll
+      for (int t = 0; t < GX_NT; t++) {
+        if (t >= nt) break;
+        float hv[8];
+        load_f8<VEC>(h + ((size_t)g.first + t0 + t) * I, i, I, hv);
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+          if (VEC || i + j < I) acc[t] = fmaf(hv[j], wv[j], acc[t]);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < GX_NT; t++) {
+      if (t >= nt) break;
+      float v = warp_sum(acc[t]);
+      uint32_t s = (uint32_t)slot[g.first + t0 + t];
+      if (lane == 0 && s < olimit) out[(size_t)s * H + c] = v;
+    }
+  }
+}
+
+/* vec: the host found x, wbase and the workspace 16-byte aligned and H, I multiples of 8; an
+ * entry's weights must be too (w a multiple of 8). */
+static __global__ void gx_gate_up_kernel(const float *x, uint32_t xlimit, const int32_t *rows,
+                                         int n, const uint16_t *wbase, long long wlimit,
+                                         const tdm_moe_group *groups, int H, int I, bool vec,
+                                         float *h) {
+  const tdm_moe_group g = groups[blockIdx.y];
+  const int r = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+  if (r >= I || !entry_ok(g, n, wlimit, 3LL * H * I)) return; /* whole warps leave */
+  if (vec && (g.w & 7) == 0)
+    gx_gate_up_row<true>(x, xlimit, rows, g, wbase + g.w, H, I, r, h);
+  else
+    gx_gate_up_row<false>(x, xlimit, rows, g, wbase + g.w, H, I, r, h);
+}
+
+static __global__ void gx_down_kernel(const float *h, const int32_t *slot, uint32_t olimit, int n,
+                                      const uint16_t *wbase, long long wlimit,
+                                      const tdm_moe_group *groups, int H, int I, bool vec,
+                                      float *out) {
+  const tdm_moe_group g = groups[blockIdx.y];
+  const int c = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+  if (c >= H || !entry_ok(g, n, wlimit, 3LL * H * I)) return;
+  const uint16_t *Wd = wbase + g.w + 2 * (size_t)I * H;
+  if (vec && (g.w & 7) == 0)
+    gx_down_row<true>(h, slot, olimit, g, Wd, H, I, c, out);
+  else
+    gx_down_row<false>(h, slot, olimit, g, Wd, H, I, c, out);
+}
+
+/* ---- group(): the routing grouped on the device, one block ----
+ * Thread e counts expert e's choices; thread 0 lays the routed experts out in ascending order
+ * (a serial pass over E, short next to a layer's work); thread e then writes its tokens in
+ * token order. Every position comes from a count, never from a race: deterministic. */
+#define GROUP_MAX_E 4096 /* counts and offsets in shared memory: 32 KiB */
+
+static __global__ void group_kernel(const int32_t *idx, int T, int k, int E, const int64_t *wofs,
+                                    int32_t *rows, int32_t *slot, tdm_moe_group *groups) {
+  __shared__ int cnt[GROUP_MAX_E], first[GROUP_MAX_E];
+  const int tk = T * k;
+  for (int e = threadIdx.x; e < E; e += MOE_THREADS) {
+    int c = 0;
+    for (int i = 0; i < tk; i++) c += idx[i] == e;
+    cnt[e] = c;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int at = 0, g = 0, G = min(E, tk);
+    for (int e = 0; e < E; e++) {
+      first[e] = at;
+      if (!cnt[e]) continue;
+      tdm_moe_group ent;
+      ent.w = wofs[e];
+      ent.first = at;
+      ent.count = cnt[e];
+      groups[g++] = ent;
+      at += cnt[e];
+    }
+    for (; g < G; g++) {
+      tdm_moe_group ent;
+      ent.w = 0;
+      ent.first = at;
+      ent.count = 0;
+      groups[g] = ent;
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += MOE_THREADS) {
+    if (!cnt[e]) continue;
+    int at = first[e];
+    for (int i = 0; i < tk; i++)
+      if (idx[i] == e) {
+        rows[at] = i / k;
+        slot[at] = i;
+        at++;
+      }
+  }
+}
+
 /* ---- combine: one thread per element of y ---- */
 
 static __global__ void combine_kernel(float *y, const float *out, const float *weights, int H,
@@ -619,6 +828,68 @@ static int cuda_expert(void *st, tdm_queue *q, const float *x, const int32_t *ro
   return rc;
 }
 
+/* Elements of bf16 from w to the end of the tandem allocation holding it (memory tandem does
+ * not know: as many as an int64 offset names; the caller vouches). */
+static long long elems_in(const tdm_moe_bf16 *w) {
+  tdm_mem_info mi;
+  if (tdm_mem_query(w, &mi) == 0 && mi.base)
+    return (long long)(((const char *)mi.base + mi.size - (const char *)w) / sizeof *w);
+  return LLONG_MAX;
+}
+
+static int cuda_experts(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                        const int32_t *slot, int n, const tdm_moe_bf16 *wbase,
+                        const tdm_moe_group *groups, int G, int H, int I, float *out,
+                        void *workspace, size_t workspace_bytes) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || n < 0 || G < 0 || G > 65535 || H <= 0 || I <= 0)
+    return bad_args("experts");
+  if (n == 0 || G == 0) return 0;
+  if (!x || !rows || !slot || !wbase || !groups || !out || !workspace ||
+      ((uintptr_t)workspace & 15))
+    return bad_args("experts");
+  size_t contract = tdm_moe__workspace(n, H, I);
+  if (!contract || workspace_bytes < contract)
+    return tdm_set_error(TDM_EINVAL, 0, "moe experts: a workspace of %zu bytes; n=%d H=%d I=%d "
+                         "need %zu", workspace_bytes, n, H, I, contract);
+  bool vec = H % 8 == 0 && I % 8 == 0 && !((uintptr_t)x & 15) && !((uintptr_t)wbase & 15);
+  uint32_t xlimit = rows_in(x, H), olimit = rows_in(out, H);
+  long long wlimit = elems_in(wbase);
+  float *h = (float *)workspace;
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  gx_gate_up_kernel<<<dim3((unsigned)((I + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G), MOE_THREADS,
+                      0, m->s>>>(x, xlimit, rows, n, wbase, wlimit, groups, H, I, vec, h);
+  cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) {
+    gx_down_kernel<<<dim3((unsigned)((H + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G), MOE_THREADS,
+                     0, m->s>>>(h, slot, olimit, n, wbase, wlimit, groups, H, I, vec, out);
+    e = cudaGetLastError();
+  }
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "the grouped expert kernels");
+  leave(m, saved);
+  return rc;
+}
+
+static int cuda_group(void *st, tdm_queue *q, const int32_t *idx, int T, int k, int E,
+                      const int64_t *wofs, int32_t *rows, int32_t *slot, tdm_moe_group *groups) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || T < 0 || k <= 0 || E <= 0 || (T > 0 && k > INT_MAX / T))
+    return bad_args("group");
+  if (T == 0) return 0;
+  if (!idx || !wofs || !rows || !slot || !groups) return bad_args("group");
+  if (E > GROUP_MAX_E)
+    return tdm_set_error(TDM_EINVAL, 0, "moe group: %d experts; the CUDA kernel takes at most %d",
+                         E, GROUP_MAX_E);
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  group_kernel<<<1, MOE_THREADS, 0, m->s>>>(idx, T, k, E, wofs, rows, slot, groups);
+  cudaError_t e = cudaGetLastError();
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "group_kernel");
+  leave(m, saved);
+  return rc;
+}
+
 static int cuda_combine(void *st, tdm_queue *q, float *y, const float *out, const float *weights,
                         int T, int H, int k) {
   moe_cuda *m = (moe_cuda *)st;
@@ -644,8 +915,8 @@ extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .rmsnorm = */ cuda_rmsnorm,
     /* .router = */ cuda_router,
     /* .expert = */ cuda_expert,
-    /* .experts = */ NULL,
-    /* .group = */ NULL,
+    /* .experts = */ cuda_experts,
+    /* .group = */ cuda_group,
     /* .combine = */ cuda_combine,
 };
 
