@@ -767,8 +767,10 @@ TEST_CASE(group_ref) {
     rnd_routing(&f, T, K, E, idx);
     check_group(&f, idx, T, K, E, wofs, dwofs, "group");
     /* Indices out of [0, E) are dropped; the rest is as without them. */
-    idx[th_rand_below(&f.rng, (uint64_t)T * K)] = E;
-    idx[th_rand_below(&f.rng, (uint64_t)T * K)] = -1;
+    int32_t at[2];
+    pick_distinct(&f, T * K, 2, at);
+    idx[at[0]] = E;
+    idx[at[1]] = -1;
     check_group(&f, idx, T, K, E, wofs, dwofs, "group, indices dropped");
     tdm_free(idx);
   }
@@ -917,7 +919,8 @@ TEST_CASE(grouped_bad_args) {
 /* Bad device data for experts(). Token positions run from -1 to n (rows and slot are passed
  * one entry into arrays of n + 2), and x and out one row into their allocations, so that every
  * index a wrong implementation could follow is readable and names a slot of its own:
- *   positions 0-2, 3-4   two good entries;
+ *   positions 0-2, 3-4   two good entries, and a third of count 0 whose first and w are
+ *                        garbage (count 0: they are not read);
  *   5-6                  an entry whose second row is -1 (x's row -1 exists, but is outside);
  *   7-8                  an entry whose second slot is -1 (out's row -1 likewise);
  *   9                    an entry whose weights end one element past wbase's allocation;
@@ -954,7 +957,7 @@ static int dd_run(fixture *f, dd_case *c, int ntable) {
   CHECK_OK(f->ops->experts(f->st, f->q, c->dx + DD_H, c->drows + 1, c->dslot + 1, DD_N, c->dw,
                            c->dtable, ntable, DD_H, DD_I, c->dout + DD_H, c->ws, c->ws_bytes));
   int rc = TH_CALL(tdm_queue_sync(f->q));
-  if (rc) printf("sync: %s\n", tdm_last_error());
+  if (rc) printf("the sync says %s\n", tdm_last_error());
   CHECK_OK(tdm_memcpy(f->q, c->got, c->dout, out_bytes, TDM_COPY_D2H, 0, NULL, NULL));
   CHECK_OK(tdm_queue_sync(f->q));
   return rc;
@@ -982,7 +985,7 @@ static void dd_check(dd_case *c, const int *pos, const int64_t *wofs, int ntok, 
 }
 
 TEST_CASE(experts_device_data) {
-  enum { NBAD = 7 };
+  enum { NGOOD = 3, NBAD = 7 };
   const size_t hi = (size_t)DD_H * DD_I;
   fixture f = setup();
   need_op(&f, f.ops->experts != NULL, "experts");
@@ -995,12 +998,12 @@ TEST_CASE(experts_device_data) {
   pick_distinct(&f, DD_SLOTS, DD_N + 2, c.slot);
   c.rows[6 + 1] = -1;
   c.slot[8 + 1] = -1;
-  c.table = alloc(&f, TDM_MEM_PINNED, (2 + NBAD) * sizeof *c.table);
+  c.table = alloc(&f, TDM_MEM_PINNED, (NGOOD + NBAD) * sizeof *c.table);
   c.dw = upload(&f, c.w, c.w_elems * sizeof *c.w);
   c.dx = upload(&f, c.x, (DD_T + 1) * DD_H * sizeof *c.x);
   c.drows = upload(&f, c.rows, (DD_N + 2) * sizeof *c.rows);
   c.dslot = upload(&f, c.slot, (DD_N + 2) * sizeof *c.slot);
-  c.dtable = alloc(&f, TDM_MEM_DEVICE, (2 + NBAD) * sizeof *c.dtable);
+  c.dtable = alloc(&f, TDM_MEM_DEVICE, (NGOOD + NBAD) * sizeof *c.dtable);
   c.got = alloc(&f, TDM_MEM_PINNED, (DD_SLOTS + 1) * DD_H * sizeof *c.got);
   c.dout = alloc(&f, TDM_MEM_DEVICE, (DD_SLOTS + 1) * DD_H * sizeof *c.dout);
   c.ws_bytes = tdm_moe_ops_workspace(DD_N, DD_H, DD_I);
@@ -1015,22 +1018,24 @@ TEST_CASE(experts_device_data) {
                                 "first = -1", "count = -1"};
   c.table[0] = (tdm_moe_group){o0, 0, 3};
   c.table[1] = (tdm_moe_group){o1, 3, 2};
+  c.table[2] = (tdm_moe_group){INT64_MIN + 5, -1000, 0};
   const int good_pos[] = {0, 1, 2, 3, 4, 5, 7};
   const int64_t good_w[] = {o0, o0, o0, o1, o1, o0, o1};
 
   if (strcmp(th_backend_of(f.dev), "cpu") == 0) {
     for (int b = 0; b < NBAD; b++) {
-      c.table[2] = bad[b];
-      CHECK_MSG(dd_run(&f, &c, 3) == TDM_ERANGE, "%s: the sync did not fail with TDM_ERANGE",
+      c.table[NGOOD] = bad[b];
+      printf("%s: ", bad_what[b]);
+      CHECK_MSG(dd_run(&f, &c, NGOOD + 1) == TDM_ERANGE, "%s: the sync did not fail with TDM_ERANGE",
                 bad_what[b]);
       for (size_t i = 0; i < (DD_SLOTS + 1) * DD_H; i++)
         CHECK_MSG(c.got[i] == SENTINEL, "%s: out written by a failed command", bad_what[b]);
     }
-    CHECK_STATUS(dd_run(&f, &c, 2), 0);
+    CHECK_STATUS(dd_run(&f, &c, NGOOD), 0);
     dd_check(&c, good_pos, good_w, 5, "good entries after the failures");
   } else {
-    for (int b = 0; b < NBAD; b++) c.table[2 + b] = bad[b];
-    CHECK_STATUS(dd_run(&f, &c, 2 + NBAD), 0);
+    for (int b = 0; b < NBAD; b++) c.table[NGOOD + b] = bad[b];
+    CHECK_STATUS(dd_run(&f, &c, NGOOD + NBAD), 0);
     dd_check(&c, good_pos, good_w, 7, "good entries and tokens among bad ones");
   }
 
