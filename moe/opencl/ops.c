@@ -54,9 +54,12 @@
 #include "tandem/opencl.h"
 
 #define MOE_WG_MAX 256 /* work-group size ceiling: the largest power of two the device takes */
-/* experts()'s work-items per weight row: a warp's width, so that a team's loads of a row are
- * contiguous and its tree stays short, while a work-group still covers several rows. */
-#define MOE_TEAM_MAX 32
+/* experts()'s kernels, on GPUs: a team of a warp's width per weight row, so that the team's
+ * loads of a row are contiguous and its tree short, while a work-group covers several rows.
+ * On CPU devices a work-item takes whole rows (its float8 loads are the contiguous ones, and
+ * the work-group needs no barrier), and smaller work-groups spread few rows over the cores. */
+#define MOE_TEAM_GPU 32
+#define MOE_XWG_CPU 64
 
 /* ---- kernels ---- */
 
@@ -189,13 +192,27 @@ static const char moe_cl_source[] =
     "/* An entry of the group table, laid out as tdm_moe_group. */\n"
     "typedef struct { long w; int first; int count; } moe_entry_t;\n"
     "\n"
-    "/* A team of MOE_TEAM work-items computes one weight row's dot products, each work-item\n"
-    " * summing the columns lane, lane + MOE_TEAM, ... in ascending order, then a fixed tree\n"
-    " * over the team. Tokens go MOE_TC at a time: each weight is read once per chunk. A token's\n"
-    " * sums have their own accumulators and tree, so its result is the same whichever chunk,\n"
-    " * entry or group it falls in. */\n"
+    "/* A team of MOE_TEAM work-items computes one weight row's dot products. Each work-item sums\n"
+    " * runs of 8 columns (16-byte loads of bf16, contiguous across the team) starting at runs\n"
+    " * lane, lane + MOE_TEAM, ..., into 8 lanes of a float8, in ascending order; the last K % 8\n"
+    " * columns go one per work-item into lane 0; then the 8 lanes are added in a fixed tree and\n"
+    " * the team's sums in another. Tokens go MOE_TC at a time, so each weight is read once per\n"
+    " * chunk; a token's sums have their own accumulators and trees, so its result is the same\n"
+    " * whichever chunk, entry or group it falls in. */\n"
     "#define MOE_TC 4\n"
-    "#define MOE_TEAMS (MOE_WG / MOE_TEAM)\n"
+    "#define MOE_TEAMS (MOE_XWG / MOE_TEAM)\n"
+    "/* A team of one (CPU devices) reads only its own partial sums: no barrier needed. */\n"
+    "#if MOE_TEAM > 1\n"
+    "#define MOE_TEAM_BARRIER() barrier(CLK_LOCAL_MEM_FENCE)\n"
+    "#else\n"
+    "#define MOE_TEAM_BARRIER()\n"
+    "#endif\n"
+    "\n"
+    "float8 bf16x8(ushort8 h) { return as_float8(convert_uint8(h) << 16); }\n"
+    "\n"
+    "float moe_hsum(float8 a) {\n"
+    "  return ((a.s0 + a.s1) + (a.s2 + a.s3)) + ((a.s4 + a.s5) + (a.s6 + a.s7));\n"
+    "}\n"
     "\n"
     "/* Whether entry g is to be computed: tokens inside [0, n), weights inside [wmin, wmax]. */\n"
     "bool moe_entry(__global const long *gb, ulong go, int g, int n, long wmin, long wmax,\n"
@@ -207,28 +224,49 @@ static const char moe_cl_source[] =
     "  return *count > 0 && *first >= 0 && *first <= n - *count && *w >= wmin && *w <= wmax;\n"
     "}\n"
     "\n"
-    "/* NT tokens' dot products of one row: a[j] += x_j[c] * w[c] for this lane's columns. */\n"
-    "#define MOE_DOT(NT, K, W, X, A)                                         \\\n"
-    "  for (int c = lane; c < (K); c += MOE_TEAM) {                          \\\n"
-    "    const float wv = bf16((W)[c]);                                      \\\n"
-    "    for (int j = 0; j < (NT); j++) (A)[j] = fma((X)[j][c], wv, (A)[j]); \\\n"
+    "/* NT tokens' dot products of one row of K columns: A[j] += X[j] . W, this lane's share. */\n"
+    "#define MOE_DOT(NT, K, W, X, A)                                                 \\\n"
+    "  for (int c = lane; c < (K) / 8; c += MOE_TEAM) {                              \\\n"
+    "    const float8 wv = bf16x8(vload8(c, W));                                     \\\n"
+    "    for (int j = 0; j < (NT); j++) (A)[j] = fma(vload8(c, (X)[j]), wv, (A)[j]); \\\n"
+    "  }                                                                             \\\n"
+    "  for (int c = (K) / 8 * 8 + lane; c < (K); c += MOE_TEAM) {                    \\\n"
+    "    const float wv = bf16((W)[c]);                                              \\\n"
+    "    for (int j = 0; j < (NT); j++) (A)[j].s0 = fma((X)[j][c], wv, (A)[j].s0);   \\\n"
     "  }\n"
-    "#define MOE_DOT2(NT, K, W1, W2, X, A1, A2)                              \\\n"
-    "  for (int c = lane; c < (K); c += MOE_TEAM) {                          \\\n"
-    "    const float v1 = bf16((W1)[c]), v2 = bf16((W2)[c]);                 \\\n"
-    "    for (int j = 0; j < (NT); j++) {                                    \\\n"
-    "      (A1)[j] = fma((X)[j][c], v1, (A1)[j]);                            \\\n"
-    "      (A2)[j] = fma((X)[j][c], v2, (A2)[j]);                            \\\n"
-    "    }                                                                   \\\n"
+    "/* The same for two rows at once (gate and up). */\n"
+    "#define MOE_DOT2(NT, K, W1, W2, X, A1, A2)                                      \\\n"
+    "  for (int c = lane; c < (K) / 8; c += MOE_TEAM) {                              \\\n"
+    "    const float8 v1 = bf16x8(vload8(c, W1)), v2 = bf16x8(vload8(c, W2));        \\\n"
+    "    for (int j = 0; j < (NT); j++) {                                            \\\n"
+    "      const float8 xv = vload8(c, (X)[j]);                                      \\\n"
+    "      (A1)[j] = fma(xv, v1, (A1)[j]);                                           \\\n"
+    "      (A2)[j] = fma(xv, v2, (A2)[j]);                                           \\\n"
+    "    }                                                                           \\\n"
+    "  }                                                                             \\\n"
+    "  for (int c = (K) / 8 * 8 + lane; c < (K); c += MOE_TEAM) {                    \\\n"
+    "    const float v1 = bf16((W1)[c]), v2 = bf16((W2)[c]);                         \\\n"
+    "    for (int j = 0; j < (NT); j++) {                                            \\\n"
+    "      (A1)[j].s0 = fma((X)[j][c], v1, (A1)[j].s0);                              \\\n"
+    "      (A2)[j].s0 = fma((X)[j][c], v2, (A2)[j].s0);                              \\\n"
+    "    }                                                                           \\\n"
+    "  }\n"
+    "/* Runs DOT for nt tokens with a constant count, so the accumulators stay in registers. */\n"
+    "#define MOE_BY_COUNT(nt, DOT, ...)       \\\n"
+    "  switch (nt) {                          \\\n"
+    "  case 1: DOT(1, __VA_ARGS__); break;    \\\n"
+    "  case 2: DOT(2, __VA_ARGS__); break;    \\\n"
+    "  case 3: DOT(3, __VA_ARGS__); break;    \\\n"
+    "  default: DOT(MOE_TC, __VA_ARGS__); break; \\\n"
     "  }\n"
     "\n"
     "/* The team trees over part[q][.] for q < nq; every work-item of the group calls it. */\n"
     "void moe_team_sum(__local float *part, int nq, int l, int lane) {\n"
-    "  barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "  MOE_TEAM_BARRIER();\n"
     "  for (int s = MOE_TEAM / 2; s > 0; s >>= 1) {\n"
     "    if (lane < s)\n"
-    "      for (int q = 0; q < nq; q++) part[q * MOE_WG + l] += part[q * MOE_WG + l + s];\n"
-    "    barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "      for (int q = 0; q < nq; q++) part[q * MOE_XWG + l] += part[q * MOE_XWG + l + s];\n"
+    "    MOE_TEAM_BARRIER();\n"
     "  }\n"
     "}\n"
     "\n"
@@ -238,7 +276,7 @@ static const char moe_cl_source[] =
     "                         ulong ro, __global const long *gb, ulong go,\n"
     "                         __global const ushort *wb, ulong wo, long wmin, long wmax,\n"
     "                         __global float *hb, ulong ho, int n, int H, int I, uint x_rows) {\n"
-    "  __local float part[2 * MOE_TC * MOE_WG];\n"
+    "  __local float part[2 * MOE_TC * MOE_XWG];\n"
     "  const int l = (int)get_local_id(0), lane = l % MOE_TEAM;\n"
     "  const int i = (int)get_group_id(0) * MOE_TEAMS + l / MOE_TEAM;\n"
     "  long w;\n"
@@ -251,31 +289,24 @@ static const char moe_cl_source[] =
     "  for (int t0 = 0; t0 < count; t0 += MOE_TC) {\n"
     "    const int nt = min(MOE_TC, count - t0);\n"
     "    __global const float *x[MOE_TC];\n"
-    "    float ag[MOE_TC], au[MOE_TC];\n"
+    "    float8 ag[MOE_TC], au[MOE_TC];\n"
     "    for (int j = 0; j < MOE_TC; j++) {\n"
     "      const uint r = j < nt ? (uint)rows[t0 + j] : 0u;\n"
     "      x[j] = xb + xo + (size_t)(r < x_rows ? r : 0u) * H;\n"
-    "      ag[j] = au[j] = 0.0f;\n"
+    "      ag[j] = au[j] = (float8)(0.0f);\n"
     "    }\n"
-    "    if (live) {\n"
-    "      switch (nt) {\n"
-    "      case 1: MOE_DOT2(1, H, wg, wu, x, ag, au); break;\n"
-    "      case 2: MOE_DOT2(2, H, wg, wu, x, ag, au); break;\n"
-    "      case 3: MOE_DOT2(3, H, wg, wu, x, ag, au); break;\n"
-    "      default: MOE_DOT2(MOE_TC, H, wg, wu, x, ag, au); break;\n"
-    "      }\n"
-    "    }\n"
+    "    if (live) MOE_BY_COUNT(nt, MOE_DOT2, H, wg, wu, x, ag, au)\n"
     "    for (int j = 0; j < MOE_TC; j++) {\n"
-    "      part[2 * j * MOE_WG + l] = ag[j];\n"
-    "      part[(2 * j + 1) * MOE_WG + l] = au[j];\n"
+    "      part[2 * j * MOE_XWG + l] = moe_hsum(ag[j]);\n"
+    "      part[(2 * j + 1) * MOE_XWG + l] = moe_hsum(au[j]);\n"
     "    }\n"
     "    moe_team_sum(part, 2 * nt, l, lane);\n"
-    "    if (live && lane < nt && (uint)rows[t0 + lane] < x_rows) {\n"
-    "      const int base = l - lane;\n"
-    "      const float g = part[2 * lane * MOE_WG + base], u = part[(2 * lane + 1) * MOE_WG + base];\n"
-    "      hb[ho + (size_t)(first + t0 + lane) * I + i] = g / (1.0f + exp(-g)) * u;\n"
+    "    for (int j = lane; live && j < nt; j += MOE_TEAM) {\n"
+    "      if ((uint)rows[t0 + j] >= x_rows) continue;\n"
+    "      const float g = part[2 * j * MOE_XWG + l - lane], u = part[(2 * j + 1) * MOE_XWG + l - lane];\n"
+    "      hb[ho + (size_t)(first + t0 + j) * I + i] = g / (1.0f + exp(-g)) * u;\n"
     "    }\n"
-    "    barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "    MOE_TEAM_BARRIER();\n"
     "  }\n"
     "}\n"
     "\n"
@@ -286,7 +317,7 @@ static const char moe_cl_source[] =
     "                       __global const ushort *wb, ulong wo, long wmin, long wmax,\n"
     "                       __global float *ob, ulong oo, int n, int H, int I, uint x_rows,\n"
     "                       uint out_rows) {\n"
-    "  __local float part[MOE_TC * MOE_WG];\n"
+    "  __local float part[MOE_TC * MOE_XWG];\n"
     "  const int l = (int)get_local_id(0), lane = l % MOE_TEAM;\n"
     "  const int c = (int)get_group_id(0) * MOE_TEAMS + l / MOE_TEAM;\n"
     "  long w;\n"
@@ -298,31 +329,22 @@ static const char moe_cl_source[] =
     "  for (int t0 = 0; t0 < count; t0 += MOE_TC) {\n"
     "    const int nt = min(MOE_TC, count - t0);\n"
     "    __global const float *h[MOE_TC];\n"
-    "    float a[MOE_TC];\n"
+    "    float8 a[MOE_TC];\n"
     "    for (int j = 0; j < MOE_TC; j++) {\n"
     "      h[j] = hb + ho + (size_t)(first + t0 + (j < nt ? j : 0)) * I;\n"
-    "      a[j] = 0.0f;\n"
+    "      a[j] = (float8)(0.0f);\n"
     "    }\n"
-    "    if (live) {\n"
-    "      switch (nt) {\n"
-    "      case 1: MOE_DOT(1, I, wd, h, a); break;\n"
-    "      case 2: MOE_DOT(2, I, wd, h, a); break;\n"
-    "      case 3: MOE_DOT(3, I, wd, h, a); break;\n"
-    "      default: MOE_DOT(MOE_TC, I, wd, h, a); break;\n"
-    "      }\n"
-    "    }\n"
-    "    for (int j = 0; j < MOE_TC; j++) part[j * MOE_WG + l] = a[j];\n"
+    "    if (live) MOE_BY_COUNT(nt, MOE_DOT, I, wd, h, a)\n"
+    "    for (int j = 0; j < MOE_TC; j++) part[j * MOE_XWG + l] = moe_hsum(a[j]);\n"
     "    moe_team_sum(part, nt, l, lane);\n"
-    "    if (live && lane < nt) {\n"
-    "      const int t = first + t0 + lane;\n"
+    "    for (int j = lane; live && j < nt; j += MOE_TEAM) {\n"
+    "      const int t = first + t0 + j;\n"
     "      const uint r = (uint)rb[ro + t], s = (uint)sb[so + t];\n"
-    "      if (r < x_rows && s < out_rows)\n"
-    "        ob[oo + (size_t)s * H + c] = part[lane * MOE_WG + l - lane];\n"
+    "      if (r < x_rows && s < out_rows) ob[oo + (size_t)s * H + c] = part[j * MOE_XWG + l - lane];\n"
     "    }\n"
-    "    barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "    MOE_TEAM_BARRIER();\n"
     "  }\n"
     "}\n"
-    "\n"
     "/* group(): one work-group. Work-item l owns the experts e with e % MOE_WG == l and scans\n"
     " * idx in order twice: to count its experts' tokens, then (after work-item 0 has turned the\n"
     " * counts into offsets, experts ascending, and written the table) to place them, so every\n"
@@ -387,7 +409,7 @@ typedef struct moe_ocl {
   cl_command_queue cq;  /* its native queue, retained */
   bool defer;           /* the device gates host work on the host (see Deferral) */
   size_t wg;            /* the work-group size the program was built for */
-  size_t team;          /* experts()'s team size, min(wg, MOE_TEAM_MAX) */
+  size_t xwg, team;     /* experts()'s work-group size and work-items per weight row */
   cl_ulong router_local; /* local memory the router's two arrays may take */
   cl_ulong group_local;  /* local memory group()'s counts may take */
   cl_device_id id;      /* the queue's device */
@@ -613,7 +635,7 @@ static int run_combine(moe_ocl *m, const job *j) {
  * and up with SwiGLU into h, then down into out. */
 static int run_experts(moe_ocl *m, const job *j) {
   const experts_job *a = &j->u.experts;
-  const size_t wg = m->wg, teams = wg / m->team; /* rows per work-group */
+  const size_t wg = m->xwg, teams = wg / m->team; /* rows per work-group */
   size_t local[2] = {wg, 1};
   karg gateup[] = {KBUF(a->x),    KBUF(a->rows), KBUF(a->groups), KBUF(a->w),
                    KVAL(a->wmin), KVAL(a->wmax), KBUF(a->h),      KVAL(a->n),
@@ -940,11 +962,16 @@ static int build_failed(cl_program prog, cl_device_id id, const char *name) {
 static int build_program(moe_ocl *m, cl_context ctx, const char *name) {
   int rc = pick_wg(m->id, &m->wg);
   if (rc) return rc;
-  m->team = m->wg < MOE_TEAM_MAX ? m->wg : MOE_TEAM_MAX;
-  char opts[64];
-  snprintf(opts, sizeof opts, "-DMOE_WG=%zu -DMOE_TEAM=%zu", m->wg, m->team);
+  cl_device_type type = 0;
+  cl_int err = clGetDeviceInfo(m->id, CL_DEVICE_TYPE, sizeof type, &type, NULL);
+  if (err != CL_SUCCESS) return cl_fail("open", "clGetDeviceInfo (type)", err);
+  bool cpu = (type & CL_DEVICE_TYPE_CPU) != 0;
+  m->xwg = cpu && m->wg > MOE_XWG_CPU ? MOE_XWG_CPU : m->wg;
+  m->team = cpu ? 1 : m->wg < MOE_TEAM_GPU ? m->wg : MOE_TEAM_GPU;
+  char opts[96];
+  snprintf(opts, sizeof opts, "-DMOE_WG=%zu -DMOE_XWG=%zu -DMOE_TEAM=%zu", m->wg, m->xwg,
+           m->team);
   const char *src = moe_cl_source;
-  cl_int err;
   m->prog = clCreateProgramWithSource(ctx, 1, &src, NULL, &err);
   if (!m->prog) return cl_fail("open", "clCreateProgramWithSource", err);
   err = clBuildProgram(m->prog, 1, &m->id, opts, NULL, NULL);
