@@ -12,6 +12,19 @@
  * `ordered_after_host_task` wants ops queued behind a slow host task to wait for it;
  * `bad_args` and `alloc_faults` check the error paths. A device without a table is skipped
  * (77).
+ *
+ * The grouped ops: `experts_ref` runs experts() on tables of experts with 0 to 20 tokens, held
+ * at distinct offsets of one weight allocation, with H, I and offsets on and off the 8-element
+ * grid, against the same fp64 reference (slots no entry names keep the sentinel);
+ * `experts_split` wants the same bits from one call, from one call per entry and from the table
+ * reversed; `experts_match_expert` compares experts() with expert() on each entry's tokens
+ * (within REL_TOL: a GPU may compute the grouped path in more precision); `group_ref` checks
+ * group()'s rows, slot and table against a host reference, with and without indices out of
+ * [0, E); `group_then_experts` feeds one into the other, router-free; `grouped_bad_args` and
+ * `experts_device_data` check argument errors and bad table entries, rows and slots (skipped on
+ * a GPU, TDM_ERANGE from the sync on the CPU). A table that lacks experts() or group() (the op
+ * tables gain them one backend at a time) skips these cases visibly (77), so the suite stays
+ * green until every table has them.
  */
 #include "harness.h"
 
@@ -91,20 +104,25 @@ static tdm_moe_bf16 *rnd_bf16(fixture *f, size_t n, float scale) {
   return p;
 }
 
-/* The first m of a random permutation of [0, n). */
-static int32_t *rnd_distinct(fixture *f, int n, int m) {
+/* m distinct values of [0, n) in random order, into dst. */
+static void pick_distinct(fixture *f, int n, int m, int32_t *dst) {
   int32_t *all = malloc((size_t)n * sizeof *all);
-  int32_t *out = alloc(f, TDM_MEM_PINNED, (size_t)m * sizeof *out);
-  CHECK(all != NULL);
+  CHECK(all != NULL && m <= n);
   for (int i = 0; i < n; i++) all[i] = i;
-  for (int i = n - 1; i > 0; i--) {
-    int j = (int)th_rand_below(&f->rng, (uint64_t)i + 1);
+  for (int i = 0; i < m; i++) {
+    int j = i + (int)th_rand_below(&f->rng, (uint64_t)(n - i));
     int32_t t = all[i];
     all[i] = all[j];
     all[j] = t;
+    dst[i] = all[i];
   }
-  memcpy(out, all, (size_t)m * sizeof *out);
   free(all);
+}
+
+/* The same, in pinned memory. */
+static int32_t *rnd_distinct(fixture *f, int n, int m) {
+  int32_t *out = alloc(f, TDM_MEM_PINNED, (size_t)m * sizeof *out);
+  pick_distinct(f, n, m, out);
   return out;
 }
 
@@ -415,6 +433,618 @@ TEST_CASE(expert_few_tokens) {
   teardown(&f);
 }
 
+/* ---- experts: a group of experts in one submission --------------------------------------- */
+
+enum { MAX_G = 16 }; /* entries of a test's table, experts of its routing */
+
+/* Cases of the grouped ops skip, visibly, on a table that does not have them yet. */
+static void need_op(const fixture *f, int present, const char *op) {
+  if (!present) TH_SKIP("the %s table has no %s() yet", f->ops->name, op);
+}
+
+/* G experts' weights in one allocation, each at its own offset (in bf16 elements) in a random
+ * order, with random gaps between them: multiples of 8 when `aligned` (given that 3HI is one),
+ * else the first gap is odd, so at least one expert starts off the 8-element grid. Gaps hold
+ * random values too, so reading past an expert shows. Returns pinned weights of *elems
+ * elements and fills offs[G]. */
+static tdm_moe_bf16 *place_experts(fixture *f, int G, int H, int I, int aligned, int64_t *offs,
+                                   size_t *elems) {
+  const size_t hi = (size_t)H * I;
+  int32_t order[MAX_G];
+  CHECK(G > 0 && G <= MAX_G);
+  pick_distinct(f, G, G, order);
+  size_t at = 0;
+  for (int i = 0; i < G; i++) {
+    size_t gap = 8 * th_rand_below(&f->rng, 4);
+    if (!aligned) gap += i == 0 ? 1 + 2 * th_rand_below(&f->rng, 4) : th_rand_below(&f->rng, 8);
+    offs[order[i]] = (int64_t)(at + gap);
+    at += gap + 3 * hi;
+  }
+  *elems = at + 8;
+  tdm_moe_bf16 *w = rnd_bf16(f, *elems, 1.0f);
+  /* Scaled as expert_setup does, so that gate, up and the output stay of order one. */
+  for (int g = 0; g < G; g++) {
+    if (aligned) CHECK(offs[g] % 8 == 0);
+    tdm_moe_bf16 *e = w + offs[g];
+    for (size_t i = 0; i < 3 * hi; i++) {
+      float s = i < 2 * hi ? 2.0f / sqrtf((float)H) : 2.0f / sqrtf((float)I);
+      e[i] = tdm_moe_f32_to_bf16(tdm_moe_bf16_to_f32(e[i]) * s);
+    }
+  }
+  if (!aligned) CHECK(offs[order[0]] % 8 != 0);
+  return w;
+}
+
+/* A grouped problem on the device: G experts in one weight allocation; entry g computes
+ * counts[g] distinct tokens of x [T x H] into distinct slots of out [T*k x H]. The entries'
+ * token ranges tile [0, n) in a random order, so first does not follow g. */
+typedef struct group_case {
+  int T, H, I, k, n, G;
+  float *x;              /* pinned [T x H] */
+  tdm_moe_bf16 *w;       /* pinned, w_elems: expert g at offs[g] */
+  size_t w_elems;
+  int64_t offs[MAX_G];
+  tdm_moe_group *groups; /* pinned [G] */
+  int32_t *rows, *slot;  /* pinned [n] */
+  float *dx, *dout;      /* device */
+  tdm_moe_bf16 *dw;
+  tdm_moe_group *dgroups;
+  int32_t *drows, *dslot;
+  void *ws;
+  size_t ws_bytes;
+} group_case;
+
+static group_case group_setup(fixture *f, int T, int H, int I, int k, const int *counts, int G,
+                              int aligned) {
+  group_case c = {.T = T, .H = H, .I = I, .k = k, .G = G};
+  CHECK(G > 0 && G <= MAX_G);
+  for (int g = 0; g < G; g++) {
+    CHECK(counts[g] >= 0 && counts[g] <= T);
+    c.n += counts[g];
+  }
+  CHECK(c.n > 0 && c.n <= T * k);
+  c.x = rnd_f32(f, (size_t)T * H, 1.0f);
+  c.w = place_experts(f, G, H, I, aligned, c.offs, &c.w_elems);
+  c.groups = alloc(f, TDM_MEM_PINNED, (size_t)G * sizeof *c.groups);
+  c.rows = alloc(f, TDM_MEM_PINNED, (size_t)c.n * sizeof *c.rows);
+  c.slot = alloc(f, TDM_MEM_PINNED, (size_t)c.n * sizeof *c.slot);
+  int32_t order[MAX_G];
+  pick_distinct(f, G, G, order);
+  pick_distinct(f, T * k, c.n, c.slot);
+  int first = 0;
+  for (int i = 0; i < G; i++) {
+    int g = order[i];
+    c.groups[g] = (tdm_moe_group){.w = c.offs[g], .first = first, .count = counts[g]};
+    pick_distinct(f, T, counts[g], c.rows + first);
+    first += counts[g];
+  }
+  c.dx = upload(f, c.x, (size_t)T * H * sizeof *c.x);
+  c.dw = upload(f, c.w, c.w_elems * sizeof *c.w);
+  c.dgroups = upload(f, c.groups, (size_t)G * sizeof *c.groups);
+  c.drows = upload(f, c.rows, (size_t)c.n * sizeof *c.rows);
+  c.dslot = upload(f, c.slot, (size_t)c.n * sizeof *c.slot);
+  c.dout = alloc(f, TDM_MEM_DEVICE, (size_t)T * k * H * sizeof *c.dout);
+  c.ws_bytes = tdm_moe_ops_workspace(c.n, H, I);
+  CHECK(c.ws_bytes > 0);
+  c.ws = alloc(f, TDM_MEM_DEVICE, c.ws_bytes);
+  CHECK_OK(tdm_queue_sync(f->q));
+  return c;
+}
+
+static void group_teardown(group_case *c) {
+  tdm_free(c->x); tdm_free(c->w); tdm_free(c->groups); tdm_free(c->rows); tdm_free(c->slot);
+  tdm_free(c->dx); tdm_free(c->dw); tdm_free(c->dgroups); tdm_free(c->drows);
+  tdm_free(c->dslot); tdm_free(c->dout); tdm_free(c->ws);
+}
+
+/* out [slots x H] on the device set to the sentinel (`host` is pinned scratch of that size). */
+static void fill_sentinel(fixture *f, float *dout, float *host, size_t slots, int H) {
+  for (size_t i = 0; i < slots * H; i++) host[i] = SENTINEL;
+  CHECK_OK(tdm_memcpy(f->q, dout, host, slots * H * sizeof *host, TDM_COPY_H2D, 0, NULL, NULL));
+}
+
+static void experts_call(fixture *f, group_case *c, const tdm_moe_group *dgroups, int G) {
+  CHECK_OK(f->ops->experts(f->st, f->q, c->dx, c->drows, c->dslot, c->n, c->dw, dgroups, G,
+                           c->H, c->I, c->dout, c->ws, c->ws_bytes));
+}
+
+/* The whole table in one call; result [T*k x H] pinned. */
+static void experts_run(fixture *f, group_case *c, float *result) {
+  size_t slots = (size_t)c->T * c->k;
+  fill_sentinel(f, c->dout, result, slots, c->H);
+  experts_call(f, c, c->dgroups, c->G);
+  download(f, result, c->dout, slots * c->H * sizeof *result);
+}
+
+/* Every named slot of `got` against the fp64 reference; every other slot keeps the sentinel. */
+static void check_experts(group_case *c, const float *got, const char *what) {
+  const int H = c->H, I = c->I;
+  double *h = malloc(I * sizeof *h), *ref = malloc(H * sizeof *ref);
+  char *written = calloc((size_t)c->T * c->k, 1);
+  CHECK(h && ref && written);
+  errsum e = {0};
+  for (int g = 0; g < c->G; g++)
+    for (int i = c->groups[g].first; i < c->groups[g].first + c->groups[g].count; i++) {
+      ref_expert(c->x + (size_t)c->rows[i] * H, c->w + c->groups[g].w, H, I, h, ref);
+      written[c->slot[i]] = 1;
+      for (int j = 0; j < H; j++)
+        err_add(&e, "out", (size_t)c->slot[i] * H + j, got[(size_t)c->slot[i] * H + j], ref[j]);
+    }
+  err_check(&e, what);
+  for (int s = 0; s < c->T * c->k; s++)
+    if (!written[s])
+      for (int j = 0; j < H; j++)
+        CHECK_MSG(got[(size_t)s * H + j] == SENTINEL, "%s: out[%d][%d] written", what, s, j);
+  free(h); free(ref); free(written);
+}
+
+/* Token counts of the grouped cases: experts with no tokens, one, a few, both sides of the
+ * CPU's direct-path threshold (CPU_GEMV_MAX_N) and many. */
+static const int GROUP_COUNTS[] = {3, 0, CPU_GEMV_MAX_N + 1, 1, 20, 0, CPU_GEMV_MAX_N, 2};
+enum { GROUP_G = sizeof GROUP_COUNTS / sizeof GROUP_COUNTS[0] };
+
+TEST_CASE(experts_ref) {
+  fixture f = setup();
+  need_op(&f, f.ops->experts != NULL, "experts");
+  /* H and I off the 8 grid with offsets off it too, then both on it. */
+  const struct { int H, I, aligned; } shapes[] = {{300, 200, 0}, {256, 128, 1}};
+  for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+    enum { T = 24, K = 4 };
+    char what[64];
+    snprintf(what, sizeof what, "experts H=%d I=%d aligned=%d", shapes[s].H, shapes[s].I,
+             shapes[s].aligned);
+    group_case c = group_setup(&f, T, shapes[s].H, shapes[s].I, K, GROUP_COUNTS, GROUP_G,
+                               shapes[s].aligned);
+    float *got = alloc(&f, TDM_MEM_PINNED, (size_t)T * K * c.H * sizeof *got);
+    experts_run(&f, &c, got);
+    check_experts(&c, got, what);
+    tdm_free(got);
+    group_teardown(&c);
+  }
+  teardown(&f);
+}
+
+/* The same problem as one call of G entries, as G calls of one entry, and with the table
+ * reversed: bitwise equal, since an expert's output may not depend on the other entries. */
+TEST_CASE(experts_split) {
+  enum { T = 24, H = 300, I = 200, K = 4 };
+  fixture f = setup();
+  need_op(&f, f.ops->experts != NULL, "experts");
+  group_case c = group_setup(&f, T, H, I, K, GROUP_COUNTS, GROUP_G, 0);
+  const size_t slots = (size_t)T * K, bytes = slots * H * sizeof(float);
+  float *whole = alloc(&f, TDM_MEM_PINNED, bytes), *one = alloc(&f, TDM_MEM_PINNED, bytes);
+  float *reversed = alloc(&f, TDM_MEM_PINNED, bytes);
+
+  experts_run(&f, &c, whole);
+  check_experts(&c, whole, "experts, whole table");
+
+  fill_sentinel(&f, c.dout, one, slots, H);
+  for (int g = 0; g < c.G; g++) experts_call(&f, &c, c.dgroups + g, 1);
+  download(&f, one, c.dout, bytes);
+  CHECK_MEM_EQ(one, whole, bytes);
+
+  tdm_moe_group *rev = alloc(&f, TDM_MEM_PINNED, (size_t)c.G * sizeof *rev);
+  for (int g = 0; g < c.G; g++) rev[g] = c.groups[c.G - 1 - g];
+  tdm_moe_group *drev = upload(&f, rev, (size_t)c.G * sizeof *rev);
+  fill_sentinel(&f, c.dout, reversed, slots, H);
+  experts_call(&f, &c, drev, c.G);
+  download(&f, reversed, c.dout, bytes);
+  CHECK_MEM_EQ(reversed, whole, bytes);
+  printf("experts: whole table, %d one-entry calls and the table reversed are bitwise equal\n",
+         c.G);
+
+  tdm_free(whole); tdm_free(one); tdm_free(reversed); tdm_free(rev); tdm_free(drev);
+  group_teardown(&c);
+  teardown(&f);
+}
+
+/* experts() against expert() on each entry's expert and tokens: within REL_TOL of each other,
+ * not bitwise (a GPU may compute the grouped path in more precision). */
+TEST_CASE(experts_match_expert) {
+  enum { T = 24, H = 300, I = 200, K = 4 };
+  fixture f = setup();
+  need_op(&f, f.ops->experts != NULL, "experts");
+  group_case c = group_setup(&f, T, H, I, K, GROUP_COUNTS, GROUP_G, 0);
+  const size_t slots = (size_t)T * K, bytes = slots * H * sizeof(float);
+  float *grouped = alloc(&f, TDM_MEM_PINNED, bytes), *single = alloc(&f, TDM_MEM_PINNED, bytes);
+
+  experts_run(&f, &c, grouped);
+  fill_sentinel(&f, c.dout, single, slots, H);
+  for (int g = 0; g < c.G; g++) {
+    const tdm_moe_group *e = &c.groups[g];
+    if (e->count == 0) continue;
+    CHECK_OK(f.ops->expert(f.st, f.q, c.dx, c.drows + e->first, c.dslot + e->first, e->count,
+                           c.dw + e->w, H, I, c.dout, c.ws, c.ws_bytes));
+  }
+  download(&f, single, c.dout, bytes);
+
+  errsum e = {0};
+  for (size_t i = 0; i < slots * H; i++) {
+    if (single[i] == SENTINEL) {
+      CHECK_MSG(grouped[i] == SENTINEL, "out[%zu][%zu] written by experts() only", i / H, i % H);
+      continue;
+    }
+    err_add(&e, "out", i, grouped[i], single[i]);
+  }
+  err_check(&e, "experts() against expert()");
+
+  tdm_free(grouped); tdm_free(single);
+  group_teardown(&c);
+  teardown(&f);
+}
+
+/* ---- group: the routing grouped on the device --------------------------------------------- */
+
+/* What group() must write, by a different method than a counting sort: for each expert in
+ * ascending order, a scan of idx in ascending t*k + j. Returns the routed entries in *routed
+ * and the number of routed experts. */
+static int ref_group(const int32_t *idx, int T, int k, int E, const int64_t *wofs, int32_t *rows,
+                     int32_t *slot, tdm_moe_group *groups, int *routed) {
+  int at = 0, ng = 0;
+  for (int e = 0; e < E; e++) {
+    int first = at;
+    for (int p = 0; p < T * k; p++)
+      if (idx[p] == e) {
+        rows[at] = p / k;
+        slot[at] = p;
+        at++;
+      }
+    if (at > first) groups[ng++] = (tdm_moe_group){.w = wofs[e], .first = first,
+                                                   .count = at - first};
+  }
+  *routed = at;
+  return ng;
+}
+
+/* Random routing as the router gives it: each token's k experts distinct. */
+static void rnd_routing(fixture *f, int T, int k, int E, int32_t *idx) {
+  for (int t = 0; t < T; t++) pick_distinct(f, E, k, idx + (size_t)t * k);
+}
+
+/* Runs group() on idx (pinned, T*k) and checks rows, slot and groups against ref_group. */
+static void check_group(fixture *f, const int32_t *idx, int T, int k, int E, const int64_t *wofs,
+                        const int64_t *dwofs, const char *what) {
+  const int n = T * k, G = n < E ? n : E;
+  int32_t *didx = upload(f, idx, (size_t)n * sizeof *idx);
+  int32_t *rows = alloc(f, TDM_MEM_PINNED, (size_t)n * sizeof *rows);
+  int32_t *slot = alloc(f, TDM_MEM_PINNED, (size_t)n * sizeof *slot);
+  tdm_moe_group *groups = alloc(f, TDM_MEM_PINNED, (size_t)G * sizeof *groups);
+  int32_t *drows = alloc(f, TDM_MEM_DEVICE, (size_t)n * sizeof *drows);
+  int32_t *dslot = alloc(f, TDM_MEM_DEVICE, (size_t)n * sizeof *dslot);
+  tdm_moe_group *dgroups = alloc(f, TDM_MEM_DEVICE, (size_t)G * sizeof *dgroups);
+  int32_t *rrows = malloc((size_t)n * sizeof *rrows), *rslot = malloc((size_t)n * sizeof *rslot);
+  tdm_moe_group *rgroups = malloc((size_t)G * sizeof *rgroups);
+  CHECK(rrows && rslot && rgroups);
+  /* Outputs start as 0x5a bytes, so that an entry left unwritten cannot pass for a count 0. */
+  CHECK_OK(tdm_memset(f->q, dgroups, 0x5a, (size_t)G * sizeof *dgroups, 0, NULL, NULL));
+  CHECK_OK(tdm_memset(f->q, drows, 0x5a, (size_t)n * sizeof *drows, 0, NULL, NULL));
+  CHECK_OK(tdm_memset(f->q, dslot, 0x5a, (size_t)n * sizeof *dslot, 0, NULL, NULL));
+
+  CHECK_OK(f->ops->group(f->st, f->q, didx, T, k, E, dwofs, drows, dslot, dgroups));
+  download(f, rows, drows, (size_t)n * sizeof *rows);
+  download(f, slot, dslot, (size_t)n * sizeof *slot);
+  download(f, groups, dgroups, (size_t)G * sizeof *groups);
+
+  int routed = 0, ng = ref_group(idx, T, k, E, wofs, rrows, rslot, rgroups, &routed);
+  for (int i = 0; i < routed; i++) {
+    CHECK_MSG(rows[i] == rrows[i] && slot[i] == rslot[i],
+              "%s: entry %d is row %d slot %d, reference row %d slot %d", what, i, rows[i],
+              slot[i], rrows[i], rslot[i]);
+  }
+  for (int g = 0; g < G; g++) {
+    const tdm_moe_group *got = &groups[g];
+    if (g >= ng) {
+      CHECK_MSG(got->count == 0, "%s: groups[%d].count = %d past the %d routed experts", what,
+                g, got->count, ng);
+      continue;
+    }
+    CHECK_MSG(got->w == rgroups[g].w && got->first == rgroups[g].first &&
+                  got->count == rgroups[g].count,
+              "%s: groups[%d] = {%lld, %d, %d}, reference {%lld, %d, %d}", what, g,
+              (long long)got->w, got->first, got->count, (long long)rgroups[g].w,
+              rgroups[g].first, rgroups[g].count);
+  }
+  printf("%s: T=%d k=%d E=%d, %d entries in %d routed experts\n", what, T, k, E, routed, ng);
+
+  free(rrows); free(rslot); free(rgroups);
+  tdm_free(didx); tdm_free(rows); tdm_free(slot); tdm_free(groups); tdm_free(drows);
+  tdm_free(dslot); tdm_free(dgroups);
+}
+
+TEST_CASE(group_ref) {
+  enum { E = 16, K = 4 };
+  const int Ts[] = {1, 5, 40};
+  fixture f = setup();
+  need_op(&f, f.ops->group != NULL, "group");
+  /* Offsets past 2^32 elements: w must stay 64-bit all the way. */
+  int64_t *wofs = alloc(&f, TDM_MEM_PINNED, E * sizeof *wofs);
+  for (int e = 0; e < E; e++)
+    wofs[e] = (int64_t)(th_rand(&f.rng) >> 24) + (e % 3 == 0 ? (int64_t)1 << 33 : 0);
+  int64_t *dwofs = upload(&f, wofs, E * sizeof *wofs);
+  for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++) {
+    const int T = Ts[i];
+    int32_t *idx = alloc(&f, TDM_MEM_PINNED, (size_t)T * K * sizeof *idx);
+    rnd_routing(&f, T, K, E, idx);
+    check_group(&f, idx, T, K, E, wofs, dwofs, "group");
+    /* Indices out of [0, E) are dropped; the rest is as without them. */
+    int32_t at[2];
+    pick_distinct(&f, T * K, 2, at);
+    idx[at[0]] = E;
+    idx[at[1]] = -1;
+    check_group(&f, idx, T, K, E, wofs, dwofs, "group, indices dropped");
+    tdm_free(idx);
+  }
+  tdm_free(wofs); tdm_free(dwofs);
+  teardown(&f);
+}
+
+/* group() feeding experts() with no host round trip: every slot t*k + j holds expert
+ * idx[t*k + j] on token t, by the fp64 reference; a dropped index's slot is not written. */
+TEST_CASE(group_then_experts) {
+  enum { E = 16, K = 4, H = 300, I = 200 };
+  const int Ts[] = {5, 40};
+  fixture f = setup();
+  need_op(&f, f.ops->experts != NULL && f.ops->group != NULL, "experts and group");
+  int64_t *wofs = alloc(&f, TDM_MEM_PINNED, E * sizeof *wofs);
+  size_t w_elems = 0;
+  tdm_moe_bf16 *w = place_experts(&f, E, H, I, 0, wofs, &w_elems);
+  tdm_moe_bf16 *dw = upload(&f, w, w_elems * sizeof *w);
+  int64_t *dwofs = upload(&f, wofs, E * sizeof *wofs);
+  double *h = malloc(I * sizeof *h), *ref = malloc(H * sizeof *ref);
+  CHECK(h && ref);
+  for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++) {
+    const int T = Ts[i], n = T * K, G = n < E ? n : E;
+    float *x = rnd_f32(&f, (size_t)T * H, 1.0f);
+    int32_t *idx = alloc(&f, TDM_MEM_PINNED, (size_t)n * sizeof *idx);
+    rnd_routing(&f, T, K, E, idx);
+    const int dropped = (int)th_rand_below(&f.rng, (uint64_t)n);
+    idx[dropped] = E + 3;
+    float *got = alloc(&f, TDM_MEM_PINNED, (size_t)n * H * sizeof *got);
+    float *dx = upload(&f, x, (size_t)T * H * sizeof *x);
+    int32_t *didx = upload(&f, idx, (size_t)n * sizeof *idx);
+    int32_t *drows = alloc(&f, TDM_MEM_DEVICE, (size_t)n * sizeof *drows);
+    int32_t *dslot = alloc(&f, TDM_MEM_DEVICE, (size_t)n * sizeof *dslot);
+    tdm_moe_group *dgroups = alloc(&f, TDM_MEM_DEVICE, (size_t)G * sizeof *dgroups);
+    float *dout = alloc(&f, TDM_MEM_DEVICE, (size_t)n * H * sizeof *dout);
+    size_t ws_bytes = tdm_moe_ops_workspace(n, H, I);
+    void *ws = alloc(&f, TDM_MEM_DEVICE, ws_bytes);
+    fill_sentinel(&f, dout, got, (size_t)n, H);
+
+    CHECK_OK(f.ops->group(f.st, f.q, didx, T, K, E, dwofs, drows, dslot, dgroups));
+    CHECK_OK(f.ops->experts(f.st, f.q, dx, drows, dslot, n, dw, dgroups, G, H, I, dout, ws,
+                            ws_bytes));
+    download(&f, got, dout, (size_t)n * H * sizeof *got);
+
+    errsum e = {0};
+    for (int s = 0; s < n; s++) {
+      const float *o = got + (size_t)s * H;
+      if (s == dropped) {
+        for (int j = 0; j < H; j++)
+          CHECK_MSG(o[j] == SENTINEL, "dropped slot %d: out[%d] written", s, j);
+        continue;
+      }
+      ref_expert(x + (size_t)(s / K) * H, w + wofs[idx[s]], H, I, h, ref);
+      for (int j = 0; j < H; j++) err_add(&e, "out", (size_t)s * H + j, o[j], ref[j]);
+    }
+    char what[64];
+    snprintf(what, sizeof what, "group then experts, T=%d", T);
+    err_check(&e, what);
+
+    tdm_free(x); tdm_free(idx); tdm_free(got); tdm_free(dx); tdm_free(didx); tdm_free(drows);
+    tdm_free(dslot); tdm_free(dgroups); tdm_free(dout); tdm_free(ws);
+  }
+  free(h); free(ref);
+  tdm_free(w); tdm_free(dw); tdm_free(wofs); tdm_free(dwofs);
+  teardown(&f);
+}
+
+/* ---- Grouped ops: arguments and device data ---------------------------------------------- */
+
+TEST_CASE(grouped_bad_args) {
+  enum { T = 6, H = 16, I = 24, K = 2, E = 4 };
+  const int counts[] = {2, 3};
+  fixture f = setup();
+  need_op(&f, f.ops->experts != NULL && f.ops->group != NULL, "experts and group");
+  const tdm_moe_ops *o = f.ops;
+  group_case c = group_setup(&f, T, H, I, K, counts, 2, 1);
+  int32_t *didx = alloc(&f, TDM_MEM_DEVICE, (size_t)T * K * sizeof(int32_t));
+  int64_t *dwofs = alloc(&f, TDM_MEM_DEVICE, E * sizeof(int64_t));
+  int32_t *ibuf = alloc(&f, TDM_MEM_DEVICE, (size_t)T * K * sizeof(int32_t));
+  tdm_moe_group *gbuf = alloc(&f, TDM_MEM_DEVICE, E * sizeof(tdm_moe_group));
+  const int n = c.n;
+
+  /* experts(): workspace too small or missing, NULL pointers, negative sizes. */
+  CHECK_RC(o->experts(f.st, f.q, c.dx, c.drows, c.dslot, n, c.dw, c.dgroups, 2, H, I, c.dout,
+                      c.ws, c.ws_bytes - 1), TDM_EINVAL);
+  CHECK_RC(o->experts(f.st, f.q, c.dx, c.drows, c.dslot, n, c.dw, c.dgroups, 2, H, I, c.dout,
+                      NULL, c.ws_bytes), TDM_EINVAL);
+  CHECK_RC(o->experts(f.st, f.q, NULL, c.drows, c.dslot, n, c.dw, c.dgroups, 2, H, I, c.dout,
+                      c.ws, c.ws_bytes), TDM_EINVAL);
+  CHECK_RC(o->experts(f.st, f.q, c.dx, NULL, c.dslot, n, c.dw, c.dgroups, 2, H, I, c.dout,
+                      c.ws, c.ws_bytes), TDM_EINVAL);
+  CHECK_RC(o->experts(f.st, f.q, c.dx, c.drows, NULL, n, c.dw, c.dgroups, 2, H, I, c.dout,
+                      c.ws, c.ws_bytes), TDM_EINVAL);
+  CHECK_RC(o->experts(f.st, f.q, c.dx, c.drows, c.dslot, n, NULL, c.dgroups, 2, H, I, c.dout,
+                      c.ws, c.ws_bytes), TDM_EINVAL);
+  CHECK_RC(o->experts(f.st, f.q, c.dx, c.drows, c.dslot, n, c.dw, NULL, 2, H, I, c.dout, c.ws,
+                      c.ws_bytes), TDM_EINVAL);
+  CHECK_RC(o->experts(f.st, f.q, c.dx, c.drows, c.dslot, n, c.dw, c.dgroups, 2, H, I, NULL,
+                      c.ws, c.ws_bytes), TDM_EINVAL);
+  CHECK_RC(o->experts(f.st, f.q, c.dx, c.drows, c.dslot, n, c.dw, c.dgroups, -1, H, I, c.dout,
+                      c.ws, c.ws_bytes), TDM_EINVAL);
+  CHECK_RC(o->experts(f.st, f.q, c.dx, c.drows, c.dslot, -1, c.dw, c.dgroups, 2, H, I, c.dout,
+                      c.ws, c.ws_bytes), TDM_EINVAL);
+  CHECK_RC(o->experts(f.st, f.q, c.dx, c.drows, c.dslot, n, c.dw, c.dgroups, 2, 0, I, c.dout,
+                      c.ws, c.ws_bytes), TDM_EINVAL);
+  CHECK_RC(o->experts(f.st, f.q, c.dx, c.drows, c.dslot, n, c.dw, c.dgroups, 2, H, 0, c.dout,
+                      c.ws, c.ws_bytes), TDM_EINVAL);
+
+  /* group(): NULL pointers, sizes out of range, T*k past int32. */
+  CHECK_RC(o->group(f.st, f.q, NULL, T, K, E, dwofs, ibuf, ibuf, gbuf), TDM_EINVAL);
+  CHECK_RC(o->group(f.st, f.q, didx, T, K, E, NULL, ibuf, ibuf, gbuf), TDM_EINVAL);
+  CHECK_RC(o->group(f.st, f.q, didx, T, K, E, dwofs, NULL, ibuf, gbuf), TDM_EINVAL);
+  CHECK_RC(o->group(f.st, f.q, didx, T, K, E, dwofs, ibuf, NULL, gbuf), TDM_EINVAL);
+  CHECK_RC(o->group(f.st, f.q, didx, T, K, E, dwofs, ibuf, ibuf, NULL), TDM_EINVAL);
+  CHECK_RC(o->group(f.st, f.q, didx, -1, K, E, dwofs, ibuf, ibuf, gbuf), TDM_EINVAL);
+  CHECK_RC(o->group(f.st, f.q, didx, T, 0, E, dwofs, ibuf, ibuf, gbuf), TDM_EINVAL);
+  CHECK_RC(o->group(f.st, f.q, didx, T, K, 0, dwofs, ibuf, ibuf, gbuf), TDM_EINVAL);
+  CHECK_RC(o->group(f.st, f.q, didx, 1 << 30, 4, E, dwofs, ibuf, ibuf, gbuf), TDM_EINVAL);
+
+  /* The state of another queue. */
+  tdm_queue *q2 = NULL;
+  CHECK_OK(tdm_queue_create(f.dev, TDM_QUEUE_IN_ORDER, &q2));
+  CHECK_RC(o->experts(f.st, q2, c.dx, c.drows, c.dslot, n, c.dw, c.dgroups, 2, H, I, c.dout,
+                      c.ws, c.ws_bytes), TDM_EINVAL);
+  CHECK_RC(o->group(f.st, q2, didx, T, K, E, dwofs, ibuf, ibuf, gbuf), TDM_EINVAL);
+  CHECK_OK(tdm_queue_destroy(q2));
+
+  /* Nothing to do is not an error, and needs no workspace. */
+  CHECK_OK(o->experts(f.st, f.q, c.dx, c.drows, c.dslot, n, c.dw, c.dgroups, 0, H, I, c.dout,
+                      NULL, 0));
+  CHECK_OK(o->experts(f.st, f.q, c.dx, c.drows, c.dslot, 0, c.dw, c.dgroups, 2, H, I, c.dout,
+                      NULL, 0));
+  CHECK_OK(o->group(f.st, f.q, didx, 0, K, E, dwofs, ibuf, ibuf, gbuf));
+  CHECK_OK(tdm_queue_sync(f.q));
+
+  /* The queue still computes. */
+  float *got = alloc(&f, TDM_MEM_PINNED, (size_t)T * K * H * sizeof *got);
+  experts_run(&f, &c, got);
+  check_experts(&c, got, "experts after bad arguments");
+
+  tdm_free(got); tdm_free(didx); tdm_free(dwofs); tdm_free(ibuf); tdm_free(gbuf);
+  group_teardown(&c);
+  teardown(&f);
+}
+
+/* Bad device data for experts(). Token positions run from -1 to n (rows and slot are passed
+ * one entry into arrays of n + 2), and x and out one row into their allocations, so that every
+ * index a wrong implementation could follow is readable and names a slot of its own:
+ *   positions 0-2, 3-4   two good entries, and a third of count 0 whose first and w are
+ *                        garbage (count 0: they are not read);
+ *   5-6                  an entry whose second row is -1 (x's row -1 exists, but is outside);
+ *   7-8                  an entry whose second slot is -1 (out's row -1 likewise);
+ *   9                    an entry whose weights end one element past wbase's allocation;
+ *   10                   an entry whose weights start 8 elements before it;
+ *   11-12                an entry with first + count = n + 1;
+ *   -1                   an entry with first = -1;
+ *   (none)               an entry with count = -1.
+ * On a GPU, one call with all of them: the good entries and the good tokens of the entries
+ * with a bad token (positions 5 and 7) are right, and every other row of out's allocation
+ * keeps the sentinel. On the CPU each bad entry, with the good ones, fails the sync with
+ * TDM_ERANGE and writes nothing; the good entries then run on the same queue. */
+enum { DD_T = 8, DD_H = 44, DD_I = 20, DD_K = 2, DD_N = 12, DD_SLOTS = DD_T * DD_K };
+
+typedef struct dd_case {
+  int64_t offs[2];
+  size_t w_elems;
+  tdm_moe_bf16 *w, *dw;
+  float *x, *dx;          /* x: T + 1 rows, passed from row 1 */
+  int32_t *rows, *slot;   /* pinned, N + 2 entries: position p at index p + 1 */
+  int32_t *drows, *dslot;
+  tdm_moe_group *table, *dtable;
+  float *got, *dout;      /* out: SLOTS + 1 rows, passed from row 1 */
+  void *ws;
+  size_t ws_bytes;
+} dd_case;
+
+/* Runs the first `ntable` entries of c->table; returns the sync's code, the whole of out's
+ * allocation in c->got. */
+static int dd_run(fixture *f, dd_case *c, int ntable) {
+  const size_t out_bytes = (DD_SLOTS + 1) * DD_H * sizeof(float);
+  fill_sentinel(f, c->dout, c->got, DD_SLOTS + 1, DD_H);
+  CHECK_OK(tdm_memcpy(f->q, c->dtable, c->table, (size_t)ntable * sizeof *c->table,
+                      TDM_COPY_H2D, 0, NULL, NULL));
+  CHECK_OK(f->ops->experts(f->st, f->q, c->dx + DD_H, c->drows + 1, c->dslot + 1, DD_N, c->dw,
+                           c->dtable, ntable, DD_H, DD_I, c->dout + DD_H, c->ws, c->ws_bytes));
+  int rc = TH_CALL(tdm_queue_sync(f->q));
+  if (rc) printf("the sync says %s\n", tdm_last_error());
+  CHECK_OK(tdm_memcpy(f->q, c->got, c->dout, out_bytes, TDM_COPY_D2H, 0, NULL, NULL));
+  CHECK_OK(tdm_queue_sync(f->q));
+  return rc;
+}
+
+/* The tokens at positions pos[i] (computed with the expert at offset wofs[i]) are right in
+ * c->got; every other row of out's allocation, row -1 included, keeps the sentinel. */
+static void dd_check(dd_case *c, const int *pos, const int64_t *wofs, int ntok, const char *what) {
+  double h[DD_I], ref[DD_H];
+  char written[DD_SLOTS + 1] = {0};
+  errsum e = {0};
+  for (int i = 0; i < ntok; i++) {
+    const int p = pos[i], s = c->slot[p + 1];
+    ref_expert(c->x + (size_t)(c->rows[p + 1] + 1) * DD_H, c->w + wofs[i], DD_H, DD_I, h, ref);
+    written[s + 1] = 1;
+    for (int j = 0; j < DD_H; j++)
+      err_add(&e, "out", (size_t)s * DD_H + j, c->got[(size_t)(s + 1) * DD_H + j], ref[j]);
+  }
+  err_check(&e, what);
+  for (int s = 0; s < DD_SLOTS + 1; s++)
+    if (!written[s])
+      for (int j = 0; j < DD_H; j++)
+        CHECK_MSG(c->got[(size_t)s * DD_H + j] == SENTINEL, "%s: out[%d][%d] written", what,
+                  s - 1, j);
+}
+
+TEST_CASE(experts_device_data) {
+  enum { NGOOD = 3, NBAD = 7 };
+  const size_t hi = (size_t)DD_H * DD_I;
+  fixture f = setup();
+  need_op(&f, f.ops->experts != NULL, "experts");
+  dd_case c = {0};
+  c.w = place_experts(&f, 2, DD_H, DD_I, 0, c.offs, &c.w_elems);
+  c.x = rnd_f32(&f, (DD_T + 1) * DD_H, 1.0f);
+  c.rows = alloc(&f, TDM_MEM_PINNED, (DD_N + 2) * sizeof *c.rows);
+  c.slot = alloc(&f, TDM_MEM_PINNED, (DD_N + 2) * sizeof *c.slot);
+  for (int p = 0; p < DD_N + 2; p++) c.rows[p] = (int32_t)th_rand_below(&f.rng, DD_T);
+  pick_distinct(&f, DD_SLOTS, DD_N + 2, c.slot);
+  c.rows[6 + 1] = -1;
+  c.slot[8 + 1] = -1;
+  c.table = alloc(&f, TDM_MEM_PINNED, (NGOOD + NBAD) * sizeof *c.table);
+  c.dw = upload(&f, c.w, c.w_elems * sizeof *c.w);
+  c.dx = upload(&f, c.x, (DD_T + 1) * DD_H * sizeof *c.x);
+  c.drows = upload(&f, c.rows, (DD_N + 2) * sizeof *c.rows);
+  c.dslot = upload(&f, c.slot, (DD_N + 2) * sizeof *c.slot);
+  c.dtable = alloc(&f, TDM_MEM_DEVICE, (NGOOD + NBAD) * sizeof *c.dtable);
+  c.got = alloc(&f, TDM_MEM_PINNED, (DD_SLOTS + 1) * DD_H * sizeof *c.got);
+  c.dout = alloc(&f, TDM_MEM_DEVICE, (DD_SLOTS + 1) * DD_H * sizeof *c.dout);
+  c.ws_bytes = tdm_moe_ops_workspace(DD_N, DD_H, DD_I);
+  c.ws = alloc(&f, TDM_MEM_DEVICE, c.ws_bytes);
+
+  const int64_t o0 = c.offs[0], o1 = c.offs[1];
+  const tdm_moe_group bad[NBAD] = {
+      {o0, 5, 2}, {o1, 7, 2}, {(int64_t)(c.w_elems - 3 * hi + 1), 9, 1}, {-8, 10, 1},
+      {o0, 11, 2}, {o1, -1, 1}, {o0, 0, -1}};
+  const char *bad_what[NBAD] = {"row -1", "slot -1", "weights past the end",
+                                "weights before the start", "first + count = n + 1",
+                                "first = -1", "count = -1"};
+  c.table[0] = (tdm_moe_group){o0, 0, 3};
+  c.table[1] = (tdm_moe_group){o1, 3, 2};
+  c.table[2] = (tdm_moe_group){INT64_MIN + 5, -1000, 0};
+  const int good_pos[] = {0, 1, 2, 3, 4, 5, 7};
+  const int64_t good_w[] = {o0, o0, o0, o1, o1, o0, o1};
+
+  if (strcmp(th_backend_of(f.dev), "cpu") == 0) {
+    for (int b = 0; b < NBAD; b++) {
+      c.table[NGOOD] = bad[b];
+      printf("%s: ", bad_what[b]);
+      CHECK_MSG(dd_run(&f, &c, NGOOD + 1) == TDM_ERANGE, "%s: the sync did not fail with TDM_ERANGE",
+                bad_what[b]);
+      for (size_t i = 0; i < (DD_SLOTS + 1) * DD_H; i++)
+        CHECK_MSG(c.got[i] == SENTINEL, "%s: out written by a failed command", bad_what[b]);
+    }
+    CHECK_STATUS(dd_run(&f, &c, NGOOD), 0);
+    dd_check(&c, good_pos, good_w, 5, "good entries after the failures");
+  } else {
+    for (int b = 0; b < NBAD; b++) c.table[NGOOD + b] = bad[b];
+    CHECK_STATUS(dd_run(&f, &c, NGOOD + NBAD), 0);
+    dd_check(&c, good_pos, good_w, 7, "good entries and tokens among bad ones");
+  }
+
+  tdm_free(c.w); tdm_free(c.dw); tdm_free(c.x); tdm_free(c.dx); tdm_free(c.rows);
+  tdm_free(c.slot); tdm_free(c.drows); tdm_free(c.dslot); tdm_free(c.table); tdm_free(c.dtable);
+  tdm_free(c.got); tdm_free(c.dout); tdm_free(c.ws);
+  teardown(&f);
+}
+
 /* ---- combine ----------------------------------------------------------------------------- */
 
 TEST_CASE(combine_ref) {
@@ -600,6 +1230,16 @@ TEST_CASE(alloc_faults) {
   float *want = alloc(&f, TDM_MEM_PINNED, bytes), *got = alloc(&f, TDM_MEM_PINNED, bytes);
   int32_t *didx = alloc(&f, TDM_MEM_DEVICE, (size_t)T * K * sizeof(int32_t));
   float *dwts = alloc(&f, TDM_MEM_DEVICE, (size_t)T * K * sizeof(float));
+  /* The router's output grouped, then computed by experts() (every expert with c's weights). */
+  const int grouped = f.ops->experts && f.ops->group, G = E < T * K ? E : T * K;
+  int64_t *dwofs = alloc(&f, TDM_MEM_DEVICE, E * sizeof(int64_t));
+  int32_t *drows = alloc(&f, TDM_MEM_DEVICE, (size_t)T * K * sizeof(int32_t));
+  int32_t *dslot = alloc(&f, TDM_MEM_DEVICE, (size_t)T * K * sizeof(int32_t));
+  tdm_moe_group *dgroups = alloc(&f, TDM_MEM_DEVICE, (size_t)G * sizeof(tdm_moe_group));
+  float *dout = alloc(&f, TDM_MEM_DEVICE, (size_t)T * K * H * sizeof(float));
+  size_t ws_bytes = tdm_moe_ops_workspace(T * K, H, I);
+  void *ws = alloc(&f, TDM_MEM_DEVICE, ws_bytes);
+  CHECK_OK(tdm_memset(f.q, dwofs, 0, E * sizeof(int64_t), 0, NULL, NULL));
   expert_run(&f, f.q, f.st, &c, c.ws, want);
 
   int failures = 0;
@@ -609,6 +1249,11 @@ TEST_CASE(alloc_faults) {
                            c.ws_bytes);
     if (rc == 0)
       rc = f.ops->router(f.st, f.q, c.dx, c.dw, NULL, T, H, E, K, 1, didx, dwts);
+    if (rc == 0 && grouped)
+      rc = f.ops->group(f.st, f.q, didx, T, K, E, dwofs, drows, dslot, dgroups);
+    if (rc == 0 && grouped)
+      rc = f.ops->experts(f.st, f.q, c.dx, drows, dslot, T * K, c.dw, dgroups, G, H, I, dout,
+                          ws, ws_bytes);
     int sync = tdm_queue_sync(f.q);
     int fired = tdm_fault_fired();
     CHECK_OK(tdm_fault_inject(TDM_FAULT_ALLOC, -1, 0));
@@ -631,6 +1276,8 @@ TEST_CASE(alloc_faults) {
   tdm_free(got);
   tdm_free(didx);
   tdm_free(dwts);
+  tdm_free(dwofs); tdm_free(drows); tdm_free(dslot); tdm_free(dgroups); tdm_free(dout);
+  tdm_free(ws);
   expert_teardown(&c);
   teardown(&f);
 }

@@ -48,7 +48,7 @@ typedef struct tdm_moe_group {
   int64_t w;     /* the expert's weights: wbase + w, in bf16 elements (a multiple of 8 lets
                     GPUs load them 16 bytes at a time) */
   int32_t first; /* its tokens: rows[first + i] and slot[first + i] for i < count */
-  int32_t count; /* 0: nothing to compute (the entry is skipped) */
+  int32_t count; /* 0: nothing to compute (the entry is skipped; w and first are not read) */
 } tdm_moe_group;
 
 typedef struct tdm_moe_ops {
@@ -91,10 +91,15 @@ typedef struct tdm_moe_ops {
    *   entries or G: splitting a layer's experts into groups differently (as they land, say)
    *   gives the same bits.
    * - The table and the token lists are device data, written by earlier commands (group()
-   *   below, or a copy), checked when they run: on a GPU an entry whose range leaves [0, n)
-   *   or whose weights leave wbase's allocation is skipped, and so is a row or slot out of
-   *   range; the CPU table, which runs on the host, fails the command with TDM_ERANGE
-   *   instead (reported by the queue's next sync), as its expert() does.
+   *   below, or a copy), checked when they run. An entry whose range leaves [0, n) (first <
+   *   0, count < 0 or first + count > n) or whose weights [wbase + w, wbase + w + 3HI) leave
+   *   wbase's allocation is bad, and so is a token whose row lies outside x's allocation or
+   *   whose slot lies outside out's (rows and slots are counted from x and out to the end
+   *   of their allocations, as expert() does). On a GPU a bad entry is skipped whole and a
+   *   bad token alone (its slot is not written; the entry's other tokens are computed). The
+   *   CPU table, which runs on the host, fails the command with TDM_ERANGE instead, before
+   *   writing anything (reported by the queue's next sync), as its expert() does.
+   * - G == 0 or n == 0: nothing to do (0, and the table is not read).
    * - Made for few tokens per expert (decode, small batches): the kernels read each expert's
    *   weights once per few tokens, at the memory's bandwidth; for many tokens per expert
    *   expert() (a GEMM per expert) is faster. Backends may compute in more precision than
@@ -108,8 +113,13 @@ typedef struct tdm_moe_ops {
    * [T x k] (router()'s output) and wofs [E] (each expert's weights, as experts() takes
    * them), writes rows and slot [T*k], expert by expert in ascending expert order with each
    * expert's tokens ascending (token t's j-th choice has slot t*k + j), and groups
-   * [min(E, T*k)]: one entry per routed expert, in ascending expert order, then entries of
-   * count 0. All device memory. An index outside [0, E) is dropped: its slot is not written. */
+   * [min(E, T*k)]: one entry per routed expert (an expert with at least one token), in
+   * ascending expert order, then entries of count 0. All device memory. An expert's entries
+   * are in ascending t*k + j, so a token that names one expert twice has both, j ascending.
+   * An index outside [0, E) is dropped: it is in neither rows nor slot, so experts() on this
+   * output never writes its slot. What rows and slot hold past the routed entries, and the w
+   * and first of the count-0 entries, is unspecified. T * k must fit in int32 (slots are
+   * int32); T == 0: nothing to do. */
   int (*group)(void *st, tdm_queue *q, const int32_t *idx, int T, int k, int E,
                const int64_t *wofs, int32_t *rows, int32_t *slot, tdm_moe_group *groups);
 

@@ -29,6 +29,11 @@
  * twice their size. Its dot products run in a fixed lane order that does not depend on n or on
  * the thread count, so a token's result there is the same whatever else is in its batch.
  *
+ * experts() is one host task that checks its whole table (entries, weight ranges, rows,
+ * slots) and then computes each entry exactly as expert() computes that expert on those
+ * tokens, so the two agree bitwise and an entry's bits never depend on the rest of the table.
+ * group() is one host task doing a counting sort of the routing by expert.
+ *
  * Every other reduction (rmsnorm, softmax, top-k, combine) is a plain loop in a fixed order.
  */
 #include "ops.h" /* moe/ops.h */
@@ -424,14 +429,10 @@ static void expert_gemv(const float *const *xs, float *const *out, size_t n, con
 
 /* ---- expert ------------------------------------------------------------------------------ */
 
-static int expert_body(const task *t) {
-  const expert_args *a = (const expert_args *)t;
-  const size_t H = (size_t)a->H, I = (size_t)a->I, n = (size_t)a->n;
-  /* Indices are device data written by earlier commands, so they are checked only now. */
-  for (size_t i = 0; i < n; i++) {
-    if (a->rows[i] < 0 || (size_t)a->rows[i] >= a->x_rows) return TDM_ERANGE;
-    if (a->slot[i] < 0 || (size_t)a->slot[i] >= a->out_rows) return TDM_ERANGE;
-  }
+/* The expert at w on n tokens whose indices are known to be in range: what expert() computes,
+ * and experts() for each entry of its table, so that the two give the same bits. */
+static void expert_compute(const float *x, const int32_t *rows, const int32_t *slot, size_t n,
+                           const tdm_moe_bf16 *wts, size_t H, size_t I, float *out, float *ws) {
   if (n <= GEMV_MAX_N) {
     /* Workspace: the row buffer, then gate|up (n x 2I). Both fit the sgemm path's layout, so
      * tdm_moe_ops_workspace() covers them: the row buffer takes less than its weight region
@@ -441,34 +442,44 @@ static int expert_body(const task *t) {
     const float *xs[GEMV_MAX_N];
     float *outs[GEMV_MAX_N];
     for (size_t i = 0; i < n; i++) {
-      xs[i] = a->x + (size_t)a->rows[i] * H;
-      outs[i] = a->out + (size_t)a->slot[i] * H;
+      xs[i] = x + (size_t)rows[i] * H;
+      outs[i] = out + (size_t)slot[i] * H;
     }
-    float *row = a->ws;
+    float *row = ws;
     float *gu = (float *)((char *)row + round256((H > I ? H : I) * sizeof(float)));
-    expert_gemv(xs, outs, n, a->w, H, I, row, gu);
-    return 0;
+    expert_gemv(xs, outs, n, wts, H, I, row, gu);
+    return;
   }
-  float *w = a->ws;
+  float *w = ws;
   float *xo = (float *)((char *)w + round256(3 * H * I * sizeof(float)));
   float *gu = (float *)((char *)xo + round256(n * H * sizeof(float)));
   const float *wd = w + 2 * H * I;
 
-  bf16_to_f32(w, a->w, 3 * H * I);
-  for (size_t i = 0; i < n; i++)
-    memcpy(xo + i * H, a->x + (size_t)a->rows[i] * H, H * sizeof(float));
+  bf16_to_f32(w, wts, 3 * H * I);
+  for (size_t i = 0; i < n; i++) memcpy(xo + i * H, x + (size_t)rows[i] * H, H * sizeof(float));
   /* Wg and Wu are adjacent, so [gate | up] = X [Wg; Wu]^T is one GEMM of width 2I. */
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, a->n, 2 * a->I, a->H, 1.0f, xo, a->H, w,
-              a->H, 0.0f, gu, 2 * a->I);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, 2 * (int)I, (int)H, 1.0f, xo,
+              (int)H, w, (int)H, 0.0f, gu, 2 * (int)I);
   for (size_t i = 0; i < n; i++) {
     float *g = gu + i * 2 * I;
     const float *u = g + I;
     for (size_t j = 0; j < I; j++) g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, a->n, a->H, a->I, 1.0f, gu, 2 * a->I, wd,
-              a->I, 0.0f, xo, a->H);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)H, (int)I, 1.0f, gu,
+              2 * (int)I, wd, (int)I, 0.0f, xo, (int)H);
   for (size_t i = 0; i < n; i++)
-    memcpy(a->out + (size_t)a->slot[i] * H, xo + i * H, H * sizeof(float));
+    memcpy(out + (size_t)slot[i] * H, xo + i * H, H * sizeof(float));
+}
+
+static int expert_body(const task *t) {
+  const expert_args *a = (const expert_args *)t;
+  /* Indices are device data written by earlier commands, so they are checked only now. */
+  for (size_t i = 0; i < (size_t)a->n; i++) {
+    if (a->rows[i] < 0 || (size_t)a->rows[i] >= a->x_rows) return TDM_ERANGE;
+    if (a->slot[i] < 0 || (size_t)a->slot[i] >= a->out_rows) return TDM_ERANGE;
+  }
+  expert_compute(a->x, a->rows, a->slot, (size_t)a->n, a->w, (size_t)a->H, (size_t)a->I, a->out,
+                 a->ws);
   return 0;
 }
 
@@ -490,6 +501,159 @@ static int cpu_expert(void *st, tdm_queue *q, const float *x, const int32_t *row
   *a = (expert_args){.t.body = expert_body, .x = x, .rows = rows, .slot = slot, .n = n, .H = H,
                      .I = I, .w = w, .out = out, .ws = workspace,
                      .x_rows = rows_available(x, H), .out_rows = rows_available(out, H)};
+  return task_submit(q, &a->t);
+}
+
+/* ---- experts: a group of experts from a device table ------------------------------------ */
+
+typedef struct experts_args {
+  task t; /* first */
+  const float *x;
+  const int32_t *rows, *slot;
+  int n, G, H, I;
+  const tdm_moe_bf16 *wbase;
+  const tdm_moe_group *groups;
+  float *out;
+  float *ws;
+  size_t x_rows, out_rows; /* bounds of x and out, from tdm_mem_query */
+  int64_t w_lo, w_hi;      /* the w whose 3HI weights lie in wbase's allocation: [w_lo, w_hi] */
+} experts_args;
+
+/* The table is checked whole before anything is computed, so that a bad entry fails the
+ * command with out untouched. The message stays on the worker thread (the queue's sync reports
+ * the code and names the host task); it says which entry, for a debugger or a log. */
+static int experts_check(const experts_args *a) {
+  for (int g = 0; g < a->G; g++) {
+    const tdm_moe_group e = a->groups[g];
+    if (e.count == 0) continue;
+    if (e.first < 0 || e.count < 0 || (int64_t)e.first + e.count > a->n)
+      return tdm_set_error(TDM_ERANGE, 0, "moe experts: entry %d: first %d, count %d, n %d", g,
+                           (int)e.first, (int)e.count, a->n);
+    if (e.w < a->w_lo || e.w > a->w_hi)
+      return tdm_set_error(TDM_ERANGE, 0,
+                           "moe experts: entry %d: weights at %lld leave wbase's allocation", g,
+                           (long long)e.w);
+    for (int i = e.first; i < e.first + e.count; i++) {
+      if (a->rows[i] < 0 || (size_t)a->rows[i] >= a->x_rows)
+        return tdm_set_error(TDM_ERANGE, 0, "moe experts: entry %d: rows[%d] = %d outside x", g,
+                             i, (int)a->rows[i]);
+      if (a->slot[i] < 0 || (size_t)a->slot[i] >= a->out_rows)
+        return tdm_set_error(TDM_ERANGE, 0, "moe experts: entry %d: slot[%d] = %d outside out",
+                             g, i, (int)a->slot[i]);
+    }
+  }
+  return 0;
+}
+
+static int experts_body(const task *t) {
+  const experts_args *a = (const experts_args *)t;
+  int rc = experts_check(a);
+  if (rc) return rc;
+  for (int g = 0; g < a->G; g++) {
+    const tdm_moe_group e = a->groups[g];
+    if (e.count == 0) continue;
+    expert_compute(a->x, a->rows + e.first, a->slot + e.first, (size_t)e.count, a->wbase + e.w,
+                   (size_t)a->H, (size_t)a->I, a->out, a->ws);
+  }
+  return 0;
+}
+
+/* The offsets w (in bf16 elements from wbase) at which an expert of `elems` weights lies inside
+ * the tandem allocation holding wbase; every offset when tandem does not know the memory (the
+ * caller vouches for it, as for rows_available). */
+static void weight_range(const tdm_moe_bf16 *wbase, size_t elems, int64_t *lo, int64_t *hi) {
+  tdm_mem_info mi;
+  *lo = INT64_MIN;
+  *hi = INT64_MAX;
+  if (tdm_mem_query(wbase, &mi) != 0 || !mi.base) return;
+  size_t before = (size_t)((const char *)wbase - (const char *)mi.base);
+  size_t after = mi.size - before;
+  *lo = -(int64_t)(before / sizeof *wbase);
+  *hi = (int64_t)(after / sizeof *wbase) - (int64_t)elems; /* negative: nothing fits */
+}
+
+static int cpu_experts(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                       const int32_t *slot, int n, const tdm_moe_bf16 *wbase,
+                       const tdm_moe_group *groups, int G, int H, int I, float *out,
+                       void *workspace, size_t workspace_bytes) {
+  int rc = check_state(st, q, "experts");
+  if (rc) return rc;
+  if (!x || !rows || !slot || !wbase || !groups || !out || n < 0 || G < 0 || H <= 0 || I <= 0)
+    return bad_args("experts");
+  if (n == 0 || G == 0) return 0;
+  /* Each entry runs as expert() on its count <= n tokens, in the space expert() needs for n. */
+  size_t need = tdm_moe_ops_workspace(n, H, I);
+  if (!workspace || need == 0 || workspace_bytes < need ||
+      (uintptr_t)workspace % sizeof(float))
+    return tdm_set_error(TDM_EINVAL, 0,
+                         "moe experts: workspace %p of %zu bytes; n=%d H=%d I=%d need %zu, "
+                         "aligned", workspace, workspace_bytes, n, H, I, need);
+  experts_args *a = task_alloc(sizeof *a, "experts");
+  if (!a) return TDM_ENOMEM;
+  *a = (experts_args){.t.body = experts_body, .x = x, .rows = rows, .slot = slot, .n = n,
+                      .G = G, .H = H, .I = I, .wbase = wbase, .groups = groups, .out = out,
+                      .ws = workspace, .x_rows = rows_available(x, H),
+                      .out_rows = rows_available(out, H)};
+  /* 3HI fits: the workspace, which holds 3HI floats, did. */
+  weight_range(wbase, 3 * (size_t)H * I, &a->w_lo, &a->w_hi);
+  return task_submit(q, &a->t);
+}
+
+/* ---- group: the routing grouped into a table -------------------------------------------- */
+
+typedef struct group_args {
+  task t; /* first */
+  const int32_t *idx;
+  int T, k, E;
+  const int64_t *wofs;
+  int32_t *rows, *slot;
+  tdm_moe_group *groups;
+  int32_t next[]; /* [E]: per expert, its count, then where its next entry goes */
+} group_args;
+
+/* A counting sort of the T*k choices by expert. Scanning them in ascending t*k + j keeps each
+ * expert's entries in that order, as the header promises. */
+static int group_body(const task *t) {
+  const group_args *a = (const group_args *)t;
+  const int n = a->T * a->k, E = a->E;
+  int32_t *next = ((group_args *)t)->next; /* the task's own scratch, in its argument block */
+  memset(next, 0, (size_t)E * sizeof *next);
+  for (int p = 0; p < n; p++)
+    if (a->idx[p] >= 0 && a->idx[p] < E) next[a->idx[p]]++;
+  int at = 0, ng = 0;
+  for (int e = 0; e < E; e++) {
+    int count = next[e];
+    next[e] = at;
+    if (count == 0) continue;
+    a->groups[ng++] = (tdm_moe_group){.w = a->wofs[e], .first = at, .count = count};
+    at += count;
+  }
+  for (int p = 0; p < n; p++) {
+    int32_t e = a->idx[p];
+    if (e < 0 || e >= E) continue; /* dropped */
+    int32_t i = next[e]++;
+    a->rows[i] = p / a->k;
+    a->slot[i] = p;
+  }
+  /* The rest of the table: empty entries that point past the routed ones. */
+  for (int g = ng, G = n < E ? n : E; g < G; g++)
+    a->groups[g] = (tdm_moe_group){.w = 0, .first = at, .count = 0};
+  return 0;
+}
+
+static int cpu_group(void *st, tdm_queue *q, const int32_t *idx, int T, int k, int E,
+                     const int64_t *wofs, int32_t *rows, int32_t *slot, tdm_moe_group *groups) {
+  int rc = check_state(st, q, "group");
+  if (rc) return rc;
+  if (!idx || !wofs || !rows || !slot || !groups || T < 0 || k <= 0 || E <= 0 ||
+      (int64_t)T * k > INT32_MAX)
+    return bad_args("group");
+  if (T == 0) return 0;
+  /* The counters live in the argument block: one allocation per call, as every op here. */
+  group_args *a = task_alloc(sizeof *a + (size_t)E * sizeof a->next[0], "group");
+  if (!a) return TDM_ENOMEM;
+  *a = (group_args){.t.body = group_body, .idx = idx, .T = T, .k = k, .E = E, .wofs = wofs,
+                    .rows = rows, .slot = slot, .groups = groups};
   return task_submit(q, &a->t);
 }
 
@@ -537,5 +701,7 @@ const tdm_moe_ops tdm_moe__cpu_ops = {
     .rmsnorm = cpu_rmsnorm,
     .router = cpu_router,
     .expert = cpu_expert,
+    .experts = cpu_experts,
+    .group = cpu_group,
     .combine = cpu_combine,
 };
