@@ -6,21 +6,22 @@
  * offset in elements) pair resolved from a tandem pointer with tdm_mem_native. Compute is f32
  * (OpenCL 1.2 has no bf16, and PoCL no fp16): the expert's bf16 weights are widened into the
  * workspace, then CLBlastSgemm does gate|up (Wg and Wu are adjacent: one GEMM of width 2I, as
- * in the CPU table) and down. experts(), for few tokens per expert, skips both the widening
- * and the GEMMs: two matrix-vector kernels over every entry of the group table at once read
- * the bf16 weights directly, once per chunk of tokens, and group() is one work-group that
- * sorts the routing by expert on the device. Each open() builds the program for its queue's device (drivers
- * keep a cache of built binaries, PoCL on disk, so a model's later opens are cheap) and a
- * build failure quotes the build log. Only tandem's public API and its OpenCL interop
- * (tandem/opencl.h) are used: the context is tdm_device_native's, the device the queue's.
+ * in the CPU table) and down. experts(), made for few tokens per expert, skips both the
+ * widening and the GEMMs: two matrix-vector kernels over every entry of the group table at
+ * once read the bf16 weights directly, once per chunk of tokens; group() is one work-group
+ * that sorts the routing by expert on the device. Each open() builds the program for its
+ * queue's device (drivers keep a cache of built binaries, PoCL on disk, so a model's later
+ * opens are cheap) and a build failure quotes the build log. Only tandem's public API and
+ * its OpenCL interop (tandem/opencl.h) are used: the context is tdm_device_native's, the
+ * device the queue's.
  *
  * Determinism: no atomics; every sum has a fixed order that does not depend on how work-items
  * are scheduled: rmsnorm is a fixed tree in one work-group per token, a router logit is one
  * work-item's serial dot product, combine sums j ascending, experts() sums each (token, row)
- * in a fixed per-lane order and a fixed tree whatever the chunk, entry or group (so any split
- * of a layer's experts gives the same bits), group() places entries by scanning idx in
- * order. CLBlast picks its GEMM kernels and
- * their tiling from (device, m, n, k), so for fixed shapes its reduction order is fixed too.
+ * in a fixed order and a fixed tree whatever the chunk, entry or group it falls in (so any
+ * split of a layer's experts gives the same bits), group() places the routing's entries by
+ * scanning idx in order. CLBlast picks its GEMM kernels and their tiling from (device, m, n,
+ * k), so for fixed shapes its reduction order is fixed too.
  *
  * Deferral. On drivers where tandem gates host work on the host (TANDEM_OPENCL_DEFER, PoCL's
  * basic driver: TDM_DEVICE_CAP_HOST_DEFERRAL), a host task holds the later commands of its
@@ -63,8 +64,9 @@
 
 /* ---- kernels ---- */
 
-/* Built with -DMOE_WG=<the work-group size> -DMOE_TEAM=<experts()'s team size, which divides
- * it>. Buffers are (pointer, offset in elements). */
+/* Built with -DMOE_WG=<the work-group size>, and experts()'s -DMOE_XWG=<work-group size>
+ * -DMOE_TEAM=<work-items per weight row, which divides it>. Buffers are (pointer, offset in
+ * elements). */
 static const char moe_cl_source[] =
     "float bf16(ushort h) { return as_float((uint)h << 16); }\n"
     "\n"
@@ -192,13 +194,14 @@ static const char moe_cl_source[] =
     "/* An entry of the group table, laid out as tdm_moe_group. */\n"
     "typedef struct { long w; int first; int count; } moe_entry_t;\n"
     "\n"
-    "/* A team of MOE_TEAM work-items computes one weight row's dot products. Each work-item sums\n"
-    " * runs of 8 columns (16-byte loads of bf16, contiguous across the team) starting at runs\n"
-    " * lane, lane + MOE_TEAM, ..., into 8 lanes of a float8, in ascending order; the last K % 8\n"
-    " * columns go one per work-item into lane 0; then the 8 lanes are added in a fixed tree and\n"
-    " * the team's sums in another. Tokens go MOE_TC at a time, so each weight is read once per\n"
-    " * chunk; a token's sums have their own accumulators and trees, so its result is the same\n"
-    " * whichever chunk, entry or group it falls in. */\n"
+    "/* A team of MOE_TEAM work-items (one on CPU devices) computes one weight row's dot\n"
+    " * products; a work-group of MOE_XWG covers MOE_TEAMS rows. The work-item at `lane` of its\n"
+    " * team sums the runs of 8 columns lane, lane + MOE_TEAM, ... (16-byte loads of bf16,\n"
+    " * contiguous across the team) in ascending order into the 8 components of a float8, and\n"
+    " * the last K % 8 columns, one per work-item, into component 0; then the components are\n"
+    " * added in a fixed tree, and the team's sums in another. Tokens go MOE_TC at a time, so\n"
+    " * each weight is read once per chunk; a token's sums have their own accumulators and\n"
+    " * trees, so its result is the same whichever chunk, entry or group it falls in. */\n"
     "#define MOE_TC 4\n"
     "#define MOE_TEAMS (MOE_XWG / MOE_TEAM)\n"
     "/* A team of one (CPU devices) reads only its own partial sums: no barrier needed. */\n"
@@ -303,7 +306,8 @@ static const char moe_cl_source[] =
     "    moe_team_sum(part, 2 * nt, l, lane);\n"
     "    for (int j = lane; live && j < nt; j += MOE_TEAM) {\n"
     "      if ((uint)rows[t0 + j] >= x_rows) continue;\n"
-    "      const float g = part[2 * j * MOE_XWG + l - lane], u = part[(2 * j + 1) * MOE_XWG + l - lane];\n"
+    "      const float g = part[2 * j * MOE_XWG + l - lane];\n"
+    "      const float u = part[(2 * j + 1) * MOE_XWG + l - lane];\n"
     "      hb[ho + (size_t)(first + t0 + j) * I + i] = g / (1.0f + exp(-g)) * u;\n"
     "    }\n"
     "    MOE_TEAM_BARRIER();\n"
@@ -340,11 +344,13 @@ static const char moe_cl_source[] =
     "    for (int j = lane; live && j < nt; j += MOE_TEAM) {\n"
     "      const int t = first + t0 + j;\n"
     "      const uint r = (uint)rb[ro + t], s = (uint)sb[so + t];\n"
-    "      if (r < x_rows && s < out_rows) ob[oo + (size_t)s * H + c] = part[j * MOE_XWG + l - lane];\n"
+    "      if (r < x_rows && s < out_rows)\n"
+    "        ob[oo + (size_t)s * H + c] = part[j * MOE_XWG + l - lane];\n"
     "    }\n"
     "    MOE_TEAM_BARRIER();\n"
     "  }\n"
     "}\n"
+    "\n"
     "/* group(): one work-group. Work-item l owns the experts e with e % MOE_WG == l and scans\n"
     " * idx in order twice: to count its experts' tokens, then (after work-item 0 has turned the\n"
     " * counts into offsets, experts ascending, and written the table) to place them, so every\n"
@@ -999,9 +1005,10 @@ static int make_kernels(moe_ocl *m, const char *name) {
     err = clGetKernelWorkGroupInfo(m->k[i], m->id, CL_KERNEL_WORK_GROUP_SIZE, sizeof kwg, &kwg,
                                    NULL);
     if (err != CL_SUCCESS) return cl_fail("open", "clGetKernelWorkGroupInfo", err);
-    if (kwg < m->wg)
+    size_t want = i == K_GATEUP || i == K_DOWN ? m->xwg : m->wg;
+    if (kwg < want)
       return tdm_set_error(TDM_ENOTSUP, 0, "moe open: %s runs work-groups of %zu on %s, not "
-                           "%zu", kernel_names[i], kwg, name, m->wg);
+                           "%zu", kernel_names[i], kwg, name, want);
   }
   cl_ulong dev_local = 0;
   err = clGetDeviceInfo(m->id, CL_DEVICE_LOCAL_MEM_SIZE, sizeof dev_local, &dev_local, NULL);
