@@ -6,15 +6,22 @@
  * offset in elements) pair resolved from a tandem pointer with tdm_mem_native. Compute is f32
  * (OpenCL 1.2 has no bf16, and PoCL no fp16): the expert's bf16 weights are widened into the
  * workspace, then CLBlastSgemm does gate|up (Wg and Wu are adjacent: one GEMM of width 2I, as
- * in the CPU table) and down. Each open() builds the program for its queue's device (drivers
- * keep a cache of built binaries, PoCL on disk, so a model's later opens are cheap) and a
- * build failure quotes the build log. Only tandem's public API and its OpenCL interop
- * (tandem/opencl.h) are used: the context is tdm_device_native's, the device the queue's.
+ * in the CPU table) and down. experts(), made for few tokens per expert, skips both the
+ * widening and the GEMMs: two matrix-vector kernels over every entry of the group table at
+ * once read the bf16 weights directly, once per chunk of tokens; group() is one work-group
+ * that sorts the routing by expert on the device. Each open() builds the program for its
+ * queue's device (drivers keep a cache of built binaries, PoCL on disk, so a model's later
+ * opens are cheap) and a build failure quotes the build log. Only tandem's public API and
+ * its OpenCL interop (tandem/opencl.h) are used: the context is tdm_device_native's, the
+ * device the queue's.
  *
  * Determinism: no atomics; every sum has a fixed order that does not depend on how work-items
  * are scheduled: rmsnorm is a fixed tree in one work-group per token, a router logit is one
- * work-item's serial dot product, combine sums j ascending. CLBlast picks its GEMM kernels and
- * their tiling from (device, m, n, k), so for fixed shapes its reduction order is fixed too.
+ * work-item's serial dot product, combine sums j ascending, experts() sums each (token, row)
+ * in a fixed order and a fixed tree whatever the chunk, entry or group it falls in (so any
+ * split of a layer's experts gives the same bits), group() places the routing's entries by
+ * scanning idx in order. CLBlast picks its GEMM kernels and their tiling from (device, m, n,
+ * k), so for fixed shapes its reduction order is fixed too.
  *
  * Deferral. On drivers where tandem gates host work on the host (TANDEM_OPENCL_DEFER, PoCL's
  * basic driver: TDM_DEVICE_CAP_HOST_DEFERRAL), a host task holds the later commands of its
@@ -27,7 +34,9 @@
  * for arguments, TDM_ERANGE for a buffer too small, TDM_ENOMEM when OpenCL or CLBlast ran out
  * of memory, TDM_EBACKEND for any other OpenCL or CLBlast failure. Indices are device data
  * written by earlier commands: a row outside x gathers zeros and a slot outside out is not
- * written (a kernel cannot report TDM_ERANGE as the CPU table does), as in the CUDA table. */
+ * written (a kernel cannot report TDM_ERANGE as the CPU table does), as in the CUDA table;
+ * experts() skips a token whose row or slot is out of range, and an entry whose tokens leave
+ * [0, n) or whose weights leave wbase's allocation. */
 #include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -46,10 +55,18 @@
 #include "tandem/opencl.h"
 
 #define MOE_WG_MAX 256 /* work-group size ceiling: the largest power of two the device takes */
+/* experts()'s kernels, on GPUs: a team of a warp's width per weight row, so that the team's
+ * loads of a row are contiguous and its tree short, while a work-group covers several rows.
+ * On CPU devices a work-item takes whole rows (its float8 loads are the contiguous ones, and
+ * the work-group needs no barrier), and smaller work-groups spread few rows over the cores. */
+#define MOE_TEAM_GPU 32
+#define MOE_XWG_CPU 64
 
 /* ---- kernels ---- */
 
-/* Built with -DMOE_WG=<the work-group size>. Buffers are (pointer, offset in elements). */
+/* Built with -DMOE_WG=<the work-group size>, and experts()'s -DMOE_XWG=<work-group size>
+ * -DMOE_TEAM=<work-items per weight row, which divides it>. Buffers are (pointer, offset in
+ * elements). */
 static const char moe_cl_source[] =
     "float bf16(ushort h) { return as_float((uint)h << 16); }\n"
     "\n"
@@ -170,12 +187,233 @@ static const char moe_cl_source[] =
     "  float acc = 0.0f;\n"
     "  for (int j = 0; j < k; j++) acc = fma(wt[j], o[(size_t)j * H], acc);\n"
     "  yb[yo + i] += acc;\n"
+    "}\n"
+    "\n"
+    "/* ---- experts(): a group of experts, matrix-vector shaped ---- */\n"
+    "\n"
+    "/* An entry of the group table, laid out as tdm_moe_group. */\n"
+    "typedef struct { long w; int first; int count; } moe_entry_t;\n"
+    "\n"
+    "/* A team of MOE_TEAM work-items (one on CPU devices) computes one weight row's dot\n"
+    " * products; a work-group of MOE_XWG covers MOE_TEAMS rows. The work-item at `lane` of its\n"
+    " * team sums the runs of 8 columns lane, lane + MOE_TEAM, ... (16-byte loads of bf16,\n"
+    " * contiguous across the team) in ascending order into the 8 components of a float8, and\n"
+    " * the last K % 8 columns, one per work-item, into component 0; then the components are\n"
+    " * added in a fixed tree, and the team's sums in another. Tokens go MOE_TC at a time, so\n"
+    " * each weight is read once per chunk; a token's sums have their own accumulators and\n"
+    " * trees, so its result is the same whichever chunk, entry or group it falls in. */\n"
+    "#define MOE_TC 4\n"
+    "#define MOE_TEAMS (MOE_XWG / MOE_TEAM)\n"
+    "/* A team of one (CPU devices) reads only its own partial sums: no barrier needed. */\n"
+    "#if MOE_TEAM > 1\n"
+    "#define MOE_TEAM_BARRIER() barrier(CLK_LOCAL_MEM_FENCE)\n"
+    "#else\n"
+    "#define MOE_TEAM_BARRIER()\n"
+    "#endif\n"
+    "\n"
+    "float8 bf16x8(ushort8 h) { return as_float8(convert_uint8(h) << 16); }\n"
+    "\n"
+    "/* Columns 8c to 8c + 7 of a bf16 row: one 16-byte load where the rows are 16-byte aligned\n"
+    " * (wa), which vload8 cannot assume; the same values either way. */\n"
+    "float8 moe_w8(__global const ushort *w, int c, int wa) {\n"
+    "  return bf16x8(wa ? ((__global const ushort8 *)w)[c] : vload8(c, w));\n"
+    "}\n"
+    "\n"
+    "float moe_hsum(float8 a) {\n"
+    "  return ((a.s0 + a.s1) + (a.s2 + a.s3)) + ((a.s4 + a.s5) + (a.s6 + a.s7));\n"
+    "}\n"
+    "\n"
+    "/* Whether entry g is to be computed: tokens inside [0, n), weights inside [wmin, wmax]. */\n"
+    "bool moe_entry(__global const long *gb, ulong go, int g, int n, long wmin, long wmax,\n"
+    "               long *w, int *first, int *count) {\n"
+    "  __global const moe_entry_t *e = (__global const moe_entry_t *)(gb + go) + g;\n"
+    "  *w = e->w;\n"
+    "  *first = e->first;\n"
+    "  *count = e->count;\n"
+    "  return *count > 0 && *first >= 0 && *first <= n - *count && *w >= wmin && *w <= wmax;\n"
+    "}\n"
+    "\n"
+    "/* NT tokens' dot products of one row of K columns: A[j] += X[j] . W, this lane's share. */\n"
+    "#define MOE_DOT(NT, K, W, WA, X, A)                                             \\\n"
+    "  for (int c = lane; c < (K) / 8; c += MOE_TEAM) {                              \\\n"
+    "    const float8 wv = moe_w8(W, c, WA);                                         \\\n"
+    "    for (int j = 0; j < (NT); j++) (A)[j] = fma(vload8(c, (X)[j]), wv, (A)[j]); \\\n"
+    "  }                                                                             \\\n"
+    "  for (int c = (K) / 8 * 8 + lane; c < (K); c += MOE_TEAM) {                    \\\n"
+    "    const float wv = bf16((W)[c]);                                              \\\n"
+    "    for (int j = 0; j < (NT); j++) (A)[j].s0 = fma((X)[j][c], wv, (A)[j].s0);   \\\n"
+    "  }\n"
+    "/* The same for two rows at once (gate and up). */\n"
+    "#define MOE_DOT2(NT, K, W1, W2, WA, X, A1, A2)                                  \\\n"
+    "  for (int c = lane; c < (K) / 8; c += MOE_TEAM) {                              \\\n"
+    "    const float8 v1 = moe_w8(W1, c, WA), v2 = moe_w8(W2, c, WA);                \\\n"
+    "    for (int j = 0; j < (NT); j++) {                                            \\\n"
+    "      const float8 xv = vload8(c, (X)[j]);                                      \\\n"
+    "      (A1)[j] = fma(xv, v1, (A1)[j]);                                           \\\n"
+    "      (A2)[j] = fma(xv, v2, (A2)[j]);                                           \\\n"
+    "    }                                                                           \\\n"
+    "  }                                                                             \\\n"
+    "  for (int c = (K) / 8 * 8 + lane; c < (K); c += MOE_TEAM) {                    \\\n"
+    "    const float v1 = bf16((W1)[c]), v2 = bf16((W2)[c]);                         \\\n"
+    "    for (int j = 0; j < (NT); j++) {                                            \\\n"
+    "      (A1)[j].s0 = fma((X)[j][c], v1, (A1)[j].s0);                              \\\n"
+    "      (A2)[j].s0 = fma((X)[j][c], v2, (A2)[j].s0);                              \\\n"
+    "    }                                                                           \\\n"
+    "  }\n"
+    "/* Runs DOT for nt tokens with a constant count, so the accumulators stay in registers. */\n"
+    "#define MOE_BY_COUNT(nt, DOT, ...)       \\\n"
+    "  switch (nt) {                          \\\n"
+    "  case 1: DOT(1, __VA_ARGS__); break;    \\\n"
+    "  case 2: DOT(2, __VA_ARGS__); break;    \\\n"
+    "  case 3: DOT(3, __VA_ARGS__); break;    \\\n"
+    "  default: DOT(MOE_TC, __VA_ARGS__); break; \\\n"
+    "  }\n"
+    "\n"
+    "/* The team trees over part[q][.] for q < nq; every work-item of the group calls it. */\n"
+    "void moe_team_sum(__local float *part, int nq, int l, int lane) {\n"
+    "  MOE_TEAM_BARRIER();\n"
+    "  for (int s = MOE_TEAM / 2; s > 0; s >>= 1) {\n"
+    "    if (lane < s)\n"
+    "      for (int q = 0; q < nq; q++) part[q * MOE_XWG + l] += part[q * MOE_XWG + l + s];\n"
+    "    MOE_TEAM_BARRIER();\n"
+    "  }\n"
+    "}\n"
+    "\n"
+    "/* (block of intermediate rows, entry): h[first + t][i] = silu(x_t . Wg[i]) * (x_t . Wu[i])\n"
+    " * for the entry's tokens t, in f32 (h: [n x I]). A row outside x is skipped. */\n"
+    "__kernel void moe_gateup(__global const float *xb, ulong xo, __global const int *rb,\n"
+    "                         ulong ro, __global const long *gb, ulong go,\n"
+    "                         __global const ushort *wb, ulong wo, long wmin, long wmax,\n"
+    "                         __global float *hb, ulong ho, int n, int H, int I, uint x_rows) {\n"
+    "  __local float part[2 * MOE_TC * MOE_XWG];\n"
+    "  const int l = (int)get_local_id(0), lane = l % MOE_TEAM;\n"
+    "  const int i = (int)get_group_id(0) * MOE_TEAMS + l / MOE_TEAM;\n"
+    "  long w;\n"
+    "  int first, count;\n"
+    "  if (!moe_entry(gb, go, (int)get_group_id(1), n, wmin, wmax, &w, &first, &count)) return;\n"
+    "  const int live = i < I;\n"
+    "  __global const ushort *wg = wb + (ulong)((long)wo + w) + (size_t)(live ? i : 0) * H;\n"
+    "  __global const ushort *wu = wg + (size_t)I * H;\n"
+    "  const int wa = ((ulong)((long)wo + w) % 8 == 0) && H % 8 == 0;\n"
+    "  __global const int *rows = rb + ro + first;\n"
+    "  for (int t0 = 0; t0 < count; t0 += MOE_TC) {\n"
+    "    const int nt = min(MOE_TC, count - t0);\n"
+    "    __global const float *x[MOE_TC];\n"
+    "    float8 ag[MOE_TC], au[MOE_TC];\n"
+    "    for (int j = 0; j < MOE_TC; j++) {\n"
+    "      const uint r = j < nt ? (uint)rows[t0 + j] : 0u;\n"
+    "      x[j] = xb + xo + (size_t)(r < x_rows ? r : 0u) * H;\n"
+    "      ag[j] = au[j] = (float8)(0.0f);\n"
+    "    }\n"
+    "    if (live) MOE_BY_COUNT(nt, MOE_DOT2, H, wg, wu, wa, x, ag, au)\n"
+    "    for (int j = 0; j < MOE_TC; j++) {\n"
+    "      part[2 * j * MOE_XWG + l] = moe_hsum(ag[j]);\n"
+    "      part[(2 * j + 1) * MOE_XWG + l] = moe_hsum(au[j]);\n"
+    "    }\n"
+    "    moe_team_sum(part, 2 * nt, l, lane);\n"
+    "    for (int j = lane; live && j < nt; j += MOE_TEAM) {\n"
+    "      if ((uint)rows[t0 + j] >= x_rows) continue;\n"
+    "      const float g = part[2 * j * MOE_XWG + l - lane];\n"
+    "      const float u = part[(2 * j + 1) * MOE_XWG + l - lane];\n"
+    "      hb[ho + (size_t)(first + t0 + j) * I + i] = g / (1.0f + exp(-g)) * u;\n"
+    "    }\n"
+    "    MOE_TEAM_BARRIER();\n"
+    "  }\n"
+    "}\n"
+    "\n"
+    "/* (block of output columns, entry): out[slot[first + t]][c] = h[first + t] . Wd[c]. A row\n"
+    " * outside x or a slot outside out is skipped. */\n"
+    "__kernel void moe_down(__global const float *hb, ulong ho, __global const int *rb, ulong ro,\n"
+    "                       __global const int *sb, ulong so, __global const long *gb, ulong go,\n"
+    "                       __global const ushort *wb, ulong wo, long wmin, long wmax,\n"
+    "                       __global float *ob, ulong oo, int n, int H, int I, uint x_rows,\n"
+    "                       uint out_rows) {\n"
+    "  __local float part[MOE_TC * MOE_XWG];\n"
+    "  const int l = (int)get_local_id(0), lane = l % MOE_TEAM;\n"
+    "  const int c = (int)get_group_id(0) * MOE_TEAMS + l / MOE_TEAM;\n"
+    "  long w;\n"
+    "  int first, count;\n"
+    "  if (!moe_entry(gb, go, (int)get_group_id(1), n, wmin, wmax, &w, &first, &count)) return;\n"
+    "  const int live = c < H;\n"
+    "  __global const ushort *wd =\n"
+    "      wb + (ulong)((long)wo + w) + 2 * (size_t)I * H + (size_t)(live ? c : 0) * I;\n"
+    "  const int wa = ((ulong)((long)wo + w) + 2 * (size_t)I * H) % 8 == 0 && I % 8 == 0;\n"
+    "  for (int t0 = 0; t0 < count; t0 += MOE_TC) {\n"
+    "    const int nt = min(MOE_TC, count - t0);\n"
+    "    __global const float *h[MOE_TC];\n"
+    "    float8 a[MOE_TC];\n"
+    "    for (int j = 0; j < MOE_TC; j++) {\n"
+    "      h[j] = hb + ho + (size_t)(first + t0 + (j < nt ? j : 0)) * I;\n"
+    "      a[j] = (float8)(0.0f);\n"
+    "    }\n"
+    "    if (live) MOE_BY_COUNT(nt, MOE_DOT, I, wd, wa, h, a)\n"
+    "    for (int j = 0; j < MOE_TC; j++) part[j * MOE_XWG + l] = moe_hsum(a[j]);\n"
+    "    moe_team_sum(part, nt, l, lane);\n"
+    "    for (int j = lane; live && j < nt; j += MOE_TEAM) {\n"
+    "      const int t = first + t0 + j;\n"
+    "      const uint r = (uint)rb[ro + t], s = (uint)sb[so + t];\n"
+    "      if (r < x_rows && s < out_rows)\n"
+    "        ob[oo + (size_t)s * H + c] = part[j * MOE_XWG + l - lane];\n"
+    "    }\n"
+    "    MOE_TEAM_BARRIER();\n"
+    "  }\n"
+    "}\n"
+    "\n"
+    "/* group(): one work-group. Work-item l owns the experts e with e % MOE_WG == l and scans\n"
+    " * idx in order twice: to count its experts' tokens, then (after work-item 0 has turned the\n"
+    " * counts into offsets, experts ascending, and written the table) to place them, so every\n"
+    " * position is fixed without atomics. cnt: E ints of local memory. */\n"
+    "__kernel void moe_group(__global const int *ib, ulong io, int T, int k, int E,\n"
+    "                        __global const long *wb, ulong wo, __global int *rb, ulong ro,\n"
+    "                        __global int *sb, ulong so, __global long *gb, ulong go, int ng,\n"
+    "                        __local int *cnt) {\n"
+    "  const int l = (int)get_local_id(0), total = T * k;\n"
+    "  __global const int *idx = ib + io;\n"
+    "  for (int e = l; e < E; e += MOE_WG) cnt[e] = 0;\n"
+    "  barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "  if (l < E)\n"
+    "    for (int p = 0; p < total; p++) {\n"
+    "      const int v = idx[p];\n"
+    "      if ((uint)v < (uint)E && v % MOE_WG == l) cnt[v]++;\n"
+    "    }\n"
+    "  barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "  if (l == 0) {\n"
+    "    __global moe_entry_t *g = (__global moe_entry_t *)(gb + go);\n"
+    "    int at = 0, used = 0;\n"
+    "    for (int e = 0; e < E; e++) {\n"
+    "      const int c = cnt[e];\n"
+    "      cnt[e] = at;\n"
+    "      if (c == 0) continue;\n"
+    "      g[used].w = wb[wo + e];\n"
+    "      g[used].first = at;\n"
+    "      g[used].count = c;\n"
+    "      used++;\n"
+    "      at += c;\n"
+    "    }\n"
+    "    for (; used < ng; used++) {\n"
+    "      g[used].w = 0;\n"
+    "      g[used].first = at;\n"
+    "      g[used].count = 0;\n"
+    "    }\n"
+    "  }\n"
+    "  barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "  if (l < E)\n"
+    "    for (int p = 0; p < total; p++) {\n"
+    "      const int v = idx[p];\n"
+    "      if ((uint)v >= (uint)E || v % MOE_WG != l) continue;\n"
+    "      const int at = cnt[v]++;\n"
+    "      rb[ro + at] = p / k;\n"
+    "      sb[so + at] = p;\n"
+    "    }\n"
     "}\n";
 
-enum { K_RMSNORM, K_ROUTER, K_WIDEN, K_GATHER, K_SWIGLU, K_SCATTER, K_COMBINE, K_COUNT };
-static const char *const kernel_names[K_COUNT] = {"moe_rmsnorm", "moe_router", "moe_widen",
-                                                  "moe_gather",  "moe_swiglu", "moe_scatter",
-                                                  "moe_combine"};
+enum {
+  K_RMSNORM, K_ROUTER, K_WIDEN, K_GATHER, K_SWIGLU, K_SCATTER, K_COMBINE, K_GATEUP, K_DOWN,
+  K_GROUP, K_COUNT
+};
+static const char *const kernel_names[K_COUNT] = {
+    "moe_rmsnorm", "moe_router",  "moe_widen",  "moe_gather", "moe_swiglu",
+    "moe_scatter", "moe_combine", "moe_gateup", "moe_down",   "moe_group"};
 
 /* ---- state ---- */
 
@@ -185,7 +423,9 @@ typedef struct moe_ocl {
   cl_command_queue cq;  /* its native queue, retained */
   bool defer;           /* the device gates host work on the host (see Deferral) */
   size_t wg;            /* the work-group size the program was built for */
+  size_t xwg, team;     /* experts()'s work-group size and work-items per weight row */
   cl_ulong router_local; /* local memory the router's two arrays may take */
+  cl_ulong group_local;  /* local memory group()'s counts may take */
   cl_device_id id;      /* the queue's device */
   cl_program prog;      /* the kernels' program, built by open() */
   cl_kernel k[K_COUNT];
@@ -316,6 +556,19 @@ typedef struct combine_job {
   cl_int T, H, k;
 } combine_job;
 
+typedef struct experts_job {
+  clbuf x, rows, slot, groups, w, out;
+  clbuf h;            /* the workspace's start: h = silu(gate) * up, f32 [n x I] */
+  cl_long wmin, wmax; /* the entries' weight offsets that stay in wbase's allocation */
+  cl_int n, G, H, I;
+  cl_uint x_rows, out_rows;
+} experts_job;
+
+typedef struct group_job {
+  clbuf idx, wofs, rows, slot, groups;
+  cl_int T, k, E, ng; /* ng: the table's entries, min(E, T*k) */
+} group_job;
+
 typedef struct job {
   int (*run)(moe_ocl *m, const struct job *j);
   union {
@@ -323,6 +576,8 @@ typedef struct job {
     router_job router;
     expert_job expert;
     combine_job combine;
+    experts_job experts;
+    group_job group;
   } u;
 } job;
 
@@ -388,6 +643,35 @@ static int run_combine(moe_ocl *m, const job *j) {
   karg args[] = {KBUF(a->y), KBUF(a->out), KBUF(a->wts), KVAL(a->H), KVAL(a->k), KVAL(total)};
   size_t global = round_up((size_t)total, m->wg), local = m->wg;
   return LAUNCH(m, "combine", K_COMBINE, args, 1, &global, &local);
+}
+
+/* Two kernels over all entries at once (the entry in the NDRange's second dimension): gate
+ * and up with SwiGLU into h, then down into out. */
+static int run_experts(moe_ocl *m, const job *j) {
+  const experts_job *a = &j->u.experts;
+  const size_t wg = m->xwg, teams = wg / m->team; /* rows per work-group */
+  size_t local[2] = {wg, 1};
+  karg gateup[] = {KBUF(a->x),    KBUF(a->rows), KBUF(a->groups), KBUF(a->w),
+                   KVAL(a->wmin), KVAL(a->wmax), KBUF(a->h),      KVAL(a->n),
+                   KVAL(a->H),    KVAL(a->I),    KVAL(a->x_rows)};
+  size_t g1[2] = {(((size_t)a->I + teams - 1) / teams) * wg, (size_t)a->G};
+  int rc = LAUNCH(m, "experts", K_GATEUP, gateup, 2, g1, local);
+  if (rc) return rc;
+  karg down[] = {KBUF(a->h),    KBUF(a->rows), KBUF(a->slot), KBUF(a->groups),
+                 KBUF(a->w),    KVAL(a->wmin), KVAL(a->wmax), KBUF(a->out),
+                 KVAL(a->n),    KVAL(a->H),    KVAL(a->I),    KVAL(a->x_rows),
+                 KVAL(a->out_rows)};
+  size_t g2[2] = {(((size_t)a->H + teams - 1) / teams) * wg, (size_t)a->G};
+  return LAUNCH(m, "experts", K_DOWN, down, 2, g2, local);
+}
+
+static int run_group(moe_ocl *m, const job *j) {
+  const group_job *a = &j->u.group;
+  karg args[] = {KBUF(a->idx),  KVAL(a->T),      KVAL(a->k),      KVAL(a->E),
+                 KBUF(a->wofs), KBUF(a->rows),   KBUF(a->slot),   KBUF(a->groups),
+                 KVAL(a->ng),   {(size_t)a->E * sizeof(cl_int), NULL}};
+  size_t global = m->wg, local = m->wg;
+  return LAUNCH(m, "group", K_GROUP, args, 1, &global, &local);
 }
 
 /* ---- submission ---- */
@@ -577,6 +861,85 @@ static int ocl_moe_combine(void *st, tdm_queue *q, float *y, const float *out,
   return submit(m, &j);
 }
 
+/* wbase's buffer, and the range [*wmin, *wmax] of offsets from it (in elements) at which
+ * weights of `need` elements lie inside its allocation: the kernels skip an entry outside it.
+ * An allocation that cannot hold one expert is the caller's error, as in expert(). */
+static int resolve_weights(moe_ocl *m, const tdm_moe_bf16 *wbase, size_t need, clbuf *out,
+                           cl_long *wmin, cl_long *wmax) {
+  size_t after;
+  tdm_mem_info mi;
+  int rc = resolve(m, "experts", "wbase", wbase, 0, sizeof *wbase, out, &after);
+  if (rc || (rc = tdm_mem_query(wbase, &mi))) return rc;
+  size_t before = (size_t)((const char *)wbase - (const char *)mi.base) / sizeof *wbase;
+  if (need > before + after)
+    return tdm_set_error(TDM_ERANGE, 0, "moe experts: an expert needs %zu weights, wbase's "
+                         "allocation holds %zu", need, before + after);
+  *wmin = -(cl_long)before;
+  *wmax = (cl_long)after - (cl_long)need;
+  return 0;
+}
+
+static int ocl_moe_experts(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                           const int32_t *slot, int n, const tdm_moe_bf16 *wbase,
+                           const tdm_moe_group *groups, int G, int H, int I, float *out,
+                           void *workspace, size_t workspace_bytes) {
+  moe_ocl *m = st;
+  int rc = check_state(m, q, "experts");
+  if (rc) return rc;
+  if (!x || !rows || !slot || !wbase || !groups || !out || n < 0 || G < 0 || H <= 0 || I <= 0 ||
+      I > INT_MAX / 2)
+    return bad_args("experts");
+  if (n == 0 || G == 0) return 0;
+  size_t need = tdm_moe__workspace(n, H, I);
+  if (!workspace || need == 0 || workspace_bytes < need || (uintptr_t)workspace % sizeof(float))
+    return tdm_set_error(TDM_EINVAL, 0,
+                         "moe experts: workspace %p of %zu bytes; n=%d H=%d I=%d need %zu, "
+                         "aligned", workspace, workspace_bytes, n, H, I, need);
+  job j = {.run = run_experts, .u.experts = {.n = n, .G = G, .H = H, .I = I}};
+  experts_job *a = &j.u.experts;
+  const size_t sH = (size_t)H, sI = (size_t)I, sn = (size_t)n;
+  size_t x_avail, out_avail;
+  if ((rc = resolve(m, "experts", "x", x, sH, sizeof(float), &a->x, &x_avail)) ||
+      (rc = resolve(m, "experts", "rows", rows, sn, sizeof(int32_t), &a->rows, NULL)) ||
+      (rc = resolve(m, "experts", "slot", slot, sn, sizeof(int32_t), &a->slot, NULL)) ||
+      (rc = resolve_weights(m, wbase, 3 * sH * sI, &a->w, &a->wmin, &a->wmax)) ||
+      (rc = resolve(m, "experts", "groups", groups, 2 * (size_t)G, sizeof(int64_t), &a->groups,
+                    NULL)) ||
+      (rc = resolve(m, "experts", "out", out, sH, sizeof(float), &a->out, &out_avail)) ||
+      (rc = resolve(m, "experts", "workspace", workspace, need / sizeof(float), sizeof(float),
+                    &a->h, NULL)))
+    return rc;
+  a->x_rows = row_limit(x_avail, H);
+  a->out_rows = row_limit(out_avail, H);
+  return submit(m, &j);
+}
+
+static int ocl_moe_group(void *st, tdm_queue *q, const int32_t *idx, int T, int k, int E,
+                         const int64_t *wofs, int32_t *rows, int32_t *slot,
+                         tdm_moe_group *groups) {
+  moe_ocl *m = st;
+  int rc = check_state(m, q, "group");
+  if (rc) return rc;
+  if (!idx || !wofs || !rows || !slot || !groups || T < 0 || k <= 0 || E <= 0 ||
+      (int64_t)T * k > INT_MAX)
+    return bad_args("group");
+  if (T == 0) return 0;
+  if ((cl_ulong)E * sizeof(cl_int) > m->group_local)
+    return tdm_set_error(TDM_EINVAL, 0, "moe group: %d experts need more local memory than "
+                         "the device's %llu bytes", E, (unsigned long long)m->group_local);
+  const int Tk = T * k, ng = E < Tk ? E : Tk;
+  job j = {.run = run_group, .u.group = {.T = T, .k = k, .E = E, .ng = ng}};
+  group_job *a = &j.u.group;
+  if ((rc = resolve(m, "group", "idx", idx, (size_t)Tk, sizeof(int32_t), &a->idx, NULL)) ||
+      (rc = resolve(m, "group", "wofs", wofs, (size_t)E, sizeof(int64_t), &a->wofs, NULL)) ||
+      (rc = resolve(m, "group", "rows", rows, (size_t)Tk, sizeof(int32_t), &a->rows, NULL)) ||
+      (rc = resolve(m, "group", "slot", slot, (size_t)Tk, sizeof(int32_t), &a->slot, NULL)) ||
+      (rc = resolve(m, "group", "groups", groups, 2 * (size_t)ng, sizeof(int64_t), &a->groups,
+                    NULL)))
+    return rc;
+  return submit(m, &j);
+}
+
 /* ---- open / close ---- */
 
 /* The largest power of two, at most MOE_WG_MAX, that the device takes as a work-group. */
@@ -613,15 +976,31 @@ static int build_failed(cl_program prog, cl_device_id id, const char *name) {
 static int build_program(moe_ocl *m, cl_context ctx, const char *name) {
   int rc = pick_wg(m->id, &m->wg);
   if (rc) return rc;
-  char opts[64];
-  snprintf(opts, sizeof opts, "-DMOE_WG=%zu", m->wg);
+  cl_device_type type = 0;
+  cl_int err = clGetDeviceInfo(m->id, CL_DEVICE_TYPE, sizeof type, &type, NULL);
+  if (err != CL_SUCCESS) return cl_fail("open", "clGetDeviceInfo (type)", err);
+  bool cpu = (type & CL_DEVICE_TYPE_CPU) != 0;
+  m->xwg = cpu && m->wg > MOE_XWG_CPU ? MOE_XWG_CPU : m->wg;
+  m->team = cpu ? 1 : m->wg < MOE_TEAM_GPU ? m->wg : MOE_TEAM_GPU;
+  char opts[96];
+  snprintf(opts, sizeof opts, "-DMOE_WG=%zu -DMOE_XWG=%zu -DMOE_TEAM=%zu", m->wg, m->xwg,
+           m->team);
   const char *src = moe_cl_source;
-  cl_int err;
   m->prog = clCreateProgramWithSource(ctx, 1, &src, NULL, &err);
   if (!m->prog) return cl_fail("open", "clCreateProgramWithSource", err);
   err = clBuildProgram(m->prog, 1, &m->id, opts, NULL, NULL);
   if (err == CL_BUILD_PROGRAM_FAILURE) return build_failed(m->prog, m->id, name);
   return err == CL_SUCCESS ? 0 : cl_fail("open", "clBuildProgram", err);
+}
+
+/* The local memory kernel kid leaves for its local-memory arguments, of dev_local. */
+static int local_left(moe_ocl *m, int kid, cl_ulong dev_local, cl_ulong *left) {
+  cl_ulong used = 0;
+  cl_int err = clGetKernelWorkGroupInfo(m->k[kid], m->id, CL_KERNEL_LOCAL_MEM_SIZE, sizeof used,
+                                        &used, NULL);
+  if (err != CL_SUCCESS) return cl_fail("open", "local memory query", err);
+  *left = dev_local > used ? dev_local - used : 0;
+  return 0;
 }
 
 /* Kernels of its own (their arguments are per state), and the limits they run under. */
@@ -634,18 +1013,16 @@ static int make_kernels(moe_ocl *m, const char *name) {
     err = clGetKernelWorkGroupInfo(m->k[i], m->id, CL_KERNEL_WORK_GROUP_SIZE, sizeof kwg, &kwg,
                                    NULL);
     if (err != CL_SUCCESS) return cl_fail("open", "clGetKernelWorkGroupInfo", err);
-    if (kwg < m->wg)
+    size_t want = i == K_GATEUP || i == K_DOWN ? m->xwg : m->wg;
+    if (kwg < want)
       return tdm_set_error(TDM_ENOTSUP, 0, "moe open: %s runs work-groups of %zu on %s, not "
-                           "%zu", kernel_names[i], kwg, name, m->wg);
+                           "%zu", kernel_names[i], kwg, name, want);
   }
-  cl_ulong dev_local = 0, used = 0;
+  cl_ulong dev_local = 0;
   err = clGetDeviceInfo(m->id, CL_DEVICE_LOCAL_MEM_SIZE, sizeof dev_local, &dev_local, NULL);
-  if (err == CL_SUCCESS)
-    err = clGetKernelWorkGroupInfo(m->k[K_ROUTER], m->id, CL_KERNEL_LOCAL_MEM_SIZE, sizeof used,
-                                   &used, NULL);
   if (err != CL_SUCCESS) return cl_fail("open", "local memory query", err);
-  m->router_local = dev_local > used ? dev_local - used : 0;
-  return 0;
+  int rc = local_left(m, K_ROUTER, dev_local, &m->router_local);
+  return rc ? rc : local_left(m, K_GROUP, dev_local, &m->group_local);
 }
 
 /* The native queue (retained), its device, the program and the kernels. */
@@ -708,6 +1085,8 @@ const tdm_moe_ops tdm_moe__opencl_ops = {
     .rmsnorm = ocl_moe_rmsnorm,
     .router = ocl_moe_router,
     .expert = ocl_moe_expert,
+    .experts = ocl_moe_experts,
+    .group = ocl_moe_group,
     .combine = ocl_moe_combine,
 };
 
