@@ -279,13 +279,11 @@ static int setup_device_routing(tdm_moe_model *m) {
     const void *w;
     int l = (int)(key / m->E), e = (int)(key % m->E);
     if ((rc = tdm_streamer_acquire(m->streamer, l, e, &w, NULL))) break;
-    if (!m->wbase) {
-      tdm_mem_info mi;
-      if ((rc = tdm_mem_query(w, &mi))) break;
-      m->wbase = mi.base;
-    }
-    wofs[key] = (const tdm_moe_bf16 *)w - m->wbase;
-    rc = tdm_streamer_release(m->streamer, l, e, NULL);
+    tdm_mem_info mi;
+    if (!m->wbase && !(rc = tdm_mem_query(w, &mi))) m->wbase = mi.base;
+    if (!rc) wofs[key] = (const tdm_moe_bf16 *)w - m->wbase;
+    int rr = tdm_streamer_release(m->streamer, l, e, NULL);
+    if (!rc) rc = rr;
   }
   if (!rc) rc = tdm_memcpy(m->q, m->wofs, wofs, (size_t)keys * sizeof *wofs, TDM_COPY_H2D, 0,
                            NULL, NULL);

@@ -338,12 +338,14 @@ static tdm_moe_model *make_model(tdm_device *dev, const tdm_moe_config *base, bo
 }
 
 /* The streamed output is bitwise equal to the all-resident output on the same backend: same
- * kernels, deterministic reductions, whatever the budget, slots, policy and overlap. */
+ * kernels, deterministic reductions, whatever the budget, slots, policy and overlap. Three
+ * sizes of ubatch: 48 tokens (a GEMM per expert), then 5 and decode's 1 (experts in groups;
+ * all resident, the routing stays on the device, which a budget of every expert also gives). */
 TEST_CASE(streamed_equals_resident) {
   tdm_device *dev = th_open();
   const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
   CHECK(p != NULL);
-  enum { T = 48, DECODE = 6 };
+  enum { T = 48, SMALL = 5, DECODE = 6 };
   tdm_moe_config base = {.preset = p, .device = dev, .seed = th_seed(), .skew = 1.2,
                          .locality = 0.7, .max_tokens = T};
   size_t H = (size_t)p->hidden, eb = tdm_moe_expert_bytes(p);
@@ -356,12 +358,16 @@ TEST_CASE(streamed_equals_resident) {
   tdm_moe_make_input(m, x + T * H, DECODE, 0, true);
   CHECK_OK(tdm_moe_forward(m, x, ref, T, true, &st));
   CHECK_EQ((long)st.bytes_copied, 0L);
+  CHECK_EQ((long)st.device_routed_layers, 0L);
+  /* The small ubatch overwrites the first SMALL rows of the 48-token output. */
+  CHECK_OK(tdm_moe_forward(m, x, ref, SMALL, true, &st));
+  CHECK_EQ((long)st.device_routed_layers, (long)p->layers);
   for (int t = 0; t < DECODE; t++)
     CHECK_OK(tdm_moe_forward(m, x + (T + t) * H, ref + (T + t) * H, 1, true, &st));
   for (size_t i = 0; i < (T + DECODE) * H; i++) CHECK(isfinite(ref[i]));
   tdm_moe_model_destroy(m);
 
-  const size_t budgets[] = {0, eb, all / 4, all / 2};
+  const size_t budgets[] = {0, eb, all / 4, all / 2, all};
   const int slots[] = {1, 2, 5};
   for (int pol = 0; pol < 2; pol++)
     for (size_t b = 0; b < sizeof budgets / sizeof budgets[0]; b++)
@@ -371,6 +377,8 @@ TEST_CASE(streamed_equals_resident) {
           memset(y, 0xff, (T + DECODE) * H * sizeof *y);
           CHECK_OK(tdm_moe_forward(m, x, y, T, ov, &st));
           if (budgets[b] == 0) CHECK(st.bytes_copied > 0);
+          CHECK_OK(tdm_moe_forward(m, x, y, SMALL, ov, &st));
+          CHECK_EQ((long)st.device_routed_layers, budgets[b] == all ? (long)p->layers : 0L);
           for (int t = 0; t < DECODE; t++)
             CHECK_OK(tdm_moe_forward(m, x + (T + t) * H, y + (T + t) * H, 1, ov, &st));
           long at = th_first_diff(y, ref, (T + DECODE) * H * sizeof *y);
@@ -419,6 +427,8 @@ TEST_CASE(pass_counts) {
       CHECK_OK(tdm_moe_forward(m, x + t * H, y + t * H, 1, ov, &st));
       check_found(&st, ov ? "overlapped decode" : "serialized decode");
       CHECK(st.acquires > 0);
+      CHECK_EQ((long)st.device_routed_layers, 0L);
+      CHECK_EQ((long)st.experts_computed, (long)st.acquires);
       CHECK(st.bytes_copied > 0);
       if (!ov) CHECK(st.demand_misses > 0);
     }
@@ -431,7 +441,10 @@ TEST_CASE(pass_counts) {
   for (int t = 0; t < DECODE; t++) {
     CHECK_OK(tdm_moe_forward(m, x + t * H, y + t * H, 1, true, &st));
     check_found(&st, "all resident");
-    CHECK(st.acquires > 0);
+    /* Routed on the device: each layer's top-k experts, all distinct, read back after. */
+    CHECK_EQ((long)st.device_routed_layers, (long)p->layers);
+    CHECK_EQ((long)st.acquires, (long)p->layers * p->topk);
+    CHECK_EQ((long)st.experts_computed, (long)st.acquires);
     CHECK_EQ((long)st.resident_hits, (long)st.acquires);
     CHECK_EQ((long)st.bytes_copied, 0L);
   }

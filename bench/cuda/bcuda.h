@@ -126,5 +126,6 @@ int bench_pinned(bc_ctx *c, bu_json *json);
 int bench_pageable(bc_ctx *c, bu_json *json);
 int bench_overlap(bc_ctx *c, bu_json *json);
 int bench_expert(bc_ctx *c, bu_json *json);
+int bench_grouped(bc_ctx *c, bu_json *json);
 
 #endif /* TANDEM_BCUDA_H */

@@ -6,6 +6,7 @@
  *   pageable  (pageable.c)  H2D from malloc'd memory vs raw pageable, raw pinned, host memcpy
  *   overlap   (overlap.c)   MoE experts streamed under cuBLAS GEMMs vs a two-stream program
  *   expert    (expert.c)    host and device cost of the MoE expert operation (a diagnostic)
+ *   grouped   (grouped.c)   a decode layer's experts grouped in one call against one by one
  * Every GPU result is checked (copies read back and compared on random data, GEMM outputs
  * against an fp64 reference); a failed check or call fails the run (exit 1). Timing never
  * does: goals are printed next to the figures. No cuda:0 device: exit 77 (skipped).
@@ -19,11 +20,12 @@
 #include <string.h>
 
 static const char usage[] =
-    "usage: bench-cuda [options] [overhead|pinned|pageable|overlap|expert]...\n"
+    "usage: bench-cuda [options] [overhead|pinned|pageable|overlap|expert|grouped]...\n"
     "\n"
     "Measures tandem's CUDA backend against raw CUDA doing the same work, side by side in one\n"
     "run, interleaved rep by rep; reports medians and ratios. With no names, runs them all\n"
-    "(expert: the host and device cost of tandem moe's expert operation, figures only).\n"
+    "(expert: the host and device cost of tandem moe's expert operation; grouped: a decode\n"
+    "layer's experts in one grouped call against one by one; figures only).\n"
     "Exit codes: 0 ok, 1 a call or a data check failed, 2 usage error, 77 no CUDA device.\n"
     "\n"
     "options:\n"
@@ -50,6 +52,7 @@ static const bench benches[] = {
     {"pageable", bench_pageable},
     {"overlap", bench_overlap},
     {"expert", bench_expert},
+    {"grouped", bench_grouped},
 };
 #define NBENCH (sizeof benches / sizeof benches[0])
 

@@ -365,8 +365,8 @@ static __device__ __forceinline__ void load_f8(const float *p, int c, int K, flo
   }
 }
 
-/* Gate and up row r of one expert (W: [Wg | Wu | Wd]) on its tokens; h = silu(g) * u. A row
- * outside x's allocation gives h = 0, as expert() gathers zeros for it. */
+/* Gate and up row r of one expert (W: [Wg | Wu | Wd]) on its tokens; h = silu(g) * u. A token
+ * whose row lies outside x's allocation is skipped (gx_down_row does not write its slot). */
 template <bool VEC>
 static __device__ void gx_gate_up_row(const float *x, uint32_t xlimit, const int32_t *rows,
                                       const tdm_moe_group &g, const uint16_t *W, int H, int I,
@@ -384,6 +384,7 @@ static __device__ void gx_gate_up_row(const float *x, uint32_t xlimit, const int
     float ag[GX_NT], au[GX_NT];
 #pragma unroll
     for (int t = 0; t < GX_NT; t++) ag[t] = au[t] = 0.f;
+#pragma unroll 4 /* several rows' loads in flight per warp */
     for (int c = lane * 8; c < H; c += 256) {
       float gv[8], uv[8];
       load_bf8<VEC>(wg, c, H, gv);
@@ -405,18 +406,19 @@ static __device__ void gx_gate_up_row(const float *x, uint32_t xlimit, const int
     for (int t = 0; t < GX_NT; t++) {
       if (t >= nt) break;
       float gs = warp_sum(ag[t]), us = warp_sum(au[t]);
-      if (lane == 0)
-        h[((size_t)g.first + t0 + t) * I + r] = xr[t] ? gs / (1.f + expf(-gs)) * us : 0.f;
+      if (lane == 0 && xr[t])
+        h[((size_t)g.first + t0 + t) * I + r] = gs / (1.f + expf(-gs)) * us;
     }
   }
 }
 
 /* Down row c of one expert on its tokens: out[slot][c] = h . Wd[c]; a slot outside out's
- * allocation is not written. */
+ * allocation is not written, nor the slot of a token whose row lies outside x's (its h was
+ * never written). */
 template <bool VEC>
-static __device__ void gx_down_row(const float *h, const int32_t *slot, uint32_t olimit,
-                                   const tdm_moe_group &g, const uint16_t *Wd, int H, int I,
-                                   int c, float *out) {
+static __device__ void gx_down_row(const float *h, const int32_t *rows, uint32_t xlimit,
+                                   const int32_t *slot, uint32_t olimit, const tdm_moe_group &g,
+                                   const uint16_t *Wd, int H, int I, int c, float *out) {
   const int lane = threadIdx.x & 31;
   const uint16_t *wr = Wd + (size_t)c * I;
   for (int t0 = 0; t0 < g.count; t0 += GX_NT) {
@@ -424,6 +426,7 @@ static __device__ void gx_down_row(const float *h, const int32_t *slot, uint32_t
     float acc[GX_NT];
 #pragma unroll
     for (int t = 0; t < GX_NT; t++) acc[t] = 0.f;
+#pragma unroll 4
     for (int i = lane * 8; i < I; i += 256) {
       float wv[8];
       load_bf8<VEC>(wr, i, I, wv);
@@ -442,7 +445,8 @@ static __device__ void gx_down_row(const float *h, const int32_t *slot, uint32_t
       if (t >= nt) break;
       float v = warp_sum(acc[t]);
       uint32_t s = (uint32_t)slot[g.first + t0 + t];
-      if (lane == 0 && s < olimit) out[(size_t)s * H + c] = v;
+      if (lane == 0 && s < olimit && (uint32_t)rows[g.first + t0 + t] < xlimit)
+        out[(size_t)s * H + c] = v;
     }
   }
 }
@@ -462,7 +466,8 @@ static __global__ void gx_gate_up_kernel(const float *x, uint32_t xlimit, const 
     gx_gate_up_row<false>(x, xlimit, rows, g, wbase + g.w, H, I, r, h);
 }
 
-static __global__ void gx_down_kernel(const float *h, const int32_t *slot, uint32_t olimit, int n,
+static __global__ void gx_down_kernel(const float *h, const int32_t *rows, uint32_t xlimit,
+                                      const int32_t *slot, uint32_t olimit, int n,
                                       const uint16_t *wbase, long long wlimit,
                                       const tdm_moe_group *groups, int H, int I, bool vec,
                                       float *out) {
@@ -471,9 +476,9 @@ static __global__ void gx_down_kernel(const float *h, const int32_t *slot, uint3
   if (c >= H || !entry_ok(g, n, wlimit, 3LL * H * I)) return;
   const uint16_t *Wd = wbase + g.w + 2 * (size_t)I * H;
   if (vec && (g.w & 7) == 0)
-    gx_down_row<true>(h, slot, olimit, g, Wd, H, I, c, out);
+    gx_down_row<true>(h, rows, xlimit, slot, olimit, g, Wd, H, I, c, out);
   else
-    gx_down_row<false>(h, slot, olimit, g, Wd, H, I, c, out);
+    gx_down_row<false>(h, rows, xlimit, slot, olimit, g, Wd, H, I, c, out);
 }
 
 /* ---- group(): the routing grouped on the device, one block ----
@@ -863,7 +868,7 @@ static int cuda_experts(void *st, tdm_queue *q, const float *x, const int32_t *r
   cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) {
     gx_down_kernel<<<dim3((unsigned)((H + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G), MOE_THREADS,
-                     0, m->s>>>(h, slot, olimit, n, wbase, wlimit, groups, H, I, vec, out);
+                     0, m->s>>>(h, rows, xlimit, slot, olimit, n, wbase, wlimit, groups, H, I, vec, out);
     e = cudaGetLastError();
   }
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "the grouped expert kernels");
