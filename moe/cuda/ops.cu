@@ -44,6 +44,7 @@ extern "C" {
 #define MOE_WARPS (MOE_THREADS / 32)
 #define ROUTER_TOKENS 8   /* tokens per router block: each weight row read serves them all */
 #define ROUTER_SMEM 49152 /* the router's dynamic shared memory, at most (no opt-in) */
+#define ROUTER_SPLIT_E 4096 /* small ubatches: experts the logits scratch holds */
 #define BLAS_WS_BYTES (32u << 20) /* cuBLAS's recommended workspace on Hopper */
 #define WS_ALIGN 256
 
@@ -70,6 +71,7 @@ typedef struct moe_cuda {
   cublasHandle_t blas; /* bound to s, with ws as its workspace */
   cublasLtHandle_t lt; /* the plans' handle; its calls name s and ws themselves */
   void *ws;            /* cuBLAS's workspace: cudaMalloc'd (256-byte aligned, as it requires) */
+  float *logits;       /* the small-ubatch router's logits: ROUTER_TOKENS x ROUTER_SPLIT_E */
   pthread_mutex_t plan_mu;            /* the plan cache: ops from several threads are allowed */
   gemm_plan *plans[PLAN_BUCKETS];
   const char *failed;  /* the last CUDA or cuBLAS call that failed */
@@ -327,7 +329,8 @@ static __global__ void scatter_kernel(float *out, const float *O, const int32_t 
  * warp tree: a token's result depends on its expert and its own activations only, not on the
  * chunk it fell in, the other entries or G, and the 16-byte and the scalar loads give the same
  * sums (the scalar path skips the columns past the row's end rather than adding zeros). */
-#define GX_NT 8 /* tokens per pass over a weight row */
+#define GX_NT 4     /* tokens per pass over a weight row */
+#define GX_UNROLL 4 /* 16-byte loads a lane has in flight per row before it computes */
 
 /* An entry that names rows outside [0, n) or weights outside wbase's allocation is skipped. */
 static __device__ __forceinline__ bool entry_ok(const tdm_moe_group &g, int n, long long wlimit,
@@ -336,24 +339,33 @@ static __device__ __forceinline__ bool entry_ok(const tdm_moe_group &g, int n, l
          g.w <= wlimit - wsize;
 }
 
-/* 8 f32 values from bf16 p[c..c+8) (VEC: one 16-byte load; else only those below K). */
+/* 8 bf16 at p[c..c+8) as raw bits: those below K, zeros after (any alignment). */
+static __device__ __forceinline__ uint4 load_raw8_any(const uint16_t *p, int c, int K) {
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    uint32_t lo = c + 2 * j < K ? p[c + 2 * j] : 0u, hi = c + 2 * j + 1 < K ? p[c + 2 * j + 1] : 0u;
+    w[j] = lo | hi << 16;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+/* VEC: one 16-byte load (p + c 16-byte aligned, c + 8 <= K). */
 template <bool VEC>
-static __device__ __forceinline__ void load_bf8(const uint16_t *p, int c, int K, float v[8]) {
-  if (VEC) {
-    uint4 u = __ldg((const uint4 *)(p + c));
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+static __device__ __forceinline__ uint4 load_raw8(const uint16_t *p, int c, int K) {
+  return VEC ? __ldg((const uint4 *)(p + c)) : load_raw8_any(p, c, K);
+}
+
+static __device__ __forceinline__ void widen8(uint4 u, float v[8]) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-      v[2 * j] = __uint_as_float(w[j] << 16);
-      v[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; j++) v[j] = c + j < K ? bf16_to_f32(p[c + j]) : 0.f;
+  for (int j = 0; j < 4; j++) {
+    v[2 * j] = __uint_as_float(w[j] << 16);
+    v[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
   }
 }
 
-/* 8 f32 values from p[c..c+8) (VEC: two 16-byte loads). */
+/* 8 f32 values from p[c..c+8) (VEC: two 16-byte loads; else those below K). */
 template <bool VEC>
 static __device__ __forceinline__ void load_f8(const float *p, int c, int K, float v[8]) {
   if (VEC) {
@@ -366,7 +378,9 @@ static __device__ __forceinline__ void load_f8(const float *p, int c, int K, flo
 }
 
 /* Gate and up row r of one expert (W: [Wg | Wu | Wd]) on its tokens; h = silu(g) * u. A token
- * whose row lies outside x's allocation is skipped (gx_down_row does not write its slot). */
+ * whose row lies outside x's allocation is skipped (gx_down_row does not write its slot). Each
+ * lane issues GX_UNROLL loads of each row before it uses any, so a warp keeps 4 KiB of weights
+ * in flight. */
 template <bool VEC>
 static __device__ void gx_gate_up_row(const float *x, uint32_t xlimit, const int32_t *rows,
                                       const tdm_moe_group &g, const uint16_t *W, int H, int I,
@@ -384,22 +398,33 @@ static __device__ void gx_gate_up_row(const float *x, uint32_t xlimit, const int
     float ag[GX_NT], au[GX_NT];
 #pragma unroll
     for (int t = 0; t < GX_NT; t++) ag[t] = au[t] = 0.f;
-#pragma unroll 4 /* several rows' loads in flight per warp */
-    for (int c = lane * 8; c < H; c += 256) {
-      float gv[8], uv[8];
-      load_bf8<VEC>(wg, c, H, gv);
-      load_bf8<VEC>(wu, c, H, uv);
+    for (int c0 = lane * 8; c0 < H; c0 += 256 * GX_UNROLL) {
+      uint4 rg[GX_UNROLL], ru[GX_UNROLL];
 #pragma unroll
-      for (int t = 0; t < GX_NT; t++) {
-        if (!xr[t]) continue;
-        float xv[8];
-        load_f8<VEC>(xr[t], c, H, xv);
+      for (int u = 0; u < GX_UNROLL; u++)
+        if (c0 + 256 * u < H) {
+          rg[u] = load_raw8<VEC>(wg, c0 + 256 * u, H);
+          ru[u] = load_raw8<VEC>(wu, c0 + 256 * u, H);
+        }
 #pragma unroll
-        for (int j = 0; j < 8; j++)
-          if (VEC || c + j < H) {
-            ag[t] = fmaf(xv[j], gv[j], ag[t]);
-            au[t] = fmaf(xv[j], uv[j], au[t]);
-          }
+      for (int u = 0; u < GX_UNROLL; u++) {
+        const int c = c0 + 256 * u;
+        if (c >= H) break;
+        float gv[8], uv[8];
+        widen8(rg[u], gv);
+        widen8(ru[u], uv);
+#pragma unroll
+        for (int t = 0; t < GX_NT; t++) {
+          if (!xr[t]) continue;
+          float xv[8];
+          load_f8<VEC>(xr[t], c, H, xv);
+#pragma unroll
+          for (int j = 0; j < 8; j++)
+            if (VEC || c + j < H) {
+              ag[t] = fmaf(xv[j], gv[j], ag[t]);
+              au[t] = fmaf(xv[j], uv[j], au[t]);
+            }
+        }
       }
     }
 #pragma unroll
@@ -426,18 +451,26 @@ static __device__ void gx_down_row(const float *h, const int32_t *rows, uint32_t
     float acc[GX_NT];
 #pragma unroll
     for (int t = 0; t < GX_NT; t++) acc[t] = 0.f;
-#pragma unroll 4
-    for (int i = lane * 8; i < I; i += 256) {
-      float wv[8];
-      load_bf8<VEC>(wr, i, I, wv);
+    for (int i0 = lane * 8; i0 < I; i0 += 256 * GX_UNROLL) {
+      uint4 rw[GX_UNROLL];
 #pragma unroll
-      for (int t = 0; t < GX_NT; t++) {
-        if (t >= nt) break;
-        float hv[8];
-        load_f8<VEC>(h + ((size_t)g.first + t0 + t) * I, i, I, hv);
+      for (int u = 0; u < GX_UNROLL; u++)
+        if (i0 + 256 * u < I) rw[u] = load_raw8<VEC>(wr, i0 + 256 * u, I);
 #pragma unroll
-        for (int j = 0; j < 8; j++)
-          if (VEC || i + j < I) acc[t] = fmaf(hv[j], wv[j], acc[t]);
+      for (int u = 0; u < GX_UNROLL; u++) {
+        const int i = i0 + 256 * u;
+        if (i >= I) break;
+        float wv[8];
+        widen8(rw[u], wv);
+#pragma unroll
+        for (int t = 0; t < GX_NT; t++) {
+          if (t >= nt) break;
+          float hv[8];
+          load_f8<VEC>(h + ((size_t)g.first + t0 + t) * I, i, I, hv);
+#pragma unroll
+          for (int j = 0; j < 8; j++)
+            if (VEC || i + j < I) acc[t] = fmaf(hv[j], wv[j], acc[t]);
+        }
       }
     }
 #pragma unroll
@@ -479,6 +512,57 @@ static __global__ void gx_down_kernel(const float *h, const int32_t *rows, uint3
     gx_down_row<true>(h, rows, xlimit, slot, olimit, g, Wd, H, I, c, out);
   else
     gx_down_row<false>(h, rows, xlimit, slot, olimit, g, Wd, H, I, c, out);
+}
+
+/* ---- the router for small ubatches (T <= ROUTER_TOKENS) ----
+ * One block would read all E x H router weights alone (a decode step's router was a single
+ * block). Here the logits are spread over E warps (one expert's row each, read 16 bytes at a
+ * time, every token dotted with it, then the fixed warp tree), and a second kernel, one warp
+ * per token, turns them into the top k as router_kernel does. Its logits add up in another
+ * order than router_kernel's, so the two paths may differ in the last bit; which one runs
+ * depends on T alone. */
+static __global__ void router_logits_kernel(const float *x, const uint16_t *wr, const float *bias,
+                                            int T, int H, int E, bool vec, float *logits) {
+  const int lane = threadIdx.x & 31, e = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+  if (e >= E) return;
+  const uint16_t *we = wr + (size_t)e * H;
+  float acc[ROUTER_TOKENS];
+#pragma unroll
+  for (int t = 0; t < ROUTER_TOKENS; t++) acc[t] = 0.f;
+  for (int c = lane * 8; c < H; c += 256) {
+    float wv[8];
+    widen8(vec ? load_raw8<true>(we, c, H) : load_raw8<false>(we, c, H), wv);
+#pragma unroll
+    for (int t = 0; t < ROUTER_TOKENS; t++) {
+      if (t >= T) break;
+      float xv[8];
+      if (vec)
+        load_f8<true>(x + (size_t)t * H, c, H, xv);
+      else
+        load_f8<false>(x + (size_t)t * H, c, H, xv);
+#pragma unroll
+      for (int j = 0; j < 8; j++)
+        if (c + j < H) acc[t] = fmaf(xv[j], wv[j], acc[t]);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < ROUTER_TOKENS; t++) {
+    if (t >= T) break;
+    float v = warp_sum(acc[t]);
+    if (lane == 0) logits[(size_t)t * E + e] = bias ? v + bias[e] : v;
+  }
+}
+
+/* One warp (block) per token; shared memory: E floats, then E bytes. */
+static __global__ void router_topk_kernel(const float *logits, int E, int k, int renorm,
+                                          int32_t *idx, float *weights) {
+  extern __shared__ float smem[];
+  float *p = smem;
+  unsigned char *taken = (unsigned char *)(smem + E);
+  const size_t t = blockIdx.x;
+  for (int e = threadIdx.x; e < E; e += 32) p[e] = logits[t * E + e];
+  __syncwarp();
+  router_token(p, taken, E, k, renorm, idx + t * k, weights + t * k);
 }
 
 /* ---- group(): the routing grouped on the device, one block ----
@@ -565,6 +649,7 @@ static void release(moe_cuda *m) {
   if (m->lt) cublasLtDestroy(m->lt);
   if (m->blas) cublasDestroy(m->blas);
   if (m->ws) cudaFree(m->ws);
+  if (m->logits) cudaFree(m->logits);
   pthread_mutex_destroy(&m->plan_mu);
   free(m);
 }
@@ -573,6 +658,7 @@ static void release(moe_cuda *m) {
  * workspace to cuBLAS's pool, so the workspace is set after it. */
 static int blas_setup(moe_cuda *m) {
   CK_CUDA(cudaMalloc(&m->ws, BLAS_WS_BYTES));
+  CK_CUDA(cudaMalloc(&m->logits, (size_t)ROUTER_TOKENS * ROUTER_SPLIT_E * sizeof(float)));
   CK_BLAS(cublasCreate(&m->blas));
   CK_BLAS(cublasSetStream(m->blas, m->s));
   CK_BLAS(cublasSetWorkspace(m->blas, m->ws, BLAS_WS_BYTES));
@@ -651,6 +737,18 @@ static int launch_router(moe_cuda *m, const float *x, const tdm_moe_bf16 *wr, co
   if (E > ROUTER_SMEM / 5) /* p (4 bytes) and taken (1 byte) per expert */
     return tdm_set_error(TDM_EINVAL, 0, "moe router: %d experts need more shared memory than "
                          "the kernel takes", E);
+  if (T <= ROUTER_TOKENS && E <= ROUTER_SPLIT_E) {
+    bool vec = H % 8 == 0 && !((uintptr_t)x & 15) && !((uintptr_t)wr & 15);
+    router_logits_kernel<<<(E + MOE_WARPS - 1) / MOE_WARPS, MOE_THREADS, 0, m->s>>>(
+        x, wr, bias, T, H, E, vec, m->logits);
+    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess) {
+      router_topk_kernel<<<T, 32, (size_t)E * 5, m->s>>>(m->logits, E, k, renorm != 0, idx,
+                                                          weights);
+      e = cudaGetLastError();
+    }
+    return e == cudaSuccess ? 0 : cuda_fail(m, e, "the small-ubatch router kernels");
+  }
   int tpb = ROUTER_SMEM / (E * 5);
   if (tpb > ROUTER_TOKENS) tpb = ROUTER_TOKENS;
   if (tpb > T) tpb = T;
