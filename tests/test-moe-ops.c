@@ -1026,8 +1026,8 @@ TEST_CASE(experts_device_data) {
     for (int b = 0; b < NBAD; b++) {
       c.table[NGOOD] = bad[b];
       printf("%s: ", bad_what[b]);
-      CHECK_MSG(dd_run(&f, &c, NGOOD + 1) == TDM_ERANGE, "%s: the sync did not fail with TDM_ERANGE",
-                bad_what[b]);
+      CHECK_MSG(dd_run(&f, &c, NGOOD + 1) == TDM_ERANGE,
+                "%s: the sync did not fail with TDM_ERANGE", bad_what[b]);
       for (size_t i = 0; i < (DD_SLOTS + 1) * DD_H; i++)
         CHECK_MSG(c.got[i] == SENTINEL, "%s: out written by a failed command", bad_what[b]);
     }
