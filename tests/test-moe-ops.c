@@ -20,7 +20,8 @@
  * reversed; `experts_match_expert` compares experts() with expert() on each entry's tokens
  * (within REL_TOL: a GPU may compute the grouped path in more precision); `group_ref` checks
  * group()'s rows, slot and table against a host reference, with and without indices out of
- * [0, E); `group_then_experts` feeds one into the other, router-free; `grouped_bad_args` and
+ * [0, E); `group_then_experts` feeds one into the other, router-free, and again behind a slow
+ * host task, bitwise the same; `grouped_bad_args` and
  * `experts_device_data` check argument errors and bad table entries, rows and slots (skipped on
  * a GPU, TDM_ERANGE from the sync on the CPU). A table that lacks experts() or group() (the op
  * tables gain them one backend at a time) skips these cases visibly (77), so the suite stays
@@ -784,6 +785,12 @@ TEST_CASE(group_ref) {
 
 /* group() feeding experts() with no host round trip: every slot t*k + j holds expert
  * idx[t*k + j] on token t, by the fp64 reference; a dropped index's slot is not written. */
+static int slow_task(void *arg) {
+  (void)arg;
+  th_sleep_ms(50);
+  return 0;
+}
+
 TEST_CASE(group_then_experts) {
   enum { E = 16, K = 4, H = 300, I = 200 };
   const int Ts[] = {5, 40};
@@ -833,6 +840,21 @@ TEST_CASE(group_then_experts) {
     char what[64];
     snprintf(what, sizeof what, "group then experts, T=%d", T);
     err_check(&e, what);
+
+    /* Again behind a slow host task, with the routing copied in after it and the old table
+     * wiped: group() and experts() wait for both (a driver that gates host work on the host,
+     * as PoCL's basic one does, holds them back), and give the same bits. */
+    float *again = alloc(&f, TDM_MEM_PINNED, (size_t)n * H * sizeof *again);
+    fill_sentinel(&f, dout, again, (size_t)n, H);
+    CHECK_OK(tdm_memset(f.q, dgroups, 0, (size_t)G * sizeof *dgroups, 0, NULL, NULL));
+    CHECK_OK(tdm_host_task(f.q, slow_task, NULL, 0, NULL, NULL));
+    CHECK_OK(tdm_memcpy(f.q, didx, idx, (size_t)n * sizeof *idx, TDM_COPY_H2D, 0, NULL, NULL));
+    CHECK_OK(f.ops->group(f.st, f.q, didx, T, K, E, dwofs, drows, dslot, dgroups));
+    CHECK_OK(f.ops->experts(f.st, f.q, dx, drows, dslot, n, dw, dgroups, G, H, I, dout, ws,
+                            ws_bytes));
+    download(&f, again, dout, (size_t)n * H * sizeof *again);
+    CHECK_MEM_EQ(again, got, (size_t)n * H * sizeof *got);
+    tdm_free(again);
 
     tdm_free(x); tdm_free(idx); tdm_free(got); tdm_free(dx); tdm_free(didx); tdm_free(drows);
     tdm_free(dslot); tdm_free(dgroups); tdm_free(dout); tdm_free(ws);
