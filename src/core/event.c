@@ -67,8 +67,10 @@ void tdm__event_free(tdm__event *ev) {
   tdm__queue *q = ev->q;
   void *bev = atomic_exchange(&ev->bev, NULL);
   if (bev) tdm__b_native_release(q->dev, bev);
-  free(ev->why); /* nobody reads it any more: every waiter held a reference */
-  ev->why = NULL;
+  if (ev->why) { /* only after a failure; nobody reads it now, every waiter held a reference */
+    free(ev->why);
+    ev->why = NULL;
+  }
   ev->why_relayed = false;
   atomic_store_explicit(&ev->magic, TDM__MAGIC_DEAD, memory_order_relaxed);
   ev->q = NULL;
