@@ -1,6 +1,6 @@
 /* test-conf-errors.c: conformance, failures and teardown: a failed command fails its event and
- * the work that depends on it, sync reports and clears the first error, and destroying a queue
- * drains what was submitted to it. */
+ * the work that depends on it, sync reports and clears the first error, what a failed host task
+ * said reaches each of them, and destroying a queue drains what was submitted to it. */
 #include "conformance.h"
 
 /* ---- Errors ------------------------------------------------------------------------------ */
