@@ -363,7 +363,10 @@ TDM_API TDM_NODISCARD int tdm_memset(tdm_queue *q, void *dst, int value, size_t 
 /* ---- Host work -------------------------------------------------------------------------- */
 
 /* A host task returns 0, or a negative TDM_E* code that becomes its event's status (any other
- * value is recorded as TDM_ETASK). */
+ * value is recorded as TDM_ETASK). A failing task may say why with tdm_set_error(): the
+ * message of whoever learns of the failure (its event's wait or query, a marker, the queue's
+ * sync, a command that then completes with TDM_EDEP) quotes those words after naming the
+ * task. */
 typedef int (*tdm_host_fn)(void *arg);
 
 /* Runs fn(arg) on a tandem thread once earlier work on q (and deps) is done; later work on q

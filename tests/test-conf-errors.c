@@ -1,6 +1,6 @@
 /* test-conf-errors.c: conformance, failures and teardown: a failed command fails its event and
- * the work that depends on it, sync reports and clears the first error, and destroying a queue
- * drains what was submitted to it. */
+ * the work that depends on it, sync reports and clears the first error, what a failed host task
+ * said reaches each of them, and destroying a queue drains what was submitted to it. */
 #include "conformance.h"
 
 /* ---- Errors ------------------------------------------------------------------------------ */
@@ -134,6 +134,135 @@ TEST_CASE(error_positive_return) {
   CHECK_RC(tdm_queue_sync(q), TDM_ETASK);
   CHECK_OK(tdm_queue_sync(q));
   CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* ---- A failed host task's own message ---------------------------------------------------- */
+
+#define SAID "row 12000 is outside x"
+
+/* Says why it fails, as a layered library's operation does. */
+static int task_fail_said(void *arg) {
+  (void)arg;
+  return tdm_set_error(TDM_ERANGE, 0, "row %d is outside x", 12000);
+}
+
+/* Leaves a message behind and succeeds: the message is not a failure's. */
+static int task_say_ok(void *arg) {
+  (void)arg;
+  tdm_set_error(TDM_EINVAL, 0, "left behind");
+  return 0;
+}
+
+/* This thread's message contains a, and b unless it is NULL. */
+static void msg_has(int line, const char *a, const char *b) {
+  const char *msg = tdm_last_error();
+  if (!strstr(msg, a) || (b && !strstr(msg, b)))
+    th_fail(__FILE__, line, "message \"%s\" lacks \"%s\"%s%s", msg, a, b ? " or " : "",
+            b ? b : "");
+}
+
+/* Nothing of either earlier task's text. */
+static void msg_plain(int line) {
+  const char *msg = tdm_last_error();
+  if (strstr(msg, SAID) || strstr(msg, "left behind"))
+    th_fail(__FILE__, line, "message \"%s\" carries an earlier task's text", msg);
+}
+
+static void task_message_round(tdm_device *dev, unsigned flags) {
+  int in_order = !(flags & TDM_QUEUE_OUT_OF_ORDER);
+  tdm_queue *q = new_queue(dev, flags), *r = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  th_gate gate;
+  th_gate_init(&gate);
+  atomic_int ran = 0;
+  tdm_event *e_fail = NULL, *e_next = NULL, *e_other = NULL, *m = NULL;
+
+  /* In order, held back so that everything below is submitted before the failure. */
+  CHECK_OK(tdm_host_task(q, task_wait_gate, &gate, 0, NULL, NULL));
+  CHECK_OK(tdm_host_task(q, task_fail_said, NULL, 0, NULL, &e_fail));
+  /* In order, the next command fails by queue order; out of order, through its dependency. */
+  CHECK_OK(tdm_host_task(q, task_count, &ran, in_order ? 0 : 1, &e_fail, &e_next));
+  CHECK_OK(tdm_host_task(r, task_count, &ran, 1, &e_fail, &e_other));
+  CHECK_OK(tdm_event_record(q, &m));
+  th_gate_open(&gate);
+
+  /* The failed task's event: the command, then what the task said. */
+  CHECK_RC(tdm_event_wait(e_fail), TDM_ERANGE);
+  msg_has(__LINE__, "host task on ", "(command #2) failed: " SAID);
+  CHECK_RC(tdm_event_query(e_fail), TDM_ERANGE);
+  msg_has(__LINE__, "(command #2) failed: " SAID, NULL);
+  /* A command that did not run because of it names it, with its text. */
+  CHECK_RC(tdm_event_wait(e_next), TDM_EDEP);
+  msg_has(__LINE__, "(command #3) failed: host task on ", "(command #2) failed: " SAID);
+  CHECK_RC(tdm_event_wait(e_other), TDM_EDEP);
+  msg_has(__LINE__, "failed: host task on ", "(command #2) failed: " SAID);
+  /* A marker reports it, and so does the sync, once. */
+  CHECK_RC(tdm_event_wait(m), TDM_ERANGE);
+  msg_has(__LINE__, "marker on ", "failed: host task on ");
+  msg_has(__LINE__, "(command #2) failed: " SAID, NULL);
+  CHECK_RC(tdm_queue_sync(q), TDM_ERANGE);
+  msg_has(__LINE__, "(command #2) failed: " SAID, "the first error since the last sync");
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_RC(tdm_queue_sync(r), TDM_EDEP);
+  msg_has(__LINE__, "(command #2) failed: " SAID, NULL);
+  CHECK_EQ(atomic_load(&ran), 0);
+  tdm_event *all[] = {e_fail, e_next, e_other, m};
+  release_all(all, 4);
+
+  /* A task that succeeds carries nothing, whatever it left in its message; one that fails
+   * without a message gets the plain one, with nothing of an earlier task's text. */
+  tdm_event *e_ok = NULL, *e_silent = NULL;
+  CHECK_OK(tdm_host_task(q, task_say_ok, NULL, 0, NULL, &e_ok));
+  CHECK_OK(tdm_host_task(q, task_fail_einval, NULL, 0, NULL, &e_silent));
+  CHECK_OK(tdm_event_wait(e_ok));
+  CHECK(strcmp(tdm_last_error(), TH_NO_MESSAGE) == 0);
+  CHECK_RC(tdm_event_wait(e_silent), TDM_EINVAL);
+  msg_plain(__LINE__);
+  const char *msg = tdm_last_error();
+  CHECK_MSG(strlen(msg) > 6 && strcmp(msg + strlen(msg) - 6, "failed") == 0, "message: %s", msg);
+  CHECK_RC(tdm_queue_sync(q), TDM_EINVAL);
+  msg_plain(__LINE__);
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_event_release(e_ok));
+  CHECK_OK(tdm_event_release(e_silent));
+  CHECK_OK(tdm_queue_destroy(q));
+  CHECK_OK(tdm_queue_destroy(r));
+  th_gate_destroy(&gate);
+}
+
+/* What a failed host task said with tdm_set_error reaches whoever learns of the failure: its
+ * event's wait and query, the work that depends on it, markers and the queue's sync. */
+TEST_CASE(error_task_message) {
+  tdm_device *dev = th_open();
+  task_message_round(dev, TDM_QUEUE_IN_ORDER);
+  if (has_cap(dev, TDM_DEVICE_CAP_OUT_OF_ORDER)) task_message_round(dev, TDM_QUEUE_OUT_OF_ORDER);
+  th_close();
+}
+
+/* With no memory left to keep the task's text, the failure is reported as it would be
+ * without one. */
+TEST_CASE(error_task_message_no_memory) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  th_gate gate;
+  th_gate_init(&gate);
+  tdm_event *e_fail = NULL;
+  CHECK_OK(tdm_host_task(q, task_wait_gate, &gate, 0, NULL, NULL));
+  CHECK_OK(tdm_host_task(q, task_fail_said, NULL, 0, NULL, &e_fail));
+  /* The next allocation tandem makes is the copy of the text, once the gate opens. */
+  CHECK_OK(tdm_fault_inject(TDM_FAULT_ALLOC, 0, 0));
+  th_gate_open(&gate);
+  CHECK_RC(tdm_event_wait(e_fail), TDM_ERANGE);
+  msg_has(__LINE__, "(command #2) failed", NULL);
+  msg_plain(__LINE__);
+  CHECK(tdm_fault_fired());
+  CHECK_OK(tdm_fault_inject(0, -1, 0));
+  CHECK_RC(tdm_queue_sync(q), TDM_ERANGE);
+  msg_has(__LINE__, "(command #2) failed", NULL);
+  msg_plain(__LINE__);
+  CHECK_OK(tdm_event_release(e_fail));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_gate_destroy(&gate);
   th_close();
 }
 

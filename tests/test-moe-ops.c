@@ -1229,6 +1229,9 @@ TEST_CASE(bad_args) {
                        c.ws_bytes));
     CHECK_RC(tdm_queue_sync(f.q), TDM_ERANGE);
     printf("bad row: %s\n", tdm_last_error());
+    /* The op's own words reach the sync, after the failed task's name. */
+    CHECK_MSG(strstr(tdm_last_error(), "failed: moe expert: rows[0] = 4000 outside x"),
+              "message: %s", tdm_last_error());
     CHECK_OK(tdm_memcpy(f.q, c.drows, c.rows, T * sizeof(int32_t), TDM_COPY_H2D, 0, NULL, NULL));
     CHECK_OK(o->expert(f.st, f.q, c.dx, c.drows, c.dslot, T, c.dw, H, I, c.dout, c.ws,
                        c.ws_bytes));

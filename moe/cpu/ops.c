@@ -473,10 +473,15 @@ static void expert_compute(const float *x, const int32_t *rows, const int32_t *s
 
 static int expert_body(const task *t) {
   const expert_args *a = (const expert_args *)t;
-  /* Indices are device data written by earlier commands, so they are checked only now. */
+  /* Indices are device data written by earlier commands, so they are checked only now; the
+   * message reaches whoever learns of the failure (the queue's sync quotes it). */
   for (size_t i = 0; i < (size_t)a->n; i++) {
-    if (a->rows[i] < 0 || (size_t)a->rows[i] >= a->x_rows) return TDM_ERANGE;
-    if (a->slot[i] < 0 || (size_t)a->slot[i] >= a->out_rows) return TDM_ERANGE;
+    if (a->rows[i] < 0 || (size_t)a->rows[i] >= a->x_rows)
+      return tdm_set_error(TDM_ERANGE, 0, "moe expert: rows[%zu] = %d outside x", i,
+                           (int)a->rows[i]);
+    if (a->slot[i] < 0 || (size_t)a->slot[i] >= a->out_rows)
+      return tdm_set_error(TDM_ERANGE, 0, "moe expert: slot[%zu] = %d outside out", i,
+                           (int)a->slot[i]);
   }
   expert_compute(a->x, a->rows, a->slot, (size_t)a->n, a->w, (size_t)a->H, (size_t)a->I, a->out,
                  a->ws);
@@ -520,8 +525,8 @@ typedef struct experts_args {
 } experts_args;
 
 /* The table is checked whole before anything is computed, so that a bad entry fails the
- * command with out untouched. The message stays on the worker thread (the queue's sync reports
- * the code and names the host task); it says which entry, for a debugger or a log. */
+ * command with out untouched. The message says which entry; tandem keeps it with the failed
+ * host task, so the queue's sync quotes it after naming the task. */
 static int experts_check(const experts_args *a) {
   for (int g = 0; g < a->G; g++) {
     const tdm_moe_group e = a->groups[g];

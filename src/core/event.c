@@ -1,7 +1,9 @@
 /* event.c: events (reference counted, recycled per queue, completed once with a status) and the
  * free lists that make submission allocation-free in steady state. */
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "internal.h"
@@ -65,6 +67,11 @@ void tdm__event_free(tdm__event *ev) {
   tdm__queue *q = ev->q;
   void *bev = atomic_exchange(&ev->bev, NULL);
   if (bev) tdm__b_native_release(q->dev, bev);
+  if (ev->why) { /* only after a failure; nobody reads it now, every waiter held a reference */
+    free(ev->why);
+    ev->why = NULL;
+  }
+  ev->why_relayed = false;
   atomic_store_explicit(&ev->magic, TDM__MAGIC_DEAD, memory_order_relaxed);
   ev->q = NULL;
   tdm__freelist_put(&q->events, ev);
@@ -145,13 +152,44 @@ int tdm__event_wait_raw(tdm__event *ev) {
   return ev->status;
 }
 
+/* ---- failures in words: a failed host task's own message, kept for whoever learns of the
+ * failure later, on another thread ---- */
+
+char *tdm__why_dup(const char *s) {
+  if (!s || !s[0]) return NULL;
+  size_t n = strnlen(s, TDM__WHY_MAX - 1);
+  /* Quiet: a lazily completed command (exec.c) may make this copy on a submitting thread. */
+  char *p = tdm__malloc_quiet(n + 1);
+  if (!p) return NULL; /* the plain message then, as if the failure had said nothing */
+  memcpy(p, s, n);
+  p[n] = '\0';
+  return p;
+}
+
+void tdm__event_describe(const tdm__event *ev, char *buf, size_t n) {
+  snprintf(buf, n, "%s on %s (command #%llu) failed%s%s", ev->op ? ev->op : "command",
+           ev->q->label, (unsigned long long)ev->seq, ev->why ? ": " : "",
+           ev->why ? ev->why : "");
+}
+
+/* A relayed account is passed on as it is, so a chain of dependents names the failure that
+ * started it rather than each link before it. */
+char *tdm__event_cause_dup(const tdm__event *ev) {
+  if (ev->why_relayed && ev->why) return tdm__why_dup(ev->why);
+  char buf[TDM__WHY_MAX];
+  tdm__event_describe(ev, buf, sizeof buf);
+  return tdm__why_dup(buf);
+}
+
 /* ---- public ---- */
 
 static int report(tdm__event *ev) {
   int st = ev->status;
-  if (st < 0)
-    tdm__error(st, ev->native, "%s on %s (command #%llu) failed", ev->op ? ev->op : "command",
-               ev->q->label, (unsigned long long)ev->seq);
+  if (st < 0) {
+    char buf[TDM__WHY_MAX];
+    tdm__event_describe(ev, buf, sizeof buf);
+    tdm__error(st, ev->native, "%s", buf);
+  }
   return st;
 }
 

@@ -1,8 +1,8 @@
 /* fault.c: fault injection and live-object counts for tests. Every host allocation of the
- * core (tdm__malloc, tdm__calloc) and every fallible call through the backend table (the
- * wrappers of backend.c) passes tdm__fault(), so a test can make the Nth one fail and check
- * that the operation fails cleanly. Backend entries that cannot fail (the void ones,
- * native_export, and native_notify, whose declining is a fallback) are not counted.
+ * core (tdm__malloc, tdm__calloc, tdm__malloc_quiet) and every fallible call through the
+ * backend table (the wrappers of backend.c) passes the fault hook, so a test can make the Nth
+ * one fail and check that the operation fails cleanly. Backend entries that cannot fail (the
+ * void ones, native_export, and native_notify, whose declining is a fallback) are not counted.
  * Libraries built on tandem reach the same counter through tdm_fault_point(). */
 #include <stdlib.h>
 
@@ -34,7 +34,8 @@ int tdm_fault_fired(void) {
   return f;
 }
 
-int tdm__fault(unsigned kind) {
+/* Whether the armed fault fires at this point; the code it fails with is kept for the thread. */
+static int fault_take(unsigned kind) {
   if (!atomic_load_explicit(&fault_armed, memory_order_relaxed)) return 0;
   int hit = 0;
   pthread_mutex_lock(&fault_mu);
@@ -49,6 +50,11 @@ int tdm__fault(unsigned kind) {
     }
   }
   pthread_mutex_unlock(&fault_mu);
+  return hit;
+}
+
+int tdm__fault(unsigned kind) {
+  int hit = fault_take(kind);
   if (hit) tdm__error(tls_taken_code, 0, "injected fault");
   return hit;
 }
@@ -59,6 +65,11 @@ int tdm_fault_point(unsigned kind) { return tdm__fault(kind) ? tls_taken_code : 
 
 void *tdm__malloc(size_t n) {
   if (tdm__fault(TDM_FAULT_ALLOC)) return NULL;
+  return malloc(n);
+}
+
+void *tdm__malloc_quiet(size_t n) {
+  if (fault_take(TDM_FAULT_ALLOC)) return NULL;
   return malloc(n);
 }
 

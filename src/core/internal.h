@@ -155,12 +155,16 @@ const char *tdm__last_detail(void);
 int tdm__error(int code, int native, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-/* ---- fault.c: fault injection. Every host allocation of the core (tdm__malloc, tdm__calloc)
- * and every fallible wrapper of backend.c pass tdm__fault(); backend entries that cannot fail
- * (void ones, native_export, native_notify's declining) do not. */
+/* ---- fault.c: fault injection. Every host allocation of the core (tdm__malloc, tdm__calloc,
+ * tdm__malloc_quiet) and every fallible wrapper of backend.c pass the fault hook; backend
+ * entries that cannot fail (void ones, native_export, native_notify's declining) do not. */
 int tdm__fault(unsigned kind);
 void *tdm__malloc(size_t n);
 void *tdm__calloc(size_t n, size_t size);
+/* The same as tdm__malloc, leaving the thread's message as it is when the fault fires: for an
+ * allocation whose failure is nobody's error (it may run on a caller's thread, after the
+ * caller's own call has set its message). */
+void *tdm__malloc_quiet(size_t n);
 int tdm__fault_code_taken(void);
 /* Whether $TANDEM_BACKENDS allows the named backend. */
 bool tdm__backend_allowed(const char *name);
@@ -182,6 +186,12 @@ struct tdm__event {
   const char *op;           /* what the command was, for messages */
   const char *cause_op;     /* markers only: the op of the failure the marker reports, and */
   uint64_t cause_seq;       /* its number (set when the marker completes) */
+  /* Failures only: what the message of its waiters adds after ": " (owned, at most
+   * TDM__WHY_MAX bytes, freed when the event is); NULL on success, when there is nothing to
+   * add, or when no memory was left to keep it. Written before done, read after. */
+  char *why;
+  bool why_relayed;         /* why tells of an earlier failure this event reports (a marker's,
+                               a TDM_EDEP's), not of its own */
   tdm__queue *q;             /* holds a reference on q */
   tdm__waiter *waiters;     /* under q->mu */
   _Atomic(void *) bev;      /* native event, owned (native backends); may be set after the
@@ -199,6 +209,16 @@ void tdm__event_unref(tdm__event *ev);
 void tdm__event_complete_unref(tdm__event *ev, int status, int native);
 void tdm__event_free(tdm__event *ev);
 int tdm__event_on_complete(tdm__event *ev, tdm__waiter *w);
+/* ---- event.c: failures in words ---- */
+#define TDM__WHY_MAX 512
+/* A copy of s cut to TDM__WHY_MAX bytes, or NULL (s empty, or no memory): failure paths only. */
+char *tdm__why_dup(const char *s);
+/* ev's failure as its waiters hear it: "host task on cpu:0/q1 (command #5) failed", then ": "
+ * and ev->why if it has one. */
+void tdm__event_describe(const tdm__event *ev, char *buf, size_t n);
+/* For a command that fails because ev did (TDM_EDEP): ev's account of the failure it relays,
+ * or ev described. NULL when no memory is left. */
+char *tdm__event_cause_dup(const tdm__event *ev);
 /* Blocks until ev completes; returns its status. No deadlock check. */
 int tdm__event_wait_raw(tdm__event *ev);
 /* The same for waits a caller's thread makes (public waits, syncs, destroys): a pool thread
@@ -260,6 +280,8 @@ struct tdm__queue {
   _Atomic int first_error;  /* first failure since the last sync */
   const char *first_error_op; /* its command's op and number; with first_error, under mu */
   uint64_t first_error_seq;
+  char *first_error_why;    /* that command described (tdm__event_describe), owned, or NULL;
+                               under mu; a sync marker takes it */
   int chain_error;          /* in-order: an earlier failure; touched only in execution order */
   /* tracker (tracker.c), under submit_mu */
   tdm__event **trk;

@@ -112,6 +112,11 @@ static void queue_retire(tdm__queue *q) {
   int stock = q->ref_stock;
   q->ref_stock = 0;
   pthread_mutex_unlock(&q->submit_mu);
+  /* An error nobody synced keeps its words until here; every command has completed. */
+  pthread_mutex_lock(&q->mu);
+  free(q->first_error_why);
+  q->first_error_why = NULL;
+  pthread_mutex_unlock(&q->mu);
   if (stock) atomic_fetch_sub(&q->refs, stock);
   atomic_store(&q->magic, TDM__MAGIC_DEAD);
   tdm__queue_unref(q);
@@ -135,8 +140,10 @@ int tdm__queue_destroy_internal(tdm__queue *q) {
   atomic_store(&q->destroying, true);
   pthread_mutex_unlock(&q->submit_mu);
   int status = 0;
+  char why[TDM__WHY_MAX] = "";
   if (!rc) {
     status = tdm__event_wait_blocking(ev);
+    if (status < 0 && ev->why) snprintf(why, sizeof why, ": %s", ev->why);
     tdm__event_unref(ev);
   }
   tdm__defaults_forget(q);
@@ -145,7 +152,7 @@ int tdm__queue_destroy_internal(tdm__queue *q) {
   atomic_store(&q->handle, 0);
   atomic_fetch_sub(&tdm__g.n_queues, 1);
   queue_retire(q);
-  if (status < 0) tdm__error(status, 0, "%s had an unreported error", q->label);
+  if (status < 0) tdm__error(status, 0, "%s had an unreported error%s", q->label, why);
   return status;
 }
 
@@ -203,12 +210,14 @@ void tdm__queues_free_all(void) {
     for (tdm__event *ev = q->all_events, *nx; ev; ev = nx) {
       nx = ev->next_all;
       tdm__slot_free(ev->slot, ev->gen);
+      free(ev->why);
       free(ev);
     }
     q->events.local = NULL;
     atomic_store(&q->events.returned, NULL);
     tdm__freelist_drain(&q->cmds, tdm__cmd_mem_free);
     tdm__freelist_drain(&q->keeps, free);
+    free(q->first_error_why); /* NULL once retired; a queue never retired keeps its own */
     pthread_mutex_destroy(&q->submit_mu);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);

@@ -1,6 +1,7 @@
 /* submit.c: the one submission path every command takes (validate, reserve, hand to the
  * backend, track), the execution and error rules applied when a command runs, and the public
  * submission calls built on them. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -351,14 +352,24 @@ void tdm__cmd_done(tdm__cmd *cmd, int status, int native) {
   tdm__queue *q = ev->q;
   /* A marker's status reports earlier failures; it is not a failure of its own. */
   if (status < 0 && cmd->kind != TDM__CMD_MARKER) {
-    /* Rare, so a lock: the failure's name and number go with the code. */
+    /* Rare, so a lock: the failure's name, number and words go with the code. The words are
+     * made outside the lock, and only while the queue has no earlier error to report. */
+    char *why = NULL;
+    if (atomic_load(&q->first_error) == 0) {
+      char buf[TDM__WHY_MAX];
+      tdm__event_describe(ev, buf, sizeof buf);
+      why = tdm__why_dup(buf);
+    }
     pthread_mutex_lock(&q->mu);
     if (atomic_load(&q->first_error) == 0) {
       q->first_error_op = ev->op;
       q->first_error_seq = ev->seq;
+      q->first_error_why = why;
+      why = NULL;
       atomic_store(&q->first_error, status);
     }
     pthread_mutex_unlock(&q->mu);
+    free(why);
     if (!ooo(q)) q->chain_error = status;
   }
   if (atomic_load_explicit(&tdm__tracing, memory_order_relaxed)) tdm__trace_cmd(cmd, status);
@@ -369,16 +380,25 @@ void tdm__cmd_done(tdm__cmd *cmd, int status, int native) {
   tdm__event_complete_unref(ev, status, native);
 }
 
+/* Host tasks run only on tandem's threads (a CPU queue's worker, a native queue's executor, a
+ * pool thread), never inline in a caller's call, so the message cleared here is never a
+ * caller's. It is cleared so that what the task says while it runs is its own: a message left
+ * by an earlier task on the thread must not be taken for this one's. */
 static int run_host_task(tdm__cmd *cmd) {
   tdm__queue *q = cmd->ev->q;
   tdm__queue *saved_q = tdm__tls_queue;
   uint64_t saved_seq = tdm__tls_seq;
   tdm__tls_queue = q;
   tdm__tls_seq = cmd->ev->seq;
+  tdm_clear_error();
   int r = cmd->u.host.fn(cmd->u.host.arg);
   tdm__tls_queue = saved_q;
   tdm__tls_seq = saved_seq;
   if (r == 0) return 0;
+  /* The task's message (tdm_set_error, or a tandem call of its own that failed) says why; the
+   * event keeps it for its waiters, who are on other threads. Written before the event
+   * completes, so they see it once they see the status. */
+  cmd->ev->why = tdm__why_dup(tdm__last_detail());
   /* A negative value inside the code table is kept; anything else says only "failed". */
   return (r < 0 && strcmp(tdm_err_name(r), "TDM_UNKNOWN") != 0) ? r : TDM_ETASK;
 }
@@ -401,30 +421,67 @@ void tdm__cmd_run(tdm__cmd *cmd) {
   tdm__cmd_finish(cmd, nstatus, native);
 }
 
+/* A copy of the words of q's first error since the last sync, for a command of an in-order
+ * queue that does not run after it; NULL if there are none. Copied out under the lock, kept
+ * after it. */
+static char *first_error_why(tdm__queue *q) {
+  char buf[TDM__WHY_MAX];
+  buf[0] = '\0';
+  pthread_mutex_lock(&q->mu);
+  if (q->first_error_why) snprintf(buf, sizeof buf, "%s", q->first_error_why);
+  pthread_mutex_unlock(&q->mu);
+  return tdm__why_dup(buf);
+}
+
+/* A marker reports the queue's first error since the last sync, with its words; a sync marker
+ * clears it and takes the words over. */
+static void marker_finish(tdm__cmd *cmd, int nstatus, int native) {
+  tdm__queue *q = cmd->ev->q;
+  tdm__event *ev = cmd->ev;
+  bool sync = (cmd->flags & TDM__CMD_SYNC) != 0;
+  int status = 0;
+  ev->cause_op = NULL; /* read only for markers */
+  if (atomic_load(&q->first_error)) { /* rare: the error comes with its command's name */
+    char buf[TDM__WHY_MAX];
+    buf[0] = '\0';
+    pthread_mutex_lock(&q->mu);
+    status = sync ? atomic_exchange(&q->first_error, 0) : atomic_load(&q->first_error);
+    ev->cause_op = q->first_error_op;
+    ev->cause_seq = q->first_error_seq;
+    if (sync) {
+      ev->why = q->first_error_why;
+      q->first_error_why = NULL;
+    } else if (q->first_error_why) {
+      snprintf(buf, sizeof buf, "%s", q->first_error_why);
+    }
+    pthread_mutex_unlock(&q->mu);
+    if (!sync) ev->why = tdm__why_dup(buf);
+    ev->why_relayed = true;
+  }
+  if (sync && !ooo(q)) q->chain_error = 0;
+  if (!status && nstatus) status = nstatus;
+  tdm__cmd_done(cmd, status, native);
+}
+
 void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native) {
   tdm__queue *q = cmd->ev->q;
-  int status = 0;
-  for (size_t i = 0; i < cmd->ndeps; i++)
-    if (tdm__event_wait_raw(cmd->deps[i].ev) < 0) status = TDM_EDEP;
-
   if (cmd->kind == TDM__CMD_MARKER) {
-    /* A marker reports the queue's first error since the last sync; a sync marker clears it. */
-    status = 0;
-    cmd->ev->cause_op = NULL; /* read only for markers */
-    if (atomic_load(&q->first_error)) { /* rare: the error comes with its command's name */
-      pthread_mutex_lock(&q->mu);
-      status = (cmd->flags & TDM__CMD_SYNC) ? atomic_exchange(&q->first_error, 0)
-                                             : atomic_load(&q->first_error);
-      cmd->ev->cause_op = q->first_error_op;
-      cmd->ev->cause_seq = q->first_error_seq;
-      pthread_mutex_unlock(&q->mu);
-    }
-    if ((cmd->flags & TDM__CMD_SYNC) && !ooo(q)) q->chain_error = 0;
-    if (!status && nstatus) status = nstatus;
-    tdm__cmd_done(cmd, status, native);
+    for (size_t i = 0; i < cmd->ndeps; i++) tdm__event_wait_raw(cmd->deps[i].ev);
+    marker_finish(cmd, nstatus, native);
     return;
   }
+  int status = 0;
+  tdm__event *failed = NULL; /* the first dependency that failed */
+  for (size_t i = 0; i < cmd->ndeps; i++)
+    if (tdm__event_wait_raw(cmd->deps[i].ev) < 0) {
+      status = TDM_EDEP;
+      if (!failed) failed = cmd->deps[i].ev;
+    }
   if (status == 0 && !ooo(q) && q->chain_error) status = TDM_EDEP;
+  if (status == TDM_EDEP) { /* rare: the command says which failure it did not run after */
+    cmd->ev->why = failed ? tdm__event_cause_dup(failed) : first_error_why(q);
+    cmd->ev->why_relayed = true;
+  }
   if (status == 0 && nstatus) status = nstatus;
   bool host = !tdm__b_is_native(q->dev) || (cmd->flags & TDM__CMD_ON_HOST);
   if ((host || cmd->kind == TDM__CMD_HOST) &&
@@ -595,15 +652,19 @@ int tdm_queue_sync(tdm_queue *qh) {
   const char *cause = ev->cause_op;
   unsigned long long cause_seq = (unsigned long long)ev->cause_seq;
   int native = ev->native;
+  /* The failure in words (with what a failed host task said), as its command's own waiters
+   * hear it; without them (no memory was left to keep them), its name and number. */
+  if (rc && ev->why)
+    tdm__error(rc, native, "%s; the first error since the last sync", ev->why);
+  else if (rc && cause)
+    tdm__error(rc, native, "%s on %s (command #%llu) failed; the first error since the last sync",
+               cause, q->label, cause_seq);
+  else if (rc)
+    tdm__error(rc, native, "%s: the first error since the last sync", q->label);
   tdm__event_unref(ev);
   /* Everything the tracker holds has completed: let it go now rather than at the next prune. */
   pthread_mutex_lock(&q->submit_mu);
   tdm__tracker_prune(q);
   pthread_mutex_unlock(&q->submit_mu);
-  if (rc && cause)
-    tdm__error(rc, native, "%s on %s (command #%llu) failed; the first error since the last sync",
-               cause, q->label, cause_seq);
-  else if (rc)
-    tdm__error(rc, native, "%s: the first error since the last sync", q->label);
   return rc;
 }
