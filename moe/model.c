@@ -10,7 +10,9 @@
  *   each, in the streamer's order, each as its weights land;
  * - a small one (decode) runs experts(): a group of experts per submission, so the host's cost
  *   no longer grows with the experts routed. When every expert is resident the routing never
- *   comes back to the host (group() on the device, then one group of the whole layer); else
+ *   comes back to the host (group() on the device, then one group of the whole layer), and
+ *   where the op table can record (CUDA) a pass's layers are recorded once per ubatch size and
+ *   then run as one submission; else
  *   the host groups the tokens, submits the experts that are on the device as one group and
  *   each expert still landing with the ready ones behind it as the next. */
 #include <math.h>
@@ -83,6 +85,8 @@ struct tdm_moe_model {
   bool device_routed;         /* every expert resident: small ubatches route on the device */
   int64_t *wofs;              /* device [L x E]: each expert's weights from wbase */
   int32_t *idx_all, *idx_all_h; /* device-routed passes: [L x min(maxT, GROUPED_MAX_T) x k] */
+  void *graphs[GROUPED_MAX_T + 1]; /* device-routed passes recorded once per ubatch size, where
+                                      the op table can record (graph_begin) */
   float *x_h;                 /* pinned: a ubatch's activations, in and out */
   int *scratch;               /* 3 x E: per-expert counts, offsets, order */
   int *fill;                  /* E: group()'s cursors */
@@ -393,6 +397,8 @@ void tdm_moe_model_destroy(tdm_moe_model *m) {
                  m->idx_all, m->idx_all_h};
   for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
     if (dev[i]) tdm_free(dev[i]);
+  for (int t = 0; t <= GROUPED_MAX_T; t++)
+    if (m->graphs[t]) m->ops->graph_free(m->ops_state, m->graphs[t]);
   if (m->ops_state) m->ops->close(m->ops_state);
   if (m->q) tdm_queue_destroy(m->q);
   free(m->host_ptrs);
@@ -659,6 +665,30 @@ static int layer_device(tdm_moe_model *m, int l, int T) {
   return layer_combine(m, l, T);
 }
 
+/* Every layer of a device-routed pass. Where the op table can record, the layers of a ubatch
+ * size are recorded once, the first time, and from then on run as one submission: the same
+ * kernels on the same buffers, so the same bits, for a fraction of the host's time. */
+static int device_layers(tdm_moe_model *m, int T) {
+  const tdm_moe_ops *ops = m->ops;
+  int rc = 0;
+  if (!ops->graph_begin) {
+    for (int l = 0; !rc && l < m->L; l++) rc = layer_device(m, l, T);
+    return rc;
+  }
+  if (!m->graphs[T]) {
+    if ((rc = ops->graph_begin(m->ops_state, m->q))) return rc;
+    for (int l = 0; !rc && l < m->L; l++) rc = layer_device(m, l, T);
+    void *g = NULL;
+    int erc = ops->graph_end(m->ops_state, m->q, &g);
+    if (rc || erc) {
+      if (g) ops->graph_free(m->ops_state, g);
+      return rc ? rc : erc;
+    }
+    m->graphs[T] = g;
+  }
+  return ops->graph_launch(m->ops_state, m->q, m->graphs[T]);
+}
+
 /* The experts of a device-routed pass, from its routing (read back after the pass): every one
  * was resident, so each routed expert of a layer counts as one acquire that hit. */
 static void count_device_routed(tdm_moe_model *m, int T, tdm_moe_pass_stats *st) {
@@ -676,7 +706,6 @@ static void count_device_routed(tdm_moe_model *m, int T, tdm_moe_pass_stats *st)
 /* One layer, x += MoE(RMSNorm(x)), submitted on the compute queue. */
 static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stats *st, int *count,
                  int *offset, int *order) {
-  if (T <= GROUPED_MAX_T && m->device_routed) return layer_device(m, l, T);
   tdm_event *predicted = NULL;
   int rc = layer_route(m, l, T, st, count, offset, &predicted), n = 0;
   if (!rc) {
@@ -712,7 +741,8 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   tdm_streamer_stats_get(m->streamer, &s0);
   double t0 = now_s();
   rc = tdm_memcpy(m->q, m->x, xh, bytes, TDM_COPY_H2D, 0, NULL, NULL);
-  for (int l = 0; !rc && l < m->L; l++)
+  if (!rc && on_device) rc = device_layers(m, T);
+  for (int l = 0; !rc && !on_device && l < m->L; l++)
     rc = layer(m, l, T, overlap, st, count, count + m->E, count + 2 * m->E);
   if (!rc) rc = tdm_memcpy(m->q, xh, m->x, bytes, TDM_COPY_D2H, 0, NULL, NULL);
   if (!rc && on_device)

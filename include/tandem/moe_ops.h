@@ -126,6 +126,22 @@ typedef struct tdm_moe_ops {
   /* Deterministic combine: y[t] += sum_{j<k} weights[t*k+j] * out[t*k+j], j ascending. */
   int (*combine)(void *st, tdm_queue *q, float *y, const float *out, const float *weights, int T,
                  int H, int k);
+
+  /* Optional (NULL where a backend has none; the CUDA table has them): the ops called on the
+   * state between graph_begin() and graph_end() are recorded, not run, into a graph that
+   * graph_launch() then runs on the queue, in stream order, as one submission, as often as
+   * wanted, with the same arguments (pointers included: a graph reads and writes the buffers
+   * it was recorded with, their contents as they are when it runs). Recording uses a stream of
+   * the state's own, so the queue and everything tandem does on it go on as usual meanwhile
+   * (copies, syncs, from any thread); the state's ops are recorded, not run, until
+   * graph_end(), and are called from one thread at a time as always. An op that fails while
+   * recording fails the recording: graph_end() then returns that error and no graph (the
+   * caller drops the recording with graph_end() either way). Misuse (begin twice, end without
+   * begin) is TDM_ESTATE. A graph belongs to its state: graph_free() it before close(). */
+  int (*graph_begin)(void *st, tdm_queue *q);
+  int (*graph_end)(void *st, tdm_queue *q, void **graph);
+  int (*graph_launch)(void *st, tdm_queue *q, void *graph);
+  void (*graph_free)(void *st, void *graph);
 } tdm_moe_ops;
 
 /* The table for the device's backend, or NULL (with tdm_last_error() set) when this build of

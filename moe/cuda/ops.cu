@@ -66,7 +66,11 @@ typedef struct gemm_plan {
 
 typedef struct moe_cuda {
   tdm_queue *q;        /* the queue open() bound the state to */
-  cudaStream_t s;      /* its native stream */
+  cudaStream_t s;      /* where ops launch: the queue's stream, or cap while recording */
+  cudaStream_t qs;     /* the queue's native stream */
+  cudaStream_t cap;    /* graph recording: a stream of the state's own, made at first use */
+  bool recording;      /* between graph_begin and graph_end */
+  int rec_failed;      /* a CUDA or cuBLAS failure while recording: its code (graph_end's) */
   int dev;             /* its device ordinal */
   cublasHandle_t blas; /* bound to s, with ws as its workspace */
   cublasLtHandle_t lt; /* the plans' handle; its calls name s and ws themselves */
@@ -83,15 +87,19 @@ typedef struct moe_cuda {
 static int cuda_fail(moe_cuda *m, cudaError_t e, const char *what) {
   m->failed = what;
   m->native = (int)e;
-  return tdm_set_error(e == cudaErrorMemoryAllocation ? TDM_ENOMEM : TDM_EBACKEND, (int)e,
-                       "moe cuda: %s failed: %s", what, cudaGetErrorString(e));
+  int rc = tdm_set_error(e == cudaErrorMemoryAllocation ? TDM_ENOMEM : TDM_EBACKEND, (int)e,
+                         "moe cuda: %s failed: %s", what, cudaGetErrorString(e));
+  if (m->recording && !m->rec_failed) m->rec_failed = rc;
+  return rc;
 }
 
 static int blas_fail(moe_cuda *m, cublasStatus_t st, const char *what) {
   m->failed = what;
   m->native = (int)st;
-  return tdm_set_error(st == CUBLAS_STATUS_ALLOC_FAILED ? TDM_ENOMEM : TDM_EBACKEND, (int)st,
-                       "moe cuda: %s failed with cuBLAS status %d", what, (int)st);
+  int rc = tdm_set_error(st == CUBLAS_STATUS_ALLOC_FAILED ? TDM_ENOMEM : TDM_EBACKEND, (int)st,
+                         "moe cuda: %s failed with cuBLAS status %d", what, (int)st);
+  if (m->recording && !m->rec_failed) m->rec_failed = rc;
+  return rc;
 }
 
 static int bad_args(const char *op) {
@@ -650,6 +658,7 @@ static void release(moe_cuda *m) {
   if (m->blas) cublasDestroy(m->blas);
   if (m->ws) cudaFree(m->ws);
   if (m->logits) cudaFree(m->logits);
+  if (m->cap) cudaStreamDestroy(m->cap);
   pthread_mutex_destroy(&m->plan_mu);
   free(m);
 }
@@ -691,7 +700,7 @@ static int cuda_open(tdm_queue *q, void **state) {
   if (!m) return tdm_set_error(TDM_ENOMEM, 0, "moe open: no host memory");
   pthread_mutex_init(&m->plan_mu, NULL);
   m->q = q;
-  m->s = (cudaStream_t)stream;
+  m->s = m->qs = (cudaStream_t)stream;
   m->dev = *(const int *)ordinal;
   int saved;
   if ((rc = enter(m, &saved))) {
@@ -712,7 +721,12 @@ static void cuda_close(void *state) {
   if (!m) return;
   int saved, dev = m->dev;
   int rc = enter(m, &saved);
-  if (cudaStreamSynchronize(m->s) != cudaSuccess) cudaGetLastError(); /* nothing to report to */
+  if (m->recording) { /* a recording never ended: end it and drop what it holds */
+    cudaGraph_t g = NULL;
+    if (cudaStreamEndCapture(m->cap, &g) == cudaSuccess && g) cudaGraphDestroy(g);
+    cudaGetLastError();
+  }
+  if (cudaStreamSynchronize(m->qs) != cudaSuccess) cudaGetLastError(); /* nothing to report to */
   release(m);
   if (!rc && saved != dev) cudaSetDevice(saved);
 }
@@ -1011,6 +1025,93 @@ static int cuda_combine(void *st, tdm_queue *q, float *y, const float *out, cons
   return rc;
 }
 
+/* ---- graphs: the ops recorded on a stream of the state's own, then run on the queue ----
+ * Recording never touches the queue's stream, so tandem's own work on it (its copies, the
+ * events it records and waits for) goes on as usual meanwhile, from any thread: the capture is
+ * relaxed, so a call that would synchronize (a tandem sync, say) is not refused for it. cuBLAS's handle follows the
+ * recording stream (cuBLASLt calls name m->s themselves); cublasSetStream resets the handle's
+ * workspace, so it is set again each time. */
+
+static int blas_bind(moe_cuda *m, cudaStream_t s) {
+  CK_BLAS(cublasSetStream(m->blas, s));
+  CK_BLAS(cublasSetWorkspace(m->blas, m->ws, BLAS_WS_BYTES));
+  return 0;
+}
+
+static int cuda_graph_begin(void *st, tdm_queue *q) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q)) return bad_args("graph_begin");
+  if (m->recording)
+    return tdm_set_error(TDM_ESTATE, 0, "moe graph_begin: this state is already recording");
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  cudaError_t e = m->cap ? cudaSuccess : cudaStreamCreateWithFlags(&m->cap, cudaStreamNonBlocking);
+  if (e == cudaSuccess) e = cudaStreamBeginCapture(m->cap, cudaStreamCaptureModeRelaxed);
+  if (e != cudaSuccess) {
+    rc = cuda_fail(m, e, "cudaStreamBeginCapture");
+  } else if ((rc = blas_bind(m, m->cap))) {
+    cudaGraph_t g = NULL;
+    if (cudaStreamEndCapture(m->cap, &g) == cudaSuccess && g) cudaGraphDestroy(g);
+    blas_bind(m, m->qs);
+  } else {
+    m->s = m->cap;
+    m->recording = true;
+    m->rec_failed = 0;
+  }
+  leave(m, saved);
+  return rc;
+}
+
+static int cuda_graph_end(void *st, tdm_queue *q, void **graph) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || !graph) return bad_args("graph_end");
+  if (!m->recording)
+    return tdm_set_error(TDM_ESTATE, 0, "moe graph_end: this state is not recording");
+  *graph = NULL;
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  cudaGraph_t g = NULL;
+  cudaError_t e = cudaStreamEndCapture(m->cap, &g);
+  m->s = m->qs;
+  m->recording = false;
+  int brc = blas_bind(m, m->qs);
+  if (m->rec_failed) {
+    rc = m->rec_failed;
+  } else if (e != cudaSuccess) {
+    rc = cuda_fail(m, e, "cudaStreamEndCapture");
+  } else if (brc) {
+    rc = brc;
+  } else {
+    cudaGraphExec_t x = NULL;
+    e = cudaGraphInstantiate(&x, g, 0);
+    if (e != cudaSuccess) rc = cuda_fail(m, e, "cudaGraphInstantiate");
+    else *graph = x;
+  }
+  if (g) cudaGraphDestroy(g);
+  leave(m, saved);
+  return rc;
+}
+
+static int cuda_graph_launch(void *st, tdm_queue *q, void *graph) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || !graph || m->recording) return bad_args("graph_launch");
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  cudaError_t e = cudaGraphLaunch((cudaGraphExec_t)graph, m->qs);
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "cudaGraphLaunch");
+  leave(m, saved);
+  return rc;
+}
+
+static void cuda_graph_free(void *st, void *graph) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (!m || !graph) return;
+  int saved;
+  if (enter(m, &saved)) return;
+  cudaGraphExecDestroy((cudaGraphExec_t)graph);
+  leave(m, saved);
+}
+
 extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .name = */ "cuda",
     /* .open = */ cuda_open,
@@ -1021,6 +1122,10 @@ extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .experts = */ cuda_experts,
     /* .group = */ cuda_group,
     /* .combine = */ cuda_combine,
+    /* .graph_begin = */ cuda_graph_begin,
+    /* .graph_end = */ cuda_graph_end,
+    /* .graph_launch = */ cuda_graph_launch,
+    /* .graph_free = */ cuda_graph_free,
 };
 
 /* The entry libtandem_moe looks up when it loads this module (libtandem_moe-cuda.so). */
