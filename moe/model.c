@@ -223,7 +223,8 @@ static int setup_buffers(tdm_moe_model *m) {
   int Tg = T < GROUPED_MAX_T ? T : GROUPED_MAX_T; /* the largest grouped ubatch */
   size_t tgk = (size_t)Tg * m->k;
   /* One workspace serves both ways: expert() on up to T tokens, experts() on Tg * k rows. */
-  size_t ws1 = tdm_moe_ops_workspace(T, m->H, Imax), ws2 = tdm_moe_ops_workspace((int)tgk, m->H, m->I);
+  size_t ws1 = tdm_moe_ops_workspace(T, m->H, Imax);
+  size_t ws2 = tdm_moe_ops_workspace((int)tgk, m->H, m->I);
   m->ws_bytes = ws1 > ws2 ? ws1 : ws2;
   int rc = ws1 && ws2 ? 0 : tdm_set_error(TDM_EINVAL, 0, "a ubatch of %d tokens is too large", T);
   if (!rc) rc = dev_alloc(m, th, &m->x);
@@ -235,7 +236,8 @@ static int setup_buffers(tdm_moe_model *m) {
   if (!rc) rc = dev_alloc(m, (size_t)m->E * sizeof(tdm_moe_group), &m->groups);
   if (!rc) rc = dev_alloc(m, m->ws_bytes, &m->ws);
   if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * sizeof(int32_t), (void **)&m->idx_h);
-  if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, 2 * tk * sizeof(int32_t), (void **)&m->rs_h);
+  if (!rc)
+    rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, 2 * tk * sizeof(int32_t), (void **)&m->rs_h);
   if (!rc)
     rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, (size_t)m->E * sizeof(tdm_moe_group),
                     (void **)&m->groups_h);

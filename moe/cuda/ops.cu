@@ -445,49 +445,64 @@ static __device__ void gx_gate_up_row(const float *x, uint32_t xlimit, const int
   }
 }
 
-/* Down row c of one expert on its tokens: out[slot][c] = h . Wd[c]; a slot outside out's
- * allocation is not written, nor the slot of a token whose row lies outside x's (its h was
- * never written). */
+/* Down rows c0 .. c0 + GX_DOWN_ROWS - 1 (those below H) of one expert on its tokens:
+ * out[slot][c] = h . Wd[c]. Each h value loaded serves every row of the warp, and each row's
+ * sums run in the same order as with one row a warp. A slot outside out's allocation is not
+ * written, nor the slot of a token whose row lies outside x's (its h was never written). */
+#define GX_DOWN_ROWS 2
 template <bool VEC>
-static __device__ void gx_down_row(const float *h, const int32_t *rows, uint32_t xlimit,
-                                   const int32_t *slot, uint32_t olimit, const tdm_moe_group &g,
-                                   const uint16_t *Wd, int H, int I, int c, float *out) {
-  const int lane = threadIdx.x & 31;
-  const uint16_t *wr = Wd + (size_t)c * I;
+static __device__ void gx_down_rows(const float *h, const int32_t *rows, uint32_t xlimit,
+                                    const int32_t *slot, uint32_t olimit, const tdm_moe_group &g,
+                                    const uint16_t *Wd, int H, int I, int c0, float *out) {
+  const int lane = threadIdx.x & 31, nr = min(GX_DOWN_ROWS, H - c0);
   for (int t0 = 0; t0 < g.count; t0 += GX_NT) {
     const int nt = min(GX_NT, g.count - t0);
-    float acc[GX_NT];
+    float acc[GX_DOWN_ROWS][GX_NT];
 #pragma unroll
-    for (int t = 0; t < GX_NT; t++) acc[t] = 0.f;
+    for (int r = 0; r < GX_DOWN_ROWS; r++)
+#pragma unroll
+      for (int t = 0; t < GX_NT; t++) acc[r][t] = 0.f;
     for (int i0 = lane * 8; i0 < I; i0 += 256 * GX_UNROLL) {
-      uint4 rw[GX_UNROLL];
+      uint4 rw[GX_UNROLL][GX_DOWN_ROWS];
 #pragma unroll
       for (int u = 0; u < GX_UNROLL; u++)
-        if (i0 + 256 * u < I) rw[u] = load_raw8<VEC>(wr, i0 + 256 * u, I);
+#pragma unroll
+        for (int r = 0; r < GX_DOWN_ROWS; r++)
+          if (r < nr && i0 + 256 * u < I)
+            rw[u][r] = load_raw8<VEC>(Wd + (size_t)(c0 + r) * I, i0 + 256 * u, I);
 #pragma unroll
       for (int u = 0; u < GX_UNROLL; u++) {
         const int i = i0 + 256 * u;
         if (i >= I) break;
-        float wv[8];
-        widen8(rw[u], wv);
+        float wv[GX_DOWN_ROWS][8];
+#pragma unroll
+        for (int r = 0; r < GX_DOWN_ROWS; r++)
+          if (r < nr) widen8(rw[u][r], wv[r]);
 #pragma unroll
         for (int t = 0; t < GX_NT; t++) {
           if (t >= nt) break;
           float hv[8];
           load_f8<VEC>(h + ((size_t)g.first + t0 + t) * I, i, I, hv);
 #pragma unroll
-          for (int j = 0; j < 8; j++)
-            if (VEC || i + j < I) acc[t] = fmaf(hv[j], wv[j], acc[t]);
+          for (int r = 0; r < GX_DOWN_ROWS; r++)
+            if (r < nr)
+#pragma unroll
+              for (int j = 0; j < 8; j++)
+                if (VEC || i + j < I) acc[r][t] = fmaf(hv[j], wv[r][j], acc[r][t]);
         }
       }
     }
 #pragma unroll
     for (int t = 0; t < GX_NT; t++) {
       if (t >= nt) break;
-      float v = warp_sum(acc[t]);
       uint32_t s = (uint32_t)slot[g.first + t0 + t];
-      if (lane == 0 && s < olimit && (uint32_t)rows[g.first + t0 + t] < xlimit)
-        out[(size_t)s * H + c] = v;
+      bool ok = s < olimit && (uint32_t)rows[g.first + t0 + t] < xlimit;
+#pragma unroll
+      for (int r = 0; r < GX_DOWN_ROWS; r++) {
+        if (r >= nr) break;
+        float v = warp_sum(acc[r][t]);
+        if (lane == 0 && ok) out[(size_t)s * H + c0 + r] = v;
+      }
     }
   }
 }
@@ -513,13 +528,13 @@ static __global__ void gx_down_kernel(const float *h, const int32_t *rows, uint3
                                       const tdm_moe_group *groups, int H, int I, bool vec,
                                       float *out) {
   const tdm_moe_group g = groups[blockIdx.y];
-  const int c = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
-  if (c >= H || !entry_ok(g, n, wlimit, 3LL * H * I)) return;
+  const int c0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * GX_DOWN_ROWS;
+  if (c0 >= H || !entry_ok(g, n, wlimit, 3LL * H * I)) return;
   const uint16_t *Wd = wbase + g.w + 2 * (size_t)I * H;
   if (vec && (g.w & 7) == 0)
-    gx_down_row<true>(h, rows, xlimit, slot, olimit, g, Wd, H, I, c, out);
+    gx_down_rows<true>(h, rows, xlimit, slot, olimit, g, Wd, H, I, c0, out);
   else
-    gx_down_row<false>(h, rows, xlimit, slot, olimit, g, Wd, H, I, c, out);
+    gx_down_rows<false>(h, rows, xlimit, slot, olimit, g, Wd, H, I, c0, out);
 }
 
 /* ---- the router for small ubatches (T <= ROUTER_TOKENS) ----
@@ -979,8 +994,10 @@ static int cuda_experts(void *st, tdm_queue *q, const float *x, const int32_t *r
                       0, m->s>>>(x, xlimit, rows, n, wbase, wlimit, groups, H, I, vec, h);
   cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) {
-    gx_down_kernel<<<dim3((unsigned)((H + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G), MOE_THREADS,
-                     0, m->s>>>(h, rows, xlimit, slot, olimit, n, wbase, wlimit, groups, H, I, vec, out);
+    const int down_rows = MOE_WARPS * GX_DOWN_ROWS; /* output rows a block */
+    gx_down_kernel<<<dim3((unsigned)((H + down_rows - 1) / down_rows), (unsigned)G), MOE_THREADS,
+                     0, m->s>>>(h, rows, xlimit, slot, olimit, n, wbase, wlimit, groups, H, I,
+                                vec, out);
     e = cudaGetLastError();
   }
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "the grouped expert kernels");
@@ -1028,9 +1045,9 @@ static int cuda_combine(void *st, tdm_queue *q, float *y, const float *out, cons
 /* ---- graphs: the ops recorded on a stream of the state's own, then run on the queue ----
  * Recording never touches the queue's stream, so tandem's own work on it (its copies, the
  * events it records and waits for) goes on as usual meanwhile, from any thread: the capture is
- * relaxed, so a call that would synchronize (a tandem sync, say) is not refused for it. cuBLAS's handle follows the
- * recording stream (cuBLASLt calls name m->s themselves); cublasSetStream resets the handle's
- * workspace, so it is set again each time. */
+ * relaxed, so a call that would synchronize (a tandem sync, say) is not refused for it.
+ * cuBLAS's handle follows the recording stream (cuBLASLt calls name m->s themselves);
+ * cublasSetStream resets the handle's workspace, so it is set again each time. */
 
 static int blas_bind(moe_cuda *m, cudaStream_t s) {
   CK_BLAS(cublasSetStream(m->blas, s));
