@@ -548,8 +548,13 @@ static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pas
   if ((rc = tdm_memcpy(m->q, m->groups + at, m->groups_h + at, (size_t)nb * sizeof *m->groups_h,
                        TDM_COPY_H2D, 0, NULL, NULL)) ||
       (rc = m->ops->experts(m->ops_state, m->q, m->xn, m->rows, m->slots, T * m->k, m->wbase,
-                            m->groups + at, nb, m->H, m->I, m->out, m->ws, m->ws_bytes)))
+                            m->groups + at, nb, m->H, m->I, m->out, m->ws, m->ws_bytes))) {
+    for (int i = 0; i < nb; i++) { /* unpinned, after whatever was queued */
+      int rr = tdm_streamer_release(m->streamer, l, b[i], NULL);
+      (void)rr; /* the first failure is the one reported */
+    }
     return rc;
+  }
   double t1 = now_s();
   st->ops_seconds += t1 - t0;
   tdm_event *done = NULL;
