@@ -12,7 +12,11 @@
  *   no longer grows with the experts routed. When every expert is resident the routing never
  *   comes back to the host (group() on the device, then one group of the whole layer); else
  *   the host groups the tokens, submits the experts that are on the device as one group and
- *   each expert still landing with the ready ones behind it as the next. */
+ *   each expert still landing with the ready ones behind it as the next.
+ * In that last case, with placement AUTO or HOST, experts that are neither on the device nor
+ * on their way may be computed by the host CPU from their pinned copies instead (all of them,
+ * or the share a cost model calibrated at creation gives), on host queues joined to the
+ * compute queue by device-side waits, while the link copies the rest. */
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>

@@ -4,8 +4,9 @@
  * streamed and overlapped, and streamed serialized; then it reports tokens/s, bytes copied,
  * link utilization against a raw pinned copy measured at start-up, the hidden fraction, where
  * the routed experts were found (resident, covered by a copy in flight, demand miss), the
- * staging slots, and whether the streamed output is bitwise equal to the all-resident output;
- * for decode, the bytes copied per token and the bound the link sets from them. */
+ * staging slots, and whether the streamed output is bitwise equal to the all-resident output
+ * (within a relative tolerance when experts were computed on the host, --placement); for
+ * decode, the bytes copied per token and the bound the link sets from them. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>

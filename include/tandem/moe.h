@@ -118,8 +118,9 @@ typedef struct tdm_moe_pass_stats {
 } tdm_moe_pass_stats;
 
 /* Runs every layer on a ubatch of T tokens: x (host f32 [T x H]) in, y out. overlap false makes
- * copies and compute alternate: each copy waits for the compute before it, none runs ahead.
- * One pass at a time per model (the model's buffers serve every pass). */
+ * copies and compute alternate: each copy waits for the compute before it, none runs ahead
+ * (experts placed on the host still run beside them: they copy nothing). One pass at a time
+ * per model (the model's buffers serve every pass). */
 TDM_API int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool overlap, tdm_moe_pass_stats *st);
 
 TDM_API tdm_streamer *tdm_moe_streamer(tdm_moe_model *m);
