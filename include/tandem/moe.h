@@ -68,7 +68,7 @@ typedef struct tdm_moe_config {
                               other kind of device is TDM_EINVAL */
   int host_queues;         /* host experts run in parallel on this many in-order queues of the
                               host device, each with its own op state and workspace (0: the
-                              cores online; negative: TDM_EINVAL) */
+                              cores online; at most 256 are made; negative: TDM_EINVAL) */
 } tdm_moe_config;
 
 typedef struct tdm_moe_model tdm_moe_model;
