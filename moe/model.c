@@ -14,7 +14,11 @@
  *   where the op table can record (CUDA) a pass's layers are recorded once per ubatch size and
  *   then run as one submission; else
  *   the host groups the tokens, submits the experts that are on the device as one group and
- *   each expert still landing with the ready ones behind it as the next. */
+ *   each expert still landing with the ready ones behind it as the next.
+ * In that last case, with placement AUTO or HOST, experts that are neither on the device nor
+ * on their way may be computed by the host CPU from their pinned copies instead (all of them,
+ * or the share a cost model calibrated at creation gives), on host queues joined to the
+ * compute queue by device-side waits, while the link copies the rest. */
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -90,7 +94,20 @@ struct tdm_moe_model {
   float *x_h;                 /* pinned: a ubatch's activations, in and out */
   int *scratch;               /* 3 x E: per-expert counts, offsets, order */
   int *fill;                  /* E: group()'s cursors */
+  /* host placement (cfg.placement AUTO or HOST; all NULL under DEVICE) */
+  tdm_moe_placement_info place;
+  tdm_device *place_host_dev; /* the host device (cfg.host, or cpu:0) */
+  const tdm_moe_ops *hops;    /* the host device's (CPU) table */
+  int nhq;
+  tdm_queue **hq;             /* nhq in-order queues of the host device */
+  void **hstate, **hws;       /* per host queue: its op state and workspace */
+  size_t hws_bytes;
+  float *xn_h, *out_h;        /* pinned: a layer's xn, and the host experts' outputs by slot */
+  int *hsel, *hwhere;         /* E: a layer's host experts; the routed experts' whereabouts */
+  unsigned char *slot_host;   /* Tg x k: the slots the host experts wrote */
 };
+
+static double now_s(void);
 
 /* ---- deterministic random numbers ---- */
 
@@ -343,6 +360,156 @@ static int setup_streamer(tdm_moe_model *m) {
   return rc;
 }
 
+/* ---- host placement: the host's queues and buffers, and the cost model ---- */
+
+/* The placement fields of a configuration, checked before anything is allocated. */
+static int check_placement(const tdm_moe_config *cfg) {
+  if (cfg->placement != TDM_MOE_PLACE_DEVICE && cfg->placement != TDM_MOE_PLACE_AUTO &&
+      cfg->placement != TDM_MOE_PLACE_HOST)
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: placement %d is not "
+                         "TDM_MOE_PLACE_DEVICE, _AUTO or _HOST", (int)cfg->placement);
+  if (cfg->host_queues < 0)
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: %d host queues (0: the cores "
+                         "online, or a positive count)", cfg->host_queues);
+  if (cfg->host) {
+    tdm_device_info info;
+    int rc = tdm_device_info_get(cfg->host, &info);
+    if (rc) return rc;
+    /* The CPU table's tasks dereference their pointers: only a CPU device computes on the
+     * pinned copies in place. */
+    if (strcmp(info.backend, "cpu") != 0 || !(info.caps & TDM_DEVICE_CAP_HOST_MEMORY))
+      return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: the host device %s is not a "
+                           "CPU device (backend %s)", info.id, info.backend);
+  }
+  return 0;
+}
+
+/* GB/s of expert-sized pinned host-to-device copies: what one streamed expert costs the link,
+ * its per-copy overhead included. On a queue of its own into a scratch expert, so no slot of
+ * the streamer is touched; one copy warms up, then REPS back to back. */
+static int calibrate_link(tdm_moe_model *m, double *gbs) {
+  enum { REPS = 6 };
+  long keys = (long)m->L * m->E;
+  tdm_queue *q = NULL;
+  void *d = NULL;
+  int rc = tdm_queue_create(m->cfg.device, TDM_QUEUE_IN_ORDER, &q);
+  if (!rc) rc = dev_alloc(m, m->ebytes, &d);
+  if (!rc) rc = tdm_memcpy(q, d, m->host_ptrs[0], m->ebytes, TDM_COPY_H2D, 0, NULL, NULL);
+  if (!rc) rc = tdm_queue_sync(q);
+  double t0 = now_s();
+  for (int r = 0; !rc && r < REPS; r++)
+    rc = tdm_memcpy(q, d, m->host_ptrs[(r + 1) % keys], m->ebytes, TDM_COPY_H2D, 0, NULL, NULL);
+  if (!rc) rc = tdm_queue_sync(q);
+  double t = now_s() - t0;
+  if (d) tdm_free(d);
+  if (q) tdm_queue_destroy(q);
+  *gbs = !rc && t > 0 ? (double)REPS * m->ebytes / t / 1e9 : 0.0;
+  return rc;
+}
+
+/* GB/s of expert weights the host computes: the CPU table's expert() on one token, one expert
+ * on each host queue at once (a decode layer's host experts run so), a warm-up round and then
+ * REPS rounds, each expert a different one so its weights come from memory as in a pass. Each
+ * queue writes a slot of its own in a scratch block of the host device's memory. */
+static int calibrate_host(tdm_moe_model *m, double *gbs) {
+  enum { REPS = 3 };
+  long keys = (long)m->L * m->E;
+  int nq = m->nhq, H = m->H, rc;
+  size_t ints = 2 * (size_t)nq * sizeof(int32_t);
+  size_t bytes = ints + (size_t)(nq + 1) * H * sizeof(float);
+  char *blk = NULL;
+  if ((rc = tdm_malloc(m->place_host_dev, TDM_MEM_DEVICE, bytes, (void **)&blk))) return rc;
+  int32_t *rows = (int32_t *)blk, *slot = rows + nq;
+  float *x = (float *)(blk + ints), *out = x + H;
+  for (int j = 0; j < nq; j++) {
+    rows[j] = 0;
+    slot[j] = j;
+  }
+  for (int h = 0; h < H; h++) x[h] = 1.0f / (float)(h + 1);
+  double t0 = 0;
+  for (int r = 0; !rc && r <= REPS; r++) {
+    if (r == 1) t0 = now_s(); /* round 0 warms up */
+    for (int j = 0; !rc && j < nq; j++)
+      rc = m->hops->expert(m->hstate[j], m->hq[j], x, rows + j, slot + j, 1,
+                           m->host_ptrs[((long)r * nq + j) % keys], H, m->I, out, m->hws[j],
+                           m->hws_bytes);
+    for (int j = 0; j < nq; j++) {
+      int src = tdm_queue_sync(m->hq[j]);
+      if (!rc) rc = src;
+    }
+  }
+  double t = now_s() - t0;
+  tdm_free(blk);
+  *gbs = !rc && t > 0 ? (double)REPS * nq * m->ebytes / t / 1e9 : 0.0;
+  return rc;
+}
+
+/* The host device's queues, op states and workspaces, the pinned buffers host experts read
+ * and write, and the cost model. */
+static int setup_host(tdm_moe_model *m) {
+  int rc = 0, Tg = m->maxT < GROUPED_MAX_T ? m->maxT : GROUPED_MAX_T;
+  size_t tk = (size_t)Tg * m->k;
+  m->place_host_dev = m->cfg.host;
+  if (!m->place_host_dev && (rc = tdm_device_find("cpu:0", &m->place_host_dev))) return rc;
+  if (!(m->hops = tdm_moe_ops_for(m->place_host_dev))) return TDM_ENOTSUP; /* says why */
+  int n = m->cfg.host_queues > 0 ? m->cfg.host_queues : (int)sysconf(_SC_NPROCESSORS_ONLN);
+  m->nhq = n < 1 ? 1 : n > 256 ? 256 : n;
+  m->hq = calloc((size_t)m->nhq, sizeof *m->hq);
+  m->hstate = calloc((size_t)m->nhq, sizeof *m->hstate);
+  m->hws = calloc((size_t)m->nhq, sizeof *m->hws);
+  m->hsel = malloc((size_t)m->E * sizeof *m->hsel);
+  m->hwhere = malloc((size_t)m->E * sizeof *m->hwhere);
+  m->slot_host = malloc(tk);
+  if (!m->hq || !m->hstate || !m->hws || !m->hsel || !m->hwhere || !m->slot_host)
+    return tdm_set_error(TDM_ENOMEM, 0, "no memory for %d host queues", m->nhq);
+  /* An expert has at most Tg tokens (a token picks it once). */
+  m->hws_bytes = tdm_moe_ops_workspace(Tg, m->H, m->I);
+  for (int j = 0; !rc && j < m->nhq; j++) {
+    rc = tdm_queue_create(m->place_host_dev, TDM_QUEUE_IN_ORDER, &m->hq[j]);
+    if (!rc) rc = m->hops->open(m->hq[j], &m->hstate[j]);
+    if (!rc) rc = tdm_malloc(m->place_host_dev, TDM_MEM_DEVICE, m->hws_bytes, &m->hws[j]);
+  }
+  if (!rc)
+    rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, (size_t)Tg * m->H * sizeof(float),
+                    (void **)&m->xn_h);
+  if (!rc)
+    rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * m->H * sizeof(float), (void **)&m->out_h);
+  tdm_moe_placement_info *pi = &m->place;
+  if (!rc) rc = calibrate_link(m, &pi->link_gbs);
+  if (!rc) rc = calibrate_host(m, &pi->host_gbs);
+  if (!rc) {
+    pi->placement = m->cfg.placement;
+    pi->host_queues = m->nhq;
+    double sum = pi->host_gbs + pi->link_gbs;
+    pi->host_share = sum > 0 ? pi->host_gbs / sum : 0.0;
+  }
+  return rc;
+}
+
+/* Host queues are drained (close() waits for a queue's work) before their buffers go. */
+static void destroy_host(tdm_moe_model *m) {
+  for (int j = 0; m->hq && j < m->nhq; j++) {
+    if (m->hstate && m->hstate[j]) m->hops->close(m->hstate[j]);
+    if (m->hq[j]) tdm_queue_sync(m->hq[j]);
+    if (m->hws && m->hws[j]) tdm_free(m->hws[j]);
+    if (m->hq[j]) tdm_queue_destroy(m->hq[j]);
+  }
+  if (m->xn_h) tdm_free(m->xn_h);
+  if (m->out_h) tdm_free(m->out_h);
+  free(m->hq);
+  free(m->hstate);
+  free(m->hws);
+  free(m->hsel);
+  free(m->hwhere);
+  free(m->slot_host);
+}
+
+int tdm_moe_placement_get(const tdm_moe_model *m, tdm_moe_placement_info *out) {
+  if (!m || !out) return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_placement_get: m or out is NULL");
+  *out = m->place;
+  return 0;
+}
+
 int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   if (!cfg || !cfg->preset || !cfg->device || !out || cfg->max_tokens < 1)
     return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: bad configuration");
@@ -367,6 +534,7 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
     rc = tdm_set_error(TDM_ENOMEM, 0, "%s with %d layers needs %.1f GiB of pinned host memory; "
                     "this machine has %.1f GiB: use --layers to run fewer", m->p.name, m->L,
                     host / 1073741824.0, phys / 1073741824.0);
+  if (!rc) rc = check_placement(cfg);
   if (!rc && !(m->ops = tdm_moe_ops_for(cfg->device)))
     rc = TDM_ENOTSUP; /* tdm_moe_ops_for's message says why (no BLAS, a module that failed) */
   if (!rc) rc = tdm_queue_create(cfg->device, TDM_QUEUE_IN_ORDER, &m->q);
@@ -379,6 +547,7 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   if (!rc) rc = setup_small_weights(m);
   if (!rc) rc = setup_buffers(m);
   if (!rc) rc = setup_streamer(m);
+  if (!rc && cfg->placement != TDM_MOE_PLACE_DEVICE) rc = setup_host(m);
   if (rc) {
     tdm_moe_model_destroy(m);
     return rc;
@@ -390,6 +559,7 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
 void tdm_moe_model_destroy(tdm_moe_model *m) {
   if (!m) return;
   if (m->q) tdm_queue_sync(m->q);
+  destroy_host(m);
   if (m->streamer) tdm_streamer_destroy(m->streamer);
   if (m->q) tdm_queue_sync(m->q);
   void *dev[] = {m->router, m->bias,  m->norm,   m->shared,   m->x,         m->xn,
@@ -572,6 +742,101 @@ static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pas
   return rc;
 }
 
+/* Placement of the routed experts order[0..n) of layer l (in the streamer's order): the host
+ * candidates are those neither on the device nor on their way. HOST takes every candidate;
+ * AUTO takes the share the cost model gives of the layer's non-resident experts (candidates
+ * and copies in flight: both sides then finish them at about the same time), rounded, at most
+ * every candidate, and the last ones in the order: their copies would start last. The host's
+ * experts go to host[0..*nh) in order; order keeps the device's, in order, *n of them. */
+static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh,
+                 int *candidates) {
+  int ncand = 0, ninflight = 0, *where = m->hwhere;
+  *nh = *candidates = 0;
+  for (int i = 0; i < *n; i++) {
+    if ((where[i] = tdm_streamer_where(m->streamer, l, order[i])) < 0) return where[i];
+    ncand += where[i] == TDM_EXPERT_ABSENT;
+    ninflight += where[i] == TDM_EXPERT_INFLIGHT;
+  }
+  int want = ncand;
+  if (m->place.placement == TDM_MOE_PLACE_AUTO) {
+    want = (int)lround(m->place.host_share * (ncand + ninflight));
+    if (want > ncand) want = ncand;
+    if (want < 0) want = 0;
+  }
+  /* Mark the last `want` candidates (where = -1), then split the order. */
+  for (int i = *n - 1, left = want; i >= 0 && left > 0; i--)
+    if (where[i] == TDM_EXPERT_ABSENT) {
+      where[i] = -1;
+      left--;
+    }
+  int kept = 0;
+  for (int i = 0; i < *n; i++) {
+    if (where[i] == -1) host[(*nh)++] = order[i];
+    else order[kept++] = order[i];
+  }
+  *n = kept;
+  *candidates = ncand;
+  return 0;
+}
+
+/* The host experts host[0..nh) of layer l, submitted before the device's: xn lands in pinned
+ * memory (a copy on the compute queue, whose event every host queue used waits for, device-
+ * side), and each expert runs the CPU table's expert() on a host queue, round-robin, from its
+ * pinned weights, writing out_h at its tokens' slots.
+ * What the host queues read stays put until they are done, ordered by events:
+ * - xn_h is written next by the next layer's copy, which the compute queue runs after
+ *   host_join()'s waits for this layer's host queues;
+ * - rows_h and slots_h (the token lists group() built) are rewritten by the host thread only
+ *   after it has waited for the next routing's copy (layer_route), which the in-order compute
+ *   queue also runs after those waits, so only once every host expert of this layer is done;
+ *   the next pass regroups after tdm_moe_forward's final sync, which covers them too;
+ * - out_h is written next by the next layer's host experts, after the next xn copy, which the
+ *   compute queue runs after this layer's copies out of out_h.
+ * Under TSan these are happens-before edges through tandem's events, not through timing. */
+static int host_submit(tdm_moe_model *m, int l, int T, const int *count, const int *offset,
+                       const int *host, int nh) {
+  tdm_event *xn_ready = NULL;
+  int used = nh < m->nhq ? nh : m->nhq;
+  int rc = tdm_memcpy(m->q, m->xn_h, m->xn, (size_t)T * m->H * sizeof(float), TDM_COPY_D2H, 0,
+                      NULL, &xn_ready);
+  for (int j = 0; !rc && j < used; j++) rc = tdm_queue_wait(m->hq[j], xn_ready);
+  if (xn_ready) tdm_event_release(xn_ready);
+  for (int i = 0; !rc && i < nh; i++) {
+    int e = host[i], j = i % m->nhq;
+    rc = m->hops->expert(m->hstate[j], m->hq[j], m->xn_h, m->rows_h + offset[e],
+                         m->slots_h + offset[e], count[e], m->host_ptrs[(size_t)l * m->E + e],
+                         m->H, m->I, m->out_h, m->hws[j], m->hws_bytes);
+  }
+  return rc;
+}
+
+/* The join: the compute queue waits (device-side) for each host queue used, then copies the
+ * rows the host experts wrote into out, runs of adjacent slots at once, ahead of the combine. */
+static int host_join(tdm_moe_model *m, int T, const int *count, const int *offset,
+                     const int *host, int nh) {
+  int rc = 0, used = nh < m->nhq ? nh : m->nhq, n = T * m->k;
+  for (int j = 0; !rc && j < used; j++) {
+    tdm_event *done;
+    if (!(rc = tdm_event_record(m->hq[j], &done))) {
+      rc = tdm_queue_wait(m->q, done);
+      tdm_event_release(done);
+    }
+  }
+  memset(m->slot_host, 0, (size_t)n);
+  for (int i = 0; i < nh; i++)
+    for (int t = 0; t < count[host[i]]; t++) m->slot_host[m->slots_h[offset[host[i]] + t]] = 1;
+  size_t row = (size_t)m->H * sizeof(float);
+  for (int a = 0; !rc && a < n; a++) {
+    if (!m->slot_host[a]) continue;
+    int b = a;
+    while (b + 1 < n && m->slot_host[b + 1]) b++;
+    rc = tdm_memcpy(m->q, (char *)m->out + a * row, (char *)m->out_h + a * row,
+                    (size_t)(b - a + 1) * row, TDM_COPY_H2D, 0, NULL, NULL);
+    a = b;
+  }
+  return rc;
+}
+
 /* A small ubatch's routed experts order[0..n) in groups (experts()), in the streamer's order:
  * the experts on the device go as one group, submitted before anything waits for a copy; each
  * expert still landing closes the group before it and opens the next, which the ready experts
@@ -580,7 +845,17 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
                                  tdm_moe_pass_stats *st, const int *count, const int *offset,
                                  int *order, int n) {
   int rc, at = 0, nb = 0, *batch = m->fill; /* group()'s cursors are free again */
+  int nh = 0, *host = m->hsel, candidates = 0;
   if ((rc = tdm_streamer_schedule(m->streamer, l, order, n))) return rc;
+  /* Host experts first, so the host works while the device's copies and compute go on; the
+   * device's list (order) no longer names them, so nothing prefetches or acquires them. */
+  if (m->place.placement != TDM_MOE_PLACE_DEVICE) {
+    if ((rc = place(m, l, order, &n, host, &nh, &candidates))) return rc;
+    st->host_candidates += (uint64_t)candidates;
+    double h0 = now_s();
+    if (nh && (rc = host_submit(m, l, T, count, offset, host, nh))) return rc;
+    st->ops_seconds += now_s() - h0;
+  }
   if (overlap && (rc = tdm_streamer_prefetch(m->streamer, l, order, n))) return rc;
   for (int i = 0; !rc && i < n; i++) {
     int e = order[i];
@@ -604,10 +879,18 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
       rc = tdm_streamer_prefetch(m->streamer, l, order + i + 1, n - i - 1);
     st->streamer_seconds += now_s() - t0;
   }
-  if (!rc) return nb ? group_flush(m, l, T, overlap, st, batch, nb, at) : 0;
-  for (int i = 0; i < nb; i++) { /* nothing computed; the slots are free after what was queued */
-    int rr = tdm_streamer_release(m->streamer, l, batch[i], NULL);
-    (void)rr; /* the first failure is the one reported */
+  if (rc) {
+    for (int i = 0; i < nb; i++) { /* nothing computed; the slots are free after what was queued */
+      int rr = tdm_streamer_release(m->streamer, l, batch[i], NULL);
+      (void)rr; /* the first failure is the one reported */
+    }
+    return rc; /* host experts already queued finish on their own; forward drains them */
+  }
+  if (nb && (rc = group_flush(m, l, T, overlap, st, batch, nb, at))) return rc;
+  if (nh) {
+    rc = host_join(m, T, count, offset, host, nh);
+    st->host_experts += (uint64_t)nh;
+    st->experts_computed += nh;
   }
   return rc;
 }
@@ -616,6 +899,18 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
  * once (the serialized baseline copies nothing ahead); or, in prefill (a ubatch that touched
  * n of this layer's experts, nearly all), the next layer's most popular ones, into the staging
  * slots this layer frees while its last experts compute and its routing travels. */
+/* Prefetches order[0..n) of layer l, where a small ubatch places experts on the host: then
+ * only those the placement would leave to the device (the same rule as the layer's own, on
+ * what is known now), so that no copy is made for an expert the host will compute. */
+static int lookahead_prefetch(tdm_moe_model *m, int l, int T, int *order, int n) {
+  int rc, nh, candidates;
+  if (n && T <= GROUPED_MAX_T && m->place.placement != TDM_MOE_PLACE_DEVICE &&
+      ((rc = tdm_streamer_schedule(m->streamer, l, order, n)) ||
+       (rc = place(m, l, order, &n, m->hsel, &nh, &candidates))))
+    return rc;
+  return n ? tdm_streamer_prefetch(m->streamer, l, order, n) : 0;
+}
+
 static int layer_lookahead(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stats *st,
                            tdm_event *predicted, int n, int *count, int *order) {
   int E = m->E, k = m->k, rc;
@@ -629,11 +924,11 @@ static int layer_lookahead(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe
     memset(count, 0, (size_t)E * sizeof *count);
     for (int i = 0; overlap && i < T * k; i++)
       if (!count[m->pidx_h[i]]++) order[np++] = m->pidx_h[i];
-    return np ? tdm_streamer_prefetch(m->streamer, l + 1, order, np) : 0;
+    return lookahead_prefetch(m, l + 1, T, order, np);
   }
   if (overlap && l + 1 < m->L && n >= E - E / 8) {
     for (int e = 0; e < E; e++) order[m->rank[(size_t)(l + 1) * E + e]] = e;
-    return tdm_streamer_prefetch(m->streamer, l + 1, order, E);
+    return lookahead_prefetch(m, l + 1, T, order, E);
   }
   return 0;
 }
@@ -757,6 +1052,9 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
                     TDM_COPY_D2H, 0, NULL, NULL);
   double w0 = now_s();
   int src = tdm_queue_sync(m->q);
+  /* A pass that failed may have left host experts running that the compute queue never
+   * joined: they finish before the pass returns, so the next one can reuse their buffers. */
+  for (int j = 0; rc && j < m->nhq; j++) (void)tdm_queue_sync(m->hq[j]);
   st->wait_seconds += now_s() - w0;
   if (!rc) rc = src;
   st->seconds = now_s() - t0;
@@ -768,7 +1066,6 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   st->resident_hits = s1.resident_hits - s0.resident_hits;
   st->inflight_hits = s1.inflight_hits - s0.inflight_hits;
   st->demand_misses = st->misses;
-  st->host_experts = 0; /* no expert is placed on the host yet */
   if (!rc && on_device) count_device_routed(m, T, st);
   if (!rc) memcpy(y, xh, bytes);
   return rc;

@@ -4,8 +4,10 @@ trace the runtime writes for it (--trace FILE, $TANDEM_TRACE), edge cases includ
 that keeps every expert resident (nothing copied, so no hidden fraction), a budget of 0, a
 trace whose path holds a quote, a backslash, a tab and a byte that is not UTF-8, a trace of no
 commands at all. The `moe` runs also say where their experts were found: every acquire counts
-once as resident, in flight or a demand miss; all resident shows resident hits only; decode
-under LRU with no budget has demand misses and copies bytes every token.
+once as resident, in flight or a demand miss, and experts computed on the host come on top
+(experts = acquires + host_experts); all resident shows resident hits only; decode under LRU
+with no budget and placement device has demand misses and copies bytes every token; placement
+host copies nothing for decode, computes experts on the host and passes the tolerance check.
 
 usage: test-json.py TANDEM DEVICE
 
@@ -93,16 +95,20 @@ def devices(tool, device, tmp):
     return ids
 
 
-def check_found(r, prefix, what):
+def check_found(r, prefix, what, host=False):
     """Every acquire counts once: resident, in flight or a demand miss; hit_rate is the first
-    two together; nothing is computed on the host yet."""
+    two together; experts computed on the host are not acquired, and there are none unless
+    `host` (a run that may place experts on the host)."""
     get = lambda key: r[prefix + key]
     n = get("acquires")
     if get("resident_hits") + get("inflight_hits") + get("demand_misses") != n:
         raise Failed(f"{what}: run {r['name']!r}: {prefix}resident + in flight + misses "
                      f"!= {n} acquires")
-    if get("host_experts") != 0:
+    if not host and get("host_experts") != 0:
         raise Failed(f"{what}: run {r['name']!r}: {get('host_experts')} {prefix}host experts")
+    if not prefix and r["experts"] != n + get("host_experts"):
+        raise Failed(f"{what}: run {r['name']!r}: {r['experts']} experts computed, not "
+                     f"{n} acquires + {get('host_experts')} on the host")
     if n and abs(get("hit_rate") - (get("resident_hits") + get("inflight_hits")) / n) > 1e-3:
         raise Failed(f"{what}: run {r['name']!r}: {prefix}hit_rate {get('hit_rate')}")
 
@@ -116,6 +122,9 @@ def moe(tool, device, tmp):
     if check_number_or_null(doc, "hidden_fraction", what) is not None:
         raise Failed(f"{what}: a hidden fraction of {doc['hidden_fraction']} with nothing copied")
     for r in doc["runs"]:
+        if r["host_experts"] != 0 or r["check"] not in (None, "bitwise"):
+            raise Failed(f"{what}: run {r['name']!r}: {r['host_experts']} host experts with "
+                         f"every expert resident, check {r['check']!r}")
         if r["bytes_copied"] != 0:
             raise Failed(f"{what}: run {r['name']!r} copied {r['bytes_copied']} bytes")
         check_found(r, "", what)
@@ -133,9 +142,10 @@ def moe(tool, device, tmp):
         raise Failed(f"{what}: check is {doc.get('check')!r}")
     # Decode under LRU with a budget that holds none of the working set: the serialized run
     # copies nothing ahead, so it has demand misses and copies bytes every token.
-    what = "moe --device-budget 0 --cache-policy lru --decode 4"
+    what = "moe --device-budget 0 --cache-policy lru --decode 4 --placement device"
     doc, command = run(tool, base + [b"--device-budget", b"0", b"--cache-policy", b"lru",
-                                     b"--decode", b"4", b"--slots", b"2"], what)
+                                     b"--decode", b"4", b"--slots", b"2",
+                                     b"--placement", b"device"], what)
     check_header(doc, command, what)
     for r in doc["runs"]:
         check_found(r, "", what)
@@ -147,6 +157,32 @@ def moe(tool, device, tmp):
     if not (doc["decode_bytes_per_token"] > 0 and doc["decode_bound_tokens_per_s"] > 0):
         raise Failed(f"{what}: decode copies {doc['decode_bytes_per_token']} bytes a token, "
                      f"bound {doc['decode_bound_tokens_per_s']}")
+    if doc.get("placement") != "device" or doc.get("host_share") != 0:
+        raise Failed(f"{what}: placement {doc.get('placement')!r}, share {doc.get('host_share')}")
+    # Placement host: every decode expert not on the device is computed on the host, so decode
+    # copies nothing; the check ran within the tolerance; the calibration is reported.
+    what = "moe --device-budget 0 --cache-policy lru --decode 4 --placement host"
+    doc, command = run(tool, base + [b"--device-budget", b"0", b"--cache-policy", b"lru",
+                                     b"--decode", b"4", b"--slots", b"2", b"--placement",
+                                     b"host", b"--host-queues", b"2"], what)
+    check_header(doc, command, what)
+    if doc.get("check") != "ok" or doc.get("placement") != "host" or doc.get("host_queues") != 2:
+        raise Failed(f"{what}: check {doc.get('check')!r}, placement {doc.get('placement')!r}, "
+                     f"{doc.get('host_queues')} host queues")
+    for key in ("link_gbs", "host_gbs"):
+        if not (isinstance(doc.get(key), (int, float)) and doc[key] > 0):
+            raise Failed(f"{what}: {key} is {doc.get(key)!r}")
+    if not 0 <= doc.get("host_share", -1) <= 1:
+        raise Failed(f"{what}: host_share is {doc.get('host_share')!r}")
+    for r in doc["runs"]:
+        streamed = r["name"] != "all resident"
+        check_found(r, "", what, host=streamed)
+        check_found(r, "decode_", what, host=streamed)
+        if streamed and not (r["decode_host_experts"] > 0 and r["decode_bytes_copied"] == 0
+                             and r["check"] == "rel_l2" and r["matches_resident"]):
+            raise Failed(f"{what}: run {r['name']!r}: {r['decode_host_experts']} decode host "
+                         f"experts, {r['decode_bytes_copied']} decode bytes copied, check "
+                         f"{r['check']!r} {r['matches_resident']}")
     # A trace whose path needs escaping in the command string, and is not even UTF-8.
     trace = os.path.join(os.fsencode(tmp), b'a "quoted" \\ back\tslash \xff.json')
     what = "moe --trace <a path with a quote, a backslash, a tab, a byte not UTF-8>"

@@ -10,8 +10,9 @@
  * decode sizes, on both sides of the CPU's direct bf16 path threshold. `deterministic` runs the
  * expert repeatedly, on one queue and on two at once, and wants bitwise equal output;
  * `ordered_after_host_task` wants ops queued behind a slow host task to wait for it;
- * `bad_args` and `alloc_faults` check the error paths. A device without a table is skipped
- * (77).
+ * `bad_args` and `alloc_faults` check the error paths; `expert_on_host` runs the CPU's expert()
+ * on the device's pinned memory between device-side waits, as host placement does. A device
+ * without a table is skipped (77).
  *
  * The grouped ops: `experts_ref` runs experts() on tables of experts with 0 to 20 tokens, held
  * at distinct offsets of one weight allocation, with H, I and offsets on and off the 8-element
@@ -378,13 +379,10 @@ static void expert_run(fixture *f, tdm_queue *q, void *st, expert_case *c, void 
   CHECK_OK(tdm_queue_sync(q));
 }
 
-/* Runs the expert of c and compares every token's row with ref_expert; rows no slot names
- * must still hold the sentinel. */
-static void check_expert(fixture *f, expert_case *c, const char *what) {
+/* Compares every token's row of got (the output of c's expert) with ref_expert; rows no slot
+ * names must still hold the sentinel. */
+static double compare_expert(expert_case *c, const float *got, const char *what) {
   const int H = c->H, I = c->I;
-  float *got = alloc(f, TDM_MEM_PINNED, (size_t)c->T * c->k * H * sizeof *got);
-  expert_run(f, f->q, f->st, c, c->ws, got);
-
   double *h = malloc(I * sizeof *h), *ref = malloc(H * sizeof *ref);
   char *written = calloc((size_t)c->T * c->k, 1);
   CHECK(h && ref && written);
@@ -395,13 +393,20 @@ static void check_expert(fixture *f, expert_case *c, const char *what) {
     for (int j = 0; j < H; j++)
       err_add(&e, "out", (size_t)c->slot[i] * H + j, got[(size_t)c->slot[i] * H + j], ref[j]);
   }
-  err_check(&e, what);
+  double rel = err_check(&e, what);
   for (int s = 0; s < c->T * c->k; s++)
     if (!written[s])
       for (int j = 0; j < H; j++)
         CHECK_MSG(got[(size_t)s * H + j] == SENTINEL, "out[%d][%d] written", s, j);
-
   free(h); free(ref); free(written);
+  return rel;
+}
+
+/* Runs the expert of c and compares its output with the reference. */
+static void check_expert(fixture *f, expert_case *c, const char *what) {
+  float *got = alloc(f, TDM_MEM_PINNED, (size_t)c->T * c->k * c->H * sizeof *got);
+  expert_run(f, f->q, f->st, c, c->ws, got);
+  compare_expert(c, got, what);
   tdm_free(got);
 }
 
@@ -435,6 +440,66 @@ TEST_CASE(expert_few_tokens) {
     check_expert(&f, &c, what);
     expert_teardown(&c);
   }
+  teardown(&f);
+}
+
+/* Host placement's data path (tandem/moe.h, placement AUTO or HOST): the CPU table's expert()
+ * on a queue of cpu:0 reads the device's pinned memory in place (the weights, the token lists,
+ * and activations that a device-to-host copy on the device's queue has just written) and
+ * writes pinned output that the device's queue then copies in; the two queues are joined by
+ * device-side waits both ways. Every token's row against the fp64 reference, at the CPU's
+ * tolerance (the CPU computes it whichever device is under test). */
+TEST_CASE(expert_on_host) {
+  enum { T = 12, H = 300, I = 200, K = 2 };
+  const int ns[] = {1, 3, CPU_GEMV_MAX_N + 1};
+  fixture f = setup();
+  tdm_device *cpu;
+  CHECK_OK(tdm_device_find("cpu:0", &cpu));
+  const tdm_moe_ops *hops = tdm_moe_ops_for(cpu);
+  if (!hops) TH_SKIP("no CPU MoE op table: %s", tdm_last_error());
+  tdm_queue *hq;
+  void *hst;
+  CHECK_OK(tdm_queue_create(cpu, TDM_QUEUE_IN_ORDER, &hq));
+  CHECK_OK(hops->open(hq, &hst));
+  for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+    int n = ns[i];
+    expert_case c = expert_setup(&f, T, H, I, n, K);
+    size_t out_floats = (size_t)T * K * H;
+    float *xh = alloc(&f, TDM_MEM_PINNED, (size_t)T * H * sizeof *xh);
+    float *outh = alloc(&f, TDM_MEM_PINNED, out_floats * sizeof *outh);
+    float *got = alloc(&f, TDM_MEM_PINNED, out_floats * sizeof *got);
+    void *hws;
+    CHECK_OK(tdm_malloc(cpu, TDM_MEM_DEVICE, c.ws_bytes, &hws));
+    for (size_t j = 0; j < out_floats; j++) outh[j] = SENTINEL;
+    /* The device's whole buffer goes back and forth, so unwritten rows keep the sentinel. */
+    CHECK_OK(tdm_memcpy(f.q, c.dout, outh, out_floats * sizeof *outh, TDM_COPY_H2D, 0, NULL,
+                        NULL));
+    tdm_event *x_ready, *host_done;
+    CHECK_OK(tdm_memcpy(f.q, xh, c.dx, (size_t)T * H * sizeof *xh, TDM_COPY_D2H, 0, NULL,
+                        &x_ready));
+    CHECK_OK(tdm_queue_wait(hq, x_ready));
+    CHECK_OK(hops->expert(hst, hq, xh, c.rows, c.slot, n, c.w, H, I, outh, hws, c.ws_bytes));
+    CHECK_OK(tdm_event_record(hq, &host_done));
+    CHECK_OK(tdm_queue_wait(f.q, host_done));
+    CHECK_OK(tdm_memcpy(f.q, c.dout, outh, out_floats * sizeof *outh, TDM_COPY_H2D, 0, NULL,
+                        NULL));
+    CHECK_OK(tdm_memcpy(f.q, got, c.dout, out_floats * sizeof *got, TDM_COPY_D2H, 0, NULL,
+                        NULL));
+    CHECK_OK(tdm_queue_sync(f.q));
+    CHECK_OK(tdm_event_release(x_ready));
+    CHECK_OK(tdm_event_release(host_done));
+    char what[48];
+    snprintf(what, sizeof what, "expert on the host, n=%d", n);
+    double rel = compare_expert(&c, got, what);
+    CHECK_MSG(rel < 1e-4, "%s: relative error %.3e over the CPU's 1e-4", what, rel);
+    CHECK_OK(tdm_free(hws));
+    tdm_free(xh);
+    tdm_free(outh);
+    tdm_free(got);
+    expert_teardown(&c);
+  }
+  hops->close(hst);
+  CHECK_OK(tdm_queue_destroy(hq));
   teardown(&f);
 }
 

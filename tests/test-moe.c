@@ -6,8 +6,13 @@
  * - the slot-reuse hazard: two slots, many experts, slow compute: no compute ever reads a
  *   half-written or replaced expert;
  * - prefetch depth, LRU hits, statistics; a pass's counts: resident, in flight, demand miss;
+ * - host placement: HOST computes every decode expert that is not on the device on the host
+ *   (nothing copied for them) and AUTO a calibrated share, within a relative L2 tolerance of
+ *   the all-resident output (bitwise on a CPU device, where host and device run the same
+ *   kernel), with counts that add up; DEVICE changes nothing (the bitwise case above);
  * - bad input: unknown preset, budgets and slot counts that cannot hold an expert, host
- *   memory too small for a preset.
+ *   memory too small for a preset, a host device that is not a CPU device, negative host
+ *   queues.
  */
 #include "harness.h"
 
@@ -402,7 +407,7 @@ static void check_found(const tdm_moe_pass_stats *st, const char *what) {
             (unsigned long long)st->demand_misses, (unsigned long long)st->acquires);
   CHECK(st->hits == st->resident_hits + st->inflight_hits);
   CHECK(st->misses == st->demand_misses);
-  CHECK_EQ((long)st->host_experts, 0L); /* no host placement yet */
+  CHECK_EQ((long)st->host_experts, 0L); /* placement DEVICE: nothing on the host */
 }
 
 /* What a pass reports it found. Decode under LRU with two slots for sixteen experts a token:
@@ -454,6 +459,159 @@ TEST_CASE(pass_counts) {
   th_close();
 }
 
+/* ||y - ref|| / ||ref|| over n floats. */
+static double rel_l2(const float *y, const float *ref, size_t n) {
+  double d = 0, r = 0;
+  for (size_t i = 0; i < n; i++) {
+    d += ((double)y[i] - ref[i]) * ((double)y[i] - ref[i]);
+    r += (double)ref[i] * ref[i];
+  }
+  return r > 0 ? sqrt(d / r) : sqrt(d);
+}
+
+/* The tolerance of host-computed experts against the all-resident output, as `tandem moe`
+ * checks it (tools/moe.c says why): the same weights and activations, f32 sums in other
+ * orders. */
+#define HOST_TOL 1e-3
+
+/* Decode tokens one at a time (and one ubatch of SMALL tokens) with every expert on the device,
+ * as the reference: outputs in ref. */
+static void decode_reference(tdm_device *dev, const tdm_moe_config *base, const float *x,
+                             float *ref, int decode, int small) {
+  size_t H = (size_t)base->preset->hidden;
+  tdm_moe_pass_stats st;
+  tdm_moe_model *m = make_model(dev, base, true, 0, 2, TDM_CACHE_STATIC);
+  for (int t = 0; t < decode; t++) CHECK_OK(tdm_moe_forward(m, x + t * H, ref + t * H, 1, true, &st));
+  CHECK_OK(tdm_moe_forward(m, x, ref + decode * H, small, true, &st));
+  tdm_moe_model_destroy(m);
+}
+
+/* Whether the device under test is the CPU backend (host and device then run one kernel). */
+static bool on_cpu(tdm_device *dev) {
+  tdm_device_info info;
+  CHECK_OK(tdm_device_info_get(dev, &info));
+  return strcmp(info.backend, "cpu") == 0;
+}
+
+/* Placement HOST with no budget, on a fresh model: nothing is ever copied, so every routed
+ * expert is absent when placed and the host computes them all; no acquire, no byte copied.
+ * The output is within the tolerance of the all-resident one (bitwise on a CPU device), with
+ * overlap and without, for one host queue and for three (experts spread round-robin). */
+TEST_CASE(host_placement) {
+  tdm_device *dev = th_open();
+  const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
+  enum { DECODE = 6, SMALL = 5 };
+  tdm_moe_config base = {.preset = p, .device = dev, .seed = th_seed(), .skew = 1.0,
+                         .locality = 0.7, .max_tokens = 8};
+  size_t H = (size_t)p->hidden, n = (DECODE + SMALL) * H;
+  float *x = malloc(DECODE * H * sizeof *x), *ref = malloc(n * sizeof *ref),
+        *y = malloc(n * sizeof *y);
+  tdm_moe_pass_stats st;
+  tdm_moe_model *m = make_model(dev, &base, true, 0, 2, TDM_CACHE_STATIC);
+  tdm_moe_make_input(m, x, DECODE, 0, true);
+  tdm_moe_model_destroy(m);
+  decode_reference(dev, &base, x, ref, DECODE, SMALL);
+  const int queues[] = {1, 3};
+  for (int qi = 0; qi < 2; qi++)
+    for (int ov = 0; ov < 2; ov++) {
+      tdm_moe_config c = base;
+      c.placement = TDM_MOE_PLACE_HOST;
+      c.host_queues = queues[qi];
+      m = make_model(dev, &c, false, 0, 2, TDM_CACHE_LRU); /* with the look-ahead predictor */
+      tdm_moe_placement_info pi;
+      CHECK_OK(tdm_moe_placement_get(m, &pi));
+      CHECK_EQ((int)pi.placement, (int)TDM_MOE_PLACE_HOST);
+      CHECK_EQ(pi.host_queues, queues[qi]);
+      CHECK(pi.link_gbs > 0 && pi.host_gbs > 0);
+      CHECK(pi.host_share > 0 && pi.host_share < 1);
+      memset(y, 0xff, n * sizeof *y);
+      for (int t = 0; t < DECODE + 1; t++) {
+        int T = t < DECODE ? 1 : SMALL;
+        CHECK_OK(tdm_moe_forward(m, x + (t < DECODE ? t : 0) * H, y + t * H, T, ov, &st));
+        CHECK_MSG(st.host_experts > 0 && st.acquires == 0 && st.bytes_copied == 0,
+                  "pass %d: %llu host experts, %llu acquires, %llu bytes copied", t,
+                  (unsigned long long)st.host_experts, (unsigned long long)st.acquires,
+                  (unsigned long long)st.bytes_copied);
+        CHECK_EQ((long)st.host_experts, (long)st.experts_computed);
+        CHECK_EQ((long)st.host_candidates, (long)st.host_experts);
+        /* Decode: the top-k of every layer, all distinct. */
+        if (T == 1) CHECK_EQ((long)st.host_experts, (long)p->layers * p->topk);
+      }
+      double d = rel_l2(y, ref, n);
+      CHECK_MSG(d <= HOST_TOL, "%d host queues, overlap %d: ||y - ref|| / ||ref|| = %g", queues[qi],
+                ov, d);
+      if (on_cpu(dev))
+        CHECK_MSG(th_first_diff(y, ref, n * sizeof *y) < 0, "%d host queues, overlap %d: on a "
+                  "CPU device host experts run the device's kernel, yet the output differs",
+                  queues[qi], ov);
+      tdm_moe_model_destroy(m);
+    }
+  free(x);
+  free(ref);
+  free(y);
+  th_close();
+}
+
+/* Placement AUTO with no budget under LRU: the calibrated share is in [0, 1], every pass's
+ * experts are counted once (resident, in flight, demand miss or host), the host took no more
+ * than the candidates, and the output is within the tolerance of the all-resident one. */
+TEST_CASE(auto_placement) {
+  tdm_device *dev = th_open();
+  const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
+  enum { DECODE = 8, SMALL = 5 };
+  tdm_moe_config base = {.preset = p, .device = dev, .seed = th_seed(), .skew = 1.0,
+                         .locality = 0.7, .max_tokens = 8};
+  size_t H = (size_t)p->hidden, n = (DECODE + SMALL) * H;
+  float *x = malloc(DECODE * H * sizeof *x), *ref = malloc(n * sizeof *ref),
+        *y = malloc(n * sizeof *y);
+  tdm_moe_pass_stats st;
+  tdm_moe_model *m = make_model(dev, &base, true, 0, 2, TDM_CACHE_STATIC);
+  tdm_moe_make_input(m, x, DECODE, 0, true);
+  tdm_moe_model_destroy(m);
+  decode_reference(dev, &base, x, ref, DECODE, SMALL);
+  tdm_moe_config c = base;
+  c.placement = TDM_MOE_PLACE_AUTO;
+  m = make_model(dev, &c, false, 0, 2, TDM_CACHE_LRU);
+  tdm_moe_placement_info pi;
+  CHECK_OK(tdm_moe_placement_get(m, &pi));
+  CHECK_EQ((int)pi.placement, (int)TDM_MOE_PLACE_AUTO);
+  CHECK(pi.host_queues >= 1);
+  CHECK(pi.host_share >= 0 && pi.host_share <= 1);
+  CHECK(fabs(pi.host_share - pi.host_gbs / (pi.host_gbs + pi.link_gbs)) < 1e-12);
+  uint64_t host = 0;
+  for (int ov = 0; ov < 2; ov++) {
+    for (int t = 0; t < DECODE + 1; t++) {
+      int T = t < DECODE ? 1 : SMALL;
+      CHECK_OK(tdm_moe_forward(m, x + (t < DECODE ? t : 0) * H, y + t * H, T, ov, &st));
+      CHECK_MSG(st.resident_hits + st.inflight_hits + st.demand_misses + st.host_experts ==
+                    (uint64_t)st.experts_computed,
+                "pass %d: %llu resident + %llu in flight + %llu misses + %llu host != %d "
+                "computed", t, (unsigned long long)st.resident_hits,
+                (unsigned long long)st.inflight_hits, (unsigned long long)st.demand_misses,
+                (unsigned long long)st.host_experts, st.experts_computed);
+      CHECK(st.acquires + st.host_experts == (uint64_t)st.experts_computed);
+      CHECK(st.host_experts <= st.host_candidates);
+      host += st.host_experts;
+    }
+    double d = rel_l2(y, ref, n);
+    CHECK_MSG(d <= HOST_TOL, "overlap %d: ||y - ref|| / ||ref|| = %g", ov, d);
+  }
+  /* Placement DEVICE reports no calibration. */
+  tdm_moe_model_destroy(m);
+  m = make_model(dev, &base, false, 0, 2, TDM_CACHE_LRU);
+  CHECK_OK(tdm_moe_placement_get(m, &pi));
+  CHECK(pi.placement == TDM_MOE_PLACE_DEVICE && pi.host_queues == 0 && pi.host_share == 0);
+  CHECK_RC(tdm_moe_placement_get(m, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_moe_placement_get(NULL, &pi), TDM_EINVAL);
+  tdm_moe_model_destroy(m);
+  printf("auto placement: share %.2f (link %.2f GB/s, host %.2f GB/s), %llu host experts\n",
+         pi.host_share, pi.link_gbs, pi.host_gbs, (unsigned long long)host);
+  free(x);
+  free(ref);
+  free(y);
+  th_close();
+}
+
 TEST_CASE(moe_bad_input) {
   tdm_device *dev = th_open();
   CHECK(tdm_moe_preset_find("no-such-model") == NULL);
@@ -474,5 +632,30 @@ TEST_CASE(moe_bad_input) {
   c.preset = p;
   c.max_tokens = 0;
   CHECK_RC(tdm_moe_model_create(&c, &m), TDM_EINVAL);
+  /* Placement: negative host queues, a placement that does not exist, a host device that is
+   * not a CPU device (any other device present). */
+  c.max_tokens = 8;
+  c.placement = TDM_MOE_PLACE_HOST;
+  c.host_queues = -1;
+  CHECK_RC(tdm_moe_model_create(&c, &m), TDM_EINVAL);
+  CHECK(strstr(tdm_last_error(), "host queues") != NULL);
+  c.host_queues = 0;
+  c.placement = (tdm_moe_placement)7;
+  CHECK_RC(tdm_moe_model_create(&c, &m), TDM_EINVAL);
+  CHECK(strstr(tdm_last_error(), "placement 7") != NULL);
+  c.placement = TDM_MOE_PLACE_AUTO;
+  int ndev = 0;
+  CHECK_OK(tdm_device_count(&ndev));
+  for (int i = 0; i < ndev; i++) {
+    tdm_device *d;
+    tdm_device_info info;
+    CHECK_OK(tdm_device_get(i, &d));
+    CHECK_OK(tdm_device_info_get(d, &info));
+    if (strcmp(info.backend, "cpu") == 0) continue;
+    c.host = d;
+    CHECK_RC(tdm_moe_model_create(&c, &m), TDM_EINVAL);
+    CHECK(strstr(tdm_last_error(), "not a CPU device") != NULL);
+  }
+  CHECK(m == NULL);
   th_close();
 }

@@ -10,7 +10,7 @@
  * - refused acquires count nowhere, and acquires = hits + misses,
  *   hits = resident_hits + inflight_hits throughout;
  * - tdm_streamer_ready answers 0 for an expert that is absent or still in flight and 1 once its
- *   copy has landed, and counts nowhere.
+ *   copy has landed, and tdm_streamer_where tells the three apart; neither counts anything.
  * Every acquired slot is read back and compared with the expert's bytes, so a counter never
  * passes while the data is wrong. Written against the public headers only.
  */
@@ -163,11 +163,17 @@ TEST_CASE(stats_inflight_hit) {
    * ready either way; bad input is refused. */
   int want[1] = {6};
   CHECK_EQ(tdm_streamer_ready(s, 0, 6), 0);
+  CHECK_EQ(tdm_streamer_where(s, 0, 6), TDM_EXPERT_ABSENT);
   CHECK_OK(tdm_streamer_prefetch(s, 0, want, 1));
   CHECK_EQ(tdm_streamer_ready(s, 0, 6), 0);
+  CHECK_EQ(tdm_streamer_where(s, 0, 6), TDM_EXPERT_INFLIGHT);
   CHECK_RC(tdm_streamer_ready(s, 0, 8), TDM_EINVAL);
   CHECK_RC(tdm_streamer_ready(s, 1, 0), TDM_EINVAL);
   CHECK_RC(tdm_streamer_ready(NULL, 0, 0), TDM_EINVAL);
+  CHECK_RC(tdm_streamer_where(s, 0, 8), TDM_EINVAL);
+  CHECK_RC(tdm_streamer_where(s, -1, 0), TDM_EINVAL);
+  CHECK_RC(tdm_streamer_where(NULL, 0, 0), TDM_EINVAL);
+  CHECK(strstr(tdm_last_error(), "tdm_streamer_where") != NULL);
   const void *w6, *w2, *w2b;
   tdm_event *r6, *r2, *r2b;
   CHECK_OK(tdm_streamer_acquire(s, 0, 6, &w6, &r6));
@@ -181,6 +187,7 @@ TEST_CASE(stats_inflight_hit) {
   /* A demand copy behind the gate; released and acquired again before it can land. */
   CHECK_OK(tdm_streamer_acquire(s, 0, 2, &w2, &r2));
   check_stats(s, 0, 1, 1);
+  CHECK_EQ(tdm_streamer_where(s, 0, 2), TDM_EXPERT_INFLIGHT); /* a demand copy, held back */
   CHECK_OK(tdm_memcpy(q, back + XB, w2, XB, TDM_COPY_D2H, 0, NULL, NULL));
   CHECK_OK(tdm_streamer_release(s, 0, 2, NULL));
   CHECK_OK(tdm_streamer_acquire(s, 0, 2, &w2b, &r2b));
@@ -210,6 +217,9 @@ TEST_CASE(stats_inflight_hit) {
   CHECK_EQ(tdm_streamer_ready(s, 0, 6), 1);
   CHECK_EQ(tdm_streamer_ready(s, 0, 2), 1);
   CHECK_EQ(tdm_streamer_ready(s, 0, 5), 0);
+  CHECK_EQ(tdm_streamer_where(s, 0, 6), TDM_EXPERT_READY);
+  CHECK_EQ(tdm_streamer_where(s, 0, 2), TDM_EXPERT_READY);
+  CHECK_EQ(tdm_streamer_where(s, 0, 5), TDM_EXPERT_ABSENT);
   check_stats(s, 0, 2, 1); /* asking counted nothing */
   use_expert(s, q, &x, 6, back);
   use_expert(s, q, &x, 2, back);

@@ -27,6 +27,17 @@ TDM_API extern const tdm_moe_preset tdm_moe_presets[];
 TDM_API extern const int tdm_moe_npresets;
 TDM_API const tdm_moe_preset *tdm_moe_preset_find(const char *name);
 
+/* Where a small ubatch's routed experts that are not on the device are computed (the
+ * host-routed grouped path only: a ubatch of more tokens, or a model with every expert
+ * resident, computes every expert on the device whatever is set here). */
+typedef enum tdm_moe_placement {
+  TDM_MOE_PLACE_DEVICE = 0, /* copy them to the device and compute them there (the default) */
+  TDM_MOE_PLACE_AUTO = 1,   /* compute a share of them on the host CPU, from their pinned
+                               copies, while the link copies the rest: the share the cost model
+                               calibrated at creation gives (tdm_moe_placement_get) */
+  TDM_MOE_PLACE_HOST = 2    /* compute every one of them on the host; nothing is copied for them */
+} tdm_moe_placement;
+
 typedef struct tdm_moe_config {
   const tdm_moe_preset *preset;
   int layers;              /* 0: the preset's */
@@ -49,6 +60,15 @@ typedef struct tdm_moe_config {
   bool predict;            /* look ahead: layer L+1's router applied to layer L's input picks
                               experts to prefetch while layer L computes (right or wrong, the
                               output is the same: misses are fetched on demand) */
+  /* Host placement. An expert is a host candidate when it is neither on the device nor on its
+   * way there when its layer is routed; host experts run on the host device's queues, joined
+   * to the compute queue by device-side waits, and are never copied (nor prefetched). */
+  tdm_moe_placement placement;
+  tdm_device *host;        /* the CPU device that computes host experts (NULL: cpu:0); any
+                              other kind of device is TDM_EINVAL */
+  int host_queues;         /* host experts run in parallel on this many in-order queues of the
+                              host device, each with its own op state and workspace (0: the
+                              cores online; at most 256 are made; negative: TDM_EINVAL) */
 } tdm_moe_config;
 
 typedef struct tdm_moe_model tdm_moe_model;
@@ -86,19 +106,41 @@ typedef struct tdm_moe_pass_stats {
   uint64_t inflight_hits;   /* covered by a copy already in flight (a prefetch's or an earlier
                                demand's): nothing new copied, but the compute waits for it */
   uint64_t demand_misses;   /* neither: copied on demand, the compute waits for the whole copy */
-  uint64_t host_experts;    /* routed experts computed on the host instead of copied; 0 until
-                               experts can be placed on the host */
+  uint64_t host_experts;    /* routed experts computed on the host instead of copied (not
+                               acquired, so in none of the three counts above):
+                               experts_computed = acquires + host_experts */
   uint64_t device_routed_layers; /* layers whose routing stayed on the device (a small ubatch
                                with every expert resident): their experts count as resident
                                hits, read from the routing after the pass */
+  uint64_t host_candidates; /* routed experts that were neither on the device nor on their way
+                               when placed (placement AUTO or HOST; 0 under DEVICE): the pool
+                               host_experts was taken from */
 } tdm_moe_pass_stats;
 
 /* Runs every layer on a ubatch of T tokens: x (host f32 [T x H]) in, y out. overlap false makes
- * copies and compute alternate: each copy waits for the compute before it, none runs ahead.
- * One pass at a time per model (the model's buffers serve every pass). */
+ * copies and compute alternate: each copy waits for the compute before it, none runs ahead
+ * (experts placed on the host still run beside them: they copy nothing). One pass at a time
+ * per model (the model's buffers serve every pass). */
 TDM_API int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool overlap, tdm_moe_pass_stats *st);
 
 TDM_API tdm_streamer *tdm_moe_streamer(tdm_moe_model *m);
+
+/* What the model's placement decided at creation. Under AUTO and HOST the cost model is
+ * calibrated then: link_gbs from a few expert-sized pinned host-to-device copies, host_gbs
+ * from host_queues experts computed at once on one token each by the host (weight bytes /
+ * time), and host_share = host_gbs / (host_gbs + link_gbs), the share of a layer's
+ * non-resident experts that AUTO computes on the host so that the host and the link finish
+ * them at about the same time (HOST computes all of them whatever the share). Under DEVICE
+ * nothing is calibrated: every figure is 0. */
+typedef struct tdm_moe_placement_info {
+  tdm_moe_placement placement;
+  int host_queues;   /* the queues host experts run on (the configured 0 resolved) */
+  double link_gbs;   /* GB/s of expert-sized copies to the device */
+  double host_gbs;   /* GB/s of expert weights the host computes with host_queues queues */
+  double host_share; /* in [0, 1] */
+} tdm_moe_placement_info;
+
+TDM_API int tdm_moe_placement_get(const tdm_moe_model *m, tdm_moe_placement_info *out);
 
 #ifdef __cplusplus
 }

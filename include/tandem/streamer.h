@@ -98,6 +98,19 @@ TDM_API TDM_NODISCARD int tdm_streamer_release(tdm_streamer *s, int layer, int e
  * waits and counts nowhere; a copy in flight may land just after it answers. A caller that
  * batches work uses it to submit what is ready before acquiring what is not. */
 TDM_API int tdm_streamer_ready(tdm_streamer *s, int layer, int e);
+/* Where expert (layer, e) is now, as tdm_streamer_where answers it. */
+typedef enum tdm_expert_where {
+  TDM_EXPERT_ABSENT = 0,   /* in no slot: an acquire would copy it on demand */
+  TDM_EXPERT_INFLIGHT = 1, /* in a slot whose copy has not landed (a prefetch's, a demand's):
+                              an acquire would copy nothing but make the compute queue wait */
+  TDM_EXPERT_READY = 2     /* in a slot with its copy complete: what tdm_streamer_ready calls 1 */
+} tdm_expert_where;
+/* Where expert (layer, e) is: a tdm_expert_where (>= 0), or a negative TDM_E* code for bad
+ * input. Like tdm_streamer_ready it never waits and counts nowhere, and the answer may be
+ * stale at once (a copy in flight lands, a slot is overwritten by a later acquire). A caller
+ * that can compute an expert elsewhere uses it to tell the experts that would cost a new copy
+ * (absent) from those already paid for (in flight or ready). */
+TDM_API int tdm_streamer_where(tdm_streamer *s, int layer, int e);
 /* Starts copying the listed experts of `layer` that are not on the device yet, on the
  * prefetch queue, up to prefetch_depth in flight; the rest are dropped (counted). */
 TDM_API TDM_NODISCARD int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts,

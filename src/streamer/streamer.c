@@ -271,16 +271,26 @@ int tdm_streamer_acquire(tdm_streamer *s, int layer, int e, const void **dptr,
   return rc;
 }
 
+int tdm_streamer_where(tdm_streamer *s, int layer, int e) {
+  int key = s ? key_of(s, layer, e) : -1;
+  if (key < 0)
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_where: no streamer, or expert %d of layer "
+                         "%d does not exist", e, layer);
+  pthread_mutex_lock(&s->mu);
+  int i = s->map[key], where = TDM_EXPERT_ABSENT;
+  if (i >= 0)
+    where = !s->slots[i].ready || tdm_event_query(s->slots[i].ready) == 0 ? TDM_EXPERT_READY
+                                                                         : TDM_EXPERT_INFLIGHT;
+  pthread_mutex_unlock(&s->mu);
+  return where;
+}
+
 int tdm_streamer_ready(tdm_streamer *s, int layer, int e) {
   int key = s ? key_of(s, layer, e) : -1;
   if (key < 0)
     return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_ready: no streamer, or expert %d of layer "
                          "%d does not exist", e, layer);
-  pthread_mutex_lock(&s->mu);
-  int i = s->map[key];
-  int ready = i >= 0 && (!s->slots[i].ready || tdm_event_query(s->slots[i].ready) == 0);
-  pthread_mutex_unlock(&s->mu);
-  return ready;
+  return tdm_streamer_where(s, layer, e) == TDM_EXPERT_READY;
 }
 
 int tdm_streamer_release(tdm_streamer *s, int layer, int e, tdm_event *done) {
