@@ -121,6 +121,20 @@ int bc_compare(const void *got, const void *want, size_t n, const char *what) {
 
 uint64_t bc_next_seed(bc_ctx *c) { return splitmix64(&c->seed); }
 
+int bc_upload(bc_ctx *c, tdm_queue *q, void *dst, const void *src, size_t n) {
+  int rc = -1;
+  void *stage = NULL;
+  CK_TDM(tdm_malloc(c->dev, TDM_MEM_PINNED, n, &stage));
+  memcpy(stage, src, n);
+  CK_TDM(tdm_memcpy(q, dst, stage, n, TDM_COPY_H2D, 0, NULL, NULL));
+  CK_TDM(tdm_queue_sync(q));
+  rc = 0;
+out:
+  if (stage)
+    TDM_CALL(tdm_free(stage));
+  return rc;
+}
+
 void bc_format_size(size_t n, char *buf, size_t size) {
   if (n >= GIB && n % GIB == 0)
     snprintf(buf, size, "%zu GiB", n / GIB);

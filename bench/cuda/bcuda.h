@@ -112,6 +112,9 @@ static inline double bc_bf16_to_double(uint16_t h) {
 int bc_compare(const void *got, const void *want, size_t n, const char *what);
 /* A new seed for the next data set of a sub-benchmark. */
 uint64_t bc_next_seed(bc_ctx *c);
+/* Copies n bytes of host data into tandem memory dst through a pinned staging buffer on q, and
+ * waits for it: 0, or -1 after reporting the failure. */
+int bc_upload(bc_ctx *c, tdm_queue *q, void *dst, const void *src, size_t n);
 
 /* Bytes as "4 KiB", "1 GiB". */
 void bc_format_size(size_t n, char *buf, size_t size);

@@ -191,20 +191,6 @@ out:
 /* Uniform in (-1, 1). */
 static double unit(bc_ctx *c) { return (double)(bc_next_seed(c) >> 11) * 0x1.0p-52 - 1.0; }
 
-static int upload(ex *e, void *dst, const void *src, size_t bytes) {
-  int rc = -1;
-  void *stage = NULL;
-  CK_TDM(tdm_malloc(e->c->dev, TDM_MEM_PINNED, bytes, &stage));
-  memcpy(stage, src, bytes);
-  CK_TDM(tdm_memcpy(e->q, dst, stage, bytes, TDM_COPY_H2D, 0, NULL, NULL));
-  CK_TDM(tdm_queue_sync(e->q));
-  rc = 0;
-out:
-  if (stage)
-    TDM_CALL(tdm_free(stage));
-  return rc;
-}
-
 static int setup(ex *e) {
   int rc = -1;
   tdm_device *dev = e->c->dev;
@@ -254,13 +240,13 @@ static int setup(ex *e) {
     e->hrows[i] = (int32_t)(bc_next_seed(c) % (uint64_t)e->T);
     slots[i] = i;
   }
-  rc = upload(e, e->x, e->hx, xn * sizeof *e->hx);
+  rc = bc_upload(e->c, e->q, e->x, e->hx, xn * sizeof *e->hx);
   if (!rc)
-    rc = upload(e, e->w, e->hw, wn * sizeof *e->hw);
+    rc = bc_upload(e->c, e->q, e->w, e->hw, wn * sizeof *e->hw);
   if (!rc)
-    rc = upload(e, e->rows, e->hrows, (size_t)nmax * sizeof *e->hrows);
+    rc = bc_upload(e->c, e->q, e->rows, e->hrows, (size_t)nmax * sizeof *e->hrows);
   if (!rc)
-    rc = upload(e, e->slots, slots, (size_t)nmax * sizeof *slots);
+    rc = bc_upload(e->c, e->q, e->slots, slots, (size_t)nmax * sizeof *slots);
   free(slots);
   if (rc)
     goto out;

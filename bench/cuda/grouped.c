@@ -236,22 +236,8 @@ out:
   return rc;
 }
 
-static int upload(gx *g, void *dst, const void *src, size_t bytes) {
-  int rc = -1;
-  void *stage = NULL;
-  CK_TDM(tdm_malloc(g->c->dev, TDM_MEM_PINNED, bytes, &stage));
-  memcpy(stage, src, bytes);
-  CK_TDM(tdm_memcpy(g->q, dst, stage, bytes, TDM_COPY_H2D, 0, NULL, NULL));
-  CK_TDM(tdm_queue_sync(g->q));
-  rc = 0;
-out:
-  if (stage)
-    TDM_CALL(tdm_free(stage));
-  return rc;
-}
-
-/* The pool: expert 0 random (kept on the host for the check), the rest random bytes turned
- * into finite bf16 on the device side by filling them from host chunks of the same values. */
+/* Every expert of the pool holds the same random weights (hw, kept on the host for the
+ * check): which expert a call reads changes where its bytes come from, not their values. */
 static int setup(gx *g) {
   int rc = -1;
   bc_ctx *c = g->c;
@@ -289,13 +275,13 @@ static int setup(gx *g) {
     g->hw[i] = tdm_moe_f32_to_bf16((float)(bc_bf16_to_double(g->hw[i]) * s / 2));
   }
   for (int e = 0; e < POOL; e++)
-    if (upload(g, g->pool + (size_t)e * en, g->hw, en * sizeof *g->hw) < 0)
+    if (bc_upload(g->c, g->q, g->pool + (size_t)e * en, g->hw, en * sizeof *g->hw) < 0)
       goto out;
   for (int i = 0; i < CALLS; i++)
     route(g, i);
-  if (upload(g, g->x, g->hx, TMAX * HID * sizeof *g->hx) < 0 ||
-      upload(g, g->rs, g->hrs, rsn * sizeof *g->hrs) < 0 ||
-      upload(g, g->groups, g->hgroups, gn * sizeof *g->hgroups) < 0)
+  if (bc_upload(g->c, g->q, g->x, g->hx, TMAX * HID * sizeof *g->hx) < 0 ||
+      bc_upload(g->c, g->q, g->rs, g->hrs, rsn * sizeof *g->hrs) < 0 ||
+      bc_upload(g->c, g->q, g->groups, g->hgroups, gn * sizeof *g->hgroups) < 0)
     goto out;
   rc = 0;
 out:
