@@ -337,8 +337,7 @@ static __global__ void scatter_kernel(float *out, const float *O, const int32_t 
  * warp tree: a token's result depends on its expert and its own activations only, not on the
  * chunk it fell in, the other entries or G, and the 16-byte and the scalar loads give the same
  * sums (the scalar path skips the columns past the row's end rather than adding zeros). */
-#define GX_NT 2     /* tokens per pass over a weight row (2 keeps the kernels at 80 registers:
-                       three blocks an SM, so more loads in flight, which decode needs) */
+#define GX_NT 4     /* tokens per pass over a weight row */
 #define GX_UNROLL 4 /* 16-byte loads a lane has in flight per row before it computes */
 
 /* An entry that names rows outside [0, n) or weights outside wbase's allocation is skipped. */
@@ -451,7 +450,6 @@ static __device__ void gx_gate_up_row(const float *x, uint32_t xlimit, const int
  * sums run in the same order as with one row a warp. A slot outside out's allocation is not
  * written, nor the slot of a token whose row lies outside x's (its h was never written). */
 #define GX_DOWN_ROWS 2
-#define GX_DOWN_UNROLL 3 /* 768 columns (Qwen3-30B-A3B's I) in one batch of loads */
 template <bool VEC>
 static __device__ void gx_down_rows(const float *h, const int32_t *rows, uint32_t xlimit,
                                     const int32_t *slot, uint32_t olimit, const tdm_moe_group &g,
@@ -464,16 +462,16 @@ static __device__ void gx_down_rows(const float *h, const int32_t *rows, uint32_
     for (int r = 0; r < GX_DOWN_ROWS; r++)
 #pragma unroll
       for (int t = 0; t < GX_NT; t++) acc[r][t] = 0.f;
-    for (int i0 = lane * 8; i0 < I; i0 += 256 * GX_DOWN_UNROLL) {
-      uint4 rw[GX_DOWN_UNROLL][GX_DOWN_ROWS];
+    for (int i0 = lane * 8; i0 < I; i0 += 256 * GX_UNROLL) {
+      uint4 rw[GX_UNROLL][GX_DOWN_ROWS];
 #pragma unroll
-      for (int u = 0; u < GX_DOWN_UNROLL; u++)
+      for (int u = 0; u < GX_UNROLL; u++)
 #pragma unroll
         for (int r = 0; r < GX_DOWN_ROWS; r++)
           if (r < nr && i0 + 256 * u < I)
             rw[u][r] = load_raw8<VEC>(Wd + (size_t)(c0 + r) * I, i0 + 256 * u, I);
 #pragma unroll
-      for (int u = 0; u < GX_DOWN_UNROLL; u++) {
+      for (int u = 0; u < GX_UNROLL; u++) {
         const int i = i0 + 256 * u;
         if (i >= I) break;
         float wv[GX_DOWN_ROWS][8];
@@ -511,7 +509,7 @@ static __device__ void gx_down_rows(const float *h, const int32_t *rows, uint32_
 
 /* vec: the host found x, wbase and the workspace 16-byte aligned and H, I multiples of 8; an
  * entry's weights must be too (w a multiple of 8). */
-static __global__ void __launch_bounds__(MOE_THREADS, 3) gx_gate_up_kernel(const float *x, uint32_t xlimit, const int32_t *rows,
+static __global__ void gx_gate_up_kernel(const float *x, uint32_t xlimit, const int32_t *rows,
                                          int n, const uint16_t *wbase, long long wlimit,
                                          const tdm_moe_group *groups, int H, int I, bool vec,
                                          float *h) {
@@ -524,7 +522,7 @@ static __global__ void __launch_bounds__(MOE_THREADS, 3) gx_gate_up_kernel(const
     gx_gate_up_row<false>(x, xlimit, rows, g, wbase + g.w, H, I, r, h);
 }
 
-static __global__ void __launch_bounds__(MOE_THREADS, 3) gx_down_kernel(const float *h, const int32_t *rows, uint32_t xlimit,
+static __global__ void gx_down_kernel(const float *h, const int32_t *rows, uint32_t xlimit,
                                       const int32_t *slot, uint32_t olimit, int n,
                                       const uint16_t *wbase, long long wlimit,
                                       const tdm_moe_group *groups, int H, int I, bool vec,
