@@ -290,6 +290,17 @@ static int setup_buffers(tdm_moe_model *m) {
   return rc;
 }
 
+/* Expert weights w as an offset from the streamer's slots (one allocation, whose start is
+ * learnt from the first expert seen), as experts() takes them. */
+static int weights_offset(tdm_moe_model *m, const void *w, int64_t *off) {
+  tdm_mem_info mi;
+  int rc = m->wbase ? 0 : tdm_mem_query(w, &mi);
+  if (rc) return rc;
+  if (!m->wbase) m->wbase = mi.base;
+  *off = (const tdm_moe_bf16 *)w - m->wbase;
+  return 0;
+}
+
 /* Every expert is resident, in a slot that never changes: their places, as offsets from the
  * slots' allocation, go to the device once (acquiring each expert once to learn it), so a
  * small ubatch's routing can be grouped there and never come back to the host. */
@@ -302,9 +313,7 @@ static int setup_device_routing(tdm_moe_model *m) {
     const void *w;
     int l = (int)(key / m->E), e = (int)(key % m->E);
     if ((rc = tdm_streamer_acquire(m->streamer, l, e, &w, NULL))) break;
-    tdm_mem_info mi;
-    if (!m->wbase && !(rc = tdm_mem_query(w, &mi))) m->wbase = mi.base;
-    if (!rc) wofs[key] = (const tdm_moe_bf16 *)w - m->wbase;
+    rc = weights_offset(m, w, &wofs[key]);
     int rr = tdm_streamer_release(m->streamer, l, e, NULL);
     if (!rc) rc = rr;
   }
@@ -619,6 +628,16 @@ static void group(tdm_moe_model *m, int T, int *count, int *offset) {
     }
 }
 
+/* Layer l's RMSNorm (x into xn) and router (top-k into idx, weights into wts). */
+static int norm_route(tdm_moe_model *m, int l, int T, int32_t *idx) {
+  int H = m->H, E = m->E, rc;
+  if ((rc = m->ops->rmsnorm(m->ops_state, m->q, m->xn, m->x, m->norm + (size_t)l * H, T, H,
+                            1e-6f)))
+    return rc;
+  return m->ops->router(m->ops_state, m->q, m->xn, m->router + (size_t)l * E * H,
+                        m->bias + (size_t)l * E, T, H, E, m->k, m->p.renorm, idx, m->wts);
+}
+
 /* RMSNorm and the router, then the control plane: this layer's routing lands in pinned memory
  * and the host waits for that small copy only, never for the whole device; then the tokens
  * are grouped per expert and the groups go back to the device. The predictor (the next
@@ -630,10 +649,7 @@ static int layer_route(tdm_moe_model *m, int l, int T, tdm_moe_pass_stats *st, i
   void *os = m->ops_state;
   int H = m->H, E = m->E, k = m->k, rc;
   *predicted = NULL;
-  if ((rc = ops->rmsnorm(os, m->q, m->xn, m->x, m->norm + (size_t)l * H, T, H, 1e-6f))) return rc;
-  if ((rc = ops->router(os, m->q, m->xn, m->router + (size_t)l * E * H, m->bias + (size_t)l * E, T,
-                        H, E, k, m->p.renorm, m->idx, m->wts)))
-    return rc;
+  if ((rc = norm_route(m, l, T, m->idx))) return rc;
   if (m->cfg.predict && l + 1 < m->L &&
       ((rc = ops->router(os, m->q, m->xn, m->router + (size_t)(l + 1) * E * H,
                          m->bias + (size_t)(l + 1) * E, T, H, E, k, m->p.renorm, m->pidx,
@@ -711,6 +727,16 @@ static int layer_experts(tdm_moe_model *m, int l, bool overlap, tdm_moe_pass_sta
  * group is computed, and each expert is released: overlapped, the streamer records the
  * compute's end itself, and only for a slot that can be overwritten; serialized, the next copy
  * waits for this compute. */
+/* After a failure: the acquired experts b[0..nb) unpinned, uncomputed; their slots are free
+ * after whatever was queued. The failure being reported is the first one, so a release's own
+ * is dropped. */
+static void batch_release(tdm_moe_model *m, int l, const int *b, int nb) {
+  for (int i = 0; i < nb; i++) {
+    int rr = tdm_streamer_release(m->streamer, l, b[i], NULL);
+    (void)rr;
+  }
+}
+
 static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stats *st,
                        const int *b, int nb, int at) {
   int rc;
@@ -719,10 +745,7 @@ static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pas
                        TDM_COPY_H2D, 0, NULL, NULL)) ||
       (rc = m->ops->experts(m->ops_state, m->q, m->xn, m->rows, m->slots, T * m->k, m->wbase,
                             m->groups + at, nb, m->H, m->I, m->out, m->ws, m->ws_bytes))) {
-    for (int i = 0; i < nb; i++) { /* unpinned, after whatever was queued */
-      int rr = tdm_streamer_release(m->streamer, l, b[i], NULL);
-      (void)rr; /* the first failure is the one reported */
-    }
+    batch_release(m, l, b, nb);
     return rc;
   }
   double t1 = now_s();
@@ -870,20 +893,16 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
     const void *w;
     if ((rc = tdm_streamer_acquire(m->streamer, l, e, &w, NULL))) break;
     batch[nb++] = e;
-    tdm_mem_info mi;
-    if (!m->wbase && !(rc = tdm_mem_query(w, &mi))) m->wbase = mi.base;
-    m->groups_h[at + nb - 1] = (tdm_moe_group){
-        .w = (const tdm_moe_bf16 *)w - m->wbase, .first = offset[e], .count = count[e]};
+    tdm_moe_group *g = &m->groups_h[at + nb - 1];
+    *g = (tdm_moe_group){.first = offset[e], .count = count[e]};
+    rc = weights_offset(m, w, &g->w);
     /* Keep the copy queue fed: prefetch what comes next, as far as the depth allows. */
     if (!rc && overlap && i + 1 < n)
       rc = tdm_streamer_prefetch(m->streamer, l, order + i + 1, n - i - 1);
     st->streamer_seconds += now_s() - t0;
   }
   if (rc) {
-    for (int i = 0; i < nb; i++) { /* nothing computed; the slots are free after what was queued */
-      int rr = tdm_streamer_release(m->streamer, l, batch[i], NULL);
-      (void)rr; /* the first failure is the one reported */
-    }
+    batch_release(m, l, batch, nb);
     return rc; /* host experts already queued finish on their own; forward drains them */
   }
   if (nb && (rc = group_flush(m, l, T, overlap, st, batch, nb, at))) return rc;
@@ -956,9 +975,7 @@ static int layer_device(tdm_moe_model *m, int l, int T) {
   void *os = m->ops_state;
   int H = m->H, E = m->E, k = m->k, G = E < T * k ? E : T * k, rc;
   int32_t *idx = m->idx_all + (size_t)l * T * k;
-  if ((rc = ops->rmsnorm(os, m->q, m->xn, m->x, m->norm + (size_t)l * H, T, H, 1e-6f)) ||
-      (rc = ops->router(os, m->q, m->xn, m->router + (size_t)l * E * H, m->bias + (size_t)l * E,
-                        T, H, E, k, m->p.renorm, idx, m->wts)) ||
+  if ((rc = norm_route(m, l, T, idx)) ||
       (rc = ops->group(os, m->q, idx, T, k, E, m->wofs + (size_t)l * E, m->rows, m->slots,
                        m->groups)) ||
       (rc = ops->experts(os, m->q, m->xn, m->rows, m->slots, T * k, m->wbase, m->groups, G, H,
