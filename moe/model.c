@@ -378,8 +378,8 @@ static int check_placement(const tdm_moe_config *cfg) {
     return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: placement %d is not "
                          "TDM_MOE_PLACE_DEVICE, _AUTO or _HOST", (int)cfg->placement);
   if (cfg->host_queues < 0)
-    return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: %d host queues (0: the cores "
-                         "online, or a positive count)", cfg->host_queues);
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: %d host queues (0: one, or a "
+                         "positive count)", cfg->host_queues);
   if (cfg->host) {
     tdm_device_info info;
     int rc = tdm_device_info_get(cfg->host, &info);
@@ -461,7 +461,7 @@ static int setup_host(tdm_moe_model *m) {
   m->place_host_dev = m->cfg.host;
   if (!m->place_host_dev && (rc = tdm_device_find("cpu:0", &m->place_host_dev))) return rc;
   if (!(m->hops = tdm_moe_ops_for(m->place_host_dev))) return TDM_ENOTSUP; /* says why */
-  int n = m->cfg.host_queues > 0 ? m->cfg.host_queues : (int)sysconf(_SC_NPROCESSORS_ONLN);
+  int n = m->cfg.host_queues > 0 ? m->cfg.host_queues : 1;
   m->nhq = n < 1 ? 1 : n > 256 ? 256 : n;
   m->hq = calloc((size_t)m->nhq, sizeof *m->hq);
   m->hstate = calloc((size_t)m->nhq, sizeof *m->hstate);

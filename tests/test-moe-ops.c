@@ -22,9 +22,10 @@
  * (within REL_TOL: a GPU may compute the grouped path in more precision); `group_ref` checks
  * group()'s rows, slot and table against a host reference, with and without indices out of
  * [0, E); `group_then_experts` feeds one into the other, router-free, and again behind a slow
- * host task, bitwise the same; `grouped_bad_args` and
- * `experts_device_data` check argument errors and bad table entries, rows and slots (skipped on
- * a GPU, TDM_ERANGE from the sync on the CPU). A table that lacks experts() or group() (the op
+ * host task, bitwise the same; `experts_shapes_agree` checks that the CUDA grouped kernels' two
+ * shapes give the same bits; `grouped_bad_args` and `experts_device_data` check argument
+ * errors and bad table entries, rows and slots (skipped on a GPU, TDM_ERANGE from the sync on
+ * the CPU). A table that lacks experts() or group() (the op
  * tables gain them one backend at a time) skips these cases visibly (77), so the suite stays
  * green until every table has them.
  */
@@ -740,6 +741,45 @@ TEST_CASE(experts_match_expert) {
 
   tdm_free(grouped); tdm_free(single);
   group_teardown(&c);
+  teardown(&f);
+}
+
+/* The CUDA table's two shapes of the grouped kernels (narrow: two tokens a pass; wide: four),
+ * forced by TANDEM_MOE_CUDA_GROUPED when an op state is opened, give the same bits, on entries
+ * of one token up to many, with weights on and off the 16-byte grid. Other tables ignore the
+ * variable: there the case checks that two op states agree bitwise. */
+TEST_CASE(experts_shapes_agree) {
+  enum { T = 24, K = 4 };
+  static const char *const shape[2] = {"narrow", "wide"};
+  fixture f = setup();
+  need_op(&f, f.ops->experts != NULL, "experts");
+  const struct { int H, I, aligned; } dims[] = {{256, 128, 1}, {300, 200, 0}};
+  for (size_t d = 0; d < sizeof dims / sizeof dims[0]; d++) {
+    group_case c = group_setup(&f, T, dims[d].H, dims[d].I, K, GROUP_COUNTS, GROUP_G,
+                               dims[d].aligned);
+    const size_t slots = (size_t)T * K, bytes = slots * c.H * sizeof(float);
+    float *got[2];
+    for (int s = 0; s < 2; s++) {
+      char what[64];
+      snprintf(what, sizeof what, "experts, %s kernels, H=%d I=%d", shape[s], c.H, c.I);
+      CHECK(setenv("TANDEM_MOE_CUDA_GROUPED", shape[s], 1) == 0);
+      void *st = NULL;
+      CHECK_OK(f.ops->open(f.q, &st));
+      got[s] = alloc(&f, TDM_MEM_PINNED, bytes);
+      fill_sentinel(&f, c.dout, got[s], slots, c.H);
+      CHECK_OK(f.ops->experts(st, f.q, c.dx, c.drows, c.dslot, c.n, c.dw, c.dgroups, c.G, c.H,
+                              c.I, c.dout, c.ws, c.ws_bytes));
+      download(&f, got[s], c.dout, bytes);
+      f.ops->close(st);
+      check_experts(&c, got[s], what);
+    }
+    CHECK(unsetenv("TANDEM_MOE_CUDA_GROUPED") == 0);
+    CHECK_MEM_EQ(got[0], got[1], bytes);
+    tdm_free(got[0]);
+    tdm_free(got[1]);
+    group_teardown(&c);
+  }
+  printf("experts: the narrow and wide kernels' outputs are bitwise equal\n");
   teardown(&f);
 }
 

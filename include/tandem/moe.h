@@ -66,9 +66,11 @@ typedef struct tdm_moe_config {
   tdm_moe_placement placement;
   tdm_device *host;        /* the CPU device that computes host experts (NULL: cpu:0); any
                               other kind of device is TDM_EINVAL */
-  int host_queues;         /* host experts run in parallel on this many in-order queues of the
-                              host device, each with its own op state and workspace (0: the
-                              cores online; at most 256 are made; negative: TDM_EINVAL) */
+  int host_queues;         /* host experts run on this many in-order queues of the host device,
+                              round-robin, each with its own op state and workspace (0: one;
+                              at most 256 are made; negative: TDM_EINVAL). Each expert's rows
+                              are split between the host's cores whatever the count (the CPU
+                              table's few-token path; TANDEM_MOE_CPU_THREADS sets how many) */
 } tdm_moe_config;
 
 typedef struct tdm_moe_model tdm_moe_model;

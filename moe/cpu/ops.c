@@ -37,6 +37,7 @@
  * Every other reduction (rmsnorm, softmax, top-k, combine) is a plain loop in a fixed order.
  */
 #include "ops.h" /* moe/ops.h */
+#include "pool.h"
 
 #include <math.h>
 #include <stdatomic.h>
@@ -149,10 +150,22 @@ static int cpu_open(tdm_queue *q, void **state) {
   if (!s) return TDM_ENOMEM;
   s->q = q;
   *state = s;
+  pool_acquire();
   return 0;
 }
 
-static void cpu_close(void *state) { free(state); }
+/* Waits for the queue's work (a marker, whose status is ignored: the queue keeps its first
+ * error for whoever syncs it), so that no op of this state still runs on the pool. */
+static void cpu_close(void *state) {
+  cpu_state *s = state;
+  tdm_event *done;
+  if (tdm_event_record(s->q, &done) == 0) {
+    (void)tdm_event_wait(done);
+    (void)tdm_event_release(done);
+  }
+  pool_release();
+  free(s);
+}
 
 /* ---- rmsnorm ----------------------------------------------------------------------------- */
 
@@ -398,33 +411,87 @@ static INLINE void dot_tokens(const float *restrict a, const float *const *x, fl
   }
 }
 
-/* The expert for n <= GEMV_MAX_N tokens. xs[t]: token t's input row (H); out[t]: its output row
- * (H); row: max(H, I) floats of scratch; gu: n x 2I floats of scratch. Each weight row is read
- * from memory once, widened into `row` (L1-sized) and dotted with every token's row from there. */
+/* The expert for n <= GEMV_MAX_N tokens, its rows split between the pool's workers (pool.h)
+ * in chunks of `chunk` rows: first the 2I rows of [Wg; Wu] into gu (token t's [gate | up] at
+ * gu + t*2I), then, once all are done and the caller has applied SiLU, the H rows of Wd into
+ * the outputs. Each weight row is read from memory once, widened into the worker's row buffer
+ * (L1-sized, rows + worker * row_stride floats) and dotted with every token's row from there.
+ * A row is computed whole by one worker, so the bits do not depend on the split. */
+typedef struct gemv_job {
+  const float *const *xs; /* n: token t's input row (H) */
+  const float *const *hs; /* n: token t's SiLU(gate) * up (I), for the down rows */
+  float *const *out;      /* n: token t's output row (H) */
+  size_t n, H, I, chunk;
+  const uint16_t *w, *end; /* the expert's weights, and their end */
+  float *gu, *rows;
+  size_t row_stride;
+} gemv_job;
+
 GEMV_CLONES
-static void expert_gemv(const float *const *xs, float *const *out, size_t n, const uint16_t *w,
-                        size_t H, size_t I, float *restrict row, float *restrict gu) {
+static void gemv_gate_up(void *arg, size_t c, int worker) {
+  const gemv_job *j = arg;
   float res[GEMV_MAX_N];
-  const uint16_t *end = w + 3 * H * I;
-  /* [gate | up] for token t at gu + t*2I, rows of [Wg; Wu] in order. */
-  for (size_t r = 0; r < 2 * I; r++) {
-    widen_row(row, w + r * H, H, end);
-    dot_tokens(row, xs, res, H, n);
-    for (size_t t = 0; t < n; t++) gu[t * 2 * I + r] = res[t];
+  float *row = j->rows + (size_t)worker * j->row_stride;
+  size_t r1 = (c + 1) * j->chunk < 2 * j->I ? (c + 1) * j->chunk : 2 * j->I;
+  for (size_t r = c * j->chunk; r < r1; r++) {
+    widen_row(row, j->w + r * j->H, j->H, j->end);
+    dot_tokens(row, j->xs, res, j->H, j->n);
+    for (size_t t = 0; t < j->n; t++) j->gu[t * 2 * j->I + r] = res[t];
   }
+}
+
+GEMV_CLONES
+static void gemv_down(void *arg, size_t c, int worker) {
+  const gemv_job *j = arg;
+  float res[GEMV_MAX_N];
+  float *row = j->rows + (size_t)worker * j->row_stride;
+  const uint16_t *wd = j->w + 2 * j->I * j->H;
+  size_t c1 = (c + 1) * j->chunk < j->H ? (c + 1) * j->chunk : j->H;
+  for (size_t r = c * j->chunk; r < c1; r++) {
+    widen_row(row, wd + r * j->I, j->I, j->end);
+    dot_tokens(row, j->hs, res, j->I, j->n);
+    for (size_t t = 0; t < j->n; t++) j->out[t][r] = res[t];
+  }
+}
+
+/* Chunks of `rows` rows for `workers`: about four a worker, so that one slow to start does
+ * not hold the others up, and at least GEMV_CHUNK_MIN rows, so that a chunk is worth handing
+ * out (a row of Qwen3-30B-A3B is 4 KiB of weights). */
+enum { GEMV_CHUNK_MIN = 16 };
+static size_t gemv_chunk(size_t rows, int workers) {
+  size_t c = (rows + 4 * (size_t)workers - 1) / (4 * (size_t)workers);
+  return c < GEMV_CHUNK_MIN ? GEMV_CHUNK_MIN : c;
+}
+
+/* An expert smaller than this (bf16 weights) runs on its caller alone: handing it out would
+ * cost more than it saves. */
+enum { GEMV_POOL_MIN_WEIGHTS = 64 * 1024 };
+
+/* xs, out as in gemv_job; rows: `slots` row buffers of row_stride floats; gu: n x 2I floats. */
+static void expert_gemv(const float *const *xs, float *const *out, size_t n, const uint16_t *w,
+                        size_t H, size_t I, float *rows, size_t row_stride, size_t slots,
+                        float *gu) {
+  int workers = pool_workers();
+  if ((size_t)workers > slots || 3 * H * I < GEMV_POOL_MIN_WEIGHTS) workers = 1;
   const float *hs[GEMV_MAX_N];
+  for (size_t t = 0; t < n; t++) hs[t] = gu + t * 2 * I;
+  gemv_job j = {.xs = xs, .hs = hs, .out = out, .n = n, .H = H, .I = I, .w = w,
+                .end = w + 3 * H * I, .gu = gu, .rows = rows, .row_stride = row_stride};
+  j.chunk = gemv_chunk(2 * I, workers);
+  size_t chunks = (2 * I + j.chunk - 1) / j.chunk;
+  if (workers > 1) pool_run(chunks, gemv_gate_up, &j);
+  else
+    for (size_t c = 0; c < chunks; c++) gemv_gate_up(&j, c, 0);
   for (size_t t = 0; t < n; t++) {
     float *g = gu + t * 2 * I;
     const float *u = g + I;
-    for (size_t j = 0; j < I; j++) g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-    hs[t] = g;
+    for (size_t k = 0; k < I; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
   }
-  const uint16_t *wd = w + 2 * I * H;
-  for (size_t c = 0; c < H; c++) {
-    widen_row(row, wd + c * I, I, end);
-    dot_tokens(row, hs, res, I, n);
-    for (size_t t = 0; t < n; t++) out[t][c] = res[t];
-  }
+  j.chunk = gemv_chunk(H, workers);
+  chunks = (H + j.chunk - 1) / j.chunk;
+  if (workers > 1) pool_run(chunks, gemv_down, &j);
+  else
+    for (size_t c = 0; c < chunks; c++) gemv_down(&j, c, 0);
 }
 
 /* ---- expert ------------------------------------------------------------------------------ */
@@ -434,20 +501,22 @@ static void expert_gemv(const float *const *xs, float *const *out, size_t n, con
 static void expert_compute(const float *x, const int32_t *rows, const int32_t *slot, size_t n,
                            const tdm_moe_bf16 *wts, size_t H, size_t I, float *out, float *ws) {
   if (n <= GEMV_MAX_N) {
-    /* Workspace: the row buffer, then gate|up (n x 2I). Both fit the sgemm path's layout, so
-     * tdm_moe_ops_workspace() covers them: the row buffer takes less than its weight region
-     * (max(H, I) <= 3HI floats), gate|up no more than its gathered rows and gate|up. Outputs
-     * go straight to their slots: the inputs are all read before the first output is written,
-     * so x and out may even overlap. */
+    /* Workspace, in the sgemm path's layout, so tdm_moe_ops_workspace() covers it: a row
+     * buffer per worker in the region of the f32 weights (3HI floats hold 3 min(H, I) buffers
+     * of max(H, I); with fewer than the pool's workers the expert runs on its caller alone),
+     * and gate|up where the sgemm path keeps it. Outputs go straight to their slots: the
+     * inputs are all read before the first output is written, so x and out may even
+     * overlap. */
     const float *xs[GEMV_MAX_N];
     float *outs[GEMV_MAX_N];
     for (size_t i = 0; i < n; i++) {
       xs[i] = x + (size_t)rows[i] * H;
       outs[i] = out + (size_t)slot[i] * H;
     }
-    float *row = ws;
-    float *gu = (float *)((char *)row + round256((H > I ? H : I) * sizeof(float)));
-    expert_gemv(xs, outs, n, wts, H, I, row, gu);
+    size_t stride = round256((H > I ? H : I) * sizeof(float)) / sizeof(float);
+    size_t region = round256(3 * H * I * sizeof(float)) / sizeof(float);
+    float *gu = ws + region + round256(n * H * sizeof(float)) / sizeof(float);
+    expert_gemv(xs, outs, n, wts, H, I, ws, stride, region / stride, gu);
     return;
   }
   float *w = ws;

@@ -76,6 +76,7 @@ typedef struct moe_cuda {
   cublasLtHandle_t lt; /* the plans' handle; its calls name s and ws themselves */
   void *ws;            /* cuBLAS's workspace: cudaMalloc'd (256-byte aligned, as it requires) */
   float *logits;       /* the small-ubatch router's logits: ROUTER_TOKENS x ROUTER_SPLIT_E */
+  int gx_shape;        /* experts()'s kernels: GX_SHAPE_AUTO, or one forced at open() */
   pthread_mutex_t plan_mu;            /* the plan cache: ops from several threads are allowed */
   gemm_plan *plans[PLAN_BUCKETS];
   const char *failed;  /* the last CUDA or cuBLAS call that failed */
@@ -337,8 +338,32 @@ static __global__ void scatter_kernel(float *out, const float *O, const int32_t 
  * warp tree: a token's result depends on its expert and its own activations only, not on the
  * chunk it fell in, the other entries or G, and the 16-byte and the scalar loads give the same
  * sums (the scalar path skips the columns past the row's end rather than adding zeros). */
-#define GX_NT 4     /* tokens per pass over a weight row */
-#define GX_UNROLL 4 /* 16-byte loads a lane has in flight per row before it computes */
+#define GX_UNROLL 4 /* 16-byte loads a lane has in flight per gate or up row before it computes */
+
+/* Two shapes of the same kernels, which give the same bits (a token's sums do not depend on how
+ * many tokens share a pass, nor on how many loads a lane batches: it visits the same columns in
+ * the same order):
+ * - wide: NT = 4 tokens per pass over a weight row and 4 loads a down row; about 100
+ *   registers a thread, so two blocks an SM. For entries of several tokens.
+ * - narrow: NT = 2 and 3 loads a down row (Qwen3-30B-A3B's I = 768 in one batch), held to 80
+ *   registers, so three blocks an SM: more loads in flight, which an entry of one or two
+ *   tokens (decode) is bound by.
+ * experts() takes narrow when the entries average at most two tokens (n <= 2G);
+ * TANDEM_MOE_CUDA_GROUPED=narrow or wide forces one, for measuring them side by side. */
+#define GX_NARROW_NT 2
+#define GX_NARROW_DOWN_UNROLL 3
+#define GX_NARROW_BLOCKS 3
+#define GX_WIDE_NT 4
+#define GX_WIDE_DOWN_UNROLL 4
+#define GX_WIDE_BLOCKS 2
+enum { GX_SHAPE_AUTO, GX_SHAPE_NARROW, GX_SHAPE_WIDE };
+
+static int gx_shape_configured(void) {
+  const char *v = getenv("TANDEM_MOE_CUDA_GROUPED");
+  if (v && strcmp(v, "narrow") == 0) return GX_SHAPE_NARROW;
+  if (v && strcmp(v, "wide") == 0) return GX_SHAPE_WIDE;
+  return GX_SHAPE_AUTO; /* unset or anything else */
+}
 
 /* An entry that names rows outside [0, n) or weights outside wbase's allocation is skipped. */
 static __device__ __forceinline__ bool entry_ok(const tdm_moe_group &g, int n, long long wlimit,
@@ -389,7 +414,7 @@ static __device__ __forceinline__ void load_f8(const float *p, int c, int K, flo
  * whose row lies outside x's allocation is skipped (gx_down_row does not write its slot). Each
  * lane issues GX_UNROLL loads of each row before it uses any, so a warp keeps 4 KiB of weights
  * in flight. */
-template <bool VEC>
+template <bool VEC, int GX_NT>
 static __device__ void gx_gate_up_row(const float *x, uint32_t xlimit, const int32_t *rows,
                                       const tdm_moe_group &g, const uint16_t *W, int H, int I,
                                       int r, float *h) {
@@ -450,7 +475,7 @@ static __device__ void gx_gate_up_row(const float *x, uint32_t xlimit, const int
  * sums run in the same order as with one row a warp. A slot outside out's allocation is not
  * written, nor the slot of a token whose row lies outside x's (its h was never written). */
 #define GX_DOWN_ROWS 2
-template <bool VEC>
+template <bool VEC, int GX_NT, int GX_DOWN_UNROLL>
 static __device__ void gx_down_rows(const float *h, const int32_t *rows, uint32_t xlimit,
                                     const int32_t *slot, uint32_t olimit, const tdm_moe_group &g,
                                     const uint16_t *Wd, int H, int I, int c0, float *out) {
@@ -462,16 +487,16 @@ static __device__ void gx_down_rows(const float *h, const int32_t *rows, uint32_
     for (int r = 0; r < GX_DOWN_ROWS; r++)
 #pragma unroll
       for (int t = 0; t < GX_NT; t++) acc[r][t] = 0.f;
-    for (int i0 = lane * 8; i0 < I; i0 += 256 * GX_UNROLL) {
-      uint4 rw[GX_UNROLL][GX_DOWN_ROWS];
+    for (int i0 = lane * 8; i0 < I; i0 += 256 * GX_DOWN_UNROLL) {
+      uint4 rw[GX_DOWN_UNROLL][GX_DOWN_ROWS];
 #pragma unroll
-      for (int u = 0; u < GX_UNROLL; u++)
+      for (int u = 0; u < GX_DOWN_UNROLL; u++)
 #pragma unroll
         for (int r = 0; r < GX_DOWN_ROWS; r++)
           if (r < nr && i0 + 256 * u < I)
             rw[u][r] = load_raw8<VEC>(Wd + (size_t)(c0 + r) * I, i0 + 256 * u, I);
 #pragma unroll
-      for (int u = 0; u < GX_UNROLL; u++) {
+      for (int u = 0; u < GX_DOWN_UNROLL; u++) {
         const int i = i0 + 256 * u;
         if (i >= I) break;
         float wv[GX_DOWN_ROWS][8];
@@ -509,32 +534,33 @@ static __device__ void gx_down_rows(const float *h, const int32_t *rows, uint32_
 
 /* vec: the host found x, wbase and the workspace 16-byte aligned and H, I multiples of 8; an
  * entry's weights must be too (w a multiple of 8). */
-static __global__ void gx_gate_up_kernel(const float *x, uint32_t xlimit, const int32_t *rows,
-                                         int n, const uint16_t *wbase, long long wlimit,
-                                         const tdm_moe_group *groups, int H, int I, bool vec,
-                                         float *h) {
+template <int NT, int MINB>
+static __global__ void __launch_bounds__(MOE_THREADS, MINB)
+    gx_gate_up_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int n,
+                      const uint16_t *wbase, long long wlimit, const tdm_moe_group *groups, int H,
+                      int I, bool vec, float *h) {
   const tdm_moe_group g = groups[blockIdx.y];
   const int r = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
   if (r >= I || !entry_ok(g, n, wlimit, 3LL * H * I)) return; /* whole warps leave */
   if (vec && (g.w & 7) == 0)
-    gx_gate_up_row<true>(x, xlimit, rows, g, wbase + g.w, H, I, r, h);
+    gx_gate_up_row<true, NT>(x, xlimit, rows, g, wbase + g.w, H, I, r, h);
   else
-    gx_gate_up_row<false>(x, xlimit, rows, g, wbase + g.w, H, I, r, h);
+    gx_gate_up_row<false, NT>(x, xlimit, rows, g, wbase + g.w, H, I, r, h);
 }
 
-static __global__ void gx_down_kernel(const float *h, const int32_t *rows, uint32_t xlimit,
-                                      const int32_t *slot, uint32_t olimit, int n,
-                                      const uint16_t *wbase, long long wlimit,
-                                      const tdm_moe_group *groups, int H, int I, bool vec,
-                                      float *out) {
+template <int NT, int DU, int MINB>
+static __global__ void __launch_bounds__(MOE_THREADS, MINB)
+    gx_down_kernel(const float *h, const int32_t *rows, uint32_t xlimit, const int32_t *slot,
+                   uint32_t olimit, int n, const uint16_t *wbase, long long wlimit,
+                   const tdm_moe_group *groups, int H, int I, bool vec, float *out) {
   const tdm_moe_group g = groups[blockIdx.y];
   const int c0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * GX_DOWN_ROWS;
   if (c0 >= H || !entry_ok(g, n, wlimit, 3LL * H * I)) return;
   const uint16_t *Wd = wbase + g.w + 2 * (size_t)I * H;
   if (vec && (g.w & 7) == 0)
-    gx_down_rows<true>(h, rows, xlimit, slot, olimit, g, Wd, H, I, c0, out);
+    gx_down_rows<true, NT, DU>(h, rows, xlimit, slot, olimit, g, Wd, H, I, c0, out);
   else
-    gx_down_rows<false>(h, rows, xlimit, slot, olimit, g, Wd, H, I, c0, out);
+    gx_down_rows<false, NT, DU>(h, rows, xlimit, slot, olimit, g, Wd, H, I, c0, out);
 }
 
 /* ---- the router for small ubatches (T <= ROUTER_TOKENS) ----
@@ -717,6 +743,7 @@ static int cuda_open(tdm_queue *q, void **state) {
   m->q = q;
   m->s = m->qs = (cudaStream_t)stream;
   m->dev = *(const int *)ordinal;
+  m->gx_shape = gx_shape_configured();
   int saved;
   if ((rc = enter(m, &saved))) {
     free(m);
@@ -988,16 +1015,28 @@ static int cuda_experts(void *st, tdm_queue *q, const float *x, const int32_t *r
   uint32_t xlimit = rows_in(x, H), olimit = rows_in(out, H);
   long long wlimit = elems_in(wbase);
   float *h = (float *)workspace;
+  bool narrow = m->gx_shape == GX_SHAPE_AUTO ? n <= 2 * G : m->gx_shape == GX_SHAPE_NARROW;
+  const dim3 gu_grid((unsigned)((I + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G);
+  const int down_rows = MOE_WARPS * GX_DOWN_ROWS; /* output rows a block */
+  const dim3 down_grid((unsigned)((H + down_rows - 1) / down_rows), (unsigned)G);
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
-  gx_gate_up_kernel<<<dim3((unsigned)((I + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G), MOE_THREADS,
-                      0, m->s>>>(x, xlimit, rows, n, wbase, wlimit, groups, H, I, vec, h);
+  if (narrow)
+    gx_gate_up_kernel<GX_NARROW_NT, GX_NARROW_BLOCKS><<<gu_grid, MOE_THREADS, 0, m->s>>>(
+        x, xlimit, rows, n, wbase, wlimit, groups, H, I, vec, h);
+  else
+    gx_gate_up_kernel<GX_WIDE_NT, GX_WIDE_BLOCKS><<<gu_grid, MOE_THREADS, 0, m->s>>>(
+        x, xlimit, rows, n, wbase, wlimit, groups, H, I, vec, h);
   cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) {
-    const int down_rows = MOE_WARPS * GX_DOWN_ROWS; /* output rows a block */
-    gx_down_kernel<<<dim3((unsigned)((H + down_rows - 1) / down_rows), (unsigned)G), MOE_THREADS,
-                     0, m->s>>>(h, rows, xlimit, slot, olimit, n, wbase, wlimit, groups, H, I,
-                                vec, out);
+    if (narrow)
+      gx_down_kernel<GX_NARROW_NT, GX_NARROW_DOWN_UNROLL, GX_NARROW_BLOCKS>
+          <<<down_grid, MOE_THREADS, 0, m->s>>>(h, rows, xlimit, slot, olimit, n, wbase, wlimit,
+                                               groups, H, I, vec, out);
+    else
+      gx_down_kernel<GX_WIDE_NT, GX_WIDE_DOWN_UNROLL, GX_WIDE_BLOCKS>
+          <<<down_grid, MOE_THREADS, 0, m->s>>>(h, rows, xlimit, slot, olimit, n, wbase, wlimit,
+                                               groups, H, I, vec, out);
     e = cudaGetLastError();
   }
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "the grouped expert kernels");
