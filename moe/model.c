@@ -393,63 +393,148 @@ static int check_placement(const tdm_moe_config *cfg) {
   return 0;
 }
 
-/* GB/s of expert-sized pinned host-to-device copies: what one streamed expert costs the link,
- * its per-copy overhead included. On a queue of its own into a scratch expert, so no slot of
- * the streamer is touched; one copy warms up, then REPS back to back. */
-static int calibrate_link(tdm_moe_model *m, double *gbs) {
-  enum { REPS = 6 };
-  long keys = (long)m->L * m->E;
-  tdm_queue *q = NULL;
-  void *d = NULL;
-  int rc = tdm_queue_create(m->cfg.device, TDM_QUEUE_IN_ORDER, &q);
-  if (!rc) rc = dev_alloc(m, m->ebytes, &d);
-  if (!rc) rc = tdm_memcpy(q, d, m->host_ptrs[0], m->ebytes, TDM_COPY_H2D, 0, NULL, NULL);
-  if (!rc) rc = tdm_queue_sync(q);
-  double t0 = now_s();
-  for (int r = 0; !rc && r < REPS; r++)
-    rc = tdm_memcpy(q, d, m->host_ptrs[(r + 1) % keys], m->ebytes, TDM_COPY_H2D, 0, NULL, NULL);
-  if (!rc) rc = tdm_queue_sync(q);
-  double t = now_s() - t0;
-  if (d) tdm_free(d);
-  if (q) tdm_queue_destroy(q);
-  *gbs = !rc && t > 0 ? (double)REPS * m->ebytes / t / 1e9 : 0.0;
+/* ---- the cost model: the link and the host, alone and at once ----
+ * A streamed expert costs the link its bytes; a host expert costs the host its weights' bytes
+ * read once (one token). Both come out of the host's memory, the copies by DMA and the host
+ * experts by the cores, so each side is measured alone and then both at once: the share comes
+ * from the figures at once, which is how decode runs them. Copies go on a queue of their own
+ * into a scratch expert and host experts write slots of a scratch block of the host device's
+ * memory, so nothing of the streamer or the model is touched. Every expert read is a different
+ * one (round-robin over the pinned experts), so its bytes come from memory, as in a pass. */
+enum { CAL_LINK = 8, CAL_HOST_MIN = 8, CAL_HOST_MAX = 64 };
+
+typedef struct calib {
+  tdm_moe_model *m;
+  tdm_queue *lq;   /* the link's queue */
+  void *dscratch;  /* an expert on the device */
+  char *hblk;      /* the host's rows, slots, x and outputs */
+  long next;       /* the next expert to read */
+} calib;
+
+/* n copies of distinct experts on the link's queue. */
+static int cal_copies(calib *c, int n) {
+  long keys = (long)c->m->L * c->m->E;
+  int rc = 0;
+  for (int i = 0; !rc && i < n; i++)
+    rc = tdm_memcpy(c->lq, c->dscratch, c->m->host_ptrs[c->next++ % keys], c->m->ebytes,
+                    TDM_COPY_H2D, 0, NULL, NULL);
   return rc;
 }
 
-/* GB/s of expert weights the host computes: the CPU table's expert() on one token, one expert
- * on each host queue at once (a decode layer's host experts run so), a warm-up round and then
- * REPS rounds, each expert a different one so its weights come from memory as in a pass. Each
- * queue writes a slot of its own in a scratch block of the host device's memory. */
-static int calibrate_host(tdm_moe_model *m, double *gbs) {
-  enum { REPS = 3 };
+/* n host experts on one token, round-robin over the host queues, each queue writing a slot of
+ * its own. */
+static int cal_experts(calib *c, int n) {
+  tdm_moe_model *m = c->m;
   long keys = (long)m->L * m->E;
-  int nq = m->nhq, H = m->H, rc;
-  size_t ints = 2 * (size_t)nq * sizeof(int32_t);
-  size_t bytes = ints + (size_t)(nq + 1) * H * sizeof(float);
-  char *blk = NULL;
-  if ((rc = tdm_malloc(m->place_host_dev, TDM_MEM_DEVICE, bytes, (void **)&blk))) return rc;
-  int32_t *rows = (int32_t *)blk, *slot = rows + nq;
-  float *x = (float *)(blk + ints), *out = x + H;
-  for (int j = 0; j < nq; j++) {
-    rows[j] = 0;
-    slot[j] = j;
+  int nq = m->nhq, rc = 0;
+  int32_t *rows = (int32_t *)c->hblk, *slot = rows + nq;
+  float *x = (float *)(c->hblk + 2 * (size_t)nq * sizeof(int32_t)), *out = x + m->H;
+  for (int i = 0; !rc && i < n; i++) {
+    int j = i % nq;
+    rc = m->hops->expert(m->hstate[j], m->hq[j], x, rows + j, slot + j, 1,
+                         m->host_ptrs[c->next++ % keys], m->H, m->I, out, m->hws[j],
+                         m->hws_bytes);
   }
-  for (int h = 0; h < H; h++) x[h] = 1.0f / (float)(h + 1);
-  double t0 = 0;
-  for (int r = 0; !rc && r <= REPS; r++) {
-    if (r == 1) t0 = now_s(); /* round 0 warms up */
-    for (int j = 0; !rc && j < nq; j++)
-      rc = m->hops->expert(m->hstate[j], m->hq[j], x, rows + j, slot + j, 1,
-                           m->host_ptrs[((long)r * nq + j) % keys], H, m->I, out, m->hws[j],
-                           m->hws_bytes);
+  return rc;
+}
+
+static int cal_sync_host(tdm_moe_model *m) {
+  int rc = 0;
+  for (int j = 0; j < m->nhq; j++) {
+    int src = tdm_queue_sync(m->hq[j]);
+    if (!rc) rc = src;
+  }
+  return rc;
+}
+
+/* Polls the link's queue and every host queue until all are done, noting when each side
+ * finished (seconds from t0). */
+static int cal_finish(calib *c, double t0, double *t_link, double *t_host) {
+  tdm_moe_model *m = c->m;
+  int nq = m->nhq, rc = 0, left = nq + 1;
+  tdm_event **ev = calloc((size_t)nq + 1, sizeof *ev);
+  if (!ev) return tdm_set_error(TDM_ENOMEM, 0, "no memory for the cost model");
+  for (int j = 0; !rc && j < nq; j++) rc = tdm_event_record(m->hq[j], &ev[j]);
+  if (!rc) rc = tdm_event_record(c->lq, &ev[nq]);
+  int host_left = nq;
+  while (!rc && left > 0) {
+    for (int j = 0; !rc && j <= nq; j++) {
+      if (!ev[j]) continue;
+      int st = tdm_event_query(ev[j]);
+      if (st == TDM_EAGAIN) continue;
+      rc = st;
+      tdm_event_release(ev[j]);
+      ev[j] = NULL;
+      left--;
+      if (j == nq) *t_link = now_s() - t0;
+      else if (--host_left == 0) *t_host = now_s() - t0;
+    }
+    if (!rc && left > 0) nanosleep(&(struct timespec){.tv_nsec = 10000}, NULL);
+  }
+  for (int j = 0; j <= nq; j++)
+    if (ev[j]) {
+      (void)tdm_event_wait(ev[j]);
+      tdm_event_release(ev[j]);
+    }
+  free(ev);
+  if (!rc) rc = cal_sync_host(m);
+  if (!rc) rc = tdm_queue_sync(c->lq);
+  return rc;
+}
+
+static double gbs(double bytes, double t) { return t > 0 ? bytes / t / 1e9 : 0.0; }
+
+static int calibrate(tdm_moe_model *m, tdm_moe_placement_info *pi) {
+  int nq = m->nhq, H = m->H, rc;
+  double eb = (double)m->ebytes;
+  size_t ints = 2 * (size_t)nq * sizeof(int32_t);
+  calib c = {.m = m};
+  rc = tdm_queue_create(m->cfg.device, TDM_QUEUE_IN_ORDER, &c.lq);
+  if (!rc) rc = dev_alloc(m, m->ebytes, &c.dscratch);
+  if (!rc)
+    rc = tdm_malloc(m->place_host_dev, TDM_MEM_DEVICE, ints + (size_t)(nq + 1) * H * sizeof(float),
+                    (void **)&c.hblk);
+  if (!rc) {
+    int32_t *rows = (int32_t *)c.hblk, *slot = rows + nq;
+    float *x = (float *)(c.hblk + ints);
     for (int j = 0; j < nq; j++) {
-      int src = tdm_queue_sync(m->hq[j]);
-      if (!rc) rc = src;
+      rows[j] = 0;
+      slot[j] = j;
+    }
+    for (int h = 0; h < H; h++) x[h] = 1.0f / (float)(h + 1);
+  }
+  /* Warm-up: a copy, and an expert on every host queue (their pools and workspaces). */
+  if (!rc) rc = cal_copies(&c, 1);
+  if (!rc) rc = cal_experts(&c, nq);
+  if (!rc) rc = tdm_queue_sync(c.lq);
+  if (!rc) rc = cal_sync_host(m);
+  /* Alone. */
+  double t0 = now_s();
+  if (!rc) rc = cal_copies(&c, CAL_LINK);
+  if (!rc) rc = tdm_queue_sync(c.lq);
+  if (!rc) pi->link_gbs = gbs(CAL_LINK * eb, now_s() - t0);
+  int nh = nq > CAL_HOST_MIN ? nq : CAL_HOST_MIN;
+  t0 = now_s();
+  if (!rc) rc = cal_experts(&c, nh);
+  if (!rc) rc = cal_sync_host(m);
+  if (!rc) pi->host_gbs = gbs(nh * eb, now_s() - t0);
+  /* At once, sized so that both sides would take about as long alone. */
+  if (!rc) {
+    nh = pi->link_gbs > 0 ? (int)lround(CAL_LINK * pi->host_gbs / pi->link_gbs) : CAL_HOST_MIN;
+    nh = nh < 1 ? 1 : nh > CAL_HOST_MAX ? CAL_HOST_MAX : nh;
+    double tl = 0, th = 0;
+    t0 = now_s();
+    rc = cal_copies(&c, CAL_LINK);
+    if (!rc) rc = cal_experts(&c, nh);
+    if (!rc) rc = cal_finish(&c, t0, &tl, &th);
+    if (!rc) {
+      pi->link_gbs_shared = gbs(CAL_LINK * eb, tl);
+      pi->host_gbs_shared = gbs(nh * eb, th);
     }
   }
-  double t = now_s() - t0;
-  tdm_free(blk);
-  *gbs = !rc && t > 0 ? (double)REPS * nq * m->ebytes / t / 1e9 : 0.0;
+  if (c.hblk) tdm_free(c.hblk);
+  if (c.dscratch) tdm_free(c.dscratch);
+  if (c.lq) tdm_queue_destroy(c.lq);
   return rc;
 }
 
@@ -484,13 +569,12 @@ static int setup_host(tdm_moe_model *m) {
   if (!rc)
     rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * m->H * sizeof(float), (void **)&m->out_h);
   tdm_moe_placement_info *pi = &m->place;
-  if (!rc) rc = calibrate_link(m, &pi->link_gbs);
-  if (!rc) rc = calibrate_host(m, &pi->host_gbs);
+  if (!rc) rc = calibrate(m, pi);
   if (!rc) {
     pi->placement = m->cfg.placement;
     pi->host_queues = m->nhq;
-    double sum = pi->host_gbs + pi->link_gbs;
-    pi->host_share = sum > 0 ? pi->host_gbs / sum : 0.0;
+    double sum = pi->host_gbs_shared + pi->link_gbs_shared;
+    pi->host_share = sum > 0 ? pi->host_gbs_shared / sum : 0.0;
   }
   return rc;
 }

@@ -169,7 +169,7 @@ def moe(tool, device, tmp):
     if doc.get("check") != "ok" or doc.get("placement") != "host" or doc.get("host_queues") != 2:
         raise Failed(f"{what}: check {doc.get('check')!r}, placement {doc.get('placement')!r}, "
                      f"{doc.get('host_queues')} host queues")
-    for key in ("link_gbs", "host_gbs"):
+    for key in ("link_gbs", "host_gbs", "link_gbs_shared", "host_gbs_shared"):
         if not (isinstance(doc.get(key), (int, float)) and doc[key] > 0):
             raise Failed(f"{what}: {key} is {doc.get(key)!r}")
     if not 0 <= doc.get("host_share", -1) <= 1:

@@ -523,6 +523,7 @@ TEST_CASE(host_placement) {
       CHECK_EQ((int)pi.placement, (int)TDM_MOE_PLACE_HOST);
       CHECK_EQ(pi.host_queues, queues[qi]);
       CHECK(pi.link_gbs > 0 && pi.host_gbs > 0);
+      CHECK(pi.link_gbs_shared > 0 && pi.host_gbs_shared > 0);
       CHECK(pi.host_share > 0 && pi.host_share < 1);
       memset(y, 0xff, n * sizeof *y);
       for (int t = 0; t < DECODE + 1; t++) {
@@ -577,7 +578,8 @@ TEST_CASE(auto_placement) {
   CHECK_EQ((int)pi.placement, (int)TDM_MOE_PLACE_AUTO);
   CHECK(pi.host_queues >= 1);
   CHECK(pi.host_share >= 0 && pi.host_share <= 1);
-  CHECK(fabs(pi.host_share - pi.host_gbs / (pi.host_gbs + pi.link_gbs)) < 1e-12);
+  CHECK(fabs(pi.host_share -
+             pi.host_gbs_shared / (pi.host_gbs_shared + pi.link_gbs_shared)) < 1e-12);
   uint64_t host = 0;
   for (int ov = 0; ov < 2; ov++) {
     for (int t = 0; t < DECODE + 1; t++) {
@@ -604,8 +606,9 @@ TEST_CASE(auto_placement) {
   CHECK_RC(tdm_moe_placement_get(m, NULL), TDM_EINVAL);
   CHECK_RC(tdm_moe_placement_get(NULL, &pi), TDM_EINVAL);
   tdm_moe_model_destroy(m);
-  printf("auto placement: share %.2f (link %.2f GB/s, host %.2f GB/s), %llu host experts\n",
-         pi.host_share, pi.link_gbs, pi.host_gbs, (unsigned long long)host);
+  printf("auto placement: share %.2f (link %.2f GB/s, host %.2f GB/s alone; %.2f and %.2f at "
+         "once), %llu host experts\n", pi.host_share, pi.link_gbs, pi.host_gbs,
+         pi.link_gbs_shared, pi.host_gbs_shared, (unsigned long long)host);
   free(x);
   free(ref);
   free(y);

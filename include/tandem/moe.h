@@ -128,18 +128,22 @@ TDM_API int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, b
 TDM_API tdm_streamer *tdm_moe_streamer(tdm_moe_model *m);
 
 /* What the model's placement decided at creation. Under AUTO and HOST the cost model is
- * calibrated then: link_gbs from a few expert-sized pinned host-to-device copies, host_gbs
- * from host_queues experts computed at once on one token each by the host (weight bytes /
- * time), and host_share = host_gbs / (host_gbs + link_gbs), the share of a layer's
+ * calibrated then, on expert-sized work: the link's GB/s from pinned host-to-device copies of
+ * experts, the host's GB/s of expert weights from experts computed on one token on the
+ * host_queues queues (weight bytes / time), each side first alone and then both at once (the
+ * copies' DMA and the host's cores read the same host memory, so each slows the other).
+ * host_share = host_gbs_shared / (host_gbs_shared + link_gbs_shared): the share of a layer's
  * non-resident experts that AUTO computes on the host so that the host and the link finish
  * them at about the same time (HOST computes all of them whatever the share). Under DEVICE
  * nothing is calibrated: every figure is 0. */
 typedef struct tdm_moe_placement_info {
   tdm_moe_placement placement;
-  int host_queues;   /* the queues host experts run on (the configured 0 resolved) */
-  double link_gbs;   /* GB/s of expert-sized copies to the device */
-  double host_gbs;   /* GB/s of expert weights the host computes with host_queues queues */
-  double host_share; /* in [0, 1] */
+  int host_queues;        /* the queues host experts run on (the configured 0 resolved) */
+  double link_gbs;        /* GB/s of expert-sized copies to the device, alone */
+  double host_gbs;        /* GB/s of expert weights the host computes, alone */
+  double host_share;      /* in [0, 1] */
+  double link_gbs_shared; /* the link's GB/s while the host computes experts */
+  double host_gbs_shared; /* the host's GB/s while the link copies experts */
 } tdm_moe_placement_info;
 
 TDM_API int tdm_moe_placement_get(const tdm_moe_model *m, tdm_moe_placement_info *out);

@@ -3,26 +3,37 @@
  * Everything a job shares lives under one mutex: chunks are large (tens of weight rows, some
  * hundreds of KB of weights), so a lock per chunk costs nothing next to the chunk, and one lock
  * keeps the bookkeeping obviously right. A job lives on its caller's stack; a pool thread
- * touches it only under the lock, and the caller unlinks it only once every chunk is done, which
- * a thread reports (done++) under the lock after its last use of the job.
+ * touches it only under the lock, and the caller returns only once every chunk is done, which
+ * a thread reports (done++) under the lock as its last use of the job; a caller that saw the
+ * count while spinning takes the lock before it returns, so that report is over.
+ *
+ * Jobs come in bursts (an expert is two jobs with a few microseconds between them, and a layer's
+ * host experts follow each other), and waking a sleeping thread costs tens of microseconds
+ * against a few hundred for a whole job. So a thread that finds nothing to do, and a caller
+ * waiting for its last chunks, first spin for SPIN_NS on an atomic that mirrors what they wait
+ * for, and only then sleep on the condition variable.
  *
  * Size: TANDEM_MOE_CPU_THREADS if set to a positive count, else the cores online, at most
  * POOL_MAX; the caller is one of them, so the pool starts one thread fewer. */
 #include "pool.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 enum { POOL_MAX = 256 };
+#define SPIN_NS 50000L
 
 typedef struct job {
   pool_fn fn;
   void *arg;
-  size_t n, next, done; /* chunks: in all, handed out, finished */
-  struct job *link;     /* the pool's list of jobs with chunks left to hand out */
+  size_t n, next;     /* chunks: in all, handed out */
+  atomic_size_t done; /* finished (written under mu; read without it while spinning) */
+  struct job *link;   /* the pool's list of jobs with chunks left to hand out */
 } job;
 
 static struct {
@@ -31,6 +42,7 @@ static struct {
   pthread_cond_t work; /* a job was added, or stop */
   pthread_cond_t fin;  /* a job's last chunk finished */
   job *jobs;
+  atomic_bool has_jobs; /* jobs != NULL, for spinning threads (written under mu) */
   pthread_t th[POOL_MAX];
   int nth; /* threads started */
   int users;
@@ -50,13 +62,45 @@ static bool take(job **j, size_t *chunk) {
   if (!first) return false;
   *j = first;
   *chunk = first->next++;
-  if (first->next == first->n) pool.jobs = first->link;
+  if (first->next == first->n) {
+    pool.jobs = first->link;
+    atomic_store_explicit(&pool.has_jobs, pool.jobs != NULL, memory_order_relaxed);
+  }
   return true;
 }
 
 /* Reports a chunk of j finished. With pool.mu held; j may be gone once it is released. */
 static void finish(job *j) {
-  if (++j->done == j->n) pthread_cond_broadcast(&pool.fin);
+  size_t n = j->n, done = atomic_load_explicit(&j->done, memory_order_relaxed) + 1;
+  atomic_store_explicit(&j->done, done, memory_order_release); /* j's caller may now return */
+  if (done == n) pthread_cond_broadcast(&pool.fin);
+}
+
+static long now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+/* Spins for at most SPIN_NS until *flag holds (true) or *count reaches n; without the lock.
+ * Says whether it did: either way the caller checks again under the lock. */
+static bool spin_until(const atomic_bool *flag, const atomic_size_t *count, size_t n) {
+  long end = now_ns() + SPIN_NS;
+  for (unsigned i = 1;; i++) {
+    if (flag ? atomic_load_explicit(flag, memory_order_relaxed)
+             : atomic_load_explicit(count, memory_order_acquire) >= n)
+      return true;
+    cpu_relax();
+    if (i % 64 == 0 && now_ns() > end) return false;
+  }
 }
 
 static void *worker(void *arg) {
@@ -66,7 +110,10 @@ static void *worker(void *arg) {
     job *j;
     size_t c;
     if (!take(&j, &c)) {
-      pthread_cond_wait(&pool.work, &pool.mu);
+      pthread_mutex_unlock(&pool.mu);
+      bool found = spin_until(&pool.has_jobs, NULL, 0);
+      pthread_mutex_lock(&pool.mu);
+      if (!found && !pool.jobs && !pool.stop) pthread_cond_wait(&pool.work, &pool.mu);
       continue;
     }
     pthread_mutex_unlock(&pool.mu);
@@ -141,9 +188,11 @@ void pool_run(size_t n, pool_fn fn, void *arg) {
     return;
   }
   job j = {.fn = fn, .arg = arg, .n = n};
+  atomic_init(&j.done, 0);
   job **tail = &pool.jobs;
   while (*tail) tail = &(*tail)->link;
   *tail = &j; /* behind the jobs already running: they finish first */
+  atomic_store_explicit(&pool.has_jobs, true, memory_order_relaxed);
   pthread_cond_broadcast(&pool.work);
   /* The caller works on its own job only: another's chunks could keep it past its own end. */
   while (j.next < j.n) {
@@ -152,12 +201,19 @@ void pool_run(size_t n, pool_fn fn, void *arg) {
       job **p = &pool.jobs;
       while (*p != &j) p = &(*p)->link;
       *p = j.link;
+      atomic_store_explicit(&pool.has_jobs, pool.jobs != NULL, memory_order_relaxed);
     }
     pthread_mutex_unlock(&pool.mu);
     fn(arg, c, 0);
     pthread_mutex_lock(&pool.mu);
     finish(&j);
   }
-  while (j.done < j.n) pthread_cond_wait(&pool.fin, &pool.mu);
+  if (atomic_load_explicit(&j.done, memory_order_relaxed) < j.n) {
+    pthread_mutex_unlock(&pool.mu);
+    spin_until(NULL, &j.done, j.n);
+    pthread_mutex_lock(&pool.mu);
+  }
+  while (atomic_load_explicit(&j.done, memory_order_relaxed) < j.n)
+    pthread_cond_wait(&pool.fin, &pool.mu);
   pthread_mutex_unlock(&pool.mu);
 }

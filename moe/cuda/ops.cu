@@ -76,7 +76,7 @@ typedef struct moe_cuda {
   cublasLtHandle_t lt; /* the plans' handle; its calls name s and ws themselves */
   void *ws;            /* cuBLAS's workspace: cudaMalloc'd (256-byte aligned, as it requires) */
   float *logits;       /* the small-ubatch router's logits: ROUTER_TOKENS x ROUTER_SPLIT_E */
-  int gx_shape;        /* experts()'s kernels: GX_SHAPE_AUTO, or one forced at open() */
+  int gx_shape;        /* experts()'s kernels: GX_SHAPE_NARROW unless forced at open() */
   pthread_mutex_t plan_mu;            /* the plan cache: ops from several threads are allowed */
   gemm_plan *plans[PLAN_BUCKETS];
   const char *failed;  /* the last CUDA or cuBLAS call that failed */
@@ -346,23 +346,22 @@ static __global__ void scatter_kernel(float *out, const float *O, const int32_t 
  * - wide: NT = 4 tokens per pass over a weight row and 4 loads a down row; about 100
  *   registers a thread, so two blocks an SM. For entries of several tokens.
  * - narrow: NT = 2 and 3 loads a down row (Qwen3-30B-A3B's I = 768 in one batch), held to 80
- *   registers, so three blocks an SM: more loads in flight, which an entry of one or two
- *   tokens (decode) is bound by.
- * experts() takes narrow when the entries average at most two tokens (n <= 2G);
- * TANDEM_MOE_CUDA_GROUPED=narrow or wide forces one, for measuring them side by side. */
+ *   registers, so three blocks an SM: more loads in flight, which these kernels are bound by.
+ * experts() takes narrow: on the H200 it was faster at 1, 4 and 16 tokens a layer (32.8, 84.7
+ * and 223.5 us against 35.5, 95.3 and 251.3 us, bench/results/h200-gpu-check-b3326f0; with
+ * several tokens an entry its second pass over a row finds it in L2).
+ * TANDEM_MOE_CUDA_GROUPED=wide or narrow forces one, for measuring them side by side. */
 #define GX_NARROW_NT 2
 #define GX_NARROW_DOWN_UNROLL 3
 #define GX_NARROW_BLOCKS 3
 #define GX_WIDE_NT 4
 #define GX_WIDE_DOWN_UNROLL 4
 #define GX_WIDE_BLOCKS 2
-enum { GX_SHAPE_AUTO, GX_SHAPE_NARROW, GX_SHAPE_WIDE };
+enum { GX_SHAPE_NARROW, GX_SHAPE_WIDE };
 
 static int gx_shape_configured(void) {
   const char *v = getenv("TANDEM_MOE_CUDA_GROUPED");
-  if (v && strcmp(v, "narrow") == 0) return GX_SHAPE_NARROW;
-  if (v && strcmp(v, "wide") == 0) return GX_SHAPE_WIDE;
-  return GX_SHAPE_AUTO; /* unset or anything else */
+  return v && strcmp(v, "wide") == 0 ? GX_SHAPE_WIDE : GX_SHAPE_NARROW;
 }
 
 /* An entry that names rows outside [0, n) or weights outside wbase's allocation is skipped. */
@@ -1015,7 +1014,7 @@ static int cuda_experts(void *st, tdm_queue *q, const float *x, const int32_t *r
   uint32_t xlimit = rows_in(x, H), olimit = rows_in(out, H);
   long long wlimit = elems_in(wbase);
   float *h = (float *)workspace;
-  bool narrow = m->gx_shape == GX_SHAPE_AUTO ? n <= 2 * G : m->gx_shape == GX_SHAPE_NARROW;
+  bool narrow = m->gx_shape == GX_SHAPE_NARROW;
   const dim3 gu_grid((unsigned)((I + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G);
   const int down_rows = MOE_WARPS * GX_DOWN_ROWS; /* output rows a block */
   const dim3 down_grid((unsigned)((H + down_rows - 1) / down_rows), (unsigned)G);
