@@ -48,6 +48,22 @@ extern "C" {
 #define BLAS_WS_BYTES (32u << 20) /* cuBLAS's recommended workspace on Hopper */
 #define WS_ALIGN 256
 
+/* ---- programmatic dependent launch ----
+ * The kernels of a small ubatch's layer (rmsnorm, the small-ubatch router, group, the grouped
+ * experts, combine) are short, and between two of them the GPU drains one grid before it
+ * launches the next. On Hopper and later they are launched as programmatic dependents
+ * (launch_pdl): the next grid may be scheduled while the one before finishes, and each of
+ * these kernels begins with wait_prior_grid(), which returns once the grid before it has
+ * completed and its writes are visible; so what a kernel reads and writes is ordered exactly
+ * as without it, and only the launch overlaps. Work that is not such a kernel (a copy, an
+ * event, a cuBLAS GEMM) is ordered as always. TANDEM_MOE_CUDA_PDL=0 turns it off (read at
+ * open()), to measure it. */
+static __device__ __forceinline__ void wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 /* Hash buckets of the GEMM plan cache (a power of two). The cache holds one plan per shape
  * the state has run: two GEMMs per expert width, times the token counts seen (at most the
  * largest ubatch): a few thousand small plans at most; close() frees them. */
@@ -77,11 +93,30 @@ typedef struct moe_cuda {
   void *ws;            /* cuBLAS's workspace: cudaMalloc'd (256-byte aligned, as it requires) */
   float *logits;       /* the small-ubatch router's logits: ROUTER_TOKENS x ROUTER_SPLIT_E */
   int gx_shape;        /* experts()'s kernels: GX_SHAPE_NARROW unless forced at open() */
+  bool pdl;            /* launch_pdl() launches as programmatic dependents (open() decides) */
   pthread_mutex_t plan_mu;            /* the plan cache: ops from several threads are allowed */
   gemm_plan *plans[PLAN_BUCKETS];
   const char *failed;  /* the last CUDA or cuBLAS call that failed */
   int native;          /* and its status */
 } moe_cuda;
+
+/* Launches kernel k (one that begins with wait_prior_grid()) on the state's stream, as a
+ * programmatic dependent of the work before it when m->pdl. Returns the launch's status. */
+template <typename... P, typename... A>
+static cudaError_t launch_pdl(const moe_cuda *m, void (*k)(P...), dim3 grid, dim3 block,
+                              size_t smem, A... args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = m->s;
+  cfg.attrs = &attr;
+  cfg.numAttrs = m->pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, k, args...);
+}
 
 /* ---- errors and the current device ---- */
 
@@ -159,6 +194,7 @@ static __device__ __forceinline__ float warp_sum(float v) {
 /* ---- rmsnorm: one block per token; y may alias x ---- */
 
 static __global__ void rmsnorm_kernel(float *y, const float *x, const float *w, int H, float eps) {
+  wait_prior_grid();
   __shared__ float part[MOE_THREADS];
   const float *xr = x + (size_t)blockIdx.x * H;
   float *yr = y + (size_t)blockIdx.x * H;
@@ -538,6 +574,7 @@ static __global__ void __launch_bounds__(MOE_THREADS, MINB)
     gx_gate_up_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int n,
                       const uint16_t *wbase, long long wlimit, const tdm_moe_group *groups, int H,
                       int I, bool vec, float *h) {
+  wait_prior_grid();
   const tdm_moe_group g = groups[blockIdx.y];
   const int r = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
   if (r >= I || !entry_ok(g, n, wlimit, 3LL * H * I)) return; /* whole warps leave */
@@ -552,6 +589,7 @@ static __global__ void __launch_bounds__(MOE_THREADS, MINB)
     gx_down_kernel(const float *h, const int32_t *rows, uint32_t xlimit, const int32_t *slot,
                    uint32_t olimit, int n, const uint16_t *wbase, long long wlimit,
                    const tdm_moe_group *groups, int H, int I, bool vec, float *out) {
+  wait_prior_grid();
   const tdm_moe_group g = groups[blockIdx.y];
   const int c0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * GX_DOWN_ROWS;
   if (c0 >= H || !entry_ok(g, n, wlimit, 3LL * H * I)) return;
@@ -571,6 +609,7 @@ static __global__ void __launch_bounds__(MOE_THREADS, MINB)
  * depends on T alone. */
 static __global__ void router_logits_kernel(const float *x, const uint16_t *wr, const float *bias,
                                             int T, int H, int E, bool vec, float *logits) {
+  wait_prior_grid();
   const int lane = threadIdx.x & 31, e = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
   if (e >= E) return;
   const uint16_t *we = wr + (size_t)e * H;
@@ -604,6 +643,7 @@ static __global__ void router_logits_kernel(const float *x, const uint16_t *wr, 
 /* One warp (block) per token; shared memory: E floats, then E bytes. */
 static __global__ void router_topk_kernel(const float *logits, int E, int k, int renorm,
                                           int32_t *idx, float *weights) {
+  wait_prior_grid();
   extern __shared__ float smem[];
   float *p = smem;
   unsigned char *taken = (unsigned char *)(smem + E);
@@ -621,6 +661,7 @@ static __global__ void router_topk_kernel(const float *logits, int E, int k, int
 
 static __global__ void group_kernel(const int32_t *idx, int T, int k, int E, const int64_t *wofs,
                                     int32_t *rows, int32_t *slot, tdm_moe_group *groups) {
+  wait_prior_grid();
   __shared__ int cnt[GROUP_MAX_E], first[GROUP_MAX_E];
   const int tk = T * k;
   for (int e = threadIdx.x; e < E; e += MOE_THREADS) {
@@ -666,6 +707,7 @@ static __global__ void group_kernel(const int32_t *idx, int T, int k, int E, con
 
 static __global__ void combine_kernel(float *y, const float *out, const float *weights, int H,
                                       int k, size_t total) {
+  wait_prior_grid();
   size_t stride = (size_t)gridDim.x * MOE_THREADS;
   for (size_t i = (size_t)blockIdx.x * MOE_THREADS + threadIdx.x; i < total; i += stride) {
     size_t t = i / (size_t)H, c = i % (size_t)H;
@@ -743,7 +785,12 @@ static int cuda_open(tdm_queue *q, void **state) {
   m->s = m->qs = (cudaStream_t)stream;
   m->dev = *(const int *)ordinal;
   m->gx_shape = gx_shape_configured();
-  int saved;
+  int saved, major = 0;
+  const char *pdl = getenv("TANDEM_MOE_CUDA_PDL");
+  m->pdl = !(pdl && strcmp(pdl, "0") == 0) &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, m->dev) ==
+               cudaSuccess && major >= 9;
+  cudaGetLastError(); /* a failed query only means no programmatic launches */
   if ((rc = enter(m, &saved))) {
     free(m);
     return rc;
@@ -780,8 +827,8 @@ static int cuda_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, const 
   if (!y || !x || !w) return bad_args("rmsnorm");
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
-  rmsnorm_kernel<<<T, MOE_THREADS, 0, m->s>>>(y, x, w, H, eps);
-  cudaError_t e = cudaGetLastError(); /* a launch reports configuration errors at once */
+  /* a launch reports configuration errors at once */
+  cudaError_t e = launch_pdl(m, rmsnorm_kernel, T, MOE_THREADS, 0, y, x, w, H, eps);
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "rmsnorm_kernel");
   leave(m, saved);
   return rc;
@@ -794,14 +841,11 @@ static int launch_router(moe_cuda *m, const float *x, const tdm_moe_bf16 *wr, co
                          "the kernel takes", E);
   if (T <= ROUTER_TOKENS && E <= ROUTER_SPLIT_E) {
     bool vec = H % 8 == 0 && !((uintptr_t)x & 15) && !((uintptr_t)wr & 15);
-    router_logits_kernel<<<(E + MOE_WARPS - 1) / MOE_WARPS, MOE_THREADS, 0, m->s>>>(
-        x, wr, bias, T, H, E, vec, m->logits);
-    cudaError_t e = cudaGetLastError();
-    if (e == cudaSuccess) {
-      router_topk_kernel<<<T, 32, (size_t)E * 5, m->s>>>(m->logits, E, k, renorm != 0, idx,
-                                                          weights);
-      e = cudaGetLastError();
-    }
+    cudaError_t e = launch_pdl(m, router_logits_kernel, (E + MOE_WARPS - 1) / MOE_WARPS,
+                               MOE_THREADS, 0, x, wr, bias, T, H, E, vec, m->logits);
+    if (e == cudaSuccess)
+      e = launch_pdl(m, router_topk_kernel, T, 32, (size_t)E * 5, (const float *)m->logits, E, k,
+                     (int)(renorm != 0), idx, weights);
     return e == cudaSuccess ? 0 : cuda_fail(m, e, "the small-ubatch router kernels");
   }
   int tpb = ROUTER_SMEM / (E * 5);
@@ -1020,24 +1064,17 @@ static int cuda_experts(void *st, tdm_queue *q, const float *x, const int32_t *r
   const dim3 down_grid((unsigned)((H + down_rows - 1) / down_rows), (unsigned)G);
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
-  if (narrow)
-    gx_gate_up_kernel<GX_NARROW_NT, GX_NARROW_BLOCKS><<<gu_grid, MOE_THREADS, 0, m->s>>>(
-        x, xlimit, rows, n, wbase, wlimit, groups, H, I, vec, h);
-  else
-    gx_gate_up_kernel<GX_WIDE_NT, GX_WIDE_BLOCKS><<<gu_grid, MOE_THREADS, 0, m->s>>>(
-        x, xlimit, rows, n, wbase, wlimit, groups, H, I, vec, h);
-  cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) {
-    if (narrow)
-      gx_down_kernel<GX_NARROW_NT, GX_NARROW_DOWN_UNROLL, GX_NARROW_BLOCKS>
-          <<<down_grid, MOE_THREADS, 0, m->s>>>(h, rows, xlimit, slot, olimit, n, wbase, wlimit,
-                                               groups, H, I, vec, out);
-    else
-      gx_down_kernel<GX_WIDE_NT, GX_WIDE_DOWN_UNROLL, GX_WIDE_BLOCKS>
-          <<<down_grid, MOE_THREADS, 0, m->s>>>(h, rows, xlimit, slot, olimit, n, wbase, wlimit,
-                                               groups, H, I, vec, out);
-    e = cudaGetLastError();
-  }
+  const uint16_t *wb = (const uint16_t *)wbase;
+  cudaError_t e = launch_pdl(m, narrow ? gx_gate_up_kernel<GX_NARROW_NT, GX_NARROW_BLOCKS>
+                                       : gx_gate_up_kernel<GX_WIDE_NT, GX_WIDE_BLOCKS>,
+                             gu_grid, MOE_THREADS, 0, x, xlimit, rows, n, wb, wlimit, groups, H,
+                             I, vec, h);
+  if (e == cudaSuccess)
+    e = launch_pdl(m,
+                   narrow ? gx_down_kernel<GX_NARROW_NT, GX_NARROW_DOWN_UNROLL, GX_NARROW_BLOCKS>
+                          : gx_down_kernel<GX_WIDE_NT, GX_WIDE_DOWN_UNROLL, GX_WIDE_BLOCKS>,
+                   down_grid, MOE_THREADS, 0, (const float *)h, rows, xlimit, slot, olimit, n, wb,
+                   wlimit, groups, H, I, vec, out);
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "the grouped expert kernels");
   leave(m, saved);
   return rc;
@@ -1055,8 +1092,8 @@ static int cuda_group(void *st, tdm_queue *q, const int32_t *idx, int T, int k, 
                          E, GROUP_MAX_E);
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
-  group_kernel<<<1, MOE_THREADS, 0, m->s>>>(idx, T, k, E, wofs, rows, slot, groups);
-  cudaError_t e = cudaGetLastError();
+  cudaError_t e = launch_pdl(m, group_kernel, 1, MOE_THREADS, 0, idx, T, k, E, wofs, rows, slot,
+                             groups);
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "group_kernel");
   leave(m, saved);
   return rc;
@@ -1073,8 +1110,8 @@ static int cuda_combine(void *st, tdm_queue *q, float *y, const float *out, cons
   if (blocks > (1u << 20)) blocks = 1u << 20; /* the kernel strides over the rest */
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
-  combine_kernel<<<(unsigned)blocks, MOE_THREADS, 0, m->s>>>(y, out, weights, H, k, total);
-  cudaError_t e = cudaGetLastError();
+  cudaError_t e = launch_pdl(m, combine_kernel, (unsigned)blocks, MOE_THREADS, 0, y, out, weights,
+                             H, k, total);
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "combine_kernel");
   leave(m, saved);
   return rc;
