@@ -415,7 +415,7 @@ void tdm__cmd_run(tdm__cmd *cmd) {
   if (cmd->wait) {
     tdm_device *dev = cmd->ev->q->dev;
     nstatus = tdm__b_native_wait(dev, cmd->wait, &native);
-    tdm__b_native_release(dev, cmd->wait);
+    if (!(cmd->flags & TDM__CMD_WAIT_BORROWED)) tdm__b_native_release(dev, cmd->wait);
     cmd->wait = NULL;
   }
   tdm__cmd_finish(cmd, nstatus, native);

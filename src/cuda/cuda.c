@@ -47,9 +47,15 @@ int cu_error(cudaError_t err, const char *what) {
                        cudaGetErrorName(err));
 }
 
+/* When dev is current already, nothing will need restoring: *saved is -1, and cu_leave then
+ * makes no call at all (one cudaGetDevice less on every submission of a program that keeps
+ * its own device current). Nothing between the two calls changes the current device. */
 int cu_enter(int dev, int *saved) {
   if (cudaGetDevice(saved) != cudaSuccess) *saved = -1;
-  if (*saved == cu_devs[dev].ordinal) return 0;
+  if (*saved == cu_devs[dev].ordinal) {
+    *saved = -1;
+    return 0;
+  }
   cudaError_t e = cudaSetDevice(cu_devs[dev].ordinal);
   return e == cudaSuccess ? 0 : cu_error(e, "cudaSetDevice");
 }
