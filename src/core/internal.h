@@ -137,8 +137,16 @@ typedef struct tdm__ctx {
 extern tdm__ctx tdm__g;
 extern _Atomic int tdm__forked;
 
-/* Entry check for every public call: forked child, then initialized. */
-int tdm__enter(void);
+/* Entry check for every public call: forked child, then initialized. Inline, with the
+ * failures out of line: it runs at the start of every call. */
+int tdm__enter_fail(void);
+static inline int tdm__enter(void) {
+  if (__builtin_expect(atomic_load_explicit(&tdm__forked, memory_order_relaxed) ||
+                           !atomic_load_explicit(&tdm__g.live, memory_order_acquire),
+                       0))
+    return tdm__enter_fail();
+  return 0;
+}
 #define TDM__ENTER()                         \
   do {                                       \
     int enter_rc_ = tdm__enter();            \
@@ -146,8 +154,12 @@ int tdm__enter(void);
   } while (0)
 
 int tdm__device_check(tdm_device *dev);
-/* Marks the device lost if code is TDM_EDEVLOST; returns code. */
-int tdm__device_note(tdm_device *dev, int code);
+/* Marks the device lost if code is TDM_EDEVLOST; returns code. Inline: every backend call of
+ * the submission path passes through it, and almost always with 0. */
+int tdm__device_lost(tdm_device *dev, int code);
+static inline int tdm__device_note(tdm_device *dev, int code) {
+  return __builtin_expect(code == TDM_EDEVLOST, 0) ? tdm__device_lost(dev, code) : code;
+}
 
 /* ---- errors.c ---- */
 /* This thread's last message without the code name, for quoting in an outer message. */
@@ -158,7 +170,14 @@ int tdm__error(int code, int native, const char *fmt, ...)
 /* ---- fault.c: fault injection. Every host allocation of the core (tdm__malloc, tdm__calloc,
  * tdm__malloc_quiet) and every fallible wrapper of backend.c pass the fault hook; backend
  * entries that cannot fail (void ones, native_export, native_notify's declining) do not. */
-int tdm__fault(unsigned kind);
+/* Whether the armed fault fires here: inline, since every backend call of the submission path
+ * asks, and nothing is armed outside fault tests (one relaxed load then). */
+extern _Atomic int tdm__fault_armed;
+int tdm__fault_slow(unsigned kind);
+static inline int tdm__fault(unsigned kind) {
+  return atomic_load_explicit(&tdm__fault_armed, memory_order_relaxed) ? tdm__fault_slow(kind)
+                                                                        : 0;
+}
 void *tdm__malloc(size_t n);
 void *tdm__calloc(size_t n, size_t size);
 /* The same as tdm__malloc, leaving the thread's message as it is when the fault fires: for an
