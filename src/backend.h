@@ -124,6 +124,10 @@ typedef struct tdm__dep {
 
 #define TDM__INLINE_DEPS 4
 
+/* Laid out for the submitting thread: what every submission writes (up to the first inline
+ * dependency) fills the first two cache lines of the struct (the core allocates it on a line
+ * boundary), so a recycled command, last written by the thread that completed it, costs two
+ * line transfers rather than five; the operands a record or wait never touches come last. */
 struct tdm__cmd {
   tdm__cmd *next;          /* free for the backend's lists while it owns the command */
   tdm__workq_item link;    /* the workq (util/workq.h) that runs the command: the core's once
@@ -133,6 +137,11 @@ struct tdm__cmd {
   tdm__event *ev;           /* completes with the command's status */
   size_t ndeps;
   tdm__dep *deps;          /* inline_deps, or heap storage for larger lists */
+  void *wait;              /* native backends: handle native_wait waits for */
+  void *gate;              /* native backends, host tasks: handle gate_open releases */
+  void *bdata;             /* scratch for the backend */
+  long bcount;             /* scratch for the backend (pending dependency count) */
+  uint64_t t_submit, t_start; /* tracing only: when submitted, when begun on a host thread */
   tdm__dep inline_deps[TDM__INLINE_DEPS];
   union {
     /* d, s: the memory as the core's registry knows it, so a backend never looks pointers up
@@ -142,11 +151,6 @@ struct tdm__cmd {
     struct { tdm_host_fn fn; void *arg; } host;
     struct { void *ptr; tdm__memref m; } free_; /* ptr is the allocation's start */
   } u;
-  void *wait;              /* native backends: handle native_wait waits for */
-  void *gate;              /* native backends, host tasks: handle gate_open releases */
-  uint64_t t_submit, t_start; /* tracing only: when submitted, when begun on a host thread */
-  void *bdata;             /* scratch for the backend */
-  long bcount;             /* scratch for the backend (pending dependency count) */
 };
 
 struct tdm__backend;

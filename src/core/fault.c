@@ -5,6 +5,7 @@
  * void ones, native_export, and native_notify, whose declining is a fallback) are not counted.
  * Libraries built on tandem reach the same counter through tdm_fault_point(). */
 #include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -76,6 +77,14 @@ void *tdm__malloc_quiet(size_t n) {
 void *tdm__calloc(size_t n, size_t size) {
   if (tdm__fault(TDM_FAULT_ALLOC)) return NULL;
   return calloc(n, size);
+}
+
+void *tdm__calloc_lines(size_t size) {
+  if (tdm__fault(TDM_FAULT_ALLOC)) return NULL;
+  size_t n = (size + TDM__CACHE_LINE - 1) / TDM__CACHE_LINE * TDM__CACHE_LINE;
+  void *p = aligned_alloc(TDM__CACHE_LINE, n);
+  if (p) memset(p, 0, n);
+  return p;
 }
 
 int tdm_stats_get(tdm_stats *out) {

@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "backend.h"
+#include "lfstack.h"
 #include "tandem.h"
 
 #define TDM__MAX_DEVICES 64
@@ -92,9 +93,17 @@ typedef struct tdm__freelist {
   void *local;               /* popped under the owner's lock */
   _Atomic(void *) returned;  /* pushed from any thread, taken whole by exchange */
 } tdm__freelist;
-/* Items start with a `void *next` link. */
-void *tdm__freelist_get(tdm__freelist *p);
-void tdm__freelist_put(tdm__freelist *p, void *item);
+/* Items start with a `void *next` link. Inline: a submission takes two items and a
+ * completion gives two back. */
+static inline void *tdm__freelist_get(tdm__freelist *p) {
+  if (!p->local) p->local = tdm__lfstack_take(&p->returned);
+  tdm__link *it = p->local;
+  if (it) p->local = it->next;
+  return it;
+}
+static inline void tdm__freelist_put(tdm__freelist *p, void *item) {
+  tdm__lfstack_push(&p->returned, item);
+}
 void tdm__freelist_drain(tdm__freelist *p, void (*destroy)(void *));
 
 /* ---- devices and context (context.c) ---- */
@@ -180,6 +189,10 @@ static inline int tdm__fault(unsigned kind) {
 }
 void *tdm__malloc(size_t n);
 void *tdm__calloc(size_t n, size_t size);
+/* One zeroed struct that starts on a cache line (freed with free): for the recycled structs
+ * of the submission path, whose layout puts what a submission writes in their first lines. */
+#define TDM__CACHE_LINE 64
+void *tdm__calloc_lines(size_t size);
 /* The same as tdm__malloc, leaving the thread's message as it is when the fault fires: for an
  * allocation whose failure is nobody's error (it may run on a caller's thread, after the
  * caller's own call has set its message). */
@@ -189,6 +202,9 @@ int tdm__fault_code_taken(void);
 bool tdm__backend_allowed(const char *name);
 
 /* ---- event.c ---- */
+/* What a submission writes and a completion or free reads comes first, within two cache lines
+ * (the core allocates events on a line boundary); what only failures, markers and shutdown
+ * read comes last. */
 struct tdm__event {
   void *next;               /* free-list link; must be first */
   _Atomic uint32_t magic;   /* TDM__MAGIC_EVENT while in use, for internal consistency */
@@ -200,21 +216,21 @@ struct tdm__event {
   int status;
   int native;
   bool timed;
+  bool why_relayed;         /* why tells of an earlier failure this event reports (a marker's,
+                               a TDM_EDEP's), not of its own */
   uint64_t t_ns;            /* completion time on the monotonic clock, when timed */
   uint64_t seq;             /* position in its queue */
   const char *op;           /* what the command was, for messages */
-  const char *cause_op;     /* markers only: the op of the failure the marker reports, and */
-  uint64_t cause_seq;       /* its number (set when the marker completes) */
   /* Failures only: what the message of its waiters adds after ": " (owned, at most
    * TDM__WHY_MAX bytes, freed when the event is); NULL on success, when there is nothing to
    * add, or when no memory was left to keep it. Written before done, read after. */
   char *why;
-  bool why_relayed;         /* why tells of an earlier failure this event reports (a marker's,
-                               a TDM_EDEP's), not of its own */
   tdm__queue *q;             /* holds a reference on q */
   tdm__waiter *waiters;     /* under q->mu */
   _Atomic(void *) bev;      /* native event, owned (native backends); may be set after the
                                event is published (host-side deferral), hence atomic */
+  const char *cause_op;     /* markers only: the op of the failure the marker reports, and */
+  uint64_t cause_seq;       /* its number (set when the marker completes) */
   tdm__event *next_all;      /* every event q ever allocated, so shutdown frees them all */
 };
 /* Resolves a caller's handle to a live event that the caller holds a reference to. */

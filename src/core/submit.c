@@ -109,7 +109,9 @@ static tdm__dep *deps_storage(cmd_mem *m, size_t n) {
 static void cmd_release_deps(tdm__cmd *cmd) {
   for (size_t i = 0; i < cmd->ndeps; i++) tdm__event_unref(cmd->deps[i].ev);
   cmd_mem *m = (cmd_mem *)cmd;
-  if (m->heap_cap > DEPS_KEPT) {
+  /* Only a list that outgrew the inline one can have grown past DEPS_KEPT (and heap_cap lies
+   * on a line a short list never touches). */
+  if (cmd->deps != cmd->inline_deps && m->heap_cap > DEPS_KEPT) {
     free(m->heap);
     m->heap = NULL;
     m->heap_cap = 0;
@@ -122,7 +124,7 @@ static void cmd_release_deps(tdm__cmd *cmd) {
 static int reserve(tdm__queue *q, size_t total, tdm__cmd **cmd_out, tdm__event **ev_out) {
   tdm__cmd *cmd = tdm__freelist_get(&q->cmds);
   if (!cmd) {
-    cmd_mem *m = tdm__calloc(1, sizeof *m);
+    cmd_mem *m = tdm__calloc_lines(sizeof *m);
     if (!m) return tdm__error(TDM_ENOMEM, 0, "no memory for a command on %s", q->label);
     cmd = &m->cmd;
   }
@@ -133,7 +135,7 @@ static int reserve(tdm__queue *q, size_t total, tdm__cmd **cmd_out, tdm__event *
     return tdm__error(TDM_ENOMEM, 0, "no memory for %zu dependencies on %s", total, q->label);
   }
   tdm__event *ev = tdm__freelist_get(&q->events);
-  if (!ev && (ev = tdm__calloc(1, sizeof *ev))) {
+  if (!ev && (ev = tdm__calloc_lines(sizeof *ev))) {
     if (tdm__slot_new(ev, &ev->slot, &ev->gen)) {
       free(ev);
       ev = NULL;
