@@ -91,7 +91,9 @@ long tdm__option_long(const char *name, long def);
  * list refilled whole from a lock-free return stack ---- */
 typedef struct tdm__freelist {
   void *local;               /* popped under the owner's lock */
+  char apart_[64];           /* a line or more between the owner's half and the others' */
   _Atomic(void *) returned;  /* pushed from any thread, taken whole by exchange */
+  char apart2_[64];          /* and between it and whatever follows */
 } tdm__freelist;
 /* Items start with a `void *next` link. Inline: a submission takes two items and a
  * completion gives two back. */
@@ -277,7 +279,13 @@ static inline void tdm__signal_end(void) {
 void tdm__signals_quiesce(void);
 
 /* ---- queue.c ---- */
+/* Laid out by who writes what, each side apart from the others by at least a cache line
+ * (the apart_ gaps), so a thread completing commands does not take the lines a submitting
+ * thread reads and writes on every call (and the other way round): the header, read on every
+ * call and written almost never; the submitting side (submit_mu and what it guards, the lazy
+ * list); the executor's workq, which both sides use; and the completing side. */
 struct tdm__queue {
+  /* ---- read on every call, written almost never ---- */
   _Atomic uint32_t magic;   /* TDM__MAGIC_QUEUE while live */
   uint32_t slot, gen;       /* the handle table's slot, for the struct's life; its generation */
   _Atomic uint64_t handle;  /* the handle of this queue while it lives, else 0 */
@@ -285,7 +293,6 @@ struct tdm__queue {
   _Atomic bool claimed;     /* a tdm_queue_destroy is underway: a second one gets EHANDLE */
   tdm__queue *next_all;      /* ctx.queues */
   tdm__queue *next_free;     /* ctx.free_queues */
-  _Atomic int refs;         /* 1 for the handle while live, 1 per event, and ref_stock */
   tdm_device *dev;
   unsigned flags;
   bool owned_by_tandem;     /* a cached default queue */
@@ -295,12 +302,11 @@ struct tdm__queue {
   int id;
   char label[48];           /* "cpu:0/q3", for messages */
   tdm__bqueue *bq;
+  bool can_lazy; /* in-order, neither timed nor traced at creation, backend has native_done */
+  char apart0_[64];
+  /* ---- the submitting side ---- */
   pthread_mutex_t submit_mu;
-  pthread_mutex_t mu;
-  pthread_cond_t cv;        /* completions of this queue's events (with mu) */
-  int cv_sleepers;          /* threads waiting on cv, under mu */
   uint64_t seq;             /* under submit_mu */
-  tdm__freelist events, cmds, keeps; /* keeps: keep-alives (release.c) */
   tdm__event *all_events;    /* under submit_mu */
   /* Counters, per queue so submitters share none. The submitter's side has one writer (under
    * submit_mu) and is never written by completing threads, so a submission takes no atomic
@@ -309,15 +315,6 @@ struct tdm__queue {
    * one of which each new event takes (under submit_mu). */
   _Atomic long n_submitted;
   int ref_stock;
-  char apart_[64];          /* keeps the completing side's counters off the submitter's line */
-  _Atomic long n_done;
-  _Atomic long n_freed;
-  _Atomic int first_error;  /* first failure since the last sync */
-  const char *first_error_op; /* its command's op and number; with first_error, under mu */
-  uint64_t first_error_seq;
-  char *first_error_why;    /* that command described (tdm__event_describe), owned, or NULL;
-                               under mu; a sync marker takes it */
-  int chain_error;          /* in-order: an earlier failure; touched only in execution order */
   /* tracker (tracker.c), under submit_mu */
   tdm__event **trk;
   size_t ntrk, trk_cap;
@@ -327,24 +324,44 @@ struct tdm__queue {
    * a barrier (out-of-order). Capacity trk_cap; nxres slots are reserved by copies underway. */
   tdm__event **xwait;
   size_t nxwait, nxres;
-  /* Native backends: the executor (exec.c), a workq serving natively enqueued commands. Its
-   * lock and condition live as long as the struct (a waiter may kick the executor of a queue
-   * that is being destroyed). x_held: quiet commands waiting for the next native handle, in
-   * order; the executor's thread alone touches them. */
-  tdm__workq xq;
-  tdm__cmd *x_held, **x_held_tail;
   /* Lazy completion (exec.c): the lazy list and its candidate for the next reap, under
    * lz_mu (which also orders every hand-over to the executor); lz_n its length; lz_reap asks
-   * the submitting thread for a reap; x_pushed (under lz_mu) and x_done count the commands
-   * handed to the executor and finished by it; lz_reaping: a reap is finishing commands.
-   * Queues without can_lazy use none of them. */
+   * the submitting thread for a reap; x_pushed (under lz_mu) and x_done (below) count the
+   * commands handed to the executor and finished by it; lz_reaping: a reap is finishing
+   * commands. Queues without can_lazy use none of them. */
   pthread_mutex_t lz_mu;
   tdm__cmd *lz_head, *lz_tail, *lz_cand;
   unsigned long lz_steps, x_pushed;
   _Atomic long lz_n;
   _Atomic int lz_reap, lz_reaping;
+  /* The recycled structs: each list's local half is the submitting side's, the half other
+   * threads return items to lies a line apart inside the list (tdm__freelist).
+   * keeps: keep-alives (release.c). */
+  tdm__freelist events, cmds, keeps;
+  char apart1_[64];
+  /* ---- both sides ---- */
+  /* Native backends: the executor (exec.c), a workq serving natively enqueued commands. Its
+   * lock and condition live as long as the struct (a waiter may kick the executor of a queue
+   * that is being destroyed). */
+  tdm__workq xq;
+  char apart2_[64];
+  /* ---- the completing side ---- */
+  _Atomic int refs;         /* 1 for the handle while live, 1 per event, and ref_stock */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;        /* completions of this queue's events (with mu) */
+  int cv_sleepers;          /* threads waiting on cv, under mu */
+  _Atomic long n_done;
+  _Atomic long n_freed;
+  _Atomic int first_error;  /* first failure since the last sync */
+  const char *first_error_op; /* its command's op and number; with first_error, under mu */
+  uint64_t first_error_seq;
+  char *first_error_why;    /* that command described (tdm__event_describe), owned, or NULL;
+                               under mu; a sync marker takes it */
+  int chain_error;          /* in-order: an earlier failure; touched only in execution order */
+  /* x_held: quiet commands waiting for the next native handle, in order; the executor's
+   * thread alone touches them. */
+  tdm__cmd *x_held, **x_held_tail;
   _Atomic unsigned long x_done;
-  bool can_lazy; /* in-order, neither timed nor traced at creation, backend has native_done */
   uint64_t trace_last_end;  /* tracing, in-order queues: end of the last command */
 };
 /* Resolves a caller's handle to a live queue (not being destroyed, device not lost). */
