@@ -4,7 +4,7 @@
  * the instructions of its calls on the calling thread. On an OpenCL device it also runs the
  * raw calls they stand for (clEnqueueMarkerWithWaitList + clReleaseEvent,
  * clEnqueueBarrierWithWaitList on a pending event), on queues of its own in the context tandem
- * exports. bench/results/percall-instructions.md holds the figures and how they were taken.
+ * exports. bench/results/pocl-percall-instructions.json holds the figures and how they were taken.
  *
  * Build (not part of the CMake build; it needs only the installed headers and libtandem):
  *   cc -O2 -g -Iinclude bench/handles/percall-loop.c -Lbuild -ltandem -lOpenCL \
