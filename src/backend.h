@@ -38,14 +38,16 @@
 #include "tandem.h"
 #include "util/workq.h"
 
-/* 0x00010007: the optional native_done (a non-blocking query that lets an in-order queue
+/* 0x00010008: TDM__CMD_WAIT_BORROWED: a backend that waits for the handle it attached to the
+ * event lends it to cmd->wait instead of giving a second reference.
+ * 0x00010007: the optional native_done (a non-blocking query that lets an in-order queue
  * complete unwatched commands lazily, on the submitting thread: src/core/exec.c).
  * 0x00010006: mem_alloc and mem_import return a tdm__bmem that the core keeps in its registry
  * entry; mem_free, mem_native and commands carry it back (tdm__memref), so a backend keeps no
  * registry of its own; and the MoE extension entry is gone (the MoE operations live in
  * libtandem_moe, on the public API); and commands embed the link of the queue-worker
  * primitive (tdm__workq_item, src/util/workq.h). */
-#define TDM__BACKEND_ABI 0x00010007u
+#define TDM__BACKEND_ABI 0x00010008u
 
 typedef struct tdm__bqueue tdm__bqueue; /* a backend's queue; opaque to the core */
 /* The core's event and queue objects. The public tdm_event and tdm_queue are handles that the
@@ -70,11 +72,17 @@ enum {
                                       the queue, besides its deps */
   TDM__CMD_ON_HOST = 1u << 3,       /* set by a native backend: the core does this copy or fill
                                       on the host (host memory on both sides) */
-  TDM__CMD_QUIET = 1u << 4          /* set by the core: only the queue itself can observe this
+  TDM__CMD_QUIET = 1u << 4,         /* set by the core: only the queue itself can observe this
                                       command's completion (in-order queue, no event returned,
                                       no timing or tracing). A backend with native_flush may
                                       enqueue it without a native handle (cmd->wait NULL): it
                                       completes with the next handle of the queue */
+  TDM__CMD_WAIT_BORROWED = 1u << 5  /* set by a native backend: cmd->wait is the handle it
+                                      attached to the event (event_set_native), lent rather
+                                      than given: the core waits for it but never releases it.
+                                      The event keeps it until freed, and the command holds the
+                                      event until it completes, so one reference serves both
+                                      (no retain per command, no second release) */
 };
 
 /* What a backend keeps about one allocation: set by mem_alloc or mem_import, stored in the
@@ -116,6 +124,10 @@ typedef struct tdm__dep {
 
 #define TDM__INLINE_DEPS 4
 
+/* Laid out for the submitting thread: what every submission writes (up to the first inline
+ * dependency) fills the first two cache lines of the struct (the core allocates it on a line
+ * boundary), so a recycled command, last written by the thread that completed it, costs two
+ * line transfers rather than five; the operands a record or wait never touches come last. */
 struct tdm__cmd {
   tdm__cmd *next;          /* free for the backend's lists while it owns the command */
   tdm__workq_item link;    /* the workq (util/workq.h) that runs the command: the core's once
@@ -125,6 +137,11 @@ struct tdm__cmd {
   tdm__event *ev;           /* completes with the command's status */
   size_t ndeps;
   tdm__dep *deps;          /* inline_deps, or heap storage for larger lists */
+  void *wait;              /* native backends: handle native_wait waits for */
+  void *gate;              /* native backends, host tasks: handle gate_open releases */
+  void *bdata;             /* scratch for the backend */
+  long bcount;             /* scratch for the backend (pending dependency count) */
+  uint64_t t_submit, t_start; /* tracing only: when submitted, when begun on a host thread */
   tdm__dep inline_deps[TDM__INLINE_DEPS];
   union {
     /* d, s: the memory as the core's registry knows it, so a backend never looks pointers up
@@ -134,11 +151,6 @@ struct tdm__cmd {
     struct { tdm_host_fn fn; void *arg; } host;
     struct { void *ptr; tdm__memref m; } free_; /* ptr is the allocation's start */
   } u;
-  void *wait;              /* native backends: handle native_wait waits for */
-  void *gate;              /* native backends, host tasks: handle gate_open releases */
-  uint64_t t_submit, t_start; /* tracing only: when submitted, when begun on a host thread */
-  void *bdata;             /* scratch for the backend */
-  long bcount;             /* scratch for the backend (pending dependency count) */
 };
 
 struct tdm__backend;
@@ -270,7 +282,8 @@ typedef struct tdm__backend {
    * the caller's. fn only pushes onto a list and wakes a thread. Returns 0 if registered;
    * anything else only declines (a pool thread then waits with native_wait). */
   int (*native_notify)(void *handle, void (*fn)(void *arg), void *arg);
-  /* Required of native backends. Releases a handle given in cmd->wait or event_set_native.
+  /* Required of native backends. Releases a handle given in cmd->wait (unless lent:
+   * TDM__CMD_WAIT_BORROWED) or event_set_native.
    * Never blocks; called from any thread, possibly under the queue's submission lock. */
   void (*native_release)(void *handle);
   /* Required of native backends. Lets the native queue run past a host task's gate (called

@@ -13,7 +13,12 @@
  *
  * Each repetition times `iters` calls back to back on the host clock, then drains the queue
  * untimed; tandem and raw alternate which goes first, rep by rep. Medians per call and their
- * ratio are reported; the goal printed is a ratio within 1.10x for submit, record and wait.
+ * ratio are reported, with each figure's goal (the largest ratio that meets it):
+ *   submit 1.10x, and a wait on a completed event 1.10x: a copy and a wait that is no command
+ *     at all have little for tandem to add;
+ *   record 2.0x: a record also makes the event that the host can query, wait for and chain
+ *     across backends, and tracks it (issue 15);
+ *   wait on a pending event 1.5x: a command, tracked, whose event the queue keeps (issue 15).
  * Each side has its own memory (tdm_malloc / cudaHostAlloc + cudaMalloc). After every
  * repetition of the copies the 4 bytes on the device are read back and compared with the value
  * the host wrote for that repetition (random, never zero).
@@ -25,7 +30,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define GOAL_RATIO 1.10
+/* The goals, per figure (above). */
+#define GOAL_SUBMIT 1.10
+#define GOAL_RECORD 2.0
+#define GOAL_WAIT_PENDING 1.5
+#define GOAL_WAIT_COMPLETED 1.10
 #define GATE_BYTES (256 * MIB)
 #define GATE_COPIES 4 /* of GATE_BYTES each, before the gate event: about 20 ms at 55 GB/s */
 #define SMALL 4096 /* the small buffers; the copies use their first 4 bytes */
@@ -238,17 +247,17 @@ typedef struct figure {
   const char *key, *label;
   int (*tandem)(oh *, double *);
   int (*raw)(oh *, double *);
-  int goal;
-  int sync; /* calls per repetition: round_trips() instead of iters */
+  double goal; /* the largest ratio that meets the figure's goal; 0: it has none */
+  int sync;    /* calls per repetition: round_trips() instead of iters */
 } figure;
 
 static const figure figures[] = {
-    {"submit_copy_4b", "submit: 4 B pinned->device copy, no event", tandem_submit, raw_submit, 1,
-     0},
-    {"record", "record: marker + release", tandem_record, raw_record, 1, 0},
-    {"wait", "device-side wait on a pending event", tandem_wait, raw_wait, 1, 0},
+    {"submit_copy_4b", "submit: 4 B pinned->device copy, no event", tandem_submit, raw_submit,
+     GOAL_SUBMIT, 0},
+    {"record", "record: marker + release", tandem_record, raw_record, GOAL_RECORD, 0},
+    {"wait", "device-side wait on a pending event", tandem_wait, raw_wait, GOAL_WAIT_PENDING, 0},
     {"wait_completed", "device-side wait on a completed event", tandem_wait_done, raw_wait_done,
-     1, 0},
+     GOAL_WAIT_COMPLETED, 0},
     {"sync_round_trip", "round trip: 4 B copy + queue sync", tandem_sync, raw_sync, 0, 1},
 };
 #define NFIG (sizeof figures / sizeof figures[0])
@@ -371,17 +380,17 @@ int bench_overhead(bc_ctx *c, bu_json *json) {
       goto out;
     printf("  %-44s %8.3f us %8.3f us %7.3fx", f->label, res[i].tandem_us, res[i].raw_us,
            res[i].ratio);
-    if (f->goal)
-      printf("   goal <= %.2fx: %s", GOAL_RATIO, res[i].ratio <= GOAL_RATIO ? "met" : "missed");
+    if (f->goal > 0)
+      printf("   goal <= %.2fx: %s", f->goal, res[i].ratio <= f->goal ? "met" : "missed");
     bu_json_object(json, NULL);
     bu_json_string(json, "name", f->key);
     bu_json_string(json, "description", f->label);
     bu_json_double(json, "tandem_us", res[i].tandem_us, 4);
     bu_json_double(json, "raw_us", res[i].raw_us, 4);
     bu_json_double(json, "ratio", res[i].ratio, 4);
-    if (f->goal) {
-      bu_json_double(json, "goal_ratio_max", GOAL_RATIO, 2);
-      bu_json_bool(json, "goal_met", res[i].ratio <= GOAL_RATIO);
+    if (f->goal > 0) {
+      bu_json_double(json, "goal_ratio_max", f->goal, 2);
+      bu_json_bool(json, "goal_met", res[i].ratio <= f->goal);
     }
     if (f->tandem == tandem_wait) {
       /* A wait on a completed event may take a shortcut; say whether this one was pending. */

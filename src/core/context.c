@@ -24,7 +24,7 @@ const char *tdm_version_string(void) {
       TDM_VERSION_PATCH);
 }
 
-int tdm__enter(void) {
+int tdm__enter_fail(void) {
   if (atomic_load_explicit(&tdm__forked, memory_order_relaxed))
     return tdm__error(TDM_EFORK, 0, "this process is a child forked after tdm_init; its "
                                     "threads and devices belong to the parent");
@@ -45,7 +45,7 @@ int tdm__device_check(tdm_device *dev) {
   return 0;
 }
 
-int tdm__device_note(tdm_device *dev, int code) {
+int tdm__device_lost(tdm_device *dev, int code) {
   if (code == TDM_EDEVLOST && dev && !atomic_exchange(&dev->lost, 1))
     fprintf(stderr, "tandem: device %s lost; it refuses all further work\n", dev->info.id);
   return code;

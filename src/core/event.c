@@ -16,16 +16,7 @@ void tdm__signals_quiesce(void) {
 }
 
 /* ---- free lists: a local list popped under the owner's lock, refilled whole from a lock-free
- * stack that any thread pushes onto (lfstack.h). */
-
-void *tdm__freelist_get(tdm__freelist *p) {
-  if (!p->local) p->local = tdm__lfstack_take(&p->returned);
-  tdm__link *it = p->local;
-  if (it) p->local = it->next;
-  return it;
-}
-
-void tdm__freelist_put(tdm__freelist *p, void *item) { tdm__lfstack_push(&p->returned, item); }
+ * stack that any thread pushes onto (lfstack.h); get and put are inline (internal.h). */
 
 void tdm__freelist_drain(tdm__freelist *p, void (*destroy)(void *)) {
   tdm__link *lists[2] = {p->local, tdm__lfstack_take(&p->returned)};

@@ -81,10 +81,10 @@ static void finish_held(tdm__queue *q, int nstatus, int native) {
 }
 
 /* Waits for a native handle; returns the mapped status (the device is marked lost on
- * TDM_EDEVLOST) and releases the handle. */
-static int wait_native(tdm__queue *q, void *handle, int *native) {
+ * TDM_EDEVLOST) and releases the handle if it is owned (not lent: TDM__CMD_WAIT_BORROWED). */
+static int wait_native(tdm__queue *q, void *handle, bool owned, int *native) {
   int st = tdm__b_native_wait(q->dev, handle, native);
-  tdm__b_native_release(q->dev, handle);
+  if (owned) tdm__b_native_release(q->dev, handle);
   return st;
 }
 
@@ -104,7 +104,7 @@ static bool flush_held(tdm__queue *q, bool always) {
   }
   int st = tdm__b_native_flush(q, &h);
   pthread_mutex_unlock(&q->submit_mu);
-  if (st == 0) st = wait_native(q, h, &native);
+  if (st == 0) st = wait_native(q, h, true, &native);
   finish_held(q, st, native);
   return true;
 }
@@ -136,7 +136,7 @@ static void exec_run(tdm__workq *wq, tdm__workq_item *it) {
     int native = 0;
     void *h = c->wait;
     c->wait = NULL;
-    int st = wait_native(q, h, &native);
+    int st = wait_native(q, h, !(c->flags & TDM__CMD_WAIT_BORROWED), &native);
     if (q->x_held) finish_held(q, st, native);
     reap_wait(q);
     tdm__cmd_finish(c, st, native);
@@ -256,7 +256,7 @@ void tdm__exec_reap(tdm__queue *q) {
   last->next = NULL;
   for (tdm__cmd *c = mine, *next; c; c = next) {
     next = c->next;
-    tdm__b_native_release(q->dev, c->wait);
+    if (!(c->flags & TDM__CMD_WAIT_BORROWED)) tdm__b_native_release(q->dev, c->wait);
     c->wait = NULL;
     tdm__cmd_finish(c, 0, 0);
   }

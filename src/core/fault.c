@@ -5,11 +5,12 @@
  * void ones, native_export, and native_notify, whose declining is a fallback) are not counted.
  * Libraries built on tandem reach the same counter through tdm_fault_point(). */
 #include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 
 static pthread_mutex_t fault_mu = PTHREAD_MUTEX_INITIALIZER;
-static _Atomic int fault_armed;
+_Atomic int tdm__fault_armed;
 static unsigned fault_kinds;
 static long fault_left;
 static int fault_code;
@@ -22,7 +23,7 @@ int tdm_fault_inject(unsigned kinds, long nth, int code) {
   fault_left = nth;
   fault_code = code;
   fault_fired = 0;
-  atomic_store(&fault_armed, nth >= 0 && kinds != 0);
+  atomic_store(&tdm__fault_armed, nth >= 0 && kinds != 0);
   pthread_mutex_unlock(&fault_mu);
   return 0;
 }
@@ -36,14 +37,14 @@ int tdm_fault_fired(void) {
 
 /* Whether the armed fault fires at this point; the code it fails with is kept for the thread. */
 static int fault_take(unsigned kind) {
-  if (!atomic_load_explicit(&fault_armed, memory_order_relaxed)) return 0;
+  if (!atomic_load_explicit(&tdm__fault_armed, memory_order_relaxed)) return 0;
   int hit = 0;
   pthread_mutex_lock(&fault_mu);
-  if (atomic_load(&fault_armed) && (fault_kinds & kind)) {
+  if (atomic_load(&tdm__fault_armed) && (fault_kinds & kind)) {
     if (fault_left-- == 0) {
       hit = 1;
       fault_fired = 1;
-      atomic_store(&fault_armed, 0);
+      atomic_store(&tdm__fault_armed, 0);
       /* Backend faults of either kind (a call's, or a completion's) default to EBACKEND. */
       tls_taken_code = fault_code ? fault_code
                                   : (kind == TDM_FAULT_ALLOC ? TDM_ENOMEM : TDM_EBACKEND);
@@ -53,7 +54,7 @@ static int fault_take(unsigned kind) {
   return hit;
 }
 
-int tdm__fault(unsigned kind) {
+int tdm__fault_slow(unsigned kind) {
   int hit = fault_take(kind);
   if (hit) tdm__error(tls_taken_code, 0, "injected fault");
   return hit;
@@ -76,6 +77,14 @@ void *tdm__malloc_quiet(size_t n) {
 void *tdm__calloc(size_t n, size_t size) {
   if (tdm__fault(TDM_FAULT_ALLOC)) return NULL;
   return calloc(n, size);
+}
+
+void *tdm__calloc_lines(size_t size) {
+  if (tdm__fault(TDM_FAULT_ALLOC)) return NULL;
+  size_t n = (size + TDM__CACHE_LINE - 1) / TDM__CACHE_LINE * TDM__CACHE_LINE;
+  void *p = aligned_alloc(TDM__CACHE_LINE, n);
+  if (p) memset(p, 0, n);
+  return p;
 }
 
 int tdm_stats_get(tdm_stats *out) {

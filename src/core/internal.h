@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "backend.h"
+#include "lfstack.h"
 #include "tandem.h"
 
 #define TDM__MAX_DEVICES 64
@@ -90,11 +91,21 @@ long tdm__option_long(const char *name, long def);
  * list refilled whole from a lock-free return stack ---- */
 typedef struct tdm__freelist {
   void *local;               /* popped under the owner's lock */
+  char apart_[64];           /* a line or more between the owner's half and the others' */
   _Atomic(void *) returned;  /* pushed from any thread, taken whole by exchange */
+  char apart2_[64];          /* and between it and whatever follows */
 } tdm__freelist;
-/* Items start with a `void *next` link. */
-void *tdm__freelist_get(tdm__freelist *p);
-void tdm__freelist_put(tdm__freelist *p, void *item);
+/* Items start with a `void *next` link. Inline: a submission takes two items and a
+ * completion gives two back. */
+static inline void *tdm__freelist_get(tdm__freelist *p) {
+  if (!p->local) p->local = tdm__lfstack_take(&p->returned);
+  tdm__link *it = p->local;
+  if (it) p->local = it->next;
+  return it;
+}
+static inline void tdm__freelist_put(tdm__freelist *p, void *item) {
+  tdm__lfstack_push(&p->returned, item);
+}
 void tdm__freelist_drain(tdm__freelist *p, void (*destroy)(void *));
 
 /* ---- devices and context (context.c) ---- */
@@ -137,8 +148,16 @@ typedef struct tdm__ctx {
 extern tdm__ctx tdm__g;
 extern _Atomic int tdm__forked;
 
-/* Entry check for every public call: forked child, then initialized. */
-int tdm__enter(void);
+/* Entry check for every public call: forked child, then initialized. Inline, with the
+ * failures out of line: it runs at the start of every call. */
+int tdm__enter_fail(void);
+static inline int tdm__enter(void) {
+  if (__builtin_expect(atomic_load_explicit(&tdm__forked, memory_order_relaxed) ||
+                           !atomic_load_explicit(&tdm__g.live, memory_order_acquire),
+                       0))
+    return tdm__enter_fail();
+  return 0;
+}
 #define TDM__ENTER()                         \
   do {                                       \
     int enter_rc_ = tdm__enter();            \
@@ -146,8 +165,12 @@ int tdm__enter(void);
   } while (0)
 
 int tdm__device_check(tdm_device *dev);
-/* Marks the device lost if code is TDM_EDEVLOST; returns code. */
-int tdm__device_note(tdm_device *dev, int code);
+/* Marks the device lost if code is TDM_EDEVLOST; returns code. Inline: every backend call of
+ * the submission path passes through it, and almost always with 0. */
+int tdm__device_lost(tdm_device *dev, int code);
+static inline int tdm__device_note(tdm_device *dev, int code) {
+  return __builtin_expect(code == TDM_EDEVLOST, 0) ? tdm__device_lost(dev, code) : code;
+}
 
 /* ---- errors.c ---- */
 /* This thread's last message without the code name, for quoting in an outer message. */
@@ -158,9 +181,20 @@ int tdm__error(int code, int native, const char *fmt, ...)
 /* ---- fault.c: fault injection. Every host allocation of the core (tdm__malloc, tdm__calloc,
  * tdm__malloc_quiet) and every fallible wrapper of backend.c pass the fault hook; backend
  * entries that cannot fail (void ones, native_export, native_notify's declining) do not. */
-int tdm__fault(unsigned kind);
+/* Whether the armed fault fires here: inline, since every backend call of the submission path
+ * asks, and nothing is armed outside fault tests (one relaxed load then). */
+extern _Atomic int tdm__fault_armed;
+int tdm__fault_slow(unsigned kind);
+static inline int tdm__fault(unsigned kind) {
+  return atomic_load_explicit(&tdm__fault_armed, memory_order_relaxed) ? tdm__fault_slow(kind)
+                                                                        : 0;
+}
 void *tdm__malloc(size_t n);
 void *tdm__calloc(size_t n, size_t size);
+/* One zeroed struct that starts on a cache line (freed with free): for the recycled structs
+ * of the submission path, whose layout puts what a submission writes in their first lines. */
+#define TDM__CACHE_LINE 64
+void *tdm__calloc_lines(size_t size);
 /* The same as tdm__malloc, leaving the thread's message as it is when the fault fires: for an
  * allocation whose failure is nobody's error (it may run on a caller's thread, after the
  * caller's own call has set its message). */
@@ -170,6 +204,9 @@ int tdm__fault_code_taken(void);
 bool tdm__backend_allowed(const char *name);
 
 /* ---- event.c ---- */
+/* What a submission writes and a completion or free reads comes first, within two cache lines
+ * (the core allocates events on a line boundary); what only failures, markers and shutdown
+ * read comes last. */
 struct tdm__event {
   void *next;               /* free-list link; must be first */
   _Atomic uint32_t magic;   /* TDM__MAGIC_EVENT while in use, for internal consistency */
@@ -181,21 +218,21 @@ struct tdm__event {
   int status;
   int native;
   bool timed;
+  bool why_relayed;         /* why tells of an earlier failure this event reports (a marker's,
+                               a TDM_EDEP's), not of its own */
   uint64_t t_ns;            /* completion time on the monotonic clock, when timed */
   uint64_t seq;             /* position in its queue */
   const char *op;           /* what the command was, for messages */
-  const char *cause_op;     /* markers only: the op of the failure the marker reports, and */
-  uint64_t cause_seq;       /* its number (set when the marker completes) */
   /* Failures only: what the message of its waiters adds after ": " (owned, at most
    * TDM__WHY_MAX bytes, freed when the event is); NULL on success, when there is nothing to
    * add, or when no memory was left to keep it. Written before done, read after. */
   char *why;
-  bool why_relayed;         /* why tells of an earlier failure this event reports (a marker's,
-                               a TDM_EDEP's), not of its own */
   tdm__queue *q;             /* holds a reference on q */
   tdm__waiter *waiters;     /* under q->mu */
   _Atomic(void *) bev;      /* native event, owned (native backends); may be set after the
                                event is published (host-side deferral), hence atomic */
+  const char *cause_op;     /* markers only: the op of the failure the marker reports, and */
+  uint64_t cause_seq;       /* its number (set when the marker completes) */
   tdm__event *next_all;      /* every event q ever allocated, so shutdown frees them all */
 };
 /* Resolves a caller's handle to a live event that the caller holds a reference to. */
@@ -242,7 +279,13 @@ static inline void tdm__signal_end(void) {
 void tdm__signals_quiesce(void);
 
 /* ---- queue.c ---- */
+/* Laid out by who writes what, each side apart from the others by at least a cache line
+ * (the apart_ gaps), so a thread completing commands does not take the lines a submitting
+ * thread reads and writes on every call (and the other way round): the header, read on every
+ * call and written almost never; the submitting side (submit_mu and what it guards, the lazy
+ * list); the executor's workq, which both sides use; and the completing side. */
 struct tdm__queue {
+  /* ---- read on every call, written almost never ---- */
   _Atomic uint32_t magic;   /* TDM__MAGIC_QUEUE while live */
   uint32_t slot, gen;       /* the handle table's slot, for the struct's life; its generation */
   _Atomic uint64_t handle;  /* the handle of this queue while it lives, else 0 */
@@ -250,7 +293,6 @@ struct tdm__queue {
   _Atomic bool claimed;     /* a tdm_queue_destroy is underway: a second one gets EHANDLE */
   tdm__queue *next_all;      /* ctx.queues */
   tdm__queue *next_free;     /* ctx.free_queues */
-  _Atomic int refs;         /* 1 for the handle while live, 1 per event, and ref_stock */
   tdm_device *dev;
   unsigned flags;
   bool owned_by_tandem;     /* a cached default queue */
@@ -260,12 +302,11 @@ struct tdm__queue {
   int id;
   char label[48];           /* "cpu:0/q3", for messages */
   tdm__bqueue *bq;
+  bool can_lazy; /* in-order, neither timed nor traced at creation, backend has native_done */
+  char apart0_[64];
+  /* ---- the submitting side ---- */
   pthread_mutex_t submit_mu;
-  pthread_mutex_t mu;
-  pthread_cond_t cv;        /* completions of this queue's events (with mu) */
-  int cv_sleepers;          /* threads waiting on cv, under mu */
   uint64_t seq;             /* under submit_mu */
-  tdm__freelist events, cmds, keeps; /* keeps: keep-alives (release.c) */
   tdm__event *all_events;    /* under submit_mu */
   /* Counters, per queue so submitters share none. The submitter's side has one writer (under
    * submit_mu) and is never written by completing threads, so a submission takes no atomic
@@ -274,15 +315,6 @@ struct tdm__queue {
    * one of which each new event takes (under submit_mu). */
   _Atomic long n_submitted;
   int ref_stock;
-  char apart_[64];          /* keeps the completing side's counters off the submitter's line */
-  _Atomic long n_done;
-  _Atomic long n_freed;
-  _Atomic int first_error;  /* first failure since the last sync */
-  const char *first_error_op; /* its command's op and number; with first_error, under mu */
-  uint64_t first_error_seq;
-  char *first_error_why;    /* that command described (tdm__event_describe), owned, or NULL;
-                               under mu; a sync marker takes it */
-  int chain_error;          /* in-order: an earlier failure; touched only in execution order */
   /* tracker (tracker.c), under submit_mu */
   tdm__event **trk;
   size_t ntrk, trk_cap;
@@ -292,24 +324,44 @@ struct tdm__queue {
    * a barrier (out-of-order). Capacity trk_cap; nxres slots are reserved by copies underway. */
   tdm__event **xwait;
   size_t nxwait, nxres;
-  /* Native backends: the executor (exec.c), a workq serving natively enqueued commands. Its
-   * lock and condition live as long as the struct (a waiter may kick the executor of a queue
-   * that is being destroyed). x_held: quiet commands waiting for the next native handle, in
-   * order; the executor's thread alone touches them. */
-  tdm__workq xq;
-  tdm__cmd *x_held, **x_held_tail;
   /* Lazy completion (exec.c): the lazy list and its candidate for the next reap, under
    * lz_mu (which also orders every hand-over to the executor); lz_n its length; lz_reap asks
-   * the submitting thread for a reap; x_pushed (under lz_mu) and x_done count the commands
-   * handed to the executor and finished by it; lz_reaping: a reap is finishing commands.
-   * Queues without can_lazy use none of them. */
+   * the submitting thread for a reap; x_pushed (under lz_mu) and x_done (below) count the
+   * commands handed to the executor and finished by it; lz_reaping: a reap is finishing
+   * commands. Queues without can_lazy use none of them. */
   pthread_mutex_t lz_mu;
   tdm__cmd *lz_head, *lz_tail, *lz_cand;
   unsigned long lz_steps, x_pushed;
   _Atomic long lz_n;
   _Atomic int lz_reap, lz_reaping;
+  /* The recycled structs: each list's local half is the submitting side's, the half other
+   * threads return items to lies a line apart inside the list (tdm__freelist).
+   * keeps: keep-alives (release.c). */
+  tdm__freelist events, cmds, keeps;
+  char apart1_[64];
+  /* ---- both sides ---- */
+  /* Native backends: the executor (exec.c), a workq serving natively enqueued commands. Its
+   * lock and condition live as long as the struct (a waiter may kick the executor of a queue
+   * that is being destroyed). */
+  tdm__workq xq;
+  char apart2_[64];
+  /* ---- the completing side ---- */
+  _Atomic int refs;         /* 1 for the handle while live, 1 per event, and ref_stock */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;        /* completions of this queue's events (with mu) */
+  int cv_sleepers;          /* threads waiting on cv, under mu */
+  _Atomic long n_done;
+  _Atomic long n_freed;
+  _Atomic int first_error;  /* first failure since the last sync */
+  const char *first_error_op; /* its command's op and number; with first_error, under mu */
+  uint64_t first_error_seq;
+  char *first_error_why;    /* that command described (tdm__event_describe), owned, or NULL;
+                               under mu; a sync marker takes it */
+  int chain_error;          /* in-order: an earlier failure; touched only in execution order */
+  /* x_held: quiet commands waiting for the next native handle, in order; the executor's
+   * thread alone touches them. */
+  tdm__cmd *x_held, **x_held_tail;
   _Atomic unsigned long x_done;
-  bool can_lazy; /* in-order, neither timed nor traced at creation, backend has native_done */
   uint64_t trace_last_end;  /* tracing, in-order queues: end of the last command */
 };
 /* Resolves a caller's handle to a live queue (not being destroyed, device not lost). */

@@ -109,7 +109,9 @@ static tdm__dep *deps_storage(cmd_mem *m, size_t n) {
 static void cmd_release_deps(tdm__cmd *cmd) {
   for (size_t i = 0; i < cmd->ndeps; i++) tdm__event_unref(cmd->deps[i].ev);
   cmd_mem *m = (cmd_mem *)cmd;
-  if (m->heap_cap > DEPS_KEPT) {
+  /* Only a list that outgrew the inline one can have grown past DEPS_KEPT (and heap_cap lies
+   * on a line a short list never touches). */
+  if (cmd->deps != cmd->inline_deps && m->heap_cap > DEPS_KEPT) {
     free(m->heap);
     m->heap = NULL;
     m->heap_cap = 0;
@@ -122,7 +124,7 @@ static void cmd_release_deps(tdm__cmd *cmd) {
 static int reserve(tdm__queue *q, size_t total, tdm__cmd **cmd_out, tdm__event **ev_out) {
   tdm__cmd *cmd = tdm__freelist_get(&q->cmds);
   if (!cmd) {
-    cmd_mem *m = tdm__calloc(1, sizeof *m);
+    cmd_mem *m = tdm__calloc_lines(sizeof *m);
     if (!m) return tdm__error(TDM_ENOMEM, 0, "no memory for a command on %s", q->label);
     cmd = &m->cmd;
   }
@@ -133,7 +135,7 @@ static int reserve(tdm__queue *q, size_t total, tdm__cmd **cmd_out, tdm__event *
     return tdm__error(TDM_ENOMEM, 0, "no memory for %zu dependencies on %s", total, q->label);
   }
   tdm__event *ev = tdm__freelist_get(&q->events);
-  if (!ev && (ev = tdm__calloc(1, sizeof *ev))) {
+  if (!ev && (ev = tdm__calloc_lines(sizeof *ev))) {
     if (tdm__slot_new(ev, &ev->slot, &ev->gen)) {
       free(ev);
       ev = NULL;
@@ -415,7 +417,7 @@ void tdm__cmd_run(tdm__cmd *cmd) {
   if (cmd->wait) {
     tdm_device *dev = cmd->ev->q->dev;
     nstatus = tdm__b_native_wait(dev, cmd->wait, &native);
-    tdm__b_native_release(dev, cmd->wait);
+    if (!(cmd->flags & TDM__CMD_WAIT_BORROWED)) tdm__b_native_release(dev, cmd->wait);
     cmd->wait = NULL;
   }
   tdm__cmd_finish(cmd, nstatus, native);
@@ -608,12 +610,16 @@ done:
   return rc;
 }
 
+/* The specs of the two calls that name no operands, made once rather than per call (a spec
+ * with its memory references is 136 bytes to clear). */
+static const tdm__spec record_spec = {.kind = TDM__CMD_MARKER, .op = "marker", .all_prior = true};
+static const tdm__spec wait_spec = {.kind = TDM__CMD_BARRIER, .op = "wait", .gate = true};
+
 int tdm_event_record(tdm_queue *qh, tdm_event **out) {
   TDM__ENTER();
   GET_Q(qh, q);
   if (!out) return tdm__error(TDM_EINVAL, 0, "tdm_event_record: out is NULL");
-  tdm__spec s = {.kind = TDM__CMD_MARKER, .op = "marker", .all_prior = true};
-  return tdm__submit(q, &s, 0, NULL, NULL, out);
+  return tdm__submit(q, &record_spec, 0, NULL, NULL, out);
 }
 
 int tdm_queue_wait(tdm_queue *qh, tdm_event *evh) {
@@ -626,8 +632,7 @@ int tdm_queue_wait(tdm_queue *qh, tdm_event *evh) {
    * (on an out-of-order queue the current gate stays the gate, as it would have been this
    * wait's dependency). A failed one still makes the wait, which then fails the queue. */
   if (atomic_load_explicit(&ev->done, memory_order_acquire) && ev->status == 0) return 0;
-  tdm__spec s = {.kind = TDM__CMD_BARRIER, .op = "wait", .gate = true};
-  return tdm__submit(q, &s, 1, &ev, NULL, NULL);
+  return tdm__submit(q, &wait_spec, 1, &ev, NULL, NULL);
 }
 
 int tdm_queue_barrier(tdm_queue *qh, size_t ndeps, tdm_event *const *deps, tdm_event **out) {

@@ -15,7 +15,8 @@
 #define CU_OOO_STREAMS 4 /* an out-of-order queue round-robins over this many streams */
 #define CU_GATES 4096    /* gate slots per device */
 
-/* A recycled native event. refs: one per holder (the tandem event, the core's wait). */
+/* A recycled native event. refs: one per holder (the tandem event; the core's wait, unless it
+ * borrows the tandem event's: TDM__CMD_WAIT_BORROWED). */
 typedef struct cu_event {
   struct cu_event *next; /* first: the free list's link (lfstack.h) */
   cudaEvent_t e;
@@ -97,7 +98,8 @@ extern int cu_ndevs;
 /* Maps a CUDA error, sets the message; sticky errors mean the device is lost. */
 int cu_error(cudaError_t err, const char *what);
 
-/* Saves the caller's current device and makes dev current; cu_leave restores it. */
+/* Saves the caller's current device and makes dev current; cu_leave restores it (saved is -1
+ * when dev was current already: nothing to restore). */
 int cu_enter(int dev, int *saved);
 void cu_leave(int saved);
 

@@ -47,9 +47,15 @@ int cu_error(cudaError_t err, const char *what) {
                        cudaGetErrorName(err));
 }
 
+/* When dev is current already, nothing will need restoring: *saved is -1, and cu_leave then
+ * makes no call at all (one cudaGetDevice less on every submission of a program that keeps
+ * its own device current). Nothing between the two calls changes the current device. */
 int cu_enter(int dev, int *saved) {
   if (cudaGetDevice(saved) != cudaSuccess) *saved = -1;
-  if (*saved == cu_devs[dev].ordinal) return 0;
+  if (*saved == cu_devs[dev].ordinal) {
+    *saved = -1;
+    return 0;
+  }
   cudaError_t e = cudaSetDevice(cu_devs[dev].ordinal);
   return e == cudaSuccess ? 0 : cu_error(e, "cudaSetDevice");
 }
@@ -95,7 +101,12 @@ cu_event *cu_event_take(cu_event **local, int dev, bool timed) {
 cu_event *cu_event_get(tdm__bqueue *bq) { return cu_event_take(&bq->ev_local, bq->bdev, bq->timed); }
 
 void cu_event_put(cu_event *ev) {
-  if (atomic_fetch_sub(&ev->refs, 1) != 1) return;
+  /* The only reference left (the usual case: a command's wait borrows its event's) needs no
+   * read-modify-write: with one holder, nobody else can take or drop one. The acquire pairs
+   * with the decrement of a holder that let go before. */
+  if (atomic_load_explicit(&ev->refs, memory_order_acquire) != 1 &&
+      atomic_fetch_sub(&ev->refs, 1) != 1)
+    return;
   if (ev->timed) {
     /* Timed events are rare (timing queues): not recycled. cudaEventDestroy does not block. */
     cudaEventDestroy(ev->e);

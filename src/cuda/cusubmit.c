@@ -76,7 +76,8 @@ static bool capturing(cudaStream_t s) {
 }
 
 /* Hands the command over: done is attached to the tandem event, wait is what the core waits
- * for (both references are the caller's, given away). */
+ * for (both references are the caller's, given away; where the two are one event, one
+ * reference lent to the wait: TDM__CMD_WAIT_BORROWED). */
 static void hand_over(tdm__cmd *cmd, cu_event *done, cu_event *wait, cu_gate *gate) {
   if (done) cu_svc->event_set_native(cmd->ev, done);
   cmd->wait = wait;
@@ -169,7 +170,8 @@ static int enqueue(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
   cu_event *done;
   int rc = record(bq, si, &done);
   if (rc) return rc;
-  atomic_fetch_add(&done->refs, 1);
+  /* One reference serves the tandem event and the wait (the core only borrows it). */
+  cmd->flags |= TDM__CMD_WAIT_BORROWED;
   hand_over(cmd, done, done, NULL);
   return 0;
 }
@@ -316,7 +318,8 @@ void cu_notifier_stop(tdm__bqueue *bq) {
 int cu_native_notify(void *handle, void (*fn)(void *), void *arg) {
   cu_event *ev = handle;
   if (ev->imported) return cu_import_notify(ev, fn, arg);
-  /* The core holds its reference to ev (cmd->wait) until fn has been called. */
+  /* The core holds ev (cmd->wait, a reference of its own or one lent by the tandem event the
+   * command holds) until fn has been called. */
   ev->note_fn = fn;
   ev->note_arg = arg;
   tdm__workq_push(&ev->bq->notes, &ev->note_link, true);

@@ -119,10 +119,12 @@ static int waitlist_build(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl) {
 /* Gives the command to tandem. done: the native event that completes with it (attached to the
  * tandem event, so other queues wait for it natively; NULL when it has none). wait: what the
  * core waits for before completing it (a reference it releases; NULL: nothing). gate: what the
- * core opens after host work. One reference to done is taken here when it is also waited. */
+ * core opens after host work. When done is also waited for, its one reference is lent to the
+ * wait (TDM__CMD_WAIT_BORROWED): the tandem event keeps it while the command runs, which
+ * saves a retain and a release per command. */
 static void hand_over(tdm__cmd *cmd, cl_event done, cl_event wait, void *gate) {
   if (done) ocl_svc->event_set_native(cmd->ev, done);
-  if (wait && wait == done) clRetainEvent(wait);
+  if (wait && wait == done) cmd->flags |= TDM__CMD_WAIT_BORROWED;
   cmd->wait = wait;
   cmd->gate = gate;
   ocl_svc->cmd_native(cmd);
