@@ -402,6 +402,7 @@ static int check_placement(const tdm_moe_config *cfg) {
  * memory, so nothing of the streamer or the model is touched. Every expert read is a different
  * one (round-robin over the pinned experts), so its bytes come from memory, as in a pass. */
 enum { CAL_LINK = 8, CAL_HOST_MIN = 8, CAL_HOST_MAX = 64 };
+#define HOST_GAIN_MIN 1.05
 
 typedef struct calib {
   tdm_moe_model *m;
@@ -573,8 +574,11 @@ static int setup_host(tdm_moe_model *m) {
   if (!rc) {
     pi->placement = m->cfg.placement;
     pi->host_queues = m->nhq;
+    /* Splitting a layer's non-resident bytes so that both sides finish together moves them at
+     * host + link GB/s (the figures at once); copying them all, at the link's alone. Only a
+     * split that beats the link alone by HOST_GAIN_MIN is worth the host's per-layer join. */
     double sum = pi->host_gbs_shared + pi->link_gbs_shared;
-    pi->host_share = sum > 0 ? pi->host_gbs_shared / sum : 0.0;
+    pi->host_share = sum > HOST_GAIN_MIN * pi->link_gbs ? pi->host_gbs_shared / sum : 0.0;
   }
   return rc;
 }

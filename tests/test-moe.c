@@ -524,7 +524,7 @@ TEST_CASE(host_placement) {
       CHECK_EQ(pi.host_queues, queues[qi]);
       CHECK(pi.link_gbs > 0 && pi.host_gbs > 0);
       CHECK(pi.link_gbs_shared > 0 && pi.host_gbs_shared > 0);
-      CHECK(pi.host_share > 0 && pi.host_share < 1);
+      CHECK(pi.host_share >= 0 && pi.host_share < 1);
       memset(y, 0xff, n * sizeof *y);
       for (int t = 0; t < DECODE + 1; t++) {
         int T = t < DECODE ? 1 : SMALL;
@@ -578,8 +578,10 @@ TEST_CASE(auto_placement) {
   CHECK_EQ((int)pi.placement, (int)TDM_MOE_PLACE_AUTO);
   CHECK(pi.host_queues >= 1);
   CHECK(pi.host_share >= 0 && pi.host_share <= 1);
-  CHECK(fabs(pi.host_share -
-             pi.host_gbs_shared / (pi.host_gbs_shared + pi.link_gbs_shared)) < 1e-12);
+  /* The split rule of tandem/moe.h: the figures at once must beat the link alone by 5%. */
+  double sum = pi.host_gbs_shared + pi.link_gbs_shared;
+  CHECK(fabs(pi.host_share - (sum > 1.05 * pi.link_gbs ? pi.host_gbs_shared / sum : 0.0)) <
+        1e-12);
   uint64_t host = 0;
   for (int ov = 0; ov < 2; ov++) {
     for (int t = 0; t < DECODE + 1; t++) {
@@ -598,6 +600,9 @@ TEST_CASE(auto_placement) {
     double d = rel_l2(y, ref, n);
     CHECK_MSG(d <= HOST_TOL, "overlap %d: ||y - ref|| / ||ref|| = %g", ov, d);
   }
+  printf("auto placement: share %.2f (link %.2f GB/s, host %.2f GB/s alone; %.2f and %.2f at "
+         "once), %llu host experts\n", pi.host_share, pi.link_gbs, pi.host_gbs,
+         pi.link_gbs_shared, pi.host_gbs_shared, (unsigned long long)host);
   /* Placement DEVICE reports no calibration. */
   tdm_moe_model_destroy(m);
   m = make_model(dev, &base, false, 0, 2, TDM_CACHE_LRU);
@@ -606,9 +611,6 @@ TEST_CASE(auto_placement) {
   CHECK_RC(tdm_moe_placement_get(m, NULL), TDM_EINVAL);
   CHECK_RC(tdm_moe_placement_get(NULL, &pi), TDM_EINVAL);
   tdm_moe_model_destroy(m);
-  printf("auto placement: share %.2f (link %.2f GB/s, host %.2f GB/s alone; %.2f and %.2f at "
-         "once), %llu host experts\n", pi.host_share, pi.link_gbs, pi.host_gbs,
-         pi.link_gbs_shared, pi.host_gbs_shared, (unsigned long long)host);
   free(x);
   free(ref);
   free(y);

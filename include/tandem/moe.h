@@ -134,8 +134,10 @@ TDM_API tdm_streamer *tdm_moe_streamer(tdm_moe_model *m);
  * copies' DMA and the host's cores read the same host memory, so each slows the other).
  * host_share = host_gbs_shared / (host_gbs_shared + link_gbs_shared): the share of a layer's
  * non-resident experts that AUTO computes on the host so that the host and the link finish
- * them at about the same time (HOST computes all of them whatever the share). Under DEVICE
- * nothing is calibrated: every figure is 0. */
+ * them at about the same time; 0 when host_gbs_shared + link_gbs_shared is not 5% above
+ * link_gbs, since such a split would move the bytes no faster than copying them all (HOST
+ * computes all of them whatever the share). Under DEVICE nothing is calibrated: every figure
+ * is 0. */
 typedef struct tdm_moe_placement_info {
   tdm_moe_placement placement;
   int host_queues;        /* the queues host experts run on (the configured 0 resolved) */
