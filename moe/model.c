@@ -533,9 +533,12 @@ static int calibrate(tdm_moe_model *m, tdm_moe_placement_info *pi) {
       pi->host_gbs_shared = gbs(nh * eb, th);
     }
   }
+  /* After a failure work may still be queued: the host queues are drained and the link's
+   * queue destroyed (which drains it) before what they use is freed. */
+  if (rc) (void)cal_sync_host(m);
+  if (c.lq) tdm_queue_destroy(c.lq);
   if (c.hblk) tdm_free(c.hblk);
   if (c.dscratch) tdm_free(c.dscratch);
-  if (c.lq) tdm_queue_destroy(c.lq);
   return rc;
 }
 
