@@ -379,8 +379,8 @@ static __global__ void scatter_kernel(float *out, const float *O, const int32_t 
 /* Two shapes of the same kernels, which give the same bits (a token's sums do not depend on how
  * many tokens share a pass, nor on how many loads a lane batches: it visits the same columns in
  * the same order):
- * - wide: NT = 4 tokens per pass over a weight row and 4 loads a down row; about 100
- *   registers a thread, so two blocks an SM. For entries of several tokens.
+ * - wide: NT = 4 tokens per pass over a weight row and 4 loads a down row; up to 128
+ *   registers a thread, so two blocks an SM.
  * - narrow: NT = 2 and 3 loads a down row (Qwen3-30B-A3B's I = 768 in one batch), held to 80
  *   registers, so three blocks an SM: more loads in flight, which these kernels are bound by.
  * experts() takes narrow: on the H200 it was faster at 1, 4 and 16 tokens a layer (32.8, 84.7
