@@ -444,6 +444,50 @@ TEST_CASE(expert_few_tokens) {
   teardown(&f);
 }
 
+/* The CPU table splits a few-token expert's weight rows between a pool of threads
+ * (moe/cpu/pool.c, sized by TANDEM_MOE_CPU_THREADS when the first CPU op state starts it): a
+ * row is computed whole by one thread, so the output must be bitwise the same with no pool
+ * (1), the default (the cores) and more threads than cores (5). Shapes large enough to be
+ * split into many chunks; every run against the fp64 reference too. Other tables have no
+ * pool: skipped. */
+TEST_CASE(expert_threads_agree) {
+  enum { T = 12, H = 512, I = 384, K = 2 };
+  static const char *const sizes[] = {"1", "5"};
+  const int ns[] = {1, 3, CPU_GEMV_MAX_N};
+  fixture f = setup();
+  if (strcmp(f.ops->name, "cpu") != 0) {
+    teardown(&f);
+    TH_SKIP("only the CPU table splits experts between threads");
+  }
+  for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+    expert_case c = expert_setup(&f, T, H, I, ns[i], K);
+    const size_t bytes = (size_t)T * K * H * sizeof(float);
+    float *base = alloc(&f, TDM_MEM_PINNED, bytes), *got = alloc(&f, TDM_MEM_PINNED, bytes);
+    char what[48];
+    snprintf(what, sizeof what, "expert n=%d, default pool", ns[i]);
+    expert_run(&f, f.q, f.st, &c, c.ws, base);
+    compare_expert(&c, base, what);
+    /* The fixture's state is the only CPU state: closing it stops the pool, and the next
+     * open starts one of the size the variable now says. */
+    f.ops->close(f.st);
+    for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+      CHECK(setenv("TANDEM_MOE_CPU_THREADS", sizes[s], 1) == 0);
+      CHECK_OK(f.ops->open(f.q, &f.st));
+      expert_run(&f, f.q, f.st, &c, c.ws, got);
+      f.ops->close(f.st);
+      CHECK_MSG(memcmp(got, base, bytes) == 0, "expert n=%d: %s threads differ from the default",
+                ns[i], sizes[s]);
+    }
+    CHECK(unsetenv("TANDEM_MOE_CPU_THREADS") == 0);
+    CHECK_OK(f.ops->open(f.q, &f.st));
+    tdm_free(base);
+    tdm_free(got);
+    expert_teardown(&c);
+  }
+  printf("expert: bitwise equal with 1, the default and 5 pool threads\n");
+  teardown(&f);
+}
+
 /* Host placement's data path (tandem/moe.h, placement AUTO or HOST): the CPU table's expert()
  * on a queue of cpu:0 reads the device's pinned memory in place (the weights, the token lists,
  * and activations that a device-to-host copy on the device's queue has just written) and
