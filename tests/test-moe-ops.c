@@ -11,8 +11,9 @@
  * expert repeatedly, on one queue and on two at once, and wants bitwise equal output;
  * `ordered_after_host_task` wants ops queued behind a slow host task to wait for it;
  * `bad_args` and `alloc_faults` check the error paths; `expert_on_host` runs the CPU's expert()
- * on the device's pinned memory between device-side waits, as host placement does. A device
- * without a table is skipped (77).
+ * on the device's pinned memory between device-side waits, as host placement does;
+ * `expert_threads_agree` wants the CPU's few-token expert bitwise the same whatever its pool's
+ * size. A device without a table is skipped (77).
  *
  * The grouped ops: `experts_ref` runs experts() on tables of experts with 0 to 20 tokens, held
  * at distinct offsets of one weight allocation, with H, I and offsets on and off the 8-element
