@@ -439,7 +439,8 @@ static int cal_experts(calib *c, int n) {
   return rc;
 }
 
-static int cal_sync_host(tdm_moe_model *m) {
+/* Waits for every host queue; returns the first error (and clears each queue's). */
+static int sync_host_queues(tdm_moe_model *m) {
   int rc = 0;
   for (int j = 0; j < m->nhq; j++) {
     int src = tdm_queue_sync(m->hq[j]);
@@ -478,7 +479,7 @@ static int cal_finish(calib *c, double t0, double *t_link, double *t_host) {
       tdm_event_release(ev[j]);
     }
   free(ev);
-  if (!rc) rc = cal_sync_host(m);
+  if (!rc) rc = sync_host_queues(m);
   if (!rc) rc = tdm_queue_sync(c->lq);
   return rc;
 }
@@ -508,7 +509,7 @@ static int calibrate(tdm_moe_model *m, tdm_moe_placement_info *pi) {
   if (!rc) rc = cal_copies(&c, 1);
   if (!rc) rc = cal_experts(&c, nq);
   if (!rc) rc = tdm_queue_sync(c.lq);
-  if (!rc) rc = cal_sync_host(m);
+  if (!rc) rc = sync_host_queues(m);
   /* Alone. */
   double t0 = now_s();
   if (!rc) rc = cal_copies(&c, CAL_LINK);
@@ -517,7 +518,7 @@ static int calibrate(tdm_moe_model *m, tdm_moe_placement_info *pi) {
   int nh = nq > CAL_HOST_MIN ? nq : CAL_HOST_MIN;
   t0 = now_s();
   if (!rc) rc = cal_experts(&c, nh);
-  if (!rc) rc = cal_sync_host(m);
+  if (!rc) rc = sync_host_queues(m);
   if (!rc) pi->host_gbs = gbs(nh * eb, now_s() - t0);
   /* At once, sized so that both sides would take about as long alone. */
   if (!rc) {
@@ -535,7 +536,7 @@ static int calibrate(tdm_moe_model *m, tdm_moe_placement_info *pi) {
   }
   /* After a failure work may still be queued: the host queues are drained and the link's
    * queue destroyed (which drains it) before what they use is freed. */
-  if (rc) (void)cal_sync_host(m);
+  if (rc) (void)sync_host_queues(m);
   if (c.lq) tdm_queue_destroy(c.lq);
   if (c.hblk) tdm_free(c.hblk);
   if (c.dscratch) tdm_free(c.dscratch);
@@ -1162,7 +1163,7 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   int src = tdm_queue_sync(m->q);
   /* A pass that failed may have left host experts running that the compute queue never
    * joined: they finish before the pass returns, so the next one can reuse their buffers. */
-  for (int j = 0; rc && j < m->nhq; j++) (void)tdm_queue_sync(m->hq[j]);
+  if (rc) (void)sync_host_queues(m);
   st->wait_seconds += now_s() - w0;
   if (!rc) rc = src;
   st->seconds = now_s() - t0;

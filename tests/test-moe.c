@@ -486,6 +486,37 @@ static void decode_reference(tdm_device *dev, const tdm_moe_config *base, const 
   tdm_moe_model_destroy(m);
 }
 
+/* The placement tests' inputs: `decode` tokens of the tiny preset (x), their all-resident
+ * reference as decode_reference computes it (ref), and room for the same outputs (y). */
+typedef struct place_case {
+  tdm_moe_config base;
+  size_t H, n;
+  float *x, *ref, *y;
+} place_case;
+
+static place_case place_setup(tdm_device *dev, int decode, int small) {
+  const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
+  place_case pc = {.base = {.preset = p, .device = dev, .seed = th_seed(), .skew = 1.0,
+                            .locality = 0.7, .max_tokens = 8}};
+  pc.H = (size_t)p->hidden;
+  pc.n = (size_t)(decode + small) * pc.H;
+  pc.x = malloc(decode * pc.H * sizeof *pc.x);
+  pc.ref = malloc(pc.n * sizeof *pc.ref);
+  pc.y = malloc(pc.n * sizeof *pc.y);
+  CHECK(pc.x && pc.ref && pc.y);
+  tdm_moe_model *m = make_model(dev, &pc.base, true, 0, 2, TDM_CACHE_STATIC);
+  tdm_moe_make_input(m, pc.x, decode, 0, true);
+  tdm_moe_model_destroy(m);
+  decode_reference(dev, &pc.base, pc.x, pc.ref, decode, small);
+  return pc;
+}
+
+static void place_teardown(place_case *pc) {
+  free(pc->x);
+  free(pc->ref);
+  free(pc->y);
+}
+
 /* Whether the device under test is the CPU backend (host and device then run one kernel). */
 static bool on_cpu(tdm_device *dev) {
   tdm_device_info info;
@@ -499,18 +530,14 @@ static bool on_cpu(tdm_device *dev) {
  * overlap and without, for one host queue and for three (experts spread round-robin). */
 TEST_CASE(host_placement) {
   tdm_device *dev = th_open();
-  const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
   enum { DECODE = 6, SMALL = 5 };
-  tdm_moe_config base = {.preset = p, .device = dev, .seed = th_seed(), .skew = 1.0,
-                         .locality = 0.7, .max_tokens = 8};
-  size_t H = (size_t)p->hidden, n = (DECODE + SMALL) * H;
-  float *x = malloc(DECODE * H * sizeof *x), *ref = malloc(n * sizeof *ref),
-        *y = malloc(n * sizeof *y);
+  place_case pc = place_setup(dev, DECODE, SMALL);
+  const tdm_moe_config base = pc.base;
+  const tdm_moe_preset *p = base.preset;
+  size_t H = pc.H, n = pc.n;
+  float *x = pc.x, *ref = pc.ref, *y = pc.y;
   tdm_moe_pass_stats st;
-  tdm_moe_model *m = make_model(dev, &base, true, 0, 2, TDM_CACHE_STATIC);
-  tdm_moe_make_input(m, x, DECODE, 0, true);
-  tdm_moe_model_destroy(m);
-  decode_reference(dev, &base, x, ref, DECODE, SMALL);
+  tdm_moe_model *m;
   const int queues[] = {1, 3};
   for (int qi = 0; qi < 2; qi++)
     for (int ov = 0; ov < 2; ov++) {
@@ -547,9 +574,7 @@ TEST_CASE(host_placement) {
                   queues[qi], ov);
       tdm_moe_model_destroy(m);
     }
-  free(x);
-  free(ref);
-  free(y);
+  place_teardown(&pc);
   th_close();
 }
 
@@ -558,21 +583,15 @@ TEST_CASE(host_placement) {
  * than the candidates, and the output is within the tolerance of the all-resident one. */
 TEST_CASE(auto_placement) {
   tdm_device *dev = th_open();
-  const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
   enum { DECODE = 8, SMALL = 5 };
-  tdm_moe_config base = {.preset = p, .device = dev, .seed = th_seed(), .skew = 1.0,
-                         .locality = 0.7, .max_tokens = 8};
-  size_t H = (size_t)p->hidden, n = (DECODE + SMALL) * H;
-  float *x = malloc(DECODE * H * sizeof *x), *ref = malloc(n * sizeof *ref),
-        *y = malloc(n * sizeof *y);
+  place_case pc = place_setup(dev, DECODE, SMALL);
+  const tdm_moe_config base = pc.base;
+  size_t H = pc.H, n = pc.n;
+  float *x = pc.x, *ref = pc.ref, *y = pc.y;
   tdm_moe_pass_stats st;
-  tdm_moe_model *m = make_model(dev, &base, true, 0, 2, TDM_CACHE_STATIC);
-  tdm_moe_make_input(m, x, DECODE, 0, true);
-  tdm_moe_model_destroy(m);
-  decode_reference(dev, &base, x, ref, DECODE, SMALL);
   tdm_moe_config c = base;
   c.placement = TDM_MOE_PLACE_AUTO;
-  m = make_model(dev, &c, false, 0, 2, TDM_CACHE_LRU);
+  tdm_moe_model *m = make_model(dev, &c, false, 0, 2, TDM_CACHE_LRU);
   tdm_moe_placement_info pi;
   CHECK_OK(tdm_moe_placement_get(m, &pi));
   CHECK_EQ((int)pi.placement, (int)TDM_MOE_PLACE_AUTO);
@@ -611,9 +630,7 @@ TEST_CASE(auto_placement) {
   CHECK_RC(tdm_moe_placement_get(m, NULL), TDM_EINVAL);
   CHECK_RC(tdm_moe_placement_get(NULL, &pi), TDM_EINVAL);
   tdm_moe_model_destroy(m);
-  free(x);
-  free(ref);
-  free(y);
+  place_teardown(&pc);
   th_close();
 }
 

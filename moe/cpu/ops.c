@@ -467,6 +467,16 @@ static size_t gemv_chunk(size_t rows, int workers) {
  * cost more than it saves. */
 enum { GEMV_POOL_MIN_WEIGHTS = 64 * 1024 };
 
+/* One pass of the expert's rows, fn over chunks: on the pool, or on the caller alone. */
+static void gemv_pass(int workers, size_t rows, pool_fn fn, gemv_job *j) {
+  j->chunk = gemv_chunk(rows, workers);
+  size_t chunks = (rows + j->chunk - 1) / j->chunk;
+  if (workers > 1)
+    pool_run(chunks, fn, j);
+  else
+    for (size_t c = 0; c < chunks; c++) fn(j, c, 0);
+}
+
 /* xs, out as in gemv_job; rows: `slots` row buffers of row_stride floats; gu: n x 2I floats. */
 static void expert_gemv(const float *const *xs, float *const *out, size_t n, const uint16_t *w,
                         size_t H, size_t I, float *rows, size_t row_stride, size_t slots,
@@ -477,21 +487,13 @@ static void expert_gemv(const float *const *xs, float *const *out, size_t n, con
   for (size_t t = 0; t < n; t++) hs[t] = gu + t * 2 * I;
   gemv_job j = {.xs = xs, .hs = hs, .out = out, .n = n, .H = H, .I = I, .w = w,
                 .end = w + 3 * H * I, .gu = gu, .rows = rows, .row_stride = row_stride};
-  j.chunk = gemv_chunk(2 * I, workers);
-  size_t chunks = (2 * I + j.chunk - 1) / j.chunk;
-  if (workers > 1) pool_run(chunks, gemv_gate_up, &j);
-  else
-    for (size_t c = 0; c < chunks; c++) gemv_gate_up(&j, c, 0);
+  gemv_pass(workers, 2 * I, gemv_gate_up, &j);
   for (size_t t = 0; t < n; t++) {
     float *g = gu + t * 2 * I;
     const float *u = g + I;
     for (size_t k = 0; k < I; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
   }
-  j.chunk = gemv_chunk(H, workers);
-  chunks = (H + j.chunk - 1) / j.chunk;
-  if (workers > 1) pool_run(chunks, gemv_down, &j);
-  else
-    for (size_t c = 0; c < chunks; c++) gemv_down(&j, c, 0);
+  gemv_pass(workers, H, gemv_down, &j);
 }
 
 /* ---- expert ------------------------------------------------------------------------------ */

@@ -11,7 +11,13 @@
  * last pool_release() (each CPU op state holds one reference). Several callers may run jobs at
  * once (one per in-order queue): the pool's threads take chunks of whichever job has some left,
  * and each caller works on its own job too, so a job always progresses, even when every pool
- * thread is busy elsewhere or none could be started. */
+ * thread is busy elsewhere or none could be started.
+ *
+ * Why not tandem's own CPU queues: a chunk is tens of microseconds of work and an expert has
+ * two passes with a join between them, so a host task per chunk (a submission, an event and a
+ * completion each) and a barrier per pass would cost a sizable share of the expert; the pool
+ * hands out a chunk under one lock and its threads spin briefly between passes. It runs only
+ * inside a CPU op's host task, so tandem's ordering of that task is unchanged. */
 #ifndef TANDEM_MOE_CPU_POOL_H
 #define TANDEM_MOE_CPU_POOL_H
 
