@@ -80,6 +80,7 @@ typedef struct tdm__options {
   long cpu_pool_threads;  /* TANDEM_CPU_POOL_THREADS */
   long tracker_capacity;  /* TANDEM_TRACKER_CAPACITY */
   long opencl_defer;      /* TANDEM_OPENCL_DEFER */
+  long cuda_blocking_sync;/* TANDEM_CUDA_BLOCKING_SYNC */
   char backend_path[1024];/* TANDEM_BACKEND_PATH */
   char backends[128];     /* TANDEM_BACKENDS: comma-separated allow list, empty = all */
   char trace[512];        /* TANDEM_TRACE: Chrome trace file written at the last shutdown */

@@ -36,6 +36,8 @@ static const opt_def opt_table[] = {
      sizeof(((tdm__options *)0)->backend_path), "colon-separated folders with backend modules"},
     {"TANDEM_OPENCL_DEFER", OPT_LONG, -1, -1, 1, OFF(opencl_defer), 0,
      "OpenCL host-task gates: 1 on the host, 0 with user events, -1 (default) by driver"},
+    {"TANDEM_CUDA_BLOCKING_SYNC", OPT_LONG, 0, 0, 1, OFF(cuda_blocking_sync), 0,
+     "1: tandem's threads wait for CUDA events asleep (cudaEventBlockingSync), not spinning"},
     {"TANDEM_TRACE", OPT_STRING, 0, 0, 0, OFF(trace), sizeof(((tdm__options *)0)->trace),
      "file to write a Chrome trace of every command to, at the last shutdown"},
     {"TANDEM_BACKENDS", OPT_STRING, 0, 0, 0, OFF(backends), sizeof(((tdm__options *)0)->backends),

@@ -74,6 +74,9 @@ void cu_leave(int saved) {
  * reads on every record. */
 static void ev_push(cu_event *ev) { tdm__lfstack_push(&cu_devs[ev->dev].ev_returned, ev); }
 
+/* TANDEM_CUDA_BLOCKING_SYNC, read at init. */
+static bool cu_blocking_sync;
+
 cu_event *cu_event_take(cu_event **local, int dev, bool timed) {
   cu_event *ev = NULL;
   if (!timed) {
@@ -83,9 +86,12 @@ cu_event *cu_event_take(cu_event **local, int dev, bool timed) {
   if (!ev) {
     ev = calloc(1, sizeof *ev);
     if (!ev) return NULL;
-    /* No cudaEventBlockingSync: the executor waits with the device's scheduling policy (it
-     * spins while there are spare cores), which keeps host-task round trips short. */
+    /* By default no cudaEventBlockingSync: the executor waits with the device's scheduling
+     * policy (it spins while there are spare cores), which keeps host-task round trips short.
+     * TANDEM_CUDA_BLOCKING_SYNC=1 makes it sleep instead, for programs whose own threads want
+     * every core (a spinning executor takes one from them for as long as it waits). */
     unsigned flags = timed ? cudaEventDefault : cudaEventDisableTiming;
+    if (cu_blocking_sync) flags |= cudaEventBlockingSync;
     if (cudaEventCreateWithFlags(&ev->e, flags) != cudaSuccess) {
       free(ev);
       return NULL;
@@ -214,6 +220,7 @@ static int init_device(cu_device *d, int ordinal) {
 
 static int cuda_init(const tdm__services *svc, int *ndevices) {
   cu_svc = svc;
+  cu_blocking_sync = svc->option_long("TANDEM_CUDA_BLOCKING_SYNC", 0) == 1;
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0) {
