@@ -150,6 +150,10 @@ def moe(tool, device, tmp):
     for r in doc["runs"]:
         check_found(r, "", what)
         check_found(r, "decode_", what)
+        # each decode token's latency: median <= 90th percentile <= maximum, all positive
+        lat = [r.get("decode_token_ms_" + k) for k in ("p50", "p90", "max")]
+        if not (all(isinstance(v, (int, float)) for v in lat) and 0 < lat[0] <= lat[1] <= lat[2]):
+            raise Failed(f"{what}: run {r['name']!r}: decode token latency (p50, p90, max) {lat}")
     ser = [r for r in doc["runs"] if r["name"] == "streamed, serialized"][0]
     if not (ser["decode_demand_misses"] > 0 and ser["decode_bytes_per_token"] > 0):
         raise Failed(f"{what}: serialized decode has {ser['decode_demand_misses']} demand "
@@ -169,6 +173,8 @@ def moe(tool, device, tmp):
     if doc.get("check") != "ok" or doc.get("placement") != "host" or doc.get("host_queues") != 2:
         raise Failed(f"{what}: check {doc.get('check')!r}, placement {doc.get('placement')!r}, "
                      f"{doc.get('host_queues')} host queues")
+    if not (isinstance(doc.get("host_threads"), int) and doc["host_threads"] >= 1):
+        raise Failed(f"{what}: host_threads is {doc.get('host_threads')!r}")
     for key in ("link_gbs", "host_gbs", "link_gbs_shared", "host_gbs_shared"):
         if not (isinstance(doc.get(key), (int, float)) and doc[key] > 0):
             raise Failed(f"{what}: {key} is {doc.get(key)!r}")

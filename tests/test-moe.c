@@ -9,14 +9,21 @@
  * - host placement: HOST computes every decode expert that is not on the device on the host
  *   (nothing copied for them) and AUTO a calibrated share, within a relative L2 tolerance of
  *   the all-resident output (bitwise on a CPU device, where host and device run the same
- *   kernel), with counts that add up; DEVICE changes nothing (the bitwise case above);
+ *   kernel), with counts that add up; DEVICE changes nothing (the bitwise case above); the
+ *   host pool's size, by default and asked for;
  * - bad input: unknown preset, budgets and slot counts that cannot hold an expert, host
  *   memory too small for a preset, a host device that is not a CPU device, negative host
  *   queues.
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
+#endif
 #include "harness.h"
 
 #include <math.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #include <tandem/moe.h>
 #include <tandem/streamer.h>
@@ -524,13 +531,24 @@ static bool on_cpu(tdm_device *dev) {
   return strcmp(info.backend, "cpu") == 0;
 }
 
+/* The cores this process may run on. */
+static int affinity_cores(void) {
+  cpu_set_t set;
+  return sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set)
+                                                      : (int)sysconf(_SC_NPROCESSORS_ONLN);
+}
+
 /* Placement HOST with no budget, on a fresh model: nothing is ever copied, so every routed
  * expert is absent when placed and the host computes them all; no acquire, no byte copied.
  * The output is within the tolerance of the all-resident one (bitwise on a CPU device), with
- * overlap and without, for one host queue and for three (experts spread round-robin). */
+ * overlap and without, for one host queue and for three (experts spread round-robin).
+ * The host pool: with one queue its default size (the cores less 4 beside a device that is not
+ * the host), with three the 3 threads asked for; on a CPU device the device's own op state has
+ * started the pool first, at its default, which the model then shares. */
 TEST_CASE(host_placement) {
   tdm_device *dev = th_open();
   enum { DECODE = 6, SMALL = 5 };
+  CHECK(unsetenv("TANDEM_MOE_CPU_THREADS") == 0); /* the default size, not the caller's */
   place_case pc = place_setup(dev, DECODE, SMALL);
   const tdm_moe_config base = pc.base;
   const tdm_moe_preset *p = base.preset;
@@ -544,11 +562,17 @@ TEST_CASE(host_placement) {
       tdm_moe_config c = base;
       c.placement = TDM_MOE_PLACE_HOST;
       c.host_queues = queues[qi];
+      c.host_threads = qi ? 3 : 0;
       m = make_model(dev, &c, false, 0, 2, TDM_CACHE_LRU); /* with the look-ahead predictor */
       tdm_moe_placement_info pi;
       CHECK_OK(tdm_moe_placement_get(m, &pi));
       CHECK_EQ((int)pi.placement, (int)TDM_MOE_PLACE_HOST);
       CHECK_EQ(pi.host_queues, queues[qi]);
+      int cores = affinity_cores(), beside = cores - 4 > 1 ? cores - 4 : 1;
+      if (on_cpu(dev))
+        CHECK_EQ(pi.host_threads, cores);
+      else
+        CHECK_EQ(pi.host_threads, qi ? 3 : beside);
       CHECK(pi.link_gbs > 0 && pi.host_gbs > 0);
       CHECK(pi.link_gbs_shared > 0 && pi.host_gbs_shared > 0);
       CHECK(pi.host_share >= 0 && pi.host_share < 1);

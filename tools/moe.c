@@ -24,7 +24,7 @@ static const char moe_help[] =
     "usage: tandem moe [--preset P] [--device D] [--layers N] [--tokens T] [--ubatch U]\n"
     "                  [--decode N] [--device-budget B] [--cache-policy static|lru] [--slots N]\n"
     "                  [--prefetch-depth N] [--skew S] [--locality R] [--seed N] [--predict]\n"
-    "                  [--placement auto|device|host] [--host-queues N]\n"
+    "                  [--placement auto|device|host] [--host-queues N] [--host-threads N]\n"
     "                  [--no-overlap] [--no-check] [--json] [--trace FILE]\n"
     "\n"
     "Runs a stack of MoE layers, x += MoE(RMSNorm(x)), with the routed experts in pinned host\n"
@@ -65,9 +65,10 @@ static const char moe_help[] =
     "                     their pinned copies; auto (default) a share of them on the host, set\n"
     "                     by a cost model calibrated at start-up so the host and the link\n"
     "                     finish together (the all-resident reference always uses device)\n"
-    "  --host-queues N    host experts run on N queues of cpu:0 (default 1; each expert's\n"
-    "                     rows are split between the host's cores, TANDEM_MOE_CPU_THREADS\n"
-    "                     of them if set)\n"
+    "  --host-queues N    host experts run on N queues of cpu:0 (default 1)\n"
+    "  --host-threads N   each host expert's rows are split between N threads (default:\n"
+    "                     TANDEM_MOE_CPU_THREADS if set, else the cores less 4 beside a GPU,\n"
+    "                     left to the threads that feed it)\n"
     "  --no-overlap       run only the serialized pass (copy and compute alternate)\n"
     "  --no-check         skip the all-resident reference run and the bitwise check\n"
     "  --json             print JSON on stdout instead of the table\n"
@@ -79,7 +80,7 @@ typedef struct moe_opts {
   long layers, tokens, ubatch, decode, slots, depth, seed;
   double skew, locality, budget_pct;
   size_t budget_bytes;
-  long host_queues;
+  long host_queues, host_threads;
   int policy, serialized_only, check, json, predict, placement;
 } moe_opts;
 
@@ -113,7 +114,8 @@ static int parse_budget(const char *v, moe_opts *o) {
 enum {
   OPT_PRESET = TOOL_OPT_LONG, OPT_DEVICE, OPT_LAYERS, OPT_TOKENS, OPT_UBATCH, OPT_DECODE,
   OPT_BUDGET, OPT_POLICY, OPT_SLOTS, OPT_DEPTH, OPT_SKEW, OPT_LOCALITY, OPT_SEED, OPT_PREDICT,
-  OPT_NO_OVERLAP, OPT_NO_CHECK, OPT_JSON, OPT_TRACE, OPT_PLACEMENT, OPT_HOST_QUEUES
+  OPT_NO_OVERLAP, OPT_NO_CHECK, OPT_JSON, OPT_TRACE, OPT_PLACEMENT, OPT_HOST_QUEUES,
+  OPT_HOST_THREADS
 };
 
 static const struct option moe_options[] = {
@@ -137,6 +139,7 @@ static const struct option moe_options[] = {
     {"trace", required_argument, NULL, OPT_TRACE},
     {"placement", required_argument, NULL, OPT_PLACEMENT},
     {"host-queues", required_argument, NULL, OPT_HOST_QUEUES},
+    {"host-threads", required_argument, NULL, OPT_HOST_THREADS},
     {"help", no_argument, NULL, 'h'},
     {NULL, 0, NULL, 0},
 };
@@ -174,6 +177,8 @@ static int parse_option(int c, const char *v, moe_opts *o) {
       return 0;
     case OPT_BUDGET: return parse_budget(v, o);
     case OPT_HOST_QUEUES: return tool_parse_count(cmd, "--host-queues", v, 256, &o->host_queues);
+    case OPT_HOST_THREADS:
+      return tool_parse_count(cmd, "--host-threads", v, 256, &o->host_threads);
     case OPT_PLACEMENT:
       if (strcmp(v, "auto") == 0) o->placement = TDM_MOE_PLACE_AUTO;
       else if (strcmp(v, "device") == 0) o->placement = TDM_MOE_PLACE_DEVICE;
@@ -259,6 +264,8 @@ typedef struct run {
   uint64_t device_routed; /* layers whose routing stayed on the device */
   double decode_seconds; /* the decode part alone */
   found decode;
+  double *token_s;       /* each decode token's pass, seconds (o->decode of them, or NULL) */
+  double token_ms[3];    /* their median, 90th percentile and maximum, ms (after the run) */
   int ok;                /* the check passed (1), failed (0), or none ran (-1) */
   const char *check;     /* which: "bitwise", "rel_l2" (experts on the host), or NULL */
   double rel_l2;         /* ||y - yref|| / ||yref|| over the whole output (NAN: no check) */
@@ -324,9 +331,25 @@ static int workload(tdm_moe_model *m, const moe_opts *o, int H, bool overlap, co
   for (long t = 0; !rc && t < o->decode; t++) {
     rc = tdm_moe_forward(m, xd + (size_t)t * H, y + (size_t)(o->tokens + t) * H, 1, overlap, &st);
     if (r) add_pass(r, &st, true);
+    if (r && r->token_s) r->token_s[t] = st.seconds;
     progress(name, passes + t + 1, steps);
   }
   return rc;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* The decode tokens' latency: median, 90th percentile (nearest rank) and maximum, in ms.
+ * Sorts token_s in place. */
+static void token_latency(run *r, long n) {
+  if (!r->token_s || n < 1) return;
+  qsort(r->token_s, (size_t)n, sizeof *r->token_s, cmp_double);
+  r->token_ms[0] = 1e3 * r->token_s[(n - 1) / 2];
+  r->token_ms[1] = 1e3 * r->token_s[(long)ceil(0.9 * n) - 1];
+  r->token_ms[2] = 1e3 * r->token_s[n - 1];
 }
 
 /* One timed run after an untimed warm-up. The first run of a process warms up with its whole
@@ -338,6 +361,8 @@ static int do_run(tdm_moe_model *m, const moe_opts *o, int H, bool overlap, cons
                   bool first, float *x, float *y, run *r) {
   memset(r, 0, sizeof *r);
   r->name = name;
+  /* Without room for the latencies the run goes on without them. */
+  if (o->decode) r->token_s = calloc((size_t)o->decode, sizeof *r->token_s);
   int rc;
   if (first) {
     char label[64];
@@ -352,6 +377,7 @@ static int do_run(tdm_moe_model *m, const moe_opts *o, int H, bool overlap, cons
   if (!rc) tdm_streamer_stats_reset(tdm_moe_streamer(m));
   if (!rc) rc = workload(m, o, H, overlap, name, x, y, r);
   r->tokens_per_s = (o->tokens + o->decode) / r->seconds;
+  if (!rc) token_latency(r, o->decode);
   return rc;
 }
 
@@ -401,7 +427,8 @@ static int session_setup(session *s) {
                             .staging_slots = (int)o->slots, .prefetch_depth = (int)o->depth,
                             .policy = o->policy, .predict = o->predict != 0,
                             .placement = (tdm_moe_placement)o->placement,
-                            .host_queues = (int)o->host_queues};
+                            .host_queues = (int)o->host_queues,
+                            .host_threads = (int)o->host_threads};
   s->H = (size_t)s->p->hidden;
   s->total = (size_t)(o->tokens + o->decode);
   s->x = malloc(((size_t)o->ubatch + o->decode) * s->H * sizeof *s->x);
@@ -433,6 +460,7 @@ static void run_reference(session *s) {
             tdm_last_error()); /* the message starts with the code's name */
     free(s->yref);
     s->yref = NULL;
+    free(s->runs[0].token_s);
     s->nruns = 0;
   }
 }
@@ -490,6 +518,7 @@ static int run_streamed(session *s) {
                 modes[k] ? "streamed, overlapped" : "streamed, serialized", s->nruns == 0, s->x,
                 s->y, r);
     if (rc) {
+      free(r->token_s); /* not counted in nruns */
       tool_fail("the forward pass", rc);
       break;
     }
@@ -561,6 +590,11 @@ static void json_run(bu_json *j, const run *r, long decode) {
   bu_json_double(j, "decode_tokens_per_s", r->decode_seconds > 0 ? decode / r->decode_seconds : 0.0,
                  3);
   json_found(j, "decode_", &r->decode);
+  if (r->token_s) {
+    bu_json_double(j, "decode_token_ms_p50", r->token_ms[0], 4);
+    bu_json_double(j, "decode_token_ms_p90", r->token_ms[1], 4);
+    bu_json_double(j, "decode_token_ms_max", r->token_ms[2], 4);
+  }
   bu_json_uint(j, "decode_bytes_copied", r->decode.bytes);
   bu_json_double(j, "decode_bytes_per_token", decode ? (double)r->decode.bytes / decode : 0.0, 1);
   if (r->ok < 0) bu_json_null(j, "matches_resident");
@@ -612,6 +646,7 @@ static int print_json(const session *s, const figures *f) {
   bu_json_double(&j, "peak_gbps", s->peak, 3);
   bu_json_string(&j, "placement", placement_name(s->place.placement));
   bu_json_int(&j, "host_queues", s->place.host_queues);
+  bu_json_int(&j, "host_threads", s->place.host_threads);
   bu_json_double(&j, "link_gbs", s->place.link_gbs, 3);
   bu_json_double(&j, "host_gbs", s->place.host_gbs, 3);
   bu_json_double(&j, "link_gbs_shared", s->place.link_gbs_shared, 3);
@@ -653,10 +688,11 @@ static void print_runs(const session *s) {
   if (s->place.placement == TDM_MOE_PLACE_DEVICE)
     printf("  placement  device: every routed expert is computed on the device\n\n");
   else
-    printf("  placement  %s: %d host queues; calibrated link %.2f GB/s, host %.2f GB/s of "
+    printf("  placement  %s: %d host queues, %d threads; calibrated link %.2f GB/s, host %.2f GB/s of "
            "expert weights alone,\n             %.2f and %.2f GB/s at once; host share %.2f of a "
            "layer's non-resident experts%s\n\n",
-           placement_name(s->place.placement), s->place.host_queues, s->place.link_gbs,
+           placement_name(s->place.placement), s->place.host_queues, s->place.host_threads,
+           s->place.link_gbs,
            s->place.host_gbs, s->place.link_gbs_shared, s->place.host_gbs_shared,
            s->place.host_share,
            s->place.placement == TDM_MOE_PLACE_HOST ? " (host: all of them)" : "");
@@ -690,6 +726,9 @@ static void print_decode(const session *s, const run *mr) {
            bound, (double)d->bytes / s->o.decode / 1e6);
   else
     printf("nothing copied during decode, so the link sets no bound\n");
+  if (mr->token_s)
+    printf("                     a token takes %.3f ms (median), %.3f ms (90th percentile), "
+           "%.3f ms at most\n", mr->token_ms[0], mr->token_ms[1], mr->token_ms[2]);
   printf("                     routed experts: %.1f%% resident, %.1f%% in flight, %.1f%% demand "
          "misses (%s run)\n", 100 * rate(d->resident, d), 100 * rate(d->inflight, d),
          100 * rate(d->misses, d), mr->name);
@@ -769,6 +808,7 @@ int tool_cmd_moe(int argc, char **argv) {
     }
     if (code == TOOL_OK && s.yref && !f.all_ok) code = TOOL_FAILED;
   }
+  for (int i = 0; i < s.nruns; i++) free(s.runs[i].token_s);
   free(s.x);
   free(s.y);
   free(s.yref);

@@ -70,7 +70,14 @@ typedef struct tdm_moe_config {
                               round-robin, each with its own op state and workspace (0: one;
                               at most 256 are made; negative: TDM_EINVAL). Each expert's rows
                               are split between the host's cores whatever the count (the CPU
-                              table's few-token path; TANDEM_MOE_CPU_THREADS sets how many) */
+                              table's few-token path) */
+  int host_threads;        /* the threads that split a host expert's rows, the queue's own
+                              among them (0: TANDEM_MOE_CPU_THREADS if set, else the cores this
+                              process may run on, less 4 when the device is not the host: they
+                              are left to the threads that feed the device, so that none of
+                              them preempts a thread in the middle of an expert; at least 1).
+                              The CPU table's pool is one per process: a model sizes it only
+                              when no other user has it running */
 } tdm_moe_config;
 
 typedef struct tdm_moe_model tdm_moe_model;
@@ -146,6 +153,8 @@ typedef struct tdm_moe_placement_info {
   double host_share;      /* in [0, 1] */
   double link_gbs_shared; /* the link's GB/s while the host computes experts */
   double host_gbs_shared; /* the host's GB/s while the link copies experts */
+  int host_threads;       /* the pool's threads that split each host expert (the caller among
+                             them): host_threads resolved, and what could be started */
 } tdm_moe_placement_info;
 
 TDM_API int tdm_moe_placement_get(const tdm_moe_model *m, tdm_moe_placement_info *out);

@@ -150,7 +150,7 @@ static int cpu_open(tdm_queue *q, void **state) {
   if (!s) return TDM_ENOMEM;
   s->q = q;
   *state = s;
-  pool_acquire();
+  pool_acquire(pool_default_size(0));
   return 0;
 }
 

@@ -13,9 +13,14 @@
  * waiting for its last chunks, first spin for SPIN_NS on an atomic that mirrors what they wait
  * for, and only then sleep on the condition variable.
  *
- * Size: TANDEM_MOE_CPU_THREADS if set to a positive count, else the cores online, at most
- * POOL_MAX; the caller is one of them, so the pool starts one thread fewer. */
+ * Size: what the first pool_acquire() asks for (pool_default_size() for a CPU op state's),
+ * at most POOL_MAX; the caller is one of them, so the pool starts one thread fewer. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
+#endif
 #include "pool.h"
+
+#include <sched.h>
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -125,7 +130,7 @@ static void *worker(void *arg) {
   return NULL;
 }
 
-static int configured_size(void) {
+int pool_default_size(int reserve) {
   const char *env = getenv("TANDEM_MOE_CPU_THREADS");
   long n = 0;
   if (env && *env) {
@@ -133,16 +138,21 @@ static int configured_size(void) {
     n = strtol(env, &end, 10);
     if (*end || n < 1) n = 0; /* not a positive count: the default */
   }
-  if (n == 0) n = sysconf(_SC_NPROCESSORS_ONLN);
+  if (n == 0) {
+    cpu_set_t set;
+    n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set)
+                                                     : sysconf(_SC_NPROCESSORS_ONLN);
+    n -= reserve > 0 ? reserve : 0;
+  }
   return n < 1 ? 1 : n > POOL_MAX ? POOL_MAX : (int)n;
 }
 
-void pool_acquire(void) {
+void pool_acquire(int threads) {
   pthread_mutex_lock(&pool.life);
   pthread_mutex_lock(&pool.mu);
   if (pool.users++ == 0) {
     pool.stop = false;
-    int want = configured_size() - 1;
+    int want = (threads < 1 ? 1 : threads > POOL_MAX ? POOL_MAX : threads) - 1;
     for (pool.nth = 0; pool.nth < want; pool.nth++)
       if (pthread_create(&pool.th[pool.nth], NULL, worker, (void *)(intptr_t)(pool.nth + 1)))
         break; /* a smaller pool */

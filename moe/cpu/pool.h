@@ -27,9 +27,16 @@
  * 0 for the caller, so each worker can own a scratch slot of the job's. */
 typedef void (*pool_fn)(void *arg, size_t chunk, int worker);
 
-/* A reference to the pool, starting it if this is the first. Threads that cannot be started
+/* The pool's size by default, the caller included: TANDEM_MOE_CPU_THREADS if it is set to a
+ * positive count, else the cores this process may run on (its affinity mask) less `reserve`,
+ * at least 1. A reserve keeps cores for threads that must stay on one while the pool works:
+ * one preempted with a chunk in hand holds up the whole job for a scheduler time slice
+ * (milliseconds, where a job takes a fraction of one). */
+int pool_default_size(int reserve);
+/* A reference to the pool, starting it with `threads` (the caller included; at least 1) if
+ * this is the first; a pool already running keeps its size. Threads that cannot be started
  * only make it smaller (with none, every job runs on its caller). Never fails. */
-void pool_acquire(void);
+void pool_acquire(int threads);
 /* Drops a reference; the last one stops and joins the threads. No job may be running. */
 void pool_release(void);
 /* The threads that may run a job's chunks, the caller included (at least 1). */
