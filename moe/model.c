@@ -106,6 +106,7 @@ struct tdm_moe_model {
   float *xn_h, *out_h;        /* pinned: a layer's xn, and the host experts' outputs by slot */
   int *hsel, *hwhere;         /* E: a layer's host experts; the routed experts' whereabouts */
   bool pool_held;             /* a reference to the CPU table's pool, sized for the model */
+  double join_experts;        /* AUTO: the host join's round trip in experts' time (place()) */
   unsigned char *slot_host;   /* Tg x k: the slots the host experts wrote */
 };
 
@@ -496,6 +497,45 @@ static int cal_finish(calib *c, double t0, double *t_link, double *t_host) {
 
 static double gbs(double bytes, double t) { return t > 0 ? bytes / t / 1e9 : 0.0; }
 
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* The host join's round trip, median of CAL_JOIN: what a layer's host experts add to its
+ * critical path besides their own time. The compute queue waits (device-side) for a host
+ * queue's event, then runs a decode token's RMSNorm and router and copies the routing back,
+ * which the host waits for: the steps between one layer's last host expert and the next
+ * layer's first (the combine aside). The copies for the next layer run meanwhile, so the host
+ * side pays this and the link does not. */
+enum { CAL_JOIN = 15 };
+static int norm_route(tdm_moe_model *m, int l, int T, int32_t *idx);
+static int cal_join(tdm_moe_model *m, double *seconds) {
+  double t[CAL_JOIN];
+  size_t xb = (size_t)m->H * sizeof(float);
+  for (int h = 0; h < m->H; h++) m->x_h[h] = 1.0f / (float)(h + 1);
+  int rc = tdm_memcpy(m->q, m->x, m->x_h, xb, TDM_COPY_H2D, 0, NULL, NULL);
+  if (!rc) rc = tdm_queue_sync(m->q);
+  for (int i = 0; !rc && i < CAL_JOIN; i++) {
+    double t0 = now_s();
+    tdm_event *host = NULL, *routed = NULL;
+    rc = tdm_event_record(m->hq[0], &host);
+    if (!rc) rc = tdm_queue_wait(m->q, host);
+    if (host) tdm_event_release(host);
+    if (!rc) rc = norm_route(m, 0, 1, m->idx);
+    if (!rc)
+      rc = tdm_memcpy(m->q, m->idx_h, m->idx, (size_t)m->k * sizeof(int32_t), TDM_COPY_D2H, 0,
+                      NULL, &routed);
+    if (!rc) rc = tdm_event_wait(routed);
+    if (routed) tdm_event_release(routed);
+    t[i] = now_s() - t0;
+  }
+  if (rc) return rc;
+  qsort(t, CAL_JOIN, sizeof *t, cmp_double);
+  *seconds = t[CAL_JOIN / 2];
+  return 0;
+}
+
 static int calibrate(tdm_moe_model *m, tdm_moe_placement_info *pi) {
   int nq = m->nhq, H = m->H, rc;
   double eb = (double)m->ebytes;
@@ -544,6 +584,8 @@ static int calibrate(tdm_moe_model *m, tdm_moe_placement_info *pi) {
       pi->host_gbs_shared = gbs(nh * eb, th);
     }
   }
+  double join = 0;
+  if (!rc && !(rc = cal_join(m, &join))) pi->host_join_us = 1e6 * join;
   /* After a failure work may still be queued: the host queues are drained and the link's
    * queue destroyed (which drains it) before what they use is freed. */
   if (rc) (void)sync_host_queues(m);
@@ -603,6 +645,14 @@ static int setup_host(tdm_moe_model *m) {
      * split that beats the link alone by HOST_GAIN_MIN is worth the host's per-layer join. */
     double sum = pi->host_gbs_shared + pi->link_gbs_shared;
     pi->host_share = sum > HOST_GAIN_MIN * pi->link_gbs ? pi->host_gbs_shared / sum : 0.0;
+    /* The join in experts: a layer that puts h of its n non-resident experts on the host takes
+     * h * th + join there and (n - h) * tl on the link (th, tl: an expert's time on each side,
+     * at once); they finish together at h = share * n - join / (th + tl). */
+    double per = pi->host_gbs_shared > 0 && pi->link_gbs_shared > 0
+                     ? (double)m->ebytes / 1e9 / pi->host_gbs_shared +
+                           (double)m->ebytes / 1e9 / pi->link_gbs_shared
+                     : 0.0;
+    m->join_experts = pi->host_share > 0 && per > 0 ? pi->host_join_us / 1e6 / per : 0.0;
   }
   return rc;
 }
@@ -887,9 +937,10 @@ static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pas
 /* Placement of the routed experts order[0..n) of layer l (in the streamer's order): the host
  * candidates are those neither on the device nor on their way. HOST takes every candidate;
  * AUTO takes the share the cost model gives of the layer's non-resident experts (candidates
- * and copies in flight: both sides then finish them at about the same time), rounded, at most
- * every candidate, and the last ones in the order: their copies would start last. The host's
- * experts go to host[0..*nh) in order; order keeps the device's, in order, *n of them. */
+ * and copies in flight), less the host join's round trip in experts (join_experts), so that
+ * both sides finish them at about the same time, rounded, at most every candidate, and the
+ * last ones in the order: their copies would start last. The host's experts go to
+ * host[0..*nh) in order; order keeps the device's, in order, *n of them. */
 static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh,
                  int *candidates) {
   int ncand = 0, ninflight = 0, *where = m->hwhere;
@@ -901,7 +952,7 @@ static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh
   }
   int want = ncand;
   if (m->place.placement == TDM_MOE_PLACE_AUTO) {
-    want = (int)lround(m->place.host_share * (ncand + ninflight));
+    want = (int)lround(m->place.host_share * (ncand + ninflight) - m->join_experts);
     if (want > ncand) want = ncand;
     if (want < 0) want = 0;
   }

@@ -625,6 +625,7 @@ TEST_CASE(auto_placement) {
   double sum = pi.host_gbs_shared + pi.link_gbs_shared;
   CHECK(fabs(pi.host_share - (sum > 1.05 * pi.link_gbs ? pi.host_gbs_shared / sum : 0.0)) <
         1e-12);
+  CHECK_MSG(pi.host_join_us > 0, "the host join's round trip is %g us", pi.host_join_us);
   uint64_t host = 0;
   for (int ov = 0; ov < 2; ov++) {
     for (int t = 0; t < DECODE + 1; t++) {
@@ -650,7 +651,8 @@ TEST_CASE(auto_placement) {
   tdm_moe_model_destroy(m);
   m = make_model(dev, &base, false, 0, 2, TDM_CACHE_LRU);
   CHECK_OK(tdm_moe_placement_get(m, &pi));
-  CHECK(pi.placement == TDM_MOE_PLACE_DEVICE && pi.host_queues == 0 && pi.host_share == 0);
+  CHECK(pi.placement == TDM_MOE_PLACE_DEVICE && pi.host_queues == 0 && pi.host_share == 0 &&
+        pi.host_join_us == 0 && pi.host_threads == 0);
   CHECK_RC(tdm_moe_placement_get(m, NULL), TDM_EINVAL);
   CHECK_RC(tdm_moe_placement_get(NULL, &pi), TDM_EINVAL);
   tdm_moe_model_destroy(m);

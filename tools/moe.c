@@ -647,6 +647,7 @@ static int print_json(const session *s, const figures *f) {
   bu_json_string(&j, "placement", placement_name(s->place.placement));
   bu_json_int(&j, "host_queues", s->place.host_queues);
   bu_json_int(&j, "host_threads", s->place.host_threads);
+  bu_json_double(&j, "host_join_us", s->place.host_join_us, 2);
   bu_json_double(&j, "link_gbs", s->place.link_gbs, 3);
   bu_json_double(&j, "host_gbs", s->place.host_gbs, 3);
   bu_json_double(&j, "link_gbs_shared", s->place.link_gbs_shared, 3);
@@ -690,11 +691,11 @@ static void print_runs(const session *s) {
   else
     printf("  placement  %s: %d host queues, %d threads; calibrated link %.2f GB/s, host %.2f GB/s of "
            "expert weights alone,\n             %.2f and %.2f GB/s at once; host share %.2f of a "
-           "layer's non-resident experts%s\n\n",
+           "layer's non-resident experts,\n             less %.1f us of join%s\n\n",
            placement_name(s->place.placement), s->place.host_queues, s->place.host_threads,
            s->place.link_gbs,
            s->place.host_gbs, s->place.link_gbs_shared, s->place.host_gbs_shared,
-           s->place.host_share,
+           s->place.host_share, s->place.host_join_us,
            s->place.placement == TDM_MOE_PLACE_HOST ? " (host: all of them)" : "");
   printf("  %-22s %10s %12s %12s %12s %9s %9s %7s %7s %8s\n", "run", "time", "host waits",
          "tokens/s", "copied", "resident", "in flight", "miss", "host", "output");

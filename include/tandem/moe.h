@@ -140,8 +140,8 @@ TDM_API tdm_streamer *tdm_moe_streamer(tdm_moe_model *m);
  * host_queues queues (weight bytes / time), each side first alone and then both at once (the
  * copies' DMA and the host's cores read the same host memory, so each slows the other).
  * host_share = host_gbs_shared / (host_gbs_shared + link_gbs_shared): the share of a layer's
- * non-resident experts that AUTO computes on the host so that the host and the link finish
- * them at about the same time; 0 when host_gbs_shared + link_gbs_shared is not 5% above
+ * non-resident experts that the host and the link would finish at about the same time, were
+ * it not for the host's join (host_join_us, which AUTO subtracts); 0 when host_gbs_shared + link_gbs_shared is not 5% above
  * link_gbs, since such a split would move the bytes no faster than copying them all (HOST
  * computes all of them whatever the share). Under DEVICE nothing is calibrated: every figure
  * is 0. */
@@ -155,6 +155,12 @@ typedef struct tdm_moe_placement_info {
   double host_gbs_shared; /* the host's GB/s while the link copies experts */
   int host_threads;       /* the pool's threads that split each host expert (the caller among
                              them): host_threads resolved, and what could be started */
+  double host_join_us;    /* the host join's round trip, microseconds: the compute queue waits
+                             for a host queue, then routes a token and copies the routing back
+                             to the host. A layer's host experts add it to its critical path,
+                             its copies do not: AUTO puts share * n - host_join_us / (th + tl)
+                             of a layer's n non-resident experts on the host (th, tl: an
+                             expert's time on the host and on the link, at once), rounded */
 } tdm_moe_placement_info;
 
 TDM_API int tdm_moe_placement_get(const tdm_moe_model *m, tdm_moe_placement_info *out);
