@@ -983,8 +983,9 @@ static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh
  *   after it has waited for the next routing's copy (layer_route), which the in-order compute
  *   queue also runs after those waits, so only once every host expert of this layer is done;
  *   the next pass regroups after tdm_moe_forward's final sync, which covers them too;
- * - out_h is written next by the next layer's host experts, after the next xn copy, which the
- *   compute queue runs after this layer's copies out of out_h.
+ * - out_h is written next by the next layer's host experts, which the host thread submits only
+ *   after it has waited for the next routing's copy, which the compute queue runs after this
+ *   layer's copies out of out_h.
  * Under TSan these are happens-before edges through tandem's events, not through timing. */
 static int host_submit(tdm_moe_model *m, int l, const int *count, const int *offset,
                        const int *host, int nh) {
