@@ -202,11 +202,16 @@ TDM_API int tdm_queue_native(tdm_queue *q, void **native);
 TDM_API int tdm_queue_device(tdm_queue *q, tdm_device **dev);
 TDM_API int tdm_queue_flags(tdm_queue *q, unsigned *flags);
 
-/* Device-side wait: work submitted to q after this call starts after ev completes. The caller
+/* Device-side wait: work submitted to q after this call starts after ev completes, and so
+ * does work that other code puts on q's native queue (tdm_queue_native) after it. The caller
  * returns at once. ev may come from any queue or device; tandem keeps its own reference for
  * as long as it needs one (so do dependency lists), and the caller may release ev at once.
  * Waiting for an event that has already completed without error costs no command (nor does
- * such an event in a dependency list); a failed one fails what waits for it. */
+ * such an event in a dependency list); a failed one fails what waits for it (the next command
+ * of q reports TDM_EDEP, and tdm_queue_sync the failure). On an in-order queue of a native
+ * backend, a pending ev that a queue of the same backend recorded costs no command either:
+ * the native queue is told to wait at once (CUDA: one cudaStreamWaitEvent), and q's next
+ * command takes ev's status. */
 TDM_API TDM_NODISCARD int tdm_queue_wait(tdm_queue *q, tdm_event *ev);
 /* Barrier: the command waits for the listed events, or for every earlier command of the queue
  * when ndeps is 0, and every later command waits for it. */

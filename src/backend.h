@@ -38,7 +38,10 @@
 #include "tandem.h"
 #include "util/workq.h"
 
-/* 0x00010008: TDM__CMD_WAIT_BORROWED: a backend that waits for the handle it attached to the
+/* 0x00010009: the optional queue_wait_now (a device-side wait made at once, with no command:
+ * tdm_queue_wait's cheap path), and tdm__dep.ordered, which marks a dependency such a wait
+ * already ordered natively.
+ * 0x00010008: TDM__CMD_WAIT_BORROWED: a backend that waits for the handle it attached to the
  * event lends it to cmd->wait instead of giving a second reference.
  * 0x00010007: the optional native_done (a non-blocking query that lets an in-order queue
  * complete unwatched commands lazily, on the submitting thread: src/core/exec.c).
@@ -47,7 +50,7 @@
  * registry of its own; and the MoE extension entry is gone (the MoE operations live in
  * libtandem_moe, on the public API); and commands embed the link of the queue-worker
  * primitive (tdm__workq_item, src/util/workq.h). */
-#define TDM__BACKEND_ABI 0x00010008u
+#define TDM__BACKEND_ABI 0x00010009u
 
 typedef struct tdm__bqueue tdm__bqueue; /* a backend's queue; opaque to the core */
 /* The core's event and queue objects. The public tdm_event and tdm_queue are handles that the
@@ -120,6 +123,9 @@ typedef struct tdm__dep {
   tdm__event *ev;    /* one reference held by the command */
   tdm__waiter w;    /* for backends that resolve dependencies by continuation */
   tdm__cmd *cmd;
+  bool ordered;     /* the native queue already waits for ev (queue_wait_now made the wait):
+                       the backend need not order the command after it again; the core still
+                       takes ev's status */
 } tdm__dep;
 
 #define TDM__INLINE_DEPS 4
@@ -315,6 +321,14 @@ typedef struct tdm__backend {
    * completion on for the backend's in-order queues: its commands then get no executor wait
    * until someone watches their events (tdm__exec_kick). */
   int (*native_done)(void *handle);
+  /* Optional: makes the in-order queue's native queue wait, device-side, for ev's work, now
+   * and without a command of its own (tdm_queue_wait's cheap path). Returns 0 once the wait
+   * is made (or nothing needs making: earlier work of the same native queue), 1 when it
+   * cannot make it that way (ev has no native event of this backend: the core submits a
+   * wait command instead), or a TDM_E* code. The core then hands ev to the queue's next
+   * command as a dependency marked ordered, for its status. Called with the queue's
+   * submission lock held; must not block. */
+  int (*queue_wait_now)(tdm__bqueue *bq, tdm__event *ev);
 } tdm__backend;
 
 /* The built-in CPU backend. */

@@ -109,6 +109,82 @@ TEST_CASE(wait_completed_events) {
   th_close();
 }
 
+/* Waits for an event that is still pending and then fails (a native backend waits for it
+ * without a command of its own on an in-order queue): the queue fails all the same, its
+ * marker, its next commands and its sync report it, the sync names the wait, and after the
+ * sync the queue works again. Round 1 syncs right after the wait, so the failure reaches the
+ * sync itself, whether it lands before or after the sync's submission. */
+TEST_CASE(wait_pending_failure) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  unsigned char *src = dev_alloc(dev, TDM_MEM_PINNED, 512), *dst = dev_alloc(dev, TDM_MEM_PINNED, 512);
+  unsigned char before[512];
+  for (int round = 0; round < 4; round++) {
+    int sync_first = round & 1;
+    unsigned flags = round >= 2 ? TDM_QUEUE_OUT_OF_ORDER : TDM_QUEUE_IN_ORDER;
+    if (round >= 2 && !has_cap(dev, TDM_DEVICE_CAP_OUT_OF_ORDER)) break;
+    tdm_queue *p = new_queue(dev, TDM_QUEUE_IN_ORDER), *q = new_queue(dev, flags);
+    th_gate gate;
+    th_gate_init(&gate);
+    atomic_int ran = 0;
+    th_fill_random(src, 512, &rng);
+    th_fill_random(dst, 512, &rng);
+    memcpy(before, dst, 512);
+    tdm_event *bad = NULL, *m = NULL, *task = NULL, *copied = NULL;
+    CHECK_OK(tdm_host_task(p, task_wait_gate, &gate, 0, NULL, NULL));
+    CHECK_OK(tdm_host_task(p, task_fail_einval, NULL, 0, NULL, &bad));
+    CHECK_OK(tdm_queue_wait(q, bad));
+    /* What q's work depends on now covers the pending event. */
+    tdm_event *deps[8];
+    size_t n = 0;
+    CHECK_OK(tdm_queue_dependencies(q, deps, 8, &n));
+    CHECK(n >= 1);
+    int pending = 0;
+    for (size_t i = 0; i < n; i++) {
+      pending += tdm_event_query(deps[i]) == TDM_EAGAIN;
+      CHECK_OK(tdm_event_release(deps[i]));
+    }
+    CHECK_MSG(pending >= 1, "no dependency of the waiting queue is pending");
+    if (sync_first) {
+      th_gate_open(&gate);
+      CHECK_RC(tdm_queue_sync(q), TDM_EDEP);
+    } else {
+      CHECK_OK(tdm_event_record(q, &m));
+      CHECK_OK(tdm_host_task(q, task_count, &ran, 0, NULL, &task));
+      CHECK_OK(tdm_memcpy(q, dst, src, 512, TDM_COPY_H2H, 0, NULL, &copied));
+      CHECK_RC(tdm_event_query(m), TDM_EAGAIN);
+      th_gate_open(&gate);
+      CHECK_RC(tdm_event_wait(m), TDM_EDEP);
+      CHECK_RC(tdm_event_wait(task), TDM_EDEP);
+      CHECK_RC(tdm_event_wait(copied), TDM_EDEP);
+      CHECK_EQ(atomic_load(&ran), 0);
+      CHECK_MEM_EQ(dst, before, 512);
+      CHECK_RC(tdm_queue_sync(q), TDM_EDEP);
+    }
+    CHECK_MSG(strstr(tdm_last_error(), "wait on") != NULL, "the sync does not name the wait: %s",
+              tdm_last_error());
+    CHECK_OK(tdm_queue_sync(q));
+    CHECK_RC(tdm_event_wait(bad), TDM_EINVAL);
+    CHECK_RC(tdm_queue_sync(p), TDM_EINVAL);
+    /* The queue works again. */
+    tdm_event *again = NULL;
+    CHECK_OK(tdm_memcpy(q, dst, src, 512, TDM_COPY_H2H, 0, NULL, &again));
+    wait_ok(again);
+    CHECK_MEM_EQ(dst, src, 512);
+    CHECK_OK(tdm_event_release(bad));
+    if (!sync_first) {
+      tdm_event *more[] = {m, task, copied};
+      release_all(more, 3);
+    }
+    CHECK_OK(tdm_queue_destroy(q));
+    CHECK_OK(tdm_queue_destroy(p));
+    th_gate_destroy(&gate);
+  }
+  CHECK_OK(tdm_free(src));
+  CHECK_OK(tdm_free(dst));
+  th_close();
+}
+
 /* A marker reports a failure whose own event nobody asked for. */
 TEST_CASE(error_marker_without_event) {
   tdm_device *dev = th_open();

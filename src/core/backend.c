@@ -75,6 +75,11 @@ int tdm__b_submit(tdm__queue *q, tdm__cmd *cmd) {
   return BCALL(q->dev, TDM_FAULT_BACKEND, q->dev->be->submit(q->bq, cmd));
 }
 
+int tdm__b_queue_wait_now(tdm__queue *q, tdm__event *ev) {
+  if (!q->dev->be->queue_wait_now) return 1; /* the wait command does it */
+  return BCALL(q->dev, TDM_FAULT_BACKEND, q->dev->be->queue_wait_now(q->bq, ev));
+}
+
 /* ---- memory ---- */
 
 int tdm__b_mem_alloc(tdm_device *dev, tdm_mem_kind kind, size_t size, void **ptr,

@@ -280,6 +280,12 @@ static inline void tdm__signal_end(void) {
 void tdm__signals_quiesce(void);
 
 /* ---- queue.c ---- */
+/* An entry of a queue's list of events its next submission must take (xwait below). */
+typedef struct tdm__xwait {
+  tdm__event *ev; /* one reference, the list's */
+  bool ordered;   /* a device-side wait already made natively (tdm__dep.ordered) */
+} tdm__xwait;
+
 /* Laid out by who writes what, each side apart from the others by at least a cache line
  * (the apart_ gaps), so a thread completing commands does not take the lines a submitting
  * thread reads and writes on every call (and the other way round): the header, read on every
@@ -322,8 +328,11 @@ struct tdm__queue {
   tdm__event *gate;          /* out-of-order: the last barrier or wait; later work waits on it */
   /* Copies from other queues (tdm_memcpy_cross) that later work on this queue must wait for:
    * they become dependencies of the next submission (in-order) or of every submission until
-   * a barrier (out-of-order). Capacity trk_cap; nxres slots are reserved by copies underway. */
-  tdm__event **xwait;
+   * a barrier (out-of-order). Capacity trk_cap; nxres slots are reserved by copies underway.
+   * Also, on in-order queues, the events of device-side waits made without a command
+   * (tdm_queue_wait, queue_wait_now): ordered, the native queue waits for them already, and
+   * the next command takes them only for their status. */
+  tdm__xwait *xwait;
   size_t nxwait, nxres;
   /* Lazy completion (exec.c): the lazy list and its candidate for the next reap, under
    * lz_mu (which also orders every hand-over to the executor); lz_n its length; lz_reap asks
@@ -482,6 +491,11 @@ void tdm__tracker_prune(tdm__queue *q);
 void tdm__tracker_add(tdm__queue *q, tdm__event *ev, bool own);
 /* Cross-queue copies: reserve a slot (may submit a barrier to make room), then fill it. */
 int tdm__xwait_reserve(tdm__queue *q);
+/* Under submit_mu: whether the list has room for one more entry (pruning it if full). */
+bool tdm__xwait_room(tdm__queue *q);
+/* Under submit_mu, in-order q with room: adds ev (the caller's reference, taken over) as an
+ * ordered entry. */
+void tdm__xwait_add_ordered(tdm__queue *q, tdm__event *ev);
 void tdm__xwait_fill(tdm__queue *q, tdm__event *ev);
 void tdm__xwait_cancel(tdm__queue *q);
 /* After a submission: drops entries the queue's order now covers. */
@@ -502,6 +516,8 @@ int tdm__b_queue_create(tdm__queue *q, void *adopt); /* sets q->bq (q->dev, q->f
 void tdm__b_queue_destroy(tdm__queue *q);
 int tdm__b_queue_native(tdm__queue *q, void **native);
 int tdm__b_submit(tdm__queue *q, tdm__cmd *cmd);
+/* queue_wait_now: 0 made, 1 the backend cannot (no entry, or ev not native to it), or an error */
+int tdm__b_queue_wait_now(tdm__queue *q, tdm__event *ev);
 int tdm__b_mem_alloc(tdm_device *dev, tdm_mem_kind kind, size_t size, void **ptr,
                      tdm__bmem *bm);
 void tdm__b_mem_free(tdm_device *dev, tdm_mem_kind kind, void *ptr, const tdm__bmem *bm);

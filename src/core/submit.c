@@ -154,13 +154,14 @@ static int reserve(tdm__queue *q, size_t total, tdm__cmd **cmd_out, tdm__event *
   return 0;
 }
 
-static void add_dep(tdm__cmd *cmd, tdm__event *ev) {
+static void add_dep(tdm__cmd *cmd, tdm__event *ev, bool ordered) {
   tdm__event_ref(ev);
   tdm__dep *d = &cmd->deps[cmd->ndeps++];
   d->ev = ev;
   d->cmd = cmd;
   d->w.next = NULL;
   d->w.fn = NULL;
+  d->ordered = ordered;
 }
 
 /* The implicit dependencies of a submission: copies from other queues that this queue must
@@ -232,12 +233,17 @@ static void cmd_add_deps(tdm__queue *q, tdm__cmd *cmd, size_t ndeps, tdm__event 
                          tdm__event *gate_dep, size_t nall) {
   for (size_t i = 0; i < ndeps; i++)
     if (!atomic_load_explicit(&deps[i]->done, memory_order_acquire) || deps[i]->status != 0)
-      add_dep(cmd, deps[i]);
-  if (gate_dep) add_dep(cmd, gate_dep);
+      add_dep(cmd, deps[i], false);
+  if (gate_dep) add_dep(cmd, gate_dep, false);
   for (size_t i = 0; i < nall; i++)
-    if (q->trk[i] != q->gate) add_dep(cmd, q->trk[i]);
-  for (size_t i = 0; i < q->nxwait; i++)
-    if (!atomic_load(&q->xwait[i]->done)) add_dep(cmd, q->xwait[i]);
+    if (q->trk[i] != q->gate) add_dep(cmd, q->trk[i], false);
+  /* A cross-queue copy that has completed orders nothing; a device-side wait that failed
+   * still fails the queue. */
+  for (size_t i = 0; i < q->nxwait; i++) {
+    const tdm__xwait *x = &q->xwait[i];
+    if (!atomic_load(&x->ev->done) || (x->ordered && x->ev->status != 0))
+      add_dep(cmd, x->ev, x->ordered);
+  }
 }
 
 /* Readies ev for this use with refs references (urefs of them the caller's) and issues its
@@ -349,30 +355,53 @@ int tdm__submit(tdm__queue *q, const tdm__spec *spec, size_t ndeps, tdm__event *
 
 /* ---- execution ---- */
 
+/* Makes status the queue's first error since the last sync unless it has one, with the failed
+ * command's name, number and words (why, taken over; NULL: none), and on an in-order queue
+ * fails the commands after it. Rare, so a lock; the words are made before it. */
+static void note_failure(tdm__queue *q, const char *op, uint64_t seq, char *why, int status) {
+  pthread_mutex_lock(&q->mu);
+  if (atomic_load(&q->first_error) == 0) {
+    q->first_error_op = op;
+    q->first_error_seq = seq;
+    q->first_error_why = why;
+    why = NULL;
+    atomic_store(&q->first_error, status);
+  }
+  pthread_mutex_unlock(&q->mu);
+  free(why);
+  if (!ooo(q)) q->chain_error = status;
+}
+
+/* A device-side wait made without a command (tdm_queue_wait's cheap path) waited for failed,
+ * an ordered dependency of marker cmd, the first command after it: the queue fails as it
+ * would have with the wait command, which is named in the words. */
+static void wait_failed(tdm__cmd *cmd, tdm__event *failed) {
+  tdm__queue *q = cmd->ev->q;
+  char *why = NULL;
+  if (atomic_load(&q->first_error) == 0) {
+    char buf[TDM__WHY_MAX];
+    char *cause = tdm__event_cause_dup(failed);
+    snprintf(buf, sizeof buf, "wait on %s (before command #%llu) failed: %s", q->label,
+             (unsigned long long)cmd->ev->seq, cause ? cause : "the event it waited for failed");
+    free(cause);
+    why = tdm__why_dup(buf);
+  }
+  note_failure(q, "wait", cmd->ev->seq, why, TDM_EDEP);
+}
+
 void tdm__cmd_done(tdm__cmd *cmd, int status, int native) {
   tdm__event *ev = cmd->ev;
   tdm__queue *q = ev->q;
   /* A marker's status reports earlier failures; it is not a failure of its own. */
   if (status < 0 && cmd->kind != TDM__CMD_MARKER) {
-    /* Rare, so a lock: the failure's name, number and words go with the code. The words are
-     * made outside the lock, and only while the queue has no earlier error to report. */
+    /* The words are made only while the queue has no earlier error to report. */
     char *why = NULL;
     if (atomic_load(&q->first_error) == 0) {
       char buf[TDM__WHY_MAX];
       tdm__event_describe(ev, buf, sizeof buf);
       why = tdm__why_dup(buf);
     }
-    pthread_mutex_lock(&q->mu);
-    if (atomic_load(&q->first_error) == 0) {
-      q->first_error_op = ev->op;
-      q->first_error_seq = ev->seq;
-      q->first_error_why = why;
-      why = NULL;
-      atomic_store(&q->first_error, status);
-    }
-    pthread_mutex_unlock(&q->mu);
-    free(why);
-    if (!ooo(q)) q->chain_error = status;
+    note_failure(q, ev->op, ev->seq, why, status);
   }
   if (atomic_load_explicit(&tdm__tracing, memory_order_relaxed)) tdm__trace_cmd(cmd, status);
   cmd_release_deps(cmd);
@@ -468,7 +497,11 @@ static void marker_finish(tdm__cmd *cmd, int nstatus, int native) {
 void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native) {
   tdm__queue *q = cmd->ev->q;
   if (cmd->kind == TDM__CMD_MARKER) {
-    for (size_t i = 0; i < cmd->ndeps; i++) tdm__event_wait_raw(cmd->deps[i].ev);
+    tdm__event *failed = NULL; /* the first device-side wait that failed */
+    for (size_t i = 0; i < cmd->ndeps; i++)
+      if (tdm__event_wait_raw(cmd->deps[i].ev) < 0 && cmd->deps[i].ordered && !failed)
+        failed = cmd->deps[i].ev;
+    if (failed) wait_failed(cmd, failed);
     marker_finish(cmd, nstatus, native);
     return;
   }
@@ -615,6 +648,30 @@ done:
 static const tdm__spec record_spec = {.kind = TDM__CMD_MARKER, .op = "marker", .all_prior = true};
 static const tdm__spec wait_spec = {.kind = TDM__CMD_BARRIER, .op = "wait", .gate = true};
 
+/* tdm_queue_wait's cheap path, on an in-order queue whose backend can make the native queue
+ * wait for ev at once (queue_wait_now): no command, no event, nothing for the executor. ev
+ * goes on the queue's xwait list, ordered, so the next command takes it as a dependency for
+ * its status alone: a failure of ev then fails the queue as the wait command would have.
+ * Returns 0 (made), 1 (the backend cannot, or the list is full: submit the wait command) or an
+ * error. */
+static int wait_now(tdm__queue *q, tdm__event *ev) {
+  pthread_mutex_lock(&q->submit_mu);
+  int rc;
+  if (atomic_load(&q->destroying)) {
+    rc = tdm__error(TDM_EHANDLE, 0, "%s is being destroyed", q->label);
+  } else if (!tdm__xwait_room(q)) {
+    rc = 1; /* the wait command's submission empties the list */
+  } else if ((rc = tdm__b_queue_wait_now(q, ev)) == 0) {
+    tdm__event_ref(ev);
+    tdm__xwait_add_ordered(q, ev);
+  } else if (rc < 0) {
+    rc = tdm__error(rc, tdm_last_native_error(), "tdm_queue_wait on %s: %s", q->label,
+                    tdm__last_detail());
+  }
+  pthread_mutex_unlock(&q->submit_mu);
+  return rc;
+}
+
 int tdm_event_record(tdm_queue *qh, tdm_event **out) {
   TDM__ENTER();
   GET_Q(qh, q);
@@ -631,7 +688,12 @@ int tdm_queue_wait(tdm_queue *qh, tdm_event *evh) {
   /* An event that has completed without error orders nothing any more: no command at all
    * (on an out-of-order queue the current gate stays the gate, as it would have been this
    * wait's dependency). A failed one still makes the wait, which then fails the queue. */
-  if (atomic_load_explicit(&ev->done, memory_order_acquire) && ev->status == 0) return 0;
+  if (atomic_load_explicit(&ev->done, memory_order_acquire)) {
+    if (ev->status == 0) return 0;
+  } else if (!ooo(q) && !atomic_load_explicit(&tdm__tracing, memory_order_relaxed)) {
+    rc = wait_now(q, ev); /* a traced wait stays a command, so the trace shows it */
+    if (rc <= 0) return rc;
+  }
   return tdm__submit(q, &wait_spec, 1, &ev, NULL, NULL);
 }
 

@@ -28,7 +28,7 @@ void tdm__tracker_fini(tdm__queue *q) {
   free(q->trk);
   q->trk = NULL;
   q->ntrk = q->trk_cap = 0;
-  for (size_t i = 0; i < q->nxwait; i++) tdm__event_unref(q->xwait[i]);
+  for (size_t i = 0; i < q->nxwait; i++) tdm__event_unref(q->xwait[i].ev);
   free(q->xwait);
   q->xwait = NULL;
   q->nxwait = q->nxres = 0;
@@ -81,17 +81,36 @@ void tdm__tracker_add(tdm__queue *q, tdm__event *ev, bool own) {
   q->trk[q->ntrk++] = ev;
 }
 
-/* ---- cross-queue copies waiting to be covered by this queue's order ---- */
+/* ---- cross-queue copies and device-side waits waiting to be covered by this queue's order
+ * ---- */
 
+/* Drops the entries that have completed. An ordered entry that failed stays: its failure is
+ * the queue's, and the next command takes it. */
 static void xwait_prune(tdm__queue *q) {
   size_t k = 0;
   for (size_t i = 0; i < q->nxwait; i++) {
-    if (atomic_load(&q->xwait[i]->done))
-      tdm__event_unref(q->xwait[i]);
+    tdm__event *ev = q->xwait[i].ev;
+    if (atomic_load(&ev->done) && !(q->xwait[i].ordered && ev->status != 0))
+      tdm__event_unref(ev);
     else
       q->xwait[k++] = q->xwait[i];
   }
   q->nxwait = k;
+}
+
+bool tdm__xwait_room(tdm__queue *q) {
+  if (q->nxwait + q->nxres >= q->trk_cap) xwait_prune(q);
+  return q->nxwait + q->nxres < q->trk_cap;
+}
+
+void tdm__xwait_add_ordered(tdm__queue *q, tdm__event *ev) {
+  for (size_t i = 0; i < q->nxwait; i++)
+    if (q->xwait[i].ev == ev) { /* already listed: the one entry will do */
+      q->xwait[i].ordered = true;
+      tdm__event_unref(ev);
+      return;
+    }
+  q->xwait[q->nxwait++] = (tdm__xwait){.ev = ev, .ordered = true};
 }
 
 int tdm__xwait_reserve(tdm__queue *q) {
@@ -117,7 +136,7 @@ int tdm__xwait_reserve(tdm__queue *q) {
 void tdm__xwait_fill(tdm__queue *q, tdm__event *ev) {
   pthread_mutex_lock(&q->submit_mu);
   q->nxres--;
-  q->xwait[q->nxwait++] = ev; /* takes over the caller's reference */
+  q->xwait[q->nxwait++] = (tdm__xwait){.ev = ev}; /* takes over the caller's reference */
   pthread_mutex_unlock(&q->submit_mu);
 }
 
@@ -132,7 +151,7 @@ void tdm__xwait_consumed(tdm__queue *q, bool covers_all) {
     xwait_prune(q);
     return;
   }
-  for (size_t i = 0; i < q->nxwait; i++) tdm__event_unref(q->xwait[i]);
+  for (size_t i = 0; i < q->nxwait; i++) tdm__event_unref(q->xwait[i].ev);
   q->nxwait = 0;
 }
 
@@ -171,7 +190,7 @@ int tdm_queue_dependencies(tdm_queue *qh, tdm_event **deps, size_t cap, size_t *
   if (!rc) {
     size_t k = 0;
     for (size_t i = 0; i < q->ntrk; i++) deps[k++] = tdm__event_handout(q->trk[i]);
-    for (size_t i = 0; i < q->nxwait; i++) deps[k++] = tdm__event_handout(q->xwait[i]);
+    for (size_t i = 0; i < q->nxwait; i++) deps[k++] = tdm__event_handout(q->xwait[i].ev);
     *n = k;
   }
   pthread_mutex_unlock(&q->submit_mu);

@@ -134,6 +134,7 @@ void cu_import_fini(cu_device *d);
 
 /* cusubmit.c */
 int cu_submit(tdm__bqueue *bq, tdm__cmd *cmd);
+int cu_queue_wait_now(tdm__bqueue *bq, tdm__event *ev);
 int cu_native_wait(void *handle, int *native);
 void cu_native_release(void *handle);
 int cu_native_done(void *handle);

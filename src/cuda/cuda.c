@@ -400,6 +400,7 @@ const tdm__backend tdm__cuda_backend = {
     .native_release = cu_native_release,
     .native_flush = cu_native_flush,
     .native_done = cu_native_done,
+    .queue_wait_now = cu_queue_wait_now,
     .wake_lazily = true,
     .gate_open = cu_gate_open_entry,
     .host_copy = cu_host_copy,

@@ -32,6 +32,7 @@ static void bridge_fire(tdm__waiter *w, tdm__event *ev) { cu_gate_open((cu_gate 
 
 static int wait_deps(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
   for (size_t i = 0; i < cmd->ndeps; i++) {
+    if (cmd->deps[i].ordered) continue; /* cu_queue_wait_now made the wait already */
     tdm__event *dep = cmd->deps[i].ev;
     cu_event *native = cu_svc->event_native(dep, &tdm__cuda_backend);
     if (native) {
@@ -186,6 +187,20 @@ int cu_submit(tdm__bqueue *bq, tdm__cmd *cmd) {
   if (!rc) rc = enqueue(bq, si, cmd);
   cu_leave(saved);
   return rc;
+}
+
+/* tdm_queue_wait without a command: the stream waits for ev's native event at once. Only an
+ * event recorded by a CUDA queue has one; for any other the core submits a wait command
+ * (which bridges it with a gate). */
+int cu_queue_wait_now(tdm__bqueue *bq, tdm__event *ev) {
+  cu_event *native = cu_svc->event_native(ev, &tdm__cuda_backend);
+  if (!native || bq->ooo) return 1;
+  if (native->bq == bq && native->stream == 0) return 0; /* earlier work of this stream */
+  int saved, rc = cu_enter(bq->bdev, &saved);
+  if (rc) return rc;
+  cudaError_t e = cudaStreamWaitEvent(bq->s[0], native->e, 0);
+  cu_leave(saved);
+  return e == cudaSuccess ? 0 : cu_error(e, "cudaStreamWaitEvent");
 }
 
 /* ---- the core's side ---- */

@@ -61,6 +61,15 @@ static cl_event dep_native(tdm__bqueue *bq, tdm__event *dep) {
   return native;
 }
 
+/* A cross-queue wait needs the producer flushed, or it may never start. */
+static void flush_producer(tdm__bqueue *bq, cl_event native) {
+  cl_command_queue producer;
+  if (clGetEventInfo(native, CL_EVENT_COMMAND_QUEUE, sizeof producer, &producer, NULL) ==
+          CL_SUCCESS &&
+      producer && producer != bq->q)
+    clFlush(producer);
+}
+
 typedef struct waitlist {
   cl_event *ev;
   cl_uint n;
@@ -86,12 +95,7 @@ static int waitlist_build(tdm__bqueue *bq, tdm__cmd *cmd, waitlist *wl) {
     tdm__event *dep = cmd->deps[i].ev;
     cl_event native = dep_native(bq, dep);
     if (native) {
-      /* A cross-queue wait needs the producer flushed, or it may never start. */
-      cl_command_queue producer;
-      if (clGetEventInfo(native, CL_EVENT_COMMAND_QUEUE, sizeof producer, &producer, NULL) ==
-              CL_SUCCESS &&
-          producer && producer != bq->q)
-        clFlush(producer);
+      flush_producer(bq, native);
       wl->ev[wl->n++] = native;
       continue;
     }
@@ -528,6 +532,27 @@ int ocl_submit(tdm__bqueue *bq, tdm__cmd *cmd) {
     rc = start_locked(bq, cmd);
   pthread_mutex_unlock(&bq->mu);
   return rc;
+}
+
+/* tdm_queue_wait without a command, on an in-order queue: a barrier on ev's cl_event,
+ * enqueued at once. Not while host-side deferral holds the queue (the barrier would pass the
+ * held commands), nor for an event without a usable cl_event (dep_native): the core submits a
+ * wait command then. */
+int ocl_queue_wait_now(tdm__bqueue *bq, tdm__event *ev) {
+  if (bq->ooo) return 1;
+  cl_event native = dep_native(bq, ev);
+  if (!native) return 1;
+  if (bq->defer) {
+    pthread_mutex_lock(&bq->mu);
+    if (bq->blocker || bq->held_head) {
+      pthread_mutex_unlock(&bq->mu);
+      return 1;
+    }
+  }
+  flush_producer(bq, native);
+  cl_int err = clEnqueueBarrierWithWaitList(bq->q, 1, &native, NULL);
+  if (bq->defer) pthread_mutex_unlock(&bq->mu);
+  return err == CL_SUCCESS ? 0 : ocl_error(err, "clEnqueueBarrierWithWaitList");
 }
 
 int ocl_native_flush(tdm__bqueue *bq, void **handle) {

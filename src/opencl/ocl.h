@@ -80,6 +80,7 @@ int ocl_mem_import(int bdev, void *native, size_t size, void **ptr, tdm__bmem *b
 int ocl_submit(tdm__bqueue *bq, tdm__cmd *cmd);
 int ocl_native_wait(void *handle, int *native);
 int ocl_native_flush(tdm__bqueue *bq, void **handle);
+int ocl_queue_wait_now(tdm__bqueue *bq, tdm__event *ev);
 void ocl_native_release(void *handle);
 int ocl_event_import(int bdev, void *native, void **handle);
 int ocl_native_notify(void *handle, void (*fn)(void *), void *arg);

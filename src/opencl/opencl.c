@@ -223,6 +223,7 @@ const tdm__backend tdm__opencl_backend = {
     .address_range = ocl_mem_range,
     .native_wait = ocl_native_wait,
     .native_flush = ocl_native_flush,
+    .queue_wait_now = ocl_queue_wait_now,
     .native_release = ocl_native_release,
     .native_notify = ocl_native_notify,
     .gate_open = ocl_gate_open,
