@@ -493,8 +493,8 @@ void tdm__tracker_add(tdm__queue *q, tdm__event *ev, bool own);
 int tdm__xwait_reserve(tdm__queue *q);
 /* Under submit_mu: whether the list has room for one more entry (pruning it if full). */
 bool tdm__xwait_room(tdm__queue *q);
-/* Under submit_mu, in-order q with room: adds ev (the caller's reference, taken over) as an
- * ordered entry. */
+/* Under submit_mu, in-order q with room: adds ev as an ordered entry (with a reference of
+ * the list's), or marks its entry ordered if it has one. */
 void tdm__xwait_add_ordered(tdm__queue *q, tdm__event *ev);
 void tdm__xwait_fill(tdm__queue *q, tdm__event *ev);
 void tdm__xwait_cancel(tdm__queue *q);

@@ -662,7 +662,6 @@ static int wait_now(tdm__queue *q, tdm__event *ev) {
   } else if (!tdm__xwait_room(q)) {
     rc = 1; /* the wait command's submission empties the list */
   } else if ((rc = tdm__b_queue_wait_now(q, ev)) == 0) {
-    tdm__event_ref(ev);
     tdm__xwait_add_ordered(q, ev);
   } else if (rc < 0) {
     rc = tdm__error(rc, tdm_last_native_error(), "tdm_queue_wait on %s: %s", q->label,

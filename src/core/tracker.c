@@ -107,9 +107,9 @@ void tdm__xwait_add_ordered(tdm__queue *q, tdm__event *ev) {
   for (size_t i = 0; i < q->nxwait; i++)
     if (q->xwait[i].ev == ev) { /* already listed: the one entry will do */
       q->xwait[i].ordered = true;
-      tdm__event_unref(ev);
       return;
     }
+  tdm__event_ref(ev);
   q->xwait[q->nxwait++] = (tdm__xwait){.ev = ev, .ordered = true};
 }
 

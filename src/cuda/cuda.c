@@ -92,7 +92,16 @@ cu_event *cu_event_take(cu_event **local, int dev, bool timed) {
      * every core (a spinning executor takes one from them for as long as it waits). */
     unsigned flags = timed ? cudaEventDefault : cudaEventDisableTiming;
     if (cu_blocking_sync) flags |= cudaEventBlockingSync;
-    if (cudaEventCreateWithFlags(&ev->e, flags) != cudaSuccess) {
+    /* An event belongs to the device current when it is made; the callers (submissions among
+     * them) need not make dev current for anything else. */
+    int saved;
+    if (cu_enter(dev, &saved)) {
+      free(ev);
+      return NULL;
+    }
+    cudaError_t e = cudaEventCreateWithFlags(&ev->e, flags);
+    cu_leave(saved);
+    if (e != cudaSuccess) {
       free(ev);
       return NULL;
     }
@@ -150,16 +159,22 @@ static void CUDART_CB gate_block(void *arg) {
   pthread_mutex_unlock(&d->gate_mu);
 }
 
+/* Made with the gate's device current: a driver-API call, off the hot path (host work only). */
 int cu_gate_enqueue(cu_gate *g, cudaStream_t s) {
   cu_device *d = &cu_devs[g->dev];
+  int saved, rc = cu_enter(g->dev, &saved);
+  if (rc) return rc;
   if (d->wait_value) {
     CUresult r = cuStreamWaitValue32((CUstream)s, d->gate_dev + (CUdeviceptr)(g->slot * 4),
                                      g->target, CU_STREAM_WAIT_VALUE_GEQ);
-    if (r == CUDA_SUCCESS) return 0;
-    return cu_svc->error(TDM_EBACKEND, (int)r, "cuStreamWaitValue32 failed (%d)", (int)r);
+    if (r != CUDA_SUCCESS)
+      rc = cu_svc->error(TDM_EBACKEND, (int)r, "cuStreamWaitValue32 failed (%d)", (int)r);
+  } else {
+    cudaError_t e = cudaLaunchHostFunc(s, gate_block, g);
+    if (e != cudaSuccess) rc = cu_error(e, "cudaLaunchHostFunc");
   }
-  cudaError_t e = cudaLaunchHostFunc(s, gate_block, g);
-  return e == cudaSuccess ? 0 : cu_error(e, "cudaLaunchHostFunc");
+  cu_leave(saved);
+  return rc;
 }
 
 void cu_gate_open(cu_gate *g) {

@@ -177,15 +177,25 @@ static int enqueue(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
   return 0;
 }
 
+/* A call on a stream acts on the stream's device whatever device is current: a memory copy,
+ * an event record (the event is the stream's device's: cu_event_take), a wait. So copies,
+ * markers and waits are enqueued without the two current-device calls; fills and frees,
+ * which launch or free on the device's behalf, are made with the device current, as are
+ * gates (cu_gate_enqueue) and new events (cu_event_take). */
+static bool needs_current(const tdm__cmd *cmd) {
+  return cmd->kind == TDM__CMD_FILL || cmd->kind == TDM__CMD_FREE;
+}
+
 int cu_submit(tdm__bqueue *bq, tdm__cmd *cmd) {
-  int saved, rc = cu_enter(bq->bdev, &saved);
-  if (rc) return rc;
+  int saved = -1, rc;
+  bool enter = needs_current(cmd);
+  if (enter && (rc = cu_enter(bq->bdev, &saved))) return rc;
   int si = 0;
   if (bq->ooo) si = (int)(bq->rr++ % (unsigned)bq->nstreams);
   rc = wait_deps(bq, si, cmd);
   if (!rc && bq->ooo && (cmd->flags & TDM__CMD_ALL_PRIOR)) rc = join_all(bq, si);
   if (!rc) rc = enqueue(bq, si, cmd);
-  cu_leave(saved);
+  if (enter) cu_leave(saved);
   return rc;
 }
 
@@ -196,10 +206,7 @@ int cu_queue_wait_now(tdm__bqueue *bq, tdm__event *ev) {
   cu_event *native = cu_svc->event_native(ev, &tdm__cuda_backend);
   if (!native || bq->ooo) return 1;
   if (native->bq == bq && native->stream == 0) return 0; /* earlier work of this stream */
-  int saved, rc = cu_enter(bq->bdev, &saved);
-  if (rc) return rc;
-  cudaError_t e = cudaStreamWaitEvent(bq->s[0], native->e, 0);
-  cu_leave(saved);
+  cudaError_t e = cudaStreamWaitEvent(bq->s[0], native->e, 0); /* any current device */
   return e == cudaSuccess ? 0 : cu_error(e, "cudaStreamWaitEvent");
 }
 
