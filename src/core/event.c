@@ -104,6 +104,35 @@ void tdm__event_complete_unref(tdm__event *ev, int status, int native) {
   if (last) tdm__event_free(ev);
 }
 
+void tdm__event_complete_batch(tdm__queue *q, tdm__event *const *evs, size_t n) {
+  tdm__waiter *ws[TDM__BATCH_MAX];
+  uint64_t last = 0; /* bit i: evs[i] lost its last reference */
+  if (n > TDM__BATCH_MAX) n = TDM__BATCH_MAX; /* callers never pass more */
+  pthread_mutex_lock(&q->mu);
+  for (size_t i = 0; i < n; i++) {
+    tdm__event *ev = evs[i];
+    if (ev->timed) ev->t_ns = tdm__now_ns();
+    atomic_store_explicit(&ev->done, 1, memory_order_release);
+    ws[i] = ev->waiters;
+    ev->waiters = NULL;
+    if (atomic_fetch_sub(&ev->refs, 1) == 1) last |= (uint64_t)1 << i;
+  }
+  bool sleepers = q->cv_sleepers > 0;
+  if (sleepers) tdm__signal_begin();
+  pthread_mutex_unlock(&q->mu);
+  if (sleepers) { /* as in tdm__event_complete_unref */
+    pthread_cond_broadcast(&q->cv);
+    tdm__signal_end();
+  }
+  for (size_t i = 0; i < n; i++) {
+    for (tdm__waiter *w = ws[i], *next; w; w = next) {
+      next = w->next;
+      w->fn(w, evs[i]);
+    }
+    if (last & ((uint64_t)1 << i)) tdm__event_free(evs[i]);
+  }
+}
+
 int tdm__event_on_complete(tdm__event *ev, tdm__waiter *w) {
   if (atomic_load_explicit(&ev->done, memory_order_acquire)) return 1;
   tdm__queue *q = ev->q;

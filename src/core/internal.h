@@ -247,6 +247,9 @@ void tdm__event_unref(tdm__event *ev);
 void tdm__event_complete_unref(tdm__event *ev, int status, int native);
 void tdm__event_free(tdm__event *ev);
 int tdm__event_on_complete(tdm__event *ev, tdm__waiter *w);
+/* Completes n events of q whose status and native code are set already, dropping one
+ * reference of each, in one critical section; then runs their continuations, in order. */
+void tdm__event_complete_batch(tdm__queue *q, tdm__event *const *evs, size_t n);
 /* ---- event.c: failures in words ---- */
 #define TDM__WHY_MAX 512
 /* A copy of s cut to TDM__WHY_MAX bytes, or NULL (s empty, or no memory): failure paths only. */
@@ -440,6 +443,17 @@ void tdm__cmd_mem_free(void *p);
 /* The rest of tdm__cmd_run once cmd's native work is known to be done, with its status. */
 void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native);
 void tdm__cmd_done(tdm__cmd *cmd, int status, int native);
+/* Completions gathered on this thread between tdm__batch_begin and tdm__batch_end (a reap:
+ * exec.c): the commands are done one by one, their events complete together at the end.
+ * One queue's commands only; past TDM__BATCH_MAX they complete at once, unbatched. */
+#define TDM__BATCH_MAX 64
+typedef struct tdm__batch {
+  tdm__queue *q;
+  size_t n;
+  tdm__event *ev[TDM__BATCH_MAX];
+} tdm__batch;
+void tdm__batch_begin(tdm__batch *b, tdm__queue *q);
+void tdm__batch_end(tdm__batch *b);
 /* Thread-local: the queue and sequence number of the host task running on this thread. */
 extern _Thread_local tdm__queue *tdm__tls_queue;
 extern _Thread_local uint64_t tdm__tls_seq;

@@ -355,6 +355,8 @@ int tdm__submit(tdm__queue *q, const tdm__spec *spec, size_t ndeps, tdm__event *
 
 /* ---- execution ---- */
 
+static _Thread_local tdm__batch *tls_batch; /* tdm__batch_begin */
+
 /* Makes status the queue's first error since the last sync unless it has one, with the failed
  * command's name, number and words (why, taken over; NULL: none), and on an in-order queue
  * fails the commands after it. Rare, so a lock; the words are made before it. */
@@ -408,7 +410,27 @@ void tdm__cmd_done(tdm__cmd *cmd, int status, int native) {
   cmd->ev = NULL;
   tdm__freelist_put(&q->cmds, cmd);
   atomic_fetch_add_explicit(&q->n_done, 1, memory_order_relaxed);
+  tdm__batch *b = tls_batch;
+  if (b && b->q == q && b->n < TDM__BATCH_MAX) {
+    /* Read by waiters only once they see the event done, which the batch's end publishes. */
+    ev->status = status;
+    ev->native = native;
+    b->ev[b->n++] = ev;
+    return;
+  }
   tdm__event_complete_unref(ev, status, native);
+}
+
+void tdm__batch_begin(tdm__batch *b, tdm__queue *q) {
+  b->q = q;
+  b->n = 0;
+  tls_batch = b;
+}
+
+void tdm__batch_end(tdm__batch *b) {
+  tls_batch = NULL; /* continuations that complete other commands do so at once */
+  if (b->n) tdm__event_complete_batch(b->q, b->ev, b->n);
+  b->n = 0;
 }
 
 /* Host tasks run only on tandem's threads (a CPU queue's worker, a native queue's executor, a
