@@ -56,7 +56,9 @@ void tdm__event_ref(tdm__event *ev) { atomic_fetch_add(&ev->refs, 1); }
 
 void tdm__event_free(tdm__event *ev) {
   tdm__queue *q = ev->q;
-  void *bev = atomic_exchange(&ev->bev, NULL);
+  /* The last reference is this thread's: nobody else reads bev now, so no exchange. */
+  void *bev = atomic_load_explicit(&ev->bev, memory_order_relaxed);
+  atomic_store_explicit(&ev->bev, NULL, memory_order_relaxed);
   if (bev) tdm__b_native_release(q->dev, bev);
   if (ev->why) { /* only after a failure; nobody reads it now, every waiter held a reference */
     free(ev->why);

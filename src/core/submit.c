@@ -409,15 +409,16 @@ void tdm__cmd_done(tdm__cmd *cmd, int status, int native) {
   cmd_release_deps(cmd);
   cmd->ev = NULL;
   tdm__freelist_put(&q->cmds, cmd);
-  atomic_fetch_add_explicit(&q->n_done, 1, memory_order_relaxed);
   tdm__batch *b = tls_batch;
   if (b && b->q == q && b->n < TDM__BATCH_MAX) {
-    /* Read by waiters only once they see the event done, which the batch's end publishes. */
+    /* Read by waiters only once they see the event done, which the batch's end publishes
+     * (after counting the batch's commands done, as below). */
     ev->status = status;
     ev->native = native;
     b->ev[b->n++] = ev;
     return;
   }
+  atomic_fetch_add_explicit(&q->n_done, 1, memory_order_relaxed);
   tdm__event_complete_unref(ev, status, native);
 }
 
@@ -429,7 +430,10 @@ void tdm__batch_begin(tdm__batch *b, tdm__queue *q) {
 
 void tdm__batch_end(tdm__batch *b) {
   tls_batch = NULL; /* continuations that complete other commands do so at once */
-  if (b->n) tdm__event_complete_batch(b->q, b->ev, b->n);
+  if (b->n) {
+    atomic_fetch_add_explicit(&b->q->n_done, (long)b->n, memory_order_relaxed);
+    tdm__event_complete_batch(b->q, b->ev, b->n);
+  }
   b->n = 0;
 }
 
