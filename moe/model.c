@@ -804,8 +804,9 @@ static int norm_route(tdm_moe_model *m, int l, int T, int32_t *idx) {
 /* RMSNorm and the router, then the control plane: this layer's routing lands in pinned memory
  * and the host waits for that small copy only, never for the whole device; then the tokens
  * are grouped per expert and the groups go back to the device. The predictor (the next
- * layer's router on this layer's input) is queued before the wait, so its answer lands while
- * this layer's experts compute; *predicted is its copy's event (NULL without one). Where
+ * layer's router on this layer's input) is queued after the routing's copy and before the
+ * wait, so its answer lands while this layer's experts compute without delaying the routing;
+ * *predicted is its copy's event (NULL without one). Where
  * experts may be placed on the host, xn comes back before the routing too: once the host has
  * the routing it has xn, and the host experts start at once, with no wait on the device. */
 static int layer_route(tdm_moe_model *m, int l, int T, tdm_moe_pass_stats *st, int *count,
@@ -815,13 +816,6 @@ static int layer_route(tdm_moe_model *m, int l, int T, tdm_moe_pass_stats *st, i
   int H = m->H, E = m->E, k = m->k, rc;
   *predicted = NULL;
   if ((rc = norm_route(m, l, T, m->idx))) return rc;
-  if (m->cfg.predict && l + 1 < m->L &&
-      ((rc = ops->router(os, m->q, m->xn, m->router + (size_t)(l + 1) * E * H,
-                         m->bias + (size_t)(l + 1) * E, T, H, E, k, m->p.renorm, m->pidx,
-                         m->pwts)) ||
-       (rc = tdm_memcpy(m->q, m->pidx_h, m->pidx, (size_t)T * k * sizeof(int32_t),
-                        TDM_COPY_D2H, 0, NULL, predicted))))
-    return rc;
   if (m->place.placement != TDM_MOE_PLACE_DEVICE && T <= GROUPED_MAX_T &&
       (rc = tdm_memcpy(m->q, m->xn_h, m->xn, (size_t)T * H * sizeof(float), TDM_COPY_D2H, 0, NULL,
                        NULL)))
@@ -830,6 +824,16 @@ static int layer_route(tdm_moe_model *m, int l, int T, tdm_moe_pass_stats *st, i
   if ((rc = tdm_memcpy(m->q, m->idx_h, m->idx, (size_t)T * k * sizeof(int32_t), TDM_COPY_D2H, 0,
                        NULL, &routed)))
     return rc;
+  /* The predictor goes behind the routing's copy: the host waits for the routing alone. */
+  if (m->cfg.predict && l + 1 < m->L &&
+      ((rc = ops->router(os, m->q, m->xn, m->router + (size_t)(l + 1) * E * H,
+                         m->bias + (size_t)(l + 1) * E, T, H, E, k, m->p.renorm, m->pidx,
+                         m->pwts)) ||
+       (rc = tdm_memcpy(m->q, m->pidx_h, m->pidx, (size_t)T * k * sizeof(int32_t),
+                        TDM_COPY_D2H, 0, NULL, predicted)))) {
+    tdm_event_release(routed);
+    return rc;
+  }
   double w0 = now_s();
   rc = tdm_event_wait(routed);
   st->wait_seconds += now_s() - w0;
