@@ -153,18 +153,10 @@ int tdm__event_on_complete(tdm__event *ev, tdm__waiter *w) {
  * microseconds (a short copy, a sync right after small work) then costs no wake-up. It yields
  * between polls, so a completing thread that shares its CPU runs rather than waits. */
 #define TDM__SPIN_NS 20000u
-/* How long a waiter asks the backend itself whether a lazily pending command has completed
- * (tdm__exec_wait_lazy) before it hands the command to the executor and polls, then sleeps,
- * as above. One thread polls either way (the executor would, in the driver's wait), and this
- * way no thread has to be woken on the way to the waiter. Where waits are to sleep rather
- * than spin (TANDEM_CUDA_BLOCKING_SYNC=1), only as long as the spin above. */
-#define TDM__LAZY_POLL_NS 2000000u
 
 int tdm__event_wait_raw(tdm__event *ev) {
   if (!atomic_load_explicit(&ev->done, memory_order_acquire)) {
     tdm__queue *q = ev->q;
-    uint64_t poll = tdm__g.opts.cuda_blocking_sync == 1 ? TDM__SPIN_NS : TDM__LAZY_POLL_NS;
-    if (tdm__exec_wait_lazy(q, ev, poll)) return ev->status;
     tdm__exec_kick(q);
     uint64_t until = tdm__now_ns() + TDM__SPIN_NS;
     do {

@@ -228,23 +228,31 @@ void tdm__exec_push(tdm__cmd *cmd) {
   pthread_mutex_unlock(&q->lz_mu);
 }
 
-/* Detaches the lazy list's commands up to and including last (k of them) for the calling
- * thread to finish, and marks a reap under way. With q->lz_mu held. */
-static tdm__cmd *lz_detach(tdm__queue *q, tdm__cmd *last, long k) {
-  tdm__cmd *mine = q->lz_head;
-  for (tdm__cmd *c = mine; c != last->next; c = c->next)
-    if (c == q->lz_cand) q->lz_cand = NULL;
-  q->lz_head = last->next;
-  if (!q->lz_head) q->lz_tail = NULL;
-  atomic_store_explicit(&q->lz_n, atomic_load_explicit(&q->lz_n, memory_order_relaxed) - k,
-                        memory_order_relaxed);
-  atomic_store_explicit(&q->lz_reaping, 1, memory_order_relaxed);
-  return mine;
-}
-
-/* Finishes what lz_detach gave the calling thread, in order (their native work is done), and
- * ends the reap. No lock held. */
-static void lz_finish(tdm__queue *q, tdm__cmd *mine, tdm__cmd *last) {
+void tdm__exec_reap(tdm__queue *q) {
+  if (!atomic_load_explicit(&q->lz_reap, memory_order_relaxed)) return;
+  tdm__cmd *mine = NULL, *last = NULL;
+  pthread_mutex_lock(&q->lz_mu);
+  atomic_store_explicit(&q->lz_reap, 0, memory_order_relaxed);
+  tdm__cmd *cand = q->lz_cand;
+  q->lz_cand = q->lz_tail; /* the next one to ask, LZ_STEP submissions from now */
+  if (cand && !atomic_load_explicit(&q->lz_reaping, memory_order_relaxed) &&
+      atomic_load_explicit(&q->x_done, memory_order_acquire) == q->x_pushed &&
+      tdm__b_native_done(q->dev, cand->wait)) {
+    /* cand and every lazy command before it have completed, and the executor has nothing
+     * left: they are this thread's to finish. */
+    long k = 0;
+    for (tdm__cmd *c = q->lz_head; c != cand->next; c = c->next) k++;
+    mine = q->lz_head;
+    last = cand;
+    q->lz_head = cand->next;
+    if (!q->lz_head) q->lz_tail = NULL;
+    if (q->lz_cand == cand) q->lz_cand = NULL;
+    atomic_store_explicit(&q->lz_n, atomic_load_explicit(&q->lz_n, memory_order_relaxed) - k,
+                          memory_order_relaxed);
+    atomic_store_explicit(&q->lz_reaping, 1, memory_order_relaxed);
+  }
+  pthread_mutex_unlock(&q->lz_mu);
+  if (!mine) return;
   last->next = NULL;
   /* Their events complete together, under one lock of the queue's rather than one each. */
   tdm__batch b;
@@ -257,67 +265,6 @@ static void lz_finish(tdm__queue *q, tdm__cmd *mine, tdm__cmd *last) {
   }
   tdm__batch_end(&b);
   atomic_store_explicit(&q->lz_reaping, 0, memory_order_release);
-}
-
-/* Whether the calling thread may finish lazy commands now: no reap is under way and the
- * executor has finished everything handed to it (completions stay in order). lz_mu held. */
-static bool lz_may_finish(tdm__queue *q) {
-  return !atomic_load_explicit(&q->lz_reaping, memory_order_relaxed) &&
-         atomic_load_explicit(&q->x_done, memory_order_acquire) == q->x_pushed;
-}
-
-void tdm__exec_reap(tdm__queue *q) {
-  if (!atomic_load_explicit(&q->lz_reap, memory_order_relaxed)) return;
-  tdm__cmd *mine = NULL, *last = NULL;
-  pthread_mutex_lock(&q->lz_mu);
-  atomic_store_explicit(&q->lz_reap, 0, memory_order_relaxed);
-  tdm__cmd *cand = q->lz_cand;
-  q->lz_cand = q->lz_tail; /* the next one to ask, LZ_STEP submissions from now */
-  if (cand && lz_may_finish(q) && tdm__b_native_done(q->dev, cand->wait)) {
-    /* cand and every lazy command before it have completed, and the executor has nothing
-     * left: they are this thread's to finish. */
-    long k = 0;
-    for (tdm__cmd *c = q->lz_head; c != cand->next; c = c->next) k++;
-    last = cand;
-    mine = lz_detach(q, cand, k);
-  }
-  pthread_mutex_unlock(&q->lz_mu);
-  if (mine) lz_finish(q, mine, last);
-}
-
-bool tdm__exec_wait_lazy(tdm__queue *q, tdm__event *ev, uint64_t ns) {
-  if (!q->can_lazy || !atomic_load_explicit(&q->lz_n, memory_order_relaxed)) return false;
-  uint64_t until = tdm__now_ns() + ns;
-  bool kicked = false;
-  for (;;) {
-    if (atomic_load_explicit(&ev->done, memory_order_acquire)) return true;
-    tdm__cmd *mine = NULL, *c = NULL;
-    bool busy = false;
-    pthread_mutex_lock(&q->lz_mu);
-    long k = 0;
-    for (c = q->lz_head; c; c = c->next) {
-      k++;
-      if (c->ev == ev) break;
-    }
-    if (c) {
-      busy = !lz_may_finish(q);
-      if (!busy && tdm__b_native_done(q->dev, c->wait)) mine = lz_detach(q, c, k);
-    }
-    pthread_mutex_unlock(&q->lz_mu);
-    if (mine) {
-      lz_finish(q, mine, c);
-      return true;
-    }
-    /* Not on the list any more (handed over or finished by another thread): the caller's
-     * ordinary wait takes it from here, as it does when the time is up. */
-    if (!c || tdm__now_ns() >= until) return atomic_load_explicit(&ev->done, memory_order_acquire);
-    /* Commands handed over before it must complete first: the executor may be asleep. */
-    if (busy && !kicked && exec_lazy(q)) {
-      tdm__workq_kick(&q->xq);
-      kicked = true;
-    }
-    sched_yield();
-  }
 }
 
 void tdm__exec_kick(tdm__queue *q) {

@@ -449,7 +449,6 @@ void tdm__cmd_done(tdm__cmd *cmd, int status, int native);
 #define TDM__BATCH_MAX 64
 typedef struct tdm__batch {
   tdm__queue *q;
-  struct tdm__batch *outer; /* the thread's batch before this one, restored at its end */
   size_t n;
   tdm__event *ev[TDM__BATCH_MAX];
 } tdm__batch;
@@ -474,12 +473,6 @@ void tdm__exec_push(tdm__cmd *cmd);
 /* After a submission, with no lock held: finishes the lazy commands known complete, when a
  * push asked for it (exec.c). */
 void tdm__exec_reap(tdm__queue *q);
-/* A wait for ev, of q, whose command is on q's lazy list: the waiting thread asks the backend
- * itself (native_done) between yields, for up to ns, and once the command's work is done
- * finishes it and the lazy commands before it, as a reap does, so no other thread needs to be
- * woken and no wake-up comes back. Returns whether ev has completed; when not (not lazy, the
- * time is up, or the list went to the executor meanwhile), the caller waits as usual. */
-bool tdm__exec_wait_lazy(tdm__queue *q, tdm__event *ev, uint64_t ns);
 /* Hands q's lazy commands to its executor and wakes it if it sleeps with commands queued:
  * called before anyone waits for an event of q (the executor otherwise sleeps until work
  * needs it; see exec.c). Harmless on queues without an executor, and on destroyed ones. */

@@ -425,13 +425,11 @@ void tdm__cmd_done(tdm__cmd *cmd, int status, int native) {
 void tdm__batch_begin(tdm__batch *b, tdm__queue *q) {
   b->q = q;
   b->n = 0;
-  b->outer = tls_batch;
   tls_batch = b;
 }
 
 void tdm__batch_end(tdm__batch *b) {
-  /* Continuations that complete other commands do so at once (or in the outer batch). */
-  tls_batch = b->outer;
+  tls_batch = NULL; /* continuations that complete other commands do so at once */
   if (b->n) {
     atomic_fetch_add_explicit(&b->q->n_done, (long)b->n, memory_order_relaxed);
     tdm__event_complete_batch(b->q, b->ev, b->n);
