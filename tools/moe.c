@@ -18,6 +18,7 @@
 #include <tandem/moe.h>
 #include <tandem/streamer.h>
 
+#include "measure.h"
 #include "tool.h"
 
 static const char moe_help[] =
@@ -337,16 +338,11 @@ static int workload(tdm_moe_model *m, const moe_opts *o, int H, bool overlap, co
   return rc;
 }
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
 /* The decode tokens' latency: median, 90th percentile (nearest rank) and maximum, in ms.
  * Sorts token_s in place. */
 static void token_latency(run *r, long n) {
   if (!r->token_s || n < 1) return;
-  qsort(r->token_s, (size_t)n, sizeof *r->token_s, cmp_double);
+  qsort(r->token_s, (size_t)n, sizeof *r->token_s, bu__cmp_double);
   r->token_ms[0] = 1e3 * r->token_s[(n - 1) / 2];
   r->token_ms[1] = 1e3 * r->token_s[(long)ceil(0.9 * n) - 1];
   r->token_ms[2] = 1e3 * r->token_s[n - 1];
