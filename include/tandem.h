@@ -203,8 +203,9 @@ TDM_API int tdm_queue_device(tdm_queue *q, tdm_device **dev);
 TDM_API int tdm_queue_flags(tdm_queue *q, unsigned *flags);
 
 /* Device-side wait: work submitted to q after this call starts after ev completes, and so
- * does work that other code puts on q's native queue (tdm_queue_native) after it. The caller
- * returns at once. ev may come from any queue or device; tandem keeps its own reference for
+ * does work that other code puts on q's native queue (tdm_queue_native) after it (on a
+ * device with TDM_DEVICE_CAP_HOST_DEFERRAL, only where ev has a native event: see
+ * tandem/opencl.h). The caller returns at once. ev may come from any queue or device; tandem keeps its own reference for
  * as long as it needs one (so do dependency lists), and the caller may release ev at once.
  * Waiting for an event that has already completed without error costs no command (nor does
  * such an event in a dependency list); a failed one fails what waits for it (the next command

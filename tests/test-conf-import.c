@@ -356,3 +356,76 @@ TEST_CASE(import_event_errors) {
   native_free(&c);
   th_close();
 }
+
+/* ---- Native work behind a device-side wait ----------------------------------------------
+ * tdm_queue_wait orders the native queue itself: a marker that other code enqueues on
+ * tdm_queue_native() after the wait completes only once the awaited event has (tandem.h).
+ * The awaited event is a host task's, held back by a gate; on an in-order native queue it is
+ * waited for without a command of tandem's. CPU devices have no native marker to enqueue;
+ * devices with TDM_DEVICE_CAP_HOST_DEFERRAL hold such a wait in tandem instead (tandem/opencl.h):
+ * both skip. */
+TEST_CASE(wait_orders_native_work) {
+  tdm_device *dev = th_open();
+  enum native_kind kind = native_kind_of(dev);
+  if (kind == NATIVE_NONE) TH_SKIP("%s has no native marker for other code to enqueue",
+                                   th_backend_of(dev));
+  if (has_cap(dev, TDM_DEVICE_CAP_HOST_DEFERRAL))
+    TH_SKIP("host-side deferral holds a wait for a host task in tandem, not on the native queue");
+  tdm_queue *qa = new_queue(dev, TDM_QUEUE_IN_ORDER), *qb = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  th_gate gate;
+  th_gate_init(&gate);
+  tdm_event *ea = NULL;
+  CHECK_OK(tdm_host_task(qa, task_wait_gate, &gate, 0, NULL, &ea));
+  CHECK_OK(tdm_queue_wait(qb, ea));
+  void *nq = NULL;
+  CHECK_OK(tdm_queue_native(qb, &nq));
+  int pending = 0, done = 0;
+#ifdef TANDEM_TEST_OPENCL
+  cl_event m = NULL;
+  if (kind == NATIVE_OPENCL) {
+    CHECK_CL(clEnqueueMarkerWithWaitList((cl_command_queue)nq, 0, NULL, &m));
+    CHECK_CL(clFlush((cl_command_queue)nq));
+  }
+#endif
+#ifdef TANDEM_TEST_CUDA
+  cudaEvent_t m2 = NULL;
+  if (kind == NATIVE_CUDA) {
+    CHECK_CUDA(cudaEventCreateWithFlags(&m2, cudaEventDisableTiming));
+    CHECK_CUDA(cudaEventRecord(m2, (cudaStream_t)nq));
+  }
+#endif
+  th_sleep_ms(50); /* makes a wrong order likelier to show; the checks do not depend on it */
+#ifdef TANDEM_TEST_OPENCL
+  if (kind == NATIVE_OPENCL) {
+    cl_int st = CL_COMPLETE;
+    CHECK_CL(clGetEventInfo(m, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL));
+    pending = st > CL_COMPLETE;
+  }
+#endif
+#ifdef TANDEM_TEST_CUDA
+  if (kind == NATIVE_CUDA) pending = cudaEventQuery(m2) == cudaErrorNotReady;
+#endif
+  CHECK_RC(tdm_event_query(ea), TDM_EAGAIN);
+  th_gate_open(&gate);
+#ifdef TANDEM_TEST_OPENCL
+  if (kind == NATIVE_OPENCL) {
+    done = clWaitForEvents(1, &m) == CL_SUCCESS;
+    CHECK_CL(clReleaseEvent(m));
+  }
+#endif
+#ifdef TANDEM_TEST_CUDA
+  if (kind == NATIVE_CUDA) {
+    done = cudaEventSynchronize(m2) == cudaSuccess;
+    CHECK_CUDA(cudaEventDestroy(m2));
+  }
+#endif
+  CHECK_MSG(pending, "native work enqueued after tdm_queue_wait completed before the event it "
+                     "waited for");
+  CHECK(done);
+  wait_ok(ea);
+  CHECK_OK(tdm_queue_sync(qb));
+  CHECK_OK(tdm_queue_destroy(qa));
+  CHECK_OK(tdm_queue_destroy(qb));
+  th_gate_destroy(&gate);
+  th_close();
+}
