@@ -199,4 +199,72 @@ TH_HELPER void native_check_export(const struct native_ev *n, void *exported, vo
   (void)orig;
 }
 
+/* A marker that other code enqueues on a tandem queue's native queue (tdm_queue_native): a
+ * cl_event of clEnqueueMarkerWithWaitList, or a cudaEvent_t recorded on the stream. */
+struct native_mark {
+  enum native_kind kind;
+  void *ev;
+};
+
+TH_HELPER void native_mark_enqueue(tdm_queue *q, enum native_kind kind, struct native_mark *m) {
+  memset(m, 0, sizeof *m);
+  m->kind = kind;
+  void *nq = NULL;
+  CHECK_OK(tdm_queue_native(q, &nq));
+#ifdef TANDEM_TEST_OPENCL
+  if (kind == NATIVE_OPENCL) {
+    cl_event e = NULL;
+    CHECK_CL(clEnqueueMarkerWithWaitList((cl_command_queue)nq, 0, NULL, &e));
+    CHECK_CL(clFlush((cl_command_queue)nq));
+    m->ev = e;
+  }
+#endif
+#ifdef TANDEM_TEST_CUDA
+  if (kind == NATIVE_CUDA) {
+    cudaEvent_t e = NULL;
+    CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    CHECK_CUDA(cudaEventRecord(e, (cudaStream_t)nq));
+    m->ev = e;
+  }
+#endif
+  (void)nq;
+}
+
+/* Whether the marker has yet to complete. */
+TH_HELPER int native_mark_pending(const struct native_mark *m) {
+#ifdef TANDEM_TEST_OPENCL
+  if (m->kind == NATIVE_OPENCL) {
+    cl_int st = CL_COMPLETE;
+    CHECK_CL(clGetEventInfo((cl_event)m->ev, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st,
+                            NULL));
+    return st > CL_COMPLETE;
+  }
+#endif
+#ifdef TANDEM_TEST_CUDA
+  if (m->kind == NATIVE_CUDA) return cudaEventQuery((cudaEvent_t)m->ev) == cudaErrorNotReady;
+#endif
+  (void)m;
+  return 0;
+}
+
+/* Waits for the marker and frees it; returns whether it completed without error. */
+TH_HELPER int native_mark_finish(struct native_mark *m) {
+  int ok = 0;
+#ifdef TANDEM_TEST_OPENCL
+  if (m->kind == NATIVE_OPENCL && m->ev) {
+    cl_event e = (cl_event)m->ev;
+    ok = clWaitForEvents(1, &e) == CL_SUCCESS;
+    CHECK_CL(clReleaseEvent(e));
+  }
+#endif
+#ifdef TANDEM_TEST_CUDA
+  if (m->kind == NATIVE_CUDA && m->ev) {
+    ok = cudaEventSynchronize((cudaEvent_t)m->ev) == cudaSuccess;
+    CHECK_CUDA(cudaEventDestroy((cudaEvent_t)m->ev));
+  }
+#endif
+  m->ev = NULL;
+  return ok;
+}
+
 #endif /* TANDEM_TESTS_CONF_NATIVE_H */

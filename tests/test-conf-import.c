@@ -377,48 +377,13 @@ TEST_CASE(wait_orders_native_work) {
   tdm_event *ea = NULL;
   CHECK_OK(tdm_host_task(qa, task_wait_gate, &gate, 0, NULL, &ea));
   CHECK_OK(tdm_queue_wait(qb, ea));
-  void *nq = NULL;
-  CHECK_OK(tdm_queue_native(qb, &nq));
-  int pending = 0, done = 0;
-#ifdef TANDEM_TEST_OPENCL
-  cl_event m = NULL;
-  if (kind == NATIVE_OPENCL) {
-    CHECK_CL(clEnqueueMarkerWithWaitList((cl_command_queue)nq, 0, NULL, &m));
-    CHECK_CL(clFlush((cl_command_queue)nq));
-  }
-#endif
-#ifdef TANDEM_TEST_CUDA
-  cudaEvent_t m2 = NULL;
-  if (kind == NATIVE_CUDA) {
-    CHECK_CUDA(cudaEventCreateWithFlags(&m2, cudaEventDisableTiming));
-    CHECK_CUDA(cudaEventRecord(m2, (cudaStream_t)nq));
-  }
-#endif
+  struct native_mark m;
+  native_mark_enqueue(qb, kind, &m);
   th_sleep_ms(50); /* makes a wrong order likelier to show; the checks do not depend on it */
-#ifdef TANDEM_TEST_OPENCL
-  if (kind == NATIVE_OPENCL) {
-    cl_int st = CL_COMPLETE;
-    CHECK_CL(clGetEventInfo(m, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL));
-    pending = st > CL_COMPLETE;
-  }
-#endif
-#ifdef TANDEM_TEST_CUDA
-  if (kind == NATIVE_CUDA) pending = cudaEventQuery(m2) == cudaErrorNotReady;
-#endif
+  int pending = native_mark_pending(&m);
   CHECK_RC(tdm_event_query(ea), TDM_EAGAIN);
   th_gate_open(&gate);
-#ifdef TANDEM_TEST_OPENCL
-  if (kind == NATIVE_OPENCL) {
-    done = clWaitForEvents(1, &m) == CL_SUCCESS;
-    CHECK_CL(clReleaseEvent(m));
-  }
-#endif
-#ifdef TANDEM_TEST_CUDA
-  if (kind == NATIVE_CUDA) {
-    done = cudaEventSynchronize(m2) == cudaSuccess;
-    CHECK_CUDA(cudaEventDestroy(m2));
-  }
-#endif
+  int done = native_mark_finish(&m);
   CHECK_MSG(pending, "native work enqueued after tdm_queue_wait completed before the event it "
                      "waited for");
   CHECK(done);

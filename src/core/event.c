@@ -76,34 +76,11 @@ void tdm__event_unref(tdm__event *ev) {
   if (atomic_fetch_sub(&ev->refs, 1) == 1) tdm__event_free(ev);
 }
 
+/* status and native are read only by whoever sees ev done, which the batch publishes. */
 void tdm__event_complete_unref(tdm__event *ev, int status, int native) {
-  tdm__queue *q = ev->q;
-  if (ev->timed) ev->t_ns = tdm__now_ns();
-  pthread_mutex_lock(&q->mu);
   ev->status = status;
   ev->native = native;
-  atomic_store_explicit(&ev->done, 1, memory_order_release);
-  tdm__waiter *w = ev->waiters;
-  ev->waiters = NULL;
-  int last = atomic_fetch_sub(&ev->refs, 1) == 1;
-  bool sleepers = q->cv_sleepers > 0;
-  if (sleepers) tdm__signal_begin();
-  pthread_mutex_unlock(&q->mu);
-  /* Woken after the lock is let go, and only if someone sleeps: a waiter that shares this
-   * CPU then runs without first blocking on the lock. q's struct is only freed at shutdown,
-   * which waits for wake-ups in progress (tdm__signals_quiesce). */
-  if (sleepers) {
-    pthread_cond_broadcast(&q->cv);
-    tdm__signal_end();
-  }
-  /* Continuations run outside the lock. Each belongs to a holder of a reference, so ev
-   * outlives the loop; a node may be freed by its own fn, hence next is read first. */
-  while (w) {
-    tdm__waiter *next = w->next;
-    w->fn(w, ev);
-    w = next;
-  }
-  if (last) tdm__event_free(ev);
+  tdm__event_complete_batch(ev->q, &ev, 1);
 }
 
 void tdm__event_complete_batch(tdm__queue *q, tdm__event *const *evs, size_t n) {
@@ -122,10 +99,15 @@ void tdm__event_complete_batch(tdm__queue *q, tdm__event *const *evs, size_t n) 
   bool sleepers = q->cv_sleepers > 0;
   if (sleepers) tdm__signal_begin();
   pthread_mutex_unlock(&q->mu);
-  if (sleepers) { /* as in tdm__event_complete_unref */
+  /* Woken after the lock is let go, and only if someone sleeps: a waiter that shares this
+   * CPU then runs without first blocking on the lock. q's struct is only freed at shutdown,
+   * which waits for wake-ups in progress (tdm__signals_quiesce). */
+  if (sleepers) {
     pthread_cond_broadcast(&q->cv);
     tdm__signal_end();
   }
+  /* Continuations run outside the lock. Each belongs to a holder of a reference, so an event
+   * outlives its loop; a node may be freed by its own fn, hence next is read first. */
   for (size_t i = 0; i < n; i++) {
     for (tdm__waiter *w = ws[i], *next; w; w = next) {
       next = w->next;

@@ -119,8 +119,7 @@ int tdm__xwait_reserve(tdm__queue *q) {
   if (atomic_load(&q->destroying)) {
     rc = tdm__error(TDM_EHANDLE, 0, "%s is being destroyed", q->label);
   } else {
-    if (q->nxwait + q->nxres >= q->trk_cap) xwait_prune(q);
-    if (q->nxwait + q->nxres >= q->trk_cap && q->nxwait) {
+    if (!tdm__xwait_room(q) && q->nxwait) {
       /* Make room: a barrier takes the waiting copies as dependencies. */
       tdm__spec s = {.kind = TDM__CMD_BARRIER, .op = "cross-copy barrier", .gate = true};
       rc = tdm__submit_locked(q, &s, 0, NULL, NULL, NULL);

@@ -30,17 +30,22 @@ static int record(tdm__bqueue *bq, int si, cu_event **out) {
  * completion opens. */
 static void bridge_fire(tdm__waiter *w, tdm__event *ev) { cu_gate_open((cu_gate *)w); }
 
+/* Stream si waits for a native event: nothing to do for earlier work of the same stream
+ * (implied by its order). Works across devices too, and whatever device is current. */
+static int stream_wait(tdm__bqueue *bq, int si, const cu_event *native) {
+  if (native->bq == bq && native->stream == si) return 0;
+  cudaError_t e = cudaStreamWaitEvent(bq->s[si], native->e, 0);
+  return e == cudaSuccess ? 0 : cu_error(e, "cudaStreamWaitEvent");
+}
+
 static int wait_deps(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
   for (size_t i = 0; i < cmd->ndeps; i++) {
     if (cmd->deps[i].ordered) continue; /* cu_queue_wait_now made the wait already */
     tdm__event *dep = cmd->deps[i].ev;
     cu_event *native = cu_svc->event_native(dep, &tdm__cuda_backend);
     if (native) {
-      /* Earlier work of the same stream: implied by its order. */
-      if (native->bq == bq && native->stream == si) continue;
-      /* Works across devices too. */
-      cudaError_t e = cudaStreamWaitEvent(bq->s[si], native->e, 0);
-      if (e != cudaSuccess) return cu_error(e, "cudaStreamWaitEvent");
+      int rc = stream_wait(bq, si, native);
+      if (rc) return rc;
       continue;
     }
     cu_gate *g = cu_gate_get(bq->bdev);
@@ -205,9 +210,7 @@ int cu_submit(tdm__bqueue *bq, tdm__cmd *cmd) {
 int cu_queue_wait_now(tdm__bqueue *bq, tdm__event *ev) {
   cu_event *native = cu_svc->event_native(ev, &tdm__cuda_backend);
   if (!native || bq->ooo) return 1;
-  if (native->bq == bq && native->stream == 0) return 0; /* earlier work of this stream */
-  cudaError_t e = cudaStreamWaitEvent(bq->s[0], native->e, 0); /* any current device */
-  return e == cudaSuccess ? 0 : cu_error(e, "cudaStreamWaitEvent");
+  return stream_wait(bq, 0, native);
 }
 
 /* ---- the core's side ---- */
