@@ -19,6 +19,15 @@ static inline void tdm__lfstack_push(_Atomic(void *) *top, void *item) {
                                                 memory_order_relaxed));
 }
 
+/* Pushes the list first..last, already linked by `next`, with one exchange. */
+static inline void tdm__lfstack_push_list(_Atomic(void *) *top, void *first, void *last) {
+  tdm__link *tail = last;
+  void *head = atomic_load_explicit(top, memory_order_relaxed);
+  do tail->next = head;
+  while (!atomic_compare_exchange_weak_explicit(top, &head, first, memory_order_release,
+                                                memory_order_relaxed));
+}
+
 /* Takes every item pushed so far, as a list linked by `next`, or NULL. */
 static inline void *tdm__lfstack_take(_Atomic(void *) *top) {
   return atomic_exchange_explicit(top, NULL, memory_order_acquire);

@@ -54,8 +54,8 @@ tdm_event *tdm__event_handout(tdm__event *ev) {
 
 void tdm__event_ref(tdm__event *ev) { atomic_fetch_add(&ev->refs, 1); }
 
-void tdm__event_free(tdm__event *ev) {
-  tdm__queue *q = ev->q;
+/* An event of q whose last reference is gone, made ready for q's free list. */
+static void event_scrub(tdm__queue *q, tdm__event *ev) {
   /* The last reference is this thread's: nobody else reads bev now, so no exchange. */
   void *bev = atomic_load_explicit(&ev->bev, memory_order_relaxed);
   atomic_store_explicit(&ev->bev, NULL, memory_order_relaxed);
@@ -67,9 +67,20 @@ void tdm__event_free(tdm__event *ev) {
   ev->why_relayed = false;
   atomic_store_explicit(&ev->magic, TDM__MAGIC_DEAD, memory_order_relaxed);
   ev->q = NULL;
-  tdm__freelist_put(&q->events, ev);
-  atomic_fetch_add_explicit(&q->n_freed, 1, memory_order_relaxed);
-  tdm__queue_unref(q);
+}
+
+/* The n scrubbed events first..last (linked by next) go back to q together: one push, one
+ * count, one drop of their n references to q (the last touch of q). */
+static void events_put(tdm__queue *q, tdm__event *first, tdm__event *last, int n) {
+  tdm__lfstack_push_list(&q->events.returned, first, last);
+  atomic_fetch_add_explicit(&q->n_freed, n, memory_order_relaxed);
+  tdm__queue_unref_n(q, n);
+}
+
+void tdm__event_free(tdm__event *ev) {
+  tdm__queue *q = ev->q;
+  event_scrub(q, ev);
+  events_put(q, ev, ev, 1);
 }
 
 void tdm__event_unref(tdm__event *ev) {
@@ -108,13 +119,23 @@ void tdm__event_complete_batch(tdm__queue *q, tdm__event *const *evs, size_t n) 
   }
   /* Continuations run outside the lock. Each belongs to a holder of a reference, so an event
    * outlives its loop; a node may be freed by its own fn, hence next is read first. */
+  tdm__event *first = NULL, *tail = NULL;
+  int nfree = 0;
   for (size_t i = 0; i < n; i++) {
     for (tdm__waiter *w = ws[i], *next; w; w = next) {
       next = w->next;
       w->fn(w, evs[i]);
     }
-    if (last & ((uint64_t)1 << i)) tdm__event_free(evs[i]);
+    if (!(last & ((uint64_t)1 << i))) continue;
+    /* Freed together, after every continuation: each continuation's holder kept q alive. */
+    tdm__event *ev = evs[i];
+    event_scrub(q, ev);
+    ev->next = first;
+    first = ev;
+    if (!tail) tail = ev;
+    nfree++;
   }
+  if (nfree) events_put(q, first, tail, nfree);
 }
 
 int tdm__event_on_complete(tdm__event *ev, tdm__waiter *w) {

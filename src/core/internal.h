@@ -397,6 +397,8 @@ int tdm__queue_create_imports(tdm_device *dev, tdm__queue **out);
 /* Frees it once every command on it has completed (waits for them). */
 void tdm__queue_destroy_imports(tdm__queue *q);
 void tdm__queue_unref(tdm__queue *q);
+/* Drops n references at once (a batch of freed events'). */
+void tdm__queue_unref_n(tdm__queue *q, int n);
 void tdm__queues_free_all(void);
 /* Gives back the native events of events callers still hold; before modules unload. */
 void tdm__queues_release_native(void);

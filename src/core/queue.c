@@ -20,8 +20,10 @@ int tdm__queue_get(tdm_queue *h, tdm__queue **out) {
   return 0;
 }
 
-void tdm__queue_unref(tdm__queue *q) {
-  if (atomic_fetch_sub(&q->refs, 1) != 1) return;
+void tdm__queue_unref(tdm__queue *q) { tdm__queue_unref_n(q, 1); }
+
+void tdm__queue_unref_n(tdm__queue *q, int n) {
+  if (atomic_fetch_sub(&q->refs, n) != n) return;
   pthread_mutex_lock(&tdm__g.mu);
   q->next_free = tdm__g.free_queues;
   tdm__g.free_queues = q;
