@@ -163,6 +163,9 @@ def moe(tool, device, tmp):
                      f"bound {doc['decode_bound_tokens_per_s']}")
     if doc.get("placement") != "device" or doc.get("host_share") != 0:
         raise Failed(f"{what}: placement {doc.get('placement')!r}, share {doc.get('host_share')}")
+    for key in ("decode_split_bound_tokens_per_s", "decode_best_split_bound_tokens_per_s"):
+        if doc.get(key, 0) is not None:
+            raise Failed(f"{what}: {key} is {doc.get(key)!r} with no expert on the host")
     # Placement host: every decode expert not on the device is computed on the host, so decode
     # copies nothing; the check ran within the tolerance; the calibration is reported.
     what = "moe --device-budget 0 --cache-policy lru --decode 4 --placement host"
@@ -189,6 +192,18 @@ def moe(tool, device, tmp):
             raise Failed(f"{what}: run {r['name']!r}: {r['decode_host_experts']} decode host "
                          f"experts, {r['decode_bytes_copied']} decode bytes copied, check "
                          f"{r['check']!r} {r['matches_resident']}")
+    # The host's bytes a decode token and the bounds the calibrated rates set from them: the
+    # best split of the same bytes is never slower than this run's.
+    main = [r for r in doc["runs"] if r["name"] == "streamed, overlapped"][0]
+    want = main["decode_host_experts"] * doc["expert_bytes"] / doc["decode"]
+    if abs(doc.get("decode_host_bytes_per_token", -1) - want) > 1:
+        raise Failed(f"{what}: decode_host_bytes_per_token {doc.get('decode_host_bytes_per_token')}"
+                     f", {want} from the host experts")
+    split = doc.get("decode_split_bound_tokens_per_s")
+    best = doc.get("decode_best_split_bound_tokens_per_s")
+    if not (isinstance(split, (int, float)) and isinstance(best, (int, float)) and
+            0 < split <= best * (1 + 1e-6)):
+        raise Failed(f"{what}: decode bounds {split} with this split, {best} with the best")
     # A trace whose path needs escaping in the command string, and is not even UTF-8.
     trace = os.path.join(os.fsencode(tmp), b'a "quoted" \\ back\tslash \xff.json')
     what = "moe --trace <a path with a quote, a backslash, a tab, a byte not UTF-8>"

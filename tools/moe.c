@@ -610,6 +610,28 @@ static double decode_bound(const session *s, const run *r) {
   return s->peak * 1e9 / ((double)r->decode.bytes / s->o.decode);
 }
 
+/* Decode with experts on the host moves two streams: the bytes copied over the link and the
+ * expert weights the host reads. At the calibrated rates (each side's rate with the other busy
+ * where both carry bytes, else its rate alone), a token takes at least the slower side's time
+ * for the bytes this run gave each (*split); the best split of the same bytes takes their sum
+ * over the two rates at once, or one side alone if that is faster (*best). NAN for both when
+ * no decode expert ran on the host or a rate is unknown. */
+static void decode_bounds_both(const session *s, const run *r, double *split, double *best) {
+  const tdm_moe_placement_info *pi = &s->place;
+  *split = *best = NAN;
+  if (!s->o.decode || !r->decode.host || pi->link_gbs_shared <= 0 || pi->host_gbs_shared <= 0 ||
+      pi->link_gbs <= 0 || pi->host_gbs <= 0)
+    return;
+  double copied = (double)r->decode.bytes / s->o.decode;
+  double hosted = (double)r->decode.host * (double)s->ebytes / s->o.decode;
+  double tl = copied / ((hosted > 0 ? pi->link_gbs_shared : pi->link_gbs) * 1e9);
+  double th = hosted / ((copied > 0 ? pi->host_gbs_shared : pi->host_gbs) * 1e9);
+  *split = 1.0 / (tl > th ? tl : th);
+  double alone = pi->link_gbs > pi->host_gbs ? pi->link_gbs : pi->host_gbs;
+  double shared = pi->link_gbs_shared + pi->host_gbs_shared;
+  *best = (shared > alone ? shared : alone) * 1e9 / (copied + hosted);
+}
+
 static const char *placement_name(tdm_moe_placement p) {
   return p == TDM_MOE_PLACE_AUTO ? "auto" : p == TDM_MOE_PLACE_HOST ? "host" : "device";
 }
@@ -660,6 +682,12 @@ static int print_json(const session *s, const figures *f) {
   bu_json_double(&j, "decode_bytes_per_token",
                  o->decode ? (double)mr->decode.bytes / o->decode : NAN, 1);
   bu_json_double(&j, "decode_bound_tokens_per_s", bound, 3);
+  double split, best;
+  decode_bounds_both(s, mr, &split, &best);
+  bu_json_double(&j, "decode_host_bytes_per_token",
+                 o->decode ? (double)mr->decode.host * (double)s->ebytes / o->decode : NAN, 1);
+  bu_json_double(&j, "decode_split_bound_tokens_per_s", split, 3);
+  bu_json_double(&j, "decode_best_split_bound_tokens_per_s", best, 3);
   bu_json_string(&j, "check", s->yref ? (f->all_ok ? "ok" : "FAILED") : "skipped");
   bu_json_end(&j);
   if (bu_json_finish(&j) < 0) {
@@ -729,9 +757,17 @@ static void print_decode(const session *s, const run *mr) {
   printf("                     routed experts: %.1f%% resident, %.1f%% in flight, %.1f%% demand "
          "misses (%s run)\n", 100 * rate(d->resident, d), 100 * rate(d->inflight, d),
          100 * rate(d->misses, d), mr->name);
-  if (d->host)
+  if (d->host) {
+    double split, best;
+    decode_bounds_both(s, mr, &split, &best);
     printf("                     and %llu experts computed on the host besides those %llu on "
            "the device\n", (unsigned long long)d->host, (unsigned long long)d->acquires);
+    if (!isnan(split))
+      printf("                     %.1f MB copied and %.1f MB read by the host a token: at the "
+             "calibrated rates\n                     at most %.1f tokens/s with this split, %.1f "
+             "with the best\n", (double)d->bytes / s->o.decode / 1e6,
+             (double)d->host * (double)s->ebytes / s->o.decode / 1e6, split, best);
+  }
   if (mr->device_routed)
     printf("                     every expert resident: the routing of %llu layer passes stayed "
            "on the device\n", (unsigned long long)mr->device_routed);
