@@ -122,7 +122,10 @@ TDM_API int tdm_set_error(int code, int native, const char *fmt, ...)
  * current-queue stack is emptied. The last shutdown called from a host task or a keep-alive
  * release (tandem threads it would have to join) returns TDM_EDEADLK and shuts nothing down.
  * A process may also return from main without it, with work still pending: it exits
- * normally. In a child forked after init every call returns TDM_EFORK. */
+ * normally, after waiting for that work to complete for at most TANDEM_EXIT_WAIT_MS (2000 by
+ * default; not from a host task or a keep-alive release), so that no tandem thread is inside a
+ * driver when the drivers' exit handlers run. In a child forked after init every call returns
+ * TDM_EFORK. */
 TDM_API TDM_NODISCARD int tdm_init(void);
 TDM_API int tdm_shutdown(void);
 

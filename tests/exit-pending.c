@@ -1,15 +1,21 @@
 /* exit-pending.c: a program that returns from main without tdm_shutdown while host tasks,
  * keep-alive releases and copies are still pending on the devices it is given. Returning from
  * main must still end the process with status 0: no crash, no hang, whatever tandem's threads
- * are doing at that moment. ctest runs it several times per device (exit.<backend>.*).
+ * are doing at that moment. Before the process ends, tandem waits (TANDEM_EXIT_WAIT_MS) for the
+ * work submitted: each host task writes a line "t" when it finishes, and the program says how
+ * many it submitted ("host tasks: N"), so a caller can count that all of them ran. With
+ * --stuck, a host task that never returns goes first on cpu:0's queue: the wait is bounded,
+ * so the process still ends. ctest runs it several times per device (exit.<backend>.*).
  *
- *   exit-pending <device-id>...    exits 77 if a device does not exist
+ *   exit-pending [--stuck] <device-id>...    exits 77 if a device does not exist
  */
 #include <tandem.h>
 
 #include <execinfo.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -23,8 +29,18 @@ static void sleep_ms(long ms) {
 static int slow_task(void *arg) {
   (void)arg;
   sleep_ms(20);
+  if (write(1, "t\n", 2) != 2) return -1;
   return 0;
 }
+
+/* Never returns: nothing ever opens it. */
+static int stuck_task(void *arg) {
+  (void)arg;
+  for (;;) sleep_ms(1000);
+  return 0;
+}
+
+static int ntasks; /* host tasks submitted (slow ones) */
 
 static void slow_release(void *obj) {
   (void)obj;
@@ -36,14 +52,14 @@ static void slow_release(void *obj) {
 static int leave_pending(tdm_queue *q, const char *host, char *dev_mem) {
   for (int i = 0; i < TASKS; i++) {
     if (tdm_memcpy(q, dev_mem + (size_t)i * BYTES, host, BYTES, TDM_COPY_H2D, 0, NULL, NULL) < 0 ||
-        tdm_host_task(q, slow_task, NULL, 0, NULL, NULL) < 0 ||
+        tdm_host_task(q, slow_task, NULL, 0, NULL, NULL) < 0 || (ntasks++, 0) ||
         tdm_keep_alive(q, slow_release, NULL) < 0)
       return -1;
   }
   return 0;
 }
 
-static int submit_on(const char *id) {
+static int submit_on(const char *id, bool stuck) {
   tdm_device *dev;
   tdm_device_info info;
   tdm_queue *in_order, *out_of_order;
@@ -58,6 +74,7 @@ static int submit_on(const char *id) {
       tdm_malloc(dev, TDM_MEM_PINNED, BYTES, &host) < 0 ||
       tdm_malloc(dev, TDM_MEM_DEVICE, 2 * per_queue, &dev_mem) < 0 ||
       tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &in_order) < 0 ||
+      (stuck && tdm_host_task(in_order, stuck_task, NULL, 0, NULL, NULL) < 0) ||
       leave_pending(in_order, host, dev_mem) < 0)
     return 1;
   if (info.caps & TDM_DEVICE_CAP_OUT_OF_ORDER)
@@ -85,20 +102,23 @@ int main(int argc, char **argv) {
   signal(SIGSEGV, on_crash);
   signal(SIGBUS, on_crash);
   signal(SIGABRT, on_crash);
-  if (argc < 2) {
-    fprintf(stderr, "usage: exit-pending <device-id>...\n");
+  bool stuck = argc > 1 && strcmp(argv[1], "--stuck") == 0;
+  int first = stuck ? 2 : 1;
+  if (argc < first + 1) {
+    fprintf(stderr, "usage: exit-pending [--stuck] <device-id>...\n");
     return 2;
   }
   if (tdm_init() < 0) {
     fprintf(stderr, "exit-pending: tdm_init: %s\n", tdm_last_error());
     return 1;
   }
-  for (int i = 1; i < argc; i++) {
-    int rc = submit_on(argv[i]);
+  for (int i = first; i < argc; i++) {
+    int rc = submit_on(argv[i], stuck && i == first);
     if (rc == 1) fprintf(stderr, "exit-pending: on %s: %s\n", argv[i], tdm_last_error());
     if (rc) return rc;
   }
   tdm_stats st;
   if (tdm_stats_get(&st) == 0) printf("returning from main with %ld commands pending\n", st.pending);
+  printf("host tasks: %d\n", ntasks);
   return 0;
 }

@@ -1,7 +1,9 @@
 /* context.c: the runtime's one context: reference-counted init and shutdown, the device table,
  * version queries, and the fork guard. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -126,6 +128,48 @@ static void fill_services(tdm__services *s) {
   s->event_imported = event_imported;
 }
 
+/* ---- returning from main with work pending ----
+ * exit() runs the atexit handlers, then the libraries' destructors, the CUDA runtime's among
+ * them, which tear down driver state while tandem's threads may still be inside a driver call
+ * on work the program left pending (a crash, seen rarely). So the first tdm_init registers a
+ * handler that, while tandem is still initialized, first waits for the work already submitted
+ * to complete, for at most TANDEM_EXIT_WAIT_MS: tandem's threads are then idle, outside every
+ * driver, when the destructors run. Lazily completed commands are handed to their executors
+ * (a kick), so none waits for a watcher that will never come. Work that does not complete in
+ * time (a host task that never returns) is left as it was, and exit goes on. Not in a forked
+ * child, nor when exit() is called from a host task or a keep-alive release: the wait would
+ * include the caller's own work. */
+static pthread_once_t atexit_once = PTHREAD_ONCE_INIT;
+
+static long exit_pending_kick(void) {
+  long pending = 0;
+  pthread_mutex_lock(&tdm__g.mu);
+  for (tdm__queue *q = tdm__g.queues; q; q = q->next_all) {
+    if (atomic_load(&q->magic) != TDM__MAGIC_QUEUE || q->imports) continue;
+    long n = atomic_load(&q->n_submitted) - atomic_load(&q->n_done);
+    if (n > 0 && tdm__b_is_native(q->dev)) tdm__exec_kick(q);
+    pending += n > 0 ? n : 0;
+  }
+  pthread_mutex_unlock(&tdm__g.mu);
+  return pending;
+}
+
+static void on_exit_wait(void) {
+  if (atomic_load(&tdm__forked) || !atomic_load(&tdm__g.live) || tdm__tls_queue ||
+      tdm__tls_releasing)
+    return;
+  uint64_t until = tdm__now_ns() + (uint64_t)tdm__g.opts.exit_wait_ms * 1000000u;
+  struct timespec t = {0, 500000}; /* 0.5 ms */
+  if (exit_pending_kick() == 0) return;
+  while (exit_pending_kick() > 0 && tdm__now_ns() < until) nanosleep(&t, NULL);
+  /* The last completions are counted before their threads finish the loop they ran in: a
+   * moment more for those to reach their idle wait. */
+  t.tv_nsec = 1000000;
+  nanosleep(&t, NULL);
+}
+
+static void install_atexit(void) { (void)atexit(on_exit_wait); }
+
 int tdm_init(void) {
   pthread_once(&atfork_once, install_atfork);
   if (atomic_load(&tdm__forked))
@@ -153,6 +197,9 @@ int tdm_init(void) {
   }
   atomic_store(&tdm__g.live, 1);
   pthread_mutex_unlock(&init_mu);
+  /* After the backends: atexit handlers run in reverse, so this one runs before any that a
+   * driver registered while it loaded. */
+  pthread_once(&atexit_once, install_atexit);
   return 0;
 }
 

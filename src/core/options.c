@@ -40,6 +40,8 @@ static const opt_def opt_table[] = {
      "1: tandem's threads wait for CUDA events asleep (cudaEventBlockingSync), not spinning"},
     {"TANDEM_TRACE", OPT_STRING, 0, 0, 0, OFF(trace), sizeof(((tdm__options *)0)->trace),
      "file to write a Chrome trace of every command to, at the last shutdown"},
+    {"TANDEM_EXIT_WAIT_MS", OPT_LONG, 2000, 0, 600000, OFF(exit_wait_ms), 0,
+     "returning from main without tdm_shutdown: ms to wait for submitted work first"},
     {"TANDEM_BACKENDS", OPT_STRING, 0, 0, 0, OFF(backends), sizeof(((tdm__options *)0)->backends),
      "comma-separated backends to load (cpu,opencl,cuda); all when unset"},
 };
