@@ -19,7 +19,8 @@ static inline void tdm__lfstack_push(_Atomic(void *) *top, void *item) {
                                                 memory_order_relaxed));
 }
 
-/* Pushes the list first..last, already linked by `next`, with one exchange. */
+/* Pushes the list first..last, already linked by `next`, with one compare-and-swap (retried
+ * while other pushes land between). */
 static inline void tdm__lfstack_push_list(_Atomic(void *) *top, void *first, void *last) {
   tdm__link *tail = last;
   void *head = atomic_load_explicit(top, memory_order_relaxed);
