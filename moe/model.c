@@ -107,6 +107,9 @@ struct tdm_moe_model {
   int *hsel, *hwhere;         /* E: a layer's host experts; the routed experts' whereabouts */
   bool pool_held;             /* a reference to the CPU table's pool, sized for the model */
   double join_experts;        /* AUTO: the host join's round trip in experts' time (place()) */
+  uint32_t pass;              /* tdm_moe_forward's count, for ahead */
+  uint32_t *ahead;            /* L x E: the pass whose look-ahead left (l, e) to the device while
+                                 not on it (its copy was then on its way or was to be made) */
   unsigned char *slot_host;   /* Tg x k: the slots the host experts wrote */
 };
 
@@ -620,7 +623,8 @@ static int setup_host(tdm_moe_model *m) {
   m->hsel = malloc((size_t)m->E * sizeof *m->hsel);
   m->hwhere = malloc((size_t)m->E * sizeof *m->hwhere);
   m->slot_host = malloc(tk);
-  if (!m->hq || !m->hstate || !m->hws || !m->hsel || !m->hwhere || !m->slot_host)
+  m->ahead = calloc((size_t)m->L * m->E, sizeof *m->ahead);
+  if (!m->hq || !m->hstate || !m->hws || !m->hsel || !m->hwhere || !m->slot_host || !m->ahead)
     return tdm_set_error(TDM_ENOMEM, 0, "no memory for %d host queues", m->nhq);
   /* An expert has at most Tg tokens (a token picks it once). */
   m->hws_bytes = tdm_moe_ops_workspace(Tg, m->H, m->I);
@@ -674,6 +678,7 @@ static void destroy_host(tdm_moe_model *m) {
   free(m->hsel);
   free(m->hwhere);
   free(m->slot_host);
+  free(m->ahead);
 }
 
 int tdm_moe_placement_get(const tdm_moe_model *m, tdm_moe_placement_info *out) {
@@ -944,19 +949,26 @@ static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pas
  * and copies in flight), less the host join's round trip in experts (join_experts), so that
  * both sides finish them at about the same time, rounded, at most every candidate, and the
  * last ones in the order: their copies would start last. The host's experts go to
- * host[0..*nh) in order; order keeps the device's, in order, *n of them. */
+ * host[0..*nh) in order; order keeps the device's, in order, *n of them.
+ * The look-ahead (ahead: predicting layer l) places the predicted experts by the same rule and
+ * marks those it leaves to the device while they are not on it: their copies start now. At
+ * the layer's own placement, an expert so marked this pass whose copy has since landed still
+ * counts as non-resident: else the share would be taken of fewer experts than the look-ahead
+ * split, and the experts it left to the host would go back to the link. */
 static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh,
-                 int *candidates) {
-  int ncand = 0, ninflight = 0, *where = m->hwhere;
+                 int *candidates, bool ahead) {
+  int ncand = 0, ninflight = 0, nlanded = 0, *where = m->hwhere;
+  uint32_t *mark = m->ahead + (size_t)l * m->E;
   *nh = *candidates = 0;
   for (int i = 0; i < *n; i++) {
     if ((where[i] = tdm_streamer_where(m->streamer, l, order[i])) < 0) return where[i];
     ncand += where[i] == TDM_EXPERT_ABSENT;
     ninflight += where[i] == TDM_EXPERT_INFLIGHT;
+    nlanded += !ahead && where[i] == TDM_EXPERT_READY && mark[order[i]] == m->pass;
   }
   int want = ncand;
   if (m->place.placement == TDM_MOE_PLACE_AUTO) {
-    want = (int)lround(m->place.host_share * (ncand + ninflight) - m->join_experts);
+    want = (int)lround(m->place.host_share * (ncand + ninflight + nlanded) - m->join_experts);
     if (want > ncand) want = ncand;
     if (want < 0) want = 0;
   }
@@ -968,8 +980,12 @@ static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh
     }
   int kept = 0;
   for (int i = 0; i < *n; i++) {
-    if (where[i] == -1) host[(*nh)++] = order[i];
-    else order[kept++] = order[i];
+    if (where[i] == -1) {
+      host[(*nh)++] = order[i];
+      continue;
+    }
+    if (ahead && where[i] != TDM_EXPERT_READY) mark[order[i]] = m->pass;
+    order[kept++] = order[i];
   }
   *n = kept;
   *candidates = ncand;
@@ -1043,7 +1059,7 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
   /* Host experts first, so the host works while the device's copies and compute go on; the
    * device's list (order) no longer names them, so nothing prefetches or acquires them. */
   if (m->place.placement != TDM_MOE_PLACE_DEVICE) {
-    if ((rc = place(m, l, order, &n, host, &nh, &candidates))) return rc;
+    if ((rc = place(m, l, order, &n, host, &nh, &candidates, false))) return rc;
     st->host_candidates += (uint64_t)candidates;
     double h0 = now_s();
     if (nh && (rc = host_submit(m, l, count, offset, host, nh))) return rc;
@@ -1095,7 +1111,7 @@ static int lookahead_prefetch(tdm_moe_model *m, int l, int T, int *order, int n)
   int rc, nh, candidates;
   if (n && T <= GROUPED_MAX_T && m->place.placement != TDM_MOE_PLACE_DEVICE &&
       ((rc = tdm_streamer_schedule(m->streamer, l, order, n)) ||
-       (rc = place(m, l, order, &n, m->hsel, &nh, &candidates))))
+       (rc = place(m, l, order, &n, m->hsel, &nh, &candidates, true))))
     return rc;
   return n ? tdm_streamer_prefetch(m->streamer, l, order, n) : 0;
 }
@@ -1220,6 +1236,7 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   float *xh = m->x_h;
   int *count = m->scratch, rc;
   memcpy(xh, x, bytes);
+  m->pass++;
   /* rows then slots, back to back for this ubatch's size */
   m->rows = m->rs;
   m->slots = m->rs + (size_t)T * m->k;
