@@ -407,7 +407,10 @@ static int check_placement(const tdm_moe_config *cfg) {
  * into a scratch expert and host experts write slots of a scratch block of the host device's
  * memory, so nothing of the streamer or the model is touched. Every expert read is a different
  * one (round-robin over the pinned experts), so its bytes come from memory, as in a pass. */
-enum { CAL_LINK = 8, CAL_HOST_MIN = 8, CAL_HOST_MAX = 64 };
+/* Each figure is the best of CAL_TRIALS measurements of a few milliseconds: a moment of other
+ * work on the host (seen on the H200's: 21-24 GB/s for the host alone in two processes, 43-52
+ * in the others, the share halved with it) lowers one trial, not the figure. */
+enum { CAL_LINK = 8, CAL_HOST_MIN = 8, CAL_HOST_MAX = 64, CAL_TRIALS = 3 };
 #define HOST_GAIN_MIN 1.05
 /* Cores the host experts' pool leaves, by default, beside a device that needs feeding: one for
  * the submitting thread and one for each of the device queues whose executors watch the device
@@ -564,27 +567,34 @@ static int calibrate(tdm_moe_model *m, tdm_moe_placement_info *pi) {
   if (!rc) rc = tdm_queue_sync(c.lq);
   if (!rc) rc = sync_host_queues(m);
   /* Alone. */
-  double t0 = now_s();
-  if (!rc) rc = cal_copies(&c, CAL_LINK);
-  if (!rc) rc = tdm_queue_sync(c.lq);
-  if (!rc) pi->link_gbs = gbs(CAL_LINK * eb, now_s() - t0);
   int nh = nq > CAL_HOST_MIN ? nq : CAL_HOST_MIN;
-  t0 = now_s();
-  if (!rc) rc = cal_experts(&c, nh);
-  if (!rc) rc = sync_host_queues(m);
-  if (!rc) pi->host_gbs = gbs(nh * eb, now_s() - t0);
-  /* At once, sized so that both sides would take about as long alone. */
+  for (int trial = 0; !rc && trial < CAL_TRIALS; trial++) {
+    double t0 = now_s();
+    rc = cal_copies(&c, CAL_LINK);
+    if (!rc) rc = tdm_queue_sync(c.lq);
+    double link = rc ? 0.0 : gbs(CAL_LINK * eb, now_s() - t0);
+    t0 = now_s();
+    if (!rc) rc = cal_experts(&c, nh);
+    if (!rc) rc = sync_host_queues(m);
+    double host = rc ? 0.0 : gbs(nh * eb, now_s() - t0);
+    if (link > pi->link_gbs) pi->link_gbs = link;
+    if (host > pi->host_gbs) pi->host_gbs = host;
+  }
+  /* At once, sized so that both sides would take about as long alone; the trial that moved
+   * the most bytes in all gives both figures, so they describe the same moment. */
   if (!rc) {
     nh = pi->link_gbs > 0 ? (int)lround(CAL_LINK * pi->host_gbs / pi->link_gbs) : CAL_HOST_MIN;
     nh = nh < 1 ? 1 : nh > CAL_HOST_MAX ? CAL_HOST_MAX : nh;
-    double tl = 0, th = 0;
-    t0 = now_s();
+  }
+  for (int trial = 0; !rc && trial < CAL_TRIALS; trial++) {
+    double tl = 0, th = 0, t0 = now_s();
     rc = cal_copies(&c, CAL_LINK);
     if (!rc) rc = cal_experts(&c, nh);
     if (!rc) rc = cal_finish(&c, t0, &tl, &th);
-    if (!rc) {
-      pi->link_gbs_shared = gbs(CAL_LINK * eb, tl);
-      pi->host_gbs_shared = gbs(nh * eb, th);
+    double link = rc ? 0.0 : gbs(CAL_LINK * eb, tl), host = rc ? 0.0 : gbs(nh * eb, th);
+    if (link + host > pi->link_gbs_shared + pi->host_gbs_shared) {
+      pi->link_gbs_shared = link;
+      pi->host_gbs_shared = host;
     }
   }
   double join = 0;

@@ -138,7 +138,9 @@ TDM_API tdm_streamer *tdm_moe_streamer(tdm_moe_model *m);
  * calibrated then, on expert-sized work: the link's GB/s from pinned host-to-device copies of
  * experts, the host's GB/s of expert weights from experts computed on one token on the
  * host_queues queues (weight bytes / time), each side first alone and then both at once (the
- * copies' DMA and the host's cores read the same host memory, so each slows the other).
+ * copies' DMA and the host's cores read the same host memory, so each slows the other). Each
+ * figure is the best of three trials of a few milliseconds (both figures at once from the
+ * same trial), so that a moment of other work on the host does not halve the share.
  * host_share = host_gbs_shared / (host_gbs_shared + link_gbs_shared): the share of a layer's
  * non-resident experts that the host and the link would finish at about the same time, were
  * it not for the host's join (host_join_us, which AUTO subtracts); 0 when host_gbs_shared + link_gbs_shared is not 5% above
