@@ -4,8 +4,8 @@
  * are doing at that moment. Before the process ends, tandem waits (TANDEM_EXIT_WAIT_MS) for the
  * work submitted: each host task writes a line "t" when it finishes, and the program says how
  * many it submitted ("host tasks: N"), so a caller can count that all of them ran. With
- * --stuck, a host task that never returns goes first on cpu:0's queue: the wait is bounded,
- * so the process still ends. ctest runs it several times per device (exit.<backend>.*).
+ * --stuck, a host task that never returns goes first on the first device's in-order queue:
+ * the wait is bounded, so the process still ends. ctest runs it several times per device (exit.<backend>.*).
  *
  *   exit-pending [--stuck] <device-id>...    exits 77 if a device does not exist
  */
@@ -52,9 +52,10 @@ static void slow_release(void *obj) {
 static int leave_pending(tdm_queue *q, const char *host, char *dev_mem) {
   for (int i = 0; i < TASKS; i++) {
     if (tdm_memcpy(q, dev_mem + (size_t)i * BYTES, host, BYTES, TDM_COPY_H2D, 0, NULL, NULL) < 0 ||
-        tdm_host_task(q, slow_task, NULL, 0, NULL, NULL) < 0 || (ntasks++, 0) ||
-        tdm_keep_alive(q, slow_release, NULL) < 0)
+        tdm_host_task(q, slow_task, NULL, 0, NULL, NULL) < 0)
       return -1;
+    ntasks++;
+    if (tdm_keep_alive(q, slow_release, NULL) < 0) return -1;
   }
   return 0;
 }
