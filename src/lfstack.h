@@ -10,15 +10,6 @@ typedef struct tdm__link {
   struct tdm__link *next;
 } tdm__link;
 
-/* Pushes item (its first member is the link). */
-static inline void tdm__lfstack_push(_Atomic(void *) *top, void *item) {
-  tdm__link *it = item;
-  void *head = atomic_load_explicit(top, memory_order_relaxed);
-  do it->next = head;
-  while (!atomic_compare_exchange_weak_explicit(top, &head, it, memory_order_release,
-                                                memory_order_relaxed));
-}
-
 /* Pushes the list first..last, already linked by `next`, with one compare-and-swap (retried
  * while other pushes land between). */
 static inline void tdm__lfstack_push_list(_Atomic(void *) *top, void *first, void *last) {
@@ -27,6 +18,11 @@ static inline void tdm__lfstack_push_list(_Atomic(void *) *top, void *first, voi
   do tail->next = head;
   while (!atomic_compare_exchange_weak_explicit(top, &head, first, memory_order_release,
                                                 memory_order_relaxed));
+}
+
+/* Pushes item (its first member is the link). */
+static inline void tdm__lfstack_push(_Atomic(void *) *top, void *item) {
+  tdm__lfstack_push_list(top, item, item);
 }
 
 /* Takes every item pushed so far, as a list linked by `next`, or NULL. */

@@ -612,6 +612,11 @@ static double decode_bound(const session *s, const run *r) {
   return s->peak * 1e9 / ((double)r->decode.bytes / s->o.decode);
 }
 
+/* The expert weights the host read per decode token (0 without host experts). */
+static double decode_host_bytes(const session *s, const run *r) {
+  return s->o.decode ? (double)r->decode.host * (double)s->ebytes / s->o.decode : 0.0;
+}
+
 /* Decode with experts on the host moves two streams: the bytes copied over the link and the
  * expert weights the host reads. At the calibrated rates (each side's rate with the other busy
  * where both carry bytes, else its rate alone), a token takes at least the slower side's time
@@ -625,7 +630,7 @@ static void decode_bounds_both(const session *s, const run *r, double *split, do
       pi->link_gbs <= 0 || pi->host_gbs <= 0)
     return;
   double copied = (double)r->decode.bytes / s->o.decode;
-  double hosted = (double)r->decode.host * (double)s->ebytes / s->o.decode;
+  double hosted = decode_host_bytes(s, r);
   double tl = copied / ((hosted > 0 ? pi->link_gbs_shared : pi->link_gbs) * 1e9);
   double th = hosted / ((copied > 0 ? pi->host_gbs_shared : pi->host_gbs) * 1e9);
   *split = 1.0 / (tl > th ? tl : th);
@@ -686,8 +691,7 @@ static int print_json(const session *s, const figures *f) {
   bu_json_double(&j, "decode_bound_tokens_per_s", bound, 3);
   double split, best;
   decode_bounds_both(s, mr, &split, &best);
-  bu_json_double(&j, "decode_host_bytes_per_token",
-                 o->decode ? (double)mr->decode.host * (double)s->ebytes / o->decode : NAN, 1);
+  bu_json_double(&j, "decode_host_bytes_per_token", o->decode ? decode_host_bytes(s, mr) : NAN, 1);
   bu_json_double(&j, "decode_split_bound_tokens_per_s", split, 3);
   bu_json_double(&j, "decode_best_split_bound_tokens_per_s", best, 3);
   bu_json_string(&j, "check", s->yref ? (f->all_ok ? "ok" : "FAILED") : "skipped");
@@ -768,7 +772,7 @@ static void print_decode(const session *s, const run *mr) {
       printf("                     %.1f MB copied and %.1f MB read by the host a token: at the "
              "calibrated rates\n                     at most %.1f tokens/s with this split, %.1f "
              "with the best\n", (double)d->bytes / s->o.decode / 1e6,
-             (double)d->host * (double)s->ebytes / s->o.decode / 1e6, split, best);
+             decode_host_bytes(s, mr) / 1e6, split, best);
   }
   if (mr->device_routed)
     printf("                     every expert resident: the routing of %llu layer passes stayed "

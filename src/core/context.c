@@ -147,7 +147,7 @@ static long exit_pending_kick(void) {
   for (tdm__queue *q = tdm__g.queues; q; q = q->next_all) {
     if (atomic_load(&q->magic) != TDM__MAGIC_QUEUE || q->imports) continue;
     long n = atomic_load(&q->n_submitted) - atomic_load(&q->n_done);
-    if (n > 0 && tdm__b_is_native(q->dev)) tdm__exec_kick(q);
+    if (n > 0) tdm__exec_kick(q);
     pending += n > 0 ? n : 0;
   }
   pthread_mutex_unlock(&tdm__g.mu);
