@@ -386,6 +386,12 @@ static int check_placement(const tdm_moe_config *cfg) {
   if (cfg->host_queues < 0)
     return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: %d host queues (0: one, or a "
                          "positive count)", cfg->host_queues);
+  if (!(cfg->host_share >= 0 && cfg->host_share <= 1))
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: host share %g is outside [0, 1]",
+                         cfg->host_share);
+  if (cfg->host_share > 0 && cfg->placement != TDM_MOE_PLACE_AUTO)
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: a host share (%g) applies to "
+                         "placement AUTO only", cfg->host_share);
   if (cfg->host) {
     tdm_device_info info;
     int rc = tdm_device_info_get(cfg->host, &info);
@@ -667,6 +673,11 @@ static int setup_host(tdm_moe_model *m) {
                            (double)m->ebytes / 1e9 / pi->link_gbs_shared
                      : 0.0;
     m->join_experts = pi->host_share > 0 && per > 0 ? pi->host_join_us / 1e6 / per : 0.0;
+    pi->host_share_model = pi->host_share;
+    if (m->cfg.host_share > 0) { /* given: taken as it is */
+      pi->host_share = m->cfg.host_share;
+      m->join_experts = 0.0;
+    }
   }
   return rc;
 }

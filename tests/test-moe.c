@@ -647,6 +647,23 @@ TEST_CASE(auto_placement) {
   printf("auto placement: share %.2f (link %.2f GB/s, host %.2f GB/s alone; %.2f and %.2f at "
          "once), %llu host experts\n", pi.host_share, pi.link_gbs, pi.host_gbs,
          pi.link_gbs_shared, pi.host_gbs_shared, (unsigned long long)host);
+  CHECK(pi.host_share_model == pi.host_share);
+  tdm_moe_model_destroy(m);
+  /* A share given as 1: every candidate goes to the host, none is copied on demand, and the
+   * cost model's own share is still reported. */
+  c.host_share = 1.0;
+  m = make_model(dev, &c, false, 0, 2, TDM_CACHE_LRU);
+  CHECK_OK(tdm_moe_placement_get(m, &pi));
+  CHECK(pi.host_share == 1.0 && pi.host_share_model >= 0 && pi.host_share_model <= 1);
+  for (int t = 0; t < DECODE; t++) {
+    CHECK_OK(tdm_moe_forward(m, x + t * H, y + t * H, 1, true, &st));
+    CHECK_MSG(st.host_experts == st.host_candidates && st.demand_misses == 0,
+              "pass %d: %llu host experts of %llu candidates, %llu demand misses", t,
+              (unsigned long long)st.host_experts, (unsigned long long)st.host_candidates,
+              (unsigned long long)st.demand_misses);
+  }
+  CHECK_MSG(rel_l2(y, ref, DECODE * H) <= HOST_TOL, "share 1: ||y - ref|| / ||ref|| = %g",
+            rel_l2(y, ref, DECODE * H));
   /* Placement DEVICE reports no calibration. */
   tdm_moe_model_destroy(m);
   m = make_model(dev, &base, false, 0, 2, TDM_CACHE_LRU);
@@ -691,6 +708,19 @@ TEST_CASE(moe_bad_input) {
   c.placement = (tdm_moe_placement)7;
   CHECK_RC(tdm_moe_model_create(&c, &m), TDM_EINVAL);
   CHECK(strstr(tdm_last_error(), "placement 7") != NULL);
+  /* A host share outside [0, 1] (NaN too), or given where AUTO does not apply. */
+  const double shares[] = {-0.1, 1.5, NAN};
+  c.placement = TDM_MOE_PLACE_AUTO;
+  for (int i = 0; i < 3; i++) {
+    c.host_share = shares[i];
+    CHECK_RC(tdm_moe_model_create(&c, &m), TDM_EINVAL);
+    CHECK(strstr(tdm_last_error(), "outside [0, 1]") != NULL);
+  }
+  c.host_share = 0.5;
+  c.placement = TDM_MOE_PLACE_HOST;
+  CHECK_RC(tdm_moe_model_create(&c, &m), TDM_EINVAL);
+  CHECK(strstr(tdm_last_error(), "AUTO only") != NULL);
+  c.host_share = 0;
   c.placement = TDM_MOE_PLACE_AUTO;
   int ndev = 0;
   CHECK_OK(tdm_device_count(&ndev));

@@ -25,7 +25,8 @@ static const char moe_help[] =
     "usage: tandem moe [--preset P] [--device D] [--layers N] [--tokens T] [--ubatch U]\n"
     "                  [--decode N] [--device-budget B] [--cache-policy static|lru] [--slots N]\n"
     "                  [--prefetch-depth N] [--skew S] [--locality R] [--seed N] [--predict]\n"
-    "                  [--placement auto|device|host] [--host-queues N] [--host-threads N]\n"
+    "                  [--placement auto|device|host] [--host-share S] [--host-queues N]\n"
+    "                  [--host-threads N]\n"
     "                  [--no-overlap] [--no-check] [--json] [--trace FILE]\n"
     "\n"
     "Runs a stack of MoE layers, x += MoE(RMSNorm(x)), with the routed experts in pinned host\n"
@@ -68,6 +69,9 @@ static const char moe_help[] =
     "                     their pinned copies; auto (default) a share of them on the host, set\n"
     "                     by a cost model calibrated at start-up so the host and the link\n"
     "                     finish together (the all-resident reference always uses device)\n"
+    "  --host-share S     with --placement auto, compute this share (0 < S <= 1) of a\n"
+    "                     layer's non-resident experts on the host instead of the cost\n"
+    "                     model's (which is still calibrated and reported)\n"
     "  --host-queues N    host experts run on N queues of cpu:0 (default 1)\n"
     "  --host-threads N   each host expert's rows are split between N threads (default:\n"
     "                     TANDEM_MOE_CPU_THREADS if set, else the cores less 4 beside a GPU,\n"
@@ -81,7 +85,7 @@ static const char moe_help[] =
 typedef struct moe_opts {
   const char *preset, *device, *trace;
   long layers, tokens, ubatch, decode, slots, depth, seed;
-  double skew, locality, budget_pct;
+  double skew, locality, budget_pct, host_share;
   size_t budget_bytes;
   long host_queues, host_threads;
   int policy, serialized_only, check, json, predict, placement;
@@ -118,7 +122,7 @@ enum {
   OPT_PRESET = TOOL_OPT_LONG, OPT_DEVICE, OPT_LAYERS, OPT_TOKENS, OPT_UBATCH, OPT_DECODE,
   OPT_BUDGET, OPT_POLICY, OPT_SLOTS, OPT_DEPTH, OPT_SKEW, OPT_LOCALITY, OPT_SEED, OPT_PREDICT,
   OPT_NO_OVERLAP, OPT_NO_CHECK, OPT_JSON, OPT_TRACE, OPT_PLACEMENT, OPT_HOST_QUEUES,
-  OPT_HOST_THREADS
+  OPT_HOST_THREADS, OPT_HOST_SHARE
 };
 
 static const struct option moe_options[] = {
@@ -143,6 +147,7 @@ static const struct option moe_options[] = {
     {"placement", required_argument, NULL, OPT_PLACEMENT},
     {"host-queues", required_argument, NULL, OPT_HOST_QUEUES},
     {"host-threads", required_argument, NULL, OPT_HOST_THREADS},
+    {"host-share", required_argument, NULL, OPT_HOST_SHARE},
     {"help", no_argument, NULL, 'h'},
     {NULL, 0, NULL, 0},
 };
@@ -182,6 +187,10 @@ static int parse_option(int c, const char *v, moe_opts *o) {
     case OPT_HOST_QUEUES: return tool_parse_count(cmd, "--host-queues", v, 256, &o->host_queues);
     case OPT_HOST_THREADS:
       return tool_parse_count(cmd, "--host-threads", v, 256, &o->host_threads);
+    case OPT_HOST_SHARE:
+      if (parse_double(v, 0, 1, &o->host_share) || o->host_share == 0)
+        return USAGE("--host-share wants a number in (0, 1], not '%s'", v);
+      return 0;
     case OPT_PLACEMENT:
       if (strcmp(v, "auto") == 0) o->placement = TDM_MOE_PLACE_AUTO;
       else if (strcmp(v, "device") == 0) o->placement = TDM_MOE_PLACE_DEVICE;
@@ -216,6 +225,8 @@ static int parse(int argc, char **argv, moe_opts *o) {
     return USAGE("unknown preset '%s' (one of: %s)", o->preset, list);
   }
   if (!o->ubatch) o->ubatch = o->tokens < 2048 ? o->tokens : 2048;
+  if (o->host_share > 0 && o->placement != TDM_MOE_PLACE_AUTO)
+    return USAGE("--host-share applies to --placement auto only");
   return 0;
 }
 
@@ -426,7 +437,8 @@ static int session_setup(session *s) {
                             .policy = o->policy, .predict = o->predict != 0,
                             .placement = (tdm_moe_placement)o->placement,
                             .host_queues = (int)o->host_queues,
-                            .host_threads = (int)o->host_threads};
+                            .host_threads = (int)o->host_threads,
+                            .host_share = o->host_share};
   s->H = (size_t)s->p->hidden;
   s->total = (size_t)(o->tokens + o->decode);
   s->x = malloc(((size_t)o->ubatch + o->decode) * s->H * sizeof *s->x);
@@ -446,6 +458,7 @@ static void run_reference(session *s) {
   tdm_moe_model *m = NULL;
   cfg.all_resident = true;
   cfg.placement = TDM_MOE_PLACE_DEVICE; /* the reference computes everything on the device */
+  cfg.host_share = 0;
   int rc = tdm_moe_model_create(&cfg, &m);
   if (!rc) {
     rc = do_run(m, &s->o, (int)s->H, true, "all resident", true, s->x, s->yref,
@@ -678,6 +691,7 @@ static int print_json(const session *s, const figures *f) {
   bu_json_double(&j, "link_gbs_shared", s->place.link_gbs_shared, 3);
   bu_json_double(&j, "host_gbs_shared", s->place.host_gbs_shared, 3);
   bu_json_double(&j, "host_share", s->place.host_share, 4);
+  bu_json_double(&j, "host_share_model", s->place.host_share_model, 4);
   bu_json_double(&j, "host_tolerance", HOST_TOL, -6);
   bu_json_array(&j, "runs");
   for (int i = 0; i < s->nruns; i++) json_run(&j, &s->runs[i], o->decode);
@@ -718,6 +732,15 @@ static void print_runs(const session *s) {
   printf("  link       %.2f GB/s peak (one large pinned copy, this process)\n", s->peak);
   if (s->place.placement == TDM_MOE_PLACE_DEVICE)
     printf("  placement  device: every routed expert is computed on the device\n\n");
+  else if (s->o.host_share > 0)
+    printf("  placement  %s: %d host queues, %d threads; calibrated link %.2f GB/s, host %.2f GB/s of "
+           "expert weights alone,\n             %.2f and %.2f GB/s at once; host share %.2f of a "
+           "layer's non-resident experts,\n             as given (the cost model's: %.2f, less "
+           "%.1f us of join)\n\n",
+           placement_name(s->place.placement), s->place.host_queues, s->place.host_threads,
+           s->place.link_gbs, s->place.host_gbs, s->place.link_gbs_shared,
+           s->place.host_gbs_shared, s->place.host_share, s->place.host_share_model,
+           s->place.host_join_us);
   else
     printf("  placement  %s: %d host queues, %d threads; calibrated link %.2f GB/s, host %.2f GB/s of "
            "expert weights alone,\n             %.2f and %.2f GB/s at once; host share %.2f of a "

@@ -78,6 +78,11 @@ typedef struct tdm_moe_config {
                               them preempts a thread in the middle of an expert; at least 1).
                               The CPU table's pool is one per process: a model sizes it only
                               when no other user has it running */
+  double host_share;       /* AUTO: the share of a layer's non-resident experts to compute on
+                              the host, in (0, 1], taken as given (rounded; no join is
+                              subtracted); 0: the cost model's (tdm_moe_placement_info). The
+                              model is calibrated either way, and reports what it would have
+                              chosen. Outside [0, 1], or set under DEVICE or HOST: TDM_EINVAL */
 } tdm_moe_config;
 
 typedef struct tdm_moe_model tdm_moe_model;
@@ -152,7 +157,8 @@ typedef struct tdm_moe_placement_info {
   int host_queues;        /* the queues host experts run on (the configured 0 resolved) */
   double link_gbs;        /* GB/s of expert-sized copies to the device, alone */
   double host_gbs;        /* GB/s of expert weights the host computes, alone */
-  double host_share;      /* in [0, 1] */
+  double host_share;      /* in [0, 1]: the share AUTO uses (the configuration's, if given) */
+  double host_share_model; /* the cost model's share, whether or not it is the one used */
   double link_gbs_shared; /* the link's GB/s while the host computes experts */
   double host_gbs_shared; /* the host's GB/s while the link copies experts */
   int host_threads;       /* the pool's threads that split each host expert (the caller among

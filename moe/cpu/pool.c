@@ -10,7 +10,7 @@
  * Jobs come in bursts (an expert is two jobs with a few microseconds between them, and a layer's
  * host experts follow each other), and waking a sleeping thread costs tens of microseconds
  * against a few hundred for a whole job. So a thread that finds nothing to do, and a caller
- * waiting for its last chunks, first spin for SPIN_NS on an atomic that mirrors what they wait
+ * waiting for its last chunks, first spin for a while (spin_ns) on an atomic that mirrors what they wait
  * for, and only then sleep on the condition variable.
  *
  * Size: what the first pool_acquire() asks for (pool_default_size() for a CPU op state's),
@@ -31,7 +31,12 @@
 #include <unistd.h>
 
 enum { POOL_MAX = 256 };
-#define SPIN_NS 50000L
+/* How long an idle thread, and a caller waiting for its last chunks, spin before sleeping:
+ * TANDEM_MOE_CPU_SPIN_US microseconds (0: sleep at once), read when the pool starts;
+ * SPIN_NS_DEFAULT otherwise. */
+#define SPIN_NS_DEFAULT 50000L
+#define SPIN_US_MAX 100000L
+static long spin_ns = SPIN_NS_DEFAULT;
 
 typedef struct job {
   pool_fn fn;
@@ -95,10 +100,10 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Spins for at most SPIN_NS until *flag holds (true) or *count reaches n; without the lock.
+/* Spins for at most spin_ns until *flag holds (true) or *count reaches n; without the lock.
  * Says whether it did: either way the caller checks again under the lock. */
 static bool spin_until(const atomic_bool *flag, const atomic_size_t *count, size_t n) {
-  long end = now_ns() + SPIN_NS;
+  long end = now_ns() + spin_ns;
   for (unsigned i = 1;; i++) {
     if (flag ? atomic_load_explicit(flag, memory_order_relaxed)
              : atomic_load_explicit(count, memory_order_acquire) >= n)
@@ -147,11 +152,21 @@ int pool_default_size(int reserve) {
   return n < 1 ? 1 : n > POOL_MAX ? POOL_MAX : (int)n;
 }
 
+/* TANDEM_MOE_CPU_SPIN_US if it is a count of microseconds up to SPIN_US_MAX, else the default. */
+static long spin_default(void) {
+  const char *env = getenv("TANDEM_MOE_CPU_SPIN_US");
+  if (!env || !*env) return SPIN_NS_DEFAULT;
+  char *end;
+  long us = strtol(env, &end, 10);
+  return *end || us < 0 || us > SPIN_US_MAX ? SPIN_NS_DEFAULT : us * 1000L;
+}
+
 void pool_acquire(int threads) {
   pthread_mutex_lock(&pool.life);
   pthread_mutex_lock(&pool.mu);
   if (pool.users++ == 0) {
     pool.stop = false;
+    spin_ns = spin_default();
     int want = (threads < 1 ? 1 : threads > POOL_MAX ? POOL_MAX : threads) - 1;
     for (pool.nth = 0; pool.nth < want; pool.nth++)
       if (pthread_create(&pool.th[pool.nth], NULL, worker, (void *)(intptr_t)(pool.nth + 1)))

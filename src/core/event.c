@@ -152,16 +152,16 @@ int tdm__event_on_complete(tdm__event *ev, tdm__waiter *w) {
   return done;
 }
 
-/* How long a waiter polls before it sleeps: a completion that comes within a few tens of
- * microseconds (a short copy, a sync right after small work) then costs no wake-up. It yields
- * between polls, so a completing thread that shares its CPU runs rather than waits. */
-#define TDM__SPIN_NS 20000u
+/* A waiter polls for TANDEM_SPIN_US (20 by default) before it sleeps: a completion that comes
+ * within a few tens of microseconds (a short copy, a sync right after small work) then costs
+ * no wake-up. It yields between polls, so a completing thread that shares its CPU runs rather
+ * than waits. */
 
 int tdm__event_wait_raw(tdm__event *ev) {
   if (!atomic_load_explicit(&ev->done, memory_order_acquire)) {
     tdm__queue *q = ev->q;
     tdm__exec_kick(q);
-    uint64_t until = tdm__now_ns() + TDM__SPIN_NS;
+    uint64_t until = tdm__now_ns() + (uint64_t)tdm__g.opts.spin_us * 1000u;
     do {
       if (atomic_load_explicit(&ev->done, memory_order_acquire)) return ev->status;
       sched_yield();

@@ -85,6 +85,7 @@ typedef struct tdm__options {
   char backends[128];     /* TANDEM_BACKENDS: comma-separated allow list, empty = all */
   char trace[512];        /* TANDEM_TRACE: Chrome trace file written at the last shutdown */
   long exit_wait_ms;      /* TANDEM_EXIT_WAIT_MS */
+  long spin_us;           /* TANDEM_SPIN_US */
 } tdm__options;
 void tdm__options_load(tdm__options *o);
 long tdm__option_long(const char *name, long def);

@@ -42,6 +42,8 @@ static const opt_def opt_table[] = {
      "file to write a Chrome trace of every command to, at the last shutdown"},
     {"TANDEM_EXIT_WAIT_MS", OPT_LONG, 2000, 0, 600000, OFF(exit_wait_ms), 0,
      "returning from main without tdm_shutdown: ms to wait for submitted work first"},
+    {"TANDEM_SPIN_US", OPT_LONG, 20, 0, 100000, OFF(spin_us), 0,
+     "us a host wait, and a CPU queue's idle worker, poll before they sleep"},
     {"TANDEM_BACKENDS", OPT_STRING, 0, 0, 0, OFF(backends), sizeof(((tdm__options *)0)->backends),
      "comma-separated backends to load (cpu,opencl,cuda); all when unset"},
 };

@@ -40,6 +40,9 @@ int tdm__cpu_stream_new(tdm_cpu_stream **out) {
     free(s);
     return TDM_ENOMEM;
   }
+  /* Host tasks come in bursts (a layer's host experts, say): between them the worker polls
+   * for TANDEM_SPIN_US before it sleeps (0 before the first init: it sleeps at once). */
+  s->wq.spin_ns = tdm__option_long("TANDEM_SPIN_US", 0) * 1000L;
   if (tdm__workq_start(&s->wq)) {
     tdm__workq_fini(&s->wq);
     free(s);

@@ -2,6 +2,8 @@
 #include "util/workq.h"
 
 #include <sched.h>
+#include <stdint.h>
+#include <time.h>
 
 int tdm__workq_init(tdm__workq *wq, tdm__workq_run_fn run, tdm__workq_idle_fn idle, void *ctx) {
   int e = pthread_mutex_init(&wq->mu, NULL);
@@ -20,6 +22,8 @@ int tdm__workq_init(tdm__workq *wq, tdm__workq_run_fn run, tdm__workq_idle_fn id
   wq->idle = idle;
   wq->ctx = ctx;
   wq->running = false;
+  wq->spin_ns = 0;
+  atomic_init(&wq->queued, false);
   return 0;
 }
 
@@ -52,6 +56,27 @@ static void append(tdm__workq *wq, tdm__workq_item *item) {
   else
     wq->head = item;
   wq->tail = item;
+  atomic_store_explicit(&wq->queued, true, memory_order_relaxed);
+}
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Polls, without the lock, until an item is queued or spin_ns have passed; the caller looks
+ * again under the lock either way. */
+static void poll_queued(tdm__workq *wq) {
+  uint64_t end = now_ns() + (uint64_t)wq->spin_ns;
+  for (unsigned i = 1; !atomic_load_explicit(&wq->queued, memory_order_relaxed); i++) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+    if (i % 64 == 0 && now_ns() > end) return;
+  }
 }
 
 void tdm__workq_push(tdm__workq *wq, tdm__workq_item *item, bool wake) {
@@ -101,6 +126,12 @@ void tdm__workq_serve(tdm__workq *wq) {
         if (did || wq->head) continue;
       }
       if (wq->stop && wq->expected == 0) break; /* stopped and drained */
+      if (wq->spin_ns > 0 && !wq->stop) {
+        pthread_mutex_unlock(&wq->mu);
+        poll_queued(wq);
+        pthread_mutex_lock(&wq->mu);
+        if (wq->head || wq->stop) continue; /* a stop's broadcast found no sleeper */
+      }
       wq->unsignaled = 0;
       wq->sleepers++;
       pthread_cond_wait(&wq->cv, &wq->mu);
@@ -109,7 +140,10 @@ void tdm__workq_serve(tdm__workq *wq) {
     }
     tdm__workq_item *it = wq->head;
     wq->head = it->next;
-    if (!wq->head) wq->tail = NULL;
+    if (!wq->head) {
+      wq->tail = NULL;
+      atomic_store_explicit(&wq->queued, false, memory_order_relaxed);
+    }
     pthread_mutex_unlock(&wq->mu);
     wq->run(wq, it);
     pthread_mutex_lock(&wq->mu);
@@ -125,6 +159,7 @@ static void *serve_main(void *arg) {
 int tdm__workq_start(tdm__workq *wq) {
   pthread_mutex_lock(&wq->mu);
   wq->head = wq->tail = NULL;
+  atomic_store_explicit(&wq->queued, false, memory_order_relaxed);
   wq->stop = false;
   wq->unsignaled = 0;
   wq->expected = 0;

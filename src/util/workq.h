@@ -22,9 +22,11 @@
  *   others sleep on. tdm__workq_kick wakes a server if items are queued. A wake-up is a
  *   condition signal made after the lock is let go (a woken thread sharing the CPU does not
  *   block on its waker's lock at once) and only when a server sleeps: no lost wake-up (the
- *   sleeper count is read under the lock it sleeps on) and no needless signal. The workq
- *   itself never spins; an idle function that returns true keeps its thread awake (the CUDA
- *   notifier polls events that way).
+ *   sleeper count is read under the lock it sleeps on) and no needless signal. A server that
+ *   finds nothing to do polls for spin_ns (0 unless its owner sets it before the start) before
+ *   it sleeps, so work that comes in bursts (a host queue's tasks, a few hundred microseconds
+ *   apart) is not held up by a wake-up each time; an idle function that returns true keeps its
+ *   thread awake too (the CUDA notifier polls events that way).
  * - Stop: tdm__workq_stop (or _close, for threads the caller started) lets the servers run
  *   every item already pushed, and any pushed while they drain, and leaves once the FIFO is
  *   empty and every item announced with tdm__workq_expect has come and run.
@@ -68,6 +70,8 @@ struct tdm__workq {
   tdm__workq_idle_fn idle;      /* optional */
   void *ctx;                    /* the owner's, for run and idle */
   bool running;                 /* tdm__workq_start's thread is up; the owner's to read */
+  long spin_ns;                 /* an idle server polls this long before it sleeps */
+  atomic_bool queued;           /* head != NULL, for polling servers (written under mu) */
   pthread_t thread;
 };
 
