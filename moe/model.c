@@ -77,7 +77,8 @@ struct tdm_moe_model {
   /* per ubatch (device) */
   int maxT;
   float *x, *xn, *out, *wts, *out_shared, *ones;
-  int32_t *idx, *rows, *slots, *iota, *pidx; /* pidx: the predictor's routing */
+  int32_t *idx, *rows, *slots, *iota, *pidx; /* pidx: the predictor's routing, pdepth layers */
+  int pdepth;                 /* layers the look-ahead predicts (0: no predictor) */
   float *pwts;
   void *ws;
   size_t ws_bytes;
@@ -272,10 +273,12 @@ static int setup_buffers(tdm_moe_model *m) {
   if (!rc && (!(m->scratch = malloc((size_t)m->E * 3 * sizeof *m->scratch)) ||
               !(m->fill = malloc((size_t)m->E * sizeof *m->fill))))
     rc = tdm_set_error(TDM_ENOMEM, 0, "no memory");
-  if (!rc && m->cfg.predict) {
-    rc = dev_alloc(m, tk * sizeof(int32_t), &m->pidx);
+  if (!rc && m->pdepth) {
+    size_t ptk = (size_t)m->pdepth * tk;
+    rc = dev_alloc(m, ptk * sizeof(int32_t), &m->pidx);
     if (!rc) rc = dev_alloc(m, tk * sizeof(float), &m->pwts);
-    if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, tk * sizeof(int32_t), (void **)&m->pidx_h);
+    if (!rc)
+      rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, ptk * sizeof(int32_t), (void **)&m->pidx_h);
   }
   if (!rc && m->p.shared) {
     rc = dev_alloc(m, th, &m->out_shared);
@@ -722,8 +725,12 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   m->I = m->p.ffn;
   m->ebytes = tdm_moe_expert_bytes(&m->p);
   m->maxT = cfg->max_tokens;
+  m->pdepth = !cfg->predict ? 0 : cfg->predict_depth > 0 ? cfg->predict_depth : 1;
   int rc = 0;
-  if (cfg->budget_bytes && cfg->budget_bytes < m->ebytes && !cfg->all_resident)
+  if (cfg->predict_depth < 0 || cfg->predict_depth > TDM_MOE_PREDICT_DEPTH_MAX)
+    rc = tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: a predict depth of %d (0 to %d)",
+                       cfg->predict_depth, TDM_MOE_PREDICT_DEPTH_MAX);
+  if (!rc && cfg->budget_bytes && cfg->budget_bytes < m->ebytes && !cfg->all_resident)
     rc = tdm_set_error(TDM_EINVAL, 0, "a device budget of %zu bytes cannot hold one %zu-byte "
                        "expert of %s", cfg->budget_bytes, m->ebytes, m->p.name);
   size_t host = tdm_moe_host_bytes(&m->p, m->L);
@@ -850,13 +857,19 @@ static int layer_route(tdm_moe_model *m, int l, int T, tdm_moe_pass_stats *st, i
   if ((rc = tdm_memcpy(m->q, m->idx_h, m->idx, (size_t)T * k * sizeof(int32_t), TDM_COPY_D2H, 0,
                        NULL, &routed)))
     return rc;
-  /* The predictor goes behind the routing's copy: the host waits for the routing alone. */
-  if (m->cfg.predict && l + 1 < m->L &&
-      ((rc = ops->router(os, m->q, m->xn, m->router + (size_t)(l + 1) * E * H,
-                         m->bias + (size_t)(l + 1) * E, T, H, E, k, m->p.renorm, m->pidx,
-                         m->pwts)) ||
-       (rc = tdm_memcpy(m->q, m->pidx_h, m->pidx, (size_t)T * k * sizeof(int32_t),
-                        TDM_COPY_D2H, 0, NULL, predicted)))) {
+  /* The predictor goes behind the routing's copy: the host waits for the routing alone. It
+   * routes this layer's input through the routers of the next pdepth layers (as far as there
+   * are any), into pidx one layer after the other, and copies them back at once. */
+  int nd = m->L - 1 - l < m->pdepth ? m->L - 1 - l : m->pdepth;
+  size_t tk = (size_t)T * k;
+  for (int d = 1; !rc && d <= nd; d++)
+    rc = ops->router(os, m->q, m->xn, m->router + (size_t)(l + d) * E * H,
+                     m->bias + (size_t)(l + d) * E, T, H, E, k, m->p.renorm,
+                     m->pidx + (d - 1) * tk, m->pwts);
+  if (!rc && nd > 0)
+    rc = tdm_memcpy(m->q, m->pidx_h, m->pidx, nd * tk * sizeof(int32_t), TDM_COPY_D2H, 0, NULL,
+                    predicted);
+  if (rc) {
     tdm_event_release(routed);
     return rc;
   }
@@ -1121,8 +1134,9 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
   return rc;
 }
 
-/* The next layer's experts, streamed ahead while this layer finishes: the predicted ones, each
- * once (the serialized baseline copies nothing ahead); or, in prefill (a ubatch that touched
+/* The next layers' experts, streamed ahead while this layer finishes: the predicted ones of the
+ * next pdepth layers, each once, layer by layer (the serialized baseline copies nothing
+ * ahead); or, in prefill (a ubatch that touched
  * n of this layer's experts, nearly all), the next layer's most popular ones, into the staging
  * slots this layer frees while its last experts compute and its routing travels. */
 /* Prefetches order[0..n) of layer l, where a small ubatch places experts on the host: then
@@ -1146,11 +1160,17 @@ static int layer_lookahead(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe
     st->wait_seconds += now_s() - p0;
     tdm_event_release(predicted);
     if (rc) return rc;
-    int np = 0;
-    memset(count, 0, (size_t)E * sizeof *count);
-    for (int i = 0; overlap && i < T * k; i++)
-      if (!count[m->pidx_h[i]]++) order[np++] = m->pidx_h[i];
-    return lookahead_prefetch(m, l + 1, T, order, np);
+    /* The predicted layers in order, so that their copies queue in the order they are needed. */
+    int nd = m->L - 1 - l < m->pdepth ? m->L - 1 - l : m->pdepth;
+    for (int d = 1; overlap && d <= nd; d++) {
+      const int32_t *p = m->pidx_h + (size_t)(d - 1) * T * k;
+      int np = 0;
+      memset(count, 0, (size_t)E * sizeof *count);
+      for (int i = 0; i < T * k; i++)
+        if (!count[p[i]]++) order[np++] = p[i];
+      if ((rc = lookahead_prefetch(m, l + d, T, order, np))) return rc;
+    }
+    return 0;
   }
   if (overlap && l + 1 < m->L && n >= E - E / 8) {
     for (int e = 0; e < E; e++) order[m->rank[(size_t)(l + 1) * E + e]] = e;

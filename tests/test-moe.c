@@ -350,7 +350,8 @@ static tdm_moe_model *make_model(tdm_device *dev, const tdm_moe_config *base, bo
 }
 
 /* The streamed output is bitwise equal to the all-resident output on the same backend: same
- * kernels, deterministic reductions, whatever the budget, slots, policy and overlap. Three
+ * kernels, deterministic reductions, whatever the budget, slots, policy, overlap and (under
+ * LRU, with the predictor) how many layers the look-ahead predicts: 1, 2 or 3. Three
  * sizes of ubatch: 48 tokens (a GEMM per expert), then 5 and decode's 1 (experts in groups;
  * all resident, the routing stays on the device, which a budget of every expert also gives). */
 TEST_CASE(streamed_equals_resident) {
@@ -384,7 +385,9 @@ TEST_CASE(streamed_equals_resident) {
   for (int pol = 0; pol < 2; pol++)
     for (size_t b = 0; b < sizeof budgets / sizeof budgets[0]; b++)
       for (size_t sl = 0; sl < sizeof slots / sizeof slots[0]; sl++) {
-        m = make_model(dev, &base, false, budgets[b], slots[sl], pol ? TDM_CACHE_LRU : TDM_CACHE_STATIC);
+        tdm_moe_config c = base;
+        c.predict_depth = (int)sl + 1;
+        m = make_model(dev, &c, false, budgets[b], slots[sl], pol ? TDM_CACHE_LRU : TDM_CACHE_STATIC);
         for (int ov = 0; ov < 2; ov++) {
           memset(y, 0xff, (T + DECODE) * H * sizeof *y);
           CHECK_OK(tdm_moe_forward(m, x, y, T, ov, &st));
@@ -394,9 +397,9 @@ TEST_CASE(streamed_equals_resident) {
           for (int t = 0; t < DECODE; t++)
             CHECK_OK(tdm_moe_forward(m, x + (T + t) * H, y + (T + t) * H, 1, ov, &st));
           long at = th_first_diff(y, ref, (T + DECODE) * H * sizeof *y);
-          CHECK_MSG(at < 0, "policy %s, budget %zu, %d slots, overlap %d: output differs from "
-                    "the all-resident output at byte %ld", pol ? "lru" : "static", budgets[b],
-                    slots[sl], ov, at);
+          CHECK_MSG(at < 0, "policy %s, budget %zu, %d slots, overlap %d, predict depth %d: "
+                    "output differs from the all-resident output at byte %ld",
+                    pol ? "lru" : "static", budgets[b], slots[sl], ov, c.predict_depth, at);
         }
         tdm_moe_model_destroy(m);
       }
@@ -697,6 +700,17 @@ TEST_CASE(moe_bad_input) {
   c.preset = p;
   c.max_tokens = 0;
   CHECK_RC(tdm_moe_model_create(&c, &m), TDM_EINVAL);
+  /* A predict depth below 0 or above the most. */
+  c.max_tokens = 8;
+  c.predict = true;
+  const int depths[] = {-1, TDM_MOE_PREDICT_DEPTH_MAX + 1};
+  for (int i = 0; i < 2; i++) {
+    c.predict_depth = depths[i];
+    CHECK_RC(tdm_moe_model_create(&c, &m), TDM_EINVAL);
+    CHECK(strstr(tdm_last_error(), "predict depth") != NULL);
+  }
+  c.predict = false;
+  c.predict_depth = 0;
   /* Placement: negative host queues, a placement that does not exist, a host device that is
    * not a CPU device (any other device present). */
   c.max_tokens = 8;

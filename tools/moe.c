@@ -25,6 +25,7 @@ static const char moe_help[] =
     "usage: tandem moe [--preset P] [--device D] [--layers N] [--tokens T] [--ubatch U]\n"
     "                  [--decode N] [--device-budget B] [--cache-policy static|lru] [--slots N]\n"
     "                  [--prefetch-depth N] [--skew S] [--locality R] [--seed N] [--predict]\n"
+    "                  [--predict-depth D]\n"
     "                  [--placement auto|device|host] [--host-share S] [--host-queues N]\n"
     "                  [--host-threads N]\n"
     "                  [--no-overlap] [--no-check] [--json] [--trace FILE]\n"
@@ -63,6 +64,9 @@ static const char moe_help[] =
     "  --seed N           weights and inputs (default 1)\n"
     "  --predict          look ahead: layer L+1's router on layer L's input picks experts to\n"
     "                     prefetch while layer L computes (decode)\n"
+    "  --predict-depth D  with --predict (which it implies), predict layers L+1 .. L+D from\n"
+    "                     layer L's input and prefetch their experts in layer order, so\n"
+    "                     copies stay queued while the host computes (default 1, at most 16)\n"
     "  --placement P      where a decode-sized ubatch (32 tokens at most) computes its routed\n"
     "                     experts that are neither on the device nor on their way: device\n"
     "                     copies them there; host computes them all on the host CPU from\n"
@@ -87,7 +91,7 @@ typedef struct moe_opts {
   long layers, tokens, ubatch, decode, slots, depth, seed;
   double skew, locality, budget_pct, host_share;
   size_t budget_bytes;
-  long host_queues, host_threads;
+  long host_queues, host_threads, predict_depth;
   int policy, serialized_only, check, json, predict, placement;
 } moe_opts;
 
@@ -122,7 +126,7 @@ enum {
   OPT_PRESET = TOOL_OPT_LONG, OPT_DEVICE, OPT_LAYERS, OPT_TOKENS, OPT_UBATCH, OPT_DECODE,
   OPT_BUDGET, OPT_POLICY, OPT_SLOTS, OPT_DEPTH, OPT_SKEW, OPT_LOCALITY, OPT_SEED, OPT_PREDICT,
   OPT_NO_OVERLAP, OPT_NO_CHECK, OPT_JSON, OPT_TRACE, OPT_PLACEMENT, OPT_HOST_QUEUES,
-  OPT_HOST_THREADS, OPT_HOST_SHARE
+  OPT_HOST_THREADS, OPT_HOST_SHARE, OPT_PREDICT_DEPTH
 };
 
 static const struct option moe_options[] = {
@@ -140,6 +144,7 @@ static const struct option moe_options[] = {
     {"locality", required_argument, NULL, OPT_LOCALITY},
     {"seed", required_argument, NULL, OPT_SEED},
     {"predict", no_argument, NULL, OPT_PREDICT},
+    {"predict-depth", required_argument, NULL, OPT_PREDICT_DEPTH},
     {"no-overlap", no_argument, NULL, OPT_NO_OVERLAP},
     {"no-check", no_argument, NULL, OPT_NO_CHECK},
     {"json", no_argument, NULL, OPT_JSON},
@@ -163,6 +168,10 @@ static int parse_option(int c, const char *v, moe_opts *o) {
     case OPT_NO_OVERLAP: o->serialized_only = 1; return 0;
     case OPT_NO_CHECK: o->check = 0; return 0;
     case OPT_PREDICT: o->predict = 1; return 0;
+    case OPT_PREDICT_DEPTH:
+      o->predict = 1;
+      return tool_parse_count(cmd, "--predict-depth", v, TDM_MOE_PREDICT_DEPTH_MAX,
+                              &o->predict_depth);
     case OPT_LAYERS: return tool_parse_count(cmd, "--layers", v, 1000, &o->layers);
     case OPT_TOKENS: return tool_parse_count(cmd, "--tokens", v, 1 << 20, &o->tokens);
     case OPT_UBATCH: return tool_parse_count(cmd, "--ubatch", v, 1 << 16, &o->ubatch);
@@ -435,6 +444,7 @@ static int session_setup(session *s) {
                             .max_tokens = (int)o->ubatch, .budget_bytes = s->budget,
                             .staging_slots = (int)o->slots, .prefetch_depth = (int)o->depth,
                             .policy = o->policy, .predict = o->predict != 0,
+                            .predict_depth = (int)o->predict_depth,
                             .placement = (tdm_moe_placement)o->placement,
                             .host_queues = (int)o->host_queues,
                             .host_threads = (int)o->host_threads,
@@ -676,6 +686,7 @@ static int print_json(const session *s, const figures *f) {
   bu_json_double(&j, "locality", o->locality, -6);
   bu_json_string(&j, "policy", o->policy == TDM_CACHE_LRU ? "lru" : "static");
   bu_json_bool(&j, "predict", o->predict);
+  bu_json_int(&j, "predict_depth", o->predict ? (o->predict_depth ? (int)o->predict_depth : 1) : 0);
   bu_json_uint(&j, "budget_bytes", s->budget);
   bu_json_int(&j, "staging_slots", s->ss.staging_slots);
   bu_json_int(&j, "resident_slots", s->ss.resident_slots);

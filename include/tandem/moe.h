@@ -60,6 +60,10 @@ typedef struct tdm_moe_config {
   bool predict;            /* look ahead: layer L+1's router applied to layer L's input picks
                               experts to prefetch while layer L computes (right or wrong, the
                               output is the same: misses are fetched on demand) */
+  int predict_depth;       /* with predict: layers L+1 .. L+depth are predicted from layer L's
+                              input, and their experts prefetched in layer order, so the copy
+                              queue has work queued across the host's part of each layer
+                              (0: 1; at most TDM_MOE_PREDICT_DEPTH_MAX; negative: TDM_EINVAL) */
   /* Host placement. An expert is a host candidate when it is neither on the device nor on its
    * way there when its layer is routed; host experts run on the host device's queues, joined
    * to the compute queue by device-side waits, and are never copied (nor prefetched). */
@@ -84,6 +88,8 @@ typedef struct tdm_moe_config {
                               model is calibrated either way, and reports what it would have
                               chosen. Outside [0, 1], or set under DEVICE or HOST: TDM_EINVAL */
 } tdm_moe_config;
+
+#define TDM_MOE_PREDICT_DEPTH_MAX 16
 
 typedef struct tdm_moe_model tdm_moe_model;
 
