@@ -220,6 +220,41 @@ TEST_CASE(prefetch_depth_over_slots) {
   th_close();
 }
 
+/* A prefetched expert that was never acquired keeps its slot from later prefetches only while
+ * its layer is to come: once a later layer is acquired, the next prefetches take its slot
+ * (least recently used first) instead of being dropped. Three staging slots, no budget. */
+TEST_CASE(stale_prefetch_evicted) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  struct experts x = make_experts(dev, 2, 8, &rng);
+  tdm_streamer_config cfg = {.compute = q, .layers = 2, .experts = 8, .expert_bytes = XB,
+                             .host = x.ptrs, .budget_bytes = 0, .staging_slots = 3,
+                             .policy = TDM_CACHE_LRU, .prefetch_depth = 8};
+  tdm_streamer *s;
+  CHECK_OK(tdm_streamer_create(&cfg, &s));
+  int guess[2] = {0, 1}, next[2] = {3, 4};
+  CHECK_OK(tdm_streamer_prefetch(s, 0, guess, 2)); /* layer 0's guesses, never acquired */
+  const void *w;
+  CHECK_OK(tdm_streamer_acquire(s, 1, 2, &w, NULL)); /* layer 1: the third slot */
+  CHECK_OK(tdm_streamer_release(s, 1, 2, NULL));
+  CHECK_OK(tdm_streamer_prefetch(s, 1, next, 2));
+  tdm_streamer_stats st;
+  CHECK_OK(tdm_streamer_stats_get(s, &st));
+  CHECK_EQ((long)st.prefetches, 4L);
+  CHECK_EQ((long)st.prefetch_dropped, 0L);
+  /* The guesses are gone and layer 1's three experts are on the device. */
+  CHECK_EQ(tdm_streamer_where(s, 0, 0), TDM_EXPERT_ABSENT);
+  CHECK_EQ(tdm_streamer_where(s, 0, 1), TDM_EXPERT_ABSENT);
+  for (int e = 2; e <= 4; e++) CHECK(tdm_streamer_where(s, 1, e) != TDM_EXPERT_ABSENT);
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_streamer_destroy(s));
+  free_experts(&x);
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
 /* The compute order: staged experts first in the order of their copies, then the ones still
  * to copy in the order given, with the resident ones spread in front of them; always a
  * permutation; bad input leaves the list as it was. */

@@ -112,7 +112,10 @@ typedef enum tdm_expert_where {
  * (absent) from those already paid for (in flight or ready). */
 TDM_API int tdm_streamer_where(tdm_streamer *s, int layer, int e);
 /* Starts copying the listed experts of `layer` that are not on the device yet, on the
- * prefetch queue, up to prefetch_depth in flight; the rest are dropped (counted). */
+ * prefetch queue, up to prefetch_depth in flight; the rest are dropped (counted). A prefetched
+ * expert not acquired yet keeps its slot from later prefetches while its layer is still to
+ * come, i.e. not below the layer of the latest acquire; once a later layer has been acquired
+ * it was a wrong guess, and its slot goes back to the cache like any other. */
 TDM_API TDM_NODISCARD int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts,
                                                 int n);
 /* Orders the listed experts of `layer` for computing, in place, so that compute keeps busy

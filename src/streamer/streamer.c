@@ -15,7 +15,8 @@ typedef struct slot {
   int key;             /* -1: empty */
   int pins;            /* acquired and not yet released */
   bool fixed;          /* TDM_CACHE_STATIC's resident set: never evicted */
-  bool unused_prefetch;/* prefetched and not acquired yet: prefetches do not evict it */
+  bool unused_prefetch;/* prefetched and not acquired yet: prefetches do not evict it while
+                          its layer is still to come (not below acq_layer) */
   uint64_t last_use;
   tdm_event *ready;    /* the copy into the slot */
   /* The releases' events not known to be complete: the slot is overwritten only after all of
@@ -35,6 +36,7 @@ struct tdm_streamer {
   int *map;   /* key -> slot, or -1 */
   pthread_mutex_t mu;
   uint64_t tick;
+  int acq_layer; /* the layer of the latest acquire (0 before any) */
   tdm_event **inflight; /* prefetch copies possibly still in flight */
   int ninflight, depth;
   tdm_streamer_stats st;
@@ -106,7 +108,9 @@ static int victim(tdm_streamer *s, bool for_prefetch) {
   for (int j = 0; j < s->nevictable; j++) {
     int i = s->evictable[j];
     slot *sl = &s->slots[i];
-    if (sl->pins || (for_prefetch && sl->unused_prefetch)) continue;
+    if (sl->pins ||
+        (for_prefetch && sl->unused_prefetch && sl->key / s->cfg.experts >= s->acq_layer))
+      continue;
     if (best < 0 || sl->last_use < s->slots[best].last_use) best = i;
     if (sl->key < 0) return i;
   }
@@ -256,6 +260,7 @@ int tdm_streamer_acquire(tdm_streamer *s, int layer, int e, const void **dptr,
     } else {
       *dptr = s->base + (size_t)i * s->cfg.expert_bytes;
       sl->unused_prefetch = false;
+      s->acq_layer = layer;
       s->st.acquires++;
       if (found == MISS) {
         s->st.misses++;
