@@ -986,9 +986,10 @@ static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pas
  * host[0..*nh) in order; order keeps the device's, in order, *n of them.
  * The look-ahead (ahead: predicting layer l) places the predicted experts by the same rule and
  * marks those it leaves to the device while they are not on it: their copies start now. At
- * the layer's own placement, an expert so marked this pass whose copy has since landed still
- * counts as non-resident: else the share would be taken of fewer experts than the look-ahead
- * split, and the experts it left to the host would go back to the link. */
+ * any later placement of the layer (its own, or another look-ahead's, with a look-ahead deeper
+ * than one layer), an expert so marked this pass whose copy has since landed still counts as
+ * non-resident: else the share would be taken of fewer experts than the first split, and the
+ * experts it left to the host would go back to the link, a few more at each placement. */
 static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh,
                  int *candidates, bool ahead) {
   int ncand = 0, ninflight = 0, nlanded = 0, *where = m->hwhere;
@@ -998,7 +999,7 @@ static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh
     if ((where[i] = tdm_streamer_where(m->streamer, l, order[i])) < 0) return where[i];
     ncand += where[i] == TDM_EXPERT_ABSENT;
     ninflight += where[i] == TDM_EXPERT_INFLIGHT;
-    nlanded += !ahead && where[i] == TDM_EXPERT_READY && mark[order[i]] == m->pass;
+    nlanded += where[i] == TDM_EXPERT_READY && mark[order[i]] == m->pass;
   }
   int want = ncand;
   if (m->place.placement == TDM_MOE_PLACE_AUTO) {
