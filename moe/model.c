@@ -108,6 +108,7 @@ struct tdm_moe_model {
   int *hsel, *hwhere;         /* E: a layer's host experts; the routed experts' whereabouts */
   bool pool_held;             /* a reference to the CPU table's pool, sized for the model */
   double join_experts;        /* AUTO: the host join's round trip in experts' time (place()) */
+  double carry;               /* AUTO: what rounding left over at the last layer's placement */
   uint32_t pass;              /* tdm_moe_forward's count, for ahead */
   uint32_t *ahead;            /* L x E: the pass whose look-ahead left (l, e) to the device while
                                  not on it (its copy was then on its way or was to be made) */
@@ -981,7 +982,8 @@ static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pas
  * candidates are those neither on the device nor on their way. HOST takes every candidate;
  * AUTO takes the share the cost model gives of the layer's non-resident experts (candidates
  * and copies in flight), less the host join's round trip in experts (join_experts), so that
- * both sides finish them at about the same time, rounded, at most every candidate, and the
+ * both sides finish them at about the same time, rounded with the remainder carried from
+ * layer to layer (the look-ahead uses the carry and leaves it), at most every candidate, and the
  * last ones in the order: their copies would start last. The host's experts go to
  * host[0..*nh) in order; order keeps the device's, in order, *n of them.
  * The look-ahead (ahead: predicting layer l) places the predicted experts by the same rule and
@@ -1003,9 +1005,14 @@ static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh
   }
   int want = ncand;
   if (m->place.placement == TDM_MOE_PLACE_AUTO) {
-    want = (int)lround(m->place.host_share * (ncand + ninflight + nlanded) - m->join_experts);
+    double exact = m->place.host_share * (ncand + ninflight + nlanded) - m->join_experts;
+    want = (int)floor(exact + m->carry + 0.5);
     if (want > ncand) want = ncand;
     if (want < 0) want = 0;
+    /* What rounding gave or took is carried to the layer placed next, so that the host's
+     * part over many layers is the share, not what rounding each layer's few experts makes
+     * of it (0.52 of 4 is 2, of 5 is 3, and a run's split went with the layers' counts). */
+    if (!ahead) m->carry = fmin(1.0, fmax(-1.0, exact + m->carry - want));
   }
   /* Mark the last `want` candidates (where = -1), then split the order. */
   for (int i = *n - 1, left = want; i >= 0 && left > 0; i--)

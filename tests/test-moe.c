@@ -687,6 +687,32 @@ TEST_CASE(auto_placement) {
          pi.link_gbs_shared, pi.host_gbs_shared, (unsigned long long)host);
   CHECK(pi.host_share_model == pi.host_share);
   tdm_moe_model_destroy(m);
+  /* A share given as 0.35 without the look-ahead (so every non-resident expert is a candidate
+   * when its layer is placed): rounding each layer's few candidates alone would give the host
+   * 1 of 2, 3 or 4 (0.5, 0.33, 0.25); with the remainder carried from layer to layer the
+   * host's part of all candidates is the share, within a candidate. */
+  c.host_share = 0.35;
+  c.predict = false;
+  {
+    tdm_moe_config cn = c;
+    cn.budget_bytes = 0;
+    cn.staging_slots = 2;
+    cn.policy = TDM_CACHE_LRU;
+    tdm_moe_model *mn = NULL;
+    CHECK_OK(tdm_moe_model_create(&cn, &mn));
+    uint64_t nh = 0, nc = 0;
+    for (int rep = 0; rep < 4; rep++)
+      for (int t = 0; t < DECODE; t++) {
+        CHECK_OK(tdm_moe_forward(mn, x + t * H, y + t * H, 1, true, &st));
+        nh += st.host_experts;
+        nc += st.host_candidates;
+      }
+    CHECK_MSG(nc > 50 && fabs((double)nh - 0.35 * (double)nc) <= 1.0,
+              "share 0.35: the host took %llu of %llu candidates", (unsigned long long)nh,
+              (unsigned long long)nc);
+    tdm_moe_model_destroy(mn);
+  }
+  c.host_share = 0;
   /* A share given as 1: every candidate goes to the host, none is copied on demand, and the
    * cost model's own share is still reported. */
   c.host_share = 1.0;
