@@ -183,6 +183,9 @@ def moe(tool, device, tmp):
             raise Failed(f"{what}: {key} is {doc.get(key)!r}")
     if not 0 <= doc.get("host_share", -1) <= 1:
         raise Failed(f"{what}: host_share is {doc.get('host_share')!r}")
+    if doc.get("host_share_model") != doc.get("host_share") or doc.get("predict_depth") != 0:
+        raise Failed(f"{what}: host_share_model {doc.get('host_share_model')!r} (share "
+                     f"{doc.get('host_share')!r}), predict_depth {doc.get('predict_depth')!r}")
     for r in doc["runs"]:
         streamed = r["name"] != "all resident"
         check_found(r, "", what, host=streamed)
