@@ -1144,9 +1144,9 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
 
 /* The next layers' experts, streamed ahead while this layer finishes: the predicted ones of the
  * next pdepth layers, each once, layer by layer (the serialized baseline copies nothing
- * ahead); or, in prefill (a ubatch that touched
- * n of this layer's experts, nearly all), the next layer's most popular ones, into the staging
- * slots this layer frees while its last experts compute and its routing travels. */
+ * ahead); or, in prefill (a ubatch that touched n of this layer's experts, nearly all), the
+ * next layer's most popular ones, into the staging slots this layer frees while its last
+ * experts compute and its routing travels. */
 /* Prefetches order[0..n) of layer l, where a small ubatch places experts on the host: then
  * only those the placement would leave to the device (the same rule as the layer's own, on
  * what is known now), so that no copy is made for an expert the host will compute. */

@@ -10,8 +10,8 @@
  * Jobs come in bursts (an expert is two jobs with a few microseconds between them, and a layer's
  * host experts follow each other), and waking a sleeping thread costs tens of microseconds
  * against a few hundred for a whole job. So a thread that finds nothing to do, and a caller
- * waiting for its last chunks, first spin for a while (spin_ns) on an atomic that mirrors what they wait
- * for, and only then sleep on the condition variable.
+ * waiting for its last chunks, first spin for a while (spin_ns) on an atomic that mirrors what
+ * they wait for, and only then sleep on the condition variable.
  *
  * Size: what the first pool_acquire() asks for (pool_default_size() for a CPU op state's),
  * at most POOL_MAX; the caller is one of them, so the pool starts one thread fewer. */
