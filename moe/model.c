@@ -368,6 +368,7 @@ static int setup_streamer(tdm_moe_model *m) {
       .prefetch_depth = m->cfg.prefetch_depth > 0 ? m->cfg.prefetch_depth
                         : m->cfg.policy == TDM_CACHE_STATIC ? m->E
                                                             : 0,
+      .time_copies = m->cfg.time_link,
   };
   int rc = tdm_streamer_create(&sc, &m->streamer);
   free(resident);
@@ -1313,6 +1314,7 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   st->seconds = now_s() - t0;
   tdm_streamer_stats_get(m->streamer, &s1);
   st->bytes_copied = s1.bytes_copied - s0.bytes_copied;
+  st->link_busy_seconds = s1.link_busy_seconds - s0.link_busy_seconds;
   st->acquires = s1.acquires - s0.acquires;
   st->hits = s1.hits - s0.hits;
   st->misses = s1.misses - s0.misses;

@@ -207,6 +207,20 @@ def moe(tool, device, tmp):
     if not (isinstance(split, (int, float)) and isinstance(best, (int, float)) and
             0 < split <= best * (1 + 1e-6)):
         raise Failed(f"{what}: decode bounds {split} with this split, {best} with the best")
+    if doc.get("time_link") is not False or main.get("decode_link_busy_fraction") is not None:
+        raise Failed(f"{what}: time_link {doc.get('time_link')!r}, decode_link_busy_fraction "
+                     f"{main.get('decode_link_busy_fraction')!r} without --time-link")
+    # --time-link with every expert copied: the link had a copy on it for part of each streamed
+    # run's decode, by the device's clock (a little slack for that clock against the host's).
+    what = "moe --device-budget 0 --cache-policy lru --decode 4 --placement device --time-link"
+    doc, command = run(tool, base + [b"--device-budget", b"0", b"--cache-policy", b"lru",
+                                     b"--decode", b"4", b"--slots", b"2", b"--placement",
+                                     b"device", b"--time-link"], what)
+    check_header(doc, command, what)
+    for r in doc["runs"]:
+        f = r.get("decode_link_busy_fraction")
+        if r["name"] != "all resident" and not (isinstance(f, (int, float)) and 0 < f <= 1.05):
+            raise Failed(f"{what}: run {r['name']!r}: decode_link_busy_fraction {f!r}")
     # A trace whose path needs escaping in the command string, and is not even UTF-8.
     trace = os.path.join(os.fsencode(tmp), b'a "quoted" \\ back\tslash \xff.json')
     what = "moe --trace <a path with a quote, a backslash, a tab, a byte not UTF-8>"

@@ -255,6 +255,57 @@ TEST_CASE(stale_prefetch_evicted) {
   th_close();
 }
 
+/* time_copies: every copy is timed on the device, and link_busy_seconds is how long at least
+ * one was on the link: above 0 once copies have landed, at most the wall time around them, 0
+ * again after a reset, and 0 throughout without time_copies. Copies of 4 MiB, on demand and
+ * prefetched, so both queues carry some. */
+TEST_CASE(timed_copies) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  enum { BIG = 4 << 20, N = 6 };
+  unsigned char *host;
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, (size_t)N * BIG, (void **)&host));
+  th_fill_random(host, (size_t)N * BIG, &rng);
+  const void *ptrs[N];
+  for (int e = 0; e < N; e++) ptrs[e] = host + (size_t)e * BIG;
+  for (int timed = 0; timed < 2; timed++) {
+    tdm_streamer_config cfg = {.compute = q, .layers = 1, .experts = N, .expert_bytes = BIG,
+                               .host = ptrs, .budget_bytes = 0, .staging_slots = N,
+                               .policy = TDM_CACHE_LRU, .time_copies = timed};
+    tdm_streamer *s;
+    CHECK_OK(tdm_streamer_create(&cfg, &s));
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int pre[3] = {3, 4, 5};
+    CHECK_OK(tdm_streamer_prefetch(s, 0, pre, 3));
+    for (int e = 0; e < N; e++) {
+      const void *w;
+      CHECK_OK(tdm_streamer_acquire(s, 0, e, &w, NULL));
+      CHECK_OK(tdm_streamer_release(s, 0, e, NULL));
+    }
+    CHECK_OK(tdm_queue_sync(q));
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double wall = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
+    tdm_streamer_stats st;
+    CHECK_OK(tdm_streamer_stats_get(s, &st));
+    CHECK_EQ((long)st.bytes_copied, (long)N * BIG);
+    if (timed)
+      CHECK_MSG(st.link_busy_seconds > 0 && st.link_busy_seconds <= wall,
+                "link busy %g s of %g s", st.link_busy_seconds, wall);
+    else
+      CHECK(st.link_busy_seconds == 0);
+    CHECK_OK(tdm_streamer_stats_reset(s));
+    CHECK_OK(tdm_streamer_stats_get(s, &st));
+    CHECK(st.link_busy_seconds == 0);
+    CHECK_OK(tdm_streamer_destroy(s));
+  }
+  CHECK_OK(tdm_free(host));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
 /* The compute order: staged experts first in the order of their copies, then the ones still
  * to copy in the order given, with the resident ones spread in front of them; always a
  * permutation; bad input leaves the list as it was. */

@@ -27,7 +27,7 @@ static const char moe_help[] =
     "                  [--prefetch-depth N] [--skew S] [--locality R] [--seed N] [--predict]\n"
     "                  [--predict-depth D]\n"
     "                  [--placement auto|device|host] [--host-share S] [--host-queues N]\n"
-    "                  [--host-threads N]\n"
+    "                  [--host-threads N] [--time-link]\n"
     "                  [--no-overlap] [--no-check] [--json] [--trace FILE]\n"
     "\n"
     "Runs a stack of MoE layers, x += MoE(RMSNorm(x)), with the routed experts in pinned host\n"
@@ -80,6 +80,8 @@ static const char moe_help[] =
     "  --host-threads N   each host expert's rows are split between N threads (default:\n"
     "                     TANDEM_MOE_CPU_THREADS if set, else the cores less 4 beside a GPU,\n"
     "                     left to the threads that feed it)\n"
+    "  --time-link        time every expert copy on the device and report how long the link\n"
+    "                     was busy during decode (the copy queues then complete eagerly)\n"
     "  --no-overlap       run only the serialized pass (copy and compute alternate)\n"
     "  --no-check         skip the all-resident reference run and the bitwise check\n"
     "  --json             print JSON on stdout instead of the table\n"
@@ -92,7 +94,7 @@ typedef struct moe_opts {
   double skew, locality, budget_pct, host_share;
   size_t budget_bytes;
   long host_queues, host_threads, predict_depth;
-  int policy, serialized_only, check, json, predict, placement;
+  int policy, serialized_only, check, json, predict, placement, time_link;
 } moe_opts;
 
 static int parse_double(const char *s, double lo, double hi, double *out) {
@@ -126,7 +128,7 @@ enum {
   OPT_PRESET = TOOL_OPT_LONG, OPT_DEVICE, OPT_LAYERS, OPT_TOKENS, OPT_UBATCH, OPT_DECODE,
   OPT_BUDGET, OPT_POLICY, OPT_SLOTS, OPT_DEPTH, OPT_SKEW, OPT_LOCALITY, OPT_SEED, OPT_PREDICT,
   OPT_NO_OVERLAP, OPT_NO_CHECK, OPT_JSON, OPT_TRACE, OPT_PLACEMENT, OPT_HOST_QUEUES,
-  OPT_HOST_THREADS, OPT_HOST_SHARE, OPT_PREDICT_DEPTH
+  OPT_HOST_THREADS, OPT_HOST_SHARE, OPT_PREDICT_DEPTH, OPT_TIME_LINK
 };
 
 static const struct option moe_options[] = {
@@ -145,6 +147,7 @@ static const struct option moe_options[] = {
     {"seed", required_argument, NULL, OPT_SEED},
     {"predict", no_argument, NULL, OPT_PREDICT},
     {"predict-depth", required_argument, NULL, OPT_PREDICT_DEPTH},
+    {"time-link", no_argument, NULL, OPT_TIME_LINK},
     {"no-overlap", no_argument, NULL, OPT_NO_OVERLAP},
     {"no-check", no_argument, NULL, OPT_NO_CHECK},
     {"json", no_argument, NULL, OPT_JSON},
@@ -168,6 +171,7 @@ static int parse_option(int c, const char *v, moe_opts *o) {
     case OPT_NO_OVERLAP: o->serialized_only = 1; return 0;
     case OPT_NO_CHECK: o->check = 0; return 0;
     case OPT_PREDICT: o->predict = 1; return 0;
+    case OPT_TIME_LINK: o->time_link = 1; return 0;
     case OPT_PREDICT_DEPTH:
       o->predict = 1;
       return tool_parse_count(cmd, "--predict-depth", v, TDM_MOE_PREDICT_DEPTH_MAX,
@@ -286,6 +290,7 @@ typedef struct run {
   long experts;          /* experts computed */
   uint64_t device_routed; /* layers whose routing stayed on the device */
   double decode_seconds; /* the decode part alone */
+  double decode_link_busy; /* of which the link had a copy on it (--time-link), seconds */
   found decode;
   double *token_s;       /* each decode token's pass, seconds (o->decode of them, or NULL) */
   double token_ms[3];    /* their median, 90th percentile and maximum, ms (after the run) */
@@ -330,6 +335,7 @@ static void add_pass(run *r, const tdm_moe_pass_stats *st, bool decode) {
   add_found(&r->all, st);
   if (decode) {
     r->decode_seconds += st->seconds;
+    r->decode_link_busy += st->link_busy_seconds;
     add_found(&r->decode, st);
   }
 }
@@ -445,6 +451,7 @@ static int session_setup(session *s) {
                             .staging_slots = (int)o->slots, .prefetch_depth = (int)o->depth,
                             .policy = o->policy, .predict = o->predict != 0,
                             .predict_depth = (int)o->predict_depth,
+                            .time_link = o->time_link != 0,
                             .placement = (tdm_moe_placement)o->placement,
                             .host_queues = (int)o->host_queues,
                             .host_threads = (int)o->host_threads,
@@ -596,7 +603,7 @@ static void json_found(bu_json *j, const char *prefix, const found *f) {
 #undef KEY
 }
 
-static void json_run(bu_json *j, const run *r, long decode) {
+static void json_run(bu_json *j, const run *r, long decode, bool link_timed) {
   bu_json_object(j, NULL);
   bu_json_string(j, "name", r->name);
   bu_json_double(j, "seconds", r->seconds, 6);
@@ -618,6 +625,10 @@ static void json_run(bu_json *j, const run *r, long decode) {
   }
   bu_json_uint(j, "decode_bytes_copied", r->decode.bytes);
   bu_json_double(j, "decode_bytes_per_token", decode ? (double)r->decode.bytes / decode : 0.0, 1);
+  /* --time-link: the share of decode's time the link had a copy on it (null otherwise) */
+  bu_json_double(j, "decode_link_busy_fraction",
+                 link_timed && r->decode_seconds > 0 ? r->decode_link_busy / r->decode_seconds
+                                                     : NAN, 4);
   if (r->ok < 0) bu_json_null(j, "matches_resident");
   else bu_json_bool(j, "matches_resident", r->ok);
   if (r->check) bu_json_string(j, "check", r->check);
@@ -686,6 +697,7 @@ static int print_json(const session *s, const figures *f) {
   bu_json_double(&j, "locality", o->locality, -6);
   bu_json_string(&j, "policy", o->policy == TDM_CACHE_LRU ? "lru" : "static");
   bu_json_bool(&j, "predict", o->predict);
+  bu_json_bool(&j, "time_link", o->time_link);
   bu_json_int(&j, "predict_depth", o->predict ? (o->predict_depth ? (int)o->predict_depth : 1) : 0);
   bu_json_uint(&j, "budget_bytes", s->budget);
   bu_json_int(&j, "staging_slots", s->ss.staging_slots);
@@ -705,7 +717,7 @@ static int print_json(const session *s, const figures *f) {
   bu_json_double(&j, "host_share_model", s->place.host_share_model, 4);
   bu_json_double(&j, "host_tolerance", HOST_TOL, -6);
   bu_json_array(&j, "runs");
-  for (int i = 0; i < s->nruns; i++) json_run(&j, &s->runs[i], o->decode);
+  for (int i = 0; i < s->nruns; i++) json_run(&j, &s->runs[i], o->decode, o->time_link != 0);
   bu_json_end(&j);
   bu_json_double(&j, "link_utilization", f->link, 4);
   bu_json_double(&j, "hidden_fraction", f->hidden, 4);
@@ -791,6 +803,10 @@ static void print_decode(const session *s, const run *mr) {
            bound, (double)d->bytes / s->o.decode / 1e6);
   else
     printf("nothing copied during decode, so the link sets no bound\n");
+  if (s->o.time_link && mr->decode_seconds > 0)
+    printf("                     the link had a copy on it %.2f of the decode time (device "
+           "timestamps: %.1f GB/s while busy)\n", mr->decode_link_busy / mr->decode_seconds,
+           mr->decode_link_busy > 0 ? (double)d->bytes / mr->decode_link_busy / 1e9 : 0.0);
   if (mr->token_s)
     printf("                     a token takes %.3f ms (median), %.3f ms (90th percentile), "
            "%.3f ms at most\n", mr->token_ms[0], mr->token_ms[1], mr->token_ms[2]);

@@ -60,6 +60,8 @@ typedef struct tdm_moe_config {
   bool predict;            /* look ahead: layer L+1's router applied to layer L's input picks
                               experts to prefetch while layer L computes (right or wrong, the
                               output is the same: misses are fetched on demand) */
+  bool time_link;          /* time the streamer's copies on the device (tdm_streamer_config
+                              time_copies), for tdm_moe_pass_stats.link_busy_seconds */
   int predict_depth;       /* with predict: layers L+1 .. L+depth are predicted from layer L's
                               input, and their experts prefetched in layer order, so the copy
                               queue has work queued across the host's part of each layer
@@ -135,6 +137,8 @@ typedef struct tdm_moe_pass_stats {
   uint64_t host_candidates; /* routed experts that were neither on the device nor on their way
                                when placed (placement AUTO or HOST; 0 under DEVICE): the pool
                                host_experts was taken from */
+  double link_busy_seconds; /* time_link: how long at least one expert copy was on the link
+                               during the pass, by the device's timestamps; 0 otherwise */
 } tdm_moe_pass_stats;
 
 /* Runs every layer on a ubatch of T tokens: x (host f32 [T x H]) in, y out. overlap false makes

@@ -19,6 +19,8 @@
 #ifndef TANDEM_STREAMER_H
 #define TANDEM_STREAMER_H
 
+#include <stdbool.h>
+
 #include "../tandem.h"
 
 #ifdef __cplusplus
@@ -45,6 +47,10 @@ typedef struct tdm_streamer_config {
                                order); as many as the budget holds are loaded at creation */
   int nresident;
   int prefetch_depth;       /* prefetch copies in flight at most (0: staging_slots) */
+  bool time_copies;         /* time every copy on the device (link_busy_seconds): the copy
+                               queues are TDM_QUEUE_TIMING (which costs them lazy completion)
+                               and each copy is preceded by a timed marker, after what it
+                               waits for, so its interval is the copy's own */
 } tdm_streamer_config;
 
 /* What the acquires found. Every successful acquire counts once, in exactly one of
@@ -70,6 +76,9 @@ typedef struct tdm_streamer_stats {
   int resident_slots, staging_slots;
   int prefetch_depth;              /* prefetch copies in flight at most */
   size_t device_bytes;             /* device memory the slots take */
+  double link_busy_seconds;        /* time_copies: how long at least one copy was on the link,
+                                      by the device's timestamps, over the copies completed by
+                                      this call since the last reset; 0 otherwise */
 } tdm_streamer_stats;
 
 /* The caller owns the streamer. Creating it allocates the slots and, with TDM_CACHE_STATIC,

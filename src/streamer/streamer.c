@@ -40,6 +40,14 @@ struct tdm_streamer {
   tdm_event **inflight; /* prefetch copies possibly still in flight */
   int ninflight, depth;
   tdm_streamer_stats st;
+  /* time_copies: t0, a timed marker every interval is measured from; the copies not yet
+   * harvested (their start markers and copy events); the intervals harvested since the last
+   * reset, in ms from t0, in no particular order */
+  tdm_event *t0;
+  struct timed { tdm_event *start, *end; } *timed;
+  int ntimed, cap_timed;
+  struct span { double a, b; } *spans;
+  size_t nspans, cap_spans;
 };
 
 static void slot_clear_events(slot *sl) {
@@ -77,19 +85,104 @@ static int slot_add_free(tdm_streamer *s, slot *sl, tdm_event *ev) {
   return 0;
 }
 
+/* ---- time_copies: each copy's interval on the device, and their union ---- */
+
+/* Moves the timed copies that have completed into spans (those that failed are dropped);
+ * the others stay. With s->mu held. */
+static void harvest(tdm_streamer *s) {
+  int k = 0;
+  for (int j = 0; j < s->ntimed; j++) {
+    struct timed *t = &s->timed[j];
+    int st = tdm_event_query(t->end);
+    if (st == TDM_EAGAIN) {
+      s->timed[k++] = *t;
+      continue;
+    }
+    double a, b;
+    if (st == 0 && tdm_event_elapsed(s->t0, t->start, &a) == 0 &&
+        tdm_event_elapsed(s->t0, t->end, &b) == 0 && b >= a) {
+      if (s->nspans == s->cap_spans) {
+        size_t cap = s->cap_spans ? 2 * s->cap_spans : 256;
+        struct span *n = realloc(s->spans, cap * sizeof *n);
+        if (n) {
+          s->spans = n;
+          s->cap_spans = cap;
+        }
+      }
+      if (s->nspans < s->cap_spans) s->spans[s->nspans++] = (struct span){a, b};
+    }
+    tdm_event_release(t->start);
+    tdm_event_release(t->end);
+  }
+  s->ntimed = k;
+}
+
+static int span_cmp(const void *x, const void *y) {
+  double a = ((const struct span *)x)->a, b = ((const struct span *)y)->a;
+  return (a > b) - (a < b);
+}
+
+/* The union of the spans, in seconds. Sorts them in place. With s->mu held. */
+static double busy_seconds(tdm_streamer *s) {
+  qsort(s->spans, s->nspans, sizeof *s->spans, span_cmp);
+  double busy = 0, a = 0, b = -1;
+  for (size_t j = 0; j < s->nspans; j++) {
+    if (s->spans[j].a > b) {
+      if (b > a) busy += b - a;
+      a = s->spans[j].a;
+      b = s->spans[j].b;
+    } else if (s->spans[j].b > b) {
+      b = s->spans[j].b;
+    }
+  }
+  if (b > a) busy += b - a;
+  return busy / 1e3;
+}
+
+/* A timed copy's start marker on q, after the copy's dependencies (waited for device-side
+ * first, so that the marker and the copy come after them). With s->mu held. */
+static int timed_start(tdm_streamer *s, tdm_queue *q, tdm_event *const *deps, size_t nd,
+                       tdm_event **start) {
+  int rc = 0;
+  for (size_t j = 0; !rc && j < nd; j++) rc = tdm_queue_wait(q, deps[j]);
+  if (!rc && s->ntimed == s->cap_timed) {
+    harvest(s);
+    if (s->ntimed == s->cap_timed) {
+      int cap = s->cap_timed ? 2 * s->cap_timed : 64;
+      struct timed *n = realloc(s->timed, (size_t)cap * sizeof *n);
+      if (!n) return tdm_set_error(TDM_ENOMEM, 0, "no memory to time the streamer's copies");
+      s->timed = n;
+      s->cap_timed = cap;
+    }
+  }
+  return rc ? rc : tdm_event_record(q, start);
+}
+
 /* Copies key into slot i on queue q, after the slot's last reader; the slot is the key's. */
 static int load(tdm_streamer *s, int i, int key, tdm_queue *q) {
   slot *sl = &s->slots[i];
   /* After the slot's last reader, and after a copy into it that may still be landing (an
    * evicted prefetch on the other queue). */
-  tdm_event *deps[FREE_MAX + 1], *ready = NULL;
+  tdm_event *deps[FREE_MAX + 1], *ready = NULL, *start = NULL;
   size_t nd = 0;
   for (int j = 0; j < sl->nfree; j++) deps[nd++] = sl->free[j];
   if (sl->ready) deps[nd++] = sl->ready;
   void *dst = s->base + (size_t)i * s->cfg.expert_bytes;
-  int rc = tdm_memcpy(q, dst, s->cfg.host[key], s->cfg.expert_bytes, TDM_COPY_H2D, nd,
-                      nd ? deps : NULL, &ready);
-  if (rc) return rc;
+  int rc = 0;
+  if (s->t0) {
+    if ((rc = timed_start(s, q, deps, nd, &start))) return rc;
+    nd = 0;
+  }
+  rc = tdm_memcpy(q, dst, s->cfg.host[key], s->cfg.expert_bytes, TDM_COPY_H2D, nd,
+                  nd ? deps : NULL, &ready);
+  if (rc) {
+    if (start) tdm_event_release(start);
+    return rc;
+  }
+  if (start) {
+    tdm_event_retain(ready);
+    s->timed[s->ntimed++] = (struct timed){start, ready};
+  }
   if (sl->key >= 0) s->map[sl->key] = -1;
   slot_clear_events(sl);
   sl->key = key;
@@ -151,8 +244,10 @@ int tdm_streamer_create(const tdm_streamer_config *cfg, tdm_streamer **out) {
   rc = (!s->slots || !s->evictable || !s->map || !s->inflight)
            ? tdm_set_error(TDM_ENOMEM, 0, "no memory for the streamer's tables")
            : 0;
-  if (!rc) rc = tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &s->demand);
-  if (!rc) rc = tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &s->prefetch);
+  unsigned qflags = TDM_QUEUE_IN_ORDER | (cfg->time_copies ? TDM_QUEUE_TIMING : 0);
+  if (!rc) rc = tdm_queue_create(dev, qflags, &s->demand);
+  if (!rc) rc = tdm_queue_create(dev, qflags, &s->prefetch);
+  if (!rc && cfg->time_copies) rc = tdm_event_record(s->prefetch, &s->t0);
   if (!rc &&
       (rc = tdm_malloc(dev, TDM_MEM_DEVICE, (size_t)s->nslots * cfg->expert_bytes, (void **)&s->base)))
     tdm_set_error(rc, 0, "%d expert slots of %zu bytes (%d resident + %d staging) do not fit: %s",
@@ -193,6 +288,13 @@ int tdm_streamer_destroy(tdm_streamer *s) {
   if (s->prefetch) tdm_queue_sync(s->prefetch);
   for (int i = 0; s->slots && i < s->nslots; i++) slot_clear_events(&s->slots[i]);
   for (int i = 0; i < s->ninflight; i++) tdm_event_release(s->inflight[i]);
+  for (int i = 0; i < s->ntimed; i++) {
+    tdm_event_release(s->timed[i].start);
+    tdm_event_release(s->timed[i].end);
+  }
+  if (s->t0) tdm_event_release(s->t0);
+  free(s->timed);
+  free(s->spans);
   if (s->base) {
     /* Readers on the compute queue may still run: free in its order. */
     if (tdm_free_async(s->cfg.compute, s->base, 0, NULL, NULL)) tdm_free(s->base);
@@ -431,6 +533,10 @@ int tdm_streamer_queues(tdm_streamer *s, tdm_queue **demand, tdm_queue **prefetc
 int tdm_streamer_stats_get(tdm_streamer *s, tdm_streamer_stats *out) {
   if (!s || !out) return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_stats_get: s or out is NULL");
   pthread_mutex_lock(&s->mu);
+  if (s->t0) {
+    harvest(s);
+    s->st.link_busy_seconds = busy_seconds(s);
+  }
   *out = s->st;
   pthread_mutex_unlock(&s->mu);
   return 0;
@@ -443,6 +549,9 @@ int tdm_streamer_stats_reset(tdm_streamer *s) {
   s->st.resident_hits = s->st.inflight_hits = 0;
   s->st.prefetches = s->st.prefetch_hits = s->st.prefetch_dropped = 0;
   s->st.bytes_copied = 0;
+  if (s->t0) harvest(s); /* what completed before the reset is not counted after it */
+  s->nspans = 0;
+  s->st.link_busy_seconds = 0;
   pthread_mutex_unlock(&s->mu);
   return 0;
 }
