@@ -122,20 +122,21 @@ static int span_cmp(const void *x, const void *y) {
   return (a > b) - (a < b);
 }
 
-/* The union of the spans, in seconds. Sorts them in place. With s->mu held. */
+/* The union of the spans, in seconds. The spans are replaced by that union (sorted and
+ * disjoint), so they stay few however many copies are timed. With s->mu held. */
 static double busy_seconds(tdm_streamer *s) {
   qsort(s->spans, s->nspans, sizeof *s->spans, span_cmp);
-  double busy = 0, a = 0, b = -1;
+  size_t k = 0;
   for (size_t j = 0; j < s->nspans; j++) {
-    if (s->spans[j].a > b) {
-      if (b > a) busy += b - a;
-      a = s->spans[j].a;
-      b = s->spans[j].b;
-    } else if (s->spans[j].b > b) {
-      b = s->spans[j].b;
+    if (k && s->spans[j].a <= s->spans[k - 1].b) {
+      if (s->spans[j].b > s->spans[k - 1].b) s->spans[k - 1].b = s->spans[j].b;
+    } else {
+      s->spans[k++] = s->spans[j];
     }
   }
-  if (b > a) busy += b - a;
+  s->nspans = k;
+  double busy = 0;
+  for (size_t j = 0; j < k; j++) busy += s->spans[j].b - s->spans[j].a;
   return busy / 1e3;
 }
 
