@@ -125,6 +125,7 @@ static int span_cmp(const void *x, const void *y) {
 /* The union of the spans, in seconds. The spans are replaced by that union (sorted and
  * disjoint), so they stay few however many copies are timed. With s->mu held. */
 static double busy_seconds(tdm_streamer *s) {
+  if (s->nspans == 0) return 0.0;
   qsort(s->spans, s->nspans, sizeof *s->spans, span_cmp);
   size_t k = 0;
   for (size_t j = 0; j < s->nspans; j++) {
