@@ -836,6 +836,11 @@ static int norm_route(tdm_moe_model *m, int l, int T, int32_t *idx) {
                         m->bias + (size_t)l * E, T, H, E, m->k, m->p.renorm, idx, m->wts);
 }
 
+/* The layers after l that its look-ahead predicts: pdepth, as far as there are any. */
+static int predicted_layers(const tdm_moe_model *m, int l) {
+  return m->L - 1 - l < m->pdepth ? m->L - 1 - l : m->pdepth;
+}
+
 /* RMSNorm and the router, then the control plane: this layer's routing lands in pinned memory
  * and the host waits for that small copy only, never for the whole device; then the tokens
  * are grouped per expert and the groups go back to the device. The predictor (the next
@@ -862,7 +867,7 @@ static int layer_route(tdm_moe_model *m, int l, int T, tdm_moe_pass_stats *st, i
   /* The predictor goes behind the routing's copy: the host waits for the routing alone. It
    * routes this layer's input through the routers of the next pdepth layers (as far as there
    * are any), into pidx one layer after the other, and copies them back at once. */
-  int nd = m->L - 1 - l < m->pdepth ? m->L - 1 - l : m->pdepth;
+  int nd = predicted_layers(m, l);
   size_t tk = (size_t)T * k;
   for (int d = 1; !rc && d <= nd; d++)
     rc = ops->router(os, m->q, m->xn, m->router + (size_t)(l + d) * E * H,
@@ -1170,7 +1175,7 @@ static int layer_lookahead(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe
     tdm_event_release(predicted);
     if (rc) return rc;
     /* The predicted layers in order, so that their copies queue in the order they are needed. */
-    int nd = m->L - 1 - l < m->pdepth ? m->L - 1 - l : m->pdepth;
+    int nd = predicted_layers(m, l);
     for (int d = 1; overlap && d <= nd; d++) {
       const int32_t *p = m->pidx_h + (size_t)(d - 1) * T * k;
       int np = 0;

@@ -755,24 +755,20 @@ static void print_runs(const session *s) {
   printf("  link       %.2f GB/s peak (one large pinned copy, this process)\n", s->peak);
   if (s->place.placement == TDM_MOE_PLACE_DEVICE)
     printf("  placement  device: every routed expert is computed on the device\n\n");
-  else if (s->o.host_share > 0)
-    printf("  placement  %s: %d host queues, %d threads; calibrated link %.2f GB/s, host %.2f GB/s of "
-           "expert weights alone,\n             %.2f and %.2f GB/s at once; host share %.2f of a "
-           "layer's non-resident experts,\n             as given (the cost model's: %.2f, less "
-           "%.1f us of join)\n\n",
-           placement_name(s->place.placement), s->place.host_queues, s->place.host_threads,
-           s->place.link_gbs, s->place.host_gbs, s->place.link_gbs_shared,
-           s->place.host_gbs_shared, s->place.host_share, s->place.host_share_model,
-           s->place.host_join_us);
-  else
-    printf("  placement  %s: %d host queues, %d threads; calibrated link %.2f GB/s, host %.2f GB/s of "
-           "expert weights alone,\n             %.2f and %.2f GB/s at once; host share %.2f of a "
-           "layer's non-resident experts,\n             less %.1f us of join%s\n\n",
-           placement_name(s->place.placement), s->place.host_queues, s->place.host_threads,
-           s->place.link_gbs,
-           s->place.host_gbs, s->place.link_gbs_shared, s->place.host_gbs_shared,
-           s->place.host_share, s->place.host_join_us,
-           s->place.placement == TDM_MOE_PLACE_HOST ? " (host: all of them)" : "");
+  else {
+    const tdm_moe_placement_info *pi = &s->place;
+    printf("  placement  %s: %d host queues, %d threads; calibrated link %.2f GB/s, host %.2f "
+           "GB/s of expert weights alone,\n             %.2f and %.2f GB/s at once; host share "
+           "%.2f of a layer's non-resident experts,\n             ",
+           placement_name(pi->placement), pi->host_queues, pi->host_threads, pi->link_gbs,
+           pi->host_gbs, pi->link_gbs_shared, pi->host_gbs_shared, pi->host_share);
+    if (s->o.host_share > 0)
+      printf("as given (the cost model's: %.2f, less %.1f us of join)\n\n", pi->host_share_model,
+             pi->host_join_us);
+    else
+      printf("less %.1f us of join%s\n\n", pi->host_join_us,
+             pi->placement == TDM_MOE_PLACE_HOST ? " (host: all of them)" : "");
+  }
   printf("  %-22s %10s %12s %12s %12s %9s %9s %7s %7s %8s\n", "run", "time", "host waits",
          "tokens/s", "copied", "resident", "in flight", "miss", "host", "output");
   for (int i = 0; i < s->nruns; i++) {

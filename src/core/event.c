@@ -8,6 +8,7 @@
 
 #include "internal.h"
 #include "lfstack.h"
+#include "util/spin.h"
 
 _Atomic long tdm__signaling;
 
@@ -28,11 +29,7 @@ void tdm__freelist_drain(tdm__freelist *p, void (*destroy)(void *)) {
     }
 }
 
-uint64_t tdm__now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
+uint64_t tdm__now_ns(void) { return tdm__clock_ns(); }
 
 /* ---- events ---- */
 

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "cu.h"
+#include "util/spin.h"
 
 #define STAGE_BYTES (8u << 20)
 #define COPY_THREADS_MAX 8 /* one host thread cannot keep up with the link; eight nearly can */
@@ -18,15 +19,6 @@
  * and each helper copies one slice of the same job. The helpers, started on first use, spin
  * briefly for the next job (a staged copy posts one every few hundred microseconds) and then
  * sleep. One job at a time (staging on several devices at once takes turns). */
-
-/* A polite busy-wait step. */
-static inline void relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  __asm__ __volatile__("yield");
-#endif
-}
 
 typedef struct memcpy_team {
   pthread_mutex_t use_mu;        /* one job at a time */
@@ -60,7 +52,7 @@ static void *helper_main(void *arg) {
   for (;;) {
     /* Spin a little (about 100 us) before sleeping: the next chunk usually comes soon. */
     for (int k = 0; k < 20000 && atomic_load_explicit(&team.gen, memory_order_acquire) == seen; k++)
-      relax();
+      tdm__relax();
     pthread_mutex_lock(&team.mu);
     while (atomic_load(&team.gen) == seen && !team.stop) pthread_cond_wait(&team.go, &team.mu);
     bool stop = team.stop;
@@ -120,7 +112,7 @@ static void par_memcpy(void *dst, const void *src, size_t n) {
   pthread_mutex_unlock(&team.mu);
   copy_slice(0);
   for (int k = 0; k < 20000 && atomic_load_explicit(&team.remaining, memory_order_acquire); k++)
-    relax();
+    tdm__relax();
   pthread_mutex_lock(&team.mu);
   while (atomic_load(&team.remaining)) pthread_cond_wait(&team.done, &team.mu);
   pthread_mutex_unlock(&team.mu);

@@ -2,8 +2,8 @@
 #include "util/workq.h"
 
 #include <sched.h>
-#include <stdint.h>
-#include <time.h>
+
+#include "util/spin.h"
 
 int tdm__workq_init(tdm__workq *wq, tdm__workq_run_fn run, tdm__workq_idle_fn idle, void *ctx) {
   int e = pthread_mutex_init(&wq->mu, NULL);
@@ -59,23 +59,13 @@ static void append(tdm__workq *wq, tdm__workq_item *item) {
   atomic_store_explicit(&wq->queued, true, memory_order_relaxed);
 }
 
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 /* Polls, without the lock, until an item is queued or spin_ns have passed; the caller looks
  * again under the lock either way. */
 static void poll_queued(tdm__workq *wq) {
-  uint64_t end = now_ns() + (uint64_t)wq->spin_ns;
+  uint64_t end = tdm__clock_ns() + (uint64_t)wq->spin_ns;
   for (unsigned i = 1; !atomic_load_explicit(&wq->queued, memory_order_relaxed); i++) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-    if (i % 64 == 0 && now_ns() > end) return;
+    tdm__relax();
+    if (i % 64 == 0 && tdm__clock_ns() > end) return;
   }
 }
 
