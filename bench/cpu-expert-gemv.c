@@ -7,16 +7,21 @@
  *   new   the CPU table's expert op (tdm_moe_ops_for), all blobs queued on one cpu:0 queue;
  *   old   the previous implementation on this thread: widen the whole blob to f32, sgemm for
  *         [gate | up], silu * up, sgemm for down (as moe/cpu/ops.c did before);
- *   read  a vectorizable sum over the same blobs: what one thread can read from memory.
+ *   read  a vectorizable sum over the same blobs: what one thread can read from memory, and
+ *         what 1, 2, 4, ... threads up to the cores can (each its contiguous share of the
+ *         blobs), so the op's rate can be set against the memory's with the pool's threads
+ *         (TANDEM_MOE_CPU_THREADS sets the pool's size; all cores by default).
  * Times are medians of interleaved passes, per expert. It reports figures and never fails on
  * them. Results: bench/results/cpu-expert-gemv.json (or the path given); a second argument
  * sets the GiB of expert blobs (1.5 by default: more than this machine's 480 MiB L3).
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <tandem.h>
 #include <tandem/moe_ops.h>
@@ -102,6 +107,58 @@ static int run_read(bench *b, double *seconds) {
   return 0;
 }
 
+/* The threaded read: each of n threads sums its contiguous share of the blobs as run_read
+ * does; the time is from a barrier all have passed to the last one's end. */
+enum { MAX_READ_THREADS = 256 };
+typedef struct reader {
+  const uint64_t *p;
+  size_t words;
+  pthread_barrier_t *start;
+  double end;
+  uint64_t sum;
+} reader;
+
+static void *reader_main(void *arg) {
+  reader *r = arg;
+  uint64_t acc[8] = {0};
+  pthread_barrier_wait(r->start);
+  for (size_t i = 0; i + 8 <= r->words; i += 8)
+    for (int l = 0; l < 8; l++) acc[l] += r->p[i + l];
+  r->end = bu_seconds();
+  for (int l = 0; l < 8; l++) r->sum += acc[l];
+  return NULL;
+}
+
+static int run_read_threads(bench *b, int n, double *seconds) {
+  const uint64_t *p = (const uint64_t *)b->w;
+  size_t words = b->blobs * blob_len() * sizeof *b->w / sizeof *p, share = words / (size_t)n;
+  reader r[MAX_READ_THREADS];
+  pthread_t th[MAX_READ_THREADS];
+  pthread_barrier_t start;
+  if (pthread_barrier_init(&start, NULL, (unsigned)n + 1) != 0) return -1;
+  int started = 0;
+  for (; started < n; started++) {
+    r[started] = (reader){.p = p + (size_t)started * share, .words = share, .start = &start};
+    if (pthread_create(&th[started], NULL, reader_main, &r[started]) != 0) break;
+  }
+  if (started < n) { /* the barrier cannot be passed now: nothing was measured */
+    fprintf(stderr, "bench-cpu-expert-gemv: could not start %d reader threads\n", n);
+    exit(1);
+  }
+  pthread_barrier_wait(&start);
+  double t0 = bu_seconds(), end = t0;
+  uint64_t s = 0;
+  for (int i = 0; i < n; i++) {
+    pthread_join(th[i], NULL);
+    if (r[i].end > end) end = r[i].end;
+    s += r[i].sum;
+  }
+  pthread_barrier_destroy(&start);
+  b->sink = s;
+  *seconds = end - t0;
+  return 0;
+}
+
 static int side(void *arg, int baseline, double *seconds) {
   bench *b = arg;
   return baseline ? run_old(b, seconds) : run_new(b, seconds);
@@ -183,7 +240,24 @@ int main(int argc, char **argv) {
   run_read(&b, &warm);
   for (int r = 0; r < REPS; r++) run_read(&b, &rt[r]);
   double read_bw = b.blobs * blob_mb * 1e6 / bu_median(rt, REPS);
-  printf("  read bandwidth %.2f GB/s (one thread, 8-lane sum)\n\n", read_bw / 1e9);
+  printf("  read bandwidth %.2f GB/s (one thread, 8-lane sum)\n", read_bw / 1e9);
+  /* The same with 1, 2, 4, ... threads, and the cores: the memory's rate with many readers. */
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  if (cores < 1) cores = 1;
+  if (cores > MAX_READ_THREADS) cores = MAX_READ_THREADS;
+  int nthr[16], nt = 0;
+  for (int t = 1; t < cores && nt < 15; t *= 2) nthr[nt++] = t;
+  if (cores >= 12 && nt < 15 && nthr[nt - 1] < 12) nthr[nt++] = 12; /* the model's pool on 16 */
+  nthr[nt++] = (int)cores;
+  double thr_bw[16];
+  printf("  read bandwidth with threads:");
+  for (int i = 0; i < nt; i++) {
+    double tt[REPS];
+    run_read_threads(&b, nthr[i], &warm);
+    for (int r = 0; r < REPS; r++) run_read_threads(&b, nthr[i], &tt[r]);
+    thr_bw[i] = b.blobs * blob_mb * 1e6 / bu_median(tt, REPS);
+    printf(" %d: %.1f GB/s%s", nthr[i], thr_bw[i] / 1e9, i + 1 < nt ? "," : "\n\n");
+  }
   printf("  %2s %12s %12s %8s %12s %10s %10s\n", "n", "new us/exp", "old us/exp", "old/new",
          "new GB/s", "of read", "rel diff");
 
@@ -198,6 +272,16 @@ int main(int argc, char **argv) {
   bu_json_int(&j, "passes", REPS);
   bu_json_string(&j, "openblas_num_threads", blas_threads ? blas_threads : "unset");
   bu_json_double(&j, "read_gb_per_s", read_bw / 1e9, 3);
+  const char *pool_threads = getenv("TANDEM_MOE_CPU_THREADS");
+  bu_json_string(&j, "moe_cpu_threads", pool_threads ? pool_threads : "unset");
+  bu_json_array(&j, "read_threads");
+  for (int i = 0; i < nt; i++) {
+    bu_json_object(&j, NULL);
+    bu_json_int(&j, "threads", nthr[i]);
+    bu_json_double(&j, "read_gb_per_s", thr_bw[i] / 1e9, 3);
+    bu_json_end(&j);
+  }
+  bu_json_end(&j);
   bu_json_array(&j, "rows");
   for (size_t k = 0; k < sizeof NS / sizeof NS[0]; k++) {
     b.n = NS[k];
