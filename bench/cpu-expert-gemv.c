@@ -112,7 +112,7 @@ static int run_read(bench *b, double *seconds) {
 enum { MAX_READ_THREADS = 256 };
 typedef struct reader {
   const uint64_t *p;
-  size_t words;
+  size_t words, ahead; /* ahead: words prefetched in front of the sum (0: none) */
   pthread_barrier_t *start;
   double end;
   uint64_t sum;
@@ -122,14 +122,20 @@ static void *reader_main(void *arg) {
   reader *r = arg;
   uint64_t acc[8] = {0};
   pthread_barrier_wait(r->start);
-  for (size_t i = 0; i + 8 <= r->words; i += 8)
-    for (int l = 0; l < 8; l++) acc[l] += r->p[i + l];
+  if (r->ahead)
+    for (size_t i = 0; i + 8 <= r->words; i += 8) {
+      if (i + r->ahead < r->words) __builtin_prefetch(r->p + i + r->ahead, 0, 3);
+      for (int l = 0; l < 8; l++) acc[l] += r->p[i + l];
+    }
+  else
+    for (size_t i = 0; i + 8 <= r->words; i += 8)
+      for (int l = 0; l < 8; l++) acc[l] += r->p[i + l];
   r->end = bu_seconds();
   for (int l = 0; l < 8; l++) r->sum += acc[l];
   return NULL;
 }
 
-static int run_read_threads(bench *b, int n, double *seconds) {
+static int run_read_threads(bench *b, int n, size_t ahead_bytes, double *seconds) {
   const uint64_t *p = (const uint64_t *)b->w;
   size_t words = b->blobs * blob_len() * sizeof *b->w / sizeof *p, share = words / (size_t)n;
   reader r[MAX_READ_THREADS];
@@ -138,7 +144,8 @@ static int run_read_threads(bench *b, int n, double *seconds) {
   if (pthread_barrier_init(&start, NULL, (unsigned)n + 1) != 0) return -1;
   int started = 0;
   for (; started < n; started++) {
-    r[started] = (reader){.p = p + (size_t)started * share, .words = share, .start = &start};
+    r[started] = (reader){.p = p + (size_t)started * share, .words = share,
+                          .ahead = ahead_bytes / sizeof *p, .start = &start};
     if (pthread_create(&th[started], NULL, reader_main, &r[started]) != 0) break;
   }
   if (started < n) { /* the barrier cannot be passed now: nothing was measured */
@@ -253,11 +260,31 @@ int main(int argc, char **argv) {
   printf("  read bandwidth with threads:");
   for (int i = 0; i < nt; i++) {
     double tt[REPS];
-    run_read_threads(&b, nthr[i], &warm);
-    for (int r = 0; r < REPS; r++) run_read_threads(&b, nthr[i], &tt[r]);
+    run_read_threads(&b, nthr[i], 0, &warm);
+    for (int r = 0; r < REPS; r++) run_read_threads(&b, nthr[i], 0, &tt[r]);
     thr_bw[i] = b.blobs * blob_mb * 1e6 / bu_median(tt, REPS);
-    printf(" %d: %.1f GB/s%s", nthr[i], thr_bw[i] / 1e9, i + 1 < nt ? "," : "\n\n");
+    printf(" %d: %.1f GB/s%s", nthr[i], thr_bw[i] / 1e9, i + 1 < nt ? "," : "\n");
   }
+  /* And with a software prefetch this far in front of each thread's sum: whether a thread's
+   * rate is bound by the lines it has in flight (then prefetching further helps) or the
+   * memory's by all of them. */
+  enum { NPF = 4 };
+  static const int pf_kb[NPF] = {1, 4, 16, 64};
+  int pf_thr[3] = {1, nthr[nt - 1] >= 12 ? 12 : nthr[nt - 1], nthr[nt - 1]};
+  double pf_bw[3][NPF];
+  for (int i = 0; i < 3; i++) {
+    printf("  read bandwidth, %d threads, prefetching:", pf_thr[i]);
+    for (int k = 0; k < NPF; k++) {
+      double tt[REPS];
+      run_read_threads(&b, pf_thr[i], (size_t)pf_kb[k] * 1024, &warm);
+      for (int r = 0; r < REPS; r++)
+        run_read_threads(&b, pf_thr[i], (size_t)pf_kb[k] * 1024, &tt[r]);
+      pf_bw[i][k] = b.blobs * blob_mb * 1e6 / bu_median(tt, REPS);
+      printf(" %d KiB ahead: %.1f GB/s%s", pf_kb[k], pf_bw[i][k] / 1e9, k + 1 < NPF ? "," : "\n");
+    }
+  }
+  const char *pf_env = getenv("TANDEM_MOE_CPU_PREFETCH_KB");
+  printf("  the op prefetches TANDEM_MOE_CPU_PREFETCH_KB=%s\n\n", pf_env ? pf_env : "(unset)");
   printf("  %2s %12s %12s %8s %12s %10s %10s\n", "n", "new us/exp", "old us/exp", "old/new",
          "new GB/s", "of read", "rel diff");
 
@@ -274,6 +301,17 @@ int main(int argc, char **argv) {
   bu_json_double(&j, "read_gb_per_s", read_bw / 1e9, 3);
   const char *pool_threads = getenv("TANDEM_MOE_CPU_THREADS");
   bu_json_string(&j, "moe_cpu_threads", pool_threads ? pool_threads : "unset");
+  bu_json_string(&j, "moe_cpu_prefetch_kb", pf_env ? pf_env : "unset");
+  bu_json_array(&j, "read_prefetch");
+  for (int i = 0; i < 3; i++)
+    for (int k = 0; k < NPF; k++) {
+      bu_json_object(&j, NULL);
+      bu_json_int(&j, "threads", pf_thr[i]);
+      bu_json_int(&j, "prefetch_kb", pf_kb[k]);
+      bu_json_double(&j, "read_gb_per_s", pf_bw[i][k] / 1e9, 3);
+      bu_json_end(&j);
+    }
+  bu_json_end(&j);
   bu_json_array(&j, "read_threads");
   for (int i = 0; i < nt; i++) {
     bu_json_object(&j, NULL);

@@ -40,6 +40,7 @@
 #include "pool.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -352,12 +353,28 @@ static inline float bf16_bits_to_f32(uint16_t b) {
   return f;
 }
 
-/* How far ahead of the row being widened the expert's weights are prefetched, in bf16 values
- * (4 KiB: one Qwen3-30B-A3B gate row). Without it a row's load only starts once its dot
- * products are done, and a one-token expert read its weights at about 0.65 of the thread's
- * read bandwidth; with it at about 0.85 (bench/cpu-expert-gemv.c; 4096 was no better, and a
- * non-temporal prefetch 8192 ahead was slower than none). */
-enum { PREFETCH_AHEAD = 2048 };
+/* How far ahead of the row being widened the expert's weights are prefetched, in bytes:
+ * TANDEM_MOE_CPU_PREFETCH_KB KiB (0 to PREFETCH_KB_MAX; 0: none), read once, else
+ * PREFETCH_KB_DEFAULT. Without any, a row's load only starts once its dot products are done,
+ * and a one-token expert read its weights at about 0.65 of the thread's read bandwidth; with
+ * 4 KiB (one Qwen3-30B-A3B gate row) at about 0.85 on a two-core machine
+ * (bench/cpu-expert-gemv.c). A thread's read rate is bound by the lines it has in flight, so a
+ * host whose memory is far (a VM, many sockets) wants more. */
+enum { PREFETCH_KB_DEFAULT = 4, PREFETCH_KB_MAX = 1024 };
+
+static size_t prefetch_bytes;
+static pthread_once_t prefetch_once = PTHREAD_ONCE_INIT;
+
+static void prefetch_init(void) {
+  long kb = PREFETCH_KB_DEFAULT;
+  const char *env = getenv("TANDEM_MOE_CPU_PREFETCH_KB");
+  if (env && *env) {
+    char *end;
+    long v = strtol(env, &end, 10);
+    if (!*end && v >= 0 && v <= PREFETCH_KB_MAX) kb = v;
+  }
+  prefetch_bytes = (size_t)kb * 1024;
+}
 
 #if defined(__GNUC__)
 #define PREFETCH(p) __builtin_prefetch((p), 0, 3) /* read, keep in all levels */
@@ -365,14 +382,21 @@ enum { PREFETCH_AHEAD = 2048 };
 #define PREFETCH(p) ((void)(p))
 #endif
 
+/* The first `ahead` values of a chunk [p, end), prefetched as it starts, so that its first
+ * rows do not wait for memory while the prefetches inside widen_row get `ahead` in front. */
+static INLINE void prefetch_start(const uint16_t *p, const uint16_t *end, size_t ahead) {
+  const uint16_t *stop = (size_t)(end - p) < ahead ? end : p + ahead;
+  for (; p < stop; p += 32) PREFETCH(p);
+}
+
 /* dst[0..K) = src widened; blocks of LANES so the compiler vectorizes without a cost model.
- * Each block (one 64-byte line of bf16) prefetches the line PREFETCH_AHEAD values further on,
- * unless that passes end, the end of the expert's weights. */
+ * Each block (one 64-byte line of bf16) prefetches the line `ahead` values further on, unless
+ * that passes end, the end of the chunk being computed. */
 static INLINE void widen_row(float *restrict dst, const uint16_t *restrict src, size_t K,
-                             const uint16_t *end) {
+                             const uint16_t *end, size_t ahead) {
   size_t k = 0;
   for (; k + LANES <= K; k += LANES) {
-    if ((size_t)(end - (src + k)) > PREFETCH_AHEAD) PREFETCH(src + k + PREFETCH_AHEAD);
+    if (ahead && (size_t)(end - (src + k)) > ahead) PREFETCH(src + k + ahead);
     for (size_t l = 0; l < LANES; l++) dst[k + l] = bf16_bits_to_f32(src[k + l]);
   }
   for (; k < K; k++) dst[k] = bf16_bits_to_f32(src[k]);
@@ -422,7 +446,8 @@ typedef struct gemv_job {
   const float *const *hs; /* n: token t's SiLU(gate) * up (I), for the down rows */
   float *const *out;      /* n: token t's output row (H) */
   size_t n, H, I, chunk;
-  const uint16_t *w, *end; /* the expert's weights, and their end */
+  const uint16_t *w;        /* the expert's weights */
+  size_t ahead;             /* prefetch distance in values (prefetch_bytes / 2) */
   float *gu, *rows;
   size_t row_stride;
 } gemv_job;
@@ -433,8 +458,10 @@ static void gemv_gate_up(void *arg, size_t c, int worker) {
   float res[GEMV_MAX_N];
   float *row = j->rows + (size_t)worker * j->row_stride;
   size_t r1 = (c + 1) * j->chunk < 2 * j->I ? (c + 1) * j->chunk : 2 * j->I;
+  const uint16_t *end = j->w + r1 * j->H;
+  if (j->ahead) prefetch_start(j->w + c * j->chunk * j->H, end, j->ahead);
   for (size_t r = c * j->chunk; r < r1; r++) {
-    widen_row(row, j->w + r * j->H, j->H, j->end);
+    widen_row(row, j->w + r * j->H, j->H, end, j->ahead);
     dot_tokens(row, j->xs, res, j->H, j->n);
     for (size_t t = 0; t < j->n; t++) j->gu[t * 2 * j->I + r] = res[t];
   }
@@ -447,8 +474,10 @@ static void gemv_down(void *arg, size_t c, int worker) {
   float *row = j->rows + (size_t)worker * j->row_stride;
   const uint16_t *wd = j->w + 2 * j->I * j->H;
   size_t c1 = (c + 1) * j->chunk < j->H ? (c + 1) * j->chunk : j->H;
+  const uint16_t *end = wd + c1 * j->I;
+  if (j->ahead) prefetch_start(wd + c * j->chunk * j->I, end, j->ahead);
   for (size_t r = c * j->chunk; r < c1; r++) {
-    widen_row(row, wd + r * j->I, j->I, j->end);
+    widen_row(row, wd + r * j->I, j->I, end, j->ahead);
     dot_tokens(row, j->hs, res, j->I, j->n);
     for (size_t t = 0; t < j->n; t++) j->out[t][r] = res[t];
   }
@@ -485,8 +514,10 @@ static void expert_gemv(const float *const *xs, float *const *out, size_t n, con
   if ((size_t)workers > slots || 3 * H * I < GEMV_POOL_MIN_WEIGHTS) workers = 1;
   const float *hs[GEMV_MAX_N];
   for (size_t t = 0; t < n; t++) hs[t] = gu + t * 2 * I;
+  pthread_once(&prefetch_once, prefetch_init);
   gemv_job j = {.xs = xs, .hs = hs, .out = out, .n = n, .H = H, .I = I, .w = w,
-                .end = w + 3 * H * I, .gu = gu, .rows = rows, .row_stride = row_stride};
+                .ahead = prefetch_bytes / sizeof *w, .gu = gu, .rows = rows,
+                .row_stride = row_stride};
   gemv_pass(workers, 2 * I, gemv_gate_up, &j);
   for (size_t t = 0; t < n; t++) {
     float *g = gu + t * 2 * I;
