@@ -23,6 +23,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -66,6 +67,8 @@ struct tdm_moe_model {
   void *ops_state;
   tdm_queue *q;
   tdm_moe_bf16 *host_experts;     /* pinned: L * E experts */
+  void *host_map;                 /* host_experts' mapping when registered (host_experts_alloc) */
+  size_t host_map_bytes;
   const void **host_ptrs;     /* per key */
   tdm_streamer *streamer;
   /* device side, per layer */
@@ -713,6 +716,53 @@ int tdm_moe_placement_get(const tdm_moe_model *m, tdm_moe_placement_info *out) {
   return 0;
 }
 
+/* The experts' pinned host copy. Beside a CUDA device, in 2 MiB pages where the kernel gives
+ * them (madvise(MADV_HUGEPAGE) on an aligned anonymous mapping), registered with tandem: the
+ * host experts read it from many threads at once, and with 4 KiB pages each thread's stream
+ * stops at every page for a translation (two levels of them in a virtual machine) and for the
+ * hardware prefetcher, which does not cross pages. TANDEM_MOE_HUGE_PAGES=0, another backend,
+ * or a mapping or registration that fails: tdm_malloc's pinned memory, as before. */
+enum { HUGE_PAGE = 2 << 20 };
+
+static bool huge_pages_wanted(const tdm_moe_model *m) {
+  const char *env = getenv("TANDEM_MOE_HUGE_PAGES");
+  if (env && strcmp(env, "0") == 0) return false;
+  tdm_device_info info;
+  return tdm_device_info_get(m->cfg.device, &info) == 0 && strcmp(info.backend, "cuda") == 0;
+}
+
+static int host_experts_alloc(tdm_moe_model *m, size_t bytes) {
+#if defined(MADV_HUGEPAGE)
+  if (huge_pages_wanted(m)) {
+    size_t len = (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE + HUGE_PAGE;
+    char *map = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (map != MAP_FAILED) {
+      char *p = (char *)(((uintptr_t)map + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+      (void)madvise(p, len - (size_t)(p - map), MADV_HUGEPAGE); /* a hint: 4 KiB pages else */
+      if (tdm_host_register(m->cfg.device, p, bytes) == 0) {
+        m->host_map = map;
+        m->host_map_bytes = len;
+        m->host_experts = (tdm_moe_bf16 *)p;
+        return 0;
+      }
+      munmap(map, len);
+    }
+  }
+#endif
+  return tdm_malloc(m->cfg.device, TDM_MEM_PINNED, bytes, (void **)&m->host_experts);
+}
+
+static void host_experts_free(tdm_moe_model *m) {
+  if (!m->host_experts) return;
+  if (m->host_map) {
+    (void)tdm_host_unregister(m->host_experts);
+    munmap(m->host_map, m->host_map_bytes);
+  } else {
+    tdm_free(m->host_experts);
+  }
+  m->host_experts = NULL;
+}
+
 int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   if (!cfg || !cfg->preset || !cfg->device || !out || cfg->max_tokens < 1)
     return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: bad configuration");
@@ -746,7 +796,7 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
     rc = TDM_ENOTSUP; /* tdm_moe_ops_for's message says why (no BLAS, a module that failed) */
   if (!rc) rc = tdm_queue_create(cfg->device, TDM_QUEUE_IN_ORDER, &m->q);
   if (!rc) rc = m->ops->open(m->q, &m->ops_state);
-  if (!rc) rc = tdm_malloc(cfg->device, TDM_MEM_PINNED, host, (void **)&m->host_experts);
+  if (!rc) rc = host_experts_alloc(m, host);
   if (rc == TDM_ENOMEM && !m->host_experts && m->q)
     tdm_set_error(TDM_ENOMEM, 0, "cannot pin %.1f GiB of host memory for the experts",
                host / 1073741824.0);
@@ -771,11 +821,12 @@ void tdm_moe_model_destroy(tdm_moe_model *m) {
   if (m->q) tdm_queue_sync(m->q);
   void *dev[] = {m->router, m->bias,  m->norm,   m->shared,   m->x,         m->xn,
                  m->out,    m->wts,   m->idx,    m->rs,       m->ws,        m->out_shared,
-                 m->ones,   m->iota,  m->idx_h,  m->rs_h,     m->host_experts, m->pidx,
+                 m->ones,   m->iota,  m->idx_h,  m->rs_h,     m->pidx,
                  m->pwts,   m->pidx_h, m->x_h,   m->groups,   m->groups_h,  m->wofs,
                  m->idx_all, m->idx_all_h};
   for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
     if (dev[i]) tdm_free(dev[i]);
+  host_experts_free(m);
   for (int t = 0; t <= GROUPED_MAX_T; t++)
     if (m->graphs[t]) m->ops->graph_free(m->ops_state, m->graphs[t]);
   if (m->ops_state) m->ops->close(m->ops_state);
