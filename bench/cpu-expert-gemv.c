@@ -92,23 +92,9 @@ static int run_old(bench *b, double *seconds) {
   return 0;
 }
 
-/* Sums every blob as 64-bit words in 8 independent lanes: loads and adds, nothing else. */
-static int run_read(bench *b, double *seconds) {
-  const uint64_t *p = (const uint64_t *)b->w;
-  size_t words = b->blobs * blob_len() * sizeof *b->w / sizeof *p;
-  uint64_t acc[8] = {0};
-  double t0 = bu_seconds();
-  for (size_t i = 0; i + 8 <= words; i += 8)
-    for (int l = 0; l < 8; l++) acc[l] += p[i + l];
-  *seconds = bu_seconds() - t0;
-  uint64_t s = 0;
-  for (int l = 0; l < 8; l++) s += acc[l];
-  b->sink = s;
-  return 0;
-}
-
-/* The threaded read: each of n threads sums its contiguous share of the blobs as run_read
- * does; the time is from a barrier all have passed to the last one's end. */
+/* The read: each of n threads sums its contiguous share of the blobs as 64-bit words in 8
+ * independent lanes (loads and adds, nothing else), optionally prefetching ahead; the time is
+ * from a barrier all have passed to the last one's end. */
 enum { MAX_READ_THREADS = 256 };
 typedef struct reader {
   const uint64_t *p;
@@ -122,14 +108,10 @@ static void *reader_main(void *arg) {
   reader *r = arg;
   uint64_t acc[8] = {0};
   pthread_barrier_wait(r->start);
-  if (r->ahead)
-    for (size_t i = 0; i + 8 <= r->words; i += 8) {
-      if (i + r->ahead < r->words) __builtin_prefetch(r->p + i + r->ahead, 0, 3);
-      for (int l = 0; l < 8; l++) acc[l] += r->p[i + l];
-    }
-  else
-    for (size_t i = 0; i + 8 <= r->words; i += 8)
-      for (int l = 0; l < 8; l++) acc[l] += r->p[i + l];
+  for (size_t i = 0; i + 8 <= r->words; i += 8) {
+    if (r->ahead && i + r->ahead < r->words) __builtin_prefetch(r->p + i + r->ahead, 0, 3);
+    for (int l = 0; l < 8; l++) acc[l] += r->p[i + l];
+  }
   r->end = bu_seconds();
   for (int l = 0; l < 8; l++) r->sum += acc[l];
   return NULL;
@@ -164,6 +146,15 @@ static int run_read_threads(bench *b, int n, size_t ahead_bytes, double *seconds
   b->sink = s;
   *seconds = end - t0;
   return 0;
+}
+
+/* Bytes per second of the read with n threads, `ahead` bytes of prefetch: one warm-up pass,
+ * then the median of REPS. */
+static double read_rate(bench *b, int n, size_t ahead) {
+  double t[REPS], warm;
+  run_read_threads(b, n, ahead, &warm);
+  for (int r = 0; r < REPS; r++) run_read_threads(b, n, ahead, &t[r]);
+  return (double)(b->blobs * blob_len() * sizeof *b->w) / bu_median(t, REPS);
 }
 
 static int side(void *arg, int baseline, double *seconds) {
@@ -242,13 +233,8 @@ int main(int argc, char **argv) {
          H, I, b.blobs, blob_mb, b.blobs * blob_mb * 1e6 / (1u << 30), REPS,
          blas_threads ? blas_threads : "(unset)");
 
-  /* Read bandwidth: one warm-up pass, then the median of REPS. */
-  double rt[REPS], warm;
-  run_read(&b, &warm);
-  for (int r = 0; r < REPS; r++) run_read(&b, &rt[r]);
-  double read_bw = b.blobs * blob_mb * 1e6 / bu_median(rt, REPS);
-  printf("  read bandwidth %.2f GB/s (one thread, 8-lane sum)\n", read_bw / 1e9);
-  /* The same with 1, 2, 4, ... threads, and the cores: the memory's rate with many readers. */
+  /* Read bandwidth with 1, 2, 4, ... threads, and the cores: what one thread reads (the op's
+   * figures are set against it), and the memory's rate with many readers. */
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
   if (cores < 1) cores = 1;
   if (cores > MAX_READ_THREADS) cores = MAX_READ_THREADS;
@@ -257,14 +243,12 @@ int main(int argc, char **argv) {
   if (cores >= 12 && nt < 15 && nthr[nt - 1] < 12) nthr[nt++] = 12; /* the model's pool on 16 */
   nthr[nt++] = (int)cores;
   double thr_bw[16];
-  printf("  read bandwidth with threads:");
+  printf("  read bandwidth (8-lane sum) with threads:");
   for (int i = 0; i < nt; i++) {
-    double tt[REPS];
-    run_read_threads(&b, nthr[i], 0, &warm);
-    for (int r = 0; r < REPS; r++) run_read_threads(&b, nthr[i], 0, &tt[r]);
-    thr_bw[i] = b.blobs * blob_mb * 1e6 / bu_median(tt, REPS);
+    thr_bw[i] = read_rate(&b, nthr[i], 0);
     printf(" %d: %.1f GB/s%s", nthr[i], thr_bw[i] / 1e9, i + 1 < nt ? "," : "\n");
   }
+  double read_bw = thr_bw[0]; /* one thread */
   /* And with a software prefetch this far in front of each thread's sum: whether a thread's
    * rate is bound by the lines it has in flight (then prefetching further helps) or the
    * memory's by all of them. */
@@ -275,11 +259,7 @@ int main(int argc, char **argv) {
   for (int i = 0; i < 3; i++) {
     printf("  read bandwidth, %d threads, prefetching:", pf_thr[i]);
     for (int k = 0; k < NPF; k++) {
-      double tt[REPS];
-      run_read_threads(&b, pf_thr[i], (size_t)pf_kb[k] * 1024, &warm);
-      for (int r = 0; r < REPS; r++)
-        run_read_threads(&b, pf_thr[i], (size_t)pf_kb[k] * 1024, &tt[r]);
-      pf_bw[i][k] = b.blobs * blob_mb * 1e6 / bu_median(tt, REPS);
+      pf_bw[i][k] = read_rate(&b, pf_thr[i], (size_t)pf_kb[k] * 1024);
       printf(" %d KiB ahead: %.1f GB/s%s", pf_kb[k], pf_bw[i][k] / 1e9, k + 1 < NPF ? "," : "\n");
     }
   }

@@ -725,8 +725,7 @@ int tdm_moe_placement_get(const tdm_moe_model *m, tdm_moe_placement_info *out) {
 enum { HUGE_PAGE = 2 << 20 };
 
 static bool huge_pages_wanted(const tdm_moe_model *m) {
-  const char *env = getenv("TANDEM_MOE_HUGE_PAGES");
-  if (env && strcmp(env, "0") == 0) return false;
+  if (tdm_moe__env_long("TANDEM_MOE_HUGE_PAGES", 0, 1, 1) == 0) return false;
   tdm_device_info info;
   return tdm_device_info_get(m->cfg.device, &info) == 0 && strcmp(info.backend, "cuda") == 0;
 }

@@ -7,6 +7,8 @@
 #ifndef TANDEM_MOE_INTERNAL_OPS_H
 #define TANDEM_MOE_INTERNAL_OPS_H
 
+#include <stdlib.h>
+
 #include "tandem/moe_ops.h"
 
 #ifdef __cplusplus
@@ -53,6 +55,16 @@ static inline size_t tdm_moe__workspace(int n, int H, int I) {
     if (total == 0) return 0;
   }
   return total;
+}
+
+/* The environment variable `name` as a decimal integer in [lo, hi]; dflt when it is unset,
+ * empty, not a number or out of range. */
+static inline long tdm_moe__env_long(const char *name, long lo, long hi, long dflt) {
+  const char *env = getenv(name);
+  if (!env || !*env) return dflt;
+  char *end;
+  long v = strtol(env, &end, 10);
+  return *end || v < lo || v > hi ? dflt : v;
 }
 
 #ifdef TANDEM_MOE_CPU

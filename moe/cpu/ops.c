@@ -366,14 +366,8 @@ static size_t prefetch_bytes;
 static pthread_once_t prefetch_once = PTHREAD_ONCE_INIT;
 
 static void prefetch_init(void) {
-  long kb = PREFETCH_KB_DEFAULT;
-  const char *env = getenv("TANDEM_MOE_CPU_PREFETCH_KB");
-  if (env && *env) {
-    char *end;
-    long v = strtol(env, &end, 10);
-    if (!*end && v >= 0 && v <= PREFETCH_KB_MAX) kb = v;
-  }
-  prefetch_bytes = (size_t)kb * 1024;
+  prefetch_bytes = (size_t)tdm_moe__env_long("TANDEM_MOE_CPU_PREFETCH_KB", 0, PREFETCH_KB_MAX,
+                                             PREFETCH_KB_DEFAULT) * 1024;
 }
 
 #if defined(__GNUC__)

@@ -19,10 +19,12 @@
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #endif
 #include "pool.h"
+#include "ops.h" /* moe/ops.h: tdm_moe__env_long */
 
 #include <sched.h>
 
 #include <pthread.h>
+#include <limits.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -136,13 +138,7 @@ static void *worker(void *arg) {
 }
 
 int pool_default_size(int reserve) {
-  const char *env = getenv("TANDEM_MOE_CPU_THREADS");
-  long n = 0;
-  if (env && *env) {
-    char *end;
-    n = strtol(env, &end, 10);
-    if (*end || n < 1) n = 0; /* not a positive count: the default */
-  }
+  long n = tdm_moe__env_long("TANDEM_MOE_CPU_THREADS", 1, LONG_MAX, 0); /* 0: the default */
   if (n == 0) {
     cpu_set_t set;
     n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set)
@@ -154,11 +150,8 @@ int pool_default_size(int reserve) {
 
 /* TANDEM_MOE_CPU_SPIN_US if it is a count of microseconds up to SPIN_US_MAX, else the default. */
 static long spin_default(void) {
-  const char *env = getenv("TANDEM_MOE_CPU_SPIN_US");
-  if (!env || !*env) return SPIN_NS_DEFAULT;
-  char *end;
-  long us = strtol(env, &end, 10);
-  return *end || us < 0 || us > SPIN_US_MAX ? SPIN_NS_DEFAULT : us * 1000L;
+  return tdm_moe__env_long("TANDEM_MOE_CPU_SPIN_US", 0, SPIN_US_MAX, SPIN_NS_DEFAULT / 1000) *
+         1000L;
 }
 
 void pool_acquire(int threads) {
