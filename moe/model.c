@@ -105,6 +105,11 @@ struct tdm_moe_model {
   const tdm_moe_ops *hops;    /* the host device's (CPU) table */
   int nhq;
   tdm_queue **hq;             /* nhq in-order queues of the host device */
+  /* time_host: per layer and host queue used, a timed event before its first host expert and
+   * the join's event after its last, in pairs (end NULL until the join); harvested and released
+   * at the end of each pass. Room for L * nhq pairs; span_base: the current layer's first. */
+  tdm_event **spans;
+  int nspans, span_base;
   void **hstate, **hws;       /* per host queue: its op state and workspace */
   size_t hws_bytes;
   float *xn_h, *out_h;        /* pinned: a layer's xn, and the host experts' outputs by slot */
@@ -648,12 +653,16 @@ static int setup_host(tdm_moe_model *m) {
   m->hwhere = malloc((size_t)m->E * sizeof *m->hwhere);
   m->slot_host = malloc(tk);
   m->ahead = calloc((size_t)m->L * m->E, sizeof *m->ahead);
-  if (!m->hq || !m->hstate || !m->hws || !m->hsel || !m->hwhere || !m->slot_host || !m->ahead)
+  if (m->cfg.time_host) m->spans = calloc((size_t)m->L * m->nhq * 2, sizeof *m->spans);
+  if (!m->hq || !m->hstate || !m->hws || !m->hsel || !m->hwhere || !m->slot_host || !m->ahead ||
+      (m->cfg.time_host && !m->spans))
     return tdm_set_error(TDM_ENOMEM, 0, "no memory for %d host queues", m->nhq);
   /* An expert has at most Tg tokens (a token picks it once). */
   m->hws_bytes = tdm_moe_ops_workspace(Tg, m->H, m->I);
   for (int j = 0; !rc && j < m->nhq; j++) {
-    rc = tdm_queue_create(m->place_host_dev, TDM_QUEUE_IN_ORDER, &m->hq[j]);
+    rc = tdm_queue_create(m->place_host_dev,
+                          TDM_QUEUE_IN_ORDER | (m->cfg.time_host ? TDM_QUEUE_TIMING : 0),
+                          &m->hq[j]);
     if (!rc) rc = m->hops->open(m->hq[j], &m->hstate[j]);
     if (!rc) rc = tdm_malloc(m->place_host_dev, TDM_MEM_DEVICE, m->hws_bytes, &m->hws[j]);
   }
@@ -708,6 +717,7 @@ static void destroy_host(tdm_moe_model *m) {
   free(m->hwhere);
   free(m->slot_host);
   free(m->ahead);
+  free(m->spans);
 }
 
 int tdm_moe_placement_get(const tdm_moe_model *m, tdm_moe_placement_info *out) {
@@ -1107,7 +1117,16 @@ static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh
  * Under TSan these are happens-before edges through tandem's events, not through timing. */
 static int host_submit(tdm_moe_model *m, int l, const int *count, const int *offset,
                        const int *host, int nh) {
-  int rc = 0;
+  int rc = 0, used = nh < m->nhq ? nh : m->nhq;
+  if (m->spans) { /* time_host: each queue's start, before its first expert */
+    m->span_base = m->nspans;
+    for (int j = 0; !rc && j < used; j++) {
+      tdm_event **pair = m->spans + 2 * (size_t)m->nspans++;
+      pair[1] = NULL;
+      rc = tdm_event_record(m->hq[j], &pair[0]);
+      if (rc) pair[0] = NULL;
+    }
+  }
   for (int i = 0; !rc && i < nh; i++) {
     int e = host[i], j = i % m->nhq;
     rc = m->hops->expert(m->hstate[j], m->hq[j], m->xn_h, m->rows_h + offset[e],
@@ -1126,7 +1145,10 @@ static int host_join(tdm_moe_model *m, int T, const int *count, const int *offse
     tdm_event *done;
     if (!(rc = tdm_event_record(m->hq[j], &done))) {
       rc = tdm_queue_wait(m->q, done);
-      tdm_event_release(done);
+      if (m->spans) /* time_host: kept as the end of this queue's span */
+        m->spans[2 * (size_t)(m->span_base + j) + 1] = done;
+      else
+        tdm_event_release(done);
     }
   }
   memset(m->slot_host, 0, (size_t)n);
@@ -1332,6 +1354,21 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
   return layer_combine(m, l, T);
 }
 
+/* time_host: the pass's spans (every one complete: the pass has synced, or drained the host
+ * queues after a failure), summed into host_busy_seconds, and their events released. A span
+ * whose layer failed before its join has no end and counts nothing. */
+static void harvest_spans(tdm_moe_model *m, tdm_moe_pass_stats *st) {
+  for (int i = 0; i < m->nspans; i++) {
+    tdm_event **pair = m->spans + 2 * (size_t)i;
+    double ms;
+    if (pair[0] && pair[1] && tdm_event_elapsed(pair[0], pair[1], &ms) == 0)
+      st->host_busy_seconds += ms / 1e3;
+    for (int k = 0; k < 2; k++)
+      if (pair[k]) tdm_event_release(pair[k]);
+  }
+  m->nspans = 0;
+}
+
 int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool overlap, tdm_moe_pass_stats *st) {
   if (T < 1 || T > m->maxT)
     return tdm_set_error(TDM_EINVAL, 0, "a ubatch of %d tokens (this model takes 1 to %d)", T,
@@ -1364,6 +1401,7 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   /* A pass that failed may have left host experts running that the compute queue never
    * joined: they finish before the pass returns, so the next one can reuse their buffers. */
   if (rc) (void)sync_host_queues(m);
+  if (m->spans) harvest_spans(m, st);
   st->wait_seconds += now_s() - w0;
   if (!rc) rc = src;
   st->seconds = now_s() - t0;

@@ -210,6 +210,22 @@ def moe(tool, device, tmp):
     if doc.get("time_link") is not False or main.get("decode_link_busy_fraction") is not None:
         raise Failed(f"{what}: time_link {doc.get('time_link')!r}, decode_link_busy_fraction "
                      f"{main.get('decode_link_busy_fraction')!r} without --time-link")
+    if doc.get("time_host") is not False or main.get("decode_host_busy_fraction") is not None:
+        raise Failed(f"{what}: time_host {doc.get('time_host')!r}, decode_host_busy_fraction "
+                     f"{main.get('decode_host_busy_fraction')!r} without --time-host")
+    # --time-host with every expert on the host, on one host queue: the host computed experts
+    # for part of each streamed run's decode, by the host queue's clock.
+    what = "moe --device-budget 0 --cache-policy lru --decode 4 --placement host --time-host"
+    doc, command = run(tool, base + [b"--device-budget", b"0", b"--cache-policy", b"lru",
+                                     b"--decode", b"4", b"--slots", b"2", b"--placement",
+                                     b"host", b"--time-host"], what)
+    check_header(doc, command, what)
+    if doc.get("time_host") is not True:
+        raise Failed(f"{what}: time_host {doc.get('time_host')!r}")
+    for r in doc["runs"]:
+        f = r.get("decode_host_busy_fraction")
+        if r["name"] != "all resident" and not (isinstance(f, (int, float)) and 0 < f <= 1.05):
+            raise Failed(f"{what}: run {r['name']!r}: decode_host_busy_fraction {f!r}")
     # --time-link with every expert copied: the link had a copy on it for part of each streamed
     # run's decode, by the device's clock (a little slack for that clock against the host's).
     what = "moe --device-budget 0 --cache-policy lru --decode 4 --placement device --time-link"

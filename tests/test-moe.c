@@ -633,7 +633,9 @@ static int affinity_cores(void) {
  * overlap and without, for one host queue and for three (experts spread round-robin).
  * The host pool: with one queue its default size (the cores less 4 beside a device that is not
  * the host), with three the 3 threads asked for; on a CPU device the device's own op state has
- * started the pool first, at its default, which the model then shares. */
+ * started the pool first, at its default, which the model then shares. The overlapped runs
+ * time the host experts (time_host): each pass's host_busy_seconds is above 0 and at most the
+ * pass's time on each queue; the serialized runs do not, and report 0. */
 TEST_CASE(host_placement) {
   tdm_device *dev = th_open();
   enum { DECODE = 6, SMALL = 5 };
@@ -652,6 +654,7 @@ TEST_CASE(host_placement) {
       c.placement = TDM_MOE_PLACE_HOST;
       c.host_queues = queues[qi];
       c.host_threads = qi ? 3 : 0;
+      c.time_host = ov;
       m = make_model(dev, &c, false, 0, 2, TDM_CACHE_LRU); /* with the look-ahead predictor */
       tdm_moe_placement_info pi;
       CHECK_OK(tdm_moe_placement_get(m, &pi));
@@ -675,6 +678,13 @@ TEST_CASE(host_placement) {
                   (unsigned long long)st.bytes_copied);
         CHECK_EQ((long)st.host_experts, (long)st.experts_computed);
         CHECK_EQ((long)st.host_candidates, (long)st.host_experts);
+        if (ov)
+          CHECK_MSG(st.host_busy_seconds > 0 &&
+                        st.host_busy_seconds <= st.seconds * queues[qi],
+                    "pass %d: host busy %g s in a %g s pass on %d queues", t,
+                    st.host_busy_seconds, st.seconds, queues[qi]);
+        else
+          CHECK(st.host_busy_seconds == 0);
         /* Decode: the top-k of every layer, all distinct. */
         if (T == 1) CHECK_EQ((long)st.host_experts, (long)p->layers * p->topk);
       }

@@ -27,7 +27,7 @@ static const char moe_help[] =
     "                  [--prefetch-depth N] [--skew S] [--locality R] [--seed N] [--predict]\n"
     "                  [--predict-depth D]\n"
     "                  [--placement auto|device|host] [--host-share S] [--host-queues N]\n"
-    "                  [--host-threads N] [--time-link]\n"
+    "                  [--host-threads N] [--time-link] [--time-host]\n"
     "                  [--no-overlap] [--no-check] [--json] [--trace FILE]\n"
     "\n"
     "Runs a stack of MoE layers, x += MoE(RMSNorm(x)), with the routed experts in pinned host\n"
@@ -82,6 +82,9 @@ static const char moe_help[] =
     "                     left to the threads that feed it)\n"
     "  --time-link        time every expert copy on the device and report how long the link\n"
     "                     was busy during decode (the copy queues then complete eagerly)\n"
+    "  --time-host        time the host experts on the host queues and report how long the\n"
+    "                     host computed experts during decode (those queues then complete\n"
+    "                     eagerly)\n"
     "  --no-overlap       run only the serialized pass (copy and compute alternate)\n"
     "  --no-check         skip the all-resident reference run and the bitwise check\n"
     "  --json             print JSON on stdout instead of the table\n"
@@ -94,7 +97,7 @@ typedef struct moe_opts {
   double skew, locality, budget_pct, host_share;
   size_t budget_bytes;
   long host_queues, host_threads, predict_depth;
-  int policy, serialized_only, check, json, predict, placement, time_link;
+  int policy, serialized_only, check, json, predict, placement, time_link, time_host;
 } moe_opts;
 
 static int parse_double(const char *s, double lo, double hi, double *out) {
@@ -128,7 +131,8 @@ enum {
   OPT_PRESET = TOOL_OPT_LONG, OPT_DEVICE, OPT_LAYERS, OPT_TOKENS, OPT_UBATCH, OPT_DECODE,
   OPT_BUDGET, OPT_POLICY, OPT_SLOTS, OPT_DEPTH, OPT_SKEW, OPT_LOCALITY, OPT_SEED, OPT_PREDICT,
   OPT_NO_OVERLAP, OPT_NO_CHECK, OPT_JSON, OPT_TRACE, OPT_PLACEMENT, OPT_HOST_QUEUES,
-  OPT_HOST_THREADS, OPT_HOST_SHARE, OPT_PREDICT_DEPTH, OPT_TIME_LINK
+  OPT_HOST_THREADS, OPT_HOST_SHARE, OPT_PREDICT_DEPTH, OPT_TIME_LINK,
+  OPT_TIME_HOST
 };
 
 static const struct option moe_options[] = {
@@ -148,6 +152,7 @@ static const struct option moe_options[] = {
     {"predict", no_argument, NULL, OPT_PREDICT},
     {"predict-depth", required_argument, NULL, OPT_PREDICT_DEPTH},
     {"time-link", no_argument, NULL, OPT_TIME_LINK},
+    {"time-host", no_argument, NULL, OPT_TIME_HOST},
     {"no-overlap", no_argument, NULL, OPT_NO_OVERLAP},
     {"no-check", no_argument, NULL, OPT_NO_CHECK},
     {"json", no_argument, NULL, OPT_JSON},
@@ -172,6 +177,7 @@ static int parse_option(int c, const char *v, moe_opts *o) {
     case OPT_NO_CHECK: o->check = 0; return 0;
     case OPT_PREDICT: o->predict = 1; return 0;
     case OPT_TIME_LINK: o->time_link = 1; return 0;
+    case OPT_TIME_HOST: o->time_host = 1; return 0;
     case OPT_PREDICT_DEPTH:
       o->predict = 1;
       return tool_parse_count(cmd, "--predict-depth", v, TDM_MOE_PREDICT_DEPTH_MAX,
@@ -291,6 +297,7 @@ typedef struct run {
   uint64_t device_routed; /* layers whose routing stayed on the device */
   double decode_seconds; /* the decode part alone */
   double decode_link_busy; /* of which the link had a copy on it (--time-link), seconds */
+  double decode_host_busy; /* and the host queues computed experts (--time-host), seconds */
   found decode;
   double *token_s;       /* each decode token's pass, seconds (o->decode of them, or NULL) */
   double token_ms[3];    /* their median, 90th percentile and maximum, ms (after the run) */
@@ -336,6 +343,7 @@ static void add_pass(run *r, const tdm_moe_pass_stats *st, bool decode) {
   if (decode) {
     r->decode_seconds += st->seconds;
     r->decode_link_busy += st->link_busy_seconds;
+    r->decode_host_busy += st->host_busy_seconds;
     add_found(&r->decode, st);
   }
 }
@@ -452,6 +460,7 @@ static int session_setup(session *s) {
                             .policy = o->policy, .predict = o->predict != 0,
                             .predict_depth = (int)o->predict_depth,
                             .time_link = o->time_link != 0,
+                            .time_host = o->time_host != 0,
                             .placement = (tdm_moe_placement)o->placement,
                             .host_queues = (int)o->host_queues,
                             .host_threads = (int)o->host_threads,
@@ -603,7 +612,7 @@ static void json_found(bu_json *j, const char *prefix, const found *f) {
 #undef KEY
 }
 
-static void json_run(bu_json *j, const run *r, long decode, bool link_timed) {
+static void json_run(bu_json *j, const run *r, long decode, bool link_timed, bool host_timed) {
   bu_json_object(j, NULL);
   bu_json_string(j, "name", r->name);
   bu_json_double(j, "seconds", r->seconds, 6);
@@ -628,6 +637,10 @@ static void json_run(bu_json *j, const run *r, long decode, bool link_timed) {
   /* --time-link: the share of decode's time the link had a copy on it (null otherwise) */
   bu_json_double(j, "decode_link_busy_fraction",
                  link_timed && r->decode_seconds > 0 ? r->decode_link_busy / r->decode_seconds
+                                                     : NAN, 4);
+  /* --time-host: the share of decode's time the host queues computed experts (null otherwise) */
+  bu_json_double(j, "decode_host_busy_fraction",
+                 host_timed && r->decode_seconds > 0 ? r->decode_host_busy / r->decode_seconds
                                                      : NAN, 4);
   if (r->ok < 0) bu_json_null(j, "matches_resident");
   else bu_json_bool(j, "matches_resident", r->ok);
@@ -698,6 +711,7 @@ static int print_json(const session *s, const figures *f) {
   bu_json_string(&j, "policy", o->policy == TDM_CACHE_LRU ? "lru" : "static");
   bu_json_bool(&j, "predict", o->predict);
   bu_json_bool(&j, "time_link", o->time_link);
+  bu_json_bool(&j, "time_host", o->time_host);
   bu_json_int(&j, "predict_depth", o->predict ? (o->predict_depth ? (int)o->predict_depth : 1) : 0);
   bu_json_uint(&j, "budget_bytes", s->budget);
   bu_json_int(&j, "staging_slots", s->ss.staging_slots);
@@ -717,7 +731,7 @@ static int print_json(const session *s, const figures *f) {
   bu_json_double(&j, "host_share_model", s->place.host_share_model, 4);
   bu_json_double(&j, "host_tolerance", HOST_TOL, -6);
   bu_json_array(&j, "runs");
-  for (int i = 0; i < s->nruns; i++) json_run(&j, &s->runs[i], o->decode, o->time_link != 0);
+  for (int i = 0; i < s->nruns; i++) json_run(&j, &s->runs[i], o->decode, o->time_link != 0, o->time_host != 0);
   bu_json_end(&j);
   bu_json_double(&j, "link_utilization", f->link, 4);
   bu_json_double(&j, "hidden_fraction", f->hidden, 4);
@@ -803,6 +817,12 @@ static void print_decode(const session *s, const run *mr) {
     printf("                     the link had a copy on it %.2f of the decode time (device "
            "timestamps: %.1f GB/s while busy)\n", mr->decode_link_busy / mr->decode_seconds,
            mr->decode_link_busy > 0 ? (double)d->bytes / mr->decode_link_busy / 1e9 : 0.0);
+  if (s->o.time_host && mr->decode_seconds > 0)
+    printf("                     the host computed experts %.2f of the decode time (host "
+           "queues' timestamps: %.1f GB/s while busy)\n", mr->decode_host_busy / mr->decode_seconds,
+           mr->decode_host_busy > 0
+               ? decode_host_bytes(s, mr) * s->o.decode / mr->decode_host_busy / 1e9
+               : 0.0);
   if (mr->token_s)
     printf("                     a token takes %.3f ms (median), %.3f ms (90th percentile), "
            "%.3f ms at most\n", mr->token_ms[0], mr->token_ms[1], mr->token_ms[2]);

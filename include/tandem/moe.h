@@ -89,6 +89,10 @@ typedef struct tdm_moe_config {
                               subtracted); 0: the cost model's (tdm_moe_placement_info). The
                               model is calibrated either way, and reports what it would have
                               chosen. Outside [0, 1], or set under DEVICE or HOST: TDM_EINVAL */
+  bool time_host;          /* time the host experts on the host queues (TDM_QUEUE_TIMING), for
+                              tdm_moe_pass_stats.host_busy_seconds. Timed queues complete
+                              every command through their executor, so this perturbs what it
+                              measures a little, as time_link does */
 } tdm_moe_config;
 
 #define TDM_MOE_PREDICT_DEPTH_MAX 16
@@ -139,6 +143,10 @@ typedef struct tdm_moe_pass_stats {
                                host_experts was taken from */
   double link_busy_seconds; /* time_link: how long at least one expert copy was on the link
                                during the pass, by the device's timestamps; 0 otherwise */
+  double host_busy_seconds; /* time_host: how long the host queues spent on the pass's host
+                               experts, from a layer's first one starting on a queue to its last
+                               one there ending, summed over layers and queues (with one queue,
+                               the time the host computed experts); 0 otherwise */
 } tdm_moe_pass_stats;
 
 /* Runs every layer on a ubatch of T tokens: x (host f32 [T x H]) in, y out. overlap false makes
