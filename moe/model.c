@@ -58,6 +58,9 @@ size_t tdm_moe_host_bytes(const tdm_moe_preset *p, int layers) {
  * tokens: matrix-vector work, which the grouped kernels do at the weights' bandwidth. */
 #define GROUPED_MAX_T 32
 
+/* time_chain's markers in a layer, in the order the compute queue passes them. */
+enum { CHAIN_ROUTED, CHAIN_STARTED, CHAIN_DEVICE, CHAIN_JOINED, CHAIN_COMBINED, CHAIN_MARKS };
+
 struct tdm_moe_model {
   tdm_moe_config cfg;
   tdm_moe_preset p;
@@ -110,6 +113,9 @@ struct tdm_moe_model {
    * at the end of each pass. Room for L * nhq pairs; span_base: the current layer's first. */
   tdm_event **spans;
   int nspans, span_base;
+  /* time_chain: timed markers on the compute queue, the pass's start (chain[0]) and CHAIN_MARKS
+   * per layer (chain[1 + CHAIN_MARKS * l + mark]); harvested and released after each pass */
+  tdm_event **chain;
   void **hstate, **hws;       /* per host queue: its op state and workspace */
   size_t hws_bytes;
   float *xn_h, *out_h;        /* pinned: a layer's xn, and the host experts' outputs by slot */
@@ -803,7 +809,12 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   if (!rc) rc = check_placement(cfg);
   if (!rc && !(m->ops = tdm_moe_ops_for(cfg->device)))
     rc = TDM_ENOTSUP; /* tdm_moe_ops_for's message says why (no BLAS, a module that failed) */
-  if (!rc) rc = tdm_queue_create(cfg->device, TDM_QUEUE_IN_ORDER, &m->q);
+  if (!rc && cfg->time_chain &&
+      !(m->chain = calloc(1 + (size_t)CHAIN_MARKS * m->L, sizeof *m->chain)))
+    rc = tdm_set_error(TDM_ENOMEM, 0, "no memory for the chain's markers");
+  if (!rc)
+    rc = tdm_queue_create(cfg->device,
+                          TDM_QUEUE_IN_ORDER | (cfg->time_chain ? TDM_QUEUE_TIMING : 0), &m->q);
   if (!rc) rc = m->ops->open(m->q, &m->ops_state);
   if (!rc) rc = host_experts_alloc(m, host);
   if (rc == TDM_ENOMEM && !m->host_experts && m->q)
@@ -844,6 +855,7 @@ void tdm_moe_model_destroy(tdm_moe_model *m) {
   free(m->rank);
   free(m->scratch);
   free(m->fill);
+  free(m->chain);
   free(m);
 }
 
@@ -862,6 +874,17 @@ void tdm_moe_make_input(const tdm_moe_model *m, float *x, int n, uint64_t pos, b
 }
 
 /* ---- the forward pass ---- */
+
+/* time_chain: a timed marker on the compute queue, layer l's `mark` (l < 0: the pass's start). */
+static int chain_mark(tdm_moe_model *m, int l, int mark) {
+  if (!m->chain) return 0;
+  tdm_event **e = &m->chain[l < 0 ? 0 : 1 + (size_t)CHAIN_MARKS * l + mark];
+  if (*e) tdm_event_release(*e); /* a layer marked twice keeps its last */
+  *e = NULL;
+  int rc = tdm_event_record(m->q, e);
+  if (rc) *e = NULL;
+  return rc;
+}
 
 static double now_s(void) {
   struct timespec ts;
@@ -924,6 +947,10 @@ static int layer_route(tdm_moe_model *m, int l, int T, tdm_moe_pass_stats *st, i
   if ((rc = tdm_memcpy(m->q, m->idx_h, m->idx, (size_t)T * k * sizeof(int32_t), TDM_COPY_D2H, 0,
                        NULL, &routed)))
     return rc;
+  if ((rc = chain_mark(m, l, CHAIN_ROUTED))) {
+    tdm_event_release(routed);
+    return rc;
+  }
   /* The predictor goes behind the routing's copy: the host waits for the routing alone. It
    * routes this layer's input through the routers of the next pdepth layers (as far as there
    * are any), into pidx one layer after the other, and copies them back at once. */
@@ -971,6 +998,7 @@ static int layer_experts(tdm_moe_model *m, int l, bool overlap, tdm_moe_pass_sta
   tdm_queue *demand = NULL;
   tdm_streamer_queues(m->streamer, &demand, NULL);
   if (overlap && (rc = tdm_streamer_prefetch(m->streamer, l, order, n))) return rc;
+  if ((rc = chain_mark(m, l, CHAIN_STARTED))) return rc;
   for (int i = 0; i < n; i++) {
     int e = order[i];
     const void *w;
@@ -998,7 +1026,7 @@ static int layer_experts(tdm_moe_model *m, int l, bool overlap, tdm_moe_pass_sta
     st->streamer_seconds += now_s() - t2;
     st->experts_computed++;
   }
-  return 0;
+  return chain_mark(m, l, CHAIN_DEVICE);
 }
 
 /* The batch of acquired experts b[0..nb) as one group: their table entries (at `at` in this
@@ -1138,7 +1166,7 @@ static int host_submit(tdm_moe_model *m, int l, const int *count, const int *off
 
 /* The join: the compute queue waits (device-side) for each host queue used, then copies the
  * rows the host experts wrote into out, runs of adjacent slots at once, ahead of the combine. */
-static int host_join(tdm_moe_model *m, int T, const int *count, const int *offset,
+static int host_join(tdm_moe_model *m, int l, int T, const int *count, const int *offset,
                      const int *host, int nh) {
   int rc = 0, used = nh < m->nhq ? nh : m->nhq, n = T * m->k;
   for (int j = 0; !rc && j < used; j++) {
@@ -1151,6 +1179,7 @@ static int host_join(tdm_moe_model *m, int T, const int *count, const int *offse
         tdm_event_release(done);
     }
   }
+  if (!rc) rc = chain_mark(m, l, CHAIN_JOINED);
   memset(m->slot_host, 0, (size_t)n);
   for (int i = 0; i < nh; i++)
     for (int t = 0; t < count[host[i]]; t++) m->slot_host[m->slots_h[offset[host[i]] + t]] = 1;
@@ -1186,6 +1215,7 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
     st->ops_seconds += now_s() - h0;
   }
   if (overlap && (rc = tdm_streamer_prefetch(m->streamer, l, order, n))) return rc;
+  if ((rc = chain_mark(m, l, CHAIN_STARTED))) return rc;
   for (int i = 0; !rc && i < n; i++) {
     int e = order[i];
     /* Serialized, every expert is a group of its own, so each copy follows the compute
@@ -1212,8 +1242,9 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
     return rc; /* host experts already queued finish on their own; forward drains them */
   }
   if (nb && (rc = group_flush(m, l, T, overlap, st, batch, nb, at))) return rc;
+  if ((rc = chain_mark(m, l, CHAIN_DEVICE))) return rc;
   if (nh) {
-    rc = host_join(m, T, count, offset, host, nh);
+    rc = host_join(m, l, T, count, offset, host, nh);
     st->host_experts += (uint64_t)nh;
     st->experts_computed += nh;
   }
@@ -1346,12 +1377,17 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
              ? layer_experts_grouped(m, l, T, overlap, st, count, offset, order, n)
              : layer_experts(m, l, overlap, st, count, offset, order, n);
   }
+  /* time_chain: a layer without host experts joins as its device's experts end */
+  if (!rc && m->chain && !m->chain[1 + (size_t)CHAIN_MARKS * l + CHAIN_JOINED])
+    rc = chain_mark(m, l, CHAIN_JOINED);
   if (rc) {
     if (predicted) tdm_event_release(predicted);
     return rc;
   }
-  if ((rc = layer_lookahead(m, l, T, overlap, st, predicted, n, count, order))) return rc;
-  return layer_combine(m, l, T);
+  if ((rc = layer_lookahead(m, l, T, overlap, st, predicted, n, count, order)) ||
+      (rc = layer_combine(m, l, T)))
+    return rc;
+  return chain_mark(m, l, CHAIN_COMBINED);
 }
 
 /* time_host: the pass's spans (every one complete: the pass has synced, or drained the host
@@ -1367,6 +1403,30 @@ static void harvest_spans(tdm_moe_model *m, tdm_moe_pass_stats *st) {
       if (pair[k]) tdm_event_release(pair[k]);
   }
   m->nspans = 0;
+}
+
+/* time_chain: the pass's markers (complete: the pass has synced) as intervals between
+ * successive ones, summed over layers into the chain_* figures, and released. Only a pass that
+ * succeeded is summed; a failed one may have left a layer without some of its markers. */
+static void harvest_chain(tdm_moe_model *m, tdm_moe_pass_stats *st, bool ok) {
+  size_t n = 1 + (size_t)CHAIN_MARKS * m->L;
+  double *sum[CHAIN_MARKS] = {&st->chain_route_seconds, &st->chain_submit_seconds,
+                              &st->chain_device_seconds, &st->chain_join_seconds,
+                              &st->chain_combine_seconds};
+  for (int l = 0; ok && l < m->L; l++) {
+    tdm_event **at = m->chain + 1 + (size_t)CHAIN_MARKS * l;
+    tdm_event *prev = l ? at[-1] : m->chain[0];
+    for (int k = 0; k < CHAIN_MARKS; k++) {
+      double ms;
+      if (prev && at[k] && tdm_event_elapsed(prev, at[k], &ms) == 0) *sum[k] += ms / 1e3;
+      prev = at[k];
+    }
+  }
+  for (size_t i = 0; i < n; i++)
+    if (m->chain[i]) {
+      tdm_event_release(m->chain[i]);
+      m->chain[i] = NULL;
+    }
 }
 
 int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool overlap, tdm_moe_pass_stats *st) {
@@ -1389,6 +1449,7 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   tdm_streamer_stats_get(m->streamer, &s0);
   double t0 = now_s();
   rc = tdm_memcpy(m->q, m->x, xh, bytes, TDM_COPY_H2D, 0, NULL, NULL);
+  if (!rc && !on_device) rc = chain_mark(m, -1, 0);
   if (!rc && on_device) rc = device_layers(m, T);
   for (int l = 0; !rc && !on_device && l < m->L; l++)
     rc = layer(m, l, T, overlap, st, count, count + m->E, count + 2 * m->E);
@@ -1402,6 +1463,7 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
    * joined: they finish before the pass returns, so the next one can reuse their buffers. */
   if (rc) (void)sync_host_queues(m);
   if (m->spans) harvest_spans(m, st);
+  if (m->chain) harvest_chain(m, st, !rc && !src);
   st->wait_seconds += now_s() - w0;
   if (!rc) rc = src;
   st->seconds = now_s() - t0;

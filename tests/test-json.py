@@ -213,19 +213,39 @@ def moe(tool, device, tmp):
     if doc.get("time_host") is not False or main.get("decode_host_busy_fraction") is not None:
         raise Failed(f"{what}: time_host {doc.get('time_host')!r}, decode_host_busy_fraction "
                      f"{main.get('decode_host_busy_fraction')!r} without --time-host")
+    if doc.get("time_chain") is not False or main.get("decode_chain_us", 0) is not None:
+        raise Failed(f"{what}: time_chain {doc.get('time_chain')!r}, decode_chain_us "
+                     f"{main.get('decode_chain_us', 0)!r} without --time-chain")
     # --time-host with every expert on the host, on one host queue: the host computed experts
-    # for part of each streamed run's decode, by the host queue's clock.
-    what = "moe --device-budget 0 --cache-policy lru --decode 4 --placement host --time-host"
+    # for part of each streamed run's decode, by the host queue's clock. --time-chain: each
+    # streamed run's decode layers, by the compute queue's clock, in five parts of at least 0
+    # (the routing's way back above 0) that add up to no more than a layer's share of decode;
+    # the all-resident run routes on the device and has none.
+    what = ("moe --device-budget 0 --cache-policy lru --decode 4 --placement host --time-host "
+            "--time-chain")
     doc, command = run(tool, base + [b"--device-budget", b"0", b"--cache-policy", b"lru",
                                      b"--decode", b"4", b"--slots", b"2", b"--placement",
-                                     b"host", b"--time-host"], what)
+                                     b"host", b"--time-host", b"--time-chain"], what)
     check_header(doc, command, what)
-    if doc.get("time_host") is not True:
-        raise Failed(f"{what}: time_host {doc.get('time_host')!r}")
+    if doc.get("time_host") is not True or doc.get("time_chain") is not True:
+        raise Failed(f"{what}: time_host {doc.get('time_host')!r}, time_chain "
+                     f"{doc.get('time_chain')!r}")
+    parts = ["route", "submit", "device", "join", "combine"]
     for r in doc["runs"]:
         f = r.get("decode_host_busy_fraction")
         if r["name"] != "all resident" and not (isinstance(f, (int, float)) and 0 < f <= 1.05):
             raise Failed(f"{what}: run {r['name']!r}: decode_host_busy_fraction {f!r}")
+        chain = r.get("decode_chain_us", 0)
+        if r["name"] == "all resident":
+            if chain is not None:
+                raise Failed(f"{what}: the all-resident run has decode_chain_us {chain!r}")
+            continue
+        layer_us = 1e6 / r["decode_tokens_per_s"] / doc["layers"]
+        if not (isinstance(chain, dict) and sorted(chain) == sorted(parts) and
+                all(isinstance(chain[p], (int, float)) and chain[p] >= 0 for p in parts) and
+                chain["route"] > 0 and sum(chain.values()) <= 1.05 * layer_us + 100):
+            raise Failed(f"{what}: run {r['name']!r}: decode_chain_us {chain!r} (a layer "
+                         f"of decode takes {layer_us:.1f} us)")
     # --time-link with every expert copied: the link had a copy on it for part of each streamed
     # run's decode, by the device's clock (a little slack for that clock against the host's).
     what = "moe --device-budget 0 --cache-policy lru --decode 4 --placement device --time-link"

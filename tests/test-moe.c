@@ -635,7 +635,10 @@ static int affinity_cores(void) {
  * the host), with three the 3 threads asked for; on a CPU device the device's own op state has
  * started the pool first, at its default, which the model then shares. The overlapped runs
  * time the host experts (time_host): each pass's host_busy_seconds is above 0 and at most the
- * pass's time on each queue; the serialized runs do not, and report 0. */
+ * pass's time on each queue; the serialized runs do not, and report 0. The overlapped runs
+ * time each layer's chain too (time_chain): every part is at least 0, the routing's way back
+ * above 0, and the parts add up to no more than the pass (the device's clock against the
+ * host's, with a little slack); untimed, every part is 0. */
 TEST_CASE(host_placement) {
   tdm_device *dev = th_open();
   enum { DECODE = 6, SMALL = 5 };
@@ -655,6 +658,7 @@ TEST_CASE(host_placement) {
       c.host_queues = queues[qi];
       c.host_threads = qi ? 3 : 0;
       c.time_host = ov;
+      c.time_chain = ov;
       m = make_model(dev, &c, false, 0, 2, TDM_CACHE_LRU); /* with the look-ahead predictor */
       tdm_moe_placement_info pi;
       CHECK_OK(tdm_moe_placement_get(m, &pi));
@@ -685,6 +689,17 @@ TEST_CASE(host_placement) {
                     st.host_busy_seconds, st.seconds, queues[qi]);
         else
           CHECK(st.host_busy_seconds == 0);
+        double part[] = {st.chain_route_seconds, st.chain_submit_seconds,
+                         st.chain_device_seconds, st.chain_join_seconds,
+                         st.chain_combine_seconds}, sum = 0;
+        for (int i = 0; i < 5; i++) {
+          CHECK_MSG(part[i] >= 0 && (ov || part[i] == 0), "pass %d, overlap %d: chain part %d "
+                    "is %g s", t, ov, i, part[i]);
+          sum += part[i];
+        }
+        if (ov)
+          CHECK_MSG(part[0] > 0 && sum <= 1.05 * st.seconds + 1e-4, "pass %d: the chain's "
+                    "routing %g s, all parts %g s, in a %g s pass", t, part[0], sum, st.seconds);
         /* Decode: the top-k of every layer, all distinct. */
         if (T == 1) CHECK_EQ((long)st.host_experts, (long)p->layers * p->topk);
       }

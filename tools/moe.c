@@ -27,7 +27,7 @@ static const char moe_help[] =
     "                  [--prefetch-depth N] [--skew S] [--locality R] [--seed N] [--predict]\n"
     "                  [--predict-depth D]\n"
     "                  [--placement auto|device|host] [--host-share S] [--host-queues N]\n"
-    "                  [--host-threads N] [--time-link] [--time-host]\n"
+    "                  [--host-threads N] [--time-link] [--time-host] [--time-chain]\n"
     "                  [--no-overlap] [--no-check] [--json] [--trace FILE]\n"
     "\n"
     "Runs a stack of MoE layers, x += MoE(RMSNorm(x)), with the routed experts in pinned host\n"
@@ -85,6 +85,10 @@ static const char moe_help[] =
     "  --time-host        time the host experts on the host queues and report how long the\n"
     "                     host computed experts during decode (those queues then complete\n"
     "                     eagerly)\n"
+    "  --time-chain       time each decode layer's chain on the compute queue and report,\n"
+    "                     per layer, how long the routing took to come back, the host's\n"
+    "                     turnaround, the device's experts, the wait for the host's, and\n"
+    "                     the combine (that queue then completes eagerly)\n"
     "  --no-overlap       run only the serialized pass (copy and compute alternate)\n"
     "  --no-check         skip the all-resident reference run and the bitwise check\n"
     "  --json             print JSON on stdout instead of the table\n"
@@ -97,7 +101,8 @@ typedef struct moe_opts {
   double skew, locality, budget_pct, host_share;
   size_t budget_bytes;
   long host_queues, host_threads, predict_depth;
-  int policy, serialized_only, check, json, predict, placement, time_link, time_host;
+  int policy, serialized_only, check, json, predict, placement, time_link, time_host,
+      time_chain;
 } moe_opts;
 
 static int parse_double(const char *s, double lo, double hi, double *out) {
@@ -132,7 +137,7 @@ enum {
   OPT_BUDGET, OPT_POLICY, OPT_SLOTS, OPT_DEPTH, OPT_SKEW, OPT_LOCALITY, OPT_SEED, OPT_PREDICT,
   OPT_NO_OVERLAP, OPT_NO_CHECK, OPT_JSON, OPT_TRACE, OPT_PLACEMENT, OPT_HOST_QUEUES,
   OPT_HOST_THREADS, OPT_HOST_SHARE, OPT_PREDICT_DEPTH, OPT_TIME_LINK,
-  OPT_TIME_HOST
+  OPT_TIME_HOST, OPT_TIME_CHAIN
 };
 
 static const struct option moe_options[] = {
@@ -153,6 +158,7 @@ static const struct option moe_options[] = {
     {"predict-depth", required_argument, NULL, OPT_PREDICT_DEPTH},
     {"time-link", no_argument, NULL, OPT_TIME_LINK},
     {"time-host", no_argument, NULL, OPT_TIME_HOST},
+    {"time-chain", no_argument, NULL, OPT_TIME_CHAIN},
     {"no-overlap", no_argument, NULL, OPT_NO_OVERLAP},
     {"no-check", no_argument, NULL, OPT_NO_CHECK},
     {"json", no_argument, NULL, OPT_JSON},
@@ -178,6 +184,7 @@ static int parse_option(int c, const char *v, moe_opts *o) {
     case OPT_PREDICT: o->predict = 1; return 0;
     case OPT_TIME_LINK: o->time_link = 1; return 0;
     case OPT_TIME_HOST: o->time_host = 1; return 0;
+    case OPT_TIME_CHAIN: o->time_chain = 1; return 0;
     case OPT_PREDICT_DEPTH:
       o->predict = 1;
       return tool_parse_count(cmd, "--predict-depth", v, TDM_MOE_PREDICT_DEPTH_MAX,
@@ -298,6 +305,8 @@ typedef struct run {
   double decode_seconds; /* the decode part alone */
   double decode_link_busy; /* of which the link had a copy on it (--time-link), seconds */
   double decode_host_busy; /* and the host queues computed experts (--time-host), seconds */
+  double decode_chain[5];  /* --time-chain: decode's layers' chain, seconds (route, submit,
+                              device, join, combine: tdm_moe_pass_stats' chain_*) */
   found decode;
   double *token_s;       /* each decode token's pass, seconds (o->decode of them, or NULL) */
   double token_ms[3];    /* their median, 90th percentile and maximum, ms (after the run) */
@@ -344,6 +353,11 @@ static void add_pass(run *r, const tdm_moe_pass_stats *st, bool decode) {
     r->decode_seconds += st->seconds;
     r->decode_link_busy += st->link_busy_seconds;
     r->decode_host_busy += st->host_busy_seconds;
+    r->decode_chain[0] += st->chain_route_seconds;
+    r->decode_chain[1] += st->chain_submit_seconds;
+    r->decode_chain[2] += st->chain_device_seconds;
+    r->decode_chain[3] += st->chain_join_seconds;
+    r->decode_chain[4] += st->chain_combine_seconds;
     add_found(&r->decode, st);
   }
 }
@@ -461,6 +475,7 @@ static int session_setup(session *s) {
                             .predict_depth = (int)o->predict_depth,
                             .time_link = o->time_link != 0,
                             .time_host = o->time_host != 0,
+                            .time_chain = o->time_chain != 0,
                             .placement = (tdm_moe_placement)o->placement,
                             .host_queues = (int)o->host_queues,
                             .host_threads = (int)o->host_threads,
@@ -485,6 +500,7 @@ static void run_reference(session *s) {
   cfg.all_resident = true;
   cfg.placement = TDM_MOE_PLACE_DEVICE; /* the reference computes everything on the device */
   cfg.host_share = 0;
+  cfg.time_chain = false; /* its decode routes on the device: no chain to time */
   int rc = tdm_moe_model_create(&cfg, &m);
   if (!rc) {
     rc = do_run(m, &s->o, (int)s->H, true, "all resident", true, s->x, s->yref,
@@ -612,7 +628,18 @@ static void json_found(bu_json *j, const char *prefix, const found *f) {
 #undef KEY
 }
 
-static void json_run(bu_json *j, const run *r, long decode, bool link_timed, bool host_timed) {
+/* --time-chain: the chain's parts, in the order a layer passes them (tdm_moe_pass_stats). */
+static const char *const chain_names[5] = {"route", "submit", "device", "join", "combine"};
+
+/* A decode layer's mean chain part i, microseconds (NAN without decode or the chain timed). */
+static double chain_us(const run *r, long decode, long layers, int i) {
+  return decode > 0 && layers > 0 && r->decode_seconds > 0 && r->decode_chain[0] > 0
+             ? 1e6 * r->decode_chain[i] / (double)(decode * layers)
+             : NAN;
+}
+
+static void json_run(bu_json *j, const run *r, long decode, long layers, bool link_timed,
+                     bool host_timed) {
   bu_json_object(j, NULL);
   bu_json_string(j, "name", r->name);
   bu_json_double(j, "seconds", r->seconds, 6);
@@ -642,6 +669,15 @@ static void json_run(bu_json *j, const run *r, long decode, bool link_timed, boo
   bu_json_double(j, "decode_host_busy_fraction",
                  host_timed && r->decode_seconds > 0 ? r->decode_host_busy / r->decode_seconds
                                                      : NAN, 4);
+  /* --time-chain: a decode layer's mean chain, microseconds (null without it, or for the
+   * all-resident run, whose decode routes on the device) */
+  if (isnan(chain_us(r, decode, layers, 0))) {
+    bu_json_null(j, "decode_chain_us");
+  } else {
+    bu_json_object(j, "decode_chain_us");
+    for (int i = 0; i < 5; i++) bu_json_double(j, chain_names[i], chain_us(r, decode, layers, i), 2);
+    bu_json_end(j);
+  }
   if (r->ok < 0) bu_json_null(j, "matches_resident");
   else bu_json_bool(j, "matches_resident", r->ok);
   if (r->check) bu_json_string(j, "check", r->check);
@@ -712,6 +748,7 @@ static int print_json(const session *s, const figures *f) {
   bu_json_bool(&j, "predict", o->predict);
   bu_json_bool(&j, "time_link", o->time_link);
   bu_json_bool(&j, "time_host", o->time_host);
+  bu_json_bool(&j, "time_chain", o->time_chain);
   bu_json_int(&j, "predict_depth", o->predict ? (o->predict_depth ? (int)o->predict_depth : 1) : 0);
   bu_json_uint(&j, "budget_bytes", s->budget);
   bu_json_int(&j, "staging_slots", s->ss.staging_slots);
@@ -731,7 +768,8 @@ static int print_json(const session *s, const figures *f) {
   bu_json_double(&j, "host_share_model", s->place.host_share_model, 4);
   bu_json_double(&j, "host_tolerance", HOST_TOL, -6);
   bu_json_array(&j, "runs");
-  for (int i = 0; i < s->nruns; i++) json_run(&j, &s->runs[i], o->decode, o->time_link != 0, o->time_host != 0);
+  for (int i = 0; i < s->nruns; i++) json_run(&j, &s->runs[i], o->decode, s->layers, o->time_link != 0,
+                                            o->time_host != 0);
   bu_json_end(&j);
   bu_json_double(&j, "link_utilization", f->link, 4);
   bu_json_double(&j, "hidden_fraction", f->hidden, 4);
@@ -823,6 +861,13 @@ static void print_decode(const session *s, const run *mr) {
            mr->decode_host_busy > 0
                ? decode_host_bytes(s, mr) * s->o.decode / mr->decode_host_busy / 1e9
                : 0.0);
+  if (!isnan(chain_us(mr, s->o.decode, s->layers, 0)))
+    printf("                     a layer's chain (compute queue's timestamps, mean): routing "
+           "back %.1f us,\n                     host turnaround %.1f us, device's experts %.1f "
+           "us, waiting for the host's %.1f us,\n                     combine %.1f us\n",
+           chain_us(mr, s->o.decode, s->layers, 0), chain_us(mr, s->o.decode, s->layers, 1),
+           chain_us(mr, s->o.decode, s->layers, 2), chain_us(mr, s->o.decode, s->layers, 3),
+           chain_us(mr, s->o.decode, s->layers, 4));
   if (mr->token_s)
     printf("                     a token takes %.3f ms (median), %.3f ms (90th percentile), "
            "%.3f ms at most\n", mr->token_ms[0], mr->token_ms[1], mr->token_ms[2]);

@@ -93,6 +93,12 @@ typedef struct tdm_moe_config {
                               tdm_moe_pass_stats.host_busy_seconds. Timed queues complete
                               every command through their executor, so this perturbs what it
                               measures a little, as time_link does */
+  bool time_chain;         /* time each layer's chain on the compute queue (TDM_QUEUE_TIMING),
+                              for tdm_moe_pass_stats' chain_* figures: timed markers at the
+                              routing's copy back, the device's experts' start and end, the
+                              join with the host experts and the combine. Like time_host, it
+                              perturbs what it measures a little. A pass whose routing stays
+                              on the device (every expert resident) has no chain to time */
 } tdm_moe_config;
 
 #define TDM_MOE_PREDICT_DEPTH_MAX 16
@@ -147,6 +153,22 @@ typedef struct tdm_moe_pass_stats {
                                experts, from a layer's first one starting on a queue to its last
                                one there ending, summed over layers and queues (with one queue,
                                the time the host computed experts); 0 otherwise */
+  /* time_chain: where each layer's time went on the compute queue, by its timestamps, summed
+   * over the pass's layers (0 otherwise); with the pass's first upload before them, they add
+   * up to the device's part of the pass. A layer's routing comes back to the host, which
+   * groups it, places the experts, starts the host's and submits the device's; the device's
+   * experts wait for their copies; the join waits for the host's; then the combine. */
+  double chain_route_seconds;   /* the end of the layer before (for the first, of the input's
+                                   upload) to the routing's arrival in host memory: RMSNorm,
+                                   the router and the copies back */
+  double chain_submit_seconds;  /* the routing's arrival to the device's experts' first
+                                   command: the predictor's routers, and the host's turnaround
+                                   (waking, grouping, placing, submitting) */
+  double chain_device_seconds;  /* the device's experts, waits for their copies included */
+  double chain_join_seconds;    /* the device's experts' end to the join's passing: the compute
+                                   queue waiting for the host's experts */
+  double chain_combine_seconds; /* the join to the layer's end: the host's rows copied in, the
+                                   shared experts and the combine */
 } tdm_moe_pass_stats;
 
 /* Runs every layer on a ubatch of T tokens: x (host f32 [T x H]) in, y out. overlap false makes
