@@ -123,6 +123,8 @@ struct tdm_moe_model {
   bool pool_held;             /* a reference to the CPU table's pool, sized for the model */
   double join_experts;        /* AUTO: the host join's round trip in experts' time (place()) */
   double carry;               /* AUTO: what rounding left over at the last layer's placement */
+  bool balance;               /* AUTO: a layer's own placement balances both sides' finishing
+                                 times (balance_layer); TANDEM_MOE_PLACE_BALANCE=1 */
   uint32_t pass;              /* tdm_moe_forward's count, for ahead */
   uint32_t *ahead;            /* L x E: the pass whose look-ahead left (l, e) to the device while
                                  not on it (its copy was then on its way or was to be made) */
@@ -825,6 +827,7 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   if (!rc) rc = setup_buffers(m);
   if (!rc) rc = setup_streamer(m);
   if (!rc && cfg->placement != TDM_MOE_PLACE_DEVICE) rc = setup_host(m);
+  m->balance = tdm_moe__env_long("TANDEM_MOE_PLACE_BALANCE", 0, 1, 0) == 1;
   if (rc) {
     tdm_moe_model_destroy(m);
     return rc;
@@ -1086,6 +1089,51 @@ static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pas
  * than one layer), an expert so marked this pass whose copy has since landed still counts as
  * non-resident: else the share would be taken of fewer experts than the first split, and the
  * experts it left to the host would go back to the link, a few more at each placement. */
+/* AUTO with balance, a layer's own placement: the host may take experts still on their way
+ * (their copies land all the same, and stay cached) as well as absent ones, so as to finish
+ * with the device. Of the n routed experts' whereabouts (where, in the streamer's order: the
+ * copies in flight in the order they land), the host takes h, the absent ones first (each
+ * saves the link a copy), then the copies in flight from the last; h makes the later of the
+ * two sides' ends earliest (the fewest at a tie):
+ * - the host, idle when its layer is placed: h * th + the join;
+ * - the device, as its last copy lands: the copies in flight land one after the other (the
+ *   first half done, on average), and the absent experts left to it are copied after them.
+ * Marks the host's with where = -1; returns how many. */
+static int balance_layer(const tdm_moe_model *m, int *where, int n) {
+  const tdm_moe_placement_info *pi = &m->place;
+  if (!(pi->host_share > 0 && pi->host_gbs_shared > 0 && pi->link_gbs_shared > 0)) return 0;
+  double gb = (double)m->ebytes / 1e9, th = gb / pi->host_gbs_shared,
+         tl = gb / pi->link_gbs_shared, join = pi->host_join_us / 1e6;
+  int p = 0, q = 0;
+  for (int i = 0; i < n; i++) {
+    p += where[i] == TDM_EXPERT_INFLIGHT;
+    q += where[i] == TDM_EXPERT_ABSENT;
+  }
+  int best = 0;
+  double best_end = 0;
+  for (int h = 0; h <= p + q; h++) {
+    int qa = h < q ? q - h : 0, pk = h > q ? p - (h - q) : p; /* left to the device */
+    double dev = qa ? (p - 0.5 + qa) * tl : pk ? (pk - 0.5) * tl : 0.0;
+    double hst = h ? h * th + join : 0.0, end = dev > hst ? dev : hst;
+    if (h == 0 || end < best_end - 1e-9) {
+      best = h;
+      best_end = end;
+    }
+  }
+  int left = best;
+  for (int i = n - 1; i >= 0 && left > 0; i--) /* absent ones, from the last */
+    if (where[i] == TDM_EXPERT_ABSENT) {
+      where[i] = -1;
+      left--;
+    }
+  for (int i = n - 1; i >= 0 && left > 0; i--) /* then copies in flight, from the last */
+    if (where[i] == TDM_EXPERT_INFLIGHT) {
+      where[i] = -1;
+      left--;
+    }
+  return best;
+}
+
 static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh,
                  int *candidates, bool ahead) {
   int ncand = 0, ninflight = 0, nlanded = 0, *where = m->hwhere;
@@ -1098,7 +1146,11 @@ static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh
     nlanded += where[i] == TDM_EXPERT_READY && mark[order[i]] == m->pass;
   }
   int want = ncand;
-  if (m->place.placement == TDM_MOE_PLACE_AUTO) {
+  if (m->place.placement == TDM_MOE_PLACE_AUTO && m->balance && !ahead) {
+    balance_layer(m, where, *n);
+    want = 0; /* marked already */
+    ncand += ninflight;
+  } else if (m->place.placement == TDM_MOE_PLACE_AUTO) {
     double exact = m->place.host_share * (ncand + ninflight + nlanded) - m->join_experts;
     want = (int)floor(exact + m->carry + 0.5);
     if (want > ncand) want = ncand;

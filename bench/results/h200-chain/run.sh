@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Where a decode layer's time goes on the H200: the moe and tool tests on cuda:0, then decode
 # with --time-chain (each layer's chain on the compute queue's timestamps) and --time-host at
-# 50% twice and at budget 0, the 50% run with the host's share fixed below and above the cost
-# model's, with a look-ahead of two layers, and with every expert on the device. Each run a
-# process of its own. Writes $OUT/results.tar.gz.
+# 50% twice and at budget 0, each also with TANDEM_MOE_PLACE_BALANCE=1 (a layer's own placement
+# balances both sides' finishing times, in-flight copies included), the 50% run with the
+# host's share fixed below and above the cost model's, and with every expert on the device.
+# Each run a process of its own. Writes $OUT/results.tar.gz.
 export PATH=$PATH:/usr/local/cuda/bin
 T0=$SECONDS
 mkdir -p $OUT/r
@@ -19,12 +20,13 @@ moe() { # name, then tandem moe options
   echo "$name: $(grep -E "calibrated|host share|decode  |host computed|chain|turnaround|combine  *[0-9]|copied and" $OUT/r/$name.txt | sed 's/^ *//' | paste -sd' ') [$((SECONDS-T0)) s]"
 }
 moe b50-1 --device-budget 50% --time-chain --time-host
+TANDEM_MOE_PLACE_BALANCE=1 moe b50-balance-1 --device-budget 50% --time-chain --time-host
 moe b0 --device-budget 0 --time-chain --time-host
+TANDEM_MOE_PLACE_BALANCE=1 moe b0-balance --device-budget 0 --time-chain --time-host
 moe b50-share35 --device-budget 50% --time-chain --host-share 0.35
 moe b50-share65 --device-budget 50% --time-chain --host-share 0.65
-moe b50-depth2 --device-budget 50% --time-chain --predict-depth 2
 moe b50-device --device-budget 50% --time-chain --placement device
+TANDEM_MOE_PLACE_BALANCE=1 moe b50-balance-2 --device-budget 50% --time-chain --time-host
 moe b50-2 --device-budget 50% --time-chain --time-host
-moe b50-untimed --device-budget 50%
 tar -C $OUT -czf $OUT/results.tar.gz r && rm -rf $OUT/r
 echo "done at $((SECONDS-T0)) s"
