@@ -835,7 +835,7 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   if (!rc) rc = setup_buffers(m);
   if (!rc) rc = setup_streamer(m);
   if (!rc && cfg->placement != TDM_MOE_PLACE_DEVICE) rc = setup_host(m);
-  m->balance = tdm_moe__env_long("TANDEM_MOE_PLACE_BALANCE", 0, 1, 0) == 1;
+  m->balance = cfg->host_share == 0 && tdm_moe__env_long("TANDEM_MOE_PLACE_BALANCE", 0, 1, 0) == 1;
   if (rc) {
     tdm_moe_model_destroy(m);
     return rc;
