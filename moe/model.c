@@ -1097,20 +1097,6 @@ static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pas
   return rc;
 }
 
-/* Placement of the routed experts order[0..n) of layer l (in the streamer's order): the host
- * candidates are those neither on the device nor on their way. HOST takes every candidate;
- * AUTO takes the share the cost model gives of the layer's non-resident experts (candidates
- * and copies in flight), less the host join's round trip in experts (join_experts), so that
- * both sides finish them at about the same time, rounded with the remainder carried from
- * layer to layer (the look-ahead uses the carry and leaves it), at most every candidate, and the
- * last ones in the order: their copies would start last. The host's experts go to
- * host[0..*nh) in order; order keeps the device's, in order, *n of them.
- * The look-ahead (ahead: predicting layer l) places the predicted experts by the same rule and
- * marks those it leaves to the device while they are not on it: their copies start now. At
- * any later placement of the layer (its own, or another look-ahead's, with a look-ahead deeper
- * than one layer), an expert so marked this pass whose copy has since landed still counts as
- * non-resident: else the share would be taken of fewer experts than the first split, and the
- * experts it left to the host would go back to the link, a few more at each placement. */
 /* AUTO with balance, a layer's own placement: the host may take experts still on their way
  * (their copies land all the same, and stay cached) as well as absent ones, so as to finish
  * with the device. Of the n routed experts' whereabouts (where, in the streamer's order: the
@@ -1180,6 +1166,20 @@ static int balance_ahead(tdm_moe_model *m, int *where, int n) {
   return left;
 }
 
+/* Placement of the routed experts order[0..n) of layer l (in the streamer's order): the host
+ * candidates are those neither on the device nor on their way. HOST takes every candidate;
+ * AUTO takes the share the cost model gives of the layer's non-resident experts (candidates
+ * and copies in flight), less the host join's round trip in experts (join_experts), so that
+ * both sides finish them at about the same time, rounded with the remainder carried from
+ * layer to layer (the look-ahead uses the carry and leaves it), at most every candidate, and the
+ * last ones in the order: their copies would start last. The host's experts go to
+ * host[0..*nh) in order; order keeps the device's, in order, *n of them.
+ * The look-ahead (ahead: predicting layer l) places the predicted experts by the same rule and
+ * marks those it leaves to the device while they are not on it: their copies start now. At
+ * any later placement of the layer (its own, or another look-ahead's, with a look-ahead deeper
+ * than one layer), an expert so marked this pass whose copy has since landed still counts as
+ * non-resident: else the share would be taken of fewer experts than the first split, and the
+ * experts it left to the host would go back to the link, a few more at each placement. */
 static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh,
                  int *candidates, int ahead) {
   int ncand = 0, ninflight = 0, nlanded = 0, *where = m->hwhere;
