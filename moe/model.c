@@ -123,10 +123,10 @@ struct tdm_moe_model {
   bool pool_held;             /* a reference to the CPU table's pool, sized for the model */
   double join_experts;        /* AUTO: the host join's round trip in experts' time (place()) */
   double carry;               /* AUTO: what rounding left over at the last layer's placement */
-  bool balance;               /* AUTO: a layer's own placement balances both sides' finishing
-                                 times (balance_layer), and the next layer's look-ahead copies
-                                 what the link can land meanwhile (balance_ahead);
-                                 TANDEM_MOE_PLACE_BALANCE=1 */
+  int balance;                /* AUTO: a layer's own placement balances both sides' finishing
+                                 times (balance_layer), and (1, not 2) the next layer's
+                                 look-ahead copies what the link can land meanwhile
+                                 (balance_ahead); TANDEM_MOE_PLACE_BALANCE=1 or 2 */
   double bal_host, bal_dev;   /* balance: the last own placement's ends, host and device,
                                  seconds after its routing landed */
   double bal_chain;           /* balance: the rest of a layer's period (from one routing's
@@ -835,7 +835,7 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   if (!rc) rc = setup_buffers(m);
   if (!rc) rc = setup_streamer(m);
   if (!rc && cfg->placement != TDM_MOE_PLACE_DEVICE) rc = setup_host(m);
-  m->balance = cfg->host_share == 0 && tdm_moe__env_long("TANDEM_MOE_PLACE_BALANCE", 0, 1, 0) == 1;
+  m->balance = cfg->host_share == 0 ? (int)tdm_moe__env_long("TANDEM_MOE_PLACE_BALANCE", 0, 2, 0) : 0;
   if (rc) {
     tdm_moe_model_destroy(m);
     return rc;
@@ -1196,7 +1196,7 @@ static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh
     balance_layer(m, where, *n);
     want = 0; /* marked already */
     ncand += ninflight;
-  } else if (m->place.placement == TDM_MOE_PLACE_AUTO && m->balance && ahead == 1) {
+  } else if (m->place.placement == TDM_MOE_PLACE_AUTO && m->balance == 1 && ahead == 1) {
     balance_ahead(m, where, *n);
     want = 0;
   } else if (m->place.placement == TDM_MOE_PLACE_AUTO) {

@@ -2,7 +2,8 @@
 # Where a decode layer's time goes on the H200: the moe and tool tests on cuda:0, then decode
 # with --time-chain (each layer's chain on the compute queue's timestamps) and --time-host at
 # 50% twice and at budget 0, each also with TANDEM_MOE_PLACE_BALANCE=1 (a layer's own placement
-# balances both sides' finishing times, in-flight copies included), the 50% run with the
+# balances both sides' finishing times, in-flight copies included, and the look-ahead sizes
+# its copies to the link's window) and =2 (the own placement alone), the 50% run with the
 # host's share fixed below and above the cost model's, and with every expert on the device.
 # Each run a process of its own. Writes $OUT/results.tar.gz.
 export PATH=$PATH:/usr/local/cuda/bin
@@ -23,6 +24,8 @@ moe b50-1 --device-budget 50% --time-chain --time-host
 TANDEM_MOE_PLACE_BALANCE=1 moe b50-balance-1 --device-budget 50% --time-chain --time-host
 moe b0 --device-budget 0 --time-chain --time-host
 TANDEM_MOE_PLACE_BALANCE=1 moe b0-balance --device-budget 0 --time-chain --time-host
+TANDEM_MOE_PLACE_BALANCE=2 moe b50-own --device-budget 50% --time-chain --time-host
+TANDEM_MOE_PLACE_BALANCE=2 moe b0-own --device-budget 0 --time-chain --time-host
 moe b50-share35 --device-budget 50% --time-chain --host-share 0.35
 moe b50-share65 --device-budget 50% --time-chain --host-share 0.65
 moe b50-device --device-budget 50% --time-chain --placement device
