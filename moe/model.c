@@ -1109,7 +1109,7 @@ static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pas
  * Marks the host's with where = -1; returns how many. */
 static int balance_layer(tdm_moe_model *m, int *where, int n) {
   const tdm_moe_placement_info *pi = &m->place;
-  if (!(pi->host_share > 0 && pi->host_gbs_shared > 0 && pi->link_gbs_shared > 0)) return 0;
+  if (!(pi->host_gbs_shared > 0 && pi->link_gbs_shared > 0)) return 0;
   double gb = (double)m->ebytes / 1e9, th = gb / pi->host_gbs_shared,
          tl = gb / pi->link_gbs_shared, join = pi->host_join_us / 1e6;
   int p = 0, q = 0;
@@ -1153,7 +1153,7 @@ static int balance_layer(tdm_moe_model *m, int *where, int n) {
  * experts it leaves with where = -1; returns how many. */
 static int balance_ahead(tdm_moe_model *m, int *where, int n) {
   const tdm_moe_placement_info *pi = &m->place;
-  if (!(pi->host_share > 0 && pi->link_gbs_shared > 0)) return 0;
+  if (!(pi->link_gbs_shared > 0)) return 0;
   double tl = (double)m->ebytes / 1e9 / pi->link_gbs_shared;
   double period = (m->bal_host > m->bal_dev ? m->bal_host : m->bal_dev) + m->bal_chain;
   double window = period - m->bal_dev;
