@@ -53,6 +53,9 @@ typedef struct bench {
   size_t ws_bytes;
   float *wf, *gu;   /* the old path's f32 weights (3HI) and gate|up (MAX_N x 2I) */
   int n;
+  int G;                    /* the grouped rows: experts a call */
+  int32_t *zrows;           /* MAX_N zeros: every entry's token is x's first row */
+  tdm_moe_group *groups;    /* blobs entries: blob e, first e % G, one token */
   volatile uint64_t sink;
 } bench;
 
@@ -157,6 +160,32 @@ static double read_rate(bench *b, int n, size_t ahead) {
   return (double)(b->blobs * blob_len() * sizeof *b->w) / bu_median(t, REPS);
 }
 
+/* One token through every blob, G blobs a call: experts() with a table of G entries, each
+ * writing its own slot, or (single) expert() per blob into the same slots. The last call's
+ * outputs are in out_new (grouped) and out_old (single). */
+static int run_grouped(bench *b, int single, double *seconds) {
+  int G = b->G, rc = 0;
+  double t0 = bu_seconds();
+  for (size_t e = 0; !rc && e + (size_t)G <= b->blobs; e += (size_t)G) {
+    if (!single) {
+      rc = b->ops->experts(b->st, b->q, b->x, b->zrows, b->slot, G, b->w, b->groups + e, G, H, I,
+                           b->out_new, b->ws, b->ws_bytes);
+      continue;
+    }
+    for (int i = 0; !rc && i < G; i++)
+      rc = b->ops->expert(b->st, b->q, b->x, b->zrows, b->slot + i, 1,
+                          b->w + (e + (size_t)i) * blob_len(), H, I, b->out_old, b->ws,
+                          b->ws_bytes);
+  }
+  if (rc || tdm_queue_sync(b->q) != 0) return -1;
+  *seconds = bu_seconds() - t0;
+  return 0;
+}
+
+static int side_grouped(void *arg, int baseline, double *seconds) {
+  return run_grouped(arg, baseline, seconds);
+}
+
 static int side(void *arg, int baseline, double *seconds) {
   bench *b = arg;
   return baseline ? run_old(b, seconds) : run_new(b, seconds);
@@ -208,7 +237,10 @@ int main(int argc, char **argv) {
   b.out_old = malloc(MAX_N * H * sizeof *b.out_old);
   b.wf = malloc(3 * hi * sizeof *b.wf);
   b.gu = malloc(MAX_N * 2 * I * sizeof *b.gu);
-  if (!b.x || !b.rows || !b.slot || !b.out_new || !b.out_old || !b.wf || !b.gu) {
+  b.zrows = calloc(MAX_N, sizeof *b.zrows);
+  b.groups = malloc(b.blobs * sizeof *b.groups);
+  if (!b.x || !b.rows || !b.slot || !b.out_new || !b.out_old || !b.wf || !b.gu || !b.zrows ||
+      !b.groups) {
     fprintf(stderr, "bench-cpu-expert-gemv: out of memory\n");
     return 1;
   }
@@ -331,6 +363,38 @@ int main(int argc, char **argv) {
     bu_json_end(&j);
   }
   bu_json_end(&j);
+  /* One token, G experts a call: experts(), whose passes cover all G at once (the pool joins
+   * twice a call), against expert() per expert (twice an expert); outputs bitwise equal. */
+  printf("\n  %2s %14s %14s %10s %12s %8s\n", "G", "grouped us/exp", "single us/exp",
+         "single/grp", "grouped GB/s", "equal");
+  bu_json_array(&j, "grouped");
+  static const int GS[] = {2, 4, 8};
+  for (size_t k = 0; k < sizeof GS / sizeof GS[0] && (size_t)GS[k] <= b.blobs; k++) {
+    b.G = GS[k];
+    for (size_t e = 0; e < b.blobs; e++)
+      b.groups[e] = (tdm_moe_group){.w = (int64_t)(e * blob_len()), .first = (int32_t)(e % b.G),
+                                    .count = 1};
+    double tg, ts;
+    if (bu_interleaved(&b, side_grouped, NULL, REPS, &tg, &ts) != 0) {
+      fprintf(stderr, "bench-cpu-expert-gemv: G=%d failed: %s\n", b.G, tdm_last_error());
+      return 1;
+    }
+    size_t done = b.blobs / (size_t)b.G * (size_t)b.G;
+    tg /= (double)done;
+    ts /= (double)done;
+    bool equal = memcmp(b.out_new, b.out_old, (size_t)b.G * H * sizeof *b.out_new) == 0;
+    printf("  %2d %14.1f %14.1f %10.3f %12.2f %8s\n", b.G, tg * 1e6, ts * 1e6, ts / tg,
+           blob_mb / 1e3 / tg, equal ? "yes" : "NO");
+    bu_json_object(&j, NULL);
+    bu_json_int(&j, "experts_per_call", b.G);
+    bu_json_double(&j, "grouped_us_per_expert", tg * 1e6, 2);
+    bu_json_double(&j, "single_us_per_expert", ts * 1e6, 2);
+    bu_json_double(&j, "single_over_grouped", ts / tg, 3);
+    bu_json_double(&j, "grouped_weight_gb_per_s", blob_mb / 1e3 / tg, 3);
+    bu_json_bool(&j, "bitwise_equal", equal);
+    bu_json_end(&j);
+  }
+  bu_json_end(&j);
   if (bu_json_close(&j, "bench-cpu-expert-gemv", path) != 0) return 1;
   printf("\n  wrote %s\n", path);
 
@@ -339,7 +403,7 @@ int main(int argc, char **argv) {
   tdm_free(b.w);
   tdm_free(b.ws);
   free(b.x); free(b.rows); free(b.slot); free(b.out_new); free(b.out_old); free(b.wf);
-  free(b.gu);
+  free(b.gu); free(b.zrows); free(b.groups);
   tdm_shutdown();
   return 0;
 }

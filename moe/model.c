@@ -120,6 +120,7 @@ struct tdm_moe_model {
   size_t hws_bytes;
   float *xn_h, *out_h;        /* pinned: a layer's xn, and the host experts' outputs by slot */
   int *hsel, *hwhere;         /* E: a layer's host experts; the routed experts' whereabouts */
+  tdm_moe_group *hgroups;     /* E: a layer's host experts as experts() tables, one a queue */
   bool pool_held;             /* a reference to the CPU table's pool, sized for the model */
   double join_experts;        /* AUTO: the host join's round trip in experts' time (place()) */
   double carry;               /* AUTO: what rounding left over at the last layer's placement */
@@ -667,14 +668,17 @@ static int setup_host(tdm_moe_model *m) {
   m->hws = calloc((size_t)m->nhq, sizeof *m->hws);
   m->hsel = malloc((size_t)m->E * sizeof *m->hsel);
   m->hwhere = malloc((size_t)m->E * sizeof *m->hwhere);
+  m->hgroups = malloc((size_t)m->E * sizeof *m->hgroups);
   m->slot_host = malloc(tk);
   m->ahead = calloc((size_t)m->L * m->E, sizeof *m->ahead);
   if (m->cfg.time_host) m->spans = calloc((size_t)m->L * m->nhq * 2, sizeof *m->spans);
-  if (!m->hq || !m->hstate || !m->hws || !m->hsel || !m->hwhere || !m->slot_host || !m->ahead ||
+  if (!m->hq || !m->hstate || !m->hws || !m->hsel || !m->hwhere || !m->hgroups ||
+      !m->slot_host || !m->ahead ||
       (m->cfg.time_host && !m->spans))
     return tdm_set_error(TDM_ENOMEM, 0, "no memory for %d host queues", m->nhq);
-  /* An expert has at most Tg tokens (a token picks it once). */
-  m->hws_bytes = tdm_moe_ops_workspace(Tg, m->H, m->I);
+  /* A layer's host experts are one experts() call a queue over the layer's Tg * k token
+   * entries (an expert alone has at most Tg: a token picks it once). */
+  m->hws_bytes = tdm_moe_ops_workspace(Tg * m->k, m->H, m->I);
   for (int j = 0; !rc && j < m->nhq; j++) {
     rc = tdm_queue_create(m->place_host_dev,
                           TDM_QUEUE_IN_ORDER | (m->cfg.time_host ? TDM_QUEUE_TIMING : 0),
@@ -731,6 +735,7 @@ static void destroy_host(tdm_moe_model *m) {
   free(m->hws);
   free(m->hsel);
   free(m->hwhere);
+  free(m->hgroups);
   free(m->slot_host);
   free(m->ahead);
   free(m->spans);
@@ -1229,10 +1234,11 @@ static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh
   return 0;
 }
 
-/* The host experts host[0..nh) of layer l, submitted before the device's: each runs the CPU
- * table's expert() on a host queue, round-robin, from its pinned weights and xn_h (which
- * layer_route() copied back ahead of the routing the host has waited for), writing out_h at
- * its tokens' slots.
+/* The host experts host[0..nh) of layer l, submitted before the device's: dealt round-robin to
+ * the host queues, each queue's as one call of the CPU table's experts() (which splits the
+ * rows of all of them between the pool's threads pass by pass, so the pool joins twice a
+ * layer, not twice an expert), from their pinned weights and xn_h (which layer_route() copied
+ * back ahead of the routing the host has waited for), writing out_h at their tokens' slots.
  * What the host queues read stays put until they are done, ordered by events:
  * - xn_h is written next by the next layer's copy, which the compute queue runs after
  *   host_join()'s waits for this layer's host queues;
@@ -1242,9 +1248,10 @@ static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh
  *   the next pass regroups after tdm_moe_forward's final sync, which covers them too;
  * - out_h is written next by the next layer's host experts, which the host thread submits only
  *   after it has waited for the next routing's copy, which the compute queue runs after this
- *   layer's copies out of out_h.
+ *   layer's copies out of out_h;
+ * - hgroups, the tables, are rewritten by the next layer's host_submit, after that same wait.
  * Under TSan these are happens-before edges through tandem's events, not through timing. */
-static int host_submit(tdm_moe_model *m, int l, const int *count, const int *offset,
+static int host_submit(tdm_moe_model *m, int l, int T, const int *count, const int *offset,
                        const int *host, int nh) {
   int rc = 0, used = nh < m->nhq ? nh : m->nhq;
   if (m->spans) { /* time_host: each queue's start, before its first expert */
@@ -1256,11 +1263,17 @@ static int host_submit(tdm_moe_model *m, int l, const int *count, const int *off
       if (rc) pair[0] = NULL;
     }
   }
-  for (int i = 0; !rc && i < nh; i++) {
-    int e = host[i], j = i % m->nhq;
-    rc = m->hops->expert(m->hstate[j], m->hq[j], m->xn_h, m->rows_h + offset[e],
-                         m->slots_h + offset[e], count[e], m->host_ptrs[(size_t)l * m->E + e],
-                         m->H, m->I, m->out_h, m->hws[j], m->hws_bytes);
+  tdm_moe_group *g = m->hgroups;
+  for (int j = 0; !rc && j < used; j++) {
+    tdm_moe_group *table = g;
+    for (int i = j; i < nh; i += m->nhq) {
+      const tdm_moe_bf16 *w = m->host_ptrs[(size_t)l * m->E + host[i]];
+      *g++ = (tdm_moe_group){.w = (int64_t)(w - m->host_experts), .first = offset[host[i]],
+                             .count = count[host[i]]};
+    }
+    rc = m->hops->experts(m->hstate[j], m->hq[j], m->xn_h, m->rows_h, m->slots_h, T * m->k,
+                          m->host_experts, table, (int)(g - table), m->H, m->I, m->out_h,
+                          m->hws[j], m->hws_bytes);
   }
   return rc;
 }
@@ -1312,7 +1325,7 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
     if ((rc = place(m, l, order, &n, host, &nh, &candidates, 0))) return rc;
     st->host_candidates += (uint64_t)candidates;
     double h0 = now_s();
-    if (nh && (rc = host_submit(m, l, count, offset, host, nh))) return rc;
+    if (nh && (rc = host_submit(m, l, T, count, offset, host, nh))) return rc;
     st->ops_seconds += now_s() - h0;
   }
   if (overlap && (rc = tdm_streamer_prefetch(m->streamer, l, order, n))) return rc;

@@ -551,7 +551,7 @@ TEST_CASE(expert_on_host) {
 
 /* ---- experts: a group of experts in one submission --------------------------------------- */
 
-enum { MAX_G = 16 }; /* entries of a test's table, experts of its routing */
+enum { MAX_G = 24 }; /* entries of a test's table, experts of its routing */
 
 /* Cases of the grouped ops skip, visibly, on a table that does not have them yet. */
 static void need_op(const fixture *f, int present, const char *op) {
@@ -720,13 +720,26 @@ TEST_CASE(experts_ref) {
   teardown(&f);
 }
 
+/* Token counts all on the CPU's direct path, for more entries than the CPU table fuses into
+ * one pair of passes (16): its fused path, batch after batch. */
+static const int FEW_COUNTS[] = {1, 2, 0, 1, CPU_GEMV_MAX_N, 1, 3, 1, 1, 2, 0, 1, 1, 4,
+                                 1, 1, 2, 1, 1, 1, 5, 1};
+enum { FEW_G = sizeof FEW_COUNTS / sizeof FEW_COUNTS[0] };
+
 /* The same problem as one call of G entries, as G calls of one entry, and with the table
- * reversed: bitwise equal, since an expert's output may not depend on the other entries. */
+ * reversed: bitwise equal, since an expert's output may not depend on the other entries. Once
+ * with the mixed counts, once with every entry on few tokens (FEW_COUNTS). */
+static void experts_split_counts(const int *counts, int G, int T);
 TEST_CASE(experts_split) {
-  enum { T = 24, H = 300, I = 200, K = 4 };
+  experts_split_counts(GROUP_COUNTS, GROUP_G, 24);
+  experts_split_counts(FEW_COUNTS, FEW_G, 10);
+}
+
+static void experts_split_counts(const int *counts, int G, int T) {
+  enum { H = 300, I = 200, K = 4 };
   fixture f = setup();
   need_op(&f, f.ops->experts != NULL, "experts");
-  group_case c = group_setup(&f, T, H, I, K, GROUP_COUNTS, GROUP_G, 0);
+  group_case c = group_setup(&f, T, H, I, K, counts, G, 0);
   const size_t slots = (size_t)T * K, bytes = slots * H * sizeof(float);
   float *whole = alloc(&f, TDM_MEM_PINNED, bytes), *one = alloc(&f, TDM_MEM_PINNED, bytes);
   float *reversed = alloc(&f, TDM_MEM_PINNED, bytes);

@@ -42,6 +42,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -521,6 +522,54 @@ static void expert_gemv(const float *const *xs, float *const *out, size_t n, con
   gemv_pass(workers, H, gemv_down, &j);
 }
 
+/* Up to GEMV_FUSE experts on few tokens each, both passes over all of them at once: the gate
+ * and up rows of every expert, then (SiLU applied) the down rows of every expert, so the pool
+ * joins twice for the lot rather than twice an expert, and its threads, which finish a pass
+ * chunk by chunk, idle at one tail instead of one per pass and expert. Each row is computed
+ * as expert_gemv computes it, so the bits are the same. jobs[g] as expert_gemv makes them
+ * (chunk set here); workers > 1. */
+enum { GEMV_FUSE = 16 };
+typedef struct gemv_fused {
+  gemv_job *jobs;
+  size_t first[GEMV_FUSE + 1]; /* job g's chunks are [first[g], first[g + 1]) of the pass */
+  int njobs;
+  pool_fn fn;
+} gemv_fused;
+
+static void fused_chunk(void *arg, size_t c, int worker) {
+  const gemv_fused *f = arg;
+  int lo = 0, hi = f->njobs - 1; /* the job whose chunks hold c */
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (f->first[mid] <= c) lo = mid;
+    else hi = mid - 1;
+  }
+  f->fn(&f->jobs[lo], c - f->first[lo], worker);
+}
+
+static void fused_pass(gemv_fused *f, size_t rows, pool_fn fn, int workers) {
+  size_t chunk = gemv_chunk(rows, workers), per = (rows + chunk - 1) / chunk;
+  for (int g = 0; g < f->njobs; g++) {
+    f->jobs[g].chunk = chunk;
+    f->first[g] = (size_t)g * per;
+  }
+  f->first[f->njobs] = (size_t)f->njobs * per;
+  f->fn = fn;
+  pool_run(f->first[f->njobs], fused_chunk, f);
+}
+
+static void experts_gemv_fused(gemv_job *jobs, int njobs, size_t H, size_t I, int workers) {
+  gemv_fused f = {.jobs = jobs, .njobs = njobs};
+  fused_pass(&f, 2 * I, gemv_gate_up, workers);
+  for (int g = 0; g < njobs; g++)
+    for (size_t t = 0; t < jobs[g].n; t++) {
+      float *gt = jobs[g].gu + t * 2 * I;
+      const float *u = gt + I;
+      for (size_t k = 0; k < I; k++) gt[k] = gt[k] / (1.0f + expf(-gt[k])) * u[k];
+    }
+  fused_pass(&f, H, gemv_down, workers);
+}
+
 /* ---- expert ------------------------------------------------------------------------------ */
 
 /* The expert at w on n tokens whose indices are known to be in range: what expert() computes,
@@ -646,10 +695,66 @@ static int experts_check(const experts_args *a) {
   return 0;
 }
 
+/* Whether experts_body may fuse the table's experts (experts_gemv_fused): the pool has
+ * workers to split them, each expert is on few tokens (the direct path), and all their
+ * [gate | up] rows fit where expert_compute keeps one expert's (the entries name no token
+ * twice, so their counts add up to at most n). */
+static bool experts_fusable(const experts_args *a, int workers, size_t slots) {
+  if (workers < 2 || (size_t)workers > slots ||
+      3 * (size_t)a->H * a->I < GEMV_POOL_MIN_WEIGHTS)
+    return false;
+  size_t total = 0;
+  for (int g = 0; g < a->G; g++) {
+    if (a->groups[g].count > GEMV_MAX_N) return false;
+    total += (size_t)a->groups[g].count;
+  }
+  return total <= (size_t)a->n;
+}
+
+/* The table's experts in batches of up to GEMV_FUSE, each batch fused: the workspace's row
+ * buffers serve every batch, and each expert's [gate | up] gets its own rows after them. */
+static void experts_fused(const experts_args *a, int workers, size_t stride, size_t region) {
+  size_t H = (size_t)a->H, I = (size_t)a->I;
+  const float *xs[GEMV_FUSE][GEMV_MAX_N], *hs[GEMV_FUSE][GEMV_MAX_N];
+  float *outs[GEMV_FUSE][GEMV_MAX_N];
+  gemv_job jobs[GEMV_FUSE];
+  pthread_once(&prefetch_once, prefetch_init);
+  int g = 0;
+  while (g < a->G) {
+    int nj = 0;
+    float *gu = a->ws + region;
+    for (; g < a->G && nj < GEMV_FUSE; g++) {
+      const tdm_moe_group e = a->groups[g];
+      if (e.count == 0) continue;
+      for (int i = 0; i < e.count; i++) {
+        xs[nj][i] = a->x + (size_t)a->rows[e.first + i] * H;
+        outs[nj][i] = a->out + (size_t)a->slot[e.first + i] * H;
+        hs[nj][i] = gu + (size_t)i * 2 * I;
+      }
+      jobs[nj] = (gemv_job){.xs = xs[nj], .hs = hs[nj], .out = outs[nj], .n = (size_t)e.count,
+                            .H = H, .I = I, .w = a->wbase + e.w,
+                            .ahead = prefetch_bytes / sizeof(uint16_t), .gu = gu,
+                            .rows = a->ws, .row_stride = stride};
+      gu += (size_t)e.count * 2 * I;
+      nj++;
+    }
+    if (nj) experts_gemv_fused(jobs, nj, H, I, workers);
+  }
+}
+
 static int experts_body(const task *t) {
   const experts_args *a = (const experts_args *)t;
   int rc = experts_check(a);
   if (rc) return rc;
+  /* expert_compute's layout of the workspace: row buffers in the region of 3HI floats */
+  size_t H = (size_t)a->H, I = (size_t)a->I;
+  size_t stride = round256((H > I ? H : I) * sizeof(float)) / sizeof(float);
+  size_t region = round256(3 * H * I * sizeof(float)) / sizeof(float);
+  int workers = pool_workers();
+  if (experts_fusable(a, workers, region / stride)) {
+    experts_fused(a, workers, stride, region);
+    return 0;
+  }
   for (int g = 0; g < a->G; g++) {
     const tdm_moe_group e = a->groups[g];
     if (e.count == 0) continue;
