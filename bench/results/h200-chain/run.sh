@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Where a decode layer's time goes on the H200: the moe and tool tests on cuda:0, then decode
+# Where a decode layer's time goes on the H200: the moe and tool tests on cuda:0, the host
+# expert kernel grouped against single (bench-cpu-expert-gemv), then decode
 # with --time-chain (each layer's chain on the compute queue's timestamps) and --time-host at
 # 50% twice and at budget 0, each also with TANDEM_MOE_PLACE_BALANCE=1 (a layer's own placement
 # balances both sides' finishing times, in-flight copies included, and the look-ahead sizes
@@ -14,6 +15,11 @@ cmake --build /tmp/b -j 16 > $OUT/r/build.log 2>&1 || { tail -20 $OUT/r/build.lo
 echo "built at $((SECONDS-T0)) s"
 (cd /tmp/b && timeout 150 ctest -L '^cuda$' -R 'moe\.|tool' -j 4 > $OUT/r/ctest.log 2>&1;
  grep -E "tests passed|tests failed|\*\*\*Failed" $OUT/r/ctest.log)
+# The host expert kernel on one token, grouped (experts(), two pool passes a call) against
+# single (expert() per expert), with the pool of 12 the model uses beside a GPU.
+TANDEM_MOE_CPU_THREADS=12 timeout 90 /tmp/b/bench/bench-cpu-expert-gemv $OUT/r/gemv-12.json 1 \
+  > $OUT/r/gemv-12.txt 2>&1
+echo "gemv: $(grep -A4 "grouped us/exp" $OUT/r/gemv-12.txt | paste -sd' ') [$((SECONDS-T0)) s]"
 moe() { # name, then tandem moe options
   local name=$1; shift
   timeout 60 /tmp/b/tools/tandem moe --preset qwen3-30b-a3b --device cuda:0 --layers 8 \
