@@ -124,16 +124,6 @@ struct tdm_moe_model {
   bool pool_held;             /* a reference to the CPU table's pool, sized for the model */
   double join_experts;        /* AUTO: the host join's round trip in experts' time (place()) */
   double carry;               /* AUTO: what rounding left over at the last layer's placement */
-  int balance;                /* AUTO: a layer's own placement balances both sides' finishing
-                                 times (balance_layer), and (1, not 2) the next layer's
-                                 look-ahead copies what the link can land meanwhile
-                                 (balance_ahead); TANDEM_MOE_PLACE_BALANCE=1 or 2 */
-  double bal_host, bal_dev;   /* balance: the last own placement's ends, host and device,
-                                 seconds after its routing landed */
-  double bal_chain;           /* balance: the rest of a layer's period (from one routing's
-                                 arrival to the next), a moving average */
-  double t_routed;            /* balance: when the last routing landed (host clock; 0: none
-                                 this pass) */
   uint32_t pass;              /* tdm_moe_forward's count, for ahead */
   uint32_t *ahead;            /* L x E: the pass whose look-ahead left (l, e) to the device while
                                  not on it (its copy was then on its way or was to be made) */
@@ -840,7 +830,6 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   if (!rc) rc = setup_buffers(m);
   if (!rc) rc = setup_streamer(m);
   if (!rc && cfg->placement != TDM_MOE_PLACE_DEVICE) rc = setup_host(m);
-  m->balance = cfg->host_share == 0 ? (int)tdm_moe__env_long("TANDEM_MOE_PLACE_BALANCE", 0, 2, 0) : 0;
   if (rc) {
     tdm_moe_model_destroy(m);
     return rc;
@@ -940,19 +929,6 @@ static int predicted_layers(const tdm_moe_model *m, int l) {
   return m->L - 1 - l < m->pdepth ? m->L - 1 - l : m->pdepth;
 }
 
-/* balance: a routing has landed; the time since the one before (in this pass) less the later
- * of the ends that layer was placed with is the rest of its period, averaged into bal_chain. */
-static void balance_routed(tdm_moe_model *m, int l) {
-  double t = now_s();
-  if (l > 0 && m->t_routed > 0) {
-    double ends = m->bal_host > m->bal_dev ? m->bal_host : m->bal_dev;
-    double rest = t - m->t_routed - ends;
-    rest = rest < 0 ? 0 : rest > 0.01 ? 0.01 : rest;
-    m->bal_chain = m->bal_chain > 0 ? 0.9 * m->bal_chain + 0.1 * rest : rest;
-  }
-  m->t_routed = t;
-}
-
 /* RMSNorm and the router, then the control plane: this layer's routing lands in pinned memory
  * and the host waits for that small copy only, never for the whole device; then the tokens
  * are grouped per expert and the groups go back to the device. The predictor (the next
@@ -1001,7 +977,6 @@ static int layer_route(tdm_moe_model *m, int l, int T, tdm_moe_pass_stats *st, i
   st->wait_seconds += now_s() - w0;
   tdm_event_release(routed);
   if (rc) return rc;
-  if (m->balance && T <= GROUPED_MAX_T) balance_routed(m, l);
   group(m, T, count, offset);
   /* rows and slots, back to back: one copy */
   return tdm_memcpy(m->q, m->rs, m->rs_h, 2 * (size_t)T * k * sizeof(int32_t), TDM_COPY_H2D, 0,
@@ -1102,75 +1077,6 @@ static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pas
   return rc;
 }
 
-/* AUTO with balance, a layer's own placement: the host may take experts still on their way
- * (their copies land all the same, and stay cached) as well as absent ones, so as to finish
- * with the device. Of the n routed experts' whereabouts (where, in the streamer's order: the
- * copies in flight in the order they land), the host takes h, the absent ones first (each
- * saves the link a copy), then the copies in flight from the last; h makes the later of the
- * two sides' ends earliest (the fewest at a tie):
- * - the host, idle when its layer is placed: h * th + the join;
- * - the device, as its last copy lands: the copies in flight land one after the other (the
- *   first half done, on average), and the absent experts left to it are copied after them.
- * Marks the host's with where = -1; returns how many. */
-static int balance_layer(tdm_moe_model *m, int *where, int n) {
-  const tdm_moe_placement_info *pi = &m->place;
-  if (!(pi->host_gbs_shared > 0 && pi->link_gbs_shared > 0)) return 0;
-  double gb = (double)m->ebytes / 1e9, th = gb / pi->host_gbs_shared,
-         tl = gb / pi->link_gbs_shared, join = pi->host_join_us / 1e6;
-  int p = 0, q = 0;
-  for (int i = 0; i < n; i++) {
-    p += where[i] == TDM_EXPERT_INFLIGHT;
-    q += where[i] == TDM_EXPERT_ABSENT;
-  }
-  int best = 0;
-  double best_end = 0;
-  for (int h = 0; h <= p + q; h++) {
-    int qa = h < q ? q - h : 0, pk = h > q ? p - (h - q) : p; /* left to the device */
-    double dev = qa ? (p - 0.5 + qa) * tl : pk ? (pk - 0.5) * tl : 0.0;
-    double hst = h ? h * th + join : 0.0, end = dev > hst ? dev : hst;
-    if (h == 0 || end < best_end - 1e-9) {
-      best = h;
-      best_end = end;
-      m->bal_host = hst;
-      m->bal_dev = dev;
-    }
-  }
-  int left = best;
-  for (int i = n - 1; i >= 0 && left > 0; i--) /* absent ones, from the last */
-    if (where[i] == TDM_EXPERT_ABSENT) {
-      where[i] = -1;
-      left--;
-    }
-  for (int i = n - 1; i >= 0 && left > 0; i--) /* then copies in flight, from the last */
-    if (where[i] == TDM_EXPERT_INFLIGHT) {
-      where[i] = -1;
-      left--;
-    }
-  return best;
-}
-
-/* AUTO with balance, the look-ahead one layer deep: of the predicted experts still absent,
- * the link copies as many as it can land (at tl each) between the end of the copies the layer
- * placed last waits for and the next layer's routing (the layer's period as the ends it was
- * placed with and the rest of a period, bal_chain, make it), the first ones in the order;
- * the rest are left to that layer's own placement, most likely to the host. The link's work
- * thus runs beside the host's part of the layer before, off the chain. Marks the absent
- * experts it leaves with where = -1; returns how many. */
-static int balance_ahead(tdm_moe_model *m, int *where, int n) {
-  const tdm_moe_placement_info *pi = &m->place;
-  if (!(pi->link_gbs_shared > 0)) return 0;
-  double tl = (double)m->ebytes / 1e9 / pi->link_gbs_shared;
-  double period = (m->bal_host > m->bal_dev ? m->bal_host : m->bal_dev) + m->bal_chain;
-  double window = period - m->bal_dev;
-  int copies = window > 0 ? (int)floor(window / tl + 0.5) : 0, left = 0;
-  for (int i = 0; i < n; i++)
-    if (where[i] == TDM_EXPERT_ABSENT && copies-- <= 0) {
-      where[i] = -1;
-      left++;
-    }
-  return left;
-}
-
 /* Placement of the routed experts order[0..n) of layer l (in the streamer's order): the host
  * candidates are those neither on the device nor on their way. HOST takes every candidate;
  * AUTO takes the share the cost model gives of the layer's non-resident experts (candidates
@@ -1186,7 +1092,7 @@ static int balance_ahead(tdm_moe_model *m, int *where, int n) {
  * non-resident: else the share would be taken of fewer experts than the first split, and the
  * experts it left to the host would go back to the link, a few more at each placement. */
 static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh,
-                 int *candidates, int ahead) {
+                 int *candidates, bool ahead) {
   int ncand = 0, ninflight = 0, nlanded = 0, *where = m->hwhere;
   uint32_t *mark = m->ahead + (size_t)l * m->E;
   *nh = *candidates = 0;
@@ -1197,14 +1103,7 @@ static int place(tdm_moe_model *m, int l, int *order, int *n, int *host, int *nh
     nlanded += where[i] == TDM_EXPERT_READY && mark[order[i]] == m->pass;
   }
   int want = ncand;
-  if (m->place.placement == TDM_MOE_PLACE_AUTO && m->balance && !ahead) {
-    balance_layer(m, where, *n);
-    want = 0; /* marked already */
-    ncand += ninflight;
-  } else if (m->place.placement == TDM_MOE_PLACE_AUTO && m->balance == 1 && ahead == 1) {
-    balance_ahead(m, where, *n);
-    want = 0;
-  } else if (m->place.placement == TDM_MOE_PLACE_AUTO) {
+  if (m->place.placement == TDM_MOE_PLACE_AUTO) {
     double exact = m->place.host_share * (ncand + ninflight + nlanded) - m->join_experts;
     want = (int)floor(exact + m->carry + 0.5);
     if (want > ncand) want = ncand;
@@ -1322,7 +1221,7 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
   /* Host experts first, so the host works while the device's copies and compute go on; the
    * device's list (order) no longer names them, so nothing prefetches or acquires them. */
   if (m->place.placement != TDM_MOE_PLACE_DEVICE) {
-    if ((rc = place(m, l, order, &n, host, &nh, &candidates, 0))) return rc;
+    if ((rc = place(m, l, order, &n, host, &nh, &candidates, false))) return rc;
     st->host_candidates += (uint64_t)candidates;
     double h0 = now_s();
     if (nh && (rc = host_submit(m, l, T, count, offset, host, nh))) return rc;
@@ -1373,11 +1272,11 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
 /* Prefetches order[0..n) of layer l, where a small ubatch places experts on the host: then
  * only those the placement would leave to the device (the same rule as the layer's own, on
  * what is known now), so that no copy is made for an expert the host will compute. */
-static int lookahead_prefetch(tdm_moe_model *m, int l, int d, int T, int *order, int n) {
+static int lookahead_prefetch(tdm_moe_model *m, int l, int T, int *order, int n) {
   int rc, nh, candidates;
   if (n && T <= GROUPED_MAX_T && m->place.placement != TDM_MOE_PLACE_DEVICE &&
       ((rc = tdm_streamer_schedule(m->streamer, l, order, n)) ||
-       (rc = place(m, l, order, &n, m->hsel, &nh, &candidates, d))))
+       (rc = place(m, l, order, &n, m->hsel, &nh, &candidates, true))))
     return rc;
   return n ? tdm_streamer_prefetch(m->streamer, l, order, n) : 0;
 }
@@ -1399,13 +1298,13 @@ static int layer_lookahead(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe
       memset(count, 0, (size_t)E * sizeof *count);
       for (int i = 0; i < T * k; i++)
         if (!count[p[i]]++) order[np++] = p[i];
-      if ((rc = lookahead_prefetch(m, l + d, d, T, order, np))) return rc;
+      if ((rc = lookahead_prefetch(m, l + d, T, order, np))) return rc;
     }
     return 0;
   }
   if (overlap && l + 1 < m->L && n >= E - E / 8) {
     for (int e = 0; e < E; e++) order[m->rank[(size_t)(l + 1) * E + e]] = e;
-    return lookahead_prefetch(m, l + 1, 1, T, order, E);
+    return lookahead_prefetch(m, l + 1, T, order, E);
   }
   return 0;
 }
@@ -1553,7 +1452,6 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   int *count = m->scratch, rc;
   memcpy(xh, x, bytes);
   m->pass++;
-  m->t_routed = 0;
   /* rows then slots, back to back for this ubatch's size */
   m->rows = m->rs;
   m->slots = m->rs + (size_t)T * m->k;
