@@ -128,6 +128,8 @@ struct tdm_moe_model {
   uint32_t *ahead;            /* L x E: the pass whose look-ahead left (l, e) to the device while
                                  not on it (its copy was then on its way or was to be made) */
   unsigned char *slot_host;   /* Tg x k: the slots the host experts wrote */
+  bool cores_upload;          /* small uploads by the op table's upload() where it has one
+                                 (TANDEM_MOE_UPLOAD, 1 by default) */
 };
 
 static double now_s(void);
@@ -830,6 +832,7 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   if (!rc) rc = setup_buffers(m);
   if (!rc) rc = setup_streamer(m);
   if (!rc && cfg->placement != TDM_MOE_PLACE_DEVICE) rc = setup_host(m);
+  m->cores_upload = m->ops && m->ops->upload && tdm_moe__env_long("TANDEM_MOE_UPLOAD", 0, 1, 1);
   if (rc) {
     tdm_moe_model_destroy(m);
     return rc;
@@ -879,6 +882,18 @@ void tdm_moe_make_input(const tdm_moe_model *m, float *x, int n, uint64_t pos, b
 }
 
 /* ---- the forward pass ---- */
+
+/* Uploads of at most this many bytes go by the op table's upload() where it has one. */
+#define UPLOAD_SMALL_MAX (256 * 1024)
+
+/* A small copy from pinned memory to the device, on the compute queue: by the device's cores
+ * where the op table can (upload()), so that a decode layer's token lists, group tables and
+ * host rows never wait behind the streamer's expert copies on the link; else tdm_memcpy. */
+static int upload_small(tdm_moe_model *m, void *dst, const void *src, size_t n) {
+  if (m->cores_upload && n <= UPLOAD_SMALL_MAX)
+    return m->ops->upload(m->ops_state, m->q, dst, src, n);
+  return tdm_memcpy(m->q, dst, src, n, TDM_COPY_H2D, 0, NULL, NULL);
+}
 
 /* time_chain: a timed marker on the compute queue, layer l's `mark` (l < 0: the pass's start). */
 static int chain_mark(tdm_moe_model *m, int l, int mark) {
@@ -979,8 +994,7 @@ static int layer_route(tdm_moe_model *m, int l, int T, tdm_moe_pass_stats *st, i
   if (rc) return rc;
   group(m, T, count, offset);
   /* rows and slots, back to back: one copy */
-  return tdm_memcpy(m->q, m->rs, m->rs_h, 2 * (size_t)T * k * sizeof(int32_t), TDM_COPY_H2D, 0,
-                    NULL, NULL);
+  return upload_small(m, m->rs, m->rs_h, 2 * (size_t)T * k * sizeof(int32_t));
 }
 
 /* Routed experts, most popular first: order[0..n) gets the experts with tokens, by rank. */
@@ -1053,8 +1067,7 @@ static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pas
                        const int *b, int nb, int at) {
   int rc;
   double t0 = now_s();
-  if ((rc = tdm_memcpy(m->q, m->groups + at, m->groups_h + at, (size_t)nb * sizeof *m->groups_h,
-                       TDM_COPY_H2D, 0, NULL, NULL)) ||
+  if ((rc = upload_small(m, m->groups + at, m->groups_h + at, (size_t)nb * sizeof *m->groups_h)) ||
       (rc = m->ops->experts(m->ops_state, m->q, m->xn, m->rows, m->slots, T * m->k, m->wbase,
                             m->groups + at, nb, m->H, m->I, m->out, m->ws, m->ws_bytes))) {
     batch_release(m, l, b, nb);
@@ -1201,8 +1214,8 @@ static int host_join(tdm_moe_model *m, int l, int T, const int *count, const int
     if (!m->slot_host[a]) continue;
     int b = a;
     while (b + 1 < n && m->slot_host[b + 1]) b++;
-    rc = tdm_memcpy(m->q, (char *)m->out + a * row, (char *)m->out_h + a * row,
-                    (size_t)(b - a + 1) * row, TDM_COPY_H2D, 0, NULL, NULL);
+    rc = upload_small(m, (char *)m->out + a * row, (char *)m->out_h + a * row,
+                      (size_t)(b - a + 1) * row);
     a = b;
   }
   return rc;
@@ -1461,7 +1474,7 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   tdm_streamer_stats s0, s1;
   tdm_streamer_stats_get(m->streamer, &s0);
   double t0 = now_s();
-  rc = tdm_memcpy(m->q, m->x, xh, bytes, TDM_COPY_H2D, 0, NULL, NULL);
+  rc = upload_small(m, m->x, xh, bytes);
   if (!rc && !on_device) rc = chain_mark(m, -1, 0);
   if (!rc && on_device) rc = device_layers(m, T);
   for (int l = 0; !rc && !on_device && l < m->L; l++)

@@ -1234,6 +1234,50 @@ TEST_CASE(experts_device_data) {
   teardown(&f);
 }
 
+/* ---- upload ------------------------------------------------------------------------------ */
+
+/* upload(), where a table has it (CUDA): bytes from pinned memory land at the destination
+ * exactly, at sizes and offsets on and off the 16-byte grid; the same pinned bytes rewritten
+ * and uploaded again land anew (nothing stale is read); memory the device cannot read in
+ * place (plain malloc) is copied all the same; n == 0 writes nothing; a NULL pointer is
+ * TDM_EINVAL. */
+TEST_CASE(upload_bytes) {
+  fixture f = setup();
+  need_op(&f, f.ops->upload != NULL, "upload");
+  enum { MAX = 70000 };
+  const struct { size_t n, src_off, dst_off; } cases[] = {
+      {1, 0, 0}, {16, 0, 0}, {17, 3, 5}, {4096, 0, 0}, {8192, 16, 32}, {MAX - 40, 7, 1}};
+  unsigned char *src = alloc(&f, TDM_MEM_PINNED, MAX), *got = alloc(&f, TDM_MEM_PINNED, MAX);
+  unsigned char *pageable = malloc(MAX), *dev = alloc(&f, TDM_MEM_DEVICE, MAX);
+  CHECK(pageable != NULL);
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+    for (int round = 0; round < 2; round++) {
+      size_t n = cases[c].n, so = cases[c].src_off, d0 = cases[c].dst_off;
+      for (size_t i = 0; i < MAX; i++) src[i] = (unsigned char)th_rand(&f.rng);
+      memset(got, 0xa5, MAX);
+      CHECK_OK(tdm_memcpy(f.q, dev, got, MAX, TDM_COPY_H2D, 0, NULL, NULL));
+      CHECK_OK(f.ops->upload(f.st, f.q, dev + d0, src + so, n));
+      download(&f, got, dev, MAX);
+      CHECK_MSG(memcmp(got + d0, src + so, n) == 0, "%zu bytes (round %d) differ", n, round);
+      for (size_t i = 0; i < MAX; i++)
+        if (i < d0 || i >= d0 + n) CHECK_MSG(got[i] == 0xa5, "byte %zu outside written", i);
+    }
+  for (size_t i = 0; i < MAX; i++) pageable[i] = (unsigned char)th_rand(&f.rng);
+  CHECK_OK(f.ops->upload(f.st, f.q, dev, pageable, 1000));
+  download(&f, got, dev, 1000);
+  CHECK(memcmp(got, pageable, 1000) == 0);
+  memset(got, 0x5a, MAX);
+  CHECK_OK(tdm_memcpy(f.q, dev, got, 16, TDM_COPY_H2D, 0, NULL, NULL));
+  CHECK_OK(f.ops->upload(f.st, f.q, dev, src, 0));
+  download(&f, got, dev, 16);
+  CHECK(got[0] == 0x5a && got[15] == 0x5a);
+  CHECK_STATUS(f.ops->upload(f.st, f.q, NULL, src, 8), TDM_EINVAL);
+  CHECK_STATUS(f.ops->upload(f.st, f.q, dev, NULL, 8), TDM_EINVAL);
+  free(pageable);
+  tdm_free(src); tdm_free(got); tdm_free(dev);
+  teardown(&f);
+}
+
 /* ---- combine ----------------------------------------------------------------------------- */
 
 TEST_CASE(combine_ref) {

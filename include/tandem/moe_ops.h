@@ -142,6 +142,16 @@ typedef struct tdm_moe_ops {
   int (*graph_end)(void *st, tdm_queue *q, void **graph);
   int (*graph_launch)(void *st, tdm_queue *q, void *graph);
   void (*graph_free)(void *st, void *graph);
+
+  /* Optional (NULL: the caller copies with tdm_memcpy; the CUDA table has it): n bytes from
+   * src, host memory the device reads in place (tandem's pinned memory), to dst (device
+   * memory), in stream order, by the device's cores rather than its copy engines. A copy
+   * engine's transfer of a few bytes waits behind the large copies other queues have on the
+   * link (a decode layer's token lists, tables and host rows, behind expert copies of
+   * megabytes: 140-275 us a layer on an H200); the cores' reads do not. For small copies: the
+   * cores read over the link at a fraction of a copy engine's rate. Memory the device cannot
+   * read in place is copied as tdm_memcpy would. n == 0: nothing. */
+  int (*upload)(void *st, tdm_queue *q, void *dst, const void *src, size_t n);
 } tdm_moe_ops;
 
 /* The table for the device's backend, or NULL (with tdm_last_error() set) when this build of

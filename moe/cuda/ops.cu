@@ -719,6 +719,24 @@ static __global__ void combine_kernel(float *y, const float *out, const float *w
   }
 }
 
+/* ---- upload: host memory the device reads in place, copied by the cores ----
+ * The host rewrites the same pinned buffers layer after layer, so every load fetches anew
+ * (__ldcv: no line of an earlier kernel's read is reused). */
+
+static __global__ void upload16_kernel(uint4 *dst, const uint4 *src, size_t n) {
+  wait_prior_grid();
+  size_t stride = (size_t)gridDim.x * MOE_THREADS;
+  for (size_t i = (size_t)blockIdx.x * MOE_THREADS + threadIdx.x; i < n; i += stride)
+    dst[i] = __ldcv(src + i);
+}
+
+static __global__ void upload1_kernel(uint8_t *dst, const uint8_t *src, size_t n) {
+  wait_prior_grid();
+  size_t stride = (size_t)gridDim.x * MOE_THREADS;
+  for (size_t i = (size_t)blockIdx.x * MOE_THREADS + threadIdx.x; i < n; i += stride)
+    dst[i] = (uint8_t)__ldcv((const unsigned char *)src + i);
+}
+
 /* ---- the table's entries ---- */
 
 /* With m->dev current. cublasDestroy and cudaFree wait for the device first. */
@@ -1117,6 +1135,39 @@ static int cuda_combine(void *st, tdm_queue *q, float *y, const float *out, cons
   return rc;
 }
 
+/* Host memory the device maps (pinned, or registered as mapped) is read in place by a kernel,
+ * 16 bytes a thread where both ends and n allow; any other memory is copied on the stream. */
+static int cuda_upload(void *st, tdm_queue *q, void *dst, const void *src, size_t n) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || (n && (!dst || !src))) return bad_args("upload");
+  if (n == 0) return 0;
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  cudaPointerAttributes pa;
+  const void *dsrc = NULL;
+  if (cudaPointerGetAttributes(&pa, src) == cudaSuccess && pa.type == cudaMemoryTypeHost)
+    dsrc = pa.devicePointer;
+  else
+    cudaGetLastError(); /* not memory CUDA knows: a plain copy */
+  cudaError_t e;
+  const char *what = "upload";
+  if (!dsrc) {
+    what = "cudaMemcpyAsync";
+    e = cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, m->s);
+  } else if ((uintptr_t)dst % 16 == 0 && (uintptr_t)dsrc % 16 == 0 && n % 16 == 0) {
+    size_t v = n / 16, blocks = (v + MOE_THREADS - 1) / MOE_THREADS;
+    e = launch_pdl(m, upload16_kernel, (unsigned)(blocks > 1024 ? 1024 : blocks), MOE_THREADS, 0,
+                   (uint4 *)dst, (const uint4 *)dsrc, v);
+  } else {
+    size_t blocks = (n + MOE_THREADS - 1) / MOE_THREADS;
+    e = launch_pdl(m, upload1_kernel, (unsigned)(blocks > 1024 ? 1024 : blocks), MOE_THREADS, 0,
+                   (uint8_t *)dst, (const uint8_t *)dsrc, n);
+  }
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, what);
+  leave(m, saved);
+  return rc;
+}
+
 /* ---- graphs: the ops recorded on a stream of the state's own, then run on the queue ----
  * Recording never touches the queue's stream, so tandem's own work on it (its copies, the
  * events it records and waits for) goes on as usual meanwhile, from any thread: the capture is
@@ -1218,6 +1269,7 @@ extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .graph_end = */ cuda_graph_end,
     /* .graph_launch = */ cuda_graph_launch,
     /* .graph_free = */ cuda_graph_free,
+    /* .upload = */ cuda_upload,
 };
 
 /* The entry libtandem_moe looks up when it loads this module (libtandem_moe-cuda.so). */
