@@ -1474,7 +1474,9 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   tdm_streamer_stats s0, s1;
   tdm_streamer_stats_get(m->streamer, &s0);
   double t0 = now_s();
-  rc = upload_small(m, m->x, xh, bytes);
+  /* Every expert resident: nothing else is on the link, so the copy engines take the input */
+  rc = on_device ? tdm_memcpy(m->q, m->x, xh, bytes, TDM_COPY_H2D, 0, NULL, NULL)
+                 : upload_small(m, m->x, xh, bytes);
   if (!rc && !on_device) rc = chain_mark(m, -1, 0);
   if (!rc && on_device) rc = device_layers(m, T);
   for (int l = 0; !rc && !on_device && l < m->L; l++)
