@@ -501,6 +501,15 @@ static void gemv_pass(int workers, size_t rows, pool_fn fn, gemv_job *j) {
     for (size_t c = 0; c < chunks; c++) fn(j, c, 0);
 }
 
+/* SwiGLU in place on n tokens' [gate | up] rows of 2I floats: gate becomes SiLU(gate) * up. */
+static void swiglu_rows(float *gu, size_t n, size_t I) {
+  for (size_t t = 0; t < n; t++) {
+    float *g = gu + t * 2 * I;
+    const float *u = g + I;
+    for (size_t k = 0; k < I; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+  }
+}
+
 /* xs, out as in gemv_job; rows: `slots` row buffers of row_stride floats; gu: n x 2I floats. */
 static void expert_gemv(const float *const *xs, float *const *out, size_t n, const uint16_t *w,
                         size_t H, size_t I, float *rows, size_t row_stride, size_t slots,
@@ -514,11 +523,7 @@ static void expert_gemv(const float *const *xs, float *const *out, size_t n, con
                 .ahead = prefetch_bytes / sizeof *w, .gu = gu, .rows = rows,
                 .row_stride = row_stride};
   gemv_pass(workers, 2 * I, gemv_gate_up, &j);
-  for (size_t t = 0; t < n; t++) {
-    float *g = gu + t * 2 * I;
-    const float *u = g + I;
-    for (size_t k = 0; k < I; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
-  }
+  swiglu_rows(gu, n, I);
   gemv_pass(workers, H, gemv_down, &j);
 }
 
@@ -561,12 +566,7 @@ static void fused_pass(gemv_fused *f, size_t rows, pool_fn fn, int workers) {
 static void experts_gemv_fused(gemv_job *jobs, int njobs, size_t H, size_t I, int workers) {
   gemv_fused f = {.jobs = jobs, .njobs = njobs};
   fused_pass(&f, 2 * I, gemv_gate_up, workers);
-  for (int g = 0; g < njobs; g++)
-    for (size_t t = 0; t < jobs[g].n; t++) {
-      float *gt = jobs[g].gu + t * 2 * I;
-      const float *u = gt + I;
-      for (size_t k = 0; k < I; k++) gt[k] = gt[k] / (1.0f + expf(-gt[k])) * u[k];
-    }
+  for (int g = 0; g < njobs; g++) swiglu_rows(jobs[g].gu, jobs[g].n, I);
   fused_pass(&f, H, gemv_down, workers);
 }
 
@@ -605,11 +605,7 @@ static void expert_compute(const float *x, const int32_t *rows, const int32_t *s
   /* Wg and Wu are adjacent, so [gate | up] = X [Wg; Wu]^T is one GEMM of width 2I. */
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, 2 * (int)I, (int)H, 1.0f, xo,
               (int)H, w, (int)H, 0.0f, gu, 2 * (int)I);
-  for (size_t i = 0; i < n; i++) {
-    float *g = gu + i * 2 * I;
-    const float *u = g + I;
-    for (size_t j = 0; j < I; j++) g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-  }
+  swiglu_rows(gu, n, I);
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)H, (int)I, 1.0f, gu,
               2 * (int)I, wd, (int)I, 0.0f, xo, (int)H);
   for (size_t i = 0; i < n; i++)
