@@ -451,10 +451,13 @@ enum { CAL_LINK = 8, CAL_HOST_MIN = 8, CAL_HOST_MAX = 64, CAL_TRIALS = 3 };
 
 typedef struct calib {
   tdm_moe_model *m;
-  tdm_queue *lq;   /* the link's queue */
-  void *dscratch;  /* an expert on the device */
-  char *hblk;      /* the host's rows, slots, x and outputs */
-  long next;       /* the next expert to read */
+  tdm_queue *lq;          /* the link's queue */
+  void *dscratch;         /* an expert on the device */
+  int32_t *rows, *slot;   /* the host's token lists: [cap], every row 0, slot i for entry i */
+  tdm_moe_group *groups;  /* [cap]: the host calls' tables */
+  float *x, *out;         /* the host's token [H] and outputs [cap x H] */
+  int cap;                /* host experts one cal_experts() call may submit */
+  long next;              /* the next expert to read */
 } calib;
 
 /* n copies of distinct experts on the link's queue. */
@@ -467,19 +470,23 @@ static int cal_copies(calib *c, int n) {
   return rc;
 }
 
-/* n host experts on one token, round-robin over the host queues, each queue writing a slot of
- * its own. */
-static int cal_experts(calib *c, int n) {
+/* n (at most cap) host experts on one token, as decode submits them: experts() calls of g
+ * experts each (the last one fewer), round-robin over the host queues, every expert writing a
+ * slot of its own. */
+static int cal_experts(calib *c, int n, int g) {
   tdm_moe_model *m = c->m;
   long keys = (long)m->L * m->E;
-  int nq = m->nhq, rc = 0;
-  int32_t *rows = (int32_t *)c->hblk, *slot = rows + nq;
-  float *x = (float *)(c->hblk + 2 * (size_t)nq * sizeof(int32_t)), *out = x + m->H;
-  for (int i = 0; !rc && i < n; i++) {
-    int j = i % nq;
-    rc = m->hops->expert(m->hstate[j], m->hq[j], x, rows + j, slot + j, 1,
-                         m->host_ptrs[c->next++ % keys], m->H, m->I, out, m->hws[j],
-                         m->hws_bytes);
+  int rc = 0;
+  for (int base = 0, call = 0; !rc && base < n; base += g, call++) {
+    int cnt = n - base < g ? n - base : g, j = call % m->nhq;
+    for (int i = 0; i < cnt; i++) {
+      const tdm_moe_bf16 *w = m->host_ptrs[c->next++ % keys];
+      c->groups[base + i] =
+          (tdm_moe_group){.w = (int64_t)(w - m->host_experts), .first = i, .count = 1};
+    }
+    rc = m->hops->experts(m->hstate[j], m->hq[j], c->x, c->rows + base, c->slot + base, cnt,
+                          m->host_experts, c->groups + base, cnt, m->H, m->I, c->out, m->hws[j],
+                          m->hws_bytes);
   }
   return rc;
 }
@@ -570,40 +577,41 @@ static int cal_join(tdm_moe_model *m, double *seconds) {
   return 0;
 }
 
-static int calibrate(tdm_moe_model *m, tdm_moe_placement_info *pi) {
-  int nq = m->nhq, H = m->H, rc;
-  double eb = (double)m->ebytes;
-  size_t ints = 2 * (size_t)nq * sizeof(int32_t);
-  calib c = {.m = m};
-  rc = tdm_queue_create(m->cfg.device, TDM_QUEUE_IN_ORDER, &c.lq);
-  if (!rc) rc = dev_alloc(m, m->ebytes, &c.dscratch);
-  if (!rc)
-    rc = tdm_malloc(m->place_host_dev, TDM_MEM_DEVICE, ints + (size_t)(nq + 1) * H * sizeof(float),
-                    (void **)&c.hblk);
-  if (!rc) {
-    int32_t *rows = (int32_t *)c.hblk, *slot = rows + nq;
-    float *x = (float *)(c.hblk + ints);
-    for (int j = 0; j < nq; j++) {
-      rows[j] = 0;
-      slot[j] = j;
-    }
-    for (int h = 0; h < H; h++) x[h] = 1.0f / (float)(h + 1);
-  }
-  /* Warm-up: a copy, and an expert on every host queue (their pools and workspaces). */
-  if (!rc) rc = cal_copies(&c, 1);
-  if (!rc) rc = cal_experts(&c, nq);
-  if (!rc) rc = tdm_queue_sync(c.lq);
-  if (!rc) rc = sync_host_queues(m);
-  /* Alone. */
-  int nh = nq > CAL_HOST_MIN ? nq : CAL_HOST_MIN;
+/* The share the figures at once give (tandem/moe.h): splitting a layer's non-resident bytes so
+ * that both sides finish together moves them at host + link GB/s; copying them all, at the
+ * link's alone. Only a split that beats the link alone by HOST_GAIN_MIN is worth the host's
+ * per-layer join. */
+static double model_share(const tdm_moe_placement_info *pi) {
+  double sum = pi->host_gbs_shared + pi->link_gbs_shared;
+  return sum > HOST_GAIN_MIN * pi->link_gbs ? pi->host_gbs_shared / sum : 0.0;
+}
+
+/* The host experts a queue gets in a decode layer at a share: of a token's top-k, the part
+ * the budget leaves off the device (as with a router that picks every expert alike), on each
+ * host queue; rounded, at least 1, at most top-k. */
+static int decode_group(const tdm_moe_model *m, double share) {
+  double keys = (double)m->L * m->E, held = (double)m->cfg.budget_bytes / (double)m->ebytes;
+  double off = m->cfg.all_resident || held >= keys ? 0.0 : 1.0 - held / keys;
+  long g = lround(share * m->k * off / m->nhq);
+  return g < 1 ? 1 : g > m->k ? m->k : (int)g;
+}
+
+/* n rounded up to a multiple of g. */
+static int whole_calls(int n, int g) { return (n + g - 1) / g * g; }
+
+/* Both sides alone, then at once, with host calls of g experts (pi's figures are replaced). */
+static int cal_measure(calib *c, int g, tdm_moe_placement_info *pi) {
+  double eb = (double)c->m->ebytes;
+  int rc = 0, nh = whole_calls(c->m->nhq * g > CAL_HOST_MIN ? c->m->nhq * g : CAL_HOST_MIN, g);
+  pi->link_gbs = pi->host_gbs = pi->link_gbs_shared = pi->host_gbs_shared = 0;
   for (int trial = 0; !rc && trial < CAL_TRIALS; trial++) {
     double t0 = now_s();
-    rc = cal_copies(&c, CAL_LINK);
-    if (!rc) rc = tdm_queue_sync(c.lq);
+    rc = cal_copies(c, CAL_LINK);
+    if (!rc) rc = tdm_queue_sync(c->lq);
     double link = rc ? 0.0 : gbs(CAL_LINK * eb, now_s() - t0);
     t0 = now_s();
-    if (!rc) rc = cal_experts(&c, nh);
-    if (!rc) rc = sync_host_queues(m);
+    if (!rc) rc = cal_experts(c, nh, g);
+    if (!rc) rc = sync_host_queues(c->m);
     double host = rc ? 0.0 : gbs(nh * eb, now_s() - t0);
     if (link > pi->link_gbs) pi->link_gbs = link;
     if (host > pi->host_gbs) pi->host_gbs = host;
@@ -612,26 +620,68 @@ static int calibrate(tdm_moe_model *m, tdm_moe_placement_info *pi) {
    * the most bytes in all gives both figures, so they describe the same moment. */
   if (!rc) {
     nh = pi->link_gbs > 0 ? (int)lround(CAL_LINK * pi->host_gbs / pi->link_gbs) : CAL_HOST_MIN;
-    nh = nh < 1 ? 1 : nh > CAL_HOST_MAX ? CAL_HOST_MAX : nh;
+    nh = nh > CAL_HOST_MAX ? CAL_HOST_MAX / g * g : whole_calls(nh, g);
+    if (nh < g) nh = g;
   }
   for (int trial = 0; !rc && trial < CAL_TRIALS; trial++) {
     double tl = 0, th = 0, t0 = now_s();
-    rc = cal_copies(&c, CAL_LINK);
-    if (!rc) rc = cal_experts(&c, nh);
-    if (!rc) rc = cal_finish(&c, t0, &tl, &th);
+    rc = cal_copies(c, CAL_LINK);
+    if (!rc) rc = cal_experts(c, nh, g);
+    if (!rc) rc = cal_finish(c, t0, &tl, &th);
     double link = rc ? 0.0 : gbs(CAL_LINK * eb, tl), host = rc ? 0.0 : gbs(nh * eb, th);
     if (link + host > pi->link_gbs_shared + pi->host_gbs_shared) {
       pi->link_gbs_shared = link;
       pi->host_gbs_shared = host;
     }
   }
+  return rc;
+}
+
+/* The figures, measured with host calls of as many experts as decode will group at the share
+ * they give: first at the share given (HOST: 1, AUTO's model: a half), then, when the share
+ * so measured groups a different count, again at that count (grouped calls compute faster, so
+ * single experts would underrate the host). */
+static int calibrate(tdm_moe_model *m, tdm_moe_placement_info *pi) {
+  int nq = m->nhq, H = m->H, rc;
+  calib c = {.m = m, .cap = nq * m->k > CAL_HOST_MAX ? nq * m->k : CAL_HOST_MAX};
+  size_t ints = (size_t)c.cap * (2 * sizeof(int32_t) + sizeof(tdm_moe_group));
+  rc = tdm_queue_create(m->cfg.device, TDM_QUEUE_IN_ORDER, &c.lq);
+  if (!rc) rc = dev_alloc(m, m->ebytes, &c.dscratch);
+  if (!rc)
+    rc = tdm_malloc(m->place_host_dev, TDM_MEM_DEVICE,
+                    ints + (size_t)(c.cap + 1) * H * sizeof(float), (void **)&c.groups);
+  if (!rc) {
+    c.rows = (int32_t *)(c.groups + c.cap);
+    c.slot = c.rows + c.cap;
+    c.x = (float *)(c.slot + c.cap);
+    c.out = c.x + H;
+    for (int i = 0; i < c.cap; i++) {
+      c.rows[i] = 0;
+      c.slot[i] = i;
+    }
+    for (int h = 0; h < H; h++) c.x[h] = 1.0f / (float)(h + 1);
+  }
+  /* Warm-up: a copy, and an expert on every host queue (their pools and workspaces). */
+  if (!rc) rc = cal_copies(&c, 1);
+  if (!rc) rc = cal_experts(&c, nq, 1);
+  if (!rc) rc = tdm_queue_sync(c.lq);
+  if (!rc) rc = sync_host_queues(m);
+  bool model = m->cfg.placement == TDM_MOE_PLACE_AUTO && !(m->cfg.host_share > 0);
+  double given = m->cfg.placement == TDM_MOE_PLACE_HOST ? 1.0 : model ? 0.5 : m->cfg.host_share;
+  int g = decode_group(m, given);
+  if (!rc) rc = cal_measure(&c, g, pi);
+  if (!rc && model && model_share(pi) > 0 && decode_group(m, model_share(pi)) != g) {
+    g = decode_group(m, model_share(pi));
+    rc = cal_measure(&c, g, pi);
+  }
+  pi->host_group = g;
   double join = 0;
   if (!rc && !(rc = cal_join(m, &join))) pi->host_join_us = 1e6 * join;
   /* After a failure work may still be queued: the host queues are drained and the link's
    * queue destroyed (which drains it) before what they use is freed. */
   if (rc) (void)sync_host_queues(m);
   if (c.lq) tdm_queue_destroy(c.lq);
-  if (c.hblk) tdm_free(c.hblk);
+  if (c.groups) tdm_free(c.groups);
   if (c.dscratch) tdm_free(c.dscratch);
   return rc;
 }
@@ -689,11 +739,7 @@ static int setup_host(tdm_moe_model *m) {
     pi->placement = m->cfg.placement;
     pi->host_queues = m->nhq;
     pi->host_threads = pool_workers();
-    /* Splitting a layer's non-resident bytes so that both sides finish together moves them at
-     * host + link GB/s (the figures at once); copying them all, at the link's alone. Only a
-     * split that beats the link alone by HOST_GAIN_MIN is worth the host's per-layer join. */
-    double sum = pi->host_gbs_shared + pi->link_gbs_shared;
-    pi->host_share = sum > HOST_GAIN_MIN * pi->link_gbs ? pi->host_gbs_shared / sum : 0.0;
+    pi->host_share = model_share(pi);
     /* The join in experts: a layer that puts h of its n non-resident experts on the host takes
      * h * th + join there and (n - h) * tl on the link (th, tl: an expert's time on each side,
      * at once); they finish together at h = share * n - join / (th + tl). */

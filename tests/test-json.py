@@ -178,6 +178,9 @@ def moe(tool, device, tmp):
                      f"{doc.get('host_queues')} host queues")
     if not (isinstance(doc.get("host_threads"), int) and doc["host_threads"] >= 1):
         raise Failed(f"{what}: host_threads is {doc.get('host_threads')!r}")
+    # tiny's top-k of 4, none resident, dealt over 2 queues: calls of 2 experts calibrated.
+    if doc.get("host_group") != 2:
+        raise Failed(f"{what}: host_group is {doc.get('host_group')!r}, not 2")
     for key in ("link_gbs", "host_gbs", "link_gbs_shared", "host_gbs_shared"):
         if not (isinstance(doc.get(key), (int, float)) and doc[key] > 0):
             raise Failed(f"{what}: {key} is {doc.get(key)!r}")

@@ -672,6 +672,9 @@ TEST_CASE(host_placement) {
       CHECK(pi.link_gbs > 0 && pi.host_gbs > 0);
       CHECK(pi.link_gbs_shared > 0 && pi.host_gbs_shared > 0);
       CHECK(pi.host_share >= 0 && pi.host_share < 1);
+      /* With no budget a decode layer's top-k all go to the host, dealt over the queues: the
+       * calls calibrated carry top-k / queues experts, rounded (4 on one queue, 1 on three). */
+      CHECK_EQ(pi.host_group, queues[qi] == 1 ? p->topk : (int)lround((double)p->topk / 3));
       memset(y, 0xff, n * sizeof *y);
       for (int t = 0; t < DECODE + 1; t++) {
         int T = t < DECODE ? 1 : SMALL;
@@ -724,6 +727,7 @@ TEST_CASE(auto_placement) {
   enum { DECODE = 8, SMALL = 5 };
   place_case pc = place_setup(dev, DECODE, SMALL);
   const tdm_moe_config base = pc.base;
+  const tdm_moe_preset *p = base.preset;
   size_t H = pc.H, n = pc.n;
   float *x = pc.x, *ref = pc.ref, *y = pc.y;
   tdm_moe_pass_stats st;
@@ -740,6 +744,8 @@ TEST_CASE(auto_placement) {
   CHECK(fabs(pi.host_share - (sum > 1.05 * pi.link_gbs ? pi.host_gbs_shared / sum : 0.0)) <
         1e-12);
   CHECK_MSG(pi.host_join_us > 0, "the host join's round trip is %g us", pi.host_join_us);
+  CHECK_MSG(pi.host_group >= 1 && pi.host_group <= p->topk, "the host calls calibrated carry %d "
+            "experts (top-k %d)", pi.host_group, p->topk);
   uint64_t host = 0;
   for (int ov = 0; ov < 2; ov++) {
     for (int t = 0; t < DECODE + 1; t++) {
@@ -795,6 +801,8 @@ TEST_CASE(auto_placement) {
   m = make_model(dev, &c, false, 0, 2, TDM_CACHE_LRU);
   CHECK_OK(tdm_moe_placement_get(m, &pi));
   CHECK(pi.host_share == 1.0 && pi.host_share_model >= 0 && pi.host_share_model <= 1);
+  /* Measured at the share given: all of a token's top-k, none being resident. */
+  CHECK_EQ(pi.host_group, p->topk);
   for (int t = 0; t < DECODE; t++) {
     CHECK_OK(tdm_moe_forward(m, x + t * H, y + t * H, 1, true, &st));
     CHECK_MSG(st.host_experts == st.host_candidates && st.demand_misses == 0,

@@ -759,6 +759,7 @@ static int print_json(const session *s, const figures *f) {
   bu_json_string(&j, "placement", placement_name(s->place.placement));
   bu_json_int(&j, "host_queues", s->place.host_queues);
   bu_json_int(&j, "host_threads", s->place.host_threads);
+  bu_json_int(&j, "host_group", s->place.host_group);
   bu_json_double(&j, "host_join_us", s->place.host_join_us, 2);
   bu_json_double(&j, "link_gbs", s->place.link_gbs, 3);
   bu_json_double(&j, "host_gbs", s->place.host_gbs, 3);
@@ -810,10 +811,11 @@ static void print_runs(const session *s) {
   else {
     const tdm_moe_placement_info *pi = &s->place;
     printf("  placement  %s: %d host queues, %d threads; calibrated link %.2f GB/s, host %.2f "
-           "GB/s of expert weights alone,\n             %.2f and %.2f GB/s at once; host share "
-           "%.2f of a layer's non-resident experts,\n             ",
+           "GB/s of expert weights alone\n             (%d a call), %.2f and %.2f GB/s at once; "
+           "host share %.2f of a layer's non-resident experts,\n             ",
            placement_name(pi->placement), pi->host_queues, pi->host_threads, pi->link_gbs,
-           pi->host_gbs, pi->link_gbs_shared, pi->host_gbs_shared, pi->host_share);
+           pi->host_gbs, pi->host_group, pi->link_gbs_shared, pi->host_gbs_shared,
+           pi->host_share);
     if (s->o.host_share > 0)
       printf("as given (the cost model's: %.2f, less %.1f us of join)\n\n", pi->host_share_model,
              pi->host_join_us);

@@ -182,16 +182,17 @@ TDM_API tdm_streamer *tdm_moe_streamer(tdm_moe_model *m);
 /* What the model's placement decided at creation. Under AUTO and HOST the cost model is
  * calibrated then, on expert-sized work: the link's GB/s from pinned host-to-device copies of
  * experts, the host's GB/s of expert weights from experts computed on one token on the
- * host_queues queues (weight bytes / time), each side first alone and then both at once (the
- * copies' DMA and the host's cores read the same host memory, so each slows the other). Each
- * figure is the best of three trials of a few milliseconds (both figures at once from the
- * same trial), so that a moment of other work on the host does not halve the share.
+ * host_queues queues (weight bytes / time), in experts() calls of host_group experts each as
+ * decode groups a layer's host experts on a queue; each side first alone and then both at
+ * once (the copies' DMA and the host's cores read the same host memory, so each slows the
+ * other). Each figure is the best of three trials of a few milliseconds (both figures at once
+ * from the same trial), so that a moment of other work on the host does not halve the share.
  * host_share = host_gbs_shared / (host_gbs_shared + link_gbs_shared): the share of a layer's
  * non-resident experts that the host and the link would finish at about the same time, were
- * it not for the host's join (host_join_us, which AUTO subtracts); 0 when host_gbs_shared + link_gbs_shared is not 5% above
- * link_gbs, since such a split would move the bytes no faster than copying them all (HOST
- * computes all of them whatever the share). Under DEVICE nothing is calibrated: every figure
- * is 0. */
+ * it not for the host's join (host_join_us, which AUTO subtracts); 0 when host_gbs_shared +
+ * link_gbs_shared is not 5% above link_gbs, since such a split would move the bytes no faster
+ * than copying them all (HOST computes all of them whatever the share). Under DEVICE nothing
+ * is calibrated: every figure is 0. */
 typedef struct tdm_moe_placement_info {
   tdm_moe_placement placement;
   int host_queues;        /* the queues host experts run on (the configured 0 resolved) */
@@ -209,6 +210,12 @@ typedef struct tdm_moe_placement_info {
                              its copies do not: AUTO puts share * n - host_join_us / (th + tl)
                              of a layer's n non-resident experts on the host (th, tl: an
                              expert's time on the host and on the link, at once), rounded */
+  int host_group;         /* the experts a host call computed in the host figures: those a
+                             host queue gets in a decode layer at the share (top-k x share x
+                             the part of all experts the budget leaves off the device /
+                             host_queues, rounded, in [1, top-k]). The share is first taken
+                             as given (HOST: 1; AUTO's model: 0.5); when the share measured so
+                             groups a different count, the figures are measured again at it */
 } tdm_moe_placement_info;
 
 TDM_API int tdm_moe_placement_get(const tdm_moe_model *m, tdm_moe_placement_info *out);
