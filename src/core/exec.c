@@ -145,12 +145,14 @@ static void exec_run(tdm__workq *wq, tdm__workq_item *it) {
 }
 
 int tdm__exec_init(tdm__queue *q) {
-  atomic_init(&q->lz_mu.held, 0);
-  return tdm__workq_init(&q->xq, exec_run, exec_idle, q);
+  int e = tdm__workq_init(&q->xq, exec_run, exec_idle, q);
+  if (!e && (e = pthread_mutex_init(&q->lz_mu, NULL))) tdm__workq_fini(&q->xq);
+  return e;
 }
 
 void tdm__exec_fini(tdm__queue *q) {
   tdm__workq_fini(&q->xq); /* after wake-ups of the executor in progress */
+  pthread_mutex_destroy(&q->lz_mu);
 }
 
 int tdm__exec_start(tdm__queue *q) {
@@ -185,9 +187,9 @@ static void lz_hand_over(tdm__queue *q, bool wake) {
 }
 
 void tdm__exec_stop(tdm__queue *q) {
-  tdm__spin_lock(&q->lz_mu);
+  pthread_mutex_lock(&q->lz_mu);
   lz_hand_over(q, true);
-  tdm__spin_unlock(&q->lz_mu);
+  pthread_mutex_unlock(&q->lz_mu);
   tdm__workq_stop(&q->xq);
 }
 
@@ -205,7 +207,7 @@ void tdm__exec_push(tdm__cmd *cmd) {
     return;
   }
   cmd->next = NULL;
-  tdm__spin_lock(&q->lz_mu);
+  pthread_mutex_lock(&q->lz_mu);
   if (lazy_ok(cmd)) {
     if (q->lz_tail)
       q->lz_tail->next = cmd;
@@ -223,13 +225,13 @@ void tdm__exec_push(tdm__cmd *cmd) {
     q->x_pushed++;
     tdm__workq_push(&q->xq, &cmd->link, !exec_lazy(q) || needs_host(cmd));
   }
-  tdm__spin_unlock(&q->lz_mu);
+  pthread_mutex_unlock(&q->lz_mu);
 }
 
 void tdm__exec_reap(tdm__queue *q) {
   if (!atomic_load_explicit(&q->lz_reap, memory_order_relaxed)) return;
   tdm__cmd *mine = NULL, *last = NULL;
-  tdm__spin_lock(&q->lz_mu);
+  pthread_mutex_lock(&q->lz_mu);
   atomic_store_explicit(&q->lz_reap, 0, memory_order_relaxed);
   tdm__cmd *cand = q->lz_cand;
   q->lz_cand = q->lz_tail; /* the next one to ask, LZ_STEP submissions from now */
@@ -249,7 +251,7 @@ void tdm__exec_reap(tdm__queue *q) {
                           memory_order_relaxed);
     atomic_store_explicit(&q->lz_reaping, 1, memory_order_relaxed);
   }
-  tdm__spin_unlock(&q->lz_mu);
+  pthread_mutex_unlock(&q->lz_mu);
   if (!mine) return;
   last->next = NULL;
   /* Their events complete together, under one lock of the queue's rather than one each. */
@@ -267,9 +269,9 @@ void tdm__exec_reap(tdm__queue *q) {
 
 void tdm__exec_kick(tdm__queue *q) {
   if (atomic_load_explicit(&q->lz_n, memory_order_relaxed)) {
-    tdm__spin_lock(&q->lz_mu);
+    pthread_mutex_lock(&q->lz_mu);
     lz_hand_over(q, true);
-    tdm__spin_unlock(&q->lz_mu);
+    pthread_mutex_unlock(&q->lz_mu);
   }
   /* Only a lazily woken executor can sleep with commands queued. */
   if (exec_lazy(q)) tdm__workq_kick(&q->xq);

@@ -22,7 +22,6 @@
 
 #include "backend.h"
 #include "lfstack.h"
-#include "util/spin.h"
 #include "tandem.h"
 
 #define TDM__MAX_DEVICES 64
@@ -345,7 +344,7 @@ struct tdm__queue {
    * the submitting thread for a reap; x_pushed (under lz_mu) and x_done (below) count the
    * commands handed to the executor and finished by it; lz_reaping: a reap is finishing
    * commands. Queues without can_lazy use none of them. */
-  tdm__spinlock lz_mu;
+  pthread_mutex_t lz_mu;
   tdm__cmd *lz_head, *lz_tail, *lz_cand;
   unsigned long lz_steps, x_pushed;
   _Atomic long lz_n;
