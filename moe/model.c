@@ -125,6 +125,8 @@ struct tdm_moe_model {
   double join_experts;        /* AUTO: the host join's round trip in experts' time (place()) */
   double carry;               /* AUTO: what rounding left over at the last layer's placement */
   uint32_t pass;              /* tdm_moe_forward's count, for ahead */
+  int lead_n, lead_T;         /* the last host-routed pass: its last layer's routed experts,
+                                 and its tokens (pass_lead) */
   uint32_t *ahead;            /* L x E: the pass whose look-ahead left (l, e) to the device while
                                  not on it (its copy was then on its way or was to be made) */
   unsigned char *slot_host;   /* Tg x k: the slots the host experts wrote */
@@ -1445,6 +1447,10 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
   int rc = layer_route(m, l, T, st, count, offset, &predicted), n = 0;
   if (!rc) {
     n = layer_order(m, l, count, order);
+    if (l == m->L - 1) {
+      m->lead_n = n;
+      m->lead_T = T;
+    }
     rc = T <= GROUPED_MAX_T
              ? layer_experts_grouped(m, l, T, overlap, st, count, offset, order, n)
              : layer_experts(m, l, overlap, st, count, offset, order, n);
@@ -1501,6 +1507,20 @@ static void harvest_chain(tdm_moe_model *m, tdm_moe_pass_stats *st, bool ok) {
     }
 }
 
+/* The look-ahead across passes: a large ubatch after one at least as large whose last layer
+ * routed nearly every expert starts layer 0's copies with the pass, in rank order, before its
+ * input is uploaded and routed (some 3 ms of a ubatch of 8192 tokens on the H200, the link
+ * idle), as layer_lookahead starts a next layer's; the previous pass's last layer stands in
+ * for the layer before. A pass's first ubatch, small ubatches and serialized passes wait for
+ * the routing. */
+static int pass_lead(tdm_moe_model *m, int T, bool overlap, int *order) {
+  int E = m->E;
+  if (!overlap || T <= GROUPED_MAX_T || !m->lead_T || T < m->lead_T || m->lead_n < E - E / 8)
+    return 0;
+  for (int e = 0; e < E; e++) order[m->rank[e]] = e;
+  return lookahead_prefetch(m, 0, T, order, E);
+}
+
 int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool overlap, tdm_moe_pass_stats *st) {
   if (T < 1 || T > m->maxT)
     return tdm_set_error(TDM_EINVAL, 0, "a ubatch of %d tokens (this model takes 1 to %d)", T,
@@ -1520,9 +1540,11 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   tdm_streamer_stats s0, s1;
   tdm_streamer_stats_get(m->streamer, &s0);
   double t0 = now_s();
+  rc = on_device ? 0 : pass_lead(m, T, overlap, count + 2 * m->E);
   /* Every expert resident: nothing else is on the link, so the copy engines take the input */
-  rc = on_device ? tdm_memcpy(m->q, m->x, xh, bytes, TDM_COPY_H2D, 0, NULL, NULL)
-                 : upload_small(m, m->x, xh, bytes);
+  if (!rc)
+    rc = on_device ? tdm_memcpy(m->q, m->x, xh, bytes, TDM_COPY_H2D, 0, NULL, NULL)
+                   : upload_small(m, m->x, xh, bytes);
   if (!rc && !on_device) rc = chain_mark(m, -1, 0);
   if (!rc && on_device) rc = device_layers(m, T);
   for (int l = 0; !rc && !on_device && l < m->L; l++)

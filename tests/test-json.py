@@ -210,9 +210,12 @@ def moe(tool, device, tmp):
     if not (isinstance(split, (int, float)) and isinstance(best, (int, float)) and
             0 < split <= best * (1 + 1e-6)):
         raise Failed(f"{what}: decode bounds {split} with this split, {best} with the best")
-    if doc.get("time_link") is not False or main.get("decode_link_busy_fraction") is not None:
+    if doc.get("time_link") is not False or main.get("decode_link_busy_fraction") is not None \
+            or main.get("link_busy_fraction") is not None or main.get("link_busy_gbs") is not None:
         raise Failed(f"{what}: time_link {doc.get('time_link')!r}, decode_link_busy_fraction "
-                     f"{main.get('decode_link_busy_fraction')!r} without --time-link")
+                     f"{main.get('decode_link_busy_fraction')!r}, link_busy_fraction "
+                     f"{main.get('link_busy_fraction')!r}, link_busy_gbs "
+                     f"{main.get('link_busy_gbs')!r} without --time-link")
     if doc.get("time_host") is not False or main.get("decode_host_busy_fraction") is not None:
         raise Failed(f"{what}: time_host {doc.get('time_host')!r}, decode_host_busy_fraction "
                      f"{main.get('decode_host_busy_fraction')!r} without --time-host")
@@ -260,6 +263,16 @@ def moe(tool, device, tmp):
         f = r.get("decode_link_busy_fraction")
         if r["name"] != "all resident" and not (isinstance(f, (int, float)) and 0 < f <= 1.05):
             raise Failed(f"{what}: run {r['name']!r}: decode_link_busy_fraction {f!r}")
+        # The whole run likewise, and the link's rate while busy: the bytes over that time.
+        f, g = r.get("link_busy_fraction"), r.get("link_busy_gbs")
+        if r["name"] == "all resident":
+            if f != 0 or g is not None:
+                raise Failed(f"{what}: the all-resident run: link_busy_fraction {f!r}, "
+                             f"link_busy_gbs {g!r} with nothing copied")
+        elif not (isinstance(f, (int, float)) and 0 < f <= 1.05 and isinstance(g, (int, float))
+                  and g > 0):
+            raise Failed(f"{what}: run {r['name']!r}: link_busy_fraction {f!r}, "
+                         f"link_busy_gbs {g!r}")
     # A trace whose path needs escaping in the command string, and is not even UTF-8.
     trace = os.path.join(os.fsencode(tmp), b'a "quoted" \\ back\tslash \xff.json')
     what = "moe --trace <a path with a quote, a backslash, a tab, a byte not UTF-8>"

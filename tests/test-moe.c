@@ -439,7 +439,8 @@ static tdm_moe_model *make_model(tdm_device *dev, const tdm_moe_config *base, bo
  * kernels, deterministic reductions, whatever the budget, slots, policy, overlap and (under
  * LRU, with the predictor) how many layers the look-ahead predicts: 1, 2 or 3. Three
  * sizes of ubatch: 48 tokens (a GEMM per expert), then 5 and decode's 1 (experts in groups;
- * all resident, the routing stays on the device, which a budget of every expert also gives). */
+ * all resident, the routing stays on the device, which a budget of every expert also gives).
+ * The 48-token ubatch runs twice, so that the second pass starts layer 0's copies at once. */
 TEST_CASE(streamed_equals_resident) {
   tdm_device *dev = th_open();
   const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
@@ -478,6 +479,9 @@ TEST_CASE(streamed_equals_resident) {
           memset(y, 0xff, (T + DECODE) * H * sizeof *y);
           CHECK_OK(tdm_moe_forward(m, x, y, T, ov, &st));
           if (budgets[b] == 0) CHECK(st.bytes_copied > 0);
+          /* Again, after a pass of as many tokens: overlapped, layer 0's copies start with the
+           * pass (before its routing), into the slots the last pass left. */
+          CHECK_OK(tdm_moe_forward(m, x, y, T, ov, &st));
           CHECK_OK(tdm_moe_forward(m, x, y, SMALL, ov, &st));
           CHECK_EQ((long)st.device_routed_layers, budgets[b] == all ? (long)p->layers : 0L);
           for (int t = 0; t < DECODE; t++)

@@ -323,3 +323,59 @@ TEST_CASE(release_waits_for_every_reader) {
   CHECK_OK(tdm_queue_destroy(q));
   th_close();
 }
+
+/* Acquires (l, e) of a streamer over layers of `per` experts, reads its slot back, checks
+ * the bytes and releases it. */
+static void use_layer_expert(tdm_streamer *s, tdm_queue *q, const experts *x, int per, int l,
+                             int e, unsigned char *back) {
+  const void *w;
+  CHECK_OK(tdm_streamer_acquire(s, l, e, &w, NULL));
+  CHECK_OK(tdm_memcpy(q, back, w, XB, TDM_COPY_D2H, 0, NULL, NULL));
+  CHECK_OK(tdm_streamer_release(s, l, e, NULL));
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_MSG(memcmp(back, x->ptrs[l * per + e], XB) == 0, "expert %d of layer %d read back "
+            "other bytes", e, l);
+}
+
+/* A prefetch for a layer below the latest acquire's starts the next pass. Two slots, two
+ * layers of two experts: layer 1's expert 0 is used, its expert 1 prefetched and never
+ * acquired (kept from later prefetches while layer 1 is still to come). Then the next pass
+ * prefetches layer 0's experts 0 and 1 ahead of its routing: layer 1's leftover is a wrong
+ * guess now, so the second prefetch takes its slot rather than the first prefetch's (which
+ * kept its slot under the layer rule alone: layer 0 was below layer 1). Both are then hits. */
+TEST_CASE(prefetch_next_pass) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  experts x = make_experts(dev, 4, &rng);
+  unsigned char *back;
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, XB, (void **)&back));
+  tdm_streamer_config cfg = {.compute = q, .layers = 2, .experts = 2, .expert_bytes = XB,
+                             .host = x.ptrs, .budget_bytes = 0, .staging_slots = 2,
+                             .policy = TDM_CACHE_LRU, .prefetch_depth = 4};
+  tdm_streamer *s;
+  CHECK_OK(tdm_streamer_create(&cfg, &s));
+  use_layer_expert(s, q, &x, 2, 1, 0, back);
+  CHECK_OK(tdm_streamer_prefetch(s, 1, (const int[]){1}, 1));
+  sync_copies(s);
+  CHECK_OK(tdm_streamer_prefetch(s, 0, (const int[]){0, 1}, 2));
+  CHECK_EQ(tdm_streamer_where(s, 1, 1), (int)TDM_EXPERT_ABSENT);
+  CHECK_MSG(tdm_streamer_where(s, 0, 0) != TDM_EXPERT_ABSENT &&
+                tdm_streamer_where(s, 0, 1) != TDM_EXPERT_ABSENT,
+            "the next pass's prefetches evicted each other (layer 0: %d and %d)",
+            tdm_streamer_where(s, 0, 0), tdm_streamer_where(s, 0, 1));
+  use_layer_expert(s, q, &x, 2, 0, 0, back);
+  use_layer_expert(s, q, &x, 2, 0, 1, back);
+  tdm_streamer_stats st;
+  CHECK_OK(tdm_streamer_stats_get(s, &st));
+  CHECK_EQ((long)st.misses, 1L);
+  CHECK_EQ((long)st.prefetches, 3L);
+  CHECK_EQ((long)st.prefetch_hits, 2L);
+  CHECK_EQ((long)st.acquires, 3L);
+  CHECK_OK(tdm_streamer_destroy(s));
+  CHECK_OK(tdm_free(back));
+  free_experts(&x);
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}

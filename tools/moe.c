@@ -302,6 +302,7 @@ typedef struct run {
   double ops_seconds, streamer_seconds; /* host time in expert operations, in the streamer */
   long experts;          /* experts computed */
   uint64_t device_routed; /* layers whose routing stayed on the device */
+  double link_busy;      /* the link had a copy on it (--time-link), seconds, the whole run */
   double decode_seconds; /* the decode part alone */
   double decode_link_busy; /* of which the link had a copy on it (--time-link), seconds */
   double decode_host_busy; /* and the host queues computed experts (--time-host), seconds */
@@ -349,6 +350,7 @@ static void add_pass(run *r, const tdm_moe_pass_stats *st, bool decode) {
   r->experts += st->experts_computed;
   r->device_routed += st->device_routed_layers;
   add_found(&r->all, st);
+  r->link_busy += st->link_busy_seconds;
   if (decode) {
     r->decode_seconds += st->seconds;
     r->decode_link_busy += st->link_busy_seconds;
@@ -650,6 +652,13 @@ static void json_run(bu_json *j, const run *r, long decode, long layers, bool li
   bu_json_uint(j, "device_routed_layers", r->device_routed);
   bu_json_double(j, "tokens_per_s", r->tokens_per_s, 3);
   bu_json_uint(j, "bytes_copied", r->all.bytes);
+  /* --time-link: the share of the run the link had a copy on it, and its GB/s meanwhile
+   * (null otherwise, and the rate also when nothing was copied) */
+  bu_json_double(j, "link_busy_fraction",
+                 link_timed && r->seconds > 0 ? r->link_busy / r->seconds : NAN, 4);
+  bu_json_double(j, "link_busy_gbs",
+                 link_timed && r->link_busy > 0 ? (double)r->all.bytes / r->link_busy / 1e9 : NAN,
+                 3);
   json_found(j, "", &r->all);
   bu_json_double(j, "decode_tokens_per_s", r->decode_seconds > 0 ? decode / r->decode_seconds : 0.0,
                  3);
@@ -896,6 +905,10 @@ static void print_decode(const session *s, const run *mr) {
 static void print_figures(const session *s, const figures *f) {
   const run *mr = f->main_run;
   printf("\n  link utilization   %.2f   expert bytes copied / wall time / peak\n", f->link);
+  if (s->o.time_link && mr->seconds > 0 && mr->link_busy > 0)
+    printf("                     the link had a copy on it %.2f of the %s run (device "
+           "timestamps: %.1f GB/s while busy)\n", mr->link_busy / mr->seconds, mr->name,
+           (double)mr->all.bytes / mr->link_busy / 1e9);
   if (!isnan(f->hidden)) {
     printf("  hidden fraction    %.2f   (serialized - overlapped) / min(copy, compute)",
            f->hidden);

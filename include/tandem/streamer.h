@@ -124,7 +124,10 @@ TDM_API int tdm_streamer_where(tdm_streamer *s, int layer, int e);
  * prefetch queue, up to prefetch_depth in flight; the rest are dropped (counted). A prefetched
  * expert not acquired yet keeps its slot from later prefetches while its layer is still to
  * come, i.e. not below the layer of the latest acquire; once a later layer has been acquired
- * it was a wrong guess, and its slot goes back to the cache like any other. */
+ * it was a wrong guess, and its slot goes back to the cache like any other. A prefetch for a
+ * layer below the latest acquire's starts the next pass (say, layer 0's copies started
+ * before its routing is known): layers count from it from then on, and every prefetched
+ * expert not acquired so far counts as a wrong guess. */
 TDM_API TDM_NODISCARD int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts,
                                                 int n);
 /* Orders the listed experts of `layer` for computing, in place, so that compute keeps busy

@@ -442,6 +442,12 @@ int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts, int n)
       tdm_event_release(s->inflight[j]);
   }
   s->ninflight = k;
+  /* A layer below the latest acquire's is the next pass's: its layers are still to come, and
+   * the unused prefetches of this pass, wrong guesses, keep their slots no longer. */
+  if (layer < s->acq_layer) {
+    for (int j = 0; j < s->nevictable; j++) s->slots[s->evictable[j]].unused_prefetch = false;
+    s->acq_layer = layer;
+  }
   int rc = 0;
   bool full = false; /* no slot or no depth left: nothing changes until the call returns */
   for (int j = 0; j < n && !rc; j++) {
