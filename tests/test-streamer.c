@@ -341,8 +341,9 @@ static void use_layer_expert(tdm_streamer *s, tdm_queue *q, const experts *x, in
  * layers of two experts: layer 1's expert 0 is used, its expert 1 prefetched and never
  * acquired (kept from later prefetches while layer 1 is still to come). Then the next pass
  * prefetches layer 0's experts 0 and 1 ahead of its routing: layer 1's leftover is a wrong
- * guess now, so the second prefetch takes its slot rather than the first prefetch's (which
- * kept its slot under the layer rule alone: layer 0 was below layer 1). Both are then hits. */
+ * guess now, so the second prefetch takes its slot rather than the first prefetch's (by the
+ * layer rule alone the first kept none, layer 0 being below layer 1, and the second evicted
+ * it). Both are then hits. */
 TEST_CASE(prefetch_next_pass) {
   uint64_t rng = th_seed();
   tdm_device *dev = th_open();
