@@ -672,8 +672,9 @@ static int calibrate(tdm_moe_model *m, tdm_moe_placement_info *pi) {
   double given = m->cfg.placement == TDM_MOE_PLACE_HOST ? 1.0 : model ? 0.5 : m->cfg.host_share;
   int g = decode_group(m, given);
   if (!rc) rc = cal_measure(&c, g, pi);
-  if (!rc && model && model_share(pi) > 0 && decode_group(m, model_share(pi)) != g) {
-    g = decode_group(m, model_share(pi));
+  int again = !rc && model && model_share(pi) > 0 ? decode_group(m, model_share(pi)) : g;
+  if (again != g) {
+    g = again;
     rc = cal_measure(&c, g, pi);
   }
   pi->host_group = g;
@@ -1342,6 +1343,14 @@ static int lookahead_prefetch(tdm_moe_model *m, int l, int T, int *order, int n)
   return n ? tdm_streamer_prefetch(m->streamer, l, order, n) : 0;
 }
 
+/* Every expert of layer l prefetched in rank order, most popular first (where a ubatch is
+ * expected to route nearly all of them; the streamer skips those on the device). */
+static int rank_prefetch(tdm_moe_model *m, int l, int T, int *order) {
+  int E = m->E;
+  for (int e = 0; e < E; e++) order[m->rank[(size_t)l * E + e]] = e;
+  return lookahead_prefetch(m, l, T, order, E);
+}
+
 static int layer_lookahead(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stats *st,
                            tdm_event *predicted, int n, int *count, int *order) {
   int E = m->E, k = m->k, rc;
@@ -1363,10 +1372,7 @@ static int layer_lookahead(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe
     }
     return 0;
   }
-  if (overlap && l + 1 < m->L && n >= E - E / 8) {
-    for (int e = 0; e < E; e++) order[m->rank[(size_t)(l + 1) * E + e]] = e;
-    return lookahead_prefetch(m, l + 1, T, order, E);
-  }
+  if (overlap && l + 1 < m->L && n >= E - E / 8) return rank_prefetch(m, l + 1, T, order);
   return 0;
 }
 
@@ -1517,8 +1523,7 @@ static int pass_lead(tdm_moe_model *m, int T, bool overlap, int *order) {
   int E = m->E;
   if (!overlap || T <= GROUPED_MAX_T || !m->lead_T || T < m->lead_T || m->lead_n < E - E / 8)
     return 0;
-  for (int e = 0; e < E; e++) order[m->rank[e]] = e;
-  return lookahead_prefetch(m, 0, T, order, E);
+  return rank_prefetch(m, 0, T, order);
 }
 
 int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool overlap, tdm_moe_pass_stats *st) {
