@@ -11,8 +11,8 @@
 export PATH=$PATH:/usr/local/cuda/bin
 T0=$SECONDS
 D=bench/results/h200-prefill-gaps
-mkdir -p $OUT/r /tmp/src-probe
-git archive HEAD 2>/dev/null | tar -x -C /tmp/src-probe || cp -r . /tmp/src-probe
+rm -rf /tmp/src-probe; mkdir -p $OUT/r /tmp/src-probe
+tar -c --exclude=./xold --exclude='./build*' --exclude=./.git . | tar -x -C /tmp/src-probe
 (cd /tmp/src-probe && patch -p1 < $OLDPWD/$D/probe2.patch > $OUT/r/patch.log) || { cat $OUT/r/patch.log; exit 1; }
 for t in new old probe; do
   src=. c=${NEW_COMMIT:-unknown}; [ $t = old ] && src=xold c=b94a6b5; [ $t = probe ] && src=/tmp/src-probe
