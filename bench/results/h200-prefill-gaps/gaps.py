@@ -4,8 +4,8 @@
 Reads the stderr of a `tandem moe` run built with probe.patch and run with TANDEM_PROBE=1,
 --time-link and --time-chain: every expert copy's interval (queue, layer, expert, start, end, in
 ms from the streamer's first marker) and every layer's chain markers on the compute queue
-(routed, started, device, joined, combined); with probe2.patch also the host's clock when each
-copy was issued and at points of the pass (aligned to the device's by layer 0's routing: the
+(routed, started, device, joined, combined); with probe2.patch (probe3.patch) also the host's clock when each
+copy was issued (and how many of the events it waits for were pending then) and at points of the pass (aligned to the device's by layer 0's routing: the
 host wakes when it lands). Takes the timed overlapped pass of the largest
 ubatch (the last such pass in the file) and prints, per layer, its markers and its copies' span,
 then every interval of 20 us or more in which the link had no copy, with what came next.
@@ -24,7 +24,8 @@ for line in open(sys.argv[1]):
     if f[0] == "span":
         cur["spans"].append((f[1], int(f[2]), int(f[3]), float(f[4]), float(f[5])))
     elif f[0] == "issue":
-        cur["issue"].setdefault((f[1], int(f[2]), int(f[3])), float(f[4]))
+        cur["issue"].setdefault((f[1], int(f[2]), int(f[3])),
+                                (float(f[4]), int(f[5]) if len(f) > 5 else None))
     elif f[0] == "host":
         cur["host"].append((f[1], int(f[2]), float(f[3])))
     elif f[0] == "chain":
@@ -59,8 +60,9 @@ if hr and dr:
     print("first copies: issued -> start .. end")
     for s_ in spans[:24]:
         i = p["issue"].get((s_[0], s_[1], s_[2]))
-        print("  %s %d %d: %s -> %.3f .. %.3f" % (s_[0], s_[1], s_[2],
-              "?" if i is None else "%.3f" % (i - off - start), s_[3] - start, s_[4] - start))
+        print("  %s %d %d: %s -> %.3f .. %.3f%s" % (s_[0], s_[1], s_[2],
+              "?" if i is None else "%.3f" % (i[0] - off - start), s_[3] - start, s_[4] - start,
+              "" if i is None or i[1] is None else " (%d events pending at issue)" % i[1]))
 
 layers = sorted({c[0] for c in p["chain"] if c[0] >= 0})
 for l in layers:
@@ -97,6 +99,6 @@ for (a, d, s) in idle:
     near = [(ll, k, tt - start) for (ll, k, tt) in p["chain"] if ll >= 0 and abs(tt - a) < 1.0]
     i = p["issue"].get((s[0], s[1], s[2])) if off is not None else None
     print("idle %.3f ms at %.3f, then %s layer %d expert %d%s; markers near: %s" % (
-        d, a - start, s[0], s[1], s[2], "" if i is None else " (issued %.3f)" % (i - off - start),
+        d, a - start, s[0], s[1], s[2], "" if i is None else " (issued %.3f)" % (i[0] - off - start),
         ", ".join("%d.%s %.3f" % (ll, MARKS[k], tt) for (ll, k, tt) in near)))
 print("idle inside the pass (gaps of 20 us or more): %.3f ms" % tot)
