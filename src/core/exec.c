@@ -255,15 +255,7 @@ void tdm__exec_reap(tdm__queue *q) {
   if (!mine) return;
   last->next = NULL;
   /* Their events complete together, under one lock of the queue's rather than one each. */
-  tdm__batch b;
-  tdm__batch_begin(&b, q);
-  for (tdm__cmd *c = mine, *next; c; c = next) {
-    next = c->next;
-    if (!(c->flags & TDM__CMD_WAIT_BORROWED)) tdm__b_native_release(q->dev, c->wait);
-    c->wait = NULL;
-    tdm__cmd_finish(c, 0, 0);
-  }
-  tdm__batch_end(&b);
+  tdm__cmd_finish_reaped(q, mine);
   atomic_store_explicit(&q->lz_reaping, 0, memory_order_release);
 }
 

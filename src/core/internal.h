@@ -109,6 +109,10 @@ static inline void *tdm__freelist_get(tdm__freelist *p) {
 static inline void tdm__freelist_put(tdm__freelist *p, void *item) {
   tdm__lfstack_push(&p->returned, item);
 }
+/* Returns the list first..last, linked by their first members, with one push. */
+static inline void tdm__freelist_put_list(tdm__freelist *p, void *first, void *last) {
+  tdm__lfstack_push_list(&p->returned, first, last);
+}
 void tdm__freelist_drain(tdm__freelist *p, void (*destroy)(void *));
 
 /* ---- devices and context (context.c) ---- */
@@ -446,6 +450,8 @@ void tdm__cmd_run(tdm__cmd *cmd);
 void tdm__cmd_mem_free(void *p);
 /* The rest of tdm__cmd_run once cmd's native work is known to be done, with its status. */
 void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native);
+/* Completes a reap's commands, the list linked by next (exec.c), in order. */
+void tdm__cmd_finish_reaped(tdm__queue *q, tdm__cmd *list);
 void tdm__cmd_done(tdm__cmd *cmd, int status, int native);
 /* Completions gathered on this thread between tdm__batch_begin and tdm__batch_end (a reap:
  * exec.c): the commands are done one by one, their events complete together at the end.
@@ -506,7 +512,7 @@ int tdm__tracker_reserve(tdm__queue *q);
 /* Drops completed entries. */
 void tdm__tracker_prune(tdm__queue *q);
 /* Records ev (referenced by the tracker); cannot fail after a successful reserve. */
-void tdm__tracker_add(tdm__queue *q, tdm__event *ev, bool own);
+void tdm__tracker_add(tdm__queue *q, tdm__event *ev);
 /* Cross-queue copies: reserve a slot (may submit a barrier to make room), then fill it. */
 int tdm__xwait_reserve(tdm__queue *q);
 /* Under submit_mu: whether the list has room for one more entry (pruning it if full). */

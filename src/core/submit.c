@@ -307,7 +307,7 @@ static int submit_failed(tdm__queue *q, const tdm__spec *spec, tdm__cmd *cmd, in
 static void submit_commit(tdm__queue *q, tdm__event *ev, bool track, bool gate) {
   q->seq++;
   if (q->nxwait) tdm__xwait_consumed(q, !ooo(q) || gate);
-  if (track) tdm__tracker_add(q, ev, true);
+  if (track) tdm__tracker_add(q, ev);
   if (gate) {
     if (q->gate) tdm__event_unref(q->gate);
     q->gate = ev;
@@ -317,7 +317,10 @@ static void submit_commit(tdm__queue *q, tdm__event *ev, bool track, bool gate) 
 int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
                        tdm__event *const *deps, tdm__event **out, tdm_event **out_handle) {
   int rc;
-  if (!spec->untracked && (rc = tdm__tracker_reserve(q))) return rc;
+  /* An in-order queue tracks none of its own commands: its order implies them, and
+   * tdm_queue_dependencies stands a marker for them (tracker.c). */
+  bool track = !spec->untracked && ooo(q);
+  if (track && (rc = tdm__tracker_reserve(q))) return rc;
   tdm__event *gate_dep;
   size_t nall;
   size_t total = implicit_deps(q, spec, ndeps, &gate_dep, &nall);
@@ -327,7 +330,6 @@ int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
 
   cmd_fill(cmd, spec, quiet(q, spec, out || out_handle));
   cmd_add_deps(q, cmd, ndeps, deps, gate_dep, nall);
-  bool track = !spec->untracked;
   bool gate = spec->gate && ooo(q);
   int refs = 1 + (track ? 1 : 0) + (gate ? 1 : 0) + (out ? 1 : 0) + (out_handle ? 1 : 0);
   uint64_t handle = event_begin(q, ev, spec, refs, out_handle ? 1 : 0);
@@ -518,6 +520,39 @@ static void marker_finish(tdm__cmd *cmd, int nstatus, int native) {
   if (sync && !ooo(q)) q->chain_error = 0;
   if (!status && nstatus) status = nstatus;
   tdm__cmd_done(cmd, status, native);
+}
+
+/* A reaped command was put on the lazy list with no dependency, gate or host work, and its
+ * native work has completed without error (exec.c): while its queue has no failure to report
+ * and nothing is traced, finishing it comes down to completing its event with status 0, in a
+ * batch, and returning the command, all of them with one push. Anything else takes
+ * tdm__cmd_finish. The native handles go back first, as the executor's path does. */
+void tdm__cmd_finish_reaped(tdm__queue *q, tdm__cmd *list) {
+  tdm__batch b;
+  tdm__batch_begin(&b, q);
+  bool plain = !atomic_load(&q->first_error) && !q->chain_error &&
+               !atomic_load_explicit(&tdm__tracing, memory_order_relaxed);
+  tdm__cmd *first = NULL, *last = NULL;
+  for (tdm__cmd *c = list, *next; c; c = next) {
+    next = c->next;
+    if (!(c->flags & TDM__CMD_WAIT_BORROWED)) tdm__b_native_release(q->dev, c->wait);
+    c->wait = NULL;
+    if (!plain || c->ndeps || c->deps != c->inline_deps || b.n == TDM__BATCH_MAX) {
+      tdm__cmd_finish(c, 0, 0);
+      continue;
+    }
+    tdm__event *ev = c->ev;
+    ev->cause_op = NULL; /* read only for markers */
+    ev->status = 0;
+    ev->native = 0;
+    b.ev[b.n++] = ev;
+    c->ev = NULL;
+    c->next = first;
+    first = c;
+    if (!last) last = c;
+  }
+  if (first) tdm__freelist_put_list(&q->cmds, first, last);
+  tdm__batch_end(&b);
 }
 
 void tdm__cmd_finish(tdm__cmd *cmd, int nstatus, int native) {

@@ -1,6 +1,6 @@
 /* tracker.c: the order tracker. Per queue, the events of tandem's own recent submissions (on
- * an in-order queue only the last, which implies the rest) and foreign events handed in with
- * tdm_queue_track. Bounded: completed entries are pruned, and when it is still full every
+ * an out-of-order queue; an in-order queue's order implies them, and a marker stands for them
+ * where they must be named) and foreign events handed in with tdm_queue_track. Bounded: completed entries are pruned, and when it is still full every
  * entry collapses into one barrier. All functions run with q->submit_mu held. */
 #include <stdlib.h>
 
@@ -66,20 +66,8 @@ int tdm__tracker_reserve(tdm__queue *q) {
   return q->ntrk < q->trk_cap ? 0 : collapse(q);
 }
 
-/* On an in-order queue a new own event makes the previous own event redundant: it is
- * replaced. The caller's event reference is taken over by the tracker. */
-void tdm__tracker_add(tdm__queue *q, tdm__event *ev, bool own) {
-  if (own && !(q->flags & TDM_QUEUE_OUT_OF_ORDER)) {
-    for (size_t i = 0; i < q->ntrk; i++) {
-      if (q->trk[i]->q == q) {
-        tdm__event_unref(q->trk[i]);
-        q->trk[i] = q->trk[--q->ntrk];
-        break;
-      }
-    }
-  }
-  q->trk[q->ntrk++] = ev;
-}
+/* The caller's event reference is taken over by the tracker (after tdm__tracker_reserve). */
+void tdm__tracker_add(tdm__queue *q, tdm__event *ev) { q->trk[q->ntrk++] = ev; }
 
 /* ---- cross-queue copies and device-side waits waiting to be covered by this queue's order
  * ---- */
@@ -164,7 +152,7 @@ int tdm_queue_track(tdm_queue *qh, tdm_event *evh) {
   rc = tdm__tracker_reserve(q);
   if (!rc) {
     tdm__event_ref(ev);
-    tdm__tracker_add(q, ev, false);
+    tdm__tracker_add(q, ev);
   }
   pthread_mutex_unlock(&q->submit_mu);
   return rc;
@@ -180,18 +168,31 @@ int tdm_queue_dependencies(tdm_queue *qh, tdm_event **deps, size_t cap, size_t *
   pthread_mutex_lock(&q->submit_mu);
   tdm__tracker_prune(q);
   xwait_prune(q);
-  if (q->ntrk + q->nxwait > cap) {
+  /* An in-order queue with work of its own not yet complete: a marker names it. */
+  bool own = !(q->flags & TDM_QUEUE_OUT_OF_ORDER) &&
+             atomic_load(&q->n_done) < atomic_load(&q->n_submitted);
+  size_t need = q->ntrk + q->nxwait + (own ? 1 : 0);
+  tdm__event *marker = NULL;
+  if (need > cap) {
     if (cap == 0)
-      rc = tdm__error(TDM_EINVAL, 0, "cap is 0 but %zu events are needed", q->ntrk + q->nxwait);
+      rc = tdm__error(TDM_EINVAL, 0, "cap is 0 but %zu events are needed", need);
     else
-      rc = collapse(q); /* its barrier also takes the pending cross-queue copies */
+      rc = collapse(q); /* its barrier also takes the pending cross-queue copies, and on an
+                           in-order queue comes after its own work */
+    own = false;
+  }
+  if (!rc && own) {
+    tdm__spec s = {.kind = TDM__CMD_MARKER, .op = "dependencies", .untracked = true};
+    rc = tdm__submit_locked(q, &s, 0, NULL, &marker, NULL);
   }
   if (!rc) {
     size_t k = 0;
     for (size_t i = 0; i < q->ntrk; i++) deps[k++] = tdm__event_handout(q->trk[i]);
     for (size_t i = 0; i < q->nxwait; i++) deps[k++] = tdm__event_handout(q->xwait[i].ev);
+    if (marker) deps[k++] = tdm__event_handout(marker);
     *n = k;
   }
   pthread_mutex_unlock(&q->submit_mu);
+  if (marker) tdm__event_unref(marker);
   return rc;
 }
