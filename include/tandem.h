@@ -394,7 +394,7 @@ TDM_API TDM_NODISCARD int tdm_keep_alive(tdm_queue *q, void (*release)(void *obj
 /* ---- Order tracking --------------------------------------------------------------------- */
 
 /* Order tracker. Per queue, tandem keeps the events of its own recent submissions (on an
- * in-order queue, only the last one, which implies the others) and the events handed to it
+ * out-of-order queue; an in-order queue's order implies them) and the events handed to it
  * with tdm_queue_track(). Completed entries are pruned. The tracker is bounded
  * ($TANDEM_TRACKER_CAPACITY, default 64): when full, its entries collapse into one barrier
  * submitted to q that waits for all of them (so later work on q also waits for them).
@@ -407,9 +407,11 @@ TDM_API TDM_NODISCARD int tdm_keep_alive(tdm_queue *q, void (*release)(void *obj
  * tracker; tandem takes its own reference. */
 TDM_API TDM_NODISCARD int tdm_queue_track(tdm_queue *q, tdm_event *ev);
 /* The events a new external submission on q must wait on to follow everything tandem knows of
- * on q: the tracker's incomplete entries, at most `cap` of them, each a new reference the
- * caller releases; *n receives the count. If more than cap are needed they are first collapsed
- * into one barrier, which this call submits to q, so cap >= 1 always suffices. */
+ * on q: the tracker's incomplete entries, and on an in-order queue with work of tandem's own
+ * not yet complete, a marker this call submits to q; at most `cap` of them, each a new
+ * reference the caller releases; *n receives the count (0 when nothing is pending). If more
+ * than cap are needed they are first collapsed into one barrier, which this call submits to
+ * q, so cap >= 1 always suffices. */
 TDM_API TDM_NODISCARD int tdm_queue_dependencies(tdm_queue *q, tdm_event **deps, size_t cap,
                                                  size_t *n);
 

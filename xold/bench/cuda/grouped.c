@@ -1,0 +1,374 @@
+/* grouped.c: `bench-cuda grouped`: a decode-shaped MoE layer's routed experts computed by the
+ * grouped operation (tandem/moe_ops.h experts(): one table, two kernels) against the same
+ * experts through expert() one by one (five launches each), at Qwen3-30B-A3B's shapes (hidden
+ * 2048, expert FFN 768, bf16 weights), top-8, for ubatches of 1, 4 and 16 tokens.
+ *
+ * The experts come from a pool of POOL experts in one allocation (POOL x 9.4 MB, far larger
+ * than the L2 cache), and every call of a batch routes to other experts, so each call reads its
+ * weights from device memory, as a layer of a real model does.
+ *
+ * Figures per ubatch size:
+ *   host us per layer      submitting the layer's experts (the grouped call, or one expert()
+ *                          per routed expert)
+ *   device us per layer    CALLS layers queued behind a long copy, timed by CUDA events
+ *   weights GB/s           distinct experts' weight bytes / device time
+ *   of copy bandwidth      that against a device-to-device copy of the pool in the same run
+ *                          (which reads and writes every byte: 2 x bytes / time)
+ * Checked: grouped output for a few tokens against fp64 on the host (relative error of the
+ * row under 1e-3: the grouped kernels keep activations in f32).
+ */
+#include "bcuda.h"
+
+#include "measure.h"
+#include <tandem/moe_ops.h>
+
+#include <math.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define HID 2048
+#define FFN 768
+#define TOPK 8
+#define POOL 64   /* experts in device memory: 604 MB */
+#define CALLS 32  /* layers per timed batch, each routed to other experts */
+#define TMAX 16
+#define GATE_BYTES (256 * MIB)
+
+typedef struct gx {
+  bc_ctx *c;
+  int T;
+  const tdm_moe_ops *ops;
+  void *st;
+  tdm_queue *q;
+  cudaStream_t s;
+  uint16_t *pool;         /* device: POOL experts */
+  float *x, *out;         /* device: [TMAX x HID], [TMAX * TOPK x HID] */
+  int32_t *rs;            /* device: CALLS x (rows | slots), each TMAX * TOPK */
+  tdm_moe_group *groups;  /* device: CALLS x TMAX * TOPK entries */
+  void *ws;
+  size_t ws_bytes;
+  unsigned char *gate_src, *gate_dst;
+  /* host copies */
+  float *hx;
+  uint16_t *hw;           /* the first expert only (the check uses a call that routes to it) */
+  int32_t *hrs;
+  tdm_moe_group *hgroups;
+  int ng[CALLS];          /* entries per call */
+} gx;
+
+static size_t expert_elems(void) { return 3 * (size_t)HID * FFN; }
+
+/* Call i's routing: every token picks TOPK distinct experts of the pool; the tokens are grouped
+ * expert by expert (the order group() gives). Call 0 routes token 0 to expert 0 first. */
+static void route(gx *g, int i) {
+  int T = g->T, n = T * TOPK, count[POOL] = {0}, first[POOL], idx[TMAX * TOPK];
+  for (int t = 0; t < T; t++)
+    for (int j = 0; j < TOPK; j++) {
+      int e;
+      bool dup;
+      do {
+        e = (i == 0 && t == 0 && j == 0) ? 0 : (int)(bc_next_seed(g->c) % POOL);
+        dup = false;
+        for (int jj = 0; jj < j; jj++)
+          dup |= idx[t * TOPK + jj] == e;
+      } while (dup);
+      idx[t * TOPK + j] = e;
+      count[e]++;
+    }
+  int32_t *rows = g->hrs + (size_t)i * 2 * TMAX * TOPK, *slots = rows + TMAX * TOPK;
+  tdm_moe_group *grp = g->hgroups + (size_t)i * TMAX * TOPK;
+  int at = 0, ng = 0;
+  for (int e = 0; e < POOL; e++) {
+    first[e] = at;
+    if (count[e])
+      grp[ng++] = (tdm_moe_group){.w = (int64_t)e * (int64_t)expert_elems(), .first = at,
+                                  .count = count[e]};
+    at += count[e];
+  }
+  for (int k = 0; k < n; k++) {
+    int e = idx[k];
+    rows[first[e]] = k / TOPK;
+    slots[first[e]] = k;
+    first[e]++;
+  }
+  g->ng[i] = ng;
+}
+
+static int grouped_call(gx *g, int i) {
+  const int32_t *rows = g->rs + (size_t)i * 2 * TMAX * TOPK, *slots = rows + TMAX * TOPK;
+  return TDM_CALL(g->ops->experts(g->st, g->q, g->x, rows, slots, g->T * TOPK, g->pool,
+                                  g->groups + (size_t)i * TMAX * TOPK, g->ng[i], HID, FFN, g->out,
+                                  g->ws, g->ws_bytes));
+}
+
+static int single_calls(gx *g, int i) {
+  const int32_t *rows = g->rs + (size_t)i * 2 * TMAX * TOPK, *slots = rows + TMAX * TOPK;
+  const tdm_moe_group *grp = g->hgroups + (size_t)i * TMAX * TOPK;
+  for (int k = 0; k < g->ng[i]; k++)
+    if (TDM_CALL(g->ops->expert(g->st, g->q, g->x, rows + grp[k].first, slots + grp[k].first,
+                                grp[k].count, g->pool + grp[k].w, HID, FFN, g->out, g->ws,
+                                g->ws_bytes)) < 0)
+      return -1;
+  return 0;
+}
+
+/* CALLS layers: host seconds to submit them, and (device) CUDA-event seconds when the batch
+ * was queued behind a long copy so that the device never waits for the host. */
+static int batch(gx *g, bool grouped, bool timed_device, double *host_s, double *dev_s) {
+  int rc = -1;
+  cudaEvent_t a = NULL, b = NULL;
+  if (timed_device) {
+    CK_CUDA(cudaEventCreate(&a));
+    CK_CUDA(cudaEventCreate(&b));
+    CK_TDM(tdm_memcpy(g->q, g->gate_dst, g->gate_src, GATE_BYTES, TDM_COPY_H2D, 0, NULL, NULL));
+    CK_CUDA(cudaEventRecord(a, g->s));
+  }
+  double t0 = bu_seconds();
+  for (int i = 0; i < CALLS; i++)
+    if ((grouped ? grouped_call(g, i) : single_calls(g, i)) < 0)
+      goto out;
+  *host_s = bu_seconds() - t0;
+  if (timed_device)
+    CK_CUDA(cudaEventRecord(b, g->s));
+  CK_TDM(tdm_queue_sync(g->q));
+  if (timed_device) {
+    float ms;
+    CK_CUDA(cudaEventElapsedTime(&ms, a, b));
+    *dev_s = ms * 1e-3;
+  }
+  rc = 0;
+out:
+  if (a)
+    CUDA_CALL(cudaEventDestroy(a));
+  if (b)
+    CUDA_CALL(cudaEventDestroy(b));
+  return rc;
+}
+
+/* Medians over reps: host and device microseconds per layer. */
+static int measure(gx *g, bool grouped, double *host_us, double *dev_us) {
+  long reps = g->c->opt->reps;
+  double *h = calloc((size_t)reps, sizeof *h), *d = calloc((size_t)reps, sizeof *d), x, y;
+  int rc = -1;
+  CK(h && d, "out of host memory");
+  if (batch(g, grouped, false, &x, &y) < 0)
+    goto out;
+  for (long r = 0; r < reps; r++)
+    if (batch(g, grouped, false, &h[r], &y) < 0 || batch(g, grouped, true, &x, &d[r]) < 0)
+      goto out;
+  *host_us = bu_median(h, (size_t)reps) / CALLS * 1e6;
+  *dev_us = bu_median(d, (size_t)reps) / CALLS * 1e6;
+  rc = 0;
+out:
+  free(h);
+  free(d);
+  return rc;
+}
+
+/* Device-to-device copy bandwidth over the pool (reads and writes every byte), GB/s. */
+static int copy_bandwidth(gx *g, double *gbs) {
+  int rc = -1;
+  size_t bytes = (size_t)POOL / 2 * expert_elems() * sizeof(uint16_t);
+  const char *src = bc_native(g->pool);
+  cudaEvent_t a = NULL, b = NULL;
+  CK(src, "no native pointer for the pool");
+  CK_CUDA(cudaEventCreate(&a));
+  CK_CUDA(cudaEventCreate(&b));
+  double best = 0;
+  for (long r = 0; r <= g->c->opt->reps; r++) {
+    CK_CUDA(cudaEventRecord(a, g->s));
+    CK_CUDA(cudaMemcpyAsync((void *)(src + bytes), src, bytes, cudaMemcpyDeviceToDevice, g->s));
+    CK_CUDA(cudaEventRecord(b, g->s));
+    CK_CUDA(cudaEventSynchronize(b));
+    float ms;
+    CK_CUDA(cudaEventElapsedTime(&ms, a, b));
+    double v = 2.0 * bytes / (ms * 1e-3) / 1e9;
+    if (r > 0 && v > best)
+      best = v;
+  }
+  *gbs = best;
+  rc = 0;
+out:
+  if (a)
+    CUDA_CALL(cudaEventDestroy(a));
+  if (b)
+    CUDA_CALL(cudaEventDestroy(b));
+  return rc;
+}
+
+/* Call 0's first entry is expert 0 with token 0 first: its output row against fp64. */
+static int check(gx *g) {
+  int rc = -1;
+  float got[HID];
+  double *h = malloc(FFN * sizeof *h);
+  CK(h, "out of host memory");
+  const tdm_moe_group *grp = g->hgroups;
+  CK(grp[0].w == 0 && g->hrs[0] == 0, "call 0 does not start with expert 0, token 0");
+  int32_t slot = g->hrs[TMAX * TOPK];
+  if (grouped_call(g, 0) < 0)
+    goto out;
+  CK_TDM(tdm_memcpy(g->q, got, g->out + (size_t)slot * HID, sizeof got, TDM_COPY_D2H, 0, NULL,
+                    NULL));
+  CK_TDM(tdm_queue_sync(g->q));
+  const uint16_t *wg = g->hw, *wu = wg + (size_t)FFN * HID, *wd = wu + (size_t)FFN * HID;
+  for (int i = 0; i < FFN; i++) {
+    double a = 0, b = 0;
+    for (int c = 0; c < HID; c++) {
+      a += (double)g->hx[c] * bc_bf16_to_double(wg[(size_t)i * HID + c]);
+      b += (double)g->hx[c] * bc_bf16_to_double(wu[(size_t)i * HID + c]);
+    }
+    h[i] = a / (1.0 + exp(-a)) * b;
+  }
+  double num = 0, den = 0;
+  for (int c = 0; c < HID; c++) {
+    double s = 0;
+    for (int i = 0; i < FFN; i++)
+      s += h[i] * bc_bf16_to_double(wd[(size_t)c * FFN + i]);
+    num += (got[c] - s) * (got[c] - s);
+    den += s * s;
+  }
+  double rel = sqrt(num / (den > 0 ? den : 1));
+  CK(rel < 1e-3 && den > 0, "check failed: grouped experts, T %d: relative error %.3g", g->T, rel);
+  rc = 0;
+out:
+  free(h);
+  return rc;
+}
+
+/* Every expert of the pool holds the same random weights (hw, kept on the host for the
+ * check): which expert a call reads changes where its bytes come from, not their values. */
+static int setup(gx *g) {
+  int rc = -1;
+  bc_ctx *c = g->c;
+  tdm_device *dev = c->dev;
+  size_t en = expert_elems(), rsn = (size_t)CALLS * 2 * TMAX * TOPK,
+         gn = (size_t)CALLS * TMAX * TOPK;
+  CK(g->ops = tdm_moe_ops_for(dev), "no MoE operations for %s", c->info.id);
+  CK(g->ops->experts, "the %s table has no grouped operation", c->info.id);
+  CK_TDM(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &g->q));
+  CK_TDM(g->ops->open(g->q, &g->st));
+  void *native;
+  CK_TDM(tdm_queue_native(g->q, &native));
+  g->s = (cudaStream_t)native;
+  g->ws_bytes = tdm_moe_ops_workspace(TMAX * TOPK, HID, FFN);
+  CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, POOL * en * sizeof(uint16_t), (void **)&g->pool));
+  CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, TMAX * HID * sizeof(float), (void **)&g->x));
+  CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, TMAX * TOPK * HID * sizeof(float), (void **)&g->out));
+  CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, rsn * sizeof(int32_t), (void **)&g->rs));
+  CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, gn * sizeof(tdm_moe_group), (void **)&g->groups));
+  CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, g->ws_bytes, &g->ws));
+  CK_TDM(tdm_malloc(dev, TDM_MEM_PINNED, GATE_BYTES, (void **)&g->gate_src));
+  CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, GATE_BYTES, (void **)&g->gate_dst));
+  bc_fill_random(g->gate_src, GATE_BYTES, bc_next_seed(c));
+  g->hx = malloc(TMAX * HID * sizeof *g->hx);
+  g->hw = malloc(en * sizeof *g->hw);
+  g->hrs = calloc(rsn, sizeof *g->hrs);
+  g->hgroups = calloc(gn, sizeof *g->hgroups);
+  CK(g->hx && g->hw && g->hrs && g->hgroups, "out of host memory");
+  for (size_t i = 0; i < (size_t)TMAX * HID; i++)
+    g->hx[i] = (float)((double)(bc_next_seed(c) >> 11) * 0x1.0p-52 - 1.0);
+  /* Weights of magnitude ~1/sqrt(K), so the layer's values stay of order one. */
+  bc_fill_bf16(g->hw, en, bc_next_seed(c));
+  for (size_t i = 0; i < en; i++) {
+    double s = i < 2 * (size_t)HID * FFN ? 8.0 / sqrt(HID) : 8.0 / sqrt(FFN);
+    g->hw[i] = tdm_moe_f32_to_bf16((float)(bc_bf16_to_double(g->hw[i]) * s / 2));
+  }
+  for (int e = 0; e < POOL; e++)
+    if (bc_upload(g->c, g->q, g->pool + (size_t)e * en, g->hw, en * sizeof *g->hw) < 0)
+      goto out;
+  for (int i = 0; i < CALLS; i++)
+    route(g, i);
+  if (bc_upload(g->c, g->q, g->x, g->hx, TMAX * HID * sizeof *g->hx) < 0 ||
+      bc_upload(g->c, g->q, g->rs, g->hrs, rsn * sizeof *g->hrs) < 0 ||
+      bc_upload(g->c, g->q, g->groups, g->hgroups, gn * sizeof *g->hgroups) < 0)
+    goto out;
+  rc = 0;
+out:
+  return rc;
+}
+
+static void teardown(gx *g) {
+  if (g->st)
+    g->ops->close(g->st);
+  void *mem[] = {g->pool, g->x, g->out, g->rs, g->groups, g->ws, g->gate_src, g->gate_dst};
+  for (size_t i = 0; i < sizeof mem / sizeof *mem; i++)
+    if (mem[i])
+      TDM_CALL(tdm_free(mem[i]));
+  if (g->q)
+    TDM_CALL(tdm_queue_destroy(g->q));
+  free(g->hx);
+  free(g->hw);
+  free(g->hrs);
+  free(g->hgroups);
+}
+
+static int run_T(bc_ctx *c, int T, double copy_gbs, bu_json *json) {
+  gx g = {.c = c, .T = T};
+  double gh, gd, sh, sd;
+  int rc = -1;
+  if (setup(&g) < 0 || check(&g) < 0 || measure(&g, true, &gh, &gd) < 0 ||
+      measure(&g, false, &sh, &sd) < 0)
+    goto out;
+  long experts = 0;
+  for (int i = 0; i < CALLS; i++)
+    experts += g.ng[i];
+  double per_layer = (double)experts / CALLS;
+  double bytes = per_layer * expert_elems() * sizeof(uint16_t);
+  double g_gbs = bytes / (gd * 1e-6) / 1e9, s_gbs = bytes / (sd * 1e-6) / 1e9;
+  printf("  %2d tokens (%.1f experts a layer): grouped %7.1f us host %7.1f us device "
+         "(%6.0f GB/s, %.2f of copy); one by one %7.1f us host %7.1f us device (%6.0f GB/s)\n",
+         T, per_layer, gh, gd, g_gbs, g_gbs / copy_gbs, sh, sd, s_gbs);
+  bu_json_object(json, NULL);
+  bu_json_int(json, "tokens", T);
+  bu_json_double(json, "experts_per_layer", per_layer, 2);
+  bu_json_double(json, "grouped_host_us", gh, 3);
+  bu_json_double(json, "grouped_device_us", gd, 3);
+  bu_json_double(json, "grouped_weights_gbs", g_gbs, 1);
+  bu_json_double(json, "grouped_of_copy_bandwidth", g_gbs / copy_gbs, 3);
+  bu_json_double(json, "single_host_us", sh, 3);
+  bu_json_double(json, "single_device_us", sd, 3);
+  bu_json_double(json, "single_weights_gbs", s_gbs, 1);
+  bu_json_double(json, "host_ratio_single_over_grouped", sh / gh, 3);
+  bu_json_double(json, "device_ratio_single_over_grouped", sd / gd, 3);
+  bu_json_end(json);
+  fflush(stdout);
+  rc = 0;
+out:
+  teardown(&g);
+  return rc;
+}
+
+int bench_grouped(bc_ctx *c, bu_json *json) {
+  static const int Ts[] = {1, 4, TMAX};
+  int rc = -1;
+  double copy_gbs = 0;
+  printf("\ngrouped: a decode layer's routed experts (hidden %d, FFN %d, top-%d, bf16), grouped "
+         "against one by one, median of %ld reps x %d layers\n", HID, FFN, TOPK, c->opt->reps,
+         CALLS);
+  {
+    gx g = {.c = c, .T = 1};
+    int ok = setup(&g) == 0 && copy_bandwidth(&g, &copy_gbs) == 0;
+    teardown(&g);
+    if (!ok)
+      return -1;
+  }
+  printf("  device-to-device copy: %.0f GB/s (reads + writes)\n", copy_gbs);
+  bu_json_object(json, NULL);
+  bu_json_int(json, "hidden", HID);
+  bu_json_int(json, "ffn", FFN);
+  bu_json_int(json, "topk", TOPK);
+  bu_json_int(json, "pool_experts", POOL);
+  bu_json_int(json, "layers_per_batch", CALLS);
+  bu_json_int(json, "reps", c->opt->reps);
+  bu_json_double(json, "copy_gbs", copy_gbs, 1);
+  bu_json_array(json, "results");
+  for (size_t i = 0; i < sizeof Ts / sizeof *Ts; i++)
+    if (run_T(c, Ts[i], copy_gbs, json) < 0)
+      goto out;
+  rc = 0;
+out:
+  bu_json_end(json);
+  bu_json_end(json);
+  return rc;
+}

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The session's final tree on the H200: the moe and tool tests on cuda:0, then decode as
+# scripts/gpu-moe runs it (128 tokens, uniform router) with every expert resident (three
+# processes), and at 50% and budget 0 with placement auto. Writes $OUT/results.tar.gz.
+export PATH=$PATH:/usr/local/cuda/bin
+T0=$SECONDS
+mkdir -p $OUT/r
+cmake -S . -B /tmp/b -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 > $OUT/r/cmake.log 2>&1
+cmake --build /tmp/b -j 16 > $OUT/r/build.log 2>&1 || { tail -20 $OUT/r/build.log; exit 1; }
+echo "built at $((SECONDS-T0)) s"
+(cd /tmp/b && timeout 150 ctest -L '^cuda$' -R 'moe|tool' -j 4 > $OUT/r/ctest.log 2>&1;
+ grep -E "tests passed|tests failed|\*\*\*Failed" $OUT/r/ctest.log)
+moe() { # name, then tandem moe options
+  local name=$1; shift
+  timeout 60 /tmp/b/tools/tandem moe --preset qwen3-30b-a3b --device cuda:0 --layers 8 \
+    --tokens 16 --decode 128 --skew 0 --locality 0 --cache-policy lru "$@" > $OUT/r/$name.txt 2>&1
+  echo "$name: $(grep -E "decode  |check" $OUT/r/$name.txt | sed 's/^ *//' | paste -sd' ') [$((SECONDS-T0)) s]"
+}
+moe resident-1 --device-budget 100%
+moe b50 --device-budget 50% --predict --placement auto
+moe resident-2 --device-budget 100%
+moe b0 --device-budget 0 --predict --placement auto
+moe resident-3 --device-budget 100%
+tar -C $OUT -czf $OUT/results.tar.gz r && rm -rf $OUT/r
+echo "done at $((SECONDS-T0)) s"

@@ -1,0 +1,170 @@
+/* tandem/moe_ops.h: the compute operations of tandem's MoE library (libtandem_moe), one table
+ * per backend: RMSNorm, the router's softmax top-k, one SwiGLU expert on gathered tokens, a
+ * group of experts in one submission (with the routing grouped on the device), and the
+ * weighted combine. The forward pass of tandem/moe.h is made of them; a program that runs
+ * its own MoE layers on tandem queues can call them too (the benchmarks and tests do).
+ *
+ * Each operation is submitted to a tandem queue in stream order (never blocking the caller)
+ * and takes tandem pointers (device memory of the queue's device, unless said otherwise).
+ *
+ * Data: activations are f32 [T x H] row-major; expert weights are bf16 (uint16_t holding the
+ * top half of an f32) laid out per expert as [Wg (I x H) | Wu (I x H) | Wd (H x I)], each
+ * row-major, so gate = x Wg^T, up = x Wu^T, out = (silu(gate) * up) Wd^T. Router weights are
+ * bf16 [E x H]. Reductions are deterministic: no atomics; every sum has a fixed order, so a
+ * run is bitwise repeatable on one backend.
+ *
+ * Every entry returns 0 or a negative TDM_E* code, with tdm_last_error() set. Scratch memory
+ * an op needs comes from tdm_moe_ops_workspace(). */
+#ifndef TANDEM_MOE_OPS_H
+#define TANDEM_MOE_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../tandem.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef uint16_t tdm_moe_bf16;
+
+/* bf16 <-> f32 on the host (round to nearest even; NaN stays NaN). */
+static inline float tdm_moe_bf16_to_f32(tdm_moe_bf16 h) {
+  union { uint32_t u; float f; } v;
+  v.u = (uint32_t)h << 16;
+  return v.f;
+}
+static inline tdm_moe_bf16 tdm_moe_f32_to_bf16(float f) {
+  union { float f; uint32_t u; } v;
+  v.f = f;
+  if ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x7fffffu))
+    return (tdm_moe_bf16)((v.u >> 16) | 0x40);
+  return (tdm_moe_bf16)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* One entry of a group of experts (experts() below), in device memory. */
+typedef struct tdm_moe_group {
+  int64_t w;     /* the expert's weights: wbase + w, in bf16 elements (a multiple of 8 lets
+                    GPUs load them 16 bytes at a time) */
+  int32_t first; /* its tokens: rows[first + i] and slot[first + i] for i < count */
+  int32_t count; /* 0: nothing to compute (the entry is skipped; w and first are not read) */
+} tdm_moe_group;
+
+typedef struct tdm_moe_ops {
+  const char *name; /* "cpu", "cuda", "opencl" */
+
+  /* Per-queue state (BLAS handles bound to the queue's native stream, ...), for one in-order
+   * queue of the table's device; every op is given that queue. close() waits for the queue's
+   * work: call it before destroying the queue, never from a host task on it. */
+  int (*open)(tdm_queue *q, void **state);
+  void (*close)(void *state);
+
+  /* y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, for t < T. w: f32 [H]. */
+  int (*rmsnorm)(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T, int H,
+                 float eps);
+
+  /* Router: logits = x Wr^T + bias (f32 [T x E]; bias f32 [E], device memory, or NULL for
+   * none); p = softmax(logits); the k largest p per token (ties: the lower expert index
+   * first), in descending order, into idx [T x k] (int32) and weights [T x k] (f32) = p / sum
+   * of the k chosen p when renorm, else p. */
+  int (*router)(void *st, tdm_queue *q, const float *x, const tdm_moe_bf16 *wr, const float *bias,
+                int T, int H, int E, int k, int renorm, int32_t *idx, float *weights);
+
+  /* One expert on n gathered tokens: rows[i] (int32, device memory) are token indices into x
+   * [T x H]; w the expert's weights (device memory, bf16, layout above); writes
+   * out[slot[i]] = SwiGLU expert output (f32 [H]) for each i, where slot[i] (int32, device) is
+   * the token's position in the [T*k x H] result buffer. Intermediates live in the workspace
+   * (tdm_moe_ops_workspace(n, H, I) bytes at least). */
+  int (*expert)(void *st, tdm_queue *q, const float *x, const int32_t *rows, const int32_t *slot,
+                int n, const tdm_moe_bf16 *w, int H, int I, float *out, void *workspace,
+                size_t workspace_bytes);
+
+  /* A group of experts in one submission, so that the host's cost per layer does not grow
+   * with the number of routed experts: for each of the G entries of groups (device memory),
+   * the expert whose weights start at wbase + groups[g].w (the layout above) on the tokens
+   * rows[first + i], writing out[slot[first + i]] for i < count, as expert() does. rows and
+   * slot have n entries (device memory); entries must not name the same slot twice.
+   * - Every expert's weights lie in the tandem allocation that holds wbase (the streamer's
+   *   slots are one allocation), so one table serves resident and streamed experts alike.
+   * - An expert's output depends only on its weights and its own tokens, never on the other
+   *   entries or G: splitting a layer's experts into groups differently (as they land, say)
+   *   gives the same bits.
+   * - The table and the token lists are device data, written by earlier commands (group()
+   *   below, or a copy), checked when they run. An entry whose range leaves [0, n) (first <
+   *   0, count < 0 or first + count > n) or whose weights [wbase + w, wbase + w + 3HI) leave
+   *   wbase's allocation is bad, and so is a token whose row lies outside x's allocation or
+   *   whose slot lies outside out's (rows and slots are counted from x and out to the end
+   *   of their allocations, as expert() does). On a GPU a bad entry is skipped whole and a
+   *   bad token alone (its slot is not written; the entry's other tokens are computed). The
+   *   CPU table, which runs on the host, fails the command with TDM_ERANGE instead, before
+   *   writing anything (reported by the queue's next sync), as its expert() does.
+   * - G == 0 or n == 0: nothing to do (0, and the table is not read).
+   * - Made for few tokens per expert (decode, small batches): the kernels read each expert's
+   *   weights once per few tokens, at the memory's bandwidth; for many tokens per expert
+   *   expert() (a GEMM per expert) is faster. Backends may compute in more precision than
+   *   expert(): the two agree within the tolerance of the fp64 reference, not bitwise.
+   * Workspace: tdm_moe_ops_workspace(n, H, I) bytes at least. */
+  int (*experts)(void *st, tdm_queue *q, const float *x, const int32_t *rows, const int32_t *slot,
+                 int n, const tdm_moe_bf16 *wbase, const tdm_moe_group *groups, int G, int H,
+                 int I, float *out, void *workspace, size_t workspace_bytes);
+
+  /* The routing grouped on the device, so that it never comes back to the host: from idx
+   * [T x k] (router()'s output) and wofs [E] (each expert's weights, as experts() takes
+   * them), writes rows and slot [T*k], expert by expert in ascending expert order with each
+   * expert's tokens ascending (token t's j-th choice has slot t*k + j), and groups
+   * [min(E, T*k)]: one entry per routed expert (an expert with at least one token), in
+   * ascending expert order, then entries of count 0. All device memory. An expert's entries
+   * are in ascending t*k + j, so a token that names one expert twice has both, j ascending.
+   * An index outside [0, E) is dropped: it is in neither rows nor slot, so experts() on this
+   * output never writes its slot. What rows and slot hold past the routed entries, and the w
+   * and first of the count-0 entries, is unspecified. T * k must fit in int32 (slots are
+   * int32); T == 0: nothing to do. */
+  int (*group)(void *st, tdm_queue *q, const int32_t *idx, int T, int k, int E,
+               const int64_t *wofs, int32_t *rows, int32_t *slot, tdm_moe_group *groups);
+
+  /* Deterministic combine: y[t] += sum_{j<k} weights[t*k+j] * out[t*k+j], j ascending. */
+  int (*combine)(void *st, tdm_queue *q, float *y, const float *out, const float *weights, int T,
+                 int H, int k);
+
+  /* Optional (NULL where a backend has none; the CUDA table has them): the ops called on the
+   * state between graph_begin() and graph_end() are recorded, not run, into a graph that
+   * graph_launch() then runs on the queue, in stream order, as one submission, as often as
+   * wanted, with the same arguments (pointers included: a graph reads and writes the buffers
+   * it was recorded with, their contents as they are when it runs). Recording uses a stream of
+   * the state's own, so the queue and everything tandem does on it go on as usual meanwhile
+   * (copies, syncs, from any thread); the state's ops are recorded, not run, until
+   * graph_end(), and are called from one thread at a time as always. An op that fails while
+   * recording fails the recording: graph_end() then returns that error and no graph (the
+   * caller drops the recording with graph_end() either way). Misuse (begin twice, end without
+   * begin) is TDM_ESTATE. A graph belongs to its state: graph_free() it before close(). */
+  int (*graph_begin)(void *st, tdm_queue *q);
+  int (*graph_end)(void *st, tdm_queue *q, void **graph);
+  int (*graph_launch)(void *st, tdm_queue *q, void *graph);
+  void (*graph_free)(void *st, void *graph);
+
+  /* Optional (NULL: the caller copies with tdm_memcpy; the CUDA table has it): n bytes from
+   * src, host memory the device reads in place (tandem's pinned memory), to dst (device
+   * memory), in stream order, by the device's cores rather than its copy engines. A copy
+   * engine's transfer of a few bytes waits behind the large copies other queues have on the
+   * link (a decode layer's token lists, tables and host rows, behind expert copies of
+   * megabytes: 140-275 us a layer on an H200); the cores' reads do not. For small copies: the
+   * cores read over the link at a fraction of a copy engine's rate. Memory the device cannot
+   * read in place is copied as tdm_memcpy would. n == 0: nothing. */
+  int (*upload)(void *st, tdm_queue *q, void *dst, const void *src, size_t n);
+} tdm_moe_ops;
+
+/* The table for the device's backend, or NULL (with tdm_last_error() set) when this build of
+ * the library has none for it. Static storage. */
+TDM_API const tdm_moe_ops *tdm_moe_ops_for(tdm_device *dev);
+
+/* Workspace bytes expert() needs for up to n tokens, and experts() for n rows in all (the
+ * same on every backend); 0 when an argument is not positive or the size does not fit in
+ * size_t. */
+TDM_API size_t tdm_moe_ops_workspace(int n, int H, int I);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

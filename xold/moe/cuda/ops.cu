@@ -1,0 +1,1278 @@
+/* cuda/ops.cu: the CUDA backend's MoE operations (tdm_moe__cuda_ops, a table of
+ * tandem/moe_ops.h).
+ *
+ * Everything runs on the queue's native stream (tdm_queue_native), so it is ordered with the
+ * queue's tandem commands and covered by tdm_event_record / tdm_queue_sync. rmsnorm, the
+ * router, SwiGLU, gather/scatter and combine are kernels here; the expert GEMMs are cuBLASLt
+ * (cuBLAS where cuBLASLt has no algorithm for a shape), on that stream.
+ *
+ * Determinism: no kernel here uses atomics; every sum has a fixed order that does not depend
+ * on timing or on how tokens are grouped into blocks. The expert GEMMs go through cuBLASLt with
+ * one plan per shape (descriptors and the algorithm its heuristic picks, made at a shape's
+ * first use and kept): the same shape always runs the same algorithm, with the same workspace,
+ * so its result is bitwise repeatable for one toolkit and one GPU model (architecture and SM
+ * count). A plan's key holds the operands' pointer alignment, so a slot that is less aligned
+ * gets a plan of its own rather than an algorithm that needs more. A plan costs the submitting
+ * thread a hash lookup and one cublasLtMatmul; cublasGemmEx sets up descriptors and looks up
+ * its heuristic cache at every call (`bench-cuda expert` shows the difference). A shape the
+ * heuristic has no algorithm for falls back to cublasGemmEx, always, which is just as
+ * repeatable: open() binds that handle to one stream, gives it the same workspace
+ * (cublasSetWorkspace, so cuBLAS never picks a per-stream pool), keeps the default math mode
+ * and disallows atomics.
+ *
+ * Errors: 0 or a negative TDM_E* code with tandem's message set (tdm_set_error): TDM_EINVAL
+ * for arguments; a failing CUDA or cuBLAS call gives TDM_EBACKEND (TDM_ENOMEM when it ran out
+ * of memory) with its status as the native error, and is also kept in the state (failed,
+ * native) for a debugger. Only tandem's public API and its CUDA interop (tandem/cuda.h) are
+ * used: the stream and the device ordinal come from tdm_queue_native and tdm_device_native. */
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" {
+#include "ops.h" /* moe/ops.h */
+#include "tandem/cuda.h"
+}
+
+#define MOE_THREADS 256 /* threads per block for every kernel here (a power of two) */
+#define MOE_WARPS (MOE_THREADS / 32)
+#define ROUTER_TOKENS 8   /* tokens per router block: each weight row read serves them all */
+#define ROUTER_SMEM 49152 /* the router's dynamic shared memory, at most (no opt-in) */
+#define ROUTER_SPLIT_E 4096 /* small ubatches: experts the logits scratch holds */
+#define BLAS_WS_BYTES (32u << 20) /* cuBLAS's recommended workspace on Hopper */
+#define WS_ALIGN 256
+
+/* ---- programmatic dependent launch ----
+ * The kernels of a small ubatch's layer (rmsnorm, the small-ubatch router, group, the grouped
+ * experts, combine) are short, and between two of them the GPU drains one grid before it
+ * launches the next. On Hopper and later they are launched as programmatic dependents
+ * (launch_pdl): the next grid may be scheduled while the one before finishes, and each of
+ * these kernels begins with wait_prior_grid(), which returns once the grid before it has
+ * completed and its writes are visible; so what a kernel reads and writes is ordered exactly
+ * as without it, and only the launch overlaps. Work that is not such a kernel (a copy, an
+ * event, a cuBLAS GEMM) is ordered as always. TANDEM_MOE_CUDA_PDL=0 turns it off (read at
+ * open()), to measure it. */
+static __device__ __forceinline__ void wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+/* Hash buckets of the GEMM plan cache (a power of two). The cache holds one plan per shape
+ * the state has run: two GEMMs per expert width, times the token counts seen (at most the
+ * largest ubatch): a few thousand small plans at most; close() frees them. */
+#define PLAN_BUCKETS 1024
+
+/* C = A W^T for one shape (see gemm_rows): cuBLASLt's descriptors and algorithm. */
+typedef struct gemm_plan {
+  struct gemm_plan *next; /* in its bucket */
+  int N, K, n, ldb;
+  unsigned align;         /* the alignments of W, A and C (log2, 4 bits each) */
+  bool lt;                /* false: the heuristic had nothing; cublasGemmEx runs this shape */
+  cublasLtMatmulDesc_t op;
+  cublasLtMatrixLayout_t a, b, c;
+  cublasLtMatmulAlgo_t algo;
+} gemm_plan;
+
+typedef struct moe_cuda {
+  tdm_queue *q;        /* the queue open() bound the state to */
+  cudaStream_t s;      /* where ops launch: the queue's stream, or cap while recording */
+  cudaStream_t qs;     /* the queue's native stream */
+  cudaStream_t cap;    /* graph recording: a stream of the state's own, made at first use */
+  bool recording;      /* between graph_begin and graph_end */
+  int rec_failed;      /* a CUDA or cuBLAS failure while recording: its code (graph_end's) */
+  int dev;             /* its device ordinal */
+  cublasHandle_t blas; /* bound to s, with ws as its workspace */
+  cublasLtHandle_t lt; /* the plans' handle; its calls name s and ws themselves */
+  void *ws;            /* cuBLAS's workspace: cudaMalloc'd (256-byte aligned, as it requires) */
+  float *logits;       /* the small-ubatch router's logits: ROUTER_TOKENS x ROUTER_SPLIT_E */
+  int gx_shape;        /* experts()'s kernels: GX_SHAPE_NARROW unless forced at open() */
+  bool pdl;            /* launch_pdl() launches as programmatic dependents (open() decides) */
+  pthread_mutex_t plan_mu;            /* the plan cache: ops from several threads are allowed */
+  gemm_plan *plans[PLAN_BUCKETS];
+  const char *failed;  /* the last CUDA or cuBLAS call that failed */
+  int native;          /* and its status */
+} moe_cuda;
+
+/* Launches kernel k (one that begins with wait_prior_grid()) on the state's stream, as a
+ * programmatic dependent of the work before it when m->pdl. Returns the launch's status. */
+template <typename... P, typename... A>
+static cudaError_t launch_pdl(const moe_cuda *m, void (*k)(P...), dim3 grid, dim3 block,
+                              size_t smem, A... args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = m->s;
+  cfg.attrs = &attr;
+  cfg.numAttrs = m->pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, k, args...);
+}
+
+/* ---- errors and the current device ---- */
+
+static int cuda_fail(moe_cuda *m, cudaError_t e, const char *what) {
+  m->failed = what;
+  m->native = (int)e;
+  int rc = tdm_set_error(e == cudaErrorMemoryAllocation ? TDM_ENOMEM : TDM_EBACKEND, (int)e,
+                         "moe cuda: %s failed: %s", what, cudaGetErrorString(e));
+  if (m->recording && !m->rec_failed) m->rec_failed = rc;
+  return rc;
+}
+
+static int blas_fail(moe_cuda *m, cublasStatus_t st, const char *what) {
+  m->failed = what;
+  m->native = (int)st;
+  int rc = tdm_set_error(st == CUBLAS_STATUS_ALLOC_FAILED ? TDM_ENOMEM : TDM_EBACKEND, (int)st,
+                         "moe cuda: %s failed with cuBLAS status %d", what, (int)st);
+  if (m->recording && !m->rec_failed) m->rec_failed = rc;
+  return rc;
+}
+
+static int bad_args(const char *op) {
+  return tdm_set_error(TDM_EINVAL, 0, "moe %s: bad arguments (NULL pointer, size out of range, "
+                       "or a state opened on another queue)", op);
+}
+
+#define CK_CUDA(call)                                      \
+  do {                                                     \
+    cudaError_t e_ = (call);                               \
+    if (e_ != cudaSuccess) return cuda_fail(m, e_, #call); \
+  } while (0)
+
+#define CK_BLAS(call)                                                \
+  do {                                                               \
+    cublasStatus_t s_ = (call);                                      \
+    if (s_ != CUBLAS_STATUS_SUCCESS) return blas_fail(m, s_, #call); \
+  } while (0)
+
+/* Makes m->dev current, saving the caller's device; leave() restores it. */
+static int enter(moe_cuda *m, int *saved) {
+  cudaError_t e = cudaGetDevice(saved);
+  if (e != cudaSuccess) return cuda_fail(m, e, "cudaGetDevice");
+  if (*saved == m->dev) return 0;
+  e = cudaSetDevice(m->dev);
+  return e == cudaSuccess ? 0 : cuda_fail(m, e, "cudaSetDevice");
+}
+
+static void leave(moe_cuda *m, int saved) {
+  if (saved != m->dev) cudaSetDevice(saved);
+}
+
+/* Every op checks that it runs on the queue its state was opened for: the cuBLAS handle is
+ * bound to that queue's stream. */
+static int check_queue(moe_cuda *m, tdm_queue *q) { return m && q == m->q ? 0 : -1; }
+
+/* ---- device helpers ---- */
+
+static __device__ __forceinline__ float bf16_to_f32(uint16_t h) {
+  return __uint_as_float((uint32_t)h << 16);
+}
+
+/* The same rounding as tdm_moe_f32_to_bf16 on the host: nearest even, NaN stays a (quiet) NaN. */
+static __device__ __forceinline__ uint16_t f32_to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Fixed-order warp sum: lane 0 holds the result. */
+static __device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  return v;
+}
+
+/* ---- rmsnorm: one block per token; y may alias x ---- */
+
+static __global__ void rmsnorm_kernel(float *y, const float *x, const float *w, int H, float eps) {
+  wait_prior_grid();
+  __shared__ float part[MOE_THREADS];
+  const float *xr = x + (size_t)blockIdx.x * H;
+  float *yr = y + (size_t)blockIdx.x * H;
+  float acc = 0.f;
+  for (int c = threadIdx.x; c < H; c += MOE_THREADS) acc = fmaf(xr[c], xr[c], acc);
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int s = MOE_THREADS / 2; s > 0; s >>= 1) { /* a fixed tree */
+    if ((int)threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+    __syncthreads();
+  }
+  float inv = 1.f / sqrtf(part[0] / (float)H + eps);
+  for (int c = threadIdx.x; c < H; c += MOE_THREADS) yr[c] = xr[c] * inv * w[c];
+}
+
+/* ---- router ----
+ * One block per ROUTER_TOKENS tokens (tt of them in this block). Phase 1: warps take experts
+ * round-robin; each lane sums x[t][c] * wr[e][c] over its columns c = lane + 32j in ascending
+ * order (one fmaf per term), then a fixed warp tree, then the bias: a token's logit does not
+ * depend on which block it fell in. Phase 2: one warp per token turns its logits into
+ * probabilities and picks the top k. Shared memory: p[tt][E] floats, then taken[tt][E] bytes. */
+
+/* a better than b: larger p, or equal p and lower index; NaN ranks lowest. */
+static __device__ __forceinline__ bool better(float pa, int ia, float pb, int ib) {
+  return pa > pb || (pa == pb && ia < ib);
+}
+
+static __device__ void router_token(float *p, unsigned char *taken, int E, int k, int renorm,
+                                    int32_t *idx, float *weights) {
+  const int lane = threadIdx.x & 31;
+  float mx = -INFINITY;
+  for (int e = lane; e < E; e += 32) {
+    mx = fmaxf(mx, p[e]);
+    taken[e] = 0;
+  }
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.f;
+  for (int e = lane; e < E; e += 32) {
+    float v = expf(p[e] - mx);
+    p[e] = v;
+    sum += v;
+  }
+  sum = __shfl_sync(0xffffffffu, warp_sum(sum), 0);
+  for (int e = lane; e < E; e += 32) p[e] = p[e] / sum;
+  __syncwarp();
+
+  float chosen = 0.f; /* lane 0: the sum of the chosen p, in the order chosen */
+  for (int r = 0; r < k; r++) {
+    float bp = -INFINITY;
+    int bi = INT_MAX; /* loses to every candidate, so some untaken expert always wins */
+    for (int e = lane; e < E; e += 32) {
+      if (taken[e]) continue;
+      float v = p[e] != p[e] ? -INFINITY : p[e];
+      if (better(v, e, bp, bi)) bp = v, bi = e;
+    }
+    /* The comparison is a total order, so every lane ends with the same winner. */
+    for (int o = 16; o > 0; o >>= 1) {
+      float op = __shfl_xor_sync(0xffffffffu, bp, o);
+      int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (better(op, oi, bp, bi)) bp = op, bi = oi;
+    }
+    if (lane == 0) {
+      taken[bi] = 1;
+      idx[r] = bi;
+      weights[r] = p[bi];
+      chosen += p[bi];
+    }
+    __syncwarp();
+  }
+  if (renorm && lane == 0)
+    for (int r = 0; r < k; r++) weights[r] = weights[r] / chosen;
+}
+
+static __global__ void router_kernel(const float *x, const uint16_t *wr, const float *bias, int T,
+                                     int H, int E, int k, int renorm, int tpb, int32_t *idx,
+                                     float *weights) {
+  extern __shared__ float smem[];
+  float *p = smem;
+  unsigned char *taken = (unsigned char *)(smem + (size_t)tpb * E);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t0 = blockIdx.x * tpb;
+  const int tt = min(tpb, T - t0);
+  const float *xb = x + (size_t)t0 * H;
+
+  for (int e = warp; e < E; e += MOE_WARPS) {
+    const uint16_t *we = wr + (size_t)e * H;
+    float acc[ROUTER_TOKENS];
+#pragma unroll
+    for (int j = 0; j < ROUTER_TOKENS; j++) acc[j] = 0.f;
+    for (int c = lane; c < H; c += 32) {
+      float wv = bf16_to_f32(we[c]);
+#pragma unroll
+      for (int j = 0; j < ROUTER_TOKENS; j++)
+        if (j < tt) acc[j] = fmaf(xb[(size_t)j * H + c], wv, acc[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < ROUTER_TOKENS; j++) {
+      if (j >= tt) break;
+      float v = warp_sum(acc[j]);
+      if (lane == 0) p[(size_t)j * E + e] = bias ? v + bias[e] : v;
+    }
+  }
+  __syncthreads();
+  for (int j = warp; j < tt; j += MOE_WARPS) {
+    size_t t = (size_t)t0 + j;
+    router_token(p + (size_t)j * E, taken + (size_t)j * E, E, k, renorm, idx + t * k,
+                 weights + t * k);
+  }
+}
+
+/* ---- expert ----
+ * Workspace layout (bytes from the workspace's start; n tokens, H hidden, I intermediate):
+ *   [0, 8nI)              GU: f32 [n x 2I], row i = [gate_i (I) | up_i (I)]. SwiGLU then writes
+ *                         h (bf16 [n x I]) in place: h row i occupies the first 2I bytes of GU
+ *                         row i, so h has a leading dimension of 4I bf16 elements.
+ *   [off_o, off_o + 4nH)  off_o = 8nI rounded up to 256: first X, bf16 [n x H] (the gathered
+ *                         tokens, 2nH bytes), then O, f32 [n x H] (the down projection). X is
+ *                         dead once the gate/up GEMM has run, which precedes the down GEMM in
+ *                         stream order.
+ * Total off_o + 4nH bytes: within ops.h's n(2I + H) f32 + nH bf16 whenever 2nH >= 255, and
+ * well within tdm_moe_ops_workspace(n, H, I), which expert() requires of every backend. */
+
+static size_t round_ws(size_t b) { return (b + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN; }
+
+static size_t expert_off_o(size_t n, size_t I) { return round_ws(8 * n * I); }
+
+/* Indices are device data written by earlier commands, so they are checked only here, against
+ * the rows the host saw in the allocations (limit): a bad row gathers zeros and a bad slot is
+ * not written, rather than touching memory outside them. A kernel has no way to return
+ * TDM_ERANGE as the CPU table does. */
+static __global__ void gather_kernel(uint16_t *X, const float *x, const int32_t *rows, int H,
+                                     uint32_t limit) {
+  uint32_t r = (uint32_t)rows[blockIdx.x];
+  const float *src = x + (size_t)r * H;
+  uint16_t *dst = X + (size_t)blockIdx.x * H;
+  for (int c = threadIdx.x; c < H; c += MOE_THREADS) dst[c] = r < limit ? f32_to_bf16(src[c]) : 0;
+}
+
+/* One block per row, in place. h[c] (2 bytes at 2c) overwrites half of gate[c / 2]. In chunk j
+ * (c in [jB, jB + B), B = MOE_THREADS) every thread reads its gate[c] and up[c], then the block
+ * synchronizes, then writes h[c]: those writes touch gate[jB/2, (j+1)B/2), all of which were
+ * read in chunks <= j, before this chunk's barrier, and none of which the next chunk reads
+ * (it reads gate[(j+1)B, ...)). No restrict or read-only loads: the row is written here. */
+static __global__ void swiglu_kernel(float *GU, int I) {
+  float *g = GU + (size_t)blockIdx.x * 2 * I;
+  const float *u = g + I;
+  uint16_t *h = (uint16_t *)g;
+  for (int base = 0; base < I; base += MOE_THREADS) {
+    int c = base + threadIdx.x;
+    float v = 0.f;
+    if (c < I) {
+      float gv = g[c];
+      v = gv / (1.f + expf(-gv)) * u[c];
+    }
+    __syncthreads();
+    if (c < I) h[c] = f32_to_bf16(v);
+  }
+}
+
+static __global__ void scatter_kernel(float *out, const float *O, const int32_t *slot, int H,
+                                      uint32_t limit) {
+  uint32_t s = (uint32_t)slot[blockIdx.x];
+  if (s >= limit) return;
+  const float *src = O + (size_t)blockIdx.x * H;
+  float *dst = out + (size_t)s * H;
+  for (int c = threadIdx.x; c < H; c += MOE_THREADS) dst[c] = src[c];
+}
+
+/* ---- a group of experts (experts()) ----
+ * Matrix-vector shaped: one warp per weight row, a block of MOE_WARPS rows of one entry's
+ * expert, the entry in blockIdx.y. A lane reads 8 consecutive weights (16 bytes when the rows
+ * allow it) and steps by 256 columns; every token of the entry (GX_NT at a time) is dotted with
+ * that row while it is in registers, so the weights are read once per GX_NT tokens. f32
+ * activations are read as they are (no bf16 rounding), and h stays f32 in the workspace:
+ * h [n x I], row first + i for the entry's i-th token.
+ * Order: lane l sums columns 256s + 8l + j, s then j ascending, one fmaf each, then the fixed
+ * warp tree: a token's result depends on its expert and its own activations only, not on the
+ * chunk it fell in, the other entries or G, and the 16-byte and the scalar loads give the same
+ * sums (the scalar path skips the columns past the row's end rather than adding zeros). */
+#define GX_UNROLL 4 /* 16-byte loads a lane has in flight per gate or up row before it computes */
+
+/* Two shapes of the same kernels, which give the same bits (a token's sums do not depend on how
+ * many tokens share a pass, nor on how many loads a lane batches: it visits the same columns in
+ * the same order):
+ * - wide: NT = 4 tokens per pass over a weight row and 4 loads a down row; up to 128
+ *   registers a thread, so two blocks an SM.
+ * - narrow: NT = 2 and 3 loads a down row (Qwen3-30B-A3B's I = 768 in one batch), held to 80
+ *   registers, so three blocks an SM: more loads in flight, which these kernels are bound by.
+ * experts() takes narrow: on the H200 it was faster at 1, 4 and 16 tokens a layer (32.8, 84.7
+ * and 223.5 us against 35.5, 95.3 and 251.3 us, bench/results/h200-gpu-check-b3326f0; with
+ * several tokens an entry its second pass over a row finds it in L2).
+ * TANDEM_MOE_CUDA_GROUPED=wide or narrow forces one, for measuring them side by side. */
+#define GX_NARROW_NT 2
+#define GX_NARROW_DOWN_UNROLL 3
+#define GX_NARROW_BLOCKS 3
+#define GX_WIDE_NT 4
+#define GX_WIDE_DOWN_UNROLL 4
+#define GX_WIDE_BLOCKS 2
+enum { GX_SHAPE_NARROW, GX_SHAPE_WIDE };
+
+static int gx_shape_configured(void) {
+  const char *v = getenv("TANDEM_MOE_CUDA_GROUPED");
+  return v && strcmp(v, "wide") == 0 ? GX_SHAPE_WIDE : GX_SHAPE_NARROW;
+}
+
+/* An entry that names rows outside [0, n) or weights outside wbase's allocation is skipped. */
+static __device__ __forceinline__ bool entry_ok(const tdm_moe_group &g, int n, long long wlimit,
+                                                long long wsize) {
+  return g.count > 0 && g.first >= 0 && (long long)g.first + g.count <= n && g.w >= 0 &&
+         g.w <= wlimit - wsize;
+}
+
+/* 8 bf16 at p[c..c+8) as raw bits: those below K, zeros after (any alignment). */
+static __device__ __forceinline__ uint4 load_raw8_any(const uint16_t *p, int c, int K) {
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    uint32_t lo = c + 2 * j < K ? p[c + 2 * j] : 0u, hi = c + 2 * j + 1 < K ? p[c + 2 * j + 1] : 0u;
+    w[j] = lo | hi << 16;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+/* VEC: one 16-byte load (p + c 16-byte aligned, c + 8 <= K). */
+template <bool VEC>
+static __device__ __forceinline__ uint4 load_raw8(const uint16_t *p, int c, int K) {
+  return VEC ? __ldg((const uint4 *)(p + c)) : load_raw8_any(p, c, K);
+}
+
+static __device__ __forceinline__ void widen8(uint4 u, float v[8]) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    v[2 * j] = __uint_as_float(w[j] << 16);
+    v[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+  }
+}
+
+/* 8 f32 values from p[c..c+8) (VEC: two 16-byte loads; else those below K). */
+template <bool VEC>
+static __device__ __forceinline__ void load_f8(const float *p, int c, int K, float v[8]) {
+  if (VEC) {
+    float4 a = *(const float4 *)(p + c), b = *(const float4 *)(p + c + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = c + j < K ? p[c + j] : 0.f;
+  }
+}
+
+/* Gate and up row r of one expert (W: [Wg | Wu | Wd]) on its tokens; h = silu(g) * u. A token
+ * whose row lies outside x's allocation is skipped (gx_down_row does not write its slot). Each
+ * lane issues GX_UNROLL loads of each row before it uses any, so a warp keeps 4 KiB of weights
+ * in flight. */
+template <bool VEC, int GX_NT>
+static __device__ void gx_gate_up_row(const float *x, uint32_t xlimit, const int32_t *rows,
+                                      const tdm_moe_group &g, const uint16_t *W, int H, int I,
+                                      int r, float *h) {
+  const int lane = threadIdx.x & 31;
+  const uint16_t *wg = W + (size_t)r * H, *wu = W + ((size_t)I + r) * H;
+  for (int t0 = 0; t0 < g.count; t0 += GX_NT) {
+    const int nt = min(GX_NT, g.count - t0);
+    const float *xr[GX_NT];
+#pragma unroll
+    for (int t = 0; t < GX_NT; t++) {
+      uint32_t row = t < nt ? (uint32_t)rows[g.first + t0 + t] : xlimit;
+      xr[t] = row < xlimit ? x + (size_t)row * H : NULL;
+    }
+    float ag[GX_NT], au[GX_NT];
+#pragma unroll
+    for (int t = 0; t < GX_NT; t++) ag[t] = au[t] = 0.f;
+    for (int c0 = lane * 8; c0 < H; c0 += 256 * GX_UNROLL) {
+      uint4 rg[GX_UNROLL], ru[GX_UNROLL];
+#pragma unroll
+      for (int u = 0; u < GX_UNROLL; u++)
+        if (c0 + 256 * u < H) {
+          rg[u] = load_raw8<VEC>(wg, c0 + 256 * u, H);
+          ru[u] = load_raw8<VEC>(wu, c0 + 256 * u, H);
+        }
+#pragma unroll
+      for (int u = 0; u < GX_UNROLL; u++) {
+        const int c = c0 + 256 * u;
+        if (c >= H) break;
+        float gv[8], uv[8];
+        widen8(rg[u], gv);
+        widen8(ru[u], uv);
+#pragma unroll
+        for (int t = 0; t < GX_NT; t++) {
+          if (!xr[t]) continue;
+          float xv[8];
+          load_f8<VEC>(xr[t], c, H, xv);
+#pragma unroll
+          for (int j = 0; j < 8; j++)
+            if (VEC || c + j < H) {
+              ag[t] = fmaf(xv[j], gv[j], ag[t]);
+              au[t] = fmaf(xv[j], uv[j], au[t]);
+            }
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < GX_NT; t++) {
+      if (t >= nt) break;
+      float gs = warp_sum(ag[t]), us = warp_sum(au[t]);
+      if (lane == 0 && xr[t])
+        h[((size_t)g.first + t0 + t) * I + r] = gs / (1.f + expf(-gs)) * us;
+    }
+  }
+}
+
+/* Down rows c0 .. c0 + GX_DOWN_ROWS - 1 (those below H) of one expert on its tokens:
+ * out[slot][c] = h . Wd[c]. Each h value loaded serves every row of the warp, and each row's
+ * sums run in the same order as with one row a warp. A slot outside out's allocation is not
+ * written, nor the slot of a token whose row lies outside x's (its h was never written). */
+#define GX_DOWN_ROWS 2
+template <bool VEC, int GX_NT, int GX_DOWN_UNROLL>
+static __device__ void gx_down_rows(const float *h, const int32_t *rows, uint32_t xlimit,
+                                    const int32_t *slot, uint32_t olimit, const tdm_moe_group &g,
+                                    const uint16_t *Wd, int H, int I, int c0, float *out) {
+  const int lane = threadIdx.x & 31, nr = min(GX_DOWN_ROWS, H - c0);
+  for (int t0 = 0; t0 < g.count; t0 += GX_NT) {
+    const int nt = min(GX_NT, g.count - t0);
+    float acc[GX_DOWN_ROWS][GX_NT];
+#pragma unroll
+    for (int r = 0; r < GX_DOWN_ROWS; r++)
+#pragma unroll
+      for (int t = 0; t < GX_NT; t++) acc[r][t] = 0.f;
+    for (int i0 = lane * 8; i0 < I; i0 += 256 * GX_DOWN_UNROLL) {
+      uint4 rw[GX_DOWN_UNROLL][GX_DOWN_ROWS];
+#pragma unroll
+      for (int u = 0; u < GX_DOWN_UNROLL; u++)
+#pragma unroll
+        for (int r = 0; r < GX_DOWN_ROWS; r++)
+          if (r < nr && i0 + 256 * u < I)
+            rw[u][r] = load_raw8<VEC>(Wd + (size_t)(c0 + r) * I, i0 + 256 * u, I);
+#pragma unroll
+      for (int u = 0; u < GX_DOWN_UNROLL; u++) {
+        const int i = i0 + 256 * u;
+        if (i >= I) break;
+        float wv[GX_DOWN_ROWS][8];
+#pragma unroll
+        for (int r = 0; r < GX_DOWN_ROWS; r++)
+          if (r < nr) widen8(rw[u][r], wv[r]);
+#pragma unroll
+        for (int t = 0; t < GX_NT; t++) {
+          if (t >= nt) break;
+          float hv[8];
+          load_f8<VEC>(h + ((size_t)g.first + t0 + t) * I, i, I, hv);
+#pragma unroll
+          for (int r = 0; r < GX_DOWN_ROWS; r++)
+            if (r < nr)
+#pragma unroll
+              for (int j = 0; j < 8; j++)
+                if (VEC || i + j < I) acc[r][t] = fmaf(hv[j], wv[r][j], acc[r][t]);
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < GX_NT; t++) {
+      if (t >= nt) break;
+      uint32_t s = (uint32_t)slot[g.first + t0 + t];
+      bool ok = s < olimit && (uint32_t)rows[g.first + t0 + t] < xlimit;
+#pragma unroll
+      for (int r = 0; r < GX_DOWN_ROWS; r++) {
+        if (r >= nr) break;
+        float v = warp_sum(acc[r][t]);
+        if (lane == 0 && ok) out[(size_t)s * H + c0 + r] = v;
+      }
+    }
+  }
+}
+
+/* vec: the host found x, wbase and the workspace 16-byte aligned and H, I multiples of 8; an
+ * entry's weights must be too (w a multiple of 8). */
+template <int NT, int MINB>
+static __global__ void __launch_bounds__(MOE_THREADS, MINB)
+    gx_gate_up_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int n,
+                      const uint16_t *wbase, long long wlimit, const tdm_moe_group *groups, int H,
+                      int I, bool vec, float *h) {
+  wait_prior_grid();
+  const tdm_moe_group g = groups[blockIdx.y];
+  const int r = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+  if (r >= I || !entry_ok(g, n, wlimit, 3LL * H * I)) return; /* whole warps leave */
+  if (vec && (g.w & 7) == 0)
+    gx_gate_up_row<true, NT>(x, xlimit, rows, g, wbase + g.w, H, I, r, h);
+  else
+    gx_gate_up_row<false, NT>(x, xlimit, rows, g, wbase + g.w, H, I, r, h);
+}
+
+template <int NT, int DU, int MINB>
+static __global__ void __launch_bounds__(MOE_THREADS, MINB)
+    gx_down_kernel(const float *h, const int32_t *rows, uint32_t xlimit, const int32_t *slot,
+                   uint32_t olimit, int n, const uint16_t *wbase, long long wlimit,
+                   const tdm_moe_group *groups, int H, int I, bool vec, float *out) {
+  wait_prior_grid();
+  const tdm_moe_group g = groups[blockIdx.y];
+  const int c0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * GX_DOWN_ROWS;
+  if (c0 >= H || !entry_ok(g, n, wlimit, 3LL * H * I)) return;
+  const uint16_t *Wd = wbase + g.w + 2 * (size_t)I * H;
+  if (vec && (g.w & 7) == 0)
+    gx_down_rows<true, NT, DU>(h, rows, xlimit, slot, olimit, g, Wd, H, I, c0, out);
+  else
+    gx_down_rows<false, NT, DU>(h, rows, xlimit, slot, olimit, g, Wd, H, I, c0, out);
+}
+
+/* ---- the router for small ubatches (T <= ROUTER_TOKENS) ----
+ * One block would read all E x H router weights alone (a decode step's router was a single
+ * block). Here the logits are spread over E warps (one expert's row each, read 16 bytes at a
+ * time, every token dotted with it, then the fixed warp tree), and a second kernel, one warp
+ * per token, turns them into the top k as router_kernel does. Its logits add up in another
+ * order than router_kernel's, so the two paths may differ in the last bit; which one runs
+ * depends on T alone. */
+static __global__ void router_logits_kernel(const float *x, const uint16_t *wr, const float *bias,
+                                            int T, int H, int E, bool vec, float *logits) {
+  wait_prior_grid();
+  const int lane = threadIdx.x & 31, e = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+  if (e >= E) return;
+  const uint16_t *we = wr + (size_t)e * H;
+  float acc[ROUTER_TOKENS];
+#pragma unroll
+  for (int t = 0; t < ROUTER_TOKENS; t++) acc[t] = 0.f;
+  for (int c = lane * 8; c < H; c += 256) {
+    float wv[8];
+    widen8(vec ? load_raw8<true>(we, c, H) : load_raw8<false>(we, c, H), wv);
+#pragma unroll
+    for (int t = 0; t < ROUTER_TOKENS; t++) {
+      if (t >= T) break;
+      float xv[8];
+      if (vec)
+        load_f8<true>(x + (size_t)t * H, c, H, xv);
+      else
+        load_f8<false>(x + (size_t)t * H, c, H, xv);
+#pragma unroll
+      for (int j = 0; j < 8; j++)
+        if (c + j < H) acc[t] = fmaf(xv[j], wv[j], acc[t]);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < ROUTER_TOKENS; t++) {
+    if (t >= T) break;
+    float v = warp_sum(acc[t]);
+    if (lane == 0) logits[(size_t)t * E + e] = bias ? v + bias[e] : v;
+  }
+}
+
+/* One warp (block) per token; shared memory: E floats, then E bytes. */
+static __global__ void router_topk_kernel(const float *logits, int E, int k, int renorm,
+                                          int32_t *idx, float *weights) {
+  wait_prior_grid();
+  extern __shared__ float smem[];
+  float *p = smem;
+  unsigned char *taken = (unsigned char *)(smem + E);
+  const size_t t = blockIdx.x;
+  for (int e = threadIdx.x; e < E; e += 32) p[e] = logits[t * E + e];
+  __syncwarp();
+  router_token(p, taken, E, k, renorm, idx + t * k, weights + t * k);
+}
+
+/* ---- group(): the routing grouped on the device, one block ----
+ * Thread e counts expert e's choices; thread 0 lays the routed experts out in ascending order
+ * (a serial pass over E, short next to a layer's work); thread e then writes its tokens in
+ * token order. Every position comes from a count, never from a race: deterministic. */
+#define GROUP_MAX_E 4096 /* counts and offsets in shared memory: 32 KiB */
+
+static __global__ void group_kernel(const int32_t *idx, int T, int k, int E, const int64_t *wofs,
+                                    int32_t *rows, int32_t *slot, tdm_moe_group *groups) {
+  wait_prior_grid();
+  __shared__ int cnt[GROUP_MAX_E], first[GROUP_MAX_E];
+  const int tk = T * k;
+  for (int e = threadIdx.x; e < E; e += MOE_THREADS) {
+    int c = 0;
+    for (int i = 0; i < tk; i++) c += idx[i] == e;
+    cnt[e] = c;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int at = 0, g = 0, G = min(E, tk);
+    for (int e = 0; e < E; e++) {
+      first[e] = at;
+      if (!cnt[e]) continue;
+      tdm_moe_group ent;
+      ent.w = wofs[e];
+      ent.first = at;
+      ent.count = cnt[e];
+      groups[g++] = ent;
+      at += cnt[e];
+    }
+    for (; g < G; g++) {
+      tdm_moe_group ent;
+      ent.w = 0;
+      ent.first = at;
+      ent.count = 0;
+      groups[g] = ent;
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += MOE_THREADS) {
+    if (!cnt[e]) continue;
+    int at = first[e];
+    for (int i = 0; i < tk; i++)
+      if (idx[i] == e) {
+        rows[at] = i / k;
+        slot[at] = i;
+        at++;
+      }
+  }
+}
+
+/* ---- combine: one thread per element of y ---- */
+
+static __global__ void combine_kernel(float *y, const float *out, const float *weights, int H,
+                                      int k, size_t total) {
+  wait_prior_grid();
+  size_t stride = (size_t)gridDim.x * MOE_THREADS;
+  for (size_t i = (size_t)blockIdx.x * MOE_THREADS + threadIdx.x; i < total; i += stride) {
+    size_t t = i / (size_t)H, c = i % (size_t)H;
+    const float *wt = weights + t * k;
+    const float *ot = out + t * k * (size_t)H + c;
+    float acc = 0.f;
+    for (int j = 0; j < k; j++) acc = fmaf(wt[j], ot[(size_t)j * H], acc);
+    y[i] += acc;
+  }
+}
+
+/* ---- upload: host memory the device reads in place, copied by the cores ----
+ * The host rewrites the same pinned buffers layer after layer, so every load fetches anew
+ * (__ldcv: no line of an earlier kernel's read is reused). */
+
+static __global__ void upload16_kernel(uint4 *dst, const uint4 *src, size_t n) {
+  wait_prior_grid();
+  size_t stride = (size_t)gridDim.x * MOE_THREADS;
+  for (size_t i = (size_t)blockIdx.x * MOE_THREADS + threadIdx.x; i < n; i += stride)
+    dst[i] = __ldcv(src + i);
+}
+
+static __global__ void upload1_kernel(uint8_t *dst, const uint8_t *src, size_t n) {
+  wait_prior_grid();
+  size_t stride = (size_t)gridDim.x * MOE_THREADS;
+  for (size_t i = (size_t)blockIdx.x * MOE_THREADS + threadIdx.x; i < n; i += stride)
+    dst[i] = (uint8_t)__ldcv((const unsigned char *)src + i);
+}
+
+/* ---- the table's entries ---- */
+
+/* With m->dev current. cublasDestroy and cudaFree wait for the device first. */
+static void plan_free(gemm_plan *p) {
+  if (p->op) cublasLtMatmulDescDestroy(p->op);
+  if (p->a) cublasLtMatrixLayoutDestroy(p->a);
+  if (p->b) cublasLtMatrixLayoutDestroy(p->b);
+  if (p->c) cublasLtMatrixLayoutDestroy(p->c);
+  free(p);
+}
+
+static void release(moe_cuda *m) {
+  for (int i = 0; i < PLAN_BUCKETS; i++)
+    for (gemm_plan *p = m->plans[i], *next; p; p = next) {
+      next = p->next;
+      plan_free(p);
+    }
+  if (m->lt) cublasLtDestroy(m->lt);
+  if (m->blas) cublasDestroy(m->blas);
+  if (m->ws) cudaFree(m->ws);
+  if (m->logits) cudaFree(m->logits);
+  if (m->cap) cudaStreamDestroy(m->cap);
+  pthread_mutex_destroy(&m->plan_mu);
+  free(m);
+}
+
+/* The cuBLAS handle, bound to the stream with its own workspace. cublasSetStream resets the
+ * workspace to cuBLAS's pool, so the workspace is set after it. */
+static int blas_setup(moe_cuda *m) {
+  CK_CUDA(cudaMalloc(&m->ws, BLAS_WS_BYTES));
+  CK_CUDA(cudaMalloc(&m->logits, (size_t)ROUTER_TOKENS * ROUTER_SPLIT_E * sizeof(float)));
+  CK_BLAS(cublasCreate(&m->blas));
+  CK_BLAS(cublasSetStream(m->blas, m->s));
+  CK_BLAS(cublasSetWorkspace(m->blas, m->ws, BLAS_WS_BYTES));
+  CK_BLAS(cublasSetMathMode(m->blas, CUBLAS_DEFAULT_MATH));
+  CK_BLAS(cublasSetAtomicsMode(m->blas, CUBLAS_ATOMICS_NOT_ALLOWED));
+  CK_BLAS(cublasSetPointerMode(m->blas, CUBLAS_POINTER_MODE_HOST));
+  CK_BLAS(cublasLtCreate(&m->lt));
+  return 0;
+}
+
+/* Only in-order queues of CUDA devices: an out-of-order queue spreads its commands over
+ * several streams, and these ops would be ordered with only one of them. */
+static int cuda_open(tdm_queue *q, void **state) {
+  if (!q || !state) return bad_args("open");
+  tdm_device *dev;
+  tdm_device_info info;
+  unsigned flags;
+  void *ordinal, *stream;
+  int rc;
+  if ((rc = tdm_queue_device(q, &dev)) || (rc = tdm_device_info_get(dev, &info)) ||
+      (rc = tdm_queue_flags(q, &flags)))
+    return rc;
+  if (strcmp(info.backend, "cuda") != 0)
+    return tdm_set_error(TDM_ENOTSUP, 0, "moe open: %s is not a CUDA device", info.id);
+  if (flags & TDM_QUEUE_OUT_OF_ORDER) /* as the CPU table answers */
+    return tdm_set_error(TDM_EINVAL, 0, "moe open: the ops need an in-order queue");
+  if ((rc = tdm_device_native(dev, &ordinal)) || (rc = tdm_queue_native(q, &stream))) return rc;
+
+  moe_cuda *m = (moe_cuda *)calloc(1, sizeof *m);
+  if (!m) return tdm_set_error(TDM_ENOMEM, 0, "moe open: no host memory");
+  pthread_mutex_init(&m->plan_mu, NULL);
+  m->q = q;
+  m->s = m->qs = (cudaStream_t)stream;
+  m->dev = *(const int *)ordinal;
+  m->gx_shape = gx_shape_configured();
+  int saved, major = 0;
+  const char *pdl = getenv("TANDEM_MOE_CUDA_PDL");
+  m->pdl = !(pdl && strcmp(pdl, "0") == 0) &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, m->dev) ==
+               cudaSuccess && major >= 9;
+  cudaGetLastError(); /* a failed query only means no programmatic launches */
+  if ((rc = enter(m, &saved))) {
+    free(m);
+    return rc;
+  }
+  rc = blas_setup(m);
+  if (rc) release(m);
+  leave(m, saved);
+  if (!rc) *state = m;
+  return rc;
+}
+
+/* Call before destroying the queue: it waits for the queue's stream, so the cuBLAS workspace
+ * is idle when it is freed. */
+static void cuda_close(void *state) {
+  moe_cuda *m = (moe_cuda *)state;
+  if (!m) return;
+  int saved, dev = m->dev;
+  int rc = enter(m, &saved);
+  if (m->recording) { /* a recording never ended: end it and drop what it holds */
+    cudaGraph_t g = NULL;
+    if (cudaStreamEndCapture(m->cap, &g) == cudaSuccess && g) cudaGraphDestroy(g);
+    cudaGetLastError();
+  }
+  if (cudaStreamSynchronize(m->qs) != cudaSuccess) cudaGetLastError(); /* nothing to report to */
+  release(m);
+  if (!rc && saved != dev) cudaSetDevice(saved);
+}
+
+static int cuda_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T,
+                        int H, float eps) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || T < 0 || H <= 0 || !(eps >= 0.f)) return bad_args("rmsnorm");
+  if (T == 0) return 0;
+  if (!y || !x || !w) return bad_args("rmsnorm");
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  /* a launch reports configuration errors at once */
+  cudaError_t e = launch_pdl(m, rmsnorm_kernel, T, MOE_THREADS, 0, y, x, w, H, eps);
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "rmsnorm_kernel");
+  leave(m, saved);
+  return rc;
+}
+
+static int launch_router(moe_cuda *m, const float *x, const tdm_moe_bf16 *wr, const float *bias,
+                         int T, int H, int E, int k, int renorm, int32_t *idx, float *weights) {
+  if (E > ROUTER_SMEM / 5) /* p (4 bytes) and taken (1 byte) per expert */
+    return tdm_set_error(TDM_EINVAL, 0, "moe router: %d experts need more shared memory than "
+                         "the kernel takes", E);
+  if (T <= ROUTER_TOKENS && E <= ROUTER_SPLIT_E) {
+    bool vec = H % 8 == 0 && !((uintptr_t)x & 15) && !((uintptr_t)wr & 15);
+    cudaError_t e = launch_pdl(m, router_logits_kernel, (E + MOE_WARPS - 1) / MOE_WARPS,
+                               MOE_THREADS, 0, x, wr, bias, T, H, E, vec, m->logits);
+    if (e == cudaSuccess)
+      e = launch_pdl(m, router_topk_kernel, T, 32, (size_t)E * 5, (const float *)m->logits, E, k,
+                     (int)(renorm != 0), idx, weights);
+    return e == cudaSuccess ? 0 : cuda_fail(m, e, "the small-ubatch router kernels");
+  }
+  int tpb = ROUTER_SMEM / (E * 5);
+  if (tpb > ROUTER_TOKENS) tpb = ROUTER_TOKENS;
+  if (tpb > T) tpb = T;
+  size_t smem = (size_t)tpb * E * 5;
+  int blocks = (int)(((long long)T + tpb - 1) / tpb);
+  router_kernel<<<blocks, MOE_THREADS, smem, m->s>>>(x, wr, bias, T, H, E, k, renorm != 0, tpb, idx,
+                                                     weights);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : cuda_fail(m, e, "router_kernel");
+}
+
+static int cuda_router(void *st, tdm_queue *q, const float *x, const tdm_moe_bf16 *wr,
+                       const float *bias, int T, int H, int E, int k, int renorm, int32_t *idx,
+                       float *weights) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || T < 0 || H <= 0 || E <= 0 || k <= 0 || k > E)
+    return bad_args("router");
+  if (T == 0) return 0;
+  if (!x || !wr || !idx || !weights) return bad_args("router");
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  rc = launch_router(m, x, wr, bias, T, H, E, k, renorm, idx, weights);
+  leave(m, saved);
+  return rc;
+}
+
+/* log2 of the largest power of two (up to 256) that divides p. */
+static unsigned align_log2(const void *p) {
+  uintptr_t u = (uintptr_t)p | 256;
+  return (unsigned)__builtin_ctzll((unsigned long long)u);
+}
+
+/* Makes p's descriptors and asks the heuristic for its algorithm. On failure p holds what was
+ * made (plan_free releases it). */
+static int plan_make(moe_cuda *m, gemm_plan *p) {
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  const uint64_t ws = BLAS_WS_BYTES;
+  CK_BLAS(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  CK_BLAS(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  CK_BLAS(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  /* As stored, column-major: W is [K x N] (ld K), A is [K x n] (ld ldb), C is [N x n]. */
+  CK_BLAS(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_16BF, (uint64_t)p->K, (uint64_t)p->N, p->K));
+  CK_BLAS(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16BF, (uint64_t)p->K, (uint64_t)p->n, p->ldb));
+  CK_BLAS(cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, (uint64_t)p->N, (uint64_t)p->n, p->N));
+  cublasLtMatmulPreference_t pref;
+  CK_BLAS(cublasLtMatmulPreferenceCreate(&pref));
+  /* W, A, then C for both C and D (the output is written in place). */
+  const uint32_t al[4] = {1u << (p->align & 15), 1u << (p->align >> 4 & 15),
+                          1u << (p->align >> 8 & 15), 1u << (p->align >> 8 & 15)};
+  const cublasLtMatmulPreferenceAttributes_t which[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+  for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; i++)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, which[i], &al[i], sizeof al[i]);
+  cublasLtMatmulHeuristicResult_t h;
+  int found = 0;
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulAlgoGetHeuristic(m->lt, p->op, p->a, p->b, p->c, p->c, pref, 1, &h, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  /* Nothing for this shape (or no heuristic for this configuration): cublasGemmEx runs it. */
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || (st == CUBLAS_STATUS_SUCCESS && found < 1)) return 0;
+  if (st != CUBLAS_STATUS_SUCCESS) return blas_fail(m, st, "cublasLtMatmulAlgoGetHeuristic");
+  p->algo = h.algo;
+  p->lt = true;
+  return 0;
+}
+
+/* The plan for a shape, made at its first use. */
+static int plan_get(moe_cuda *m, int N, int K, int n, int ldb, unsigned align, gemm_plan **out) {
+  unsigned hash = ((unsigned)N * 2654435761u) ^ ((unsigned)K * 40503u) ^ ((unsigned)n * 97u) ^
+                  ((unsigned)ldb * 131u) ^ (align * 7u);
+  gemm_plan **bucket = &m->plans[hash & (PLAN_BUCKETS - 1)], *p;
+  pthread_mutex_lock(&m->plan_mu);
+  for (p = *bucket; p; p = p->next)
+    if (p->N == N && p->K == K && p->n == n && p->ldb == ldb && p->align == align) break;
+  int rc = 0;
+  if (!p) {
+    p = (gemm_plan *)calloc(1, sizeof *p);
+    if (!p) {
+      rc = tdm_set_error(TDM_ENOMEM, 0, "moe expert: no host memory for a GEMM plan");
+    } else {
+      p->N = N;
+      p->K = K;
+      p->n = n;
+      p->ldb = ldb;
+      p->align = align;
+      if ((rc = plan_make(m, p))) {
+        plan_free(p);
+        p = NULL;
+      } else {
+        p->next = *bucket;
+        *bucket = p;
+      }
+    }
+  }
+  pthread_mutex_unlock(&m->plan_mu);
+  *out = p;
+  return rc;
+}
+
+/* Row-major data through column-major cuBLAS. A row-major [r x c] matrix with row stride ld
+ * is, to cuBLAS, a column-major [c x r] matrix with leading dimension ld: its transpose. We
+ * want C = A W^T (A: [n x K] row-major, W: [N x K] row-major, C: [n x N] row-major), i.e.
+ * C^T = W A^T in column-major terms:
+ *   op(A_blas) = W:   W's storage is the column-major [K x N] matrix W^T, so transa = T,
+ *                     A_blas = W, lda = K (row stride of W);
+ *   op(B_blas) = A^T: A's storage already is the column-major [K x n] matrix A^T, so
+ *                     transb = N, B_blas = A, ldb = A's row stride (>= K);
+ *   C_blas = C^T:     column-major [N x n] with ldc = N is C row-major [n x N].
+ *   m = N, n = n, k = K. */
+static int gemm_rows(moe_cuda *m, int ntok, int N, int K, const void *A, int a_stride,
+                     const void *W, float *C) {
+  const float one = 1.f, zero = 0.f;
+  unsigned align = align_log2(W) | align_log2(A) << 4 | align_log2(C) << 8;
+  gemm_plan *p;
+  int rc = plan_get(m, N, K, ntok, a_stride, align, &p);
+  if (rc) return rc;
+  if (p->lt) {
+    CK_BLAS(cublasLtMatmul(m->lt, p->op, &one, W, p->a, A, p->b, &zero, C, p->c, C, p->c,
+                           &p->algo, m->ws, BLAS_WS_BYTES, m->s));
+    return 0;
+  }
+  CK_BLAS(cublasGemmEx(m->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, ntok, K, &one, W, CUDA_R_16BF, K, A,
+                       CUDA_R_16BF, a_stride, &zero, C, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
+                       CUBLAS_GEMM_DEFAULT));
+  return 0;
+}
+
+/* How many rows of H floats lie between p and the end of the tandem allocation holding it
+ * (memory tandem does not know: as many as an int32 index can name; the caller vouches). */
+static uint32_t rows_in(const float *p, int H) {
+  tdm_mem_info mi;
+  size_t rows = (size_t)INT32_MAX + 1;
+  if (tdm_mem_query(p, &mi) == 0 && mi.base) {
+    size_t left = (size_t)((const char *)mi.base + mi.size - (const char *)p);
+    if (left / sizeof(float) / (size_t)H < rows) rows = left / sizeof(float) / (size_t)H;
+  }
+  return (uint32_t)rows;
+}
+
+static int run_expert(moe_cuda *m, const float *x, const int32_t *rows, const int32_t *slot, int n,
+                      const tdm_moe_bf16 *w, int H, int I, float *out, unsigned char *ws) {
+  float *GU = (float *)ws;
+  uint16_t *X = (uint16_t *)(ws + expert_off_o((size_t)n, (size_t)I));
+  float *O = (float *)X;
+  const uint16_t *Wgu = w;                    /* [2I x H]: Wg then Wu */
+  const uint16_t *Wd = w + 2 * (size_t)I * H; /* [H x I] */
+  int rc;
+  gather_kernel<<<n, MOE_THREADS, 0, m->s>>>(X, x, rows, H, rows_in(x, H));
+  CK_CUDA(cudaGetLastError());
+  if ((rc = gemm_rows(m, n, 2 * I, H, X, H, Wgu, GU))) return rc; /* GU = X [Wg|Wu]^T */
+  swiglu_kernel<<<n, MOE_THREADS, 0, m->s>>>(GU, I);
+  CK_CUDA(cudaGetLastError());
+  if ((rc = gemm_rows(m, n, H, I, GU, 4 * I, Wd, O))) return rc; /* O = h Wd^T */
+  scatter_kernel<<<n, MOE_THREADS, 0, m->s>>>(out, O, slot, H, rows_in(out, H));
+  CK_CUDA(cudaGetLastError());
+  return 0;
+}
+
+static int cuda_expert(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                       const int32_t *slot, int n, const tdm_moe_bf16 *w, int H, int I, float *out,
+                       void *workspace, size_t workspace_bytes) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || n < 0 || H <= 0 || I <= 0 || I > INT_MAX / 4)
+    return bad_args("expert");
+  if (n == 0) return 0;
+  if (!x || !rows || !slot || !w || !out || !workspace || ((uintptr_t)workspace & 15))
+    return bad_args("expert");
+  size_t contract = tdm_moe__workspace(n, H, I);
+  if (!contract || workspace_bytes < contract ||
+      expert_off_o((size_t)n, (size_t)I) + 4 * (size_t)n * H > workspace_bytes)
+    return tdm_set_error(TDM_EINVAL, 0, "moe expert: a workspace of %zu bytes; n=%d H=%d I=%d "
+                         "need %zu", workspace_bytes, n, H, I, contract);
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  rc = run_expert(m, x, rows, slot, n, w, H, I, out, (unsigned char *)workspace);
+  leave(m, saved);
+  return rc;
+}
+
+/* Elements of bf16 from w to the end of the tandem allocation holding it (memory tandem does
+ * not know: as many as an int64 offset names; the caller vouches). */
+static long long elems_in(const tdm_moe_bf16 *w) {
+  tdm_mem_info mi;
+  if (tdm_mem_query(w, &mi) == 0 && mi.base)
+    return (long long)(((const char *)mi.base + mi.size - (const char *)w) / sizeof *w);
+  return LLONG_MAX;
+}
+
+static int cuda_experts(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                        const int32_t *slot, int n, const tdm_moe_bf16 *wbase,
+                        const tdm_moe_group *groups, int G, int H, int I, float *out,
+                        void *workspace, size_t workspace_bytes) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || n < 0 || G < 0 || G > 65535 || H <= 0 || I <= 0)
+    return bad_args("experts");
+  if (n == 0 || G == 0) return 0;
+  if (!x || !rows || !slot || !wbase || !groups || !out || !workspace ||
+      ((uintptr_t)workspace & 15))
+    return bad_args("experts");
+  size_t contract = tdm_moe__workspace(n, H, I);
+  if (!contract || workspace_bytes < contract)
+    return tdm_set_error(TDM_EINVAL, 0, "moe experts: a workspace of %zu bytes; n=%d H=%d I=%d "
+                         "need %zu", workspace_bytes, n, H, I, contract);
+  bool vec = H % 8 == 0 && I % 8 == 0 && !((uintptr_t)x & 15) && !((uintptr_t)wbase & 15);
+  uint32_t xlimit = rows_in(x, H), olimit = rows_in(out, H);
+  long long wlimit = elems_in(wbase);
+  float *h = (float *)workspace;
+  bool narrow = m->gx_shape == GX_SHAPE_NARROW;
+  const dim3 gu_grid((unsigned)((I + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G);
+  const int down_rows = MOE_WARPS * GX_DOWN_ROWS; /* output rows a block */
+  const dim3 down_grid((unsigned)((H + down_rows - 1) / down_rows), (unsigned)G);
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  const uint16_t *wb = (const uint16_t *)wbase;
+  cudaError_t e = launch_pdl(m, narrow ? gx_gate_up_kernel<GX_NARROW_NT, GX_NARROW_BLOCKS>
+                                       : gx_gate_up_kernel<GX_WIDE_NT, GX_WIDE_BLOCKS>,
+                             gu_grid, MOE_THREADS, 0, x, xlimit, rows, n, wb, wlimit, groups, H,
+                             I, vec, h);
+  if (e == cudaSuccess)
+    e = launch_pdl(m,
+                   narrow ? gx_down_kernel<GX_NARROW_NT, GX_NARROW_DOWN_UNROLL, GX_NARROW_BLOCKS>
+                          : gx_down_kernel<GX_WIDE_NT, GX_WIDE_DOWN_UNROLL, GX_WIDE_BLOCKS>,
+                   down_grid, MOE_THREADS, 0, (const float *)h, rows, xlimit, slot, olimit, n, wb,
+                   wlimit, groups, H, I, vec, out);
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "the grouped expert kernels");
+  leave(m, saved);
+  return rc;
+}
+
+static int cuda_group(void *st, tdm_queue *q, const int32_t *idx, int T, int k, int E,
+                      const int64_t *wofs, int32_t *rows, int32_t *slot, tdm_moe_group *groups) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || T < 0 || k <= 0 || E <= 0 || (T > 0 && k > INT_MAX / T))
+    return bad_args("group");
+  if (T == 0) return 0;
+  if (!idx || !wofs || !rows || !slot || !groups) return bad_args("group");
+  if (E > GROUP_MAX_E)
+    return tdm_set_error(TDM_EINVAL, 0, "moe group: %d experts; the CUDA kernel takes at most %d",
+                         E, GROUP_MAX_E);
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  cudaError_t e = launch_pdl(m, group_kernel, 1, MOE_THREADS, 0, idx, T, k, E, wofs, rows, slot,
+                             groups);
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "group_kernel");
+  leave(m, saved);
+  return rc;
+}
+
+static int cuda_combine(void *st, tdm_queue *q, float *y, const float *out, const float *weights,
+                        int T, int H, int k) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || T < 0 || H <= 0 || k <= 0) return bad_args("combine");
+  if (T == 0) return 0;
+  if (!y || !out || !weights) return bad_args("combine");
+  size_t total = (size_t)T * H;
+  size_t blocks = (total + MOE_THREADS - 1) / MOE_THREADS;
+  if (blocks > (1u << 20)) blocks = 1u << 20; /* the kernel strides over the rest */
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  cudaError_t e = launch_pdl(m, combine_kernel, (unsigned)blocks, MOE_THREADS, 0, y, out, weights,
+                             H, k, total);
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "combine_kernel");
+  leave(m, saved);
+  return rc;
+}
+
+/* Host memory the device maps (pinned, or registered as mapped) is read in place by a kernel,
+ * 16 bytes a thread where both ends and n allow; any other memory is copied on the stream. */
+static int cuda_upload(void *st, tdm_queue *q, void *dst, const void *src, size_t n) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || (n && (!dst || !src))) return bad_args("upload");
+  if (n == 0) return 0;
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  cudaPointerAttributes pa;
+  const void *dsrc = NULL;
+  if (cudaPointerGetAttributes(&pa, src) == cudaSuccess && pa.type == cudaMemoryTypeHost)
+    dsrc = pa.devicePointer;
+  else
+    cudaGetLastError(); /* not memory CUDA knows: a plain copy */
+  cudaError_t e;
+  const char *what = "upload";
+  if (!dsrc) {
+    what = "cudaMemcpyAsync";
+    e = cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, m->s);
+  } else if ((uintptr_t)dst % 16 == 0 && (uintptr_t)dsrc % 16 == 0 && n % 16 == 0) {
+    size_t v = n / 16, blocks = (v + MOE_THREADS - 1) / MOE_THREADS;
+    e = launch_pdl(m, upload16_kernel, (unsigned)(blocks > 1024 ? 1024 : blocks), MOE_THREADS, 0,
+                   (uint4 *)dst, (const uint4 *)dsrc, v);
+  } else {
+    size_t blocks = (n + MOE_THREADS - 1) / MOE_THREADS;
+    e = launch_pdl(m, upload1_kernel, (unsigned)(blocks > 1024 ? 1024 : blocks), MOE_THREADS, 0,
+                   (uint8_t *)dst, (const uint8_t *)dsrc, n);
+  }
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, what);
+  leave(m, saved);
+  return rc;
+}
+
+/* ---- graphs: the ops recorded on a stream of the state's own, then run on the queue ----
+ * Recording never touches the queue's stream, so tandem's own work on it (its copies, the
+ * events it records and waits for) goes on as usual meanwhile, from any thread: the capture is
+ * relaxed, so a call that would synchronize (a tandem sync, say) is not refused for it.
+ * cuBLAS's handle follows the recording stream (cuBLASLt calls name m->s themselves);
+ * cublasSetStream resets the handle's workspace, so it is set again each time. */
+
+static int blas_bind(moe_cuda *m, cudaStream_t s) {
+  CK_BLAS(cublasSetStream(m->blas, s));
+  CK_BLAS(cublasSetWorkspace(m->blas, m->ws, BLAS_WS_BYTES));
+  return 0;
+}
+
+static int cuda_graph_begin(void *st, tdm_queue *q) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q)) return bad_args("graph_begin");
+  if (m->recording)
+    return tdm_set_error(TDM_ESTATE, 0, "moe graph_begin: this state is already recording");
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  cudaError_t e = m->cap ? cudaSuccess : cudaStreamCreateWithFlags(&m->cap, cudaStreamNonBlocking);
+  if (e == cudaSuccess) e = cudaStreamBeginCapture(m->cap, cudaStreamCaptureModeRelaxed);
+  if (e != cudaSuccess) {
+    rc = cuda_fail(m, e, "cudaStreamBeginCapture");
+  } else if ((rc = blas_bind(m, m->cap))) {
+    cudaGraph_t g = NULL;
+    if (cudaStreamEndCapture(m->cap, &g) == cudaSuccess && g) cudaGraphDestroy(g);
+    blas_bind(m, m->qs);
+  } else {
+    m->s = m->cap;
+    m->recording = true;
+    m->rec_failed = 0;
+  }
+  leave(m, saved);
+  return rc;
+}
+
+static int cuda_graph_end(void *st, tdm_queue *q, void **graph) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || !graph) return bad_args("graph_end");
+  if (!m->recording)
+    return tdm_set_error(TDM_ESTATE, 0, "moe graph_end: this state is not recording");
+  *graph = NULL;
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  cudaGraph_t g = NULL;
+  cudaError_t e = cudaStreamEndCapture(m->cap, &g);
+  m->s = m->qs;
+  m->recording = false;
+  int brc = blas_bind(m, m->qs);
+  if (m->rec_failed) {
+    rc = m->rec_failed;
+  } else if (e != cudaSuccess) {
+    rc = cuda_fail(m, e, "cudaStreamEndCapture");
+  } else if (brc) {
+    rc = brc;
+  } else {
+    cudaGraphExec_t x = NULL;
+    e = cudaGraphInstantiate(&x, g, 0);
+    if (e != cudaSuccess) rc = cuda_fail(m, e, "cudaGraphInstantiate");
+    else *graph = x;
+  }
+  if (g) cudaGraphDestroy(g);
+  leave(m, saved);
+  return rc;
+}
+
+static int cuda_graph_launch(void *st, tdm_queue *q, void *graph) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || !graph || m->recording) return bad_args("graph_launch");
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  cudaError_t e = cudaGraphLaunch((cudaGraphExec_t)graph, m->qs);
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "cudaGraphLaunch");
+  leave(m, saved);
+  return rc;
+}
+
+static void cuda_graph_free(void *st, void *graph) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (!m || !graph) return;
+  int saved;
+  if (enter(m, &saved)) return;
+  cudaGraphExecDestroy((cudaGraphExec_t)graph);
+  leave(m, saved);
+}
+
+extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
+    /* .name = */ "cuda",
+    /* .open = */ cuda_open,
+    /* .close = */ cuda_close,
+    /* .rmsnorm = */ cuda_rmsnorm,
+    /* .router = */ cuda_router,
+    /* .expert = */ cuda_expert,
+    /* .experts = */ cuda_experts,
+    /* .group = */ cuda_group,
+    /* .combine = */ cuda_combine,
+    /* .graph_begin = */ cuda_graph_begin,
+    /* .graph_end = */ cuda_graph_end,
+    /* .graph_launch = */ cuda_graph_launch,
+    /* .graph_free = */ cuda_graph_free,
+    /* .upload = */ cuda_upload,
+};
+
+/* The entry libtandem_moe looks up when it loads this module (libtandem_moe-cuda.so). */
+extern "C" __attribute__((visibility("default"))) const tdm_moe_ops *tdm_moe_ops_module(int abi) {
+  return abi == TDM_MOE__OPS_ABI ? &tdm_moe__cuda_ops : NULL;
+}

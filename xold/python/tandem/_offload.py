@@ -1,0 +1,290 @@
+"""The torch-free half of ``tandem.torch.offload_experts``: budget parsing, finding the MoE
+blocks of a model by structure, the host layout of the expert blobs, and the plans the forward
+follows (which experts a layer needs, in which order results are combined, which policy a pass
+uses). Nothing here imports torch, so ``make check`` tests it on a machine without PyTorch
+(python/tests/test_offload_plan.py); ``tandem.torch`` does the tensor work on top of it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+# Block classes whose forward offload_experts knows how to replace: the router is the block's
+# `gate` (returning logits, weights, indices) and the experts are one module with fused 3-D
+# parameters. A block with more than that (Qwen2-MoE's shared expert, say) would lose the extra
+# part, so support is by class name as well as by structure.
+SUPPORTED_BLOCKS = {
+    "Qwen3MoeSparseMoeBlock": "qwen3_moe",
+    "MixtralSparseMoeBlock": "mixtral",
+}
+
+# A module is taken for an MoE block (supported or not) when it holds a child called `experts`
+# (true of every MoE block in transformers); the first such module on a path is the block, and
+# its children are not looked at again.
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
+    "t": 1000 ** 4, "tb": 1000 ** 4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+
+
+class OffloadError(ValueError):
+    """offload_experts cannot do what was asked (unsupported block, budget, shapes); the model
+    is left unchanged."""
+
+
+class UnsupportedBlockError(OffloadError):
+    """The model has an MoE block whose type offload_experts does not support."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "8GiB", "512 MiB", "1.5GB", "4096" (KB/MB/GB are powers of 1000,
+    KiB/MiB/GiB powers of 1024)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise OffloadError(f"budget {text!r}: expected a size such as '8GiB', '500MB', "
+                           f"'4096' or a percentage such as '25%'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_budget(budget: Any, total_bytes: int, expert_bytes: int) -> int:
+    """Device bytes for resident experts: a size (int bytes or "8GiB"-style string) or "N%" of
+    the experts' total bytes. Rounded down to whole experts (a part of an expert holds
+    nothing) and capped at the total (more holds nothing more). The staging slots come on top
+    of it, so 0 is valid: every expert streams through them."""
+    if expert_bytes <= 0:
+        raise OffloadError("expert size must be positive")
+    if isinstance(budget, bool):
+        raise OffloadError(f"budget {budget!r}: expected bytes, a size string or 'N%'")
+    if isinstance(budget, (int, float)):
+        nbytes = int(budget)
+    elif isinstance(budget, str) and budget.strip().endswith("%"):
+        try:
+            pct = float(budget.strip()[:-1])
+        except ValueError:
+            raise OffloadError(f"budget {budget!r}: expected a percentage such as '25%'") from None
+        if not 0.0 <= pct <= 100.0:
+            raise OffloadError(f"budget {budget!r}: a percentage must be between 0% and 100%")
+        nbytes = int(total_bytes * pct / 100.0)
+    elif isinstance(budget, str):
+        nbytes = parse_size(budget)
+    else:
+        raise OffloadError(f"budget {budget!r}: expected bytes, a size string or 'N%'")
+    if nbytes < 0:
+        raise OffloadError(f"budget {budget!r} is negative")
+    nbytes = min(nbytes, total_bytes)
+    return nbytes // expert_bytes * expert_bytes
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """One MoE block found in the model: its qualified name, the module, and its kind
+    (a value of SUPPORTED_BLOCKS)."""
+    name: str
+    module: Any
+    kind: str
+
+
+def _looks_like_moe(module: Any) -> bool:
+    return getattr(module, "experts", None) is not None
+
+
+def find_moe_blocks(named_modules: Iterable[Tuple[str, Any]]) -> List[BlockInfo]:
+    """The model's MoE blocks, in module order (which is layer order for transformers models),
+    from ``model.named_modules()``. Raises UnsupportedBlockError naming the first block type
+    that is not supported (or not shaped as its type should be), OffloadError when there is
+    none at all."""
+    blocks: List[BlockInfo] = []
+    inside: Optional[str] = None
+    for name, module in named_modules:
+        if inside is not None and (name == inside or name.startswith(inside + ".")):
+            continue
+        if not _looks_like_moe(module):
+            continue
+        inside = name
+        tname = type(module).__name__
+        kind = SUPPORTED_BLOCKS.get(tname)
+        if kind is None:
+            raise UnsupportedBlockError(
+                f"{name or 'the model'}: MoE block type {tname} is not supported by "
+                f"offload_experts (supported: {', '.join(sorted(SUPPORTED_BLOCKS))})")
+        problem = structure_problem(module)
+        if problem:
+            raise UnsupportedBlockError(f"{name}: {tname} is not shaped as expected: {problem}")
+        blocks.append(BlockInfo(name, module, kind))
+    if not blocks:
+        raise OffloadError("the model has no MoE block (looked for modules with an `experts` "
+                           f"child; supported: {', '.join(sorted(SUPPORTED_BLOCKS))})")
+    return blocks
+
+
+def structure_problem(block: Any) -> str:
+    """What keeps the block's fused expert parameters from being offloaded, or "" when
+    nothing: a router `gate` with a [E, H] weight, and `experts` with gate_up_proj
+    [E, 2I, H], down_proj [E, H, I], gated, unbiased, not transposed, concatenated."""
+    gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+    if gate is None or experts is None:
+        return "expected a router `gate` and an `experts` module"
+    gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if gu is None or dn is None:
+        return "experts have no fused gate_up_proj / down_proj parameters"
+    gs, ds = tuple(gu.shape), tuple(dn.shape)
+    if len(gs) != 3 or len(ds) != 3:
+        return f"expected 3-D expert parameters, got gate_up_proj {gs}, down_proj {ds}"
+    e, two_i, h = gs
+    if two_i % 2 or ds != (e, h, two_i // 2):
+        return f"gate_up_proj {gs} and down_proj {ds} do not form [E, 2I, H] / [E, H, I]"
+    for attr, want in (("has_gate", True), ("has_bias", False), ("is_transposed", False),
+                       ("is_concatenated", True)):
+        if getattr(experts, attr, want) != want:
+            return f"experts.{attr} is {getattr(experts, attr)!r}, expected {want!r}"
+    if getattr(experts, "act_fn", None) is None:
+        return "experts have no act_fn"
+    ws = tuple(getattr(getattr(gate, "weight", None), "shape", ()))
+    if ws != (e, h):
+        return f"router weight {ws}, expected {(e, h)}"
+    return ""
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where the experts live in the one pinned host buffer: key = layer * experts + e, expert
+    `key` at element key * expert_elems, each one blob [gate_up (2I x H) | down (H x I)] in
+    the parameters' dtype, row-major: the shapes F.linear takes, so the device copy is used as
+    it lands."""
+    layers: int
+    experts: int
+    hidden: int
+    intermediate: int
+    itemsize: int
+
+    @property
+    def gate_up_elems(self) -> int:
+        return 2 * self.intermediate * self.hidden
+
+    @property
+    def down_elems(self) -> int:
+        return self.hidden * self.intermediate
+
+    @property
+    def expert_elems(self) -> int:
+        return self.gate_up_elems + self.down_elems
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.expert_elems * self.itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return self.layers * self.experts * self.expert_bytes
+
+    def key(self, layer: int, e: int) -> int:
+        if not (0 <= layer < self.layers and 0 <= e < self.experts):
+            raise IndexError(f"expert ({layer}, {e}) out of range")
+        return layer * self.experts + e
+
+    def gate_up_view(self, layer: int) -> Tuple[int, Tuple[int, int, int], Tuple[int, int, int]]:
+        """(offset, shape, strides) in elements of layer's gate_up_proj [E, 2I, H] inside the
+        buffer: a strided view, so the parameter can point at the host copy without another."""
+        return (self.key(layer, 0) * self.expert_elems,
+                (self.experts, 2 * self.intermediate, self.hidden),
+                (self.expert_elems, self.hidden, 1))
+
+    def down_view(self, layer: int) -> Tuple[int, Tuple[int, int, int], Tuple[int, int, int]]:
+        """(offset, shape, strides) in elements of layer's down_proj [E, H, I]."""
+        return (self.key(layer, 0) * self.expert_elems + self.gate_up_elems,
+                (self.experts, self.hidden, self.intermediate),
+                (self.expert_elems, self.intermediate, 1))
+
+
+def uniform_shape(shapes: Sequence[Tuple[str, Tuple[int, ...], Tuple[int, ...]]]
+                  ) -> Tuple[int, int, int]:
+    """(E, H, I) shared by every block, from (name, gate_up shape, down shape) per block; an
+    OffloadError naming the first block that differs (one streamer keys every expert by
+    layer * E + e with one expert size)."""
+    first = None
+    for name, gs, _ in shapes:
+        ehi = (gs[0], gs[2], gs[1] // 2)
+        if first is None:
+            first = (name, ehi)
+        elif ehi != first[1]:
+            raise OffloadError(f"{name}: experts (E, H, I) = {ehi} differ from {first[0]}'s "
+                               f"{first[1]}; offload_experts needs one expert shape")
+    if first is None:
+        raise OffloadError("no MoE block to offload")
+    return first[1]
+
+
+def staging_bytes(slots: int, expert_bytes: int) -> int:
+    """Device bytes the staging slots take: the least the streamer needs, whatever the
+    budget."""
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+        raise OffloadError(f"slots={slots!r}: need at least one staging slot")
+    return slots * expert_bytes
+
+
+def check_device_room(budget: int, staging: int, free: int, freeable: int) -> None:
+    """Raises when the device cannot hold the staging slots plus the budget: `free` is what
+    the device has free now, `freeable` what offloading the experts gives back."""
+    need = budget + staging
+    room = free + freeable
+    if staging > room:
+        raise OffloadError(
+            f"the device cannot hold the staging slots: {staging} bytes needed, {room} "
+            f"available ({free} free + {freeable} of experts given back); use fewer slots")
+    if need > room:
+        raise OffloadError(
+            f"the device cannot hold the budget: {budget} bytes of resident experts + "
+            f"{staging} of staging slots = {need}, {room} available ({free} free + "
+            f"{freeable} of experts given back); use a smaller budget")
+
+
+def segments(counts: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """(expert, start, n) for each expert with tokens, in expert order: the rows of the
+    expert-sorted (token, k) list that each expert computes. Sorting is stable, so an expert's
+    rows keep (token, k) order whatever the order experts are computed in."""
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"negative token count {n} for expert {e}")
+        if n:
+            out.append((e, start, n))
+        start += n
+    return out
+
+
+def combine(per_slot: Sequence[Sequence[Any]], zero: Any) -> List[Any]:
+    """The fixed-order combine: out[t] = ((zero + y[t][0]) + y[t][1]) + ..., k ascending, from
+    the per-(token, k) results y. The only place results are added up, so the order experts
+    were computed in (which depends on the policy, the budget and what was resident) never
+    reaches the sums. tandem.torch does the same with tensors: one sum over the k axis of a
+    [tokens, k, hidden] buffer, a reduction whose order is fixed by its shape."""
+    out = []
+    for row in per_slot:
+        acc = zero
+        for y in row:
+            acc = acc + y
+        out.append(acc)
+    return out
+
+
+def policy_for(policy: str, tokens: int, batch: int) -> str:
+    """The streamer policy of one pass: "static" or "lru" as asked, or under "auto" LRU for
+    decode (one new token per sequence) and the static set for prefill (cyclic scans over
+    every expert, where LRU evicts what the next layer pass needs)."""
+    if policy in ("static", "lru"):
+        return policy
+    if policy == "auto":
+        return "lru" if tokens <= batch else "static"
+    raise OffloadError(f"policy={policy!r}: expected 'auto', 'static' or 'lru'")
+
+
+def resident_keys(counts: Sequence[int], n: int) -> List[int]:
+    """The n keys to keep resident under the static policy, most routed first (ties by key),
+    from per-key routing counts seen so far; with no counts yet, key order."""
+    order = sorted(range(len(counts)), key=lambda k: (-counts[k], k))
+    return order[:max(0, min(n, len(counts)))]

@@ -1,0 +1,144 @@
+"""The order manager, with dpctl's names: ``SequentialOrderManager[q]``.
+
+dpctl's manager only knows the events handed to it, so its ``wait()`` misses kernels that
+user code submitted to the queue directly. This one keeps the same bookkeeping (host-task
+events, computation events) but its ``wait()`` is ``q.synchronize()``: tandem's queue-wide
+native marker, which covers every command on the native queue, registered or not.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Iterable, List
+
+from ._tandem import Event, Queue
+
+
+class SequentialOrder:
+    """The order state of one queue: what later submissions should depend on.
+
+    ``submitted_events``: computation events a new submission should list as dependencies
+    (tandem's own recent submissions on the queue, and events added here); ``host_task_events``:
+    events of host tasks and keep-alives (e.g. ``q.keep_alive(...)``) still pending.
+    """
+
+    def __init__(self, queue: Queue) -> None:
+        self._queue_ref = weakref.ref(queue)
+        self._lock = threading.Lock()
+        self._host: List[Any] = []
+        self._comp: List[Any] = []
+
+    @property
+    def queue(self) -> Queue:
+        q = self._queue_ref()
+        if q is None:
+            raise ReferenceError("the queue of this order manager no longer exists")
+        return q
+
+    @staticmethod
+    def _pending(events: List[Any]) -> List[Any]:
+        return [e for e in events if not _done(e)]
+
+    def add_event_pair(self, host_task_ev: Any, comp_ev: Any) -> None:
+        """Registers a host-task (keep-alive) event and the computation event it goes with."""
+        self.add_to_host_task_events(host_task_ev)
+        self.add_to_submitted_events(comp_ev)
+
+    def add_event(self, ev: Any) -> None:
+        """Registers a computation event (tandem's, or a CuPy, PyTorch or pyopencl event)."""
+        self.add_to_submitted_events(ev)
+
+    def add_to_both_events(self, host_task_ev: Any, comp_ev: Any) -> None:
+        """dpctl's name for add_event_pair."""
+        self.add_event_pair(host_task_ev, comp_ev)
+
+    def add_to_host_task_events(self, ev: Any) -> None:
+        """Registers an event to wait for before the arguments it keeps alive may go."""
+        ev = _as_event(ev, self.queue)
+        with self._lock:
+            self._host = self._pending(self._host)
+            self._host.append(ev)
+
+    def add_to_submitted_events(self, ev: Any) -> None:
+        """Registers a computation event; the queue's order tracker learns of it too."""
+        q = self.queue
+        ev = _as_event(ev, q)
+        q.track(ev)
+        with self._lock:
+            self._comp = self._pending(self._comp)
+            self._comp.append(ev)
+
+    @property
+    def host_task_events(self) -> List[Event]:
+        """Pending host-task events."""
+        with self._lock:
+            self._host = self._pending(self._host)
+            return list(self._host)
+
+    @property
+    def submitted_events(self) -> List[Event]:
+        """Events a new submission on the queue should depend on: the registered computation
+        events still pending, and what tandem's tracker knows of the queue."""
+        deps = self.queue.dependencies()
+        with self._lock:
+            self._comp = self._pending(self._comp)
+            known = {e.handle for e in deps}
+            return deps + [e for e in self._comp if e.handle not in known]
+
+    @property
+    def num_host_task_events(self) -> int:
+        return len(self.host_task_events)
+
+    @property
+    def num_submitted_events(self) -> int:
+        return len(self.submitted_events)
+
+    def wait(self) -> None:
+        """Waits for the registered host tasks, then for everything on the queue: a queue-wide
+        marker, so kernels other code put on the native queue without registering them are
+        waited for too. Raises the queue's first error (see Queue.synchronize)."""
+        for ev in self.host_task_events:
+            ev.wait()
+        self.queue.synchronize()
+        with self._lock:
+            self._host = self._pending(self._host)
+            self._comp = self._pending(self._comp)
+
+
+def _done(ev: Event) -> bool:
+    try:
+        return ev.done
+    except Exception:  # a handle tandem no longer knows: nothing left to wait for
+        return True
+
+
+def _as_event(ev: Any, q: Queue) -> Event:
+    return ev if isinstance(ev, Event) else Event.from_native(ev, q.device)
+
+
+class _SequentialOrderManager:
+    """``SequentialOrderManager[q]``: the same SequentialOrder for the same queue, as long as
+    the queue lives."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._orders: "weakref.WeakKeyDictionary[Queue, SequentialOrder]" = (
+            weakref.WeakKeyDictionary())
+
+    def __getitem__(self, q: Queue) -> SequentialOrder:
+        if not isinstance(q, Queue):
+            raise TypeError(f"SequentialOrderManager[q] takes a tandem.Queue, not "
+                            f"{type(q).__name__}")
+        with self._lock:
+            order = self._orders.get(q)
+            if order is None:
+                order = self._orders[q] = SequentialOrder(q)
+            return order
+
+    def clear(self) -> None:
+        """Forgets every queue's order state."""
+        with self._lock:
+            self._orders.clear()
+
+
+SequentialOrderManager = _SequentialOrderManager()

@@ -1,0 +1,499 @@
+"""tandem.torch: expert offload for PyTorch Mixture-of-Experts models (transformers' Qwen3-MoE
+and Mixtral blocks), with tandem's expert streamer under them.
+
+    handle = tandem.torch.offload_experts(model, budget="25%", device="cuda:0")
+    out = model.generate(...)          # experts stream from pinned host memory
+    handle.stats(); handle.restore()
+
+What offload_experts does, in order, so that an error at any step leaves the model as it was
+(it checks everything, then allocates, then swaps):
+1. finds the MoE blocks (modules with an ``experts`` child) and checks each is a supported type
+   with the fused 3-D parameters ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], all
+   blocks with the same E, H, I and dtype; any other block type is an error naming it;
+2. sizes the device side: the budget (``"8GiB"``-style sizes, plain bytes, or ``"N%"`` of the
+   experts' total bytes, rounded down to whole experts) is device memory for experts that may
+   stay resident; ``slots`` staging slots of one expert each come on top of it and always
+   exist, so a budget of 0 streams every expert through them. The device must hold the budget
+   plus the staging slots, counting the expert memory the offload gives back, else an error;
+3. copies every expert into one pinned host buffer, one contiguous blob per expert in the
+   parameters' dtype, laid out [gate_up (2I x H) | down (H x I)] (what F.linear takes, so a
+   slot is used as it lands), keyed layer * E + e over the offloaded blocks in module order;
+4. points each expert parameter at its strided view of that buffer (so it now lives on the
+   CPU, in pinned memory, without a second host copy), creates one streamer for all blocks and
+   replaces each block's forward. If the streamer cannot be created, the parameters go back.
+
+The replaced forward of a block: the block's own router runs on the GPU (so routing is exactly
+transformers'); the (token, k) pairs are sorted by expert on the GPU and the per-expert counts
+reach the host in one small copy per layer; the streamer orders the routed experts so the GPU
+computes those already on the device while the others land (Streamer.schedule); under the
+static policy every copy the layer needs starts at once on the prefetch queue, as soon as the
+routing is known, and under LRU (where a prefetch could evict a cached expert the layer still
+needs) the acquires run ahead of compute, a window of slots - 1 experts, so demand copies
+overlap the experts before them. Once a layer's experts are queued, the next block's experts as its router
+predicts them from this block's input (the predictor rides in the same count copy) are
+prefetched, so their copies run while this layer computes. Each expert comes as a device
+pointer plus a device-side wait on the compute stream, is computed on PyTorch's current stream
+of the pass (tandem's compute queue is a torch stream the handle owns, adopted by tandem; the
+caller's stream and it wait for each other device-side around the block) and is released right
+after its last kernel, so its slot is reused only once that work completes.
+
+Results are bitwise independent of the policy, the budget and the order experts are computed
+in: an expert's weighted output goes to its own rows of an expert-sorted buffer (inputs and
+routing weights are gathered in that order once, so an expert's are slices), the buffer goes
+back to (token, k) order in one copy, and the block output is summed from it afterwards, in an order fixed by the buffer's shape, never
+accumulated in compute order. An expert always computes the same rows, in the same order, with
+the same kernels, wherever its weights came from. The all-resident reference is this same code
+path with a budget of "100%". The combine is one sum over k of the weighted outputs, kept in
+the dtype the weighting gives (float32 under Mixtral's float32 routing weights), rounded to the
+hidden dtype once, as transformers' grouped_mm experts do; against transformers' own forward
+the difference is within bf16 rounding (other GEMM kernels, other summation order).
+
+Policies: "static" keeps a fixed set resident (the most routed experts seen so far, else key
+order), which suits prefill's scans over every expert; "lru" makes every slot one LRU cache,
+which suits decode. "auto" (the default) uses LRU for decode passes (one token per sequence)
+and the static set for prefill. The streamer's policy is fixed at creation, so switching
+recreates the streamer (resident experts are loaded again); results never change.
+
+restore() puts the original parameter objects back on the devices they were on at offload time
+(new device memory, the same Parameter objects, so references held elsewhere stay valid), puts
+the original forwards back and frees the streamer and the pinned buffer. If the device cannot
+hold the parameters again, restore() raises and the model stays offloaded and working.
+
+Limits: inference only (expert outputs carry no gradient); one CUDA device; a handle's forwards
+are serialized by a lock; do not change expert parameters while offloaded (the streamer copies
+from the pinned buffer they point at). Importing this module needs PyTorch; ``import tandem``
+never imports it.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import types
+from typing import Any, Deque, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+import tandem
+
+from . import _offload as plan
+from ._offload import OffloadError, UnsupportedBlockError
+
+__all__ = ["offload_experts", "OffloadHandle", "OffloadError", "UnsupportedBlockError"]
+
+_COUNTERS = ("acquires", "hits", "resident_hits", "inflight_hits", "misses", "prefetches",
+             "prefetch_hits", "prefetch_dropped", "bytes_copied")
+
+
+class _DeviceBytes:
+    """A streamer slot as CUDA Array Interface v3 bytes, so torch.as_tensor views it without
+    a copy. No stream: the compute stream already waits for the slot's copy device-side."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "strides": None,
+            "version": 3, "stream": None,
+        }
+
+
+def offload_experts(model: Any, budget: Union[str, int] = "8GiB", policy: str = "auto",
+                    slots: int = 16, device: str = "cuda:0", *,
+                    prefetch_depth: int = 0, lookahead: bool = True) -> "OffloadHandle":
+    """Moves the expert weights of `model`'s MoE blocks into pinned host memory and streams
+    them to `device` on demand (see the module's docstring). `budget`: device bytes for
+    resident experts ("8GiB", "500MB", an int, or "25%" of the experts' bytes); `policy`:
+    "auto", "static" or "lru"; `slots`: staging slots (one expert each) besides the budget;
+    `prefetch_depth`: prefetch copies in flight at most (0: as many as staging slots);
+    `lookahead`: prefetch the next block's experts as its router, applied to this block's
+    input, predicts them.
+    Returns an OffloadHandle. Raises OffloadError (UnsupportedBlockError for a block type it
+    does not know) or a tandem/torch error, with the model unchanged."""
+    plan.policy_for(policy, 1, 1)          # reject a bad policy before anything else
+    if not torch.cuda.is_available():
+        raise OffloadError("offload_experts needs a CUDA device; PyTorch sees none")
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise OffloadError(f"device={device!r}: offload_experts computes on a CUDA device")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    blocks = plan.find_moe_blocks(model.named_modules())
+    if any(getattr(b.module, "_tandem_offload", None) is not None for b in blocks):
+        raise OffloadError("the model's experts are offloaded already; restore() first")
+    shapes = [(b.name, tuple(b.module.experts.gate_up_proj.shape),
+               tuple(b.module.experts.down_proj.shape)) for b in blocks]
+    e, h, i = plan.uniform_shape(shapes)
+    dtypes = {(b.module.experts.gate_up_proj.dtype, b.module.experts.down_proj.dtype)
+              for b in blocks}
+    if len(dtypes) != 1 or len(set(next(iter(dtypes)))) != 1:
+        raise OffloadError(f"the expert parameters have more than one dtype: "
+                           f"{sorted(map(str, dtypes))}")
+    dtype = next(iter(dtypes))[0]
+    for b in blocks:
+        rdev = b.module.gate.weight.device
+        if rdev != dev:
+            raise OffloadError(f"{b.name}: the router is on {rdev}, not on {dev}; the rest of "
+                               f"the model must be on the device that computes the experts")
+    layout = plan.ExpertLayout(len(blocks), e, h, i, torch.empty((), dtype=dtype).element_size())
+    budget_bytes = plan.parse_budget(budget, layout.total_bytes, layout.expert_bytes)
+    staging = plan.staging_bytes(slots, layout.expert_bytes)
+    free, _ = torch.cuda.mem_get_info(dev)
+    on_dev = sum(p.numel() * p.element_size() for b in blocks
+                 for p in (b.module.experts.gate_up_proj, b.module.experts.down_proj)
+                 if p.device == dev)
+    cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    plan.check_device_room(budget_bytes, staging, free, on_dev + max(0, cached))
+    return OffloadHandle(blocks, layout, dtype, dev, budget_bytes, slots, policy,
+                         prefetch_depth, lookahead)
+
+
+class OffloadHandle:
+    """What offload_experts returns: stats(), reset_stats(), restore(); a context manager
+    that restores on exit."""
+
+    def __init__(self, blocks: List[plan.BlockInfo], layout: plan.ExpertLayout,
+                 dtype: torch.dtype, device: torch.device, budget_bytes: int, slots: int,
+                 policy: str, prefetch_depth: int, lookahead: bool = True) -> None:
+        self._blocks = blocks
+        self._layout = layout
+        self._dtype = dtype
+        self._device = device
+        self.budget_bytes = budget_bytes
+        self.slots = slots
+        self.policy = policy
+        self._prefetch_depth = prefetch_depth
+        self._lookahead = lookahead
+        self._lock = threading.Lock()
+        self._streamer: Any = None
+        self._streamer_policy: Optional[str] = None
+        self._views: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._carry = dict.fromkeys(_COUNTERS, 0)
+        self._busy_s = 0.0
+        self._peak: Optional[float] = None
+        self._key_counts = [0] * (layout.layers * layout.experts)
+        self._restored = False
+        tdev = tandem.Device(f"cuda:{device.index}")
+
+        # Allocate and fill everything before the model changes.
+        # The stream is made before any tandem work is queued (README: PyTorch's first stream
+        # of a process may wait for the whole device with the GIL held).
+        self._stream = torch.cuda.Stream(device)
+        self._queue = _adopt(self._stream)
+        # This block's routed counts, then the next block's predicted ones: one copy a layer.
+        self._counts = torch.empty(2 * layout.experts, dtype=torch.int64, pin_memory=True)
+        self._counts_ready = torch.cuda.Event()
+        self._host = tandem.malloc(layout.total_bytes, "pinned", tdev)
+        flat = torch.frombuffer(self._host, dtype=torch.uint8).view(dtype)
+        views = []
+        for layer, b in enumerate(blocks):
+            ex = b.module.experts
+            for p, (off, shape, strides) in ((ex.gate_up_proj, layout.gate_up_view(layer)),
+                                             (ex.down_proj, layout.down_view(layer))):
+                v = flat.as_strided(shape, strides, off)
+                v.copy_(p.data)
+                views.append((p, v))
+        del flat
+
+        # Swap: parameters to their host views (their device memory goes back to the
+        # caching allocator, and from it to the device for the slots), then the streamer, then
+        # the forwards. If the streamer cannot be made, the parameters go back where they were.
+        self._originals = [(p, p.data.device) for p, _ in views]
+        with torch.no_grad():
+            for p, v in views:
+                p.data = v
+        del views
+        try:
+            if any(d == device for _, d in self._originals):
+                torch.cuda.synchronize(device)
+                torch.cuda.empty_cache()
+            self._ensure_policy(plan.policy_for(policy, 2, 1))
+        except BaseException:
+            with torch.no_grad():
+                for p, d in self._originals:
+                    p.data = _copy_to(p.data, d)
+            self._release_host()
+            raise
+        self._saved_forwards: List[Tuple[Any, Optional[Any]]] = []
+        for layer, b in enumerate(blocks):
+            self._saved_forwards.append((b.module, b.module.__dict__.get("forward")))
+            b.module.forward = types.MethodType(_make_forward(self, layer), b.module)
+            b.module._tandem_offload = self
+
+    # -- public ---------------------------------------------------------------------------
+
+    @property
+    def blocks(self) -> List[str]:
+        """Qualified names of the offloaded blocks, in layer order."""
+        return [b.name for b in self._blocks]
+
+    @property
+    def expert_bytes(self) -> int:
+        return self._layout.expert_bytes
+
+    def stats(self) -> Dict[str, Any]:
+        """The streamer's counters since offload or reset_stats(), and: hit_rate (experts
+        already resident when routed, over acquires; copies in flight are not hits),
+        link_utilization (bytes copied / time spent in the offloaded blocks' forwards, over
+        the peak of one large pinned host-to-device copy measured once in this process) and
+        busy_s (that time)."""
+        with self._lock:
+            st: Dict[str, Any] = dict(self._carry)
+            if self._streamer is not None:
+                cur = self._streamer.stats()
+                for k, v in cur.items():
+                    st[k] = st.get(k, 0) + v if k in _COUNTERS else v
+            acq = st.get("acquires", 0)
+            res = st.get("resident_hits", st.get("hits", 0) - st.get("inflight_hits", 0))
+            st["hit_rate"] = res / acq if acq else 0.0
+            st["busy_s"] = self._busy_s
+            st["budget_bytes"] = self.budget_bytes
+            st["policy"] = self._streamer_policy
+            util = 0.0
+            if st.get("bytes_copied", 0) and self._busy_s > 0:
+                util = st["bytes_copied"] / self._busy_s / self._link_peak()
+            st["link_utilization"] = util
+            return st
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            if self._streamer is not None:
+                self._streamer.reset_stats()
+            self._carry = dict.fromkeys(_COUNTERS, 0)
+            self._busy_s = 0.0
+
+    def restore(self) -> None:
+        """Original parameters (same objects, on their devices of offload time) and forwards
+        back; streamer and pinned memory freed. Raises, leaving the model offloaded, if the
+        device cannot hold the parameters again."""
+        with self._lock:
+            if self._restored:
+                return
+            back = [(p, _copy_to(p.data, d)) for p, d in self._originals]  # may raise
+            self._stream.synchronize()
+            with torch.no_grad():
+                for p, t in back:
+                    p.data = t
+            del back
+            for module, fwd in self._saved_forwards:
+                if fwd is None:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = fwd
+                module.__dict__.pop("_tandem_offload", None)
+            self._close_streamer()
+            self._release_host()
+            self._restored = True
+
+    def _release_host(self) -> None:
+        try:
+            self._host.free()
+        except (BufferError, tandem.TandemError):
+            pass   # a view of it is still alive somewhere: freed with the last one
+        self._host = None
+
+    def __enter__(self) -> "OffloadHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()
+
+    # -- the streamer ---------------------------------------------------------------------
+
+    def _ensure_policy(self, policy: str) -> None:
+        if policy == self._streamer_policy:
+            return
+        self._close_streamer()
+        kw: Dict[str, Any] = dict(budget_bytes=self.budget_bytes, staging_slots=self.slots,
+                                  policy=policy, prefetch_depth=self._prefetch_depth)
+        if policy == "static":
+            kw["resident"] = plan.resident_keys(self._key_counts,
+                                                self.budget_bytes // self._layout.expert_bytes)
+        lay = self._layout
+        self._streamer = _streamer_type()(self._queue, lay.layers, lay.experts,
+                                          lay.expert_bytes, self._host, **kw)
+        self._streamer_policy = policy
+
+    def _close_streamer(self) -> None:
+        if self._streamer is None:
+            return
+        for k, v in self._streamer.stats().items():
+            if k in _COUNTERS:
+                self._carry[k] = self._carry.get(k, 0) + v
+        self._stream.synchronize()
+        self._streamer.close()
+        self._streamer = None
+        self._streamer_policy = None
+        self._views.clear()   # the slots' addresses die with the streamer
+
+    def _slot(self, ptr: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        v = self._views.get(ptr)
+        if v is None:
+            lay = self._layout
+            raw = torch.as_tensor(_DeviceBytes(ptr, lay.expert_bytes), device=self._device)
+            w = raw.view(self._dtype)
+            v = (w[:lay.gate_up_elems].view(2 * lay.intermediate, lay.hidden),
+                 w[lay.gate_up_elems:].view(lay.hidden, lay.intermediate))
+            self._views[ptr] = v
+        return v
+
+    def _link_peak(self) -> float:
+        """Bytes/s of one 256 MiB pinned host-to-device copy, best of three."""
+        if self._peak is None:
+            n = 256 << 20
+            src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            dst = torch.empty(n, dtype=torch.uint8, device=self._device)
+            best = float("inf")
+            for _ in range(3):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(self._stream):
+                    a.record()
+                    dst.copy_(src, non_blocking=True)
+                    b.record()
+                b.synchronize()
+                best = min(best, a.elapsed_time(b) / 1e3)
+            self._peak = n / best
+        return self._peak
+
+    # -- the forward ----------------------------------------------------------------------
+
+    def _block_forward(self, layer: int, block: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            if self._restored:
+                raise OffloadError("this offload handle was restored")
+            t0 = time.perf_counter()
+            try:
+                return self._block_forward_locked(layer, block, hidden_states)
+            finally:
+                self._busy_s += time.perf_counter() - t0
+
+    def _block_forward_locked(self, layer: int, block: Any,
+                              hidden_states: torch.Tensor) -> torch.Tensor:
+        bsz, seq, hdim = hidden_states.shape
+        jitter = getattr(block, "jitter_noise", 0)
+        if block.training and jitter > 0:      # as MixtralSparseMoeBlock does
+            hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - jitter, 1.0 + jitter)
+        x = hidden_states.reshape(-1, hdim)
+        _, weights, index = block.gate(x)
+        ntok, topk = index.shape
+        self._ensure_policy(plan.policy_for(self.policy, ntok, bsz))
+        caller = torch.cuda.current_stream(self._device)
+        stream = self._stream
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream), torch.no_grad():
+            out = self._experts(layer, block.experts, x, weights, index, ntok, topk)
+        caller.wait_stream(stream)
+        out.record_stream(caller)
+        return out.reshape(bsz, seq, hdim)
+
+    def _experts(self, layer: int, experts: Any, x: torch.Tensor, weights: torch.Tensor,
+                 index: torch.Tensor, ntok: int, topk: int) -> torch.Tensor:
+        lay, s = self._layout, self._streamer
+        flat = index.reshape(-1)
+        rows = torch.argsort(flat, stable=True)        # (token, k) positions, by expert
+        tokens = torch.div(rows, topk, rounding_mode="floor")
+        # scatter_add_, not bincount: bincount on CUDA waits for the device to size its output.
+        both = torch.zeros(2 * lay.experts, dtype=torch.int64, device=x.device)
+        both[:lay.experts].scatter_add_(0, flat, torch.ones_like(flat))
+        nxt_gate = self._blocks[layer + 1].module.gate \
+            if self._lookahead and layer + 1 < lay.layers else None
+        if nxt_gate is not None:
+            # The predictor: the next block's router weights applied to this block's input
+            # (top-k of the logits is top-k of the softmax). A wrong guess costs copies, never
+            # results; the router module is not called, so no hook sees the guess.
+            guess = torch.topk(F.linear(x, nxt_gate.weight), topk, dim=-1).indices.reshape(-1)
+            both[lay.experts:].scatter_add_(0, guess, torch.ones_like(guess))
+        self._counts.copy_(both, non_blocking=True)
+        self._counts_ready.record()
+        self._counts_ready.synchronize()               # the layer's one device-to-host wait
+        counts = self._counts.tolist()
+        predicted = sorted((e for e in range(lay.experts) if counts[lay.experts + e]),
+                           key=lambda e: -counts[lay.experts + e])
+        counts = counts[:lay.experts]
+        base = layer * lay.experts
+        for e, n in enumerate(counts):
+            self._key_counts[base + e] += n
+        segs = {e: (start, n) for e, start, n in plan.segments(counts)}
+        order = list(s.schedule(layer, list(segs)))
+        if self._streamer_policy == "static":
+            # Every copy this layer needs starts now, on the prefetch queue (up to its depth):
+            # under the static policy they land in staging slots and never evict a resident
+            # expert. Under LRU a prefetch could evict a cached expert this layer still needs,
+            # so there the acquires below copy on demand, running ahead of compute.
+            s.prefetch(layer, order)
+        # One gather for every expert's input rows and routing weights, in expert order, so an
+        # expert's inputs and outputs are slices (views) and it costs its own kernels only.
+        # Its weighted rows land in the dtype that output has (float32 under Mixtral's float32
+        # routing weights, as in transformers) and go back to (token, k) order once, below.
+        xs = x[tokens]
+        ws = weights.reshape(-1)[rows].unsqueeze(1)
+        ys_sorted = torch.empty(ntok * topk, x.shape[1], device=x.device,
+                                dtype=torch.promote_types(x.dtype, weights.dtype))
+        gate = getattr(experts, "_apply_gate", None)
+        act = experts.act_fn
+        # Acquires run ahead of compute (so demand copies overlap the experts before them),
+        # at most `window` held at once, fewer than the staging slots.
+        window = max(1, self.slots - 1)
+        held: Deque[Tuple[int, int]] = collections.deque()
+        nxt, busy = 0, -1
+        try:
+            for e in order:
+                while nxt < len(order) and len(held) < window:
+                    try:
+                        held.append((order[nxt], s.acquire(layer, order[nxt])[0]))
+                    except tandem.BusyError:
+                        if not held:
+                            raise
+                        break          # every slot pinned: compute the ones held first
+                    nxt += 1
+                _, ptr = held.popleft()
+                busy = e
+                gu, dn = self._slot(ptr)
+                start, n = segs[e]
+                end = start + n
+                h = F.linear(xs[start:end], gu)
+                if gate is not None:
+                    h = gate(h)
+                else:
+                    g, u = h.chunk(2, dim=-1)
+                    h = act(g) * u
+                torch.mul(F.linear(h, dn), ws[start:end], out=ys_sorted[start:end])
+                s.release(layer, e)              # after the expert's last kernel
+                busy = -1
+        finally:
+            for he in [busy] * (busy >= 0) + [he for he, _ in held]:   # only after an error
+                s.release(layer, he)
+        if predicted:
+            s.prefetch(layer + 1, predicted)     # most tokens first
+        # The fixed-order combine: one reduction over k, the same shape every time, whatever
+        # order the experts ran in (transformers' grouped_mm path sums the same way).
+        ys = torch.empty_like(ys_sorted).index_copy_(0, rows, ys_sorted)
+        del ys_sorted
+        return ys.view(ntok, topk, -1).sum(dim=1).to(x.dtype)
+
+
+def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A contiguous copy of t on device, even where t is already there (a view of the pinned
+    buffer must not outlive it)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    out.copy_(t)
+    return out
+
+
+def _make_forward(handle: OffloadHandle, layer: int) -> Any:
+    def forward(block: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+        return handle._block_forward(layer, block, hidden_states)
+    return forward
+
+
+def _adopt(stream: "torch.cuda.Stream") -> Any:
+    try:
+        return tandem.Queue.adopt(stream)
+    except TypeError:
+        return tandem.Queue.adopt(stream.cuda_stream)
+
+
+def _streamer_type() -> Any:
+    st = getattr(tandem, "Streamer", None) or getattr(tandem._tandem, "Streamer", None)
+    if st is None:
+        raise OffloadError("this tandem build has no Streamer (tandem._tandem.Streamer)")
+    return st

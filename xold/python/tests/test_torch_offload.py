@@ -1,0 +1,206 @@
+"""tandem.torch.offload_experts on transformers' real Qwen3-MoE and Mixtral classes (run by
+scripts/gpu-check; skipped without PyTorch, transformers, a GPU or tandem.Streamer): tiny
+random-weight models, whose offloaded logits must be bitwise equal to the all-resident run for
+every budget and policy and close to transformers' own forward; greedy generation token for
+token; stats; and errors (unsupported block, too little device memory) that leave the model
+unchanged. The torch-free parts are tested everywhere by test_offload_plan.py."""
+import pytest
+
+import tandem
+from gpu import need_torch
+
+BUDGETS = [0, "25%", "50%", "100%"]
+POLICIES = ["static", "lru", "auto"]
+
+
+@pytest.fixture(scope="module")
+def env():
+    torch, dev = need_torch()
+    transformers = pytest.importorskip("transformers")
+    if getattr(tandem, "Streamer", None) is None and \
+            getattr(tandem._tandem, "Streamer", None) is None:
+        pytest.skip("this tandem build has no Streamer")
+    import tandem.torch as tt
+    return torch, transformers, tt
+
+
+def tiny(transformers, torch, arch, layers=3, seed=0):
+    """A random-weight model small enough to run in well under a second, in bf16 on cuda:0.
+    Qwen3-MoE with top-4 routing, so the fixed-order combine adds more than two outputs."""
+    common = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
+                  attn_implementation="eager")
+    if arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32,
+                                          num_experts=8, num_experts_per_tok=4,
+                                          norm_topk_prob=True, head_dim=16, **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        cfg = transformers.MixtralConfig(intermediate_size=32, num_local_experts=8,
+                                         num_experts_per_tok=2, **common)
+        cls = transformers.MixtralForCausalLM
+    torch.manual_seed(seed)
+    model = cls(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    # Larger expert weights than the default init, so routing and outputs are not all alike.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or ".gate." in name:
+                p.normal_(0.0, 0.2)
+    return model
+
+
+def tokens(torch, batch=2, seq=24, seed=1):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(0, 128, (batch, seq), generator=g).cuda()
+
+
+def logits(torch, model, ids):
+    with torch.no_grad():
+        out = model(ids).logits
+    torch.cuda.synchronize()
+    return out
+
+
+def snapshot(model):
+    """What offload must not change when it raises: each parameter's object, device and data
+    pointer, and which modules have a forward of their own."""
+    return ([(n, id(p), p.device, p.data_ptr()) for n, p in model.named_parameters()],
+            [n for n, m in model.named_modules() if "forward" in m.__dict__])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("layers", [1, 3])
+def test_close_to_transformers(env, arch, layers, record_property):
+    # Other GEMM kernels and summation order than transformers' own experts: equal within
+    # bf16 rounding. With one MoE layer the routing is transformers' exactly; past the first,
+    # a router input that differs in its last bit may flip a near tie in top-k, so the
+    # largest difference is reported (in the JUnit XML) and asserted on the first only.
+    torch, transformers, tt = env
+    model = tiny(transformers, torch, arch, layers=layers)
+    ids = tokens(torch)
+    ref = logits(torch, model, ids)                          # transformers' own forward
+    with tt.offload_experts(model, budget="100%", policy="static"):
+        got = logits(torch, model, ids)
+    diff = (got.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    record_property(f"max_abs_diff_{arch}_{layers}_layers", diff)
+    record_property(f"max_abs_logit_{arch}_{layers}_layers", scale)
+    print(f"{arch}, {layers} layers: largest |offloaded - transformers| = {diff:.3g} "
+          f"(logits up to {scale:.3g})")
+    assert diff == diff and diff < float("inf")
+    if layers == 1:
+        assert diff <= 2 ** -6 * scale, f"{arch}: {diff} off transformers' forward"
+    assert torch.equal(logits(torch, model, ids), ref), "restore() changed the model"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_logits_bitwise_for_every_budget_and_policy(env, arch):
+    torch, transformers, tt = env
+    model = tiny(transformers, torch, arch)
+    ids = tokens(torch)
+    ref = logits(torch, model, ids)
+    with tt.offload_experts(model, budget="100%", policy="static") as h:
+        resident = logits(torch, model, ids)                 # the all-resident run
+        h.reset_stats()
+        assert torch.equal(logits(torch, model, ids), resident)
+        st = h.stats()
+        assert st["acquires"] > 0 and st["hit_rate"] == 1.0, st
+    for budget in BUDGETS:
+        for policy in POLICIES:
+            h = tt.offload_experts(model, budget=budget, policy=policy, slots=3)
+            try:
+                for _ in range(2):                           # cold, then with a warm cache
+                    got = logits(torch, model, ids)
+                    assert torch.equal(got, resident), f"{arch} budget {budget} {policy}"
+                st = h.stats()
+                assert st["acquires"] > 0
+                if budget == 0:                              # everything streams
+                    assert st["bytes_copied"] > 0 and st["hit_rate"] < 1.0, st
+            finally:
+                h.restore()
+    for kw in (dict(slots=1), dict(lookahead=False), dict(prefetch_depth=1)):
+        with tt.offload_experts(model, budget="25%", **kw):
+            assert torch.equal(logits(torch, model, ids), resident), f"{arch} {kw}"
+    assert torch.equal(logits(torch, model, ids), ref), "restore() changed the model"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_greedy_generation_token_for_token(env, arch):
+    torch, transformers, tt = env
+    model = tiny(transformers, torch, arch)
+    ids = tokens(torch, batch=1, seq=8)
+    kw = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(ids, **kw)
+
+    with tt.offload_experts(model, budget="100%", policy="static"):
+        want = generate()
+    for budget in BUDGETS:
+        with tt.offload_experts(model, budget=budget, slots=2) as h:  # auto: static, then LRU
+            got = generate()
+            st = h.stats()
+        assert torch.equal(got, want), f"{arch} budget {budget}: {got} != {want}"
+        assert got.shape[1] == ids.shape[1] + 32
+        assert st["acquires"] > 0
+
+
+def test_restore_gives_back_the_same_parameters(env):
+    torch, transformers, tt = env
+    model = tiny(transformers, torch, "mixtral")
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    own_forward = snapshot(model)[1]
+    h = tt.offload_experts(model, budget="50%")
+    ex = model.model.layers[0].mlp.experts
+    assert ex.gate_up_proj.device.type == "cpu"              # in the pinned buffer
+    assert h.blocks == [f"model.layers.{n}.mlp" for n in range(3)]
+    with pytest.raises(tt.OffloadError, match="offloaded already"):
+        tt.offload_experts(model)
+    h.restore()
+    h.restore()                                              # twice is harmless
+    for n, p in model.named_parameters():
+        obj, data = before[n]
+        assert p is obj and p.device.type == "cuda" and torch.equal(p, data), n
+    assert snapshot(model)[1] == own_forward
+
+
+def test_unsupported_block_raises_and_leaves_the_model(env):
+    torch, transformers, tt = env
+    cfg = transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=64,
+                                      moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=32, num_experts=8,
+                                      num_experts_per_tok=2, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=128)
+    model = transformers.Qwen2MoeForCausalLM(cfg).cuda().eval()
+    snap = snapshot(model)
+    with pytest.raises(tt.UnsupportedBlockError, match="Qwen2MoeSparseMoeBlock"):
+        tt.offload_experts(model)
+    assert snapshot(model) == snap
+    dense = transformers.Qwen3Config(hidden_size=64, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=128)
+    with pytest.raises(tt.OffloadError, match="no MoE block"):
+        tt.offload_experts(transformers.Qwen3ForCausalLM(dense).cuda())
+
+
+def test_too_little_device_memory_raises_and_leaves_the_model(env):
+    torch, transformers, tt = env
+    model = tiny(transformers, torch, "qwen3_moe")
+    ids = tokens(torch)
+    ref = logits(torch, model, ids)
+    snap = snapshot(model)
+    free, _ = torch.cuda.mem_get_info()
+    ebytes = (2 * 32 * 64 + 64 * 32) * 2
+    with pytest.raises(tt.OffloadError, match="staging slots"):
+        tt.offload_experts(model, slots=2 * free // ebytes)
+    for bad in ("101%", "lots", -1):
+        with pytest.raises(tt.OffloadError, match="budget"):
+            tt.offload_experts(model, budget=bad)
+    with pytest.raises(tt.OffloadError, match="policy"):
+        tt.offload_experts(model, policy="lfu")
+    with pytest.raises(tt.OffloadError, match="staging slot"):
+        tt.offload_experts(model, slots=0)
+    assert snapshot(model) == snap
+    assert torch.equal(logits(torch, model, ids), ref)
