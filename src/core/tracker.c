@@ -1,7 +1,8 @@
 /* tracker.c: the order tracker. Per queue, the events of tandem's own recent submissions (on
  * an out-of-order queue; an in-order queue's order implies them, and a marker stands for them
- * where they must be named) and foreign events handed in with tdm_queue_track. Bounded: completed entries are pruned, and when it is still full every
- * entry collapses into one barrier. All functions run with q->submit_mu held. */
+ * where they must be named) and foreign events handed in with tdm_queue_track. Bounded:
+ * completed entries are pruned, and when it is still full every entry collapses into one
+ * barrier. All functions run with q->submit_mu held. */
 #include <stdlib.h>
 
 #include "internal.h"
