@@ -759,7 +759,8 @@ static PyMethodDef queue_methods[] = {
     {"dependencies", (PyCFunction)queue_dependencies, METH_NOARGS,
      "dependencies() -> list[Event]\n--\n\n"
      "What a new external submission on the queue must wait on: the order tracker's pending\n"
-     "events (tandem's own recent submissions and tracked ones)."},
+     "events (tracked ones, and tandem's own recent submissions: on an in-order queue with\n"
+     "work pending, one marker this call submits after it)."},
     {"track", (PyCFunction)queue_track, METH_O,
      "track(event) -> None\n--\n\n"
      "Adds an event (tandem's or foreign) to the queue's order tracker."},
