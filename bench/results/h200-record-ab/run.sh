@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Side by side on one H200 host: this tree ("new": a reap finishes its plain commands in one
-# pass; in-order queues track none of their own commands) against 8fbe1ec ("old", in xold/).
+# pass; in-order queues track none of their own commands) against 8fbe1ec ("old": `git archive 8fbe1ec` unpacked into build-ab-old/, which
+# the device call carries).
 # Both built Release for architecture 90; the CUDA suite on new (ctest -L cuda); then
 # `bench-cuda overhead` six times each way, interleaved, each a process of its own.
 # Writes $OUT/results.tar.gz.
@@ -8,7 +9,7 @@ export PATH=$PATH:/usr/local/cuda/bin
 T0=$SECONDS
 mkdir -p $OUT/r
 for t in new old; do
-  src=. c=${NEW_COMMIT:-unknown}; [ $t = old ] && src=xold c=8fbe1ec
+  src=. c=${NEW_COMMIT:-unknown}; [ $t = old ] && src=build-ab-old c=8fbe1ec
   (TANDEM_COMMIT=$c cmake -S $src -B /tmp/b-$t -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 > /dev/null 2>&1
    cmake --build /tmp/b-$t -j 8 > $OUT/r/build-$t.log 2>&1 || { tail -20 $OUT/r/build-$t.log; exit 1; }) &
 done
