@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Side by side on one H200 host: this tree ("new": a reap finishes its plain commands in one
-# pass; in-order queues track none of their own commands) against 8fbe1ec ("old": `git archive 8fbe1ec` unpacked into build-ab-old/, which
-# the device call carries).
+# pass; in-order queues track none of their own commands) against 8fbe1ec ("old": `git archive
+# 8fbe1ec` unpacked into build-ab-old/, which the device call carries).
 # Both built Release for architecture 90; the CUDA suite on new (ctest -L cuda); then
 # `bench-cuda overhead` six times each way, interleaved, each a process of its own.
 # Writes $OUT/results.tar.gz.
