@@ -141,6 +141,58 @@ TEST_CASE(ordering_copy_chain) {
   th_close();
 }
 
+/* Long runs of copies nobody observes (quiet: on CUDA they go without a native event, and
+ * complete with a later command's), with events recorded between them at uneven points: each
+ * event, once waited for, covers every copy before it; one wait in the middle of the run takes
+ * the pending copies to the queue's executor while more are submitted behind them. */
+TEST_CASE(ordering_quiet_runs) {
+  enum { ROUNDS = 150, EVERY = 37, MIDDLE = 75, NSRC = 4 };
+  const size_t n = 4096;
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  unsigned char *src[NSRC];
+  unsigned char *out = dev_alloc(dev, TDM_MEM_PINNED, ROUNDS * n);
+  void *da = dev_alloc(dev, TDM_MEM_DEVICE, n);
+  for (int k = 0; k < NSRC; k++) {
+    src[k] = dev_alloc(dev, TDM_MEM_PINNED, n);
+    th_fill_random(src[k], n, &rng);
+  }
+  th_fill_random(out, ROUNDS * n, &rng);
+  tdm_event *ev[ROUNDS / EVERY + 1];
+  int at[ROUNDS / EVERY + 1], nev = 0;
+  for (int r = 0; r < ROUNDS; r++) {
+    /* da is reused every round: a copy that overtakes another leaves the wrong source. */
+    CHECK_OK(tdm_memcpy(q, da, src[r % NSRC], n, TDM_COPY_H2D, 0, NULL, NULL));
+    CHECK_OK(tdm_memcpy(q, out + (size_t)r * n, da, n, TDM_COPY_D2H, 0, NULL, NULL));
+    if (r % EVERY == EVERY - 1) {
+      at[nev] = r;
+      CHECK_OK(tdm_event_record(q, &ev[nev++]));
+    }
+    if (r == MIDDLE) {
+      CHECK_OK(tdm_event_wait(ev[nev - 1]));
+      for (int k = 0; k <= at[nev - 1]; k++)
+        CHECK_MSG(memcmp(out + (size_t)k * n, src[k % NSRC], n) == 0,
+                  "round %d not landed when the event after it (round %d) completed", k,
+                  at[nev - 1]);
+    }
+  }
+  for (int e = 0; e < nev; e++) {
+    CHECK_OK(tdm_event_wait(ev[e]));
+    for (int k = 0; k <= at[e]; k++)
+      CHECK_MSG(memcmp(out + (size_t)k * n, src[k % NSRC], n) == 0,
+                "round %d not landed when the event after it (round %d) completed", k, at[e]);
+    CHECK_OK(tdm_event_release(ev[e]));
+  }
+  CHECK_OK(tdm_queue_sync(q));
+  for (int r = 0; r < ROUNDS; r++) CHECK_MEM_EQ(out + (size_t)r * n, src[r % NSRC], n);
+  for (int k = 0; k < NSRC; k++) CHECK_OK(tdm_free(src[k]));
+  CHECK_OK(tdm_free(out));
+  CHECK_OK(tdm_free(da));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
 /* ---- Out-of-order queues ----------------------------------------------------------------- */
 
 struct ooo_pair {

@@ -17,12 +17,15 @@
  *
  * Lazy completion (backends with native_done, in-order queues that neither time nor trace):
  * a command nobody can be waiting for yet (a marker, a native copy, fill or wait with its own
- * native handle, no dependencies, nothing for the host to do) is not handed to the executor
- * at all. It goes on the queue's lazy list, in order, and completes in one of two ways:
+ * native handle, or a quiet one without; no dependencies, nothing for the host to do) is not
+ * handed to the executor at all. It goes on the queue's lazy list, in order, and completes in
+ * one of two ways:
  * - reaped: every LZ_STEP lazy submissions, the submitting thread asks native_done of the
- *   command that was newest LZ_STEP submissions ago; if it has completed and the executor
- *   has nothing of its own left, that command and every lazy one before it complete there and
- *   then, on the submitting thread, with no driver wait and no other thread touching them;
+ *   command with a handle that was newest LZ_STEP submissions ago; if it has completed and the
+ *   executor has nothing of its own left, that command and every lazy one before it complete
+ *   there and then, on the submitting thread, with no driver wait and no other thread touching
+ *   them. So that there is always one to ask, at most LZ_STEP - 1 quiet commands in a row go
+ *   without a handle (tdm__exec_quiet_ok): the next one is submitted with its own;
  * - handed over: as soon as anyone watches (an observer's kick: a wait, a query, a waiter of
  *   another queue or backend, a keep-alive), when a command that needs the executor is
  *   handed over (the lazy ones go first, so the FIFO keeps submission order), or when LZ_MAX
@@ -158,8 +161,9 @@ void tdm__exec_fini(tdm__queue *q) {
 int tdm__exec_start(tdm__queue *q) {
   q->x_held = NULL;
   q->x_held_tail = &q->x_held;
-  q->lz_head = q->lz_tail = q->lz_cand = NULL;
+  q->lz_head = q->lz_tail = q->lz_last = q->lz_cand = NULL;
   atomic_store(&q->lz_n, 0);
+  atomic_store(&q->lz_quiet, 0);
   q->x_pushed = 0;
   atomic_store(&q->x_done, 0);
   atomic_store(&q->lz_reaping, 0);
@@ -176,8 +180,9 @@ static void lz_hand_over(tdm__queue *q, bool wake) {
   tdm__cmd *c = q->lz_head;
   if (!c) return;
   wake = wake || !exec_lazy(q);
-  q->lz_head = q->lz_tail = q->lz_cand = NULL;
+  q->lz_head = q->lz_tail = q->lz_last = q->lz_cand = NULL;
   atomic_store_explicit(&q->lz_n, 0, memory_order_relaxed);
+  atomic_store_explicit(&q->lz_quiet, 0, memory_order_relaxed);
   while (c) {
     tdm__cmd *next = c->next;
     q->x_pushed++;
@@ -193,11 +198,16 @@ void tdm__exec_stop(tdm__queue *q) {
   tdm__workq_stop(&q->xq);
 }
 
-/* Whether nobody can be waiting for cmd, of a queue that completes lazily, yet (see the top). */
-static bool lazy_ok(const tdm__cmd *cmd) {
-  return cmd->wait && !cmd->gate && cmd->ndeps == 0 && !needs_host(cmd) &&
-         !(cmd->flags & TDM__CMD_QUIET) &&
-         !atomic_load_explicit(&tdm__tracing, memory_order_relaxed);
+/* Whether nobody can be waiting for cmd, of a queue that completes lazily, yet (see the top).
+ * A command without a handle is quiet: it completes with a later one. */
+static bool lazy_ok(const tdm__queue *q, const tdm__cmd *cmd) {
+  return (cmd->wait || held_back(q, cmd)) && !cmd->gate && cmd->ndeps == 0 &&
+         !needs_host(cmd) && !atomic_load_explicit(&tdm__tracing, memory_order_relaxed);
+}
+
+bool tdm__exec_quiet_ok(const tdm__queue *q) {
+  return !q->can_lazy ||
+         atomic_load_explicit(&q->lz_quiet, memory_order_relaxed) < LZ_STEP - 1;
 }
 
 void tdm__exec_push(tdm__cmd *cmd) {
@@ -208,12 +218,15 @@ void tdm__exec_push(tdm__cmd *cmd) {
   }
   cmd->next = NULL;
   pthread_mutex_lock(&q->lz_mu);
-  if (lazy_ok(cmd)) {
+  if (lazy_ok(q, cmd)) {
     if (q->lz_tail)
       q->lz_tail->next = cmd;
     else
       q->lz_head = cmd;
     q->lz_tail = cmd;
+    if (cmd->wait) q->lz_last = cmd;
+    int quiet = cmd->wait ? 0 : atomic_load_explicit(&q->lz_quiet, memory_order_relaxed) + 1;
+    atomic_store_explicit(&q->lz_quiet, quiet, memory_order_relaxed);
     long n = atomic_load_explicit(&q->lz_n, memory_order_relaxed) + 1;
     atomic_store_explicit(&q->lz_n, n, memory_order_relaxed);
     if (n >= LZ_MAX)
@@ -234,7 +247,7 @@ void tdm__exec_reap(tdm__queue *q) {
   pthread_mutex_lock(&q->lz_mu);
   atomic_store_explicit(&q->lz_reap, 0, memory_order_relaxed);
   tdm__cmd *cand = q->lz_cand;
-  q->lz_cand = q->lz_tail; /* the next one to ask, LZ_STEP submissions from now */
+  q->lz_cand = q->lz_last; /* the next one to ask, LZ_STEP submissions from now */
   if (cand && !atomic_load_explicit(&q->lz_reaping, memory_order_relaxed) &&
       atomic_load_explicit(&q->x_done, memory_order_acquire) == q->x_pushed &&
       tdm__b_native_done(q->dev, cand->wait)) {
@@ -246,6 +259,8 @@ void tdm__exec_reap(tdm__queue *q) {
     last = cand;
     q->lz_head = cand->next;
     if (!q->lz_head) q->lz_tail = NULL;
+    /* lz_last is cand or a later command: cand was the newest with a handle when chosen. */
+    if (q->lz_last == cand) q->lz_last = NULL;
     if (q->lz_cand == cand) q->lz_cand = NULL;
     atomic_store_explicit(&q->lz_n, atomic_load_explicit(&q->lz_n, memory_order_relaxed) - k,
                           memory_order_relaxed);

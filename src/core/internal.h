@@ -343,16 +343,17 @@ struct tdm__queue {
    * the next command takes them only for their status. */
   tdm__xwait *xwait;
   size_t nxwait, nxres;
-  /* Lazy completion (exec.c): the lazy list and its candidate for the next reap, under
-   * lz_mu (which also orders every hand-over to the executor); lz_n its length; lz_reap asks
-   * the submitting thread for a reap; x_pushed (under lz_mu) and x_done (below) count the
-   * commands handed to the executor and finished by it; lz_reaping: a reap is finishing
-   * commands. Queues without can_lazy use none of them. */
+  /* Lazy completion (exec.c): the lazy list, its newest command with a native handle
+   * (lz_last) and the candidate for the next reap, under lz_mu (which also orders every
+   * hand-over to the executor); lz_n its length; lz_quiet how many quiet commands without a
+   * handle end it; lz_reap asks the submitting thread for a reap; x_pushed (under lz_mu) and
+   * x_done (below) count the commands handed to the executor and finished by it; lz_reaping:
+   * a reap is finishing commands. Queues without can_lazy use none of them. */
   pthread_mutex_t lz_mu;
-  tdm__cmd *lz_head, *lz_tail, *lz_cand;
+  tdm__cmd *lz_head, *lz_tail, *lz_last, *lz_cand;
   unsigned long lz_steps, x_pushed;
   _Atomic long lz_n;
-  _Atomic int lz_reap, lz_reaping;
+  _Atomic int lz_quiet, lz_reap, lz_reaping;
   /* The recycled structs: each list's local half is the submitting side's, the half other
    * threads return items to lies a line apart inside the list (tdm__freelist).
    * keeps: keep-alives (release.c). */
@@ -480,6 +481,10 @@ void tdm__exec_stop(tdm__queue *q);
 /* A natively enqueued command of q: onto the lazy list or to the executor (exec.c). Called
  * in q's submission order. */
 void tdm__exec_push(tdm__cmd *cmd);
+/* Whether q's next command may go quiet and without a native handle (TDM__CMD_QUIET): false
+ * once enough of them end q's lazy list that a reap would have nothing to ask (exec.c). Under
+ * q's submission lock. */
+bool tdm__exec_quiet_ok(const tdm__queue *q);
 /* After a submission, with no lock held: finishes the lazy commands known complete, when a
  * push asked for it (exec.c). */
 void tdm__exec_reap(tdm__queue *q);

@@ -183,7 +183,7 @@ static bool quiet(const tdm__queue *q, const tdm__spec *spec, bool observed) {
   return !observed && !ooo(q) && !(q->flags & TDM_QUEUE_TIMING) &&
          spec->kind != TDM__CMD_HOST && spec->kind != TDM__CMD_FREE &&
          spec->kind != TDM__CMD_MARKER &&
-         !atomic_load_explicit(&tdm__tracing, memory_order_relaxed);
+         !atomic_load_explicit(&tdm__tracing, memory_order_relaxed) && tdm__exec_quiet_ok(q);
 }
 
 /* The command's kind, flags and operands, from the spec. */
@@ -535,7 +535,7 @@ void tdm__cmd_finish_reaped(tdm__queue *q, tdm__cmd *list) {
   tdm__cmd *first = NULL, *last = NULL;
   for (tdm__cmd *c = list, *next; c; c = next) {
     next = c->next;
-    if (!(c->flags & TDM__CMD_WAIT_BORROWED)) tdm__b_native_release(q->dev, c->wait);
+    if (c->wait && !(c->flags & TDM__CMD_WAIT_BORROWED)) tdm__b_native_release(q->dev, c->wait);
     c->wait = NULL;
     if (!plain || c->ndeps || c->deps != c->inline_deps || b.n == TDM__BATCH_MAX) {
       tdm__cmd_finish(c, 0, 0);
