@@ -77,7 +77,8 @@ enum {
                                       on the host (host memory on both sides) */
   TDM__CMD_QUIET = 1u << 4,         /* set by the core: only the queue itself can observe this
                                       command's completion (in-order queue, no event returned,
-                                      no timing or tracing). A backend with native_flush may
+                                      no timing or tracing; on a queue that completes lazily,
+                                      at most 15 in a row). A backend with native_flush may
                                       enqueue it without a native handle (cmd->wait NULL): it
                                       completes with the next handle of the queue */
   TDM__CMD_WAIT_BORROWED = 1u << 5  /* set by a native backend: cmd->wait is the handle it
