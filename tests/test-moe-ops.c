@@ -919,30 +919,38 @@ static void check_group(fixture *f, const int32_t *idx, int T, int k, int E, con
   tdm_free(dslot); tdm_free(dgroups);
 }
 
+/* E = 16 has more entries than experts at 40 tokens; E = 600 fewer, and more experts than a
+ * block has threads (several to a thread where the table splits them), and at 600 tokens more
+ * entries than fit in shared memory on the CUDA table. */
 TEST_CASE(group_ref) {
-  enum { E = 16, K = 4 };
-  const int Ts[] = {1, 5, 40};
+  enum { K = 4 };
+  const int Es[] = {16, 600};
+  const int Ts[] = {1, 5, 40, 600};
   fixture f = setup();
   need_op(&f, f.ops->group != NULL, "group");
-  /* Offsets past 2^32 elements: w must stay 64-bit all the way. */
-  int64_t *wofs = alloc(&f, TDM_MEM_PINNED, E * sizeof *wofs);
-  for (int e = 0; e < E; e++)
-    wofs[e] = (int64_t)(th_rand(&f.rng) >> 24) + (e % 3 == 0 ? (int64_t)1 << 33 : 0);
-  int64_t *dwofs = upload(&f, wofs, E * sizeof *wofs);
-  for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++) {
-    const int T = Ts[i];
-    int32_t *idx = alloc(&f, TDM_MEM_PINNED, (size_t)T * K * sizeof *idx);
-    rnd_routing(&f, T, K, E, idx);
-    check_group(&f, idx, T, K, E, wofs, dwofs, "group");
-    /* Indices out of [0, E) are dropped; the rest is as without them. */
-    int32_t at[2];
-    pick_distinct(&f, T * K, 2, at);
-    idx[at[0]] = E;
-    idx[at[1]] = -1;
-    check_group(&f, idx, T, K, E, wofs, dwofs, "group, indices dropped");
-    tdm_free(idx);
+  for (size_t ei = 0; ei < sizeof Es / sizeof Es[0]; ei++) {
+    const int E = Es[ei];
+    /* Offsets past 2^32 elements: w must stay 64-bit all the way. */
+    int64_t *wofs = alloc(&f, TDM_MEM_PINNED, (size_t)E * sizeof *wofs);
+    for (int e = 0; e < E; e++)
+      wofs[e] = (int64_t)(th_rand(&f.rng) >> 24) + (e % 3 == 0 ? (int64_t)1 << 33 : 0);
+    int64_t *dwofs = upload(&f, wofs, (size_t)E * sizeof *wofs);
+    for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++) {
+      const int T = Ts[i];
+      int32_t *idx = alloc(&f, TDM_MEM_PINNED, (size_t)T * K * sizeof *idx);
+      rnd_routing(&f, T, K, E, idx);
+      check_group(&f, idx, T, K, E, wofs, dwofs, "group");
+      /* Indices out of [0, E) are dropped; the rest is as without them. */
+      int32_t at[2];
+      pick_distinct(&f, T * K, 2, at);
+      idx[at[0]] = E;
+      idx[at[1]] = -1;
+      check_group(&f, idx, T, K, E, wofs, dwofs, "group, indices dropped");
+      tdm_free(idx);
+    }
+    tdm_free(wofs);
+    tdm_free(dwofs);
   }
-  tdm_free(wofs); tdm_free(dwofs);
   teardown(&f);
 }
 

@@ -654,51 +654,80 @@ static __global__ void router_topk_kernel(const float *logits, int E, int k, int
 }
 
 /* ---- group(): the routing grouped on the device, one block ----
- * Thread e counts expert e's choices; thread 0 lays the routed experts out in ascending order
- * (a serial pass over E, short next to a layer's work); thread e then writes its tokens in
- * token order. Every position comes from a count, never from a race: deterministic. */
-#define GROUP_MAX_E 4096 /* counts and offsets in shared memory: 32 KiB */
+ * The routing is staged in shared memory (when it fits); thread e counts expert e's choices;
+ * each thread takes a run of consecutive experts, and a scan over the threads' runs gives every
+ * routed expert its place among the routed ones and its first entry, so the experts are laid
+ * out in ascending order without a serial pass; thread e then writes its tokens in token order.
+ * Every position comes from a count, never from a race: deterministic, and the same layout as
+ * the CPU and OpenCL tables give. */
+#define GROUP_MAX_E 4096    /* counts and offsets in shared memory: 32 KiB */
+#define GROUP_IDX_SHARED 2048 /* routing entries staged in shared memory: 8 KiB */
 
 static __global__ void group_kernel(const int32_t *idx, int T, int k, int E, const int64_t *wofs,
                                     int32_t *rows, int32_t *slot, tdm_moe_group *groups) {
   wait_prior_grid();
-  __shared__ int cnt[GROUP_MAX_E], first[GROUP_MAX_E];
-  const int tk = T * k;
-  for (int e = threadIdx.x; e < E; e += MOE_THREADS) {
+  __shared__ int cnt[GROUP_MAX_E], first[GROUP_MAX_E], sidx[GROUP_IDX_SHARED];
+  __shared__ int run_tok[MOE_THREADS], run_nz[MOE_THREADS];
+  const int tk = T * k, tid = threadIdx.x;
+  const bool staged = tk <= GROUP_IDX_SHARED;
+  if (staged)
+    for (int i = tid; i < tk; i += MOE_THREADS) sidx[i] = idx[i];
+  __syncthreads();
+  const int32_t *ix = staged ? sidx : idx;
+  for (int e = tid; e < E; e += MOE_THREADS) {
     int c = 0;
-    for (int i = 0; i < tk; i++) c += idx[i] == e;
+    for (int i = 0; i < tk; i++) c += ix[i] == e;
     cnt[e] = c;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int at = 0, g = 0, G = min(E, tk);
-    for (int e = 0; e < E; e++) {
-      first[e] = at;
-      if (!cnt[e]) continue;
-      tdm_moe_group ent;
-      ent.w = wofs[e];
-      ent.first = at;
-      ent.count = cnt[e];
-      groups[g++] = ent;
-      at += cnt[e];
-    }
-    for (; g < G; g++) {
-      tdm_moe_group ent;
-      ent.w = 0;
-      ent.first = at;
-      ent.count = 0;
-      groups[g] = ent;
-    }
+  /* This thread's run of experts [e0, e1): its entries and its routed experts, then an
+   * inclusive scan of both over the threads. */
+  const int per = (E + MOE_THREADS - 1) / MOE_THREADS;
+  const int e0 = min(E, tid * per), e1 = min(E, e0 + per);
+  int tok = 0, nz = 0;
+  for (int e = e0; e < e1; e++) {
+    tok += cnt[e];
+    nz += cnt[e] != 0;
+  }
+  run_tok[tid] = tok;
+  run_nz[tid] = nz;
+  __syncthreads();
+  for (int off = 1; off < MOE_THREADS; off <<= 1) {
+    int a = tid >= off ? run_tok[tid - off] : 0, b = tid >= off ? run_nz[tid - off] : 0;
+    __syncthreads();
+    run_tok[tid] += a;
+    run_nz[tid] += b;
+    __syncthreads();
+  }
+  int at = run_tok[tid] - tok, g = run_nz[tid] - nz;
+  for (int e = e0; e < e1; e++) {
+    first[e] = at;
+    if (!cnt[e]) continue;
+    tdm_moe_group ent;
+    ent.w = wofs[e];
+    ent.first = at;
+    ent.count = cnt[e];
+    groups[g++] = ent;
+    at += cnt[e];
+  }
+  /* The entries past the routed experts: empty, after every routed entry. */
+  const int G = min(E, tk), routed = run_nz[MOE_THREADS - 1], total = run_tok[MOE_THREADS - 1];
+  for (int j = routed + tid; j < G; j += MOE_THREADS) {
+    tdm_moe_group ent;
+    ent.w = 0;
+    ent.first = total;
+    ent.count = 0;
+    groups[j] = ent;
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < E; e += MOE_THREADS) {
+  for (int e = tid; e < E; e += MOE_THREADS) {
     if (!cnt[e]) continue;
-    int at = first[e];
+    int a = first[e];
     for (int i = 0; i < tk; i++)
-      if (idx[i] == e) {
-        rows[at] = i / k;
-        slot[at] = i;
-        at++;
+      if (ix[i] == e) {
+        rows[a] = i / k;
+        slot[a] = i;
+        a++;
       }
   }
 }

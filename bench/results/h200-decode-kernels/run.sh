@@ -31,7 +31,7 @@ for r in data:
 agg = {}
 for (i, name), m in k.items():
     g = m.get('launch__grid_size', '?')
-    agg.setdefault((name, g), []).append(float(m.get('gpu__time_duration.sum', 'nan')) / 1e3)
+    agg.setdefault((name, g), []).append(float(m.get('gpu__time_duration.sum', 'nan').replace(',', '')) / 1e3)
 print('%-60s %8s %6s %10s %10s' % ('kernel', 'grid', 'n', 'median us', 'total us'))
 for (name, g), v in sorted(agg.items(), key=lambda a: -sum(a[1])):
     print('%-60s %8s %6d %10.2f %10.1f' % (name[:60], g, len(v), statistics.median(v), sum(v)))
