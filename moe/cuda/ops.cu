@@ -44,7 +44,8 @@ extern "C" {
 #define MOE_WARPS (MOE_THREADS / 32)
 #define ROUTER_TOKENS 8   /* tokens per router block: each weight row read serves them all */
 #define ROUTER_SMEM 49152 /* the router's dynamic shared memory, at most (no opt-in) */
-#define ROUTER_SPLIT_E 4096 /* small ubatches: experts the logits scratch holds */
+#define ROUTER_SPLIT_T 256  /* ubatches of at most this many tokens route in two kernels */
+#define ROUTER_SPLIT_LOGITS (64 * 4096) /* ... when T x E logits fit the scratch (1 MiB) */
 #define BLAS_WS_BYTES (32u << 20) /* cuBLAS's recommended workspace on Hopper */
 #define WS_ALIGN 256
 
@@ -91,7 +92,7 @@ typedef struct moe_cuda {
   cublasHandle_t blas; /* bound to s, with ws as its workspace */
   cublasLtHandle_t lt; /* the plans' handle; its calls name s and ws themselves */
   void *ws;            /* cuBLAS's workspace: cudaMalloc'd (256-byte aligned, as it requires) */
-  float *logits;       /* the small-ubatch router's logits: ROUTER_TOKENS x ROUTER_SPLIT_E */
+  float *logits;       /* the small-ubatch router's logits: ROUTER_SPLIT_LOGITS floats */
   int gx_shape;        /* experts()'s kernels: GX_SHAPE_NARROW unless forced at open() */
   bool pdl;            /* launch_pdl() launches as programmatic dependents (open() decides) */
   pthread_mutex_t plan_mu;            /* the plan cache: ops from several threads are allowed */
@@ -600,18 +601,24 @@ static __global__ void __launch_bounds__(MOE_THREADS, MINB)
     gx_down_rows<false, NT, DU>(h, rows, xlimit, slot, olimit, g, Wd, H, I, c0, out);
 }
 
-/* ---- the router for small ubatches (T <= ROUTER_TOKENS) ----
- * One block would read all E x H router weights alone (a decode step's router was a single
- * block). Here the logits are spread over E warps (one expert's row each, read 16 bytes at a
- * time, every token dotted with it, then the fixed warp tree), and a second kernel, one warp
- * per token, turns them into the top k as router_kernel does. Its logits add up in another
- * order than router_kernel's, so the two paths may differ in the last bit; which one runs
- * depends on T alone. */
+/* ---- the router for small ubatches (T <= ROUTER_SPLIT_T) ----
+ * router_kernel gives each ROUTER_TOKENS tokens one block, which reads all E x H router weights
+ * alone: a decode step's router was a single block, and 16 tokens took two blocks 0.3 ms on
+ * the H200 (bench/results/h200-decode-kernels). Here the logits are spread over E warps per
+ * ROUTER_TOKENS tokens (blockIdx.y: one expert's row each, read 16 bytes at a time, each of the
+ * tokens dotted with it, then the fixed warp tree), and a second kernel, one warp per token,
+ * turns them into the top k as router_kernel does. Its logits add up in another order than
+ * router_kernel's, so the two paths may differ in the last bit; which one runs depends on T
+ * and E alone. */
 static __global__ void router_logits_kernel(const float *x, const uint16_t *wr, const float *bias,
                                             int T, int H, int E, bool vec, float *logits) {
   wait_prior_grid();
   const int lane = threadIdx.x & 31, e = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
   if (e >= E) return;
+  const int t0 = blockIdx.y * ROUTER_TOKENS;
+  x += (size_t)t0 * H;
+  logits += (size_t)t0 * E;
+  T = min(ROUTER_TOKENS, T - t0);
   const uint16_t *we = wr + (size_t)e * H;
   float acc[ROUTER_TOKENS];
 #pragma unroll
@@ -796,7 +803,7 @@ static void release(moe_cuda *m) {
  * workspace to cuBLAS's pool, so the workspace is set after it. */
 static int blas_setup(moe_cuda *m) {
   CK_CUDA(cudaMalloc(&m->ws, BLAS_WS_BYTES));
-  CK_CUDA(cudaMalloc(&m->logits, (size_t)ROUTER_TOKENS * ROUTER_SPLIT_E * sizeof(float)));
+  CK_CUDA(cudaMalloc(&m->logits, (size_t)ROUTER_SPLIT_LOGITS * sizeof(float)));
   CK_BLAS(cublasCreate(&m->blas));
   CK_BLAS(cublasSetStream(m->blas, m->s));
   CK_BLAS(cublasSetWorkspace(m->blas, m->ws, BLAS_WS_BYTES));
@@ -886,10 +893,12 @@ static int launch_router(moe_cuda *m, const float *x, const tdm_moe_bf16 *wr, co
   if (E > ROUTER_SMEM / 5) /* p (4 bytes) and taken (1 byte) per expert */
     return tdm_set_error(TDM_EINVAL, 0, "moe router: %d experts need more shared memory than "
                          "the kernel takes", E);
-  if (T <= ROUTER_TOKENS && E <= ROUTER_SPLIT_E) {
+  if (T <= ROUTER_SPLIT_T && (size_t)T * E <= ROUTER_SPLIT_LOGITS) {
     bool vec = H % 8 == 0 && !((uintptr_t)x & 15) && !((uintptr_t)wr & 15);
-    cudaError_t e = launch_pdl(m, router_logits_kernel, (E + MOE_WARPS - 1) / MOE_WARPS,
-                               MOE_THREADS, 0, x, wr, bias, T, H, E, vec, m->logits);
+    const dim3 grid((unsigned)((E + MOE_WARPS - 1) / MOE_WARPS),
+                    (unsigned)((T + ROUTER_TOKENS - 1) / ROUTER_TOKENS));
+    cudaError_t e = launch_pdl(m, router_logits_kernel, grid, MOE_THREADS, 0, x, wr, bias, T, H,
+                               E, vec, m->logits);
     if (e == cudaSuccess)
       e = launch_pdl(m, router_topk_kernel, T, 32, (size_t)E * 5, (const float *)m->logits, E, k,
                      (int)(renorm != 0), idx, weights);
