@@ -44,7 +44,7 @@ extern "C" {
 #define MOE_WARPS (MOE_THREADS / 32)
 #define ROUTER_TOKENS 8   /* tokens per router block: each weight row read serves them all */
 #define ROUTER_SMEM 49152 /* the router's dynamic shared memory, at most (no opt-in) */
-#define ROUTER_SPLIT_T 256  /* ubatches of at most this many tokens route in two kernels */
+#define ROUTER_SPLIT_T 64   /* ubatches of at most this many tokens route in two kernels */
 #define ROUTER_SPLIT_LOGITS (64 * 4096) /* ... when T x E logits fit the scratch (1 MiB) */
 #define BLAS_WS_BYTES (32u << 20) /* cuBLAS's recommended workspace on Hopper */
 #define WS_ALIGN 256
@@ -604,7 +604,8 @@ static __global__ void __launch_bounds__(MOE_THREADS, MINB)
 /* ---- the router for small ubatches (T <= ROUTER_SPLIT_T) ----
  * router_kernel gives each ROUTER_TOKENS tokens one block, which reads all E x H router weights
  * alone: a decode step's router was a single block, and 16 tokens took two blocks 0.3 ms on
- * the H200 (bench/results/h200-decode-kernels). Here the logits are spread over E warps per
+ * the H200 (bench/results/h200-decode-kernels). At 256 tokens (32 blocks) it was the faster
+ * of the two again (bench/results/h200-router-split), hence the limit. Here the logits are spread over E warps per
  * ROUTER_TOKENS tokens (blockIdx.y: one expert's row each, read 16 bytes at a time, each of the
  * tokens dotted with it, then the fixed warp tree), and a second kernel, one warp per token,
  * turns them into the top k as router_kernel does. Its logits add up in another order than
