@@ -605,12 +605,12 @@ static __global__ void __launch_bounds__(MOE_THREADS, MINB)
  * router_kernel gives each ROUTER_TOKENS tokens one block, which reads all E x H router weights
  * alone: a decode step's router was a single block, and 16 tokens took two blocks 0.3 ms on
  * the H200 (bench/results/h200-decode-kernels). At 256 tokens (32 blocks) it was the faster
- * of the two again (bench/results/h200-router-split), hence the limit. Here the logits are spread over E warps per
- * ROUTER_TOKENS tokens (blockIdx.y: one expert's row each, read 16 bytes at a time, each of the
- * tokens dotted with it, then the fixed warp tree), and a second kernel, one warp per token,
- * turns them into the top k as router_kernel does. Its logits add up in another order than
- * router_kernel's, so the two paths may differ in the last bit; which one runs depends on T
- * and E alone. */
+ * of the two again (bench/results/h200-router-split), hence the limit. Here the logits are
+ * spread over E warps per ROUTER_TOKENS tokens (blockIdx.y: one expert's row each, read 16
+ * bytes at a time, each of the tokens dotted with it, then the fixed warp tree), and a second
+ * kernel, one warp per token, turns them into the top k as router_kernel does. Its logits add
+ * up in another order than router_kernel's, so the two paths may differ in the last bit; which
+ * one runs depends on T and E alone. */
 static __global__ void router_logits_kernel(const float *x, const uint16_t *wr, const float *bias,
                                             int T, int H, int E, bool vec, float *logits) {
   wait_prior_grid();
