@@ -5,6 +5,10 @@
  * launch its own functions on it (the CPU analogue of launching a kernel on a stream), and
  * tandem's markers and tdm_queue_sync() cover that work. A stream made here can be adopted
  * with tdm_queue_adopt().
+ *
+ * In a child forked after a stream or tdm_init() was made, each call returns TDM_EFORK: the
+ * stream's worker thread stayed in the parent (a stream copied into the child is never freed
+ * there).
  */
 #ifndef TANDEM_CPU_H
 #define TANDEM_CPU_H

@@ -11,11 +11,19 @@
 tdm__ctx tdm__g = {.mu = PTHREAD_MUTEX_INITIALIZER};
 _Atomic int tdm__forked;
 
+/* init_mu guards refs and the closing flag; init_cv tells tdm_init calls that wait for a
+ * last shutdown in progress that it has finished. The shutdown does not hold init_mu while it
+ * drains: host tasks it waits for may call tdm_init. */
 static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t init_cv = PTHREAD_COND_INITIALIZER;
+static bool closing;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
 static void on_fork_child(void) { atomic_store(&tdm__forked, 1); }
 static void install_atfork(void) { pthread_atfork(NULL, NULL, on_fork_child); }
+void tdm__fork_guard(void) { pthread_once(&atfork_once, install_atfork); }
+
+bool tdm__on_tandem_thread(void) { return tdm__tls_queue || tdm__tls_releasing; }
 
 unsigned tdm_version(void) { return TDM_VERSION; }
 
@@ -30,9 +38,16 @@ int tdm__enter_fail(void) {
   if (atomic_load_explicit(&tdm__forked, memory_order_relaxed))
     return tdm__error(TDM_EFORK, 0, "this process is a child forked after tdm_init; its "
                                     "threads and devices belong to the parent");
-  if (!atomic_load_explicit(&tdm__g.live, memory_order_acquire))
-    return tdm__error(TDM_ENOTINIT, 0, "call tdm_init first");
-  return 0;
+  switch (atomic_load_explicit(&tdm__g.live, memory_order_acquire)) {
+    case TDM__CLOSING:
+      if (tdm__on_tandem_thread()) return 0; /* the drain waits for this very work */
+      return tdm__error(TDM_ENOTINIT, 0, "the last tdm_shutdown is in progress");
+    case TDM__SEALED:
+      return tdm__error(TDM_ENOTINIT, 0, "the last tdm_shutdown is in progress (every queue "
+                                         "has drained)");
+    default: /* also LIVE: the call raced the first init, and came before it */
+      return tdm__error(TDM_ENOTINIT, 0, "call tdm_init first");
+  }
 }
 
 int tdm__device_check(tdm_device *dev) {
@@ -155,8 +170,8 @@ static long exit_pending_kick(void) {
 }
 
 static void on_exit_wait(void) {
-  if (atomic_load(&tdm__forked) || !atomic_load(&tdm__g.live) || tdm__tls_queue ||
-      tdm__tls_releasing)
+  if (atomic_load(&tdm__forked) || atomic_load(&tdm__g.live) != TDM__LIVE ||
+      tdm__on_tandem_thread())
     return;
   uint64_t until = tdm__now_ns() + (uint64_t)tdm__g.opts.exit_wait_ms * 1000000u;
   struct timespec t = {0, 500000}; /* 0.5 ms */
@@ -171,10 +186,17 @@ static void on_exit_wait(void) {
 static void install_atexit(void) { (void)atexit(on_exit_wait); }
 
 int tdm_init(void) {
-  pthread_once(&atfork_once, install_atfork);
+  tdm__fork_guard();
   if (atomic_load(&tdm__forked))
     return tdm__error(TDM_EFORK, 0, "tdm_init in a child forked after tdm_init");
   pthread_mutex_lock(&init_mu);
+  if (closing && tdm__on_tandem_thread()) {
+    /* The shutdown waits for this thread's work: waiting for the shutdown would be a cycle. */
+    pthread_mutex_unlock(&init_mu);
+    return tdm__error(TDM_EDEADLK, 0, "tdm_init from a %s while the last tdm_shutdown drains "
+                      "its queue", tdm__tls_queue ? "host task" : "keep-alive release");
+  }
+  while (closing) pthread_cond_wait(&init_cv, &init_mu); /* a fresh context once it is done */
   if (tdm__g.refs++ > 0) {
     pthread_mutex_unlock(&init_mu);
     return 0;
@@ -195,7 +217,7 @@ int tdm_init(void) {
     pthread_mutex_unlock(&init_mu);
     return rc;
   }
-  atomic_store(&tdm__g.live, 1);
+  atomic_store(&tdm__g.live, TDM__LIVE);
   pthread_mutex_unlock(&init_mu);
   /* After the backends: atexit handlers run in reverse, so this one runs before any that a
    * driver registered while it loaded. */
@@ -203,14 +225,59 @@ int tdm_init(void) {
   return 0;
 }
 
+static void nap_us(long us) {
+  struct timespec t = {0, us * 1000L};
+  nanosleep(&t, NULL);
+}
+
+/* A live queue nobody is destroying, claimed for the caller; NULL if none. *others counts the
+ * live queues that other threads are destroying (host tasks and releases may destroy queues
+ * while the shutdown drains). */
+static tdm__queue *claim_live_queue(int *others) {
+  *others = 0;
+  pthread_mutex_lock(&tdm__g.mu);
+  tdm__queue *got = NULL;
+  for (tdm__queue *q = tdm__g.queues; q && !got; q = q->next_all) {
+    if (atomic_load(&q->magic) != TDM__MAGIC_QUEUE || q->imports) continue;
+    if (atomic_exchange(&q->claimed, true))
+      ++*others;
+    else
+      got = q;
+  }
+  pthread_mutex_unlock(&tdm__g.mu);
+  return got;
+}
+
+/* Drains and destroys every live queue, including those that host tasks and keep-alive
+ * releases create while it runs, until none is left and no release is pending. */
+static void drain_everything(void) {
+  tdm__defaults_destroy_all();
+  for (;;) {
+    int others;
+    tdm__queue *q = claim_live_queue(&others);
+    if (q) {
+      q->owned_by_tandem = false;
+      tdm__queue_destroy_final(q);
+      continue;
+    }
+    if (others == 0 && tdm__release_pending() == 0) return;
+    nap_us(200); /* another thread's destroy, or a release, is still underway */
+  }
+}
+
+/* The last shutdown. It releases init_mu while it drains (host tasks it waits for may call
+ * tdm_init, which then fails at once instead of waiting on it), and frees nothing until the
+ * program's calls in progress have returned and tandem's threads are joined. */
 int tdm_shutdown(void) {
   if (atomic_load(&tdm__forked)) return tdm__error(TDM_EFORK, 0, "tdm_shutdown in a forked child");
   pthread_mutex_lock(&init_mu);
   if (tdm__g.refs == 0) {
     pthread_mutex_unlock(&init_mu);
-    return tdm__error(TDM_ENOTINIT, 0, "tdm_shutdown without tdm_init");
+    return tdm__error(TDM_ENOTINIT, 0, "%s",
+                      closing ? "tdm_shutdown while the last tdm_shutdown is in progress"
+                              : "tdm_shutdown without tdm_init");
   }
-  if (tdm__g.refs == 1 && (tdm__tls_queue || tdm__tls_releasing)) {
+  if (tdm__g.refs == 1 && tdm__on_tandem_thread()) {
     /* The last shutdown joins the thread this caller runs on. */
     pthread_mutex_unlock(&init_mu);
     return tdm__error(TDM_EDEADLK, 0, "the last tdm_shutdown from a %s would wait for itself",
@@ -220,24 +287,26 @@ int tdm_shutdown(void) {
     pthread_mutex_unlock(&init_mu);
     return 0;
   }
-  /* Drain and destroy every live queue: tandem's defaults first, then the caller's. */
-  tdm__defaults_destroy_all();
-  for (tdm__queue *q = tdm__g.queues; q; q = q->next_all)
-    if (atomic_load(&q->magic) == TDM__MAGIC_QUEUE && !q->imports) {
-      atomic_store(&q->claimed, true);
-      q->owned_by_tandem = false;
-      tdm__queue_destroy_internal(q);
-    }
+  closing = true;
+  atomic_store_explicit(&tdm__g.live, TDM__CLOSING, memory_order_seq_cst);
+  pthread_mutex_unlock(&init_mu);
+  /* The program's calls that entered before: they may create queues or destroy them. */
+  while (atomic_load_explicit(&tdm__g.calls, memory_order_seq_cst) > 0) nap_us(100);
+  drain_everything();
+  atomic_store(&tdm__g.live, TDM__SEALED);
   tdm__imports_stop();
   tdm__release_stop();
   tdm__threadpool_stop();
   tdm__trace_flush();
-  atomic_store(&tdm__g.live, 0);
   tdm__mem_free_all();
   tdm__queues_release_native();
   tdm__modules_unload();
   tdm__queues_free_all();
   atomic_store(&tdm__g.n_queues, 0);
+  pthread_mutex_lock(&init_mu);
+  atomic_store(&tdm__g.live, TDM__OFF);
+  closing = false;
+  pthread_cond_broadcast(&init_cv);
   pthread_mutex_unlock(&init_mu);
   return 0;
 }

@@ -71,11 +71,18 @@ void tdm__defaults_forget(tdm__queue *q) {
   pthread_mutex_unlock(&tdm__g.mu);
 }
 
+/* The last shutdown: the cached default queues are taken out of the table under the lock
+ * (calls that began before the shutdown may still be reading it), then destroyed. */
 void tdm__defaults_destroy_all(void) {
   for (int i = 0; i < tdm__g.ndevices; i++) {
     tdm_device *d = &tdm__g.devices[i];
+    pthread_mutex_lock(&tdm__g.mu);
+    tdm__queue *q = d->default_cached;
     d->default_installed = NULL;
-    if (d->default_cached) tdm__queue_destroy_internal(d->default_cached);
+    d->default_cached = NULL;
+    if (q && atomic_exchange(&q->claimed, true)) q = NULL; /* another destroy has it */
+    pthread_mutex_unlock(&tdm__g.mu);
+    if (q) tdm__queue_destroy_final(q);
   }
 }
 

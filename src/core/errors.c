@@ -6,8 +6,10 @@
 
 #include "internal.h"
 
-static _Thread_local char tls_msg[512];
-static _Thread_local char tls_detail[480]; /* tls_msg without the code name */
+/* Room for a failure's own words (a task's, up to TDM__WHY_MAX) with what relays it around
+ * them (a wait's hops, a sync), so the origin's words reach the caller whole. */
+static _Thread_local char tls_msg[1536];
+static _Thread_local char tls_detail[1480]; /* tls_msg without the code name */
 static _Thread_local int tls_native;
 
 const char *tdm_err_name(int code) {

@@ -232,12 +232,15 @@ int tdm_event_wait(tdm_event *h) {
   tdm__event *ev;
   int rc = tdm__event_get(h, &ev);
   if (rc) return rc;
+  /* On an in-order queue every later command waits for the task; on an out-of-order one,
+   * markers, full barriers (the tracker's too) and what comes after them do. */
   if (!atomic_load_explicit(&ev->done, memory_order_acquire) && tdm__tls_queue == ev->q &&
-      !(ev->q->flags & TDM_QUEUE_OUT_OF_ORDER) && ev->seq > tdm__tls_seq)
+      ev->covers >= tdm__tls_seq)
     return tdm__error(TDM_EDEADLK, 0,
-                      "a host task of %s waits for command #%llu, which runs after it",
-                      ev->q->label, (unsigned long long)ev->seq);
-  tdm__event_wait_blocking(ev);
+                      "a host task of %s (command #%llu) waits for command #%llu, which waits "
+                      "for it", ev->q->label, (unsigned long long)tdm__tls_seq,
+                      (unsigned long long)ev->seq);
+  if (tdm__event_wait_host(ev) == TDM__WAIT_REFUSED) return TDM_EDEADLK; /* message set */
   return report(ev);
 }
 

@@ -83,7 +83,7 @@ typedef struct tdm__options {
   long cuda_blocking_sync;/* TANDEM_CUDA_BLOCKING_SYNC */
   char backend_path[1024];/* TANDEM_BACKEND_PATH */
   char backends[128];     /* TANDEM_BACKENDS: comma-separated allow list, empty = all */
-  char trace[512];        /* TANDEM_TRACE: Chrome trace file written at the last shutdown */
+  char trace[4096];       /* TANDEM_TRACE: Chrome trace file written at the last shutdown */
   long exit_wait_ms;      /* TANDEM_EXIT_WAIT_MS */
   long spin_us;           /* TANDEM_SPIN_US */
 } tdm__options;
@@ -135,10 +135,18 @@ struct tdm_device {
   _Atomic(tdm__queue *) imports; /* its imported events' queue (import.c), made on first use */
 };
 
+/* The context's life (tdm__ctx.live). Between the first init and the last shutdown it is
+ * LIVE. The last shutdown makes it CLOSING: calls from the program's threads are refused
+ * (TDM_ENOTINIT) while those already inside tandem finish (it waits for them), and tandem's
+ * own threads running the program's code (host tasks, keep-alive releases) go on calling, so
+ * the work being drained completes. Once every queue has drained it is SEALED: every call is
+ * refused, and nothing is freed until tandem's threads have been joined. */
+enum { TDM__OFF = 0, TDM__LIVE = 1, TDM__CLOSING = 2, TDM__SEALED = 3 };
+
 typedef struct tdm__ctx {
   pthread_mutex_t mu;
   int refs;                 /* init count; guarded by the init lock */
-  _Atomic int live;         /* 1 between the first init and the last shutdown */
+  _Atomic int live;         /* TDM__OFF, _LIVE, _CLOSING or _SEALED */
   _Atomic unsigned epoch;   /* counts first inits: per-thread state of an older one is stale */
   tdm__options opts;
   tdm__services svc;
@@ -150,26 +158,51 @@ typedef struct tdm__ctx {
   tdm__queue *free_queues;   /* recycled structs */
   int next_queue_id;
   _Atomic long n_queues, n_allocs;  /* events and pending commands are counted per queue */
+  char apart_[64];
+  /* Public calls in progress that the last shutdown waits for: every call that entered while
+   * LIVE (tdm__enter). Apart from the rest: every call writes it twice. */
+  _Atomic long calls;
 } tdm__ctx;
 
 extern tdm__ctx tdm__g;
 extern _Atomic int tdm__forked;
 
 /* Entry check for every public call: forked child, then initialized. Inline, with the
- * failures out of line: it runs at the start of every call. */
+ * failures out of line: it runs at the start of every call. A call that enters while LIVE is
+ * counted in tdm__g.calls until it returns (tdm__leave, run by the cleanup attribute of the
+ * variable TDM__ENTER declares), so the last shutdown can wait for it before it frees
+ * anything. The count goes up before the state is read, and the shutdown changes the state
+ * before it reads the count (both sequentially consistent): a call either is seen by the
+ * shutdown or sees that it has begun. */
 int tdm__enter_fail(void);
-static inline int tdm__enter(void) {
+static inline int tdm__enter(int *counted) {
+  atomic_fetch_add_explicit(&tdm__g.calls, 1, memory_order_seq_cst);
   if (__builtin_expect(atomic_load_explicit(&tdm__forked, memory_order_relaxed) ||
-                           !atomic_load_explicit(&tdm__g.live, memory_order_acquire),
-                       0))
+                           atomic_load_explicit(&tdm__g.live, memory_order_seq_cst) !=
+                               TDM__LIVE,
+                       0)) {
+    atomic_fetch_sub_explicit(&tdm__g.calls, 1, memory_order_release);
     return tdm__enter_fail();
+  }
+  *counted = 1;
   return 0;
 }
-#define TDM__ENTER()                         \
-  do {                                       \
-    int enter_rc_ = tdm__enter();            \
-    if (enter_rc_ < 0) return enter_rc_;     \
+static inline void tdm__leave(int *counted) {
+  if (*counted) atomic_fetch_sub_explicit(&tdm__g.calls, 1, memory_order_release);
+}
+/* At the start of a public call's body, as a statement of its own. */
+#define TDM__ENTER()                                                      \
+  __attribute__((cleanup(tdm__leave))) int tdm__entered_ = 0;            \
+  do {                                                                    \
+    int enter_rc_ = tdm__enter(&tdm__entered_);                          \
+    if (enter_rc_ < 0) return enter_rc_;                                  \
   } while (0)
+/* Whether this thread is one of tandem's running the program's code (a host task, a
+ * keep-alive release): admitted while CLOSING. */
+bool tdm__on_tandem_thread(void);
+/* Makes a forked child's calls fail with TDM_EFORK (installed by the first init, or the first
+ * tandem/cpu.h call, whichever comes first). */
+void tdm__fork_guard(void);
 
 int tdm__device_check(tdm_device *dev);
 /* Marks the device lost if code is TDM_EDEVLOST; returns code. Inline: every backend call of
@@ -229,6 +262,9 @@ struct tdm__event {
                                a TDM_EDEP's), not of its own */
   uint64_t t_ns;            /* completion time on the monotonic clock, when timed */
   uint64_t seq;             /* position in its queue */
+  uint64_t covers;          /* the command waits for every command of its queue numbered up to
+                               this (queue order, a full barrier or marker, a gate's), so a host
+                               task of the queue numbered so cannot wait for it */
   const char *op;           /* what the command was, for messages */
   /* Failures only: what the message of its waiters adds after ": " (owned, at most
    * TDM__WHY_MAX bytes, freed when the event is); NULL on success, when there is nothing to
@@ -257,7 +293,7 @@ int tdm__event_on_complete(tdm__event *ev, tdm__waiter *w);
  * reference of each, in one critical section; then runs their continuations, in order. */
 void tdm__event_complete_batch(tdm__queue *q, tdm__event *const *evs, size_t n);
 /* ---- event.c: failures in words ---- */
-#define TDM__WHY_MAX 512
+#define TDM__WHY_MAX 1024
 /* A copy of s cut to TDM__WHY_MAX bytes, or NULL (s empty, or no memory): failure paths only. */
 char *tdm__why_dup(const char *s);
 /* ev's failure as its waiters hear it: "host task on cpu:0/q1 (command #5) failed", then ": "
@@ -271,6 +307,14 @@ int tdm__event_wait_raw(tdm__event *ev);
 /* The same for waits a caller's thread makes (public waits, syncs, destroys): a pool thread
  * that blocks here is replaced while it waits (threadpool.c), so the pool cannot starve. */
 int tdm__event_wait_blocking(tdm__event *ev);
+/* The same for tdm_event_wait: on a pool thread that is the last one not blocked, with every
+ * spare started (threadpool.c), it does not wait and returns TDM__WAIT_REFUSED, with the
+ * message set (the caller returns TDM_EDEADLK). */
+#define TDM__WAIT_REFUSED (-100000)
+int tdm__event_wait_host(tdm__event *ev);
+/* Whether a wait of this thread would be refused so now (tdm_queue_sync asks before it
+ * submits its marker, which would otherwise clear an error nobody hears of). */
+bool tdm__threadpool_starved(void);
 uint64_t tdm__now_ns(void);
 
 /* ---- event.c: wake-ups of a queue's waiters ---- */
@@ -398,6 +442,8 @@ static inline tdm__queue *tdm__queue_lookup(tdm_queue *h) {
 int tdm__queue_create_internal(tdm_device *dev, unsigned flags, void *adopt, bool owned,
                                tdm__queue **out);
 int tdm__queue_destroy_internal(tdm__queue *q);
+/* The last shutdown's: q is gone when it returns, even if its drain marker cannot be made. */
+void tdm__queue_destroy_final(tdm__queue *q);
 /* A device's queue of imported events (import.c): an out-of-order queue with no backend queue,
  * no executor and no handle; its commands come complete with a native handle. */
 int tdm__queue_create_imports(tdm_device *dev, tdm__queue **out);
@@ -427,6 +473,9 @@ typedef struct tdm__spec {
   void *native;        /* an import (a barrier without deps): the handle event_import made,
                           with its two references; nothing goes to the backend's submit */
 } tdm__spec;
+/* The longest dependency list a caller may pass: far more than memory could hold, and small
+ * enough that no size computed from it (with the implicit dependencies added) wraps. */
+#define TDM__DEPS_MAX (SIZE_MAX / 4 / sizeof(tdm__dep))
 /* A caller's dependency list resolved to events (inline when short). */
 #define TDM__INLINE_DEPLIST 8
 typedef struct tdm__deplist {
@@ -603,6 +652,8 @@ void tdm__mem_free_all(void);
 extern _Thread_local bool tdm__tls_releasing;
 int tdm__release_start(void);
 void tdm__release_stop(void);
+/* Keep-alives registered and not yet released. */
+long tdm__release_pending(void);
 
 /* ---- import.c ---- */
 /* The last shutdown: waits for every imported event and frees the devices' import queues. */

@@ -182,6 +182,9 @@ int tdm_host_register(tdm_device *dev, void *ptr, size_t size) {
   int rc = tdm__device_check(dev);
   if (rc) return rc;
   if (!ptr || !size) return tdm__error(TDM_EINVAL, 0, "tdm_host_register: empty range");
+  if ((uintptr_t)ptr + size < (uintptr_t)ptr)
+    return tdm__error(TDM_ERANGE, 0, "tdm_host_register: %p + %zu bytes wraps around the "
+                      "address space", ptr, size);
   if ((rc = tdm__b_host_register(dev, ptr, size)))
     return tdm__error(rc, tdm_last_native_error(), "registering %zu bytes at %p on %s: %s",
                       size, ptr, dev->info.id, tdm__last_detail());

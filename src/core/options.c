@@ -71,6 +71,11 @@ void tdm__options_load(tdm__options *o) {
         *(long *)field = (v && *v) ? parse_long(d, v) : d->def;
         break;
       case OPT_STRING:
+        if (v && strlen(v) >= d->size) { /* cut, it would name something else */
+          fprintf(stderr, "tandem: ignoring %s (%zu bytes, longer than the %zu it may have)\n",
+                  d->name, strlen(v), d->size - 1);
+          v = NULL;
+        }
         snprintf(field, d->size, "%s", v ? v : "");
         break;
       case OPT_QUEUE:

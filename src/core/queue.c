@@ -124,8 +124,40 @@ static void queue_retire(tdm__queue *q) {
   tdm__queue_unref(q);
 }
 
-/* The caller has claimed q (q->claimed), so no other destroy runs on it. */
-int tdm__queue_destroy_internal(tdm__queue *q) {
+/* Waits until every command submitted to q has completed (each completion broadcasts q->cv
+ * to its sleepers after counting itself done: tdm__cmd_done). */
+static void wait_all_done(tdm__queue *q) {
+  tdm__exec_kick(q); /* lazily completed commands: nobody else may ask for them */
+  pthread_mutex_lock(&q->mu);
+  while (atomic_load(&q->n_done) != atomic_load(&q->n_submitted)) {
+    q->cv_sleepers++;
+    pthread_cond_wait(&q->cv, &q->mu);
+    q->cv_sleepers--;
+  }
+  pthread_mutex_unlock(&q->mu);
+}
+
+/* The rest of a destroy, once q is marked destroying (no submission can come) and drained. */
+static void queue_teardown(tdm__queue *q) {
+  tdm__defaults_forget(q);
+  tdm__exec_stop(q);
+  tdm__b_queue_destroy(q);
+  atomic_store(&q->handle, 0);
+  atomic_fetch_sub(&tdm__g.n_queues, 1);
+  queue_retire(q);
+}
+
+static void mark_destroying(tdm__queue *q) {
+  pthread_mutex_lock(&q->submit_mu);
+  atomic_store(&q->destroying, true);
+  pthread_mutex_unlock(&q->submit_mu);
+}
+
+/* The caller has claimed q (q->claimed), so no other destroy runs on it. final: the last
+ * shutdown's, which must not leave q alive: when the drain marker cannot be submitted (no
+ * memory, a backend refusing it), q is drained by counting its commands done instead (only
+ * what tandem submitted is covered then, which is all a shutdown can do). */
+static int destroy(tdm__queue *q, bool final) {
   if (tdm__tls_queue == q) {
     atomic_store(&q->claimed, false);
     return tdm__error(TDM_EDEADLK, 0, "a host task of %s destroys its own queue", q->label);
@@ -134,29 +166,27 @@ int tdm__queue_destroy_internal(tdm__queue *q) {
   tdm__spec s = {.kind = TDM__CMD_MARKER, .op = "drain", .all_prior = true};
   tdm__event *ev;
   int rc = tdm__submit(q, &s, 0, NULL, &ev, NULL);
-  if (rc && !atomic_load(&q->dev->lost)) {
+  if (rc && !atomic_load(&q->dev->lost) && !final) {
     atomic_store(&q->claimed, false);
     return rc; /* nothing destroyed; retry later */
   }
-  pthread_mutex_lock(&q->submit_mu);
-  atomic_store(&q->destroying, true);
-  pthread_mutex_unlock(&q->submit_mu);
+  mark_destroying(q);
   int status = 0;
   char why[TDM__WHY_MAX] = "";
   if (!rc) {
     status = tdm__event_wait_blocking(ev);
     if (status < 0 && ev->why) snprintf(why, sizeof why, ": %s", ev->why);
     tdm__event_unref(ev);
+  } else if (final && !atomic_load(&q->dev->lost)) {
+    wait_all_done(q);
   }
-  tdm__defaults_forget(q);
-  tdm__exec_stop(q);
-  tdm__b_queue_destroy(q);
-  atomic_store(&q->handle, 0);
-  atomic_fetch_sub(&tdm__g.n_queues, 1);
-  queue_retire(q);
+  queue_teardown(q);
   if (status < 0) tdm__error(status, 0, "%s had an unreported error%s", q->label, why);
   return status;
 }
+
+int tdm__queue_destroy_internal(tdm__queue *q) { return destroy(q, false); }
+void tdm__queue_destroy_final(tdm__queue *q) { (void)destroy(q, true); }
 
 int tdm__queue_create_imports(tdm_device *dev, tdm__queue **out) {
   tdm__queue *q = queue_struct();
@@ -189,15 +219,8 @@ int tdm__queue_create_imports(tdm_device *dev, tdm__queue **out) {
 }
 
 void tdm__queue_destroy_imports(tdm__queue *q) {
-  /* Each import completes on a thread-pool thread once its driver says so; completions broadcast
-   * q->cv to sleepers after counting themselves done (tdm__cmd_done). */
-  pthread_mutex_lock(&q->mu);
-  while (atomic_load(&q->n_done) != atomic_load(&q->n_submitted)) {
-    q->cv_sleepers++;
-    pthread_cond_wait(&q->cv, &q->mu);
-    q->cv_sleepers--;
-  }
-  pthread_mutex_unlock(&q->mu);
+  /* Each import completes on a thread-pool thread once its driver says so. */
+  wait_all_done(q);
   queue_retire(q);
 }
 

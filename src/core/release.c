@@ -46,6 +46,8 @@ int tdm__release_start(void) {
   return 0;
 }
 
+long tdm__release_pending(void) { return tdm__workq_expected(&rel); }
+
 /* Runs after every queue has drained, so every outstanding release is already listed or on
  * its way. */
 void tdm__release_stop(void) {

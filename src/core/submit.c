@@ -54,6 +54,11 @@ int tdm__deps_get(size_t ndeps, tdm_event *const *deps, tdm__deplist *out) {
   out->n = 0;
   out->v = out->inl;
   if (ndeps && !deps) return tdm__error(TDM_EINVAL, 0, "ndeps is %zu but deps is NULL", ndeps);
+  /* No list of this length can exist in memory; and the command's own list (the caller's
+   * plus the implicit ones, tdm__dep each) must be sizable without wrapping. */
+  if (ndeps > TDM__DEPS_MAX)
+    return tdm__error(TDM_EINVAL, 0, "ndeps is %zu, more than a list can hold (%zu)", ndeps,
+                      (size_t)TDM__DEPS_MAX);
   if (ndeps > TDM__INLINE_DEPLIST && !(out->v = deps_storage_get(ndeps))) {
     out->v = out->inl;
     return tdm__error(TDM_ENOMEM, 0, "no memory for a list of %zu dependencies", ndeps);
@@ -172,7 +177,9 @@ static size_t implicit_deps(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
   *gate_dep = NULL;
   *nall = 0;
   if (ooo(q)) {
-    if (q->gate && !atomic_load(&q->gate->done)) *gate_dep = q->gate;
+    /* A gate that failed stays a dependency until a sync has reported it (tdm_queue_sync
+     * drops it), so every later command fails whenever it is submitted. */
+    if (q->gate && (!atomic_load(&q->gate->done) || q->gate->status != 0)) *gate_dep = q->gate;
     if (spec->all_prior) *nall = q->ntrk;
   }
   return ndeps + (*gate_dep ? 1 : 0) + *nall + q->nxwait;
@@ -333,6 +340,11 @@ int tdm__submit_locked(tdm__queue *q, const tdm__spec *spec, size_t ndeps,
   bool gate = spec->gate && ooo(q);
   int refs = 1 + (track ? 1 : 0) + (gate ? 1 : 0) + (out ? 1 : 0) + (out_handle ? 1 : 0);
   uint64_t handle = event_begin(q, ev, spec, refs, out_handle ? 1 : 0);
+  /* The tracker's collapse barrier (untracked) waits for every tracked entry, which is every
+   * earlier command not complete. */
+  ev->covers = (!ooo(q) || spec->all_prior || spec->untracked) ? q->seq
+               : q->gate                                         ? q->gate->covers
+                                                                 : 0;
   cmd->ev = ev;
   atomic_store_explicit(&q->n_submitted,
                         atomic_load_explicit(&q->n_submitted, memory_order_relaxed) + 1,
@@ -376,6 +388,41 @@ static void note_failure(tdm__queue *q, const char *op, uint64_t seq, char *why,
   if (!ooo(q)) q->chain_error = status;
 }
 
+/* The words of a wait that failed because the event it waited for did, around that event's
+ * account (cause). A chain of waits across queues, each relaying the one before, would bury
+ * the origin under a prefix per hop: a cause that is itself a wait's account is summarized
+ * into a count of the waits before, and its origin kept whole. */
+#define WAIT_WORDS "wait on "
+#define WAIT_THROUGH ", through "
+static void wait_words(char *buf, size_t n, const tdm__queue *q, uint64_t before,
+                       const char *cause) {
+  unsigned long hops = 0;
+  const char *origin = cause;
+  if (strncmp(cause, WAIT_WORDS, sizeof WAIT_WORDS - 1) == 0) {
+    const char *end = strstr(cause, ") failed");
+    const char *rest = end ? end + strlen(") failed") : NULL;
+    if (rest && strncmp(rest, WAIT_THROUGH, sizeof WAIT_THROUGH - 1) == 0) {
+      hops = strtoul(rest + sizeof WAIT_THROUGH - 1, NULL, 10) + 1;
+      rest = strstr(rest, ": ");
+    } else if (rest && strncmp(rest, ": ", 2) == 0) {
+      hops = 1;
+    } else {
+      rest = NULL;
+    }
+    if (rest && hops)
+      origin = rest + 2;
+    else
+      hops = 0;
+  }
+  if (hops)
+    snprintf(buf, n, WAIT_WORDS "%s (before command #%llu) failed" WAIT_THROUGH "%lu earlier "
+             "wait%s: %s", q->label, (unsigned long long)before, hops, hops == 1 ? "" : "s",
+             origin);
+  else
+    snprintf(buf, n, WAIT_WORDS "%s (before command #%llu) failed: %s", q->label,
+             (unsigned long long)before, origin);
+}
+
 /* A device-side wait made without a command (tdm_queue_wait's cheap path) waited for failed,
  * an ordered dependency of marker cmd, the first command after it: the queue fails as it
  * would have with the wait command, which is named in the words. */
@@ -385,8 +432,8 @@ static void wait_failed(tdm__cmd *cmd, tdm__event *failed) {
   if (atomic_load(&q->first_error) == 0) {
     char buf[TDM__WHY_MAX];
     char *cause = tdm__event_cause_dup(failed);
-    snprintf(buf, sizeof buf, "wait on %s (before command #%llu) failed: %s", q->label,
-             (unsigned long long)cmd->ev->seq, cause ? cause : "the event it waited for failed");
+    wait_words(buf, sizeof buf, q, cmd->ev->seq,
+               cause ? cause : "the event it waited for failed");
     free(cause);
     why = tdm__why_dup(buf);
   }
@@ -457,9 +504,18 @@ static int run_host_task(tdm__cmd *cmd) {
   /* The task's message (tdm_set_error, or a tandem call of its own that failed) says why; the
    * event keeps it for its waiters, who are on other threads. Written before the event
    * completes, so they see it once they see the status. */
-  cmd->ev->why = tdm__why_dup(tdm__last_detail());
-  /* A negative value inside the code table is kept; anything else says only "failed". */
-  return (r < 0 && strcmp(tdm_err_name(r), "TDM_UNKNOWN") != 0) ? r : TDM_ETASK;
+  /* A negative value inside the code table is kept, but for TDM_EAGAIN, which would read as
+   * "not complete yet" for ever; anything else becomes TDM_ETASK, saying what it was. */
+  const char *said = tdm__last_detail();
+  if (r < 0 && r != TDM_EAGAIN && strcmp(tdm_err_name(r), "TDM_UNKNOWN") != 0) {
+    cmd->ev->why = tdm__why_dup(said);
+    return r;
+  }
+  char buf[TDM__WHY_MAX];
+  snprintf(buf, sizeof buf, "it returned %d (%s), which a task may not return%s%s", r,
+           tdm_err_name(r), said[0] ? ": " : "", said);
+  cmd->ev->why = tdm__why_dup(buf);
+  return TDM_ETASK;
 }
 
 /* Applies the execution rules to one command, on a host thread, in the queue's order:
@@ -770,6 +826,10 @@ int tdm_queue_sync(tdm_queue *qh) {
   GET_Q(qh, q);
   if (tdm__tls_queue == q)
     return tdm__error(TDM_EDEADLK, 0, "a host task of %s syncs its own queue", q->label);
+  if (tdm__threadpool_starved())
+    return tdm__error(TDM_EDEADLK, 0, "tdm_queue_sync of %s from the last of tandem's pool "
+                      "threads not blocked in a wait: none would be left to run its work",
+                      q->label);
   tdm__spec s = {.kind = TDM__CMD_MARKER, .flags = TDM__CMD_SYNC, .op = "sync",
                  .all_prior = true};
   tdm__event *ev;
@@ -788,10 +848,17 @@ int tdm_queue_sync(tdm_queue *qh) {
                cause, q->label, cause_seq);
   else if (rc)
     tdm__error(rc, native, "%s: the first error since the last sync", q->label);
+  uint64_t seq = ev->seq;
   tdm__event_unref(ev);
-  /* Everything the tracker holds has completed: let it go now rather than at the next prune. */
+  /* Everything the tracker holds has completed: let it go now rather than at the next prune.
+   * A failed gate from before the sync has been reported: later commands no longer take it. */
   pthread_mutex_lock(&q->submit_mu);
   tdm__tracker_prune(q);
+  tdm__event *g = q->gate;
+  if (g && g->seq < seq && atomic_load(&g->done) && g->status != 0) {
+    q->gate = NULL;
+    tdm__event_unref(g);
+  }
   pthread_mutex_unlock(&q->submit_mu);
   return rc;
 }

@@ -9,7 +9,10 @@
  * another pool thread can run (a task waiting for a later, independent task of an
  * out-of-order queue). So a pool thread that blocks in a caller's wait is replaced: while it
  * waits, the pool keeps its number of unblocked threads by starting a spare (up to
- * TDM__THREADPOOL_SPARES of them; spares stay until shutdown and sleep when idle). */
+ * TDM__THREADPOOL_SPARES of them; spares stay until shutdown and sleep when idle). When they
+ * are all started and a wait would block the last thread not blocked already, a caller's wait
+ * (tdm_event_wait, tdm_queue_sync) fails with TDM_EDEADLK instead: nothing would be left to
+ * run the work it waits for. */
 #include <stdlib.h>
 
 #include "internal.h"
@@ -43,10 +46,28 @@ static void *pool_main(void *arg) {
   return NULL;
 }
 
-int tdm__event_wait_blocking(tdm__event *ev) {
-  if (!tls_pool_thread || atomic_load_explicit(&ev->done, memory_order_acquire))
-    return tdm__event_wait_raw(ev);
+/* Whether this pool thread is the last one not blocked in a wait, with no spare left to
+ * start: under pool_mu. */
+static bool starving(void) {
+  return nthreads - nblocked <= 1 && nthreads >= target + TDM__THREADPOOL_SPARES;
+}
+
+bool tdm__threadpool_starved(void) {
+  if (!tls_pool_thread) return false;
   pthread_mutex_lock(&pool_mu);
+  bool s = starving();
+  pthread_mutex_unlock(&pool_mu);
+  return s;
+}
+
+static int wait_as_pool_thread(tdm__event *ev, bool may_refuse) {
+  pthread_mutex_lock(&pool_mu);
+  if (may_refuse && starving()) {
+    pthread_mutex_unlock(&pool_mu);
+    tdm__error(TDM_EDEADLK, 0, "every one of tandem's %ld pool threads would be blocked in a "
+               "wait, with none left to run the work they wait for", nthreads);
+    return TDM__WAIT_REFUSED;
+  }
   nblocked++;
   if (nthreads - nblocked < target && nthreads < target + TDM__THREADPOOL_SPARES &&
       pthread_create(&threads[nthreads], NULL, pool_main, NULL) == 0)
@@ -57,6 +78,18 @@ int tdm__event_wait_blocking(tdm__event *ev) {
   nblocked--;
   pthread_mutex_unlock(&pool_mu);
   return st;
+}
+
+int tdm__event_wait_blocking(tdm__event *ev) {
+  if (!tls_pool_thread || atomic_load_explicit(&ev->done, memory_order_acquire))
+    return tdm__event_wait_raw(ev);
+  return wait_as_pool_thread(ev, false);
+}
+
+int tdm__event_wait_host(tdm__event *ev) {
+  if (!tls_pool_thread || atomic_load_explicit(&ev->done, memory_order_acquire))
+    return tdm__event_wait_raw(ev);
+  return wait_as_pool_thread(ev, true);
 }
 
 int tdm__threadpool_start(void) {

@@ -72,13 +72,26 @@ int tdm__cpu_stream_push(tdm_cpu_stream *s, tdm__cmd *cmd) {
 
 /* ---- public interop (tandem/cpu.h) ---- */
 
+/* A forked child has the stream's memory but not its worker thread: nothing would run, and a
+ * destroy would wait for ever. */
+static int forked(const char *call) {
+  tdm__fork_guard();
+  if (!atomic_load(&tdm__forked)) return 0;
+  return tdm__error(TDM_EFORK, 0, "%s in a child forked after the stream or tdm_init was made; "
+                    "its threads belong to the parent", call);
+}
+
 int tdm_cpu_stream_create(tdm_cpu_stream **out) {
+  int rc = forked("tdm_cpu_stream_create");
+  if (rc) return rc;
   if (!out) return tdm__error(TDM_EINVAL, 0, "tdm_cpu_stream_create: out is NULL");
-  int rc = tdm__cpu_stream_new(out);
+  rc = tdm__cpu_stream_new(out);
   return rc ? tdm__error(rc, 0, "tdm_cpu_stream_create: cannot start the stream's worker") : 0;
 }
 
 int tdm_cpu_stream_destroy(tdm_cpu_stream *s) {
+  int rc = forked("tdm_cpu_stream_destroy");
+  if (rc) return rc;
   if (!tdm__cpu_stream_valid(s))
     return tdm__error(TDM_EHANDLE, 0, "tdm_cpu_stream_destroy: %p is not a tdm_cpu_stream",
                       (void *)s);
@@ -87,6 +100,8 @@ int tdm_cpu_stream_destroy(tdm_cpu_stream *s) {
 }
 
 int tdm_cpu_stream_launch(tdm_cpu_stream *s, void (*fn)(void *), void *arg) {
+  int rc = forked("tdm_cpu_stream_launch");
+  if (rc) return rc;
   if (!tdm__cpu_stream_valid(s))
     return tdm__error(TDM_EHANDLE, 0, "tdm_cpu_stream_launch: %p is not a tdm_cpu_stream",
                       (void *)s);
@@ -95,7 +110,7 @@ int tdm_cpu_stream_launch(tdm_cpu_stream *s, void (*fn)(void *), void *arg) {
   if (!r) return tdm__error(TDM_ENOMEM, 0, "tdm_cpu_stream_launch: no memory for the launch");
   r->fn = fn;
   r->arg = arg;
-  int rc = tdm__cpu_stream_push(s, &r->cmd);
+  rc = tdm__cpu_stream_push(s, &r->cmd);
   if (rc) free(r);
   return rc ? tdm__error(rc, 0, "tdm_cpu_stream_launch: the stream is being destroyed") : 0;
 }

@@ -105,6 +105,13 @@ void tdm__workq_expect(tdm__workq *wq, long n) {
   unlock_wake(wq, wq->sleepers && wq->stop && wq->expected == 0);
 }
 
+long tdm__workq_expected(tdm__workq *wq) {
+  pthread_mutex_lock(&wq->mu);
+  long n = wq->expected;
+  pthread_mutex_unlock(&wq->mu);
+  return n;
+}
+
 void tdm__workq_serve(tdm__workq *wq) {
   pthread_mutex_lock(&wq->mu);
   for (;;) {

@@ -100,5 +100,7 @@ bool tdm__workq_empty(tdm__workq *wq);
 /* Announces n items that will be pushed later (n > 0), or that n of them ran (n < 0): a stop
  * waits for them. */
 void tdm__workq_expect(tdm__workq *wq, long n);
+/* Items announced and not yet run. */
+long tdm__workq_expected(tdm__workq *wq);
 
 #endif /* TANDEM_UTIL_WORKQ_H */
