@@ -724,3 +724,35 @@ TEST_CASE(sync_names_failure) {
   CHECK_OK(tdm_queue_destroy(q));
   th_close();
 }
+
+static int task_nop(void *arg) {
+  (void)arg;
+  return 0;
+}
+
+/* Counts whose byte sizes wrap: refused, and nothing cached from them (a later call with a
+ * long list on the same thread must not write past what was allocated). */
+TEST_CASE(counts_that_wrap) {
+  tdm_device *dev = th_open();
+  tdm_queue *q;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  tdm_event *deps[12];
+  for (int i = 0; i < 12; i++) CHECK_OK(tdm_event_record(q, &deps[i]));
+  size_t wraps = ((size_t)1 << 61) + 1; /* times 8 bytes wraps to 8 */
+  CHECK_RC(tdm_host_task(q, task_nop, NULL, wraps, deps, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_queue_barrier(q, wraps, deps, NULL), TDM_EINVAL);
+  CHECK_RC(tdm_queue_barrier(q, SIZE_MAX, deps, NULL), TDM_EINVAL);
+  for (int round = 0; round < 3; round++) {
+    tdm_event *ev;
+    CHECK_OK(tdm_host_task(q, task_nop, NULL, 12, deps, &ev));
+    CHECK_OK(tdm_event_wait(ev));
+    CHECK_OK(tdm_event_release(ev));
+  }
+  for (int i = 0; i < 12; i++) CHECK_OK(tdm_event_release(deps[i]));
+  /* A registration whose end wraps can never be found or unregistered: refused. */
+  void *top = (void *)(UINTPTR_MAX - 4095);
+  CHECK_RC(tdm_host_register(dev, top, 8192), TDM_ERANGE);
+  CHECK_RC(tdm_host_register(dev, (void *)4096, SIZE_MAX), TDM_ERANGE);
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}

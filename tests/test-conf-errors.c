@@ -412,3 +412,140 @@ TEST_CASE(destroy_result_events_valid) {
   CHECK_OK(tdm_queue_destroy(q));
   th_close();
 }
+
+/* ---- Failures on out-of-order queues are deterministic ----------------------------------- */
+
+/* After a gate of an out-of-order queue failed (a wait for a failed event, a barrier with a
+ * failed dependency, the tracker's collapse barrier over a failed tracked event), every later
+ * command fails with TDM_EDEP however long after the failure it is submitted, until a sync
+ * has reported the failure; after that the queue runs work again. how: 0 wait, 1 barrier, 2
+ * tracker. */
+static void failed_gate_round(int how) {
+  tdm_device *dev = th_open();
+  require_ooo(dev);
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_OUT_OF_ORDER), *src = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  tdm_event *failed, *gate = NULL, *late;
+  atomic_int ran = 0;
+  th_gate g;
+  th_gate_init(&g);
+  /* Held back until the gate opens: the tracker case needs it pending when it collapses. */
+  CHECK_OK(tdm_host_task(src, task_wait_gate, &g, 0, NULL, NULL));
+  CHECK_OK(tdm_host_task(src, task_fail_einval, NULL, 0, NULL, &failed));
+  if (how == 2) {
+    /* Capacity 2: the tracked event and a held-back task fill it; the next submission
+     * collapses them into a barrier, which fails. */
+    CHECK_OK(tdm_queue_track(q, failed));
+    CHECK_OK(tdm_host_task(q, task_wait_gate, &g, 0, NULL, NULL));
+    CHECK_OK(tdm_host_task(q, task_count, &ran, 0, NULL, NULL));
+  }
+  th_gate_open(&g);
+  CHECK_RC(tdm_event_wait(failed), TDM_EINVAL);
+  if (how == 0) {
+    CHECK_OK(tdm_queue_wait(q, failed));
+    CHECK_OK(tdm_queue_barrier(q, 0, NULL, &gate)); /* after the wait, so done once it is */
+  } else if (how == 1) {
+    CHECK_OK(tdm_queue_barrier(q, 1, &failed, &gate));
+  } else {
+    CHECK_OK(tdm_queue_barrier(q, 0, NULL, &gate));
+  }
+  CHECK_RC(tdm_event_wait(gate), TDM_EDEP);
+  th_sleep_ms(50); /* long after: the failed gate has completed by every measure */
+  for (int i = 0; i < 3; i++) {
+    CHECK_OK(tdm_host_task(q, task_count, &ran, 0, NULL, &late));
+    CHECK_RC(tdm_event_wait(late), TDM_EDEP);
+    CHECK_OK(tdm_event_release(late));
+  }
+  int before = atomic_load(&ran);
+  CHECK_RC(tdm_queue_sync(q), TDM_EDEP);
+  CHECK_OK(tdm_host_task(q, task_count, &ran, 0, NULL, &late));
+  CHECK_OK(tdm_event_wait(late));
+  CHECK_OK(tdm_event_release(late));
+  CHECK_EQ(atomic_load(&ran), before + 1);
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_event_release(gate));
+  CHECK_OK(tdm_event_release(failed));
+  CHECK_RC(tdm_queue_sync(src), TDM_EINVAL);
+  CHECK_OK(tdm_queue_destroy(q));
+  CHECK_OK(tdm_queue_destroy(src));
+  th_gate_destroy(&g);
+  th_close();
+}
+
+TEST_CASE(ooo_failed_wait_sticks) { failed_gate_round(0); }
+TEST_CASE(ooo_failed_barrier_sticks) { failed_gate_round(1); }
+TEST_CASE(ooo_failed_tracker_barrier_sticks) {
+  setenv("TANDEM_TRACKER_CAPACITY", "2", 1);
+  failed_gate_round(2);
+}
+
+/* ---- A host task's code is never "pending" ----------------------------------------------- */
+
+static int task_return_eagain(void *arg) {
+  (void)arg;
+  tdm_set_error(TDM_EAGAIN, 0, "what the task's query said");
+  return TDM_EAGAIN;
+}
+
+TEST_CASE(task_returns_eagain) {
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  tdm_event *ev;
+  CHECK_OK(tdm_host_task(q, task_return_eagain, NULL, 0, NULL, &ev));
+  CHECK_RC(tdm_event_wait(ev), TDM_ETASK);
+  CHECK_RC(tdm_event_query(ev), TDM_ETASK);
+  CHECK_MSG(strstr(tdm_last_error(), "TDM_EAGAIN") && strstr(tdm_last_error(), "query said"),
+            "the message names neither the code returned nor the task's words: %s",
+            tdm_last_error());
+  CHECK_OK(tdm_event_release(ev));
+  CHECK_RC(tdm_queue_sync(q), TDM_ETASK);
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* ---- The origin's words survive a chain of waits ----------------------------------------- */
+
+enum { CHAIN = 16 };
+static char origin_words[420];
+
+static int task_fail_words(void *arg) {
+  (void)arg;
+  return tdm_set_error(TDM_EINVAL, 0, "%s", origin_words);
+}
+
+/* A failure hops through CHAIN queues, each waiting device-side for a marker of the one
+ * before: the last marker's waiter still reads the failed task's words whole. */
+TEST_CASE(wait_chain_keeps_origin) {
+  tdm_device *dev = th_open();
+  memset(origin_words, 'w', sizeof origin_words - 5);
+  memcpy(origin_words, "BEGIN", 5);
+  memcpy(origin_words + sizeof origin_words - 8, "END", 4);
+  tdm_queue *q[CHAIN];
+  tdm_event *ev[CHAIN];
+  th_gate gate;
+  th_gate_init(&gate);
+  for (int i = 0; i < CHAIN; i++) q[i] = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  /* Held back, so each wait below is made while the event it names is pending. */
+  CHECK_OK(tdm_host_task(q[0], task_wait_gate, &gate, 0, NULL, NULL));
+  CHECK_OK(tdm_host_task(q[0], task_fail_words, NULL, 0, NULL, NULL));
+  CHECK_OK(tdm_event_record(q[0], &ev[0]));
+  for (int i = 1; i < CHAIN; i++) {
+    CHECK_OK(tdm_queue_wait(q[i], ev[i - 1]));
+    CHECK_OK(tdm_event_record(q[i], &ev[i]));
+  }
+  th_gate_open(&gate);
+  CHECK_RC(tdm_event_wait(ev[CHAIN - 1]), TDM_EDEP);
+  CHECK_MSG(strstr(tdm_last_error(), origin_words), "the origin's words were lost: %s",
+            tdm_last_error());
+  CHECK_RC(tdm_queue_sync(q[CHAIN - 1]), TDM_EDEP);
+  CHECK_MSG(strstr(tdm_last_error(), origin_words), "the sync lost the origin's words: %s",
+            tdm_last_error());
+  printf("%s\n", tdm_last_error());
+  for (int i = 0; i < CHAIN; i++) {
+    CHECK_OK(tdm_event_release(ev[i]));
+    (void)tdm_queue_sync(q[i]);
+    CHECK_OK(tdm_queue_destroy(q[i]));
+  }
+  th_gate_destroy(&gate);
+  th_close();
+}

@@ -18,6 +18,14 @@ static int task_count(void *arg) {
   return 0;
 }
 
+static int has_ooo(tdm_device *dev) {
+  tdm_device_info info;
+  CHECK_OK(tdm_device_info_get(dev, &info));
+  return (info.caps & TDM_DEVICE_CAP_OUT_OF_ORDER) != 0;
+}
+
+static int task_wait_gate_dl(void *arg) { return th_gate_wait(arg, TH_HANG_MS) ? 0 : 1; }
+
 /* ---- Host tasks that would wait for themselves ------------------------------------------- */
 
 struct self_call {
@@ -396,6 +404,144 @@ TEST_CASE(pool_tasks_wait_later_tasks) {
   th_close();
 }
 
+/* A host task of an out-of-order queue waits for a marker, or a full barrier, recorded on its
+ * own queue after it: both wait for every earlier command, the task among them, so the wait
+ * is TDM_EDEADLK. A later task with no dependency may still be waited for, and so may
+ * anything submitted before the task. */
+struct own_marker {
+  tdm_queue *q;
+  int rc_marker, rc_barrier, rc_after_barrier, rc_plain;
+};
+
+static int task_wait_own_marker(void *arg) {
+  struct own_marker *m = arg;
+  tdm_event *ev = NULL;
+  atomic_int n = 0;
+  CHECK_OK(tdm_event_record(m->q, &ev));
+  m->rc_marker = TH_CALL(tdm_event_wait(ev));
+  CHECK_OK(tdm_event_release(ev));
+  CHECK_OK(tdm_queue_barrier(m->q, 0, NULL, &ev));
+  m->rc_barrier = TH_CALL(tdm_event_wait(ev));
+  CHECK_OK(tdm_event_release(ev));
+  CHECK_OK(tdm_host_task(m->q, task_count, &n, 0, NULL, &ev)); /* behind that barrier */
+  m->rc_after_barrier = TH_CALL(tdm_event_wait(ev));
+  CHECK_OK(tdm_event_release(ev));
+  return 0;
+}
+
+TEST_CASE(ooo_task_waits_own_marker) {
+  tdm_device *dev = th_open();
+  if (!has_ooo(dev)) TH_SKIP("%s has no out-of-order queues", th_device_id);
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_OUT_OF_ORDER);
+  struct own_marker m = {.q = q, 12345, 12345, 12345, 12345};
+  tdm_event *ev;
+  CHECK_OK(tdm_host_task(q, task_wait_own_marker, &m, 0, NULL, &ev));
+  CHECK_MSG(th_event_wait_limited(ev, TH_HANG_MS) == 0, "the task hung or failed");
+  CHECK_OK(tdm_event_release(ev));
+  CHECK_STATUS(m.rc_marker, TDM_EDEADLK);
+  CHECK_STATUS(m.rc_barrier, TDM_EDEADLK);
+  CHECK_STATUS(m.rc_after_barrier, TDM_EDEADLK);
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* More waiting host tasks than the pool has threads and spares (TANDEM_CPU_POOL_THREADS = 4
+ * and the 256 spares of threadpool.c): once every thread is blocked in a wait but one, the
+ * next wait would leave none to run the producer, and fails with TDM_EDEADLK instead; the
+ * waits that were made complete once it runs, and nothing hangs. */
+enum { POOL_THREADS = 4, POOL_SPARES = 256, EXHAUST_WAITERS = 300 };
+
+static atomic_int exhaust_started;
+
+static int task_count_start_wait(void *arg) {
+  atomic_fetch_add(&exhaust_started, 1);
+  return task_wait_target(arg);
+}
+
+TEST_CASE(pool_exhausted_by_waiters) {
+  setenv("TANDEM_CPU_POOL_THREADS", "4", 1);
+  setenv("TANDEM_TRACKER_CAPACITY", "1024", 1); /* no collapse: the waiters are independent */
+  tdm_device *dev = th_open();
+  if (!has_ooo(dev)) TH_SKIP("%s has no out-of-order queues", th_device_id);
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_OUT_OF_ORDER), *held = new_queue(dev, 0);
+  th_gate gate;
+  th_gate_init(&gate);
+  tdm_event *hold, *producer;
+  atomic_int count = 0;
+  /* The producer becomes ready once a gate on another queue opens, after every thread the
+   * pool can have has taken a waiter. */
+  CHECK_OK(tdm_host_task(held, task_wait_gate_dl, &gate, 0, NULL, &hold));
+  CHECK_OK(tdm_host_task(q, task_count, &count, 1, &hold, &producer));
+  static struct waiter_task w[EXHAUST_WAITERS];
+  for (int i = 0; i < EXHAUST_WAITERS; i++) {
+    memset(&w[i], 0, sizeof w[i]);
+    atomic_store(&w[i].rc, 12345);
+    atomic_store(&w[i].target, producer);
+    CHECK_OK(tdm_host_task(q, task_count_start_wait, &w[i], 0, NULL, NULL));
+  }
+  CHECK_MSG(th_wait_atomic(&exhaust_started, POOL_THREADS + POOL_SPARES, TH_HANG_MS),
+            "only %d waiters started", atomic_load(&exhaust_started));
+  th_gate_open(&gate);
+  int refused = 0;
+  for (int i = 0; i < EXHAUST_WAITERS; i++) {
+    CHECK_MSG(th_wait_atomic(&w[i].done, 1, TH_HANG_MS), "waiter %d never finished", i);
+    int rc = atomic_load(&w[i].rc);
+    CHECK_MSG(rc == 0 || rc == TDM_EDEADLK, "waiter %d got %s", i, tdm_err_name(rc));
+    refused += rc == TDM_EDEADLK;
+  }
+  printf("%d of %d waits refused with TDM_EDEADLK\n", refused, EXHAUST_WAITERS);
+  CHECK(refused > 0 && refused < EXHAUST_WAITERS);
+  CHECK_OK(tdm_event_wait(producer));
+  CHECK_EQ(atomic_load(&count), 1);
+  CHECK_OK(tdm_event_release(producer));
+  CHECK_OK(tdm_event_release(hold));
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_queue_destroy(q));
+  CHECK_OK(tdm_queue_destroy(held));
+  th_gate_destroy(&gate);
+  th_close();
+}
+
+/* Waiters fill the tracker of an out-of-order queue, so the producer's submission collapses
+ * them into a barrier the producer then depends on: a wait of theirs for it would never end,
+ * and is TDM_EDEADLK instead. */
+enum { TRACKED_WAITERS = 8 };
+
+TEST_CASE(tracker_collapse_waiters) {
+  setenv("TANDEM_TRACKER_CAPACITY", "8", 1);
+  tdm_device *dev = th_open();
+  if (!has_ooo(dev)) TH_SKIP("%s has no out-of-order queues", th_device_id);
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_OUT_OF_ORDER), *held = new_queue(dev, 0);
+  th_gate gate;
+  th_gate_init(&gate);
+  tdm_event *hold, *producer;
+  atomic_int count = 0;
+  struct waiter_task w[TRACKED_WAITERS];
+  CHECK_OK(tdm_host_task(held, task_wait_gate_dl, &gate, 0, NULL, &hold));
+  for (int i = 0; i < TRACKED_WAITERS; i++) {
+    memset(&w[i], 0, sizeof w[i]);
+    atomic_store(&w[i].rc, 12345);
+    CHECK_OK(tdm_host_task(q, task_wait_target, &w[i], 1, &hold, NULL));
+  }
+  CHECK_OK(tdm_host_task(q, task_count, &count, 0, NULL, &producer));
+  for (int i = 0; i < TRACKED_WAITERS; i++) atomic_store(&w[i].target, producer);
+  th_gate_open(&gate);
+  for (int i = 0; i < TRACKED_WAITERS; i++) {
+    CHECK_MSG(th_wait_atomic(&w[i].done, 1, TH_HANG_MS), "waiter %d never finished", i);
+    CHECK_STATUS(atomic_load(&w[i].rc), TDM_EDEADLK);
+  }
+  CHECK_OK(tdm_event_wait(producer));
+  CHECK_EQ(atomic_load(&count), 1);
+  CHECK_OK(tdm_event_release(producer));
+  CHECK_OK(tdm_event_release(hold));
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_queue_destroy(q));
+  CHECK_OK(tdm_queue_destroy(held));
+  th_gate_destroy(&gate);
+  th_close();
+}
+
 /* ---- Bursts of host tasks ---------------------------------------------------------------- */
 
 /* Enough host tasks, submitted faster than they complete, to exhaust whatever a backend keeps
@@ -437,12 +583,6 @@ static void burst_round(tdm_device *dev, unsigned flags, int nthreads) {
   tdm_stats st;
   CHECK_OK(tdm_stats_get(&st));
   CHECK_EQ(st.pending, 0);
-}
-
-static int has_ooo(tdm_device *dev) {
-  tdm_device_info info;
-  CHECK_OK(tdm_device_info_get(dev, &info));
-  return (info.caps & TDM_DEVICE_CAP_OUT_OF_ORDER) != 0;
 }
 
 TEST_CASE(host_task_burst_out_of_order) {

@@ -3,6 +3,7 @@
  * backend module with a wrong table version (cpu:0).
  */
 #include "harness.h"
+#include <tandem/cpu.h>
 
 #include <signal.h>
 #include <sys/types.h>
@@ -426,4 +427,79 @@ TEST_CASE(trace_file) {
   CHECK_EQ(tasks, 2L * N);
   CHECK_MSG(tids[1] >= 0 && tids[0] != tids[1], "the two queues share one trace thread");
   unlink(path);
+}
+
+/* A TANDEM_TRACE path longer than tandem keeps is refused with a warning, not cut (the cut
+ * path would name another file). The warning is read from stderr, sent to a file. */
+TEST_CASE(trace_path_too_long) {
+  static char path[5000];
+  snprintf(path, sizeof path, "/tmp/tandem-trace-%d-", (int)getpid());
+  size_t n = strlen(path);
+  while (n < sizeof path - 8) { /* components of 200 bytes, so only the whole is too long */
+    path[n] = (n % 201 == 0) ? '/' : 'x';
+    n++;
+  }
+  strcpy(path + n, ".json");
+  CHECK(setenv("TANDEM_TRACE", path, 1) == 0);
+  char errpath[64];
+  snprintf(errpath, sizeof errpath, "/tmp/tandem-stderr-%d.txt", (int)getpid());
+  fflush(stderr);
+  int saved = dup(2);
+  FILE *err = fopen(errpath, "w+");
+  CHECK(err != NULL && saved >= 0);
+  dup2(fileno(err), 2);
+  tdm_device *dev = th_open();
+  fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  char buf[512] = "";
+  rewind(err);
+  size_t got = fread(buf, 1, sizeof buf - 1, err);
+  buf[got] = '\0';
+  fclose(err);
+  unlink(errpath);
+  CHECK_MSG(strstr(buf, "TANDEM_TRACE") && strstr(buf, "ignoring"),
+            "no warning about the long TANDEM_TRACE; stderr said: \"%s\"", buf);
+  tdm_queue *q;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* tandem/cpu.h in a forked child: every call returns TDM_EFORK (the stream's worker stayed in
+ * the parent), rather than succeeding and never running, or hanging. */
+static void stream_bump(void *arg) { atomic_fetch_add((atomic_int *)arg, 1); }
+
+TEST_CASE(cpu_stream_fork_child) {
+  th_open();
+  tdm_cpu_stream *s = NULL;
+  atomic_int ran = 0;
+  CHECK_OK(tdm_cpu_stream_create(&s));
+  CHECK_OK(tdm_cpu_stream_launch(s, stream_bump, &ran));
+  fflush(NULL);
+  pid_t pid = fork();
+  CHECK(pid >= 0);
+  if (pid == 0) {
+    tdm_cpu_stream *t = NULL;
+    int bad = 0;
+    bad |= tdm_cpu_stream_launch(s, stream_bump, &ran) != TDM_EFORK;
+    bad |= tdm_cpu_stream_destroy(s) != TDM_EFORK;
+    bad |= tdm_cpu_stream_create(&t) != TDM_EFORK;
+    bad |= t != NULL;
+    _exit(bad ? 3 : 0);
+  }
+  int status = 0;
+  pid_t got = 0;
+  for (long waited = 0; (got = waitpid(pid, &status, WNOHANG)) == 0 && waited < TH_HANG_MS;
+       waited++)
+    th_sleep_ms(1);
+  if (got == 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    th_fail(__FILE__, __LINE__, "the forked child hung in tandem/cpu.h");
+  }
+  CHECK_MSG(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child status 0x%x", status);
+  CHECK_OK(tdm_cpu_stream_destroy(s)); /* the parent's stream is unaffected */
+  CHECK_EQ(atomic_load(&ran), 1);
+  th_close();
 }

@@ -188,10 +188,47 @@ char *tdm__why_dup(const char *s) {
   return p;
 }
 
+/* A chain of waits across queues, each relaying the failure the one before it waited for,
+ * would bury the origin's words under a prefix per hop: a cause that is itself a wait's
+ * account ("wait on Q (...) failed[, through K earlier waits]: ORIGIN") is summarized into a
+ * count of the waits before, and its origin kept whole. */
+#define WAIT_WORDS "wait on "
+#define WAIT_THROUGH ", through "
+void tdm__wait_words(char *buf, size_t n, const char *head, const char *cause) {
+  unsigned long hops = 0;
+  const char *origin = cause;
+  if (strncmp(cause, WAIT_WORDS, sizeof WAIT_WORDS - 1) == 0) {
+    const char *end = strstr(cause, ") failed");
+    const char *rest = end ? end + strlen(") failed") : NULL;
+    if (rest && strncmp(rest, WAIT_THROUGH, sizeof WAIT_THROUGH - 1) == 0) {
+      hops = strtoul(rest + sizeof WAIT_THROUGH - 1, NULL, 10) + 1;
+      rest = strstr(rest, ": ");
+    } else if (rest && strncmp(rest, ": ", 2) == 0) {
+      hops = 1;
+    } else {
+      rest = NULL;
+    }
+    if (rest && hops)
+      origin = rest + 2;
+    else
+      hops = 0;
+  }
+  if (hops)
+    snprintf(buf, n, "%s failed" WAIT_THROUGH "%lu earlier wait%s: %s", head, hops,
+             hops == 1 ? "" : "s", origin);
+  else
+    snprintf(buf, n, "%s failed: %s", head, origin);
+}
+
 void tdm__event_describe(const tdm__event *ev, char *buf, size_t n) {
-  snprintf(buf, n, "%s on %s (command #%llu) failed%s%s", ev->op ? ev->op : "command",
-           ev->q->label, (unsigned long long)ev->seq, ev->why ? ": " : "",
-           ev->why ? ev->why : "");
+  char head[128];
+  const char *op = ev->op ? ev->op : "command";
+  snprintf(head, sizeof head, "%s on %s (command #%llu)", op, ev->q->label,
+           (unsigned long long)ev->seq);
+  if (ev->why && ev->why_relayed && strcmp(op, "wait") == 0)
+    tdm__wait_words(buf, n, head, ev->why);
+  else
+    snprintf(buf, n, "%s failed%s%s", head, ev->why ? ": " : "", ev->why ? ev->why : "");
 }
 
 /* A relayed account is passed on as it is, so a chain of dependents names the failure that

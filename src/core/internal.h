@@ -299,6 +299,9 @@ char *tdm__why_dup(const char *s);
 /* ev's failure as its waiters hear it: "host task on cpu:0/q1 (command #5) failed", then ": "
  * and ev->why if it has one. */
 void tdm__event_describe(const tdm__event *ev, char *buf, size_t n);
+/* A wait's failure in words: head ("wait on cpu:0/q2 (command #3)"), then "failed" and the
+ * account of the event it waited for (cause), a chain of waits summarized (event.c). */
+void tdm__wait_words(char *buf, size_t n, const char *head, const char *cause);
 /* For a command that fails because ev did (TDM_EDEP): ev's account of the failure it relays,
  * or ev described. NULL when no memory is left. */
 char *tdm__event_cause_dup(const tdm__event *ev);

@@ -388,41 +388,6 @@ static void note_failure(tdm__queue *q, const char *op, uint64_t seq, char *why,
   if (!ooo(q)) q->chain_error = status;
 }
 
-/* The words of a wait that failed because the event it waited for did, around that event's
- * account (cause). A chain of waits across queues, each relaying the one before, would bury
- * the origin under a prefix per hop: a cause that is itself a wait's account is summarized
- * into a count of the waits before, and its origin kept whole. */
-#define WAIT_WORDS "wait on "
-#define WAIT_THROUGH ", through "
-static void wait_words(char *buf, size_t n, const tdm__queue *q, uint64_t before,
-                       const char *cause) {
-  unsigned long hops = 0;
-  const char *origin = cause;
-  if (strncmp(cause, WAIT_WORDS, sizeof WAIT_WORDS - 1) == 0) {
-    const char *end = strstr(cause, ") failed");
-    const char *rest = end ? end + strlen(") failed") : NULL;
-    if (rest && strncmp(rest, WAIT_THROUGH, sizeof WAIT_THROUGH - 1) == 0) {
-      hops = strtoul(rest + sizeof WAIT_THROUGH - 1, NULL, 10) + 1;
-      rest = strstr(rest, ": ");
-    } else if (rest && strncmp(rest, ": ", 2) == 0) {
-      hops = 1;
-    } else {
-      rest = NULL;
-    }
-    if (rest && hops)
-      origin = rest + 2;
-    else
-      hops = 0;
-  }
-  if (hops)
-    snprintf(buf, n, WAIT_WORDS "%s (before command #%llu) failed" WAIT_THROUGH "%lu earlier "
-             "wait%s: %s", q->label, (unsigned long long)before, hops, hops == 1 ? "" : "s",
-             origin);
-  else
-    snprintf(buf, n, WAIT_WORDS "%s (before command #%llu) failed: %s", q->label,
-             (unsigned long long)before, origin);
-}
-
 /* A device-side wait made without a command (tdm_queue_wait's cheap path) waited for failed,
  * an ordered dependency of marker cmd, the first command after it: the queue fails as it
  * would have with the wait command, which is named in the words. */
@@ -430,10 +395,11 @@ static void wait_failed(tdm__cmd *cmd, tdm__event *failed) {
   tdm__queue *q = cmd->ev->q;
   char *why = NULL;
   if (atomic_load(&q->first_error) == 0) {
-    char buf[TDM__WHY_MAX];
+    char buf[TDM__WHY_MAX], head[96];
     char *cause = tdm__event_cause_dup(failed);
-    wait_words(buf, sizeof buf, q, cmd->ev->seq,
-               cause ? cause : "the event it waited for failed");
+    snprintf(head, sizeof head, "wait on %s (before command #%llu)", q->label,
+             (unsigned long long)cmd->ev->seq);
+    tdm__wait_words(buf, sizeof buf, head, cause ? cause : "the event it waited for failed");
     free(cause);
     why = tdm__why_dup(buf);
   }
