@@ -50,7 +50,7 @@ static const char moe_help[] =
     "  --device D         cpu:0, cuda:0, ... (default: the default device)\n"
     "  --layers N         layers to run (default: the preset's)\n"
     "  --tokens T         prefill tokens (default 256)\n"
-    "  --ubatch U         tokens per forward pass (default: min(T, 2048))\n"
+    "  --ubatch U         tokens per forward pass, at most T (default: min(T, 2048))\n"
     "  --decode N         decode N tokens one at a time after the prefill (default 0)\n"
     "  --device-budget B  device memory for resident experts: bytes (8GiB) or a percentage of\n"
     "                     all experts (25%); 0 keeps nothing resident (default 0)\n"
@@ -250,7 +250,10 @@ static int parse(int argc, char **argv, moe_opts *o) {
     }
     return USAGE("unknown preset '%s' (one of: %s)", o->preset, list);
   }
-  if (!o->ubatch) o->ubatch = o->tokens < 2048 ? o->tokens : 2048;
+  /* A pass holds at most the whole prefill: a larger --ubatch would size the model and the
+   * warm-up pass for rows the output buffers do not have. */
+  if (!o->ubatch) o->ubatch = 2048;
+  if (o->ubatch > o->tokens) o->ubatch = o->tokens;
   if (o->host_share > 0 && o->placement != TDM_MOE_PLACE_AUTO)
     return USAGE("--host-share applies to --placement auto only");
   return 0;
@@ -418,6 +421,7 @@ static int do_run(tdm_moe_model *m, const moe_opts *o, int H, bool overlap, cons
     rc = workload(m, o, H, overlap, label, x, y, NULL);
   } else {
     tdm_moe_pass_stats st;
+    /* x and y hold at least ubatch rows: parse() keeps ubatch <= tokens. */
     int warm = o->ubatch < 32 ? (int)o->ubatch : 32;
     tdm_moe_make_input(m, x, warm, 1u << 30, false);
     rc = tdm_moe_forward(m, x, y, warm, overlap, &st);

@@ -1,7 +1,7 @@
 /* tandem.c: main of the `tandem` command-line tool: the top-level help, `version`, dispatch to
  * the commands (devices.c, moe.c, overlap.c), and the helpers they share (errors, option
  * parsing, the device and trace checks, the JSON header, byte formatting). Exit codes: 0 ok,
- * 1 run-time failure, 2 usage error.
+ * 1 run-time failure (output that could not be written to stdout included), 2 usage error.
  */
 #include "tool.h"
 
@@ -235,9 +235,30 @@ static int cmd_bench(int argc, char **argv) {
   return tool_usage_error("bench", "unknown benchmark '%s'", argv[1]);
 }
 
-int main(int argc, char **argv) {
-  saved_argc = argc;
-  saved_argv = argv;
+/* Output that could not be written (stdout on a full disk, a closed descriptor) fails the
+ * command instead of passing with its results lost: checked once, after any command, with
+ * what the last flush and close say. A command that failed keeps its own code. A stdout that
+ * was closed to begin with and never written to loses nothing (close's EBADF). */
+static int close_stdout(int code) {
+  int bad = ferror(stdout) != 0, err = 0;
+  errno = 0;
+  if (fflush(stdout) != 0) {
+    bad = 1;
+    err = errno;
+  }
+  errno = 0;
+  if (fclose(stdout) != 0 && !bad && errno != EBADF) {
+    bad = 1;
+    err = errno;
+  }
+  if (!bad)
+    return code;
+  fprintf(stderr, "tandem: writing to stdout failed%s%s\n", err ? ": " : "",
+          err ? strerror(err) : "");
+  return code == TOOL_OK ? TOOL_FAILED : code;
+}
+
+static int dispatch(int argc, char **argv) {
   if (argc < 2) {
     fputs(main_help, stderr);
     return TOOL_USAGE;
@@ -258,4 +279,10 @@ int main(int argc, char **argv) {
   if (cmd[0] == '-')
     return tool_usage_error(NULL, "unknown option '%s'", cmd);
   return tool_usage_error(NULL, "unknown command '%s'", cmd);
+}
+
+int main(int argc, char **argv) {
+  saved_argc = argc;
+  saved_argv = argv;
+  return close_stdout(dispatch(argc, argv));
 }

@@ -19,6 +19,7 @@ PyObject *tdmpy_event_new(tdmpy_state *st, tdm_event *ev, PyObject *cell, PyObje
   }
   self->ev = ev;
   self->cell = Py_XNewRef(cell);
+  self->errors = NULL;
   self->foreign = Py_XNewRef(foreign);
   PyObject_GC_Track(self);
   return (PyObject *)self;
@@ -27,12 +28,16 @@ PyObject *tdmpy_event_new(tdmpy_state *st, tdm_event *ev, PyObject *cell, PyObje
 static int event_traverse(EventObject *self, visitproc visit, void *arg) {
   Py_VISIT(Py_TYPE(self));
   Py_VISIT(self->cell);
+  Py_VISIT(self->errors);
   Py_VISIT(self->foreign);
   return 0;
 }
 
 static int event_clear(EventObject *self) {
+  if (self->cell && PyList_GET_SIZE(self->cell) > 0)
+    tdmpy_task_error_unheld(self->errors, PyList_GET_ITEM(self->cell, 0));
   Py_CLEAR(self->cell);
+  Py_CLEAR(self->errors);
   Py_CLEAR(self->foreign);
   return 0;
 }
@@ -73,6 +78,12 @@ static PyObject *event_exception(tdmpy_state *st, EventObject *self, int status)
   return exc;
 }
 
+/* Codes that say the query or wait itself failed (a forked child, a stale handle, a wait
+ * from the event's own host task, tandem shut down), not the status of the event's work. */
+static int call_failed(int rc) {
+  return rc == TDM_EHANDLE || rc == TDM_EDEADLK || rc == TDM_EFORK || rc == TDM_ENOTINIT;
+}
+
 static int event_status(tdmpy_state *st, EventObject *self, int blocking) {
   if (tdmpy_check_live(st) < 0) return INT_MIN;
   int rc;
@@ -87,8 +98,7 @@ static PyObject *event_wait(EventObject *self, PyObject *unused) {
   tdmpy_state *st = tdmpy_state_of_type(Py_TYPE(self));
   int rc = event_status(st, self, 1);
   if (rc == INT_MIN) return NULL;
-  if (rc == TDM_EHANDLE || rc == TDM_EDEADLK || rc == TDM_EFORK || rc == TDM_ENOTINIT)
-    return tdmpy_raise(st, rc); /* the wait itself failed */
+  if (call_failed(rc)) return tdmpy_raise(st, rc);
   if (rc < 0) {
     PyObject *exc = event_exception(st, self, rc);
     if (exc) {
@@ -104,7 +114,7 @@ static PyObject *get_done(EventObject *self, void *closure) {
   tdmpy_state *st = tdmpy_state_of_type(Py_TYPE(self));
   int rc = event_status(st, self, 0);
   if (rc == INT_MIN) return NULL;
-  if (rc == TDM_EHANDLE) return tdmpy_raise(st, rc);
+  if (call_failed(rc)) return tdmpy_raise(st, rc);
   return PyBool_FromLong(rc != TDM_EAGAIN);
 }
 
@@ -112,7 +122,7 @@ static PyObject *get_error(EventObject *self, void *closure) {
   tdmpy_state *st = tdmpy_state_of_type(Py_TYPE(self));
   int rc = event_status(st, self, 0);
   if (rc == INT_MIN) return NULL;
-  if (rc == TDM_EHANDLE) return tdmpy_raise(st, rc);
+  if (call_failed(rc)) return tdmpy_raise(st, rc);
   PyObject *exc = event_exception(st, self, rc);
   if (!exc && !PyErr_Occurred()) Py_RETURN_NONE;
   return exc;
@@ -293,10 +303,13 @@ static PyMethodDef event_methods[] = {
 };
 
 static PyGetSetDef event_getset[] = {
-    {"done", (getter)get_done, NULL, "True once the event has completed (with or without error).",
-     NULL},
+    {"done", (getter)get_done, NULL,
+     "True once the event has completed (with or without error). Raises when its state cannot\n"
+     "be known (ForkError in a forked child, HandleError), as wait() does.", NULL},
     {"error", (getter)get_error, NULL,
-     "None while pending or after success; else the exception its work failed with.", NULL},
+     "None while pending or after success; else the exception its work failed with. Raises\n"
+     "when the event's state cannot be known (ForkError in a forked child), as wait() does.",
+     NULL},
     {"native", (getter)get_native, NULL,
      "The native event (cudaEvent_t or cl_event) as an integer, or None (CPU events).", NULL},
     {"handle", (getter)get_handle, NULL, "tandem's handle value, for identification.", NULL},

@@ -47,7 +47,10 @@ static const struct {
 };
 
 PyObject *tdmpy_raise(tdmpy_state *st, int rc) {
-  const char *msg = tdm_last_error(); /* before anything else can call tandem */
+  return tdmpy_raise_msg(st, rc, tdm_last_error()); /* before anything else can call tandem */
+}
+
+PyObject *tdmpy_raise_msg(tdmpy_state *st, int rc, const char *msg) {
   PyObject *cls = (rc < 0 && -rc <= TDMPY_NERRORS) ? st->errors[-rc] : st->error;
   PyObject *exc = PyObject_CallFunction(cls, "s", msg && *msg ? msg : tdm_strerror(rc));
   if (!exc) return NULL;

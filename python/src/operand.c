@@ -10,6 +10,7 @@
  */
 #include "tdmpy.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -166,14 +167,33 @@ static int buffer_operand(tdmpy_state *st, BufferObject *b, tdmpy_hold *h, tdmpy
 }
 
 static Py_ssize_t typestr_itemsize(PyObject *typestr) {
-  const char *s = typestr ? PyUnicode_AsUTF8(typestr) : NULL;
+  if (!typestr) {
+    PyErr_SetString(PyExc_ValueError, "__cuda_array_interface__ lacks typestr");
+    return -1;
+  }
+  const char *s = PyUnicode_AsUTF8(typestr);
   if (!s) return -1;
-  long n = strlen(s) >= 3 ? strtol(s + 2, NULL, 10) : 0;
-  if (n <= 0) {
-    PyErr_Format(PyExc_ValueError, "unknown typestr %s", s);
+  char *end = NULL;
+  errno = 0;
+  long n = strlen(s) >= 3 ? strtol(s + 2, &end, 10) : 0;
+  /* The widest element any array library has is a few dozen bytes; a datetime's unit
+   * follows its size ("<M8[ns]"). */
+  if (errno || n <= 0 || n > 1024 || (*end && *end != '[')) {
+    PyErr_Format(PyExc_ValueError, "unknown typestr %R", typestr);
     return -1;
   }
   return n;
+}
+
+/* *n *= dim, refused with ValueError when the product would exceed what one Python object
+ * may hold (PY_SSIZE_T_MAX bytes): a size that wraps around is no size at all. */
+static int mul_size(size_t *n, size_t dim, const char *what) {
+  if (dim && *n > (size_t)PY_SSIZE_T_MAX / dim) {
+    PyErr_Format(PyExc_ValueError, "%s: the shape's size in bytes overflows", what);
+    return -1;
+  }
+  *n *= dim;
+  return 0;
 }
 
 /* __cuda_array_interface__ (version 2 or 3): C-contiguous arrays only. */
@@ -193,7 +213,9 @@ static int cai_operand(tdmpy_state *st, QueueObject *q, PyObject *obj, PyObject 
     PyErr_SetString(PyExc_ValueError, "__cuda_array_interface__ lacks data or shape");
     return -1;
   }
-  if (writable && PyObject_IsTrue(PyTuple_GET_ITEM(data, 1))) {
+  int readonly = writable ? PyObject_IsTrue(PyTuple_GET_ITEM(data, 1)) : 0;
+  if (readonly < 0) return -1;
+  if (readonly) {
     PyErr_SetString(PyExc_ValueError, "the destination array is read-only");
     return -1;
   }
@@ -202,11 +224,17 @@ static int cai_operand(tdmpy_state *st, QueueObject *q, PyObject *obj, PyObject 
   for (Py_ssize_t i = 0; i < nd; i++) {
     size_t d = PyLong_AsSize_t(PyTuple_GET_ITEM(shape, i));
     if (d == (size_t)-1 && PyErr_Occurred()) return -1;
-    n *= d;
+    if (mul_size(&n, d, "__cuda_array_interface__") < 0) return -1;
   }
   if (strides && strides != Py_None) {
+    if (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != nd) {
+      PyErr_SetString(PyExc_ValueError, "__cuda_array_interface__: strides is not a tuple as "
+                      "long as shape");
+      return -1;
+    }
+    /* expect stays within n (checked above) while the array is not empty. */
     Py_ssize_t expect = itemsize;
-    for (Py_ssize_t i = nd - 1; i >= 0; i--) {
+    for (Py_ssize_t i = nd - 1; n && i >= 0; i--) {
       Py_ssize_t dim = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
       Py_ssize_t s = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i));
       if (PyErr_Occurred()) return -1;
@@ -339,15 +367,30 @@ static int dlpack_operand(tdmpy_state *st, QueueObject *q, PyObject *obj, tdmpy_
     return -1;
   }
   size_t n = (t->dtype.bits * (size_t)t->dtype.lanes + 7) / 8;
+  if (t->ndim < 0 || (t->ndim > 0 && !t->shape)) {
+    Py_DECREF(cap);
+    PyErr_Format(PyExc_ValueError, "DLPack tensor with ndim %d and %s shape", (int)t->ndim,
+                 t->shape ? "a" : "no");
+    return -1;
+  }
+  for (int i = 0; i < t->ndim; i++) {
+    if (t->shape[i] < 0 || mul_size(&n, (size_t)t->shape[i], "DLPack tensor") < 0) {
+      if (!PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "DLPack tensor with a negative dimension (%lld)",
+                     (long long)t->shape[i]);
+      Py_DECREF(cap);
+      return -1;
+    }
+  }
+  /* In elements; within n (checked above) while the tensor is not empty. */
   int64_t expect = 1;
-  for (int i = t->ndim - 1; i >= 0; i--) {
-    if (t->strides && t->shape[i] > 1 && t->strides[i] != expect) {
+  for (int i = t->ndim - 1; n && t->strides && i >= 0; i--) {
+    if (t->shape[i] > 1 && t->strides[i] != expect) {
       Py_DECREF(cap);
       PyErr_SetString(PyExc_ValueError, "copy takes C-contiguous arrays only");
       return -1;
     }
     expect *= t->shape[i];
-    n *= (size_t)t->shape[i];
   }
   void *ptr = (char *)t->data + t->byte_offset;
   int rc = tdmpy_hold_add(h, cap); /* the capsule's destructor calls the producer's deleter */

@@ -8,6 +8,7 @@
  */
 #include "tdmpy.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "structmember.h"
@@ -86,15 +87,28 @@ static PyObject *queue_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
   return tdmpy_queue_wrap(st, q, device, flags, 1, NULL);
 }
 
-/* Destroys the tandem queue (draining it) if this object owns it. */
-static int destroy_now(tdmpy_state *st, QueueObject *self) {
+/* Destroys the tandem queue (draining it) if this object owns it: 0, or tdm_queue_destroy's
+ * error with its message in why (size bytes, may be NULL). Other threads see the object
+ * destroyed while the queue drains. A failure may have destroyed the queue (an error it had
+ * not reported) or not (refused: from one of its own host tasks, TDM_EDEADLK; a drain that
+ * could not be submitted; in a forked child): tandem is asked which, and a queue not gone
+ * stays the object's, usable and destroyable later. */
+static int destroy_now(tdmpy_state *st, QueueObject *self, char *why, size_t size) {
   tdm_queue *q = self->q;
   self->q = NULL;
   if (!q || !self->owned || !st->live) return 0;
-  int rc;
+  int rc, live = 0;
+  unsigned flags;
   Py_BEGIN_ALLOW_THREADS
   rc = tdm_queue_destroy(q);
+  if (rc < 0) {
+    if (why) snprintf(why, size, "%s", tdm_last_error());
+    /* A destroyed queue's handle stays invalid; any other answer (a forked child's) is no
+     * sign that it went. */
+    live = tdm_queue_flags(q, &flags) != TDM_EHANDLE;
+  }
   Py_END_ALLOW_THREADS
+  if (live) self->q = q;
   return rc;
 }
 
@@ -115,7 +129,9 @@ static void queue_dealloc(QueueObject *self) {
   PyTypeObject *tp = Py_TYPE(self);
   PyObject_GC_UnTrack(self);
   if (self->weakreflist) PyObject_ClearWeakRefs((PyObject *)self);
-  destroy_now(tdmpy_state_of_type(tp), self); /* its error has no one to go to */
+  /* Its error has no one to go to; a refused destroy (the last reference dropped by one of
+   * the queue's own host tasks) leaves the queue to tdm_shutdown. */
+  destroy_now(tdmpy_state_of_type(tp), self, NULL, 0);
   Py_CLEAR(self->adopted); /* after the wrapper is gone */
   Py_CLEAR(self->device);
   queue_clear(self);
@@ -136,10 +152,13 @@ static PyObject *queue_destroy(QueueObject *self, PyObject *unused) {
                  self->users);
     return NULL;
   }
+  char why[512];
+  int rc = destroy_now(st, self, why, sizeof why);
+  if (self->q) return tdmpy_raise_msg(st, rc, why); /* refused: nothing changed */
+  /* Destroyed, with or without an error: forget it as a default (tandem has too). */
   if (tdmpy_uninstall(st, (PyObject *)self) < 0) return NULL;
-  int rc = destroy_now(st, self);
-  if (rc < 0) return tdmpy_raise(st, rc);
   Py_CLEAR(self->adopted);
+  if (rc < 0) return tdmpy_raise_msg(st, rc, why);
   Py_RETURN_NONE;
 }
 
@@ -164,6 +183,62 @@ static void raise_exception(PyObject *exc) {
   PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
 }
 
+/* A failed task's exception is kept where the documented API needs it, and nowhere else: by
+ * its Event while the program holds that (Event.error, wait(): with the traceback's frames and
+ * their local variables), and by the queue when it is the queue's first unreported error (for
+ * synchronize()). The queue's list holds at most one entry, (exception, traceback at the
+ * failure), so errors handled per event do not pile up until a synchronize(). Once no Event
+ * can show it, the queue keeps the exception with that first traceback (not the frames that
+ * raising it again from wait() added) and with its frames cleared. */
+
+/* Clears the frames of tb and of the exceptions chained to exc (traceback.clear_frames): their
+ * local variables go, the traceback still prints. A frame still running is left. Keeps the
+ * exception being raised, if any. */
+static void clear_frames(PyObject *exc, PyObject *tb) {
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject *saved = PyErr_GetRaisedException();
+#else
+  PyObject *saved_type, *saved, *saved_tb;
+  PyErr_Fetch(&saved_type, &saved, &saved_tb);
+#endif
+  Py_XINCREF(tb);
+  Py_XINCREF(exc);
+  /* The chain is walked a bounded number of links: it may loop. */
+  for (int link = 0; link < 64 && (tb || exc); link++) {
+    while (tb && tb != Py_None) {
+      PyObject *frame = PyObject_GetAttrString(tb, "tb_frame");
+      PyObject *r = frame ? PyObject_CallMethod(frame, "clear", NULL) : NULL;
+      Py_XDECREF(r);
+      Py_XDECREF(frame);
+      PyErr_Clear(); /* RuntimeError: a frame still running */
+      PyObject *next = PyObject_GetAttrString(tb, "tb_next");
+      PyErr_Clear();
+      Py_SETREF(tb, next);
+    }
+    Py_CLEAR(tb);
+    PyObject *next = exc ? PyException_GetCause(exc) : NULL;
+    if (!next && exc) next = PyException_GetContext(exc);
+    Py_XSETREF(exc, next);
+    if (exc) tb = PyException_GetTraceback(exc);
+  }
+  Py_XDECREF(tb);
+  Py_XDECREF(exc);
+#if PY_VERSION_HEX >= 0x030C0000
+  PyErr_SetRaisedException(saved);
+#else
+  PyErr_Restore(saved_type, saved, saved_tb);
+#endif
+}
+
+void tdmpy_task_error_unheld(PyObject *errors, PyObject *exc) {
+  if (!errors || PyList_GET_SIZE(errors) == 0) return;
+  PyObject *entry = PyList_GET_ITEM(errors, 0); /* borrowed: (exception, traceback) */
+  if (PyTuple_GET_ITEM(entry, 0) != exc) return;
+  PyObject *tb = PyTuple_GET_ITEM(entry, 1);
+  PyException_SetTraceback(exc, tb); /* cannot fail: tb is a traceback or None */
+  clear_frames(exc, tb);
+}
+
 static PyObject *queue_synchronize(QueueObject *self, PyObject *unused) {
   tdmpy_state *st = qstate(self);
   if (usable(st, self) < 0) return NULL;
@@ -178,7 +253,7 @@ static PyObject *queue_synchronize(QueueObject *self, PyObject *unused) {
   if (rc == TDM_EDEADLK || rc == TDM_EHANDLE || rc == TDM_ENOTINIT || rc == TDM_EFORK ||
       PyList_GET_SIZE(self->errors) == 0)
     return tdmpy_raise(st, rc);
-  PyObject *first = Py_NewRef(PyList_GET_ITEM(self->errors, 0));
+  PyObject *first = Py_NewRef(PyTuple_GET_ITEM(PyList_GET_ITEM(self->errors, 0), 0));
   if (PyList_SetSlice(self->errors, 0, PyList_GET_SIZE(self->errors), NULL) < 0) {
     Py_DECREF(first);
     return NULL;
@@ -203,9 +278,25 @@ static PyObject *queue_synchronize(QueueObject *self, PyObject *unused) {
 typedef struct {
   PyObject *fn;     /* owned */
   PyObject *args;   /* owned tuple */
-  PyObject *errors; /* owned: the queue's list */
-  PyObject *cell;   /* owned: the Event's list */
+  PyObject *errors; /* owned until the task has run: the queue's list */
+  PyObject *cell;   /* owned until the task has run: the Event's list, which no one else
+                       holds (its reference count tells whether the Event still exists) */
 } host_call;
+
+/* The exception fn raised goes to its Event, if the program still holds that, and to the
+ * queue, if the queue has no unreported error yet; see tdmpy_task_error_unheld. */
+static int keep_error(host_call *c, PyObject *exc) {
+  int event_held = Py_REFCNT(c->cell) > 1;
+  if (event_held && PyList_Append(c->cell, exc) < 0) return -1;
+  if (PyList_GET_SIZE(c->errors) > 0) return 0;
+  PyObject *tb = PyException_GetTraceback(exc);
+  PyObject *entry = PyTuple_Pack(2, exc, tb ? tb : Py_None);
+  Py_XDECREF(tb);
+  int rc = entry ? PyList_Append(c->errors, entry) : -1;
+  Py_XDECREF(entry);
+  if (rc == 0 && !event_held) tdmpy_task_error_unheld(c->errors, exc);
+  return rc;
+}
 
 /* Runs on a tandem thread, without tandem locks held. */
 static int host_call_run(void *arg) {
@@ -219,12 +310,14 @@ static int host_call_run(void *arg) {
   } else {
     PyObject *exc = fetch_exception();
     if (exc) {
-      if (PyList_Append(c->cell, exc) < 0 || PyList_Append(c->errors, exc) < 0)
-        PyErr_WriteUnraisable(c->fn);
+      if (keep_error(c, exc) < 0) PyErr_WriteUnraisable(c->fn);
       Py_DECREF(exc);
     }
     rc = TDM_ETASK;
   }
+  /* Done with them: the Event, alone, now decides how long its exception lives. */
+  Py_CLEAR(c->cell);
+  Py_CLEAR(c->errors);
   PyGILState_Release(g);
   return rc;
 }
@@ -236,8 +329,8 @@ static void host_call_free(void *arg) {
   PyGILState_STATE g = PyGILState_Ensure();
   Py_DECREF(c->fn);
   Py_DECREF(c->args);
-  Py_DECREF(c->errors);
-  Py_DECREF(c->cell);
+  Py_XDECREF(c->errors);
+  Py_XDECREF(c->cell);
   PyMem_RawFree(c);
   PyGILState_Release(g);
 }
@@ -273,6 +366,7 @@ static PyObject *queue_host_task(QueueObject *self, PyObject *args, PyObject *kw
   }
   c->fn = Py_NewRef(fn);
   c->errors = Py_NewRef(self->errors);
+  PyObject *cell = Py_NewRef(c->cell); /* before the task can run: the Event is to come */
   tdmpy_deps d;
   tdm_event *ev = NULL;
   int rc = tdmpy_deps_get(st, depseq, qdev(self), &d);
@@ -286,10 +380,10 @@ static PyObject *queue_host_task(QueueObject *self, PyObject *args, PyObject *kw
        * a task that may run. */
       tdmpy_raise(st, rc);
       tdm_event_release(ev);
+      Py_DECREF(cell);
       return NULL;
     }
   }
-  PyObject *cell = Py_NewRef(c->cell);
   if (rc < 0) {
     Py_DECREF(c->fn);
     Py_DECREF(c->args);
@@ -301,6 +395,7 @@ static PyObject *queue_host_task(QueueObject *self, PyObject *args, PyObject *kw
   }
   PyObject *event = tdmpy_event_new(st, ev, cell, NULL);
   Py_DECREF(cell);
+  if (event) ((EventObject *)event)->errors = Py_NewRef(self->errors);
   return event;
 }
 
@@ -750,7 +845,10 @@ static PyMethodDef queue_methods[] = {
      "host_task(fn, *args, deps=()) -> Event\n--\n\n"
      "Runs fn(*args) on a tandem thread, with the GIL held, once earlier work (and deps) is\n"
      "done; later work waits for it. An exception it raises becomes the event's .error, and\n"
-     "the queue's next synchronize() raises it."},
+     "the queue's next synchronize() raises it if it is the queue's first error since the\n"
+     "last one. The event keeps the exception, traceback and local variables while it is\n"
+     "held; once it is gone, the queue keeps only its first unreported exception, with the\n"
+     "traceback's frames cleared (traceback.clear_frames)."},
     {"keep_alive", (PyCFunction)(void (*)(void))queue_keep_alive, METH_VARARGS | METH_KEYWORDS,
      "keep_alive(*objs, deps=()) -> Event\n--\n\n"
      "Holds references to objs until all work submitted so far (and deps) is done; they are\n"
@@ -767,7 +865,9 @@ static PyMethodDef queue_methods[] = {
     {"destroy", (PyCFunction)queue_destroy, METH_NOARGS,
      "destroy() -> None\n--\n\n"
      "Drains the queue (nothing submitted is lost), then destroys it; later use raises. An\n"
-     "adopted native queue is left to its owner. Also done when the object is collected."},
+     "adopted native queue is left to its owner. Also done when the object is collected.\n"
+     "From one of the queue's own host tasks it raises DeadlockError and the queue stays as\n"
+     "it was. An error of the queue's work not yet reported is raised after destroying it."},
     {"adopt", (PyCFunction)(void (*)(void))queue_adopt, METH_VARARGS | METH_KEYWORDS | METH_CLASS,
      "adopt(obj, device=None, in_order=None, timing=False) -> Queue\n--\n\n"
      "Wraps a native queue: an object with __cuda_stream__ (cupy.cuda.Stream, torch.cuda.Stream,\n"

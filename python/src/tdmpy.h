@@ -52,15 +52,18 @@ typedef struct {
   const char *owner;     /* owned == 0: whose queue it is, in words ("tandem's default") */
   Py_ssize_t users;      /* Streamers computing on it: destroy() is refused while any are */
   PyObject *adopted;     /* the foreign queue object kept alive while adopted, or NULL */
-  PyObject *errors;      /* list: exceptions raised by host tasks, oldest first, shared with
-                            the tasks themselves; synchronize() re-raises the first */
+  PyObject *errors;      /* list: the first unreported exception of a host task, as one
+                            (exception, traceback at the failure) tuple, or empty; shared with
+                            the tasks and their Events; synchronize() re-raises and empties it */
   PyObject *weakreflist;
 } QueueObject;
 
 typedef struct {
   PyObject_HEAD
   tdm_event *ev;     /* one caller reference, released in dealloc */
-  PyObject *cell;    /* list: [exception] once a host task raised, shared with it; or NULL */
+  PyObject *cell;    /* list: [exception] once a host task raised, shared with it until it
+                        has run; or NULL */
+  PyObject *errors;  /* a host task's: its queue's error list (QueueObject.errors); or NULL */
   PyObject *foreign; /* the foreign event this one was imported from, or NULL */
 } EventObject;
 
@@ -92,6 +95,8 @@ tdmpy_state *tdmpy_state_of_type(PyTypeObject *tp);
 /* Raises the exception class of rc with tdm_last_error(); returns NULL. Call it right after
  * the failing tandem call, on the same thread. */
 PyObject *tdmpy_raise(tdmpy_state *st, int rc);
+/* The same with a message saved earlier (tandem was called since the failing call). */
+PyObject *tdmpy_raise_msg(tdmpy_state *st, int rc, const char *msg);
 int tdmpy_check_live(tdmpy_state *st);
 /* `with q:`: this thread's current-queue stack (tandem's and the module's). */
 int tdmpy_push_current(tdmpy_state *st, QueueObject *q);
@@ -114,6 +119,10 @@ extern PyType_Spec tdmpy_queue_spec;
 PyObject *tdmpy_queue_wrap(tdmpy_state *st, tdm_queue *q, PyObject *device, unsigned flags,
                            int owned, PyObject *adopted);
 int tdmpy_queue_check(tdmpy_state *st, PyObject *obj, tdm_queue **out);
+/* The Event of a failed host task is going, and with it the last way to see exc but through
+ * its queue: if exc is the queue's first unreported error (in errors), the queue keeps it
+ * with the traceback it had when the task failed, its frames cleared. */
+void tdmpy_task_error_unheld(PyObject *errors, PyObject *exc);
 
 /* event.c */
 extern PyType_Spec tdmpy_event_spec;

@@ -78,7 +78,9 @@ class SequentialOrder:
     @property
     def submitted_events(self) -> List[Event]:
         """Events a new submission on the queue should depend on: the registered computation
-        events still pending, and what tandem's tracker knows of the queue."""
+        events still pending, and what tandem's tracker knows of the queue. Like
+        ``Queue.dependencies()``, which it calls, it submits a marker to an in-order queue
+        with work of tandem's own pending: read it to submit after it, not to poll."""
         deps = self.queue.dependencies()
         with self._lock:
             self._comp = self._pending(self._comp)
@@ -87,11 +89,18 @@ class SequentialOrder:
 
     @property
     def num_host_task_events(self) -> int:
-        return len(self.host_task_events)
+        """The number of registered host-task events still pending."""
+        with self._lock:
+            self._host = self._pending(self._host)
+            return len(self._host)
 
     @property
     def num_submitted_events(self) -> int:
-        return len(self.submitted_events)
+        """The number of registered computation events still pending (dpctl's count). A read:
+        it submits nothing, unlike ``submitted_events``, which may add tandem's own."""
+        with self._lock:
+            self._comp = self._pending(self._comp)
+            return len(self._comp)
 
     def wait(self) -> None:
         """Waits for the registered host tasks, then for everything on the queue: a queue-wide

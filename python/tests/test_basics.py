@@ -159,3 +159,117 @@ def test_dlpack_arguments_checked(device):
     assert "dltensor_versioned" in repr(cap)
     del cap  # unconsumed: its destructor gives the buffer back
     buf.free()
+
+
+class _FakeCudaArray:
+    """An object that only has __cuda_array_interface__, as a hostile client may hand over."""
+
+    def __init__(self, shape, typestr="<f4", strides=None):
+        self.__cuda_array_interface__ = {"data": (0x1000, False), "shape": shape,
+                                         "typestr": typestr, "strides": strides, "version": 3}
+
+
+def test_cuda_array_interface_sizes_checked(device):
+    """A shape whose size product wraps around is an error, not an operand of 0 bytes; strides
+    that do not match the shape, and a missing typestr, are errors too."""
+    q = tandem.Queue(device)
+    dst = np.zeros(4, np.float32)
+    for shape in [(1 << 32, 1 << 32), (1 << 62, 4), (3, 1 << 63)]:
+        with pytest.raises((ValueError, OverflowError)):
+            q.copy(dst, _FakeCudaArray(shape))
+        with pytest.raises((ValueError, OverflowError)):
+            q.fill(_FakeCudaArray(shape), 0)
+    with pytest.raises((ValueError, OverflowError)):
+        q.copy(dst, _FakeCudaArray((2,), typestr="<f99999999999999999999"))
+    for strides in [(4,), [12, 4], (4, "x")]:
+        with pytest.raises((ValueError, TypeError)):
+            q.copy(dst, _FakeCudaArray((2, 3), strides=strides))
+    bad = _FakeCudaArray((2,))
+    del bad.__cuda_array_interface__["typestr"]
+    with pytest.raises(ValueError):
+        q.copy(dst, bad)
+    q.synchronize()
+
+
+class _FakeDLPack:
+    """An object that only has __dlpack__ (kDLCPU), with whatever shape it is given: its
+    DLManagedTensor is built with ctypes and kept alive by the object."""
+
+    def __init__(self, shape, bits=32):
+        import ctypes as C
+
+        class DLTensor(C.Structure):
+            _fields_ = [("data", C.c_void_p), ("device_type", C.c_int32),
+                        ("device_id", C.c_int32), ("ndim", C.c_int32), ("code", C.c_uint8),
+                        ("bits", C.c_uint8), ("lanes", C.c_uint16),
+                        ("shape", C.POINTER(C.c_int64)), ("strides", C.POINTER(C.c_int64)),
+                        ("byte_offset", C.c_uint64)]
+
+        class DLManagedTensor(C.Structure):
+            _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", C.c_void_p),
+                        ("deleter", C.c_void_p)]
+
+        self._data = (C.c_char * 16)()
+        self._shape = (C.c_int64 * len(shape))(*shape)
+        self._t = DLManagedTensor()
+        t = self._t.dl_tensor
+        t.data = C.cast(self._data, C.c_void_p)
+        t.device_type, t.device_id, t.ndim = 1, 0, len(shape)
+        t.code, t.bits, t.lanes = 2, bits, 1
+        t.shape = self._shape
+        new = C.pythonapi.PyCapsule_New
+        new.restype = C.py_object
+        new.argtypes = [C.c_void_p, C.c_char_p, C.c_void_p]
+        self._new = lambda: new(C.addressof(self._t), b"dltensor", None)
+
+    def __dlpack__(self, stream=None):
+        return self._new()
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def test_dlpack_sizes_checked(cpu):
+    """A DLPack tensor whose size product wraps around, or with a negative dimension, is an
+    error, not an operand of 0 (or billions of) bytes."""
+    q = tandem.Queue(cpu)
+    dst = np.zeros(4, np.float32)
+    for shape in [(1 << 32, 1 << 32), (1 << 62, 4), (-1,), (2, -2)]:
+        with pytest.raises((ValueError, OverflowError)):
+            q.copy(dst, _FakeDLPack(shape))
+    sound = _FakeDLPack((4,))
+    q.copy(dst, sound).wait()  # a sound one still goes
+    q.synchronize()
+
+
+def test_event_in_a_forked_child_raises(cpu):
+    """In a child forked after tandem started, an event's state cannot be known: .done and
+    .error raise ForkError (as wait() does) instead of answering True and returning it."""
+    import os
+    import warnings
+
+    q = tandem.Queue(cpu)
+    ev = q.record()
+    ev.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+        pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            for i, get in enumerate((lambda: ev.done, lambda: ev.error, ev.wait)):
+                try:
+                    get()
+                    code |= 1 << i
+                except tandem.ForkError:
+                    pass
+        except BaseException:
+            code |= 8
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    assert code == 0, (f"in the child: {'.done answered; ' if code & 1 else ''}"
+                       f"{'.error answered; ' if code & 2 else ''}"
+                       f"{'wait() returned; ' if code & 4 else ''}"
+                       f"{'something else raised' if code & 8 else ''}")
+    assert ev.done and ev.error is None  # the parent is unaffected

@@ -1,7 +1,9 @@
 """Host tasks: Python callables on tandem's threads, with the GIL; their exceptions become
 the event's error and the queue's next synchronize raises them."""
+import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -130,3 +132,69 @@ def test_many_tasks_from_threads(device):
         t.join()
     q.synchronize()
     assert sorted(counts) == sorted(k * 100 + i for k in range(4) for i in range(50))
+
+
+def test_destroy_from_its_own_task_is_refused_and_keeps_the_queue(device):
+    """destroy() from a host task of the queue itself is refused (DeadlockError); the object
+    still holds the queue, which stays usable and is destroyed later as usual."""
+    q = tandem.Queue(device)
+    caught = []
+
+    def destroy_self():
+        try:
+            q.destroy()
+        except tandem.DeadlockError as e:
+            caught.append(e)
+
+    q.host_task(destroy_self).wait()
+    assert len(caught) == 1 and caught[0].name == "TDM_EDEADLK"
+    assert not q.destroyed
+    ran = []
+    q.host_task(ran.append, 1).wait()
+    q.synchronize()
+    assert ran == [1]
+    q.destroy()
+    assert q.destroyed
+
+
+class _Payload:
+    """A large object a failing task has in its locals."""
+
+
+def _failing_task(refs, i):
+    payload = _Payload()  # noqa: F841 (kept alive by the traceback's frame)
+    refs[i] = weakref.ref(payload)
+    raise Boom(f"failure {i}")
+
+
+def test_failed_tasks_keep_nothing_once_their_events_are_gone(device):
+    """A failed task's exception stays with its event while the program holds the event
+    (.error, with the traceback's frames and their locals); once the event is gone nothing
+    but the queue's first error is kept for synchronize(), and that without the frames'
+    locals. Errors handled per event and never synchronized do not pile up."""
+    q = tandem.Queue(device, in_order=False)
+    refs = {}
+    events = [q.host_task(_failing_task, refs, i) for i in range(20)]
+    for i in range(20):
+        with pytest.raises(Boom, match=f"failure {i}$"):
+            events[i].wait()
+    assert len(refs) == 20
+    held = events[3].error
+    assert held.__traceback__ is not None and refs[3]() is not None  # the event still has it
+    del held
+    del events
+    gc.collect()
+    alive = sorted(i for i, r in refs.items() if r() is not None)
+    assert alive == [], f"the locals of failed tasks {alive} are still held"
+    # A task whose event was dropped before it ran keeps nothing either.
+    more = {}
+    q.host_task(_failing_task, more, 99)
+    with pytest.raises(tandem.TandemError):
+        q.barrier().wait()
+    gc.collect()
+    assert more and more[99]() is None
+    # The queue's first error is still there for synchronize(), with a traceback.
+    with pytest.raises(Boom) as e:
+        q.synchronize()
+    assert e.value.__traceback__ is not None
+    q.synchronize()  # reported once

@@ -1,4 +1,9 @@
 """SequentialOrderManager[q], with dpctl's names; its wait() is a queue-wide marker."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
@@ -59,3 +64,40 @@ def test_host_task_events_are_waited_for(device):
     SequentialOrderManager[b].add_to_host_task_events(ht)
     SequentialOrderManager[b].wait()
     assert order == ["ht"]
+
+
+COUNT_PROGRAM = textwrap.dedent("""
+    import sys, threading
+    import tandem
+    from tandem import SequentialOrderManager
+
+    q = tandem.Queue(sys.argv[1])
+    gate = threading.Event()
+    q.host_task(gate.wait, 60)                  # the queue is busy
+    som = SequentialOrderManager[q]
+    ev = q.record()
+    som.add_event(ev)
+    counts = {som.num_submitted_events for _ in range(50)}
+    q.dependencies()                            # one marker: the trace must show it
+    gate.set()
+    q.synchronize()
+    print(sorted(counts))
+""")
+
+
+def test_num_submitted_events_submits_nothing(device, tmp_path):
+    """Reading num_submitted_events (or num_host_task_events) is a read: it counts the
+    registered events still pending and submits no command. The trace of a process that polls
+    it 50 times behind a busy task holds exactly the one marker of its explicit
+    q.dependencies() call."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(COUNT_PROGRAM)
+    trace = tmp_path / "trace.json"
+    out = subprocess.run([sys.executable, str(prog), device.id], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, TANDEM_TRACE=str(trace)))
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(trace.read_text())
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    markers = [e for e in events if e.get("name") == "dependencies"]
+    assert len(markers) == 1, f"{len(markers)} dependency markers were submitted, not 1"
+    assert out.stdout.strip() == "[1]"  # the registered marker, pending behind the task
