@@ -17,14 +17,21 @@
  *   command has completed, carrying its status.
  * - If a command fails, its event completes with the error; commands that depend on it (through
  *   a dependency list, or by queue order on an in-order queue) complete with TDM_EDEP without
- *   running. tdm_queue_sync() returns the queue's first error and clears it; the queue stays
+ *   running. On an out-of-order queue a failed wait or barrier (the tracker's too) fails every
+ *   command submitted after it, however much later, until tdm_queue_sync() has reported it.
+ *   tdm_queue_sync() returns the queue's first error and clears it; the queue stays
  *   usable. On GPU backends, device work already queued behind a failure cannot be taken back:
  *   it runs, and its events report TDM_EDEP all the same; host tasks behind it do not run.
  * - Wait cycles: a wait (tdm_queue_wait, a dependency) can only name an event that exists, so
  *   queues alone cannot wait in a cycle. A host task that blocks (tdm_event_wait) on work that
- *   can only run after it does can: on its own in-order queue this is detected (TDM_EDEADLK);
- *   through other queues (it waits for an event of q2 that depends on a later command of its
- *   own queue) it is the caller's error, not detected, and those queues never complete.
+ *   can only run after it does can: on its own queue this is detected (TDM_EDEADLK): any later
+ *   command of an in-order queue; on an out-of-order queue, a later marker or full barrier
+ *   (the tracker's collapse barrier included: see Order tracking) and what is ordered after
+ *   one. Through other queues (it waits for an event of q2 that depends on a later command of
+ *   its own queue) it is the caller's error, not detected, and those queues never complete.
+ *   Host tasks of out-of-order queues run on a shared pool that replaces a thread blocked in a
+ *   wait, up to 256 spare threads; a wait that would block the last pool thread not blocked
+ *   already, with every spare started, returns TDM_EDEADLK.
  */
 #ifndef TANDEM_H
 #define TANDEM_H
@@ -125,7 +132,13 @@ TDM_API int tdm_set_error(int code, int native, const char *fmt, ...)
  * normally, after waiting for that work to complete for at most TANDEM_EXIT_WAIT_MS (2000 by
  * default; not from a host task or a keep-alive release), so that no tandem thread is inside a
  * driver when the drivers' exit handlers run. In a child forked after init every call returns
- * TDM_EFORK. */
+ * TDM_EFORK.
+ * Other threads during the last shutdown: their calls already inside tandem complete (the
+ * shutdown waits for them), later calls get TDM_ENOTINIT, and nothing is freed under them.
+ * Host tasks and keep-alive releases it drains go on calling tandem; queues they create are
+ * drained too. tdm_init from another thread waits for the shutdown to finish and starts a
+ * fresh context; from a host task or a release the shutdown waits for, it returns
+ * TDM_EDEADLK. */
 TDM_API TDM_NODISCARD int tdm_init(void);
 TDM_API int tdm_shutdown(void);
 
@@ -372,7 +385,7 @@ TDM_API TDM_NODISCARD int tdm_memset(tdm_queue *q, void *dst, int value, size_t 
 /* ---- Host work -------------------------------------------------------------------------- */
 
 /* A host task returns 0, or a negative TDM_E* code that becomes its event's status (any other
- * value is recorded as TDM_ETASK). A failing task may say why with tdm_set_error(): the
+ * value, and TDM_EAGAIN, which would read as "not complete yet", is recorded as TDM_ETASK). A failing task may say why with tdm_set_error(): the
  * message of whoever learns of the failure (its event's wait or query, a marker, the queue's
  * sync, a command that then completes with TDM_EDEP) quotes those words after naming the
  * task. */
