@@ -834,9 +834,37 @@ static void host_experts_free(tdm_moe_model *m) {
   m->host_experts = NULL;
 }
 
+/* A caller's shape, checked before any size is computed from it: every count positive and
+ * within what a model has, and the products the kernels index with (a weight matrix, a
+ * ubatch's rows across the widest dimension, for each of the top-k) within an int. */
+static int check_shape(const tdm_moe_config *cfg) {
+  const tdm_moe_preset *p = cfg->preset;
+  int layers = cfg->layers > 0 ? cfg->layers : p->layers;
+  if (p->hidden < 1 || p->ffn < 1 || p->experts < 1 || p->topk < 1 || p->topk > p->experts ||
+      layers < 1 || layers > 4096 || p->experts > 65536 || p->shared < 0 || p->shared > 64 ||
+      (p->shared && p->shared_ffn < 1) || cfg->max_tokens > (1 << 20))
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: the shape of %s is not a model's "
+                         "(hidden %d, ffn %d, experts %d, top-k %d, layers %d, shared %d x %d, "
+                         "max tokens %d)", p->name ? p->name : "the preset", p->hidden, p->ffn,
+                         p->experts, p->topk, layers, p->shared, p->shared_ffn,
+                         cfg->max_tokens);
+  int64_t wide = p->hidden > p->ffn ? p->hidden : p->ffn;
+  if (p->shared_ffn > wide) wide = p->shared_ffn;
+  if (p->experts > wide) wide = p->experts;
+  if ((int64_t)3 * p->hidden * wide > INT32_MAX ||
+      (int64_t)cfg->max_tokens * wide * p->topk > INT32_MAX)
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: %s is too large for its "
+                         "kernels' indices (hidden %d, ffn %d, %d tokens of top-%d)",
+                         p->name ? p->name : "the preset", p->hidden, p->ffn, cfg->max_tokens,
+                         p->topk);
+  return 0;
+}
+
 int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   if (!cfg || !cfg->preset || !cfg->device || !out || cfg->max_tokens < 1)
     return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: bad configuration");
+  int shape_rc = check_shape(cfg);
+  if (shape_rc) return shape_rc;
   tdm_moe_model *m = calloc(1, sizeof *m);
   if (!m) return tdm_set_error(TDM_ENOMEM, 0, "no memory");
   m->cfg = *cfg;

@@ -897,6 +897,28 @@ TEST_CASE(moe_bad_input) {
     CHECK_RC(tdm_moe_model_create(&c, &m), TDM_EINVAL);
     CHECK(strstr(tdm_last_error(), "not a CPU device") != NULL);
   }
+  c.host = NULL;
+  c.placement = TDM_MOE_PLACE_DEVICE;
+  /* A caller's own preset with counts no model has, or whose products wrap: refused before
+   * any size is computed from it. */
+  const struct {
+    int hidden, experts, topk, ffn, layers, max_tokens;
+  } shapes[] = {{0, 8, 2, 64, 2, 8},       {64, 8, 9, 64, 2, 8},       {64, 8, 2, -64, 2, 8},
+                {64, 0, 0, 64, 2, 8},      {64, 8, 2, 64, -1, 8},      {1 << 20, 8, 2, 1 << 20, 2, 8},
+                {4096, 128, 8, 1536, 2, 1 << 19}, {64, 8, 2, 64, 2, (1 << 20) + 1}};
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+    tdm_moe_preset bad = *p;
+    bad.hidden = shapes[i].hidden;
+    bad.experts = shapes[i].experts;
+    bad.topk = shapes[i].topk;
+    bad.ffn = shapes[i].ffn;
+    bad.layers = shapes[i].layers;
+    c.preset = &bad;
+    c.max_tokens = shapes[i].max_tokens;
+    CHECK_RC(tdm_moe_model_create(&c, &m), TDM_EINVAL);
+    CHECK_MSG(strstr(tdm_last_error(), "shape") || strstr(tdm_last_error(), "too large"),
+              "shape %zu: %s", i, tdm_last_error());
+  }
   CHECK(m == NULL);
   th_close();
 }
