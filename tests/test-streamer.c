@@ -11,12 +11,20 @@
  *   hits = resident_hits + inflight_hits throughout;
  * - tdm_streamer_ready answers 0 for an expert that is absent or still in flight and 1 once its
  *   copy has landed, and tdm_streamer_where tells the three apart; neither counts anything.
+ * - a compute that fails, released as its slot's reader, frees the slot all the same, and a
+ *   copy that failed because it waited for that reader is redone by the next acquire once the
+ *   compute queue's sync has reported the failure;
+ * - slot and key counts that would overflow (staging_slots = INT_MAX, a budget of SIZE_MAX,
+ *   layers * experts past INT_MAX, slots * expert_bytes past SIZE_MAX) are capped or refused
+ *   cleanly, and a prefetch depth of INT_MAX costs nothing up front.
  * Every acquired slot is read back and compared with the expert's bytes, so a counter never
  * passes while the data is wrong. Written against the public headers only.
  */
 #include "harness.h"
 
 #include <tandem/streamer.h>
+
+#include <limits.h>
 
 enum { XB = 32 * 1024 }; /* bytes of one expert */
 
@@ -378,5 +386,199 @@ TEST_CASE(prefetch_next_pass) {
   CHECK_OK(tdm_free(back));
   free_experts(&x);
   CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* A compute that fails on purpose (a host task on the compute queue that reads nothing). */
+static int task_fail(void *arg) {
+  if (arg) CHECK(th_gate_wait(arg, TH_HANG_MS));
+  return tdm_set_error(TDM_ETASK, 0, "a compute that fails on purpose");
+}
+
+/* A release whose event is a failed compute's, with one slot, so every other expert reuses it.
+ * First the failure has completed when the slot is reused: the copy does not wait for it, and
+ * works. Then it is still pending: the copy waits for it and fails with it, and once the
+ * compute queue's sync has reported the failure, the expert is copied again, and so are the
+ * others, each with its own bytes. */
+TEST_CASE(failed_reader_does_not_poison) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  experts x = make_experts(dev, 3, &rng);
+  unsigned char *back;
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, XB, (void **)&back));
+  tdm_streamer_config cfg = {.compute = q, .layers = 1, .experts = 3, .expert_bytes = XB,
+                             .host = x.ptrs, .budget_bytes = 0, .staging_slots = 1,
+                             .policy = TDM_CACHE_LRU};
+  tdm_streamer *s;
+  CHECK_OK(tdm_streamer_create(&cfg, &s));
+  const void *w;
+  tdm_event *bad;
+  CHECK_OK(tdm_streamer_acquire(s, 0, 0, &w, NULL));
+  CHECK_OK(tdm_host_task(q, task_fail, NULL, 0, NULL, &bad));
+  CHECK_OK(tdm_streamer_release(s, 0, 0, bad));
+  CHECK_STATUS(tdm_queue_sync(q), TDM_ETASK);
+  CHECK_OK(tdm_event_release(bad));
+  use_expert(s, q, &x, 1, back); /* reuses the failed reader's slot */
+  use_expert(s, q, &x, 0, back);
+
+  th_gate gate;
+  th_gate_init(&gate);
+  CHECK_OK(tdm_streamer_acquire(s, 0, 2, &w, NULL));
+  CHECK_OK(tdm_host_task(q, task_fail, &gate, 0, NULL, &bad));
+  CHECK_OK(tdm_streamer_release(s, 0, 2, bad));
+  CHECK_OK(tdm_streamer_acquire(s, 0, 1, &w, NULL)); /* its copy waits for the failing reader */
+  CHECK_OK(tdm_memcpy(q, back, w, XB, TDM_COPY_D2H, 0, NULL, NULL));
+  CHECK_OK(tdm_streamer_release(s, 0, 1, NULL));
+  th_gate_open(&gate);
+  CHECK_STATUS(tdm_queue_sync(q), TDM_ETASK);
+  CHECK_OK(tdm_event_release(bad));
+  th_gate_destroy(&gate);
+  CHECK_EQ(tdm_streamer_where(s, 0, 1), TDM_EXPERT_ABSENT); /* its copy failed */
+  CHECK_EQ(tdm_streamer_ready(s, 0, 1), 0);
+  use_expert(s, q, &x, 1, back);
+  use_expert(s, q, &x, 2, back);
+  use_expert(s, q, &x, 1, back);
+  tdm_streamer_stats st;
+  CHECK_OK(tdm_streamer_stats_get(s, &st));
+  CHECK_EQ((long)st.acquires, 8L);
+  CHECK_EQ((long)st.misses, 8L); /* one slot: every acquire a miss, the redone copy too */
+  CHECK_OK(tdm_streamer_destroy(s));
+  CHECK_OK(tdm_free(back));
+  free_experts(&x);
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* A streamer over x's 4 experts that must be created: its counts, and every expert read back. */
+static void check_created(tdm_streamer_config cfg, tdm_queue *q, const experts *x,
+                          unsigned char *back, int resident, int staging, int depth) {
+  tdm_streamer *s;
+  CHECK_OK(tdm_streamer_create(&cfg, &s));
+  tdm_streamer_stats st;
+  CHECK_OK(tdm_streamer_stats_get(s, &st));
+  CHECK_EQ(st.resident_slots, resident);
+  CHECK_EQ(st.staging_slots, staging);
+  CHECK_EQ(st.prefetch_depth, depth);
+  CHECK_EQ((long)st.device_bytes, (long)(cfg.policy == TDM_CACHE_STATIC ? resident + staging
+                                                                      : staging) * XB);
+  CHECK_OK(tdm_streamer_prefetch(s, 0, (const int[]){0, 1, 2, 3}, 4));
+  for (int e = 0; e < 4; e++) use_expert(s, q, x, e, back);
+  CHECK_OK(tdm_streamer_destroy(s));
+}
+
+/* More prefetches in flight than slots, which only copies of evicted prefetches make: two
+ * layers of two experts through one slot, the prefetch queue held back by a gate. */
+static void check_inflight_grows(tdm_queue *q, const experts *x, unsigned char *back) {
+  tdm_streamer_config cfg = {.compute = q, .layers = 2, .experts = 2, .expert_bytes = XB,
+                             .host = x->ptrs, .staging_slots = 1, .policy = TDM_CACHE_LRU,
+                             .prefetch_depth = INT_MAX};
+  tdm_streamer *s;
+  tdm_queue *pq;
+  tdm_event *held;
+  th_gate gate;
+  th_gate_init(&gate);
+  CHECK_OK(tdm_streamer_create(&cfg, &s));
+  CHECK_OK(tdm_streamer_queues(s, NULL, &pq));
+  CHECK_OK(tdm_host_task(pq, gate_task, &gate, 0, NULL, &held));
+  const void *w;
+  for (int round = 0; round < 3; round++) {
+    CHECK_OK(tdm_streamer_prefetch(s, 1, (const int[]){1}, 1)); /* in flight, held back */
+    CHECK_OK(tdm_streamer_acquire(s, 1, 0, &w, NULL)); /* evicts it */
+    CHECK_OK(tdm_streamer_release(s, 1, 0, NULL));
+  }
+  tdm_streamer_stats st;
+  CHECK_OK(tdm_streamer_stats_get(s, &st));
+  CHECK_EQ((long)st.prefetches, 3L);
+  th_gate_open(&gate);
+  CHECK_OK(tdm_event_wait(held));
+  CHECK_OK(tdm_event_release(held));
+  th_gate_destroy(&gate);
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_streamer_acquire(s, 1, 1, &w, NULL));
+  CHECK_OK(tdm_memcpy(q, back, w, XB, TDM_COPY_D2H, 0, NULL, NULL));
+  CHECK_OK(tdm_streamer_release(s, 1, 1, NULL));
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_MSG(memcmp(back, x->ptrs[3], XB) == 0, "expert 1 of layer 1 read back other bytes");
+  CHECK_OK(tdm_streamer_destroy(s));
+}
+
+/* Counts whose sums or products would overflow: capped where more could never be used,
+ * refused (TDM_EINVAL, TDM_ENOMEM, with a message) where they cannot be met. */
+TEST_CASE(create_counts_do_not_overflow) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  experts x = make_experts(dev, 4, &rng);
+  unsigned char *back;
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, XB, (void **)&back));
+  tdm_streamer_config cfg = {.compute = q, .layers = 1, .experts = 4, .expert_bytes = XB,
+                             .host = x.ptrs, .budget_bytes = XB, .staging_slots = INT_MAX,
+                             .policy = TDM_CACHE_STATIC};
+  /* Staging slots past the experts are not made (1 resident + INT_MAX overflowed an int). */
+  check_created(cfg, q, &x, back, 1, 4, 4);
+  cfg.policy = TDM_CACHE_LRU;
+  cfg.budget_bytes = 0;
+  check_created(cfg, q, &x, back, 0, 4, 4);
+  /* A budget of SIZE_MAX holds every expert, once each. */
+  cfg.policy = TDM_CACHE_STATIC;
+  cfg.budget_bytes = SIZE_MAX;
+  cfg.staging_slots = 1;
+  check_created(cfg, q, &x, back, 4, 1, 1);
+  /* A depth of INT_MAX: the in-flight list grows as prefetches need it. */
+  cfg.budget_bytes = 0;
+  cfg.staging_slots = 4;
+  cfg.prefetch_depth = INT_MAX;
+  check_created(cfg, q, &x, back, 0, 4, INT_MAX);
+  check_inflight_grows(q, &x, back);
+  cfg.prefetch_depth = 0;
+
+  tdm_streamer *s = (tdm_streamer *)(uintptr_t)0x5e;
+  cfg.layers = INT_MAX; /* layers * experts keys past INT_MAX */
+  CHECK_RC(tdm_streamer_create(&cfg, &s), TDM_EINVAL);
+  cfg.layers = 1 << 16;
+  cfg.experts = 1 << 16;
+  CHECK_RC(tdm_streamer_create(&cfg, &s), TDM_EINVAL);
+  cfg.layers = 1;
+  cfg.experts = 4;
+  cfg.expert_bytes = SIZE_MAX / 2; /* 4 slots of it: past SIZE_MAX */
+  CHECK_RC(tdm_streamer_create(&cfg, &s), TDM_ENOMEM);
+  CHECK(strstr(tdm_last_error(), "slots") != NULL);
+  CHECK(s == (tdm_streamer *)(uintptr_t)0x5e);
+  cfg.expert_bytes = XB;
+  CHECK_OK(tdm_streamer_create(&cfg, &s));
+  CHECK_RC(tdm_streamer_prefetch(s, 0, (const int[]){0}, -1), TDM_EINVAL);
+  CHECK_OK(tdm_streamer_destroy(s));
+  CHECK_OK(tdm_free(back));
+  free_experts(&x);
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
+/* A compute queue destroyed before the streamer has drained: the slots are freed at once, and
+ * nothing is left allocated. */
+TEST_CASE(destroy_after_compute_queue) {
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q;
+  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &q));
+  experts x = make_experts(dev, 2, &rng);
+  unsigned char *back;
+  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, XB, (void **)&back));
+  tdm_stats before, after;
+  CHECK_OK(tdm_stats_get(&before));
+  tdm_streamer_config cfg = {.compute = q, .layers = 1, .experts = 2, .expert_bytes = XB,
+                             .host = x.ptrs, .staging_slots = 1, .policy = TDM_CACHE_LRU};
+  tdm_streamer *s;
+  CHECK_OK(tdm_streamer_create(&cfg, &s));
+  use_expert(s, q, &x, 1, back);
+  CHECK_OK(tdm_queue_destroy(q));
+  CHECK_OK(tdm_streamer_destroy(s));
+  CHECK_OK(tdm_stats_get(&after));
+  CHECK_EQ(after.allocations, before.allocations);
+  CHECK_OK(tdm_free(back));
+  free_experts(&x);
   th_close();
 }

@@ -14,6 +14,11 @@
  * Policies: TDM_CACHE_STATIC keeps a fixed set resident (the right choice for prefill's
  * cyclic scans); TDM_CACHE_LRU uses every slot as one least-recently-used cache (decode).
  * Only experts asked for are copied; the copies are whole experts.
+ * Failures: a release's event that fails frees its slot all the same once it has completed.
+ * A copy that fails (a device error, or a reader it waited for that failed) is reported to
+ * what waited for it (the compute queue, *ready); the next acquire or prefetch of the expert
+ * that no acquire holds copies it again, so once tdm_queue_sync has reported the error the
+ * expert works again.
  * Every call is thread safe; an acquire/release pair may come from different threads.
  */
 #ifndef TANDEM_STREAMER_H
@@ -41,7 +46,8 @@ typedef struct tdm_streamer_config {
   const void *const *host;  /* host[key]: the expert in pinned or registered host memory; the
                                array and the memory must outlive the streamer */
   size_t budget_bytes;      /* device memory for experts that may stay resident */
-  int staging_slots;        /* >= 1 slots that always exist, besides the budget */
+  int staging_slots;        /* >= 1 slots that always exist, besides the budget (more than
+                               layers * experts are not made: they could never be used) */
   tdm_cache_policy policy;
   const int *resident;      /* TDM_CACHE_STATIC: keys to keep resident, best first (NULL: key
                                order); as many as the budget holds are loaded at creation */
@@ -86,7 +92,11 @@ typedef struct tdm_streamer_stats {
  * device memory too small: TDM_EINVAL / TDM_ENOMEM with the reason. */
 TDM_API TDM_NODISCARD int tdm_streamer_create(const tdm_streamer_config *cfg,
                                               tdm_streamer **out);
-/* Waits for the streamer's copies, then frees it. Acquired experts must have been released. */
+/* Waits for the streamer's copies, then frees it, whatever it returns: a step that fails (a
+ * copy queue's destroy, the slots' free in the compute queue's order) is retried another way
+ * or skipped, and the first failure is returned with its message. The slots are never freed
+ * while the compute queue or a copy may still use them; they are left allocated (and that is
+ * said) only if no way to wait for that works. Acquired experts must have been released. */
 TDM_API int tdm_streamer_destroy(tdm_streamer *s);
 /* Makes expert (layer, e) available on the device: *dptr is its device copy, valid for work
  * submitted to the compute queue after this call (the compute queue is made to wait for the
@@ -109,7 +119,8 @@ TDM_API TDM_NODISCARD int tdm_streamer_release(tdm_streamer *s, int layer, int e
 TDM_API int tdm_streamer_ready(tdm_streamer *s, int layer, int e);
 /* Where expert (layer, e) is now, as tdm_streamer_where answers it. */
 typedef enum tdm_expert_where {
-  TDM_EXPERT_ABSENT = 0,   /* in no slot: an acquire would copy it on demand */
+  TDM_EXPERT_ABSENT = 0,   /* in no slot, or in one whose copy failed and that no acquire
+                              holds: an acquire would copy it on demand */
   TDM_EXPERT_INFLIGHT = 1, /* in a slot whose copy has not landed (a prefetch's, a demand's):
                               an acquire would copy nothing but make the compute queue wait */
   TDM_EXPERT_READY = 2     /* in a slot with its copy complete: what tdm_streamer_ready calls 1 */

@@ -1,9 +1,18 @@
 /* streamer.c: the expert streamer (tandem/streamer.h), built on tandem's public API only: two
  * copy queues of its own (demand misses and prefetches), device slots in one allocation, and a
  * key -> slot map. A slot is reused only after every compute that read it since its copy: the
- * copy into it depends on those events, so the wait happens on the device. */
+ * copy into it depends on those events, so the wait happens on the device.
+ *
+ * Failures: a copy that failed (or that did not run because a reader it waited for failed)
+ * leaves its slot mapped until an acquire or prefetch finds it, which copies the expert again;
+ * the streamer's in-order copy queue that carries such an error is synced first, since until
+ * then it would fail every later copy too. The teardown goes on past a failed step and reports
+ * the first one, and never frees the slots while a compute may still read them. */
+#include <limits.h>
 #include <pthread.h>
 #include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -29,6 +38,7 @@ struct tdm_streamer {
   tdm_streamer_config cfg;
   tdm_device *dev;
   tdm_queue *demand, *prefetch;
+  tdm_event *last[2]; /* the latest copy on demand ([0]) and on prefetch ([1]) */
   char *base; /* nslots * expert_bytes of device memory */
   int nslots, nfixed;
   slot *slots;
@@ -38,7 +48,7 @@ struct tdm_streamer {
   uint64_t tick;
   int acq_layer; /* the layer of the latest acquire (0 before any) */
   tdm_event **inflight; /* prefetch copies possibly still in flight */
-  int ninflight, depth;
+  int ninflight, cap_inflight, depth;
   tdm_streamer_stats st;
   /* time_copies: t0, a timed marker every interval is measured from; the copies not yet
    * harvested (their start markers and copy events); the intervals harvested since the last
@@ -49,6 +59,32 @@ struct tdm_streamer {
   struct span { double a, b; } *spans;
   size_t nspans, cap_spans;
 };
+
+/* The streamer's own host allocations pass tdm_fault_point, so that fault-injection tests
+ * fail them as they fail tandem's; a count times a size that does not fit a size_t is refused
+ * like memory that is not there. */
+static void *xrealloc(void *old, size_t n, size_t size) {
+  if (n == 0 || size == 0 || n > SIZE_MAX / size) return NULL;
+  if (tdm_fault_point(TDM_FAULT_ALLOC)) return NULL;
+  return realloc(old, n * size);
+}
+
+static void *xcalloc(size_t n, size_t size) {
+  if (n == 0 || size == 0 || n > SIZE_MAX / size) return NULL;
+  if (tdm_fault_point(TDM_FAULT_ALLOC)) return NULL;
+  return calloc(n, size);
+}
+
+/* Whether the slot holds a copy that completed with an error (asking never waits). */
+static bool copy_failed(const slot *sl) {
+  int st = sl->ready ? tdm_event_query(sl->ready) : 0;
+  return st < 0 && st != TDM_EAGAIN;
+}
+
+/* A failed copy that no acquire holds is made again, in its own slot, by the next acquire or
+ * prefetch of its expert. One still held stays until its holders release it: their compute
+ * waited for it and fails with it, and it must not be overwritten under them. */
+static bool must_redo(const slot *sl) { return !sl->pins && copy_failed(sl); }
 
 static void slot_clear_events(slot *sl) {
   if (sl->ready) tdm_event_release(sl->ready);
@@ -150,8 +186,8 @@ static int timed_start(tdm_streamer *s, tdm_queue *q, tdm_event *const *deps, si
   if (!rc && s->ntimed == s->cap_timed) {
     harvest(s);
     if (s->ntimed == s->cap_timed) {
-      int cap = s->cap_timed ? 2 * s->cap_timed : 64;
-      struct timed *n = realloc(s->timed, (size_t)cap * sizeof *n);
+      int cap = s->cap_timed ? (s->cap_timed <= INT_MAX / 2 ? 2 * s->cap_timed : 0) : 64;
+      struct timed *n = cap ? xrealloc(s->timed, (size_t)cap, sizeof *n) : NULL;
       if (!n) return tdm_set_error(TDM_ENOMEM, 0, "no memory to time the streamer's copies");
       s->timed = n;
       s->cap_timed = cap;
@@ -160,15 +196,32 @@ static int timed_start(tdm_streamer *s, tdm_queue *q, tdm_event *const *deps, si
   return rc ? rc : tdm_event_record(q, start);
 }
 
+/* An in-order queue fails every command after a failed one until it is synced (tandem.h), so
+ * a copy queue whose latest copy failed is synced before it copies again. The sync waits for
+ * that queue's copies, on this error path only; the error it clears was the copy's waiters' to
+ * hear (the compute queue that waited for it, its ready event), and they have. A sync that
+ * cannot run (from a host task of that queue) leaves the next copy to fail and be redone. */
+static void copyq_recover(tdm_streamer *s, tdm_queue *q) {
+  tdm_event **last = &s->last[q == s->prefetch];
+  int st = *last ? tdm_event_query(*last) : 0;
+  if (st == 0 || st == TDM_EAGAIN) return;
+  (void)tdm_queue_sync(q);
+  tdm_event_release(*last);
+  *last = NULL;
+}
+
 /* Copies key into slot i on queue q, after the slot's last reader; the slot is the key's. */
 static int load(tdm_streamer *s, int i, int key, tdm_queue *q) {
   slot *sl = &s->slots[i];
-  /* After the slot's last reader, and after a copy into it that may still be landing (an
-   * evicted prefetch on the other queue). */
+  /* After the slot's readers, and after a copy into it that may still be landing (an evicted
+   * prefetch on the other queue): those not complete yet. One that has completed, even with
+   * an error, no longer touches the slot, and waiting for a failed one would fail this copy. */
   tdm_event *deps[FREE_MAX + 1], *ready = NULL, *start = NULL;
   size_t nd = 0;
-  for (int j = 0; j < sl->nfree; j++) deps[nd++] = sl->free[j];
-  if (sl->ready) deps[nd++] = sl->ready;
+  for (int j = 0; j < sl->nfree; j++)
+    if (tdm_event_query(sl->free[j]) == TDM_EAGAIN) deps[nd++] = sl->free[j];
+  if (sl->ready && tdm_event_query(sl->ready) == TDM_EAGAIN) deps[nd++] = sl->ready;
+  copyq_recover(s, q);
   void *dst = s->base + (size_t)i * s->cfg.expert_bytes;
   int rc = 0;
   if (s->t0) {
@@ -185,6 +238,10 @@ static int load(tdm_streamer *s, int i, int key, tdm_queue *q) {
     tdm_event_retain(ready);
     s->timed[s->ntimed++] = (struct timed){start, ready};
   }
+  tdm_event **last = &s->last[q == s->prefetch];
+  if (*last) tdm_event_release(*last);
+  tdm_event_retain(ready);
+  *last = ready;
   if (sl->key >= 0) s->map[sl->key] = -1;
   slot_clear_events(sl);
   sl->key = key;
@@ -212,109 +269,263 @@ static int victim(tdm_streamer *s, bool for_prefetch) {
   return best;
 }
 
-int tdm_streamer_create(const tdm_streamer_config *cfg, tdm_streamer **out) {
-  int rc;
-  if (!cfg || !out || !cfg->compute || !cfg->host || cfg->layers <= 0 || cfg->experts <= 0 ||
+/* The slot counts. Every count, and every count times a size, is checked here before
+ * anything is allocated: keys are ints (layer * experts + e), and so are slot indices. The
+ * budget holds at most one slot per expert; so do the staging slots, as more could never hold
+ * distinct experts at once, and a huge count (INT_MAX from Python, say) would only overflow
+ * or make huge tables. */
+static int plan_slots(const tdm_streamer_config *cfg, int *nfixed, int *nslots) {
+  long long keys = (long long)cfg->layers * cfg->experts;
+  if (keys > INT_MAX)
+    return tdm_set_error(TDM_EINVAL, 0, "%d layers of %d experts: more than the streamer can "
+                         "number (%d at most)", cfg->layers, cfg->experts, INT_MAX);
+  size_t fixed = cfg->budget_bytes / cfg->expert_bytes;
+  if (fixed > (size_t)keys) fixed = (size_t)keys;
+  long long staging = cfg->staging_slots < keys ? cfg->staging_slots : keys;
+  long long n = (long long)fixed + staging;
+  if (n > INT_MAX)
+    return tdm_set_error(TDM_EINVAL, 0, "%zu resident and %lld staging slots: more than the "
+                         "streamer can number (%d at most)", fixed, staging, INT_MAX);
+  if (cfg->expert_bytes > SIZE_MAX / (size_t)n)
+    return tdm_set_error(TDM_ENOMEM, 0, "%lld expert slots of %zu bytes: more bytes than any "
+                         "memory holds", n, cfg->expert_bytes);
+  *nfixed = (int)fixed;
+  *nslots = (int)n;
+  return 0;
+}
+
+static int check_config(const tdm_streamer_config *cfg) {
+  if (!cfg || !cfg->compute || !cfg->host || cfg->layers <= 0 || cfg->experts <= 0 ||
       cfg->expert_bytes == 0)
     return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_create: a required field is missing");
   if (cfg->staging_slots < 1)
     return tdm_set_error(TDM_EINVAL, 0, "the streamer needs at least one staging slot (got %d)",
-                      cfg->staging_slots);
+                         cfg->staging_slots);
   if (cfg->prefetch_depth < 0)
     return tdm_set_error(TDM_EINVAL, 0, "a prefetch depth of %d copies (0 or more)",
-                      cfg->prefetch_depth);
+                         cfg->prefetch_depth);
   if (cfg->budget_bytes && cfg->budget_bytes < cfg->expert_bytes)
     return tdm_set_error(TDM_EINVAL, 0, "a budget of %zu bytes cannot hold one %zu-byte expert",
-                      cfg->budget_bytes, cfg->expert_bytes);
+                         cfg->budget_bytes, cfg->expert_bytes);
+  return 0;
+}
+
+/* The host tables. The in-flight list starts with room for as many prefetches as there are
+ * slots (or the depth, if fewer) and grows up to the depth only if copies of evicted
+ * prefetches are still in flight: a depth of INT_MAX costs nothing up front. */
+static int make_tables(tdm_streamer *s) {
+  size_t keys = (size_t)s->cfg.layers * (size_t)s->cfg.experts;
+  s->slots = xcalloc((size_t)s->nslots, sizeof *s->slots);
+  s->evictable = xcalloc((size_t)s->nslots, sizeof *s->evictable);
+  s->map = xcalloc(keys, sizeof *s->map);
+  s->cap_inflight = s->depth < s->nslots ? s->depth : s->nslots;
+  s->inflight = xcalloc((size_t)s->cap_inflight, sizeof *s->inflight);
+  if (!s->slots || !s->evictable || !s->map || !s->inflight)
+    return tdm_set_error(TDM_ENOMEM, 0, "no memory for the streamer's tables");
+  for (size_t k = 0; k < keys; k++) s->map[k] = -1;
+  for (int i = 0; i < s->nslots; i++) s->slots[i].key = -1;
+  return 0;
+}
+
+static int make_device_side(tdm_streamer *s) {
+  unsigned qflags = TDM_QUEUE_IN_ORDER | (s->cfg.time_copies ? TDM_QUEUE_TIMING : 0);
+  int rc = tdm_queue_create(s->dev, qflags, &s->demand);
+  if (!rc) rc = tdm_queue_create(s->dev, qflags, &s->prefetch);
+  if (!rc && s->cfg.time_copies) rc = tdm_event_record(s->prefetch, &s->t0);
+  if (!rc &&
+      (rc = tdm_malloc(s->dev, TDM_MEM_DEVICE, (size_t)s->nslots * s->cfg.expert_bytes,
+                       (void **)&s->base)))
+    tdm_set_error(rc, 0, "%d expert slots of %zu bytes (%d resident + %d staging) do not fit: %s",
+                  s->nslots, s->cfg.expert_bytes, s->nfixed, s->nslots - s->nfixed,
+                  tdm_last_error());
+  return rc;
+}
+
+/* TDM_CACHE_STATIC: loads the resident set once, on the prefetch queue. */
+static int load_resident(tdm_streamer *s) {
+  const tdm_streamer_config *cfg = &s->cfg;
+  int keys = cfg->layers * cfg->experts, rc = 0;
+  for (int i = 0; i < s->nfixed && !rc; i++) {
+    int key = (cfg->resident && i < cfg->nresident) ? cfg->resident[i] : i;
+    if (key < 0 || key >= keys || s->map[key] >= 0) continue; /* the slot stages instead */
+    rc = load(s, i, key, s->prefetch);
+    s->slots[i].fixed = true;
+  }
+  s->st.bytes_copied = 0; /* the resident set's load is not part of any pass */
+  return rc;
+}
+
+/* The first failure of a sequence that goes on past it (a teardown): its code and words, kept
+ * aside since the steps after it overwrite the thread's message. */
+typedef struct first_error {
+  int rc, native;
+  char why[512];
+} first_error;
+
+/* Notes rc, if it is the first failure, with the thread's message less what tdm_set_error
+ * adds around the words again (the code's name before them, the native code after). */
+static void note_error(first_error *f, int rc) {
+  if (!rc || f->rc) return;
+  const char *m = tdm_last_error(), *name = tdm_err_name(rc);
+  size_t len = strlen(name), n;
+  if (strncmp(m, name, len) == 0 && m[len] == ':') m += len + (m[len + 1] == ' ' ? 2 : 1);
+  f->rc = rc;
+  f->native = tdm_last_native_error();
+  snprintf(f->why, sizeof f->why, "%s", m);
+  char tail[48];
+  snprintf(tail, sizeof tail, " (native error %d)", f->native);
+  len = strlen(tail);
+  if (f->native && (n = strlen(f->why)) >= len && strcmp(f->why + n - len, tail) == 0)
+    f->why[n - len] = '\0';
+}
+
+int tdm_streamer_create(const tdm_streamer_config *cfg, tdm_streamer **out) {
+  int rc, nfixed = 0, nslots = 0;
   tdm_device *dev;
-  if ((rc = tdm_queue_device(cfg->compute, &dev))) return rc;
-  tdm_streamer *s = calloc(1, sizeof *s);
+  if (!out) return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_create: out is NULL");
+  if ((rc = check_config(cfg)) || (rc = plan_slots(cfg, &nfixed, &nslots)) ||
+      (rc = tdm_queue_device(cfg->compute, &dev)))
+    return rc;
+  tdm_streamer *s = xcalloc(1, sizeof *s);
   if (!s) return tdm_set_error(TDM_ENOMEM, 0, "tdm_streamer_create: no memory for the streamer");
+  pthread_mutex_init(&s->mu, NULL);
   s->cfg = *cfg;
   s->dev = dev;
-  long keys = (long)cfg->layers * cfg->experts;
-  long fixed = (long)(cfg->budget_bytes / cfg->expert_bytes);
-  if (fixed > keys) fixed = keys;
-  s->nfixed = (int)fixed;
-  s->nslots = s->nfixed + cfg->staging_slots;
-  s->depth = cfg->prefetch_depth > 0 ? cfg->prefetch_depth : cfg->staging_slots;
-  s->slots = calloc((size_t)s->nslots, sizeof *s->slots);
-  s->evictable = malloc((size_t)s->nslots * sizeof *s->evictable);
-  s->map = malloc((size_t)keys * sizeof *s->map);
-  s->inflight = calloc((size_t)s->depth, sizeof *s->inflight);
-  pthread_mutex_init(&s->mu, NULL);
-  rc = (!s->slots || !s->evictable || !s->map || !s->inflight)
-           ? tdm_set_error(TDM_ENOMEM, 0, "no memory for the streamer's tables")
-           : 0;
-  unsigned qflags = TDM_QUEUE_IN_ORDER | (cfg->time_copies ? TDM_QUEUE_TIMING : 0);
-  if (!rc) rc = tdm_queue_create(dev, qflags, &s->demand);
-  if (!rc) rc = tdm_queue_create(dev, qflags, &s->prefetch);
-  if (!rc && cfg->time_copies) rc = tdm_event_record(s->prefetch, &s->t0);
-  if (!rc &&
-      (rc = tdm_malloc(dev, TDM_MEM_DEVICE, (size_t)s->nslots * cfg->expert_bytes, (void **)&s->base)))
-    tdm_set_error(rc, 0, "%d expert slots of %zu bytes (%d resident + %d staging) do not fit: %s",
-               s->nslots, cfg->expert_bytes, s->nfixed, cfg->staging_slots, tdm_last_error());
-  if (rc) {
-    tdm_streamer_destroy(s);
-    return rc;
-  }
-  for (long k = 0; k < keys; k++) s->map[k] = -1;
-  for (int i = 0; i < s->nslots; i++) s->slots[i].key = -1;
-  s->st.resident_slots = cfg->policy == TDM_CACHE_STATIC ? s->nfixed : 0;
-  s->st.staging_slots = cfg->policy == TDM_CACHE_STATIC ? cfg->staging_slots : s->nslots;
-  s->st.prefetch_depth = s->depth;
-  s->st.device_bytes = (size_t)s->nslots * cfg->expert_bytes;
-  if (cfg->policy == TDM_CACHE_STATIC) {
-    /* Load the resident set once, on the prefetch queue. */
-    for (int i = 0; i < s->nfixed && !rc; i++) {
-      int key = (cfg->resident && i < cfg->nresident) ? cfg->resident[i] : i;
-      if (key < 0 || key >= keys || s->map[key] >= 0) continue;
-      rc = load(s, i, key, s->prefetch);
-      s->slots[i].fixed = true;
-    }
-    s->st.bytes_copied = 0; /* the resident set's load is not part of any pass */
-    if (rc) {
-      tdm_streamer_destroy(s);
-      return rc;
-    }
+  s->nfixed = nfixed;
+  s->nslots = nslots;
+  s->depth = cfg->prefetch_depth > 0 ? cfg->prefetch_depth : nslots - nfixed;
+  rc = make_tables(s);
+  if (!rc) rc = make_device_side(s);
+  if (!rc && cfg->policy == TDM_CACHE_STATIC) rc = load_resident(s);
+  if (rc) { /* rc and its message say what went wrong: creating, not tearing down */
+    first_error f = {0, 0, ""};
+    note_error(&f, rc);
+    (void)tdm_streamer_destroy(s);
+    return tdm_set_error(f.rc, f.native, "%s", f.why);
   }
   for (int i = 0; i < s->nslots; i++)
     if (!s->slots[i].fixed) s->evictable[s->nevictable++] = i;
+  s->st.resident_slots = cfg->policy == TDM_CACHE_STATIC ? s->nfixed : 0;
+  s->st.staging_slots = cfg->policy == TDM_CACHE_STATIC ? s->nslots - s->nfixed : s->nslots;
+  s->st.prefetch_depth = s->depth;
+  s->st.device_bytes = (size_t)s->nslots * cfg->expert_bytes;
   *out = s;
   return 0;
 }
 
+static bool queue_alive(tdm_queue *q) {
+  unsigned flags;
+  return tdm_queue_flags(q, &flags) == 0;
+}
+
+/* Destroys one of the streamer's copy queues, which drains it; returns whether it is gone. A
+ * destroy that did not happen (its drain could not be submitted: no memory, say) is a failure,
+ * noted, and is tried once more after a sync. An error the queue reports as it goes is a
+ * copy's, which the work that waited for the copy has heard of: not the destroy's. */
+static bool destroy_queue(tdm_queue *q, first_error *f) {
+  int rc = tdm_queue_destroy(q);
+  if (rc == 0 || !queue_alive(q)) return true;
+  note_error(f, rc);
+  (void)tdm_queue_sync(q);
+  rc = tdm_queue_destroy(q);
+  return rc == 0 || !queue_alive(q);
+}
+
+/* Frees the slots once the compute queue's readers are done: in its order, or where that free
+ * cannot be queued, once a marker of it has completed (a marker, not a sync, so the queue's
+ * error stays its owner's to hear). Never at once while the queue lives: a compute still
+ * reading a slot would read freed memory. A compute queue destroyed already was drained by
+ * its destroy. If no marker can be waited for either (this runs in a host task of the compute
+ * queue, say), the slots are left allocated: a leak, reported, rather than a use after free. */
+static void free_slots(tdm_streamer *s, first_error *f) {
+  int rc = tdm_free_async(s->cfg.compute, s->base, 0, NULL, NULL);
+  if (rc == 0) return;
+  if (!queue_alive(s->cfg.compute)) {
+    tdm_free(s->base);
+    return;
+  }
+  note_error(f, rc);
+  tdm_event *m;
+  bool done = false;
+  if (tdm_event_record(s->cfg.compute, &m) == 0) {
+    (void)tdm_event_wait(m); /* its status is the queue's error, not the free's */
+    done = tdm_event_query(m) != TDM_EAGAIN;
+    tdm_event_release(m);
+  }
+  if (done) tdm_free(s->base);
+  else snprintf(f->why + strlen(f->why), sizeof f->why - strlen(f->why), "%s",
+                "; the slots are left allocated, as the compute queue may still read them");
+}
+
 int tdm_streamer_destroy(tdm_streamer *s) {
   if (!s) return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_destroy: s is NULL");
-  if (s->demand) tdm_queue_sync(s->demand);
-  if (s->prefetch) tdm_queue_sync(s->prefetch);
+  first_error f = {0, 0, ""};
+  /* The copy queues first: once they are gone (drained), no copy writes a slot any more. */
+  bool drained = true;
+  if (s->demand) drained = destroy_queue(s->demand, &f) && drained;
+  if (s->prefetch) drained = destroy_queue(s->prefetch, &f) && drained;
   for (int i = 0; s->slots && i < s->nslots; i++) slot_clear_events(&s->slots[i]);
   for (int i = 0; i < s->ninflight; i++) tdm_event_release(s->inflight[i]);
   for (int i = 0; i < s->ntimed; i++) {
     tdm_event_release(s->timed[i].start);
     tdm_event_release(s->timed[i].end);
   }
+  for (int j = 0; j < 2; j++)
+    if (s->last[j]) tdm_event_release(s->last[j]);
   if (s->t0) tdm_event_release(s->t0);
+  if (s->base && drained) free_slots(s, &f);
+  else if (s->base)
+    snprintf(f.why + strlen(f.why), sizeof f.why - strlen(f.why), "%s",
+             "; the slots are left allocated, as that queue's copies may still write them");
   free(s->timed);
   free(s->spans);
-  if (s->base) {
-    /* Readers on the compute queue may still run: free in its order. */
-    if (tdm_free_async(s->cfg.compute, s->base, 0, NULL, NULL)) tdm_free(s->base);
-  }
-  if (s->demand) tdm_queue_destroy(s->demand);
-  if (s->prefetch) tdm_queue_destroy(s->prefetch);
   pthread_mutex_destroy(&s->mu);
   free(s->slots);
   free(s->evictable);
   free(s->map);
   free(s->inflight);
   free(s);
-  return 0;
+  if (!f.rc) return 0;
+  return tdm_set_error(f.rc, f.native, "tdm_streamer_destroy: %s", f.why);
 }
 
 static int key_of(tdm_streamer *s, int layer, int e) {
   if (layer < 0 || layer >= s->cfg.layers || e < 0 || e >= s->cfg.experts) return -1;
   return layer * s->cfg.experts + e;
+}
+
+/* Where an acquire found its expert. */
+enum found { RESIDENT, INFLIGHT, MISS };
+
+/* The slot of expert key for an acquire: the one it is in, or one it is copied into on demand
+ * (a failed copy nobody holds is redone in its own slot). A mapped slot's copy is complete
+ * when its event says so now; asking never waits. Returns the slot or a TDM_E* code. */
+static int place(tdm_streamer *s, int key, enum found *found, bool *prefetched) {
+  int i = s->map[key];
+  if (i >= 0 && !must_redo(&s->slots[i])) {
+    const slot *sl = &s->slots[i];
+    *found = (!sl->ready || tdm_event_query(sl->ready) == 0) ? RESIDENT : INFLIGHT;
+    *prefetched = sl->unused_prefetch;
+    return i;
+  }
+  *found = MISS;
+  if (i < 0 && (i = victim(s, false)) < 0)
+    return tdm_set_error(TDM_EBUSY, 0, "all %d streamer slots are acquired: release some",
+                         s->nslots);
+  int rc = load(s, i, key, s->demand);
+  return rc ? rc : i;
+}
+
+static void count_acquire(tdm_streamer *s, enum found found, bool prefetched) {
+  s->st.acquires++;
+  if (found == MISS) {
+    s->st.misses++;
+    return;
+  }
+  s->st.hits++;
+  if (found == RESIDENT) s->st.resident_hits++;
+  else s->st.inflight_hits++;
+  if (prefetched) s->st.prefetch_hits++;
 }
 
 int tdm_streamer_acquire(tdm_streamer *s, int layer, int e, const void **dptr,
@@ -325,55 +536,28 @@ int tdm_streamer_acquire(tdm_streamer *s, int layer, int e, const void **dptr,
     return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_acquire: expert %d of layer %d does not exist",
                       e, layer);
   pthread_mutex_lock(&s->mu);
-  int rc = 0, i = s->map[key];
-  /* Where the expert was, counted once the acquire succeeds. A mapped slot's copy is
-   * complete when its event says so now; asking never waits. */
-  enum { RESIDENT, INFLIGHT, MISS } found = MISS;
+  enum found found; /* counted once the acquire succeeds */
   bool prefetched = false;
-  if (i >= 0) {
-    const slot *sl = &s->slots[i];
-    found = (!sl->ready || tdm_event_query(sl->ready) == 0) ? RESIDENT : INFLIGHT;
-    prefetched = sl->unused_prefetch;
-  } else {
-    i = victim(s, false);
-    if (i < 0) {
-      rc = tdm_set_error(TDM_EBUSY, 0, "all %d streamer slots are acquired: release some",
-                      s->nslots);
-    } else {
-      rc = load(s, i, key, s->demand);
-    }
-  }
+  int i = place(s, key, &found, &prefetched), rc = i < 0 ? i : 0;
   slot *sl = rc ? NULL : &s->slots[i];
   if (sl) {
-    sl->pins++;
-    sl->last_use = ++s->tick;
     /* The compute queue waits for the copy on the device; nothing waits here. A resident
      * expert's copy is complete: no wait to add. */
     if (found != RESIDENT && sl->ready && tdm_event_query(sl->ready) != 0)
       rc = tdm_queue_wait(s->cfg.compute, sl->ready);
+    tdm_event *r = NULL;
     if (!rc && ready) {
-      if (sl->ready) {
-        tdm_event_retain(sl->ready);
-        *ready = sl->ready;
-      } else {
-        rc = tdm_event_record(s->demand, ready);
-      }
+      if (sl->ready) rc = tdm_event_retain(r = sl->ready);
+      else rc = tdm_event_record(s->demand, &r);
     }
-    if (rc) {
-      sl->pins--;
-    } else {
+    if (!rc) {
+      if (ready) *ready = r;
       *dptr = s->base + (size_t)i * s->cfg.expert_bytes;
+      sl->pins++;
+      sl->last_use = ++s->tick;
       sl->unused_prefetch = false;
       s->acq_layer = layer;
-      s->st.acquires++;
-      if (found == MISS) {
-        s->st.misses++;
-      } else {
-        s->st.hits++;
-        if (found == RESIDENT) s->st.resident_hits++;
-        else s->st.inflight_hits++;
-        if (prefetched) s->st.prefetch_hits++;
-      }
+      count_acquire(s, found, prefetched);
     }
   }
   pthread_mutex_unlock(&s->mu);
@@ -386,8 +570,8 @@ int tdm_streamer_where(tdm_streamer *s, int layer, int e) {
     return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_where: no streamer, or expert %d of layer "
                          "%d does not exist", e, layer);
   pthread_mutex_lock(&s->mu);
-  int i = s->map[key], where = TDM_EXPERT_ABSENT;
-  if (i >= 0)
+  int i = s->map[key], where = TDM_EXPERT_ABSENT; /* a failed copy: an acquire redoes it */
+  if (i >= 0 && !must_redo(&s->slots[i]))
     where = !s->slots[i].ready || tdm_event_query(s->slots[i].ready) == 0 ? TDM_EXPERT_READY
                                                                          : TDM_EXPERT_INFLIGHT;
   pthread_mutex_unlock(&s->mu);
@@ -429,11 +613,20 @@ int tdm_streamer_release(tdm_streamer *s, int layer, int e, tdm_event *done) {
   return rc;
 }
 
-int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts, int n) {
-  if (!s || (n && !experts) || layer < 0 || layer >= s->cfg.layers)
-    return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_prefetch: bad arguments");
-  pthread_mutex_lock(&s->mu);
-  /* Forget prefetches that have landed. */
+/* Room in the in-flight list for one more prefetch (it grows only while copies of evicted
+ * prefetches are still in flight, up to the depth). */
+static int inflight_reserve(tdm_streamer *s) {
+  if (s->ninflight < s->cap_inflight) return 0;
+  int cap = s->cap_inflight <= s->depth / 2 ? 2 * s->cap_inflight : s->depth;
+  tdm_event **n = xrealloc(s->inflight, (size_t)cap, sizeof *n);
+  if (!n) return tdm_set_error(TDM_ENOMEM, 0, "no memory to track %d prefetches", cap);
+  s->inflight = n;
+  s->cap_inflight = cap;
+  return 0;
+}
+
+/* Forgets the prefetches that have landed (or failed). */
+static void inflight_prune(tdm_streamer *s) {
   int k = 0;
   for (int j = 0; j < s->ninflight; j++) {
     if (tdm_event_query(s->inflight[j]) == TDM_EAGAIN)
@@ -442,6 +635,27 @@ int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts, int n)
       tdm_event_release(s->inflight[j]);
   }
   s->ninflight = k;
+}
+
+/* Starts a prefetch of key into slot i (a victim, or the key's own slot if its copy failed). */
+static int prefetch_one(tdm_streamer *s, int i, int key) {
+  int rc = inflight_reserve(s);
+  if (!rc) rc = load(s, i, key, s->prefetch);
+  if (rc) return rc;
+  slot *sl = &s->slots[i];
+  sl->unused_prefetch = !sl->fixed;
+  sl->last_use = ++s->tick;
+  tdm_event_retain(sl->ready);
+  s->inflight[s->ninflight++] = sl->ready;
+  s->st.prefetches++;
+  return 0;
+}
+
+int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts, int n) {
+  if (!s || n < 0 || (n && !experts) || layer < 0 || layer >= s->cfg.layers)
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_prefetch: bad arguments");
+  pthread_mutex_lock(&s->mu);
+  inflight_prune(s);
   /* A layer below the latest acquire's is the next pass's: its layers are still to come, and
    * the unused prefetches of this pass, wrong guesses, keep their slots no longer. */
   if (layer < s->acq_layer) {
@@ -457,19 +671,16 @@ int tdm_streamer_prefetch(tdm_streamer *s, int layer, const int *experts, int n)
                       experts[j], layer);
       break;
     }
-    if (s->map[key] >= 0) continue;
-    int i = full || s->ninflight >= s->depth ? -1 : victim(s, true);
+    int i = s->map[key];
+    if (i >= 0 && !must_redo(&s->slots[i])) continue; /* on the device or on its way */
+    if (full || s->ninflight >= s->depth) i = -1;
+    else if (i < 0) i = victim(s, true);
     if (i < 0) {
       full = true;
       s->st.prefetch_dropped++;
       continue;
     }
-    if ((rc = load(s, i, key, s->prefetch))) break;
-    s->slots[i].unused_prefetch = true;
-    s->slots[i].last_use = ++s->tick;
-    tdm_event_retain(s->slots[i].ready);
-    s->inflight[s->ninflight++] = s->slots[i].ready;
-    s->st.prefetches++;
+    rc = prefetch_one(s, i, key);
   }
   pthread_mutex_unlock(&s->mu);
   return rc;
@@ -491,7 +702,7 @@ int tdm_streamer_schedule(tdm_streamer *s, int layer, int *experts, int n) {
   if (!s || n < 0 || (n && !experts) || layer < 0 || layer >= s->cfg.layers)
     return tdm_set_error(TDM_EINVAL, 0, "tdm_streamer_schedule: bad arguments");
   if (n < 2) return 0;
-  int *buf = malloc((size_t)n * 3 * sizeof *buf);
+  int *buf = xrealloc(NULL, (size_t)n, 3 * sizeof *buf);
   if (!buf) return tdm_set_error(TDM_ENOMEM, 0, "no memory to order %d experts", n);
   int *staged = buf, *held = buf + n, *absent = buf + 2 * n, ns = 0, nh = 0, na = 0;
   pthread_mutex_lock(&s->mu);
@@ -505,7 +716,7 @@ int tdm_streamer_schedule(tdm_streamer *s, int layer, int *experts, int n) {
                            experts[j], layer);
     }
     int i = s->map[key];
-    if (i < 0) {
+    if (i < 0 || must_redo(&s->slots[i])) {
       absent[na++] = experts[j];
     } else {
       const slot *sl = &s->slots[i];
@@ -521,7 +732,7 @@ int tdm_streamer_schedule(tdm_streamer *s, int layer, int *experts, int n) {
    * front of it and none is left for after the last copy. */
   int m = ns + na, o = 0, h = 0;
   for (int j = 0; j < m; j++) {
-    int upto = (int)((long)(j + 1) * nh / m);
+    int upto = (int)((long long)(j + 1) * nh / m);
     if (j == 0 && ns) upto = 0; /* a staged expert is on its way already: no need to wait */
     while (h < upto) experts[o++] = held[h++];
     experts[o++] = j < ns ? staged[j] : absent[j - ns];
