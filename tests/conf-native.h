@@ -13,19 +13,23 @@
 #ifdef TANDEM_TEST_CUDA
 #include <cuda_runtime.h>
 #endif
+#ifdef TANDEM_TEST_SYCL
+#include "sycl-native.h"
+#endif
 
 /* A native event that the test completes when it chooses:
  * - OpenCL: a user event in the device's context (tdm_device_native's);
  * - CUDA: an event recorded on a tandem queue's stream behind a host task that waits for a
  *   gate: tandem holds the stream on the device until the task has run, so the event is
  *   pending, with no kernel and no timing involved, until the test opens the gate.
+ * - SYCL: as CUDA, a barrier enqueued on a tandem queue's sycl::queue behind such a task.
  * CPU devices have no native events (tdm_event_import: TDM_ENOTSUP). */
-enum native_kind { NATIVE_NONE, NATIVE_OPENCL, NATIVE_CUDA };
+enum native_kind { NATIVE_NONE, NATIVE_OPENCL, NATIVE_CUDA, NATIVE_SYCL };
 
 struct native_ev {
   enum native_kind kind;
-  void *ev;     /* the cl_event or cudaEvent_t; NULL once the test gave it up */
-  th_gate gate; /* CUDA: the host task holding gq waits for it */
+  void *ev;     /* the cl_event, cudaEvent_t or sycl::event *; NULL once the test gave it up */
+  th_gate gate; /* CUDA, SYCL: the host task holding gq waits for it */
   tdm_queue *gq;
 };
 
@@ -43,6 +47,13 @@ TH_HELPER enum native_kind native_kind_of(tdm_device *dev) {
     return NATIVE_CUDA;
 #else
     TH_SKIP("this build has no CUDA runtime for the test");
+#endif
+  }
+  if (strcmp(b, "sycl") == 0) {
+#ifdef TANDEM_TEST_SYCL
+    return NATIVE_SYCL;
+#else
+    TH_SKIP("this build has no SYCL runtime for the test");
 #endif
   }
   return NATIVE_NONE;
@@ -89,6 +100,17 @@ TH_HELPER void native_pending(tdm_device *dev, enum native_kind kind, struct nat
     n->ev = e;
   }
 #endif
+#ifdef TANDEM_TEST_SYCL
+  if (kind == NATIVE_SYCL) {
+    th_gate_init(&n->gate);
+    n->gq = new_queue(dev, TDM_QUEUE_IN_ORDER);
+    CHECK_OK(tdm_host_task(n->gq, task_wait_gate, &n->gate, 0, NULL, NULL));
+    void *s = NULL;
+    CHECK_OK(tdm_queue_native(n->gq, &s));
+    CHECK((n->ev = tsy_barrier(s)) != NULL);
+    CHECK(tsy_event_pending(n->ev) == 1);
+  }
+#endif
   (void)dev;
 }
 
@@ -101,6 +123,12 @@ TH_HELPER void native_complete(struct native_ev *n, int status) {
 #endif
 #ifdef TANDEM_TEST_CUDA
   if (n->kind == NATIVE_CUDA) {
+    CHECK(status == 0);
+    th_gate_open(&n->gate);
+  }
+#endif
+#ifdef TANDEM_TEST_SYCL
+  if (n->kind == NATIVE_SYCL) {
     CHECK(status == 0);
     th_gate_open(&n->gate);
   }
@@ -138,6 +166,9 @@ TH_HELPER void native_free(struct native_ev *n) {
     if (n->ev) CHECK_CUDA(cudaEventDestroy((cudaEvent_t)n->ev));
   }
 #endif
+#ifdef TANDEM_TEST_SYCL
+  if (n->kind == NATIVE_SYCL && n->ev) tsy_event_free(n->ev);
+#endif
   native_free_queue(n);
   n->ev = NULL;
 }
@@ -163,6 +194,16 @@ TH_HELPER void native_completed(tdm_device *dev, enum native_kind kind, struct n
     CHECK_CUDA(cudaEventSynchronize(e));
     CHECK_OK(tdm_queue_destroy(q));
     n->ev = e;
+  }
+#endif
+#ifdef TANDEM_TEST_SYCL
+  if (kind == NATIVE_SYCL) {
+    tdm_queue *q = new_queue(dev, TDM_QUEUE_IN_ORDER);
+    void *s = NULL;
+    CHECK_OK(tdm_queue_native(q, &s));
+    CHECK((n->ev = tsy_barrier(s)) != NULL);
+    CHECK(tsy_event_wait(n->ev) == 0);
+    CHECK_OK(tdm_queue_destroy(q));
   }
 #endif
   (void)dev;
@@ -194,6 +235,10 @@ TH_HELPER void native_check_export(const struct native_ev *n, void *exported, vo
 #ifdef TANDEM_TEST_CUDA
   if (n->kind == NATIVE_CUDA) /* tandem's own event, for the same (pending) work */
     CHECK(cudaEventQuery((cudaEvent_t)exported) == cudaErrorNotReady);
+#endif
+#ifdef TANDEM_TEST_SYCL
+  if (n->kind == NATIVE_SYCL) /* tandem's copy of the caller's sycl::event */
+    CHECK(tsy_event_pending(exported) == 1);
 #endif
   (void)n;
   (void)orig;
@@ -227,6 +272,9 @@ TH_HELPER void native_mark_enqueue(tdm_queue *q, enum native_kind kind, struct n
     m->ev = e;
   }
 #endif
+#ifdef TANDEM_TEST_SYCL
+  if (kind == NATIVE_SYCL) CHECK((m->ev = tsy_barrier(nq)) != NULL);
+#endif
   (void)nq;
 }
 
@@ -242,6 +290,9 @@ TH_HELPER int native_mark_pending(const struct native_mark *m) {
 #endif
 #ifdef TANDEM_TEST_CUDA
   if (m->kind == NATIVE_CUDA) return cudaEventQuery((cudaEvent_t)m->ev) == cudaErrorNotReady;
+#endif
+#ifdef TANDEM_TEST_SYCL
+  if (m->kind == NATIVE_SYCL) return tsy_event_pending(m->ev) == 1;
 #endif
   (void)m;
   return 0;
@@ -261,6 +312,12 @@ TH_HELPER int native_mark_finish(struct native_mark *m) {
   if (m->kind == NATIVE_CUDA && m->ev) {
     ok = cudaEventSynchronize((cudaEvent_t)m->ev) == cudaSuccess;
     CHECK_CUDA(cudaEventDestroy((cudaEvent_t)m->ev));
+  }
+#endif
+#ifdef TANDEM_TEST_SYCL
+  if (m->kind == NATIVE_SYCL && m->ev) {
+    ok = tsy_event_wait(m->ev) == 0;
+    tsy_event_free(m->ev);
   }
 #endif
   m->ev = NULL;

@@ -21,6 +21,9 @@
  */
 #include "harness.h"
 
+#ifdef TANDEM_TEST_SYCL
+#include "sycl-native.h"
+#endif
 #ifdef TANDEM_TEST_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -730,7 +733,7 @@ TEST_CASE(fault_native_handles) {
 /* Device memory tandem does not know, as tdm_mem_import takes it: OpenCL, a cl_mem of the
  * device's context (here the one behind an allocation of tandem's own, which the import then
  * aliases); CUDA, a cudaMalloc pointer. NULL where the backend imports nothing. */
-static void *foreign_mem, *foreign_owner;
+static void *foreign_mem, *foreign_owner, *foreign_ctx;
 
 static void foreign_open(void) {
   foreign_mem = foreign_owner = NULL;
@@ -746,16 +749,27 @@ static void foreign_open(void) {
 #else
     TH_SKIP("this build has no CUDA runtime for the test");
 #endif
+  } else if (strcmp(b, "sycl") == 0) {
+#ifdef TANDEM_TEST_SYCL
+    CHECK_OK(tdm_device_native(F.dev, &foreign_ctx));
+    CHECK((foreign_mem = tsy_malloc_device(foreign_ctx, N)) != NULL); /* dpnp's USM, say */
+#else
+    TH_SKIP("this build has no SYCL runtime for the test");
+#endif
   }
 }
 
 static void foreign_close(void) {
   if (foreign_owner) CHECK_OK(tdm_free(foreign_owner));
+#ifdef TANDEM_TEST_SYCL
+  else if (foreign_ctx)
+    tsy_free(foreign_ctx, foreign_mem);
+#endif
 #ifdef TANDEM_TEST_CUDA
   else if (foreign_mem)
     CHECK(cudaFree(foreign_mem) == cudaSuccess);
 #endif
-  foreign_mem = foreign_owner = NULL;
+  foreign_mem = foreign_owner = foreign_ctx = NULL;
 }
 
 /* A failed import leaves nothing registered; a good one is usable for copies, and freeing it
