@@ -44,7 +44,8 @@ check-python: bootstrap
 check-asan: bootstrap
 	@cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DTANDEM_SANITIZE=address $(CMAKE_FLAGS) >/dev/null
 	@cmake --build build-asan -j $(JOBS)
-	cd build-asan && ctest --output-on-failure -j $(JOBS) -LE nosan
+	cd build-asan && LSAN_OPTIONS="suppressions=$(CURDIR)/tests/lsan.supp $(LSAN_OPTIONS)" \
+	  ctest --output-on-failure -j $(JOBS) -LE nosan
 
 check-tsan: bootstrap
 	@cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DTANDEM_SANITIZE=thread $(CMAKE_FLAGS) >/dev/null

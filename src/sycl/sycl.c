@@ -158,6 +158,9 @@ const tdm__backend tdm__sycl_backend = {
     .native_notify = sy_native_notify,
     .native_release = sycl_native_release,
     .gate_open = sycl_gate_open,
+    /* A SYCL queue runs its commands without the executor's help (the runtime's own threads
+     * submit and complete them): the executor is woken only for host work and waiters. */
+    .wake_lazily = true,
     .event_elapsed = sycl_event_elapsed,
     .queue_wait_now = sy_queue_wait_now,
 };

@@ -273,7 +273,7 @@ int sy_gate_new(int dev, sy_ev **out) {
       }
       try {
         g->ev = sycl::detail::make_event(reinterpret_cast<ur_native_handle_t>(g->user), x.ctx,
-                                         /*KeepOwnership=*/true, sycl::backend::opencl);
+                                         /*KeepOwnership=*/false, sycl::backend::opencl);
       } catch (...) {
         cl.set_status(g->user, CL_COMPLETE);
         cl.release(g->user);
@@ -315,7 +315,9 @@ void sy_ev_retain(sy_ev *e) { e->refs.fetch_add(1, std::memory_order_relaxed); }
 
 void sy_ev_release(sy_ev *e) {
   if (e->refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-  if (e->user) cl.release(e->user); /* the sycl::event keeps the runtime's own reference */
+  /* The runtime took a reference of its own when it wrapped the user event, and gives it
+   * back with its last event; this is the one clCreateUserEvent gave. */
+  if (e->user) cl.release(e->user);
   try {
     delete e;
   } catch (...) {
