@@ -105,6 +105,7 @@ void *tsy_slow_fill(void *queue, int *dst, size_t n, int value, long spins) {
     cl_context cc = sycl::get_native<sycl::backend::opencl>(q.get_context());
     cl_int err = 0;
     cl_program prog = create(cc, 1, &slow_src, nullptr, &err);
+    cl_fn<cl_int (*)(cl_context)>("clReleaseContext")(cc); /* get_native's reference */
     if (!prog || build(prog, 0, nullptr, "", nullptr, nullptr) != CL_SUCCESS)
       throw std::runtime_error("building the OpenCL C kernel failed");
     cl_kernel k = kernel(prog, "slow_fill", &err);

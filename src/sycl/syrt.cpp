@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
@@ -40,6 +41,7 @@ struct {
   cl_event (*create_user)(cl_context, cl_int *);
   cl_int (*set_status)(cl_event, cl_int);
   cl_int (*release)(cl_event);
+  cl_int (*release_context)(cl_context);
   bool ok;
 } cl;
 
@@ -51,7 +53,9 @@ void find_opencl() {
   cl.set_status = reinterpret_cast<cl_int (*)(cl_event, cl_int)>(
       dlsym(lib, "clSetUserEventStatus"));
   cl.release = reinterpret_cast<cl_int (*)(cl_event)>(dlsym(lib, "clReleaseEvent"));
-  cl.ok = cl.create_user && cl.set_status && cl.release;
+  cl.release_context =
+      reinterpret_cast<cl_int (*)(cl_context)>(dlsym(lib, "clReleaseContext"));
+  cl.ok = cl.create_user && cl.set_status && cl.release && cl.release_context;
   dlclose(lib); /* NOLOAD took a reference of its own; the runtime keeps the library */
 }
 
@@ -88,26 +92,30 @@ struct sy_queue {
   bool ooo, adopted;
 };
 
-struct sy_ev {
-  std::atomic<int> refs{1};
-  sycl::event ev;
-  sycl::context ctx;
-  bool foreign = false; /* imported: its context is unknown, so it is never waited for natively */
-  /* Gates: an OpenCL user event, or a host task waiting for `open`. */
-  cl_event user = nullptr;
+/* A host-task gate's state, shared with the task. */
+struct host_gate {
   std::mutex mu;
   std::condition_variable cv;
   bool open = false;
 };
 
+/* Made from the event and context it holds: a default-constructed sycl::context would be a
+ * new context of the runtime's (costly), and a default sycl::event a new host event. */
+struct sy_ev {
+  std::atomic<int> refs{1};
+  sycl::event ev;
+  sycl::context ctx;
+  bool foreign = false; /* imported: its context is unknown, so it is never waited for natively */
+  /* Gates: an OpenCL user event, or a host task waiting for hg->open. */
+  cl_event user = nullptr;
+  std::shared_ptr<host_gate> hg;
+  sy_ev(const sycl::event &e, const sycl::context &c) : ev(e), ctx(c) {}
+};
+
 namespace {
 
 sy_ev *ev_new(const sycl::event &e, const sycl::context &ctx) {
-  sy_ev *r = new (std::nothrow) sy_ev;
-  if (!r) return nullptr;
-  r->ev = e;
-  r->ctx = ctx;
-  return r;
+  return new (std::nothrow) sy_ev(e, ctx);
 }
 
 std::vector<sycl::event> events_of(sy_ev *const *deps, size_t n) {
@@ -260,41 +268,39 @@ int sy_barrier(sy_queue *q, bool all, sy_ev *const *deps, size_t ndeps, sy_ev **
 int sy_gate_new(int dev, sy_ev **out) {
   device &x = (*devs)[dev];
   SY_TRY("making a SYCL gate", {
-    sy_ev *g = new sy_ev;
-    g->ctx = x.ctx;
+    sy_ev *g;
     if (x.opencl && cl.ok) {
       cl_context cc = sycl::get_native<sycl::backend::opencl>(x.ctx);
       cl_int err = CL_SUCCESS;
-      g->user = cl.create_user(cc, &err);
-      if (!g->user) {
-        delete g;
+      cl_event user = cl.create_user(cc, &err);
+      cl.release_context(cc); /* get_native gave a reference of the caller's */
+      if (!user)
         return report(err == CL_OUT_OF_HOST_MEMORY ? TDM_ENOMEM : TDM_EBACKEND, err,
                       "clCreateUserEvent for a gate");
-      }
       try {
-        g->ev = sycl::detail::make_event(reinterpret_cast<ur_native_handle_t>(g->user), x.ctx,
-                                         /*KeepOwnership=*/false, sycl::backend::opencl);
+        /* The runtime takes a reference of its own, given back with its last event. */
+        g = new sy_ev(sycl::detail::make_event(reinterpret_cast<ur_native_handle_t>(user), x.ctx,
+                                               /*KeepOwnership=*/false, sycl::backend::opencl),
+                      x.ctx);
       } catch (...) {
-        cl.set_status(g->user, CL_COMPLETE);
-        cl.release(g->user);
-        delete g;
+        cl.set_status(user, CL_COMPLETE);
+        cl.release(user);
         throw;
       }
+      g->user = user;
     } else {
       /* A host task of the runtime's that waits for the opening: it holds one of the
        * runtime's host threads while the gate is shut. */
-      if (!x.gates)
-        x.gates = new sycl::queue(x.ctx, x.dev, sycl::property_list{});
-      g->refs.fetch_add(1); /* the task's */
-      g->ev = x.gates->submit([g](sycl::handler &h) {
-        h.host_task([g] {
-          {
-            std::unique_lock<std::mutex> lk(g->mu);
-            g->cv.wait(lk, [g] { return g->open; });
-          }
-          sy_ev_release(g);
+      if (!x.gates) x.gates = new sycl::queue(x.ctx, x.dev, sycl::property_list{});
+      auto hg = std::make_shared<host_gate>();
+      sycl::event e = x.gates->submit([hg](sycl::handler &h) {
+        h.host_task([hg] {
+          std::unique_lock<std::mutex> lk(hg->mu);
+          hg->cv.wait(lk, [&] { return hg->open; });
         });
       });
+      g = new sy_ev(e, x.ctx);
+      g->hg = hg;
     }
     *out = g;
     return 0;
@@ -306,9 +312,10 @@ void sy_gate_open(sy_ev *g) {
     cl.set_status(g->user, CL_COMPLETE);
     return;
   }
-  std::lock_guard<std::mutex> lk(g->mu);
-  g->open = true;
-  g->cv.notify_all();
+  if (!g->hg) return;
+  std::lock_guard<std::mutex> lk(g->hg->mu);
+  g->hg->open = true;
+  g->hg->cv.notify_all();
 }
 
 void sy_ev_retain(sy_ev *e) { e->refs.fetch_add(1, std::memory_order_relaxed); }
