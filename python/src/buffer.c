@@ -1,6 +1,7 @@
 /* buffer.c: tandem.Buffer, memory from tandem.malloc: the buffer protocol on host-accessible
- * memory (host, pinned, and device memory of devices whose memory is host memory) and
- * __cuda_array_interface__ (version 3) on CUDA device memory. DLPack is in dlpack.c.
+ * memory (host, pinned, and device memory of devices whose memory is host memory),
+ * __cuda_array_interface__ (version 3) on CUDA device memory, and on SYCL devices
+ * __sycl_usm_array_interface__ (sycl.c) on USM (device and pinned). DLPack is in dlpack.c.
  *
  * Freeing: free() refuses while views or DLPack capsules are alive. The memory is given back
  * with tdm_free_async on the buffer's queue, so work on that queue (copies and fills there take
@@ -293,10 +294,13 @@ static PyMethodDef buffer_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))tdmpy_buffer_dlpack, METH_VARARGS | METH_KEYWORDS,
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
      "A DLPack capsule of the bytes (uint8). On CUDA, stream is the consumer's stream: it\n"
-     "waits on the device for the buffer's queue (-1: no ordering; None: the legacy stream)."},
+     "waits on the device for the buffer's queue (-1: no ordering; None: the legacy stream).\n"
+     "On SYCL, stream is the consumer's dpctl.SyclQueue, which waits on the device the same\n"
+     "way (-1: no ordering; None: the host waits)."},
     {"__dlpack_device__", (PyCFunction)tdmpy_buffer_dlpack_device, METH_NOARGS,
      "__dlpack_device__() -> (device_type, device_id)\n--\n\n(2, ordinal) for CUDA device "
-     "memory, (1, 0) for host-accessible memory."},
+     "memory, (14, SYCL device index) for USM of a SYCL\ndevice (kDLOneAPI: device and pinned "
+     "memory, as dpctl numbers devices), (1, 0) for other\nhost-accessible memory."},
     {NULL},
 };
 
@@ -313,6 +317,12 @@ static PyGetSetDef buffer_getset[] = {
     {"released", (getter)get_released, NULL, "True once free() was called.", NULL},
     {"__cuda_array_interface__", (getter)get_cai, NULL,
      "CUDA Array Interface v3 (CUDA device memory): uint8 bytes, its stream the queue's.", NULL},
+    {"__sycl_usm_array_interface__", (getter)tdmpy_buffer_suai, NULL,
+     "dpctl's SYCL USM array interface v1 (device and pinned memory of SYCL devices): uint8\n"
+     "bytes, its syclobj the buffer's queue as a dpctl.SyclQueue (the same native queue, so\n"
+     "work a consumer submits there follows the queue's; an out-of-order queue is waited for\n"
+     "on the host first). dpnp.asarray(buf) views the memory without a copy. Needs dpctl.",
+     NULL},
     {NULL},
 };
 
@@ -329,7 +339,8 @@ static PyType_Slot buffer_slots[] = {
     {Py_bf_releasebuffer, buffer_releasebuffer},
     {Py_tp_doc, "Memory from tandem.malloc(nbytes, kind, device). Host and pinned buffers\n"
                 "support the buffer protocol (numpy.frombuffer views them without a copy);\n"
-                "CUDA device buffers expose __cuda_array_interface__ and DLPack."},
+                "CUDA device buffers expose __cuda_array_interface__ and DLPack; SYCL device\n"
+                "and pinned buffers __sycl_usm_array_interface__ and DLPack (kDLOneAPI)."},
     {0, NULL},
 };
 

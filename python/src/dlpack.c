@@ -1,5 +1,7 @@
 /* dlpack.c: DLPack export of tandem.Buffer (__dlpack__, __dlpack_device__), legacy
- * ("dltensor") and versioned ("dltensor_versioned", DLPack 1.0) capsules.
+ * ("dltensor") and versioned ("dltensor_versioned", DLPack 1.0) capsules. Memory of a SYCL
+ * device is kDLOneAPI (USM, whose device id is the SYCL runtime's index of the device, as
+ * dpctl numbers it), even on a CPU device where it is host memory too.
  *
  * The structures follow dlpack.h (DLPack 1.0, whose ABI is fixed); they are declared here so
  * the extension needs no header of another project. A capsule holds a reference to the
@@ -11,7 +13,7 @@
 
 #include <string.h>
 
-enum { kDLCPU = 1, kDLCUDA = 2 };
+enum { kDLCPU = 1, kDLCUDA = 2, kDLOneAPI = 14 };
 enum { kDLUInt = 1 };
 
 typedef struct {
@@ -45,13 +47,15 @@ typedef struct DLManagedTensorVersioned {
   DLTensor dl_tensor;
 } DLManagedTensorVersioned;
 
-/* What a capsule owns: the managed tensor and its one-element shape, in one block. */
+/* What a capsule owns: the managed tensor and its one-element shape and strides, in one block.
+ * Strides are given though DLPack allows NULL for compact tensors: dpctl's importer (dpnp
+ * 0.20's too) reads them unconditionally. */
 typedef struct {
   union {
     DLManagedTensor legacy;
     DLManagedTensorVersioned versioned;
   } m;
-  int64_t shape[1];
+  int64_t shape[1], strides[1];
   BufferObject *buffer; /* owned */
 } export_block;
 
@@ -89,6 +93,10 @@ static int dl_device_of(tdmpy_state *st, BufferObject *self, DLDevice *out) {
     out->device_id = *(int *)native;
     return 0;
   }
+  if (self->kind != TDM_MEM_HOST && tdmpy_is_sycl(self->device)) { /* USM: device or host */
+    out->device_type = kDLOneAPI;
+    return tdmpy_sycl_device_id(st, self->device, &out->device_id);
+  }
   if (self->kind != TDM_MEM_DEVICE || (d->info.caps & TDM_DEVICE_CAP_HOST_MEMORY)) {
     out->device_type = kDLCPU;
     out->device_id = 0;
@@ -112,6 +120,7 @@ PyObject *tdmpy_buffer_dlpack_device(BufferObject *self, PyObject *unused) {
  * tandem thread's among them, until that command is done: a deadlock (tandem/cuda.h). */
 static int order_for_consumer(tdmpy_state *st, BufferObject *self, DLDevice dev,
                               PyObject *stream) {
+  if (dev.device_type == kDLOneAPI) return tdmpy_sycl_order_consumer(st, self, stream);
   if (stream != Py_None) {
     long s = PyLong_AsLong(stream);
     if (s == -1 && PyErr_Occurred()) return -1;
@@ -181,6 +190,7 @@ PyObject *tdmpy_buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw) 
   export_block *b = PyMem_RawCalloc(1, sizeof *b);
   if (!b) return PyErr_NoMemory();
   b->shape[0] = (int64_t)self->nbytes;
+  b->strides[0] = 1;
   b->buffer = (BufferObject *)Py_NewRef(self);
   DLTensor *t = versioned ? &b->m.versioned.dl_tensor : &b->m.legacy.dl_tensor;
   t->data = self->ptr;
@@ -188,7 +198,7 @@ PyObject *tdmpy_buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw) 
   t->ndim = 1;
   t->dtype = (DLDataType){kDLUInt, 8, 1};
   t->shape = b->shape;
-  t->strides = NULL; /* compact, row-major */
+  t->strides = b->strides;
   t->byte_offset = 0;
   PyObject *cap;
   if (versioned) {

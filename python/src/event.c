@@ -1,5 +1,5 @@
-/* event.c: tandem.Event, and the conversion of foreign events (CuPy, PyTorch, pyopencl) into
- * tandem events wherever an event is taken.
+/* event.c: tandem.Event, and the conversion of foreign events (CuPy, PyTorch, pyopencl, dpctl)
+ * into tandem events wherever an event is taken.
  *
  * An Event owns exactly one caller reference of its tandem event (released in dealloc; release
  * never blocks). An Event made by host_task shares a one-slot list with the task: the
@@ -138,6 +138,27 @@ static PyObject *get_native(EventObject *self, void *closure) {
   return PyLong_FromVoidPtr(native);
 }
 
+/* A dpctl.SyclEvent: the one the event was imported from, else one over its native sycl::event
+ * (a copy of the handle: it stays valid after the Event is gone). */
+static PyObject *event_to_dpctl(EventObject *self, PyObject *unused) {
+  tdmpy_state *st = tdmpy_state_of_type(Py_TYPE(self));
+  if (self->foreign) {
+    PyObject *cap;
+    void *native;
+    int r = tdmpy_dpctl_capsule(self->foreign, "SyclEventRef", &cap, &native);
+    if (r < 0) return NULL;
+    if (r) {
+      /* A bare capsule stays its owner's (unconsumed): dpctl copies the event out of a new
+       * one over the same pointer, which self->foreign keeps valid. */
+      PyObject *ev = cap == self->foreign ? tdmpy_dpctl_new("SyclEvent", "SyclEventRef", native)
+                                          : Py_NewRef(self->foreign);
+      Py_DECREF(cap);
+      return ev;
+    }
+  }
+  return tdmpy_dpctl_event(st, self->ev);
+}
+
 static PyObject *get_handle(EventObject *self, void *closure) {
   return PyLong_FromVoidPtr(self->ev);
 }
@@ -158,6 +179,28 @@ static PyObject *event_elapsed(EventObject *self, PyObject *other) {
 
 /* ---- foreign events --------------------------------------------------------------------- */
 
+/* A dpctl.SyclEvent (or its "SyclEventRef" capsule): imported on a SYCL device; tandem keeps
+ * a copy of the sycl::event, so the capsule goes at once. 1 when obj is one, 0 when not, -1 on
+ * error. */
+static int sycl_event_arg(tdmpy_state *st, PyObject *obj, tdm_device *dev, tdm_event **out) {
+  PyObject *cap;
+  void *native;
+  int r = tdmpy_dpctl_capsule(obj, "SyclEventRef", &cap, &native);
+  if (r <= 0) return r;
+#ifdef TDMPY_HAVE_EVENT_IMPORT
+  PyObject *d = tdmpy_sycl_import_device(st, dev); /* borrowed */
+  int rc = d ? tdm_event_import(((DeviceObject *)d)->dev, native, out) : 0;
+  if (rc < 0) tdmpy_raise(st, rc);
+  Py_DECREF(cap);
+  return d && rc == 0 ? 1 : -1;
+#else
+  Py_DECREF(cap);
+  PyErr_SetString(st->errors[-TDM_ENOTSUP], "importing a dpctl.SyclEvent needs "
+                  "tdm_event_import, which this build of tandem lacks");
+  return -1;
+#endif
+}
+
 /* The native handle of a foreign event: pyopencl.Event (.int_ptr), cupy.cuda.Event (.ptr),
  * torch.cuda.Event (.cuda_event), or an integer. -1 with an error set if obj is none of them. */
 static int foreign_handle(PyObject *obj, void **native) {
@@ -171,8 +214,8 @@ static int foreign_handle(PyObject *obj, void **native) {
   }
   if (!h || !PyLong_Check(h)) {
     Py_XDECREF(h);
-    PyErr_Format(PyExc_TypeError, "expected a tandem.Event or an event of CuPy, PyTorch or "
-                 "pyopencl, not %.100s", Py_TYPE(obj)->tp_name);
+    PyErr_Format(PyExc_TypeError, "expected a tandem.Event or an event of CuPy, PyTorch, "
+                 "pyopencl or dpctl, not %.100s", Py_TYPE(obj)->tp_name);
     return -1;
   }
   *native = PyLong_AsVoidPtr(h);
@@ -193,12 +236,17 @@ int tdmpy_event_arg(tdmpy_state *st, PyObject *obj, tdm_device *dev, tdm_event *
     *owned = 0;
     return 0;
   }
+  int r = sycl_event_arg(st, obj, dev, out);
+  if (r != 0) {
+    *owned = 1;
+    return r < 0 ? -1 : 0;
+  }
   void *native;
   if (foreign_handle(obj, &native) < 0) return -1;
 #ifdef TDMPY_HAVE_EVENT_IMPORT
   /* A pyopencl event names its context: import it on the OpenCL device of that context. */
   PyObject *ctx, *ctx_ptr = NULL;
-  int r = tdmpy_getattr_opt(obj, "context", &ctx);
+  r = tdmpy_getattr_opt(obj, "context", &ctx);
   if (r < 0) return -1;
   if (r) {
     r = tdmpy_getattr_opt(ctx, "int_ptr", &ctx_ptr);
@@ -297,8 +345,13 @@ static PyMethodDef event_methods[] = {
     {"from_native", (PyCFunction)(void (*)(void))event_from_native,
      METH_VARARGS | METH_KEYWORDS | METH_CLASS,
      "from_native(event, device=None) -> Event\n--\n\n"
-     "A tandem event for a foreign one: cupy.cuda.Event, torch.cuda.Event, pyopencl.Event, or\n"
-     "a raw cudaEvent_t / cl_event integer, of device (None: the default device)."},
+     "A tandem event for a foreign one: cupy.cuda.Event, torch.cuda.Event, pyopencl.Event,\n"
+     "dpctl.SyclEvent (imported on a SYCL device: device's, else the first), or a raw\n"
+     "cudaEvent_t / cl_event integer, of device (None: the default device)."},
+    {"to_dpctl", (PyCFunction)event_to_dpctl, METH_NOARGS,
+     "to_dpctl() -> dpctl.SyclEvent\n--\n\n"
+     "The event as a dpctl.SyclEvent, for dpctl's and dpnp's dependency lists (events of SYCL\n"
+     "queues, and events imported from a SyclEvent: that one is returned). Needs dpctl."},
     {NULL},
 };
 
@@ -311,7 +364,8 @@ static PyGetSetDef event_getset[] = {
      "when the event's state cannot be known (ForkError in a forked child), as wait() does.",
      NULL},
     {"native", (getter)get_native, NULL,
-     "The native event (cudaEvent_t or cl_event) as an integer, or None (CPU events).", NULL},
+     "The native event (cudaEvent_t, cl_event, sycl::event *) as an integer, or None (CPU\n"
+     "events).", NULL},
     {"handle", (getter)get_handle, NULL, "tandem's handle value, for identification.", NULL},
     {NULL},
 };

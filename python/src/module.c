@@ -392,7 +392,7 @@ static int module_exec(PyObject *m) {
   ADD_TYPE(streamer_type, tdmpy_streamer_spec, "Streamer");
 #undef ADD_TYPE
   if (!(st->defaults = PyDict_New()) || !(st->installed = PyDict_New()) ||
-      !(st->imports = PyDict_New()) ||
+      !(st->imports = PyDict_New()) || !(st->dpctl_devices = PyDict_New()) ||
       !(st->tls_key = PyUnicode_FromFormat("tandem._tandem.current.%p", (void *)m)))
     return -1;
   int rc;
@@ -426,6 +426,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
   Py_VISIT(st->defaults);
   Py_VISIT(st->installed);
   Py_VISIT(st->imports);
+  Py_VISIT(st->dpctl_devices);
   return 0;
 }
 
@@ -434,6 +435,7 @@ static int module_clear(PyObject *m) {
   Py_CLEAR(st->installed);
   Py_CLEAR(st->defaults);
   Py_CLEAR(st->imports);
+  Py_CLEAR(st->dpctl_devices);
   Py_CLEAR(st->devices);
   Py_CLEAR(st->tls_key);
   for (int i = 1; i <= TDMPY_NERRORS; i++) Py_CLEAR(st->errors[i]);

@@ -1,6 +1,6 @@
 /* queue.c: tandem.Queue: creation and adoption, submissions (copy, fill, host tasks,
  * keep-alive, record, device-side wait, barrier), synchronize, `with q:`, and the interop
- * protocols (__cuda_stream__, the OpenCL handles).
+ * protocols (__cuda_stream__, the OpenCL handles, dpctl queues on SYCL devices).
  *
  * A Python host task runs on a tandem thread, which takes the GIL (PyGILState_Ensure) only to
  * run it; tandem calls it without holding any of its locks. Its references are dropped by a
@@ -725,6 +725,59 @@ static PyObject *adopt_device(tdmpy_state *st, PyObject *device, PyObject *cl_co
   return NULL;
 }
 
+/* A dpctl.SyclQueue, or its "SyclQueueRef" capsule: tandem uses the capsule's sycl::queue, a
+ * copy of the dpctl queue's handle (so the same queue), and keeps the capsule (which owns that
+ * copy) and obj while it wraps it. Its order is the dpctl queue's unless in_order says;
+ * without a device, it goes on the SYCL device the queue belongs to. */
+static PyObject *adopt_dpctl(tdmpy_state *st, PyObject *obj, PyObject *cap, void *native,
+                             PyObject *device, PyObject *in_order_obj, int timing) {
+  int in_order = 1;
+  if (in_order_obj != Py_None) {
+    in_order = PyObject_IsTrue(in_order_obj);
+  } else if (obj != cap) {
+    PyObject *v;
+    int r = tdmpy_getattr_opt(obj, "is_in_order", &v);
+    in_order = r > 0 ? PyObject_IsTrue(v) : r < 0 ? -1 : 1;
+    Py_XDECREF(v);
+  }
+  if (in_order < 0) return NULL;
+  unsigned flags = make_flags(in_order, timing);
+  if (device != Py_None) {
+    if (!(device = tdmpy_device_arg(st, device))) return NULL;
+    if (!tdmpy_is_sycl(device)) {
+      PyErr_Format(st->errors[-TDM_EXDEV], "adopt: a SYCL queue, but %s is not a SYCL device",
+                   ((DeviceObject *)device)->info.id);
+      return NULL;
+    }
+  }
+  tdm_queue *q = NULL;
+  int rc = TDM_ENODEV;
+  char why[512] = "tandem has no SYCL device (Intel's OpenCL CPU runtime needs "
+                  "OCL_ICD_VENDORS: tandem/sycl.h)";
+  PyObject *found = NULL;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(st->devices) && !found; i++) {
+    PyObject *d = PyTuple_GET_ITEM(st->devices, i);
+    if (device != Py_None ? d != device : !tdmpy_is_sycl(d)) continue;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tdm_queue_adopt(((DeviceObject *)d)->dev, native, flags, &q);
+    if (rc < 0) snprintf(why, sizeof why, "%s", tdm_last_error());
+    Py_END_ALLOW_THREADS
+    if (rc == 0) found = d;
+    else if (rc != TDM_EINVAL) break; /* not a question of the device */
+  }
+  if (!found) return tdmpy_raise_msg(st, rc, why);
+  PyObject *keep = obj == cap ? Py_NewRef(cap) : PyTuple_Pack(2, obj, cap);
+  if (!keep) {
+    Py_BEGIN_ALLOW_THREADS
+    tdm_queue_destroy(q);
+    Py_END_ALLOW_THREADS
+    return NULL;
+  }
+  PyObject *self = tdmpy_queue_wrap(st, q, found, flags, 1, keep);
+  Py_DECREF(keep);
+  return self;
+}
+
 static PyObject *queue_adopt(PyTypeObject *tp, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"obj", "device", "in_order", "timing", NULL};
   PyObject *obj, *device = Py_None, *in_order_obj = Py_None;
@@ -734,10 +787,18 @@ static PyObject *queue_adopt(PyTypeObject *tp, PyObject *args, PyObject *kw) {
     return NULL;
   tdmpy_state *st = tdmpy_state_of_type(tp);
   if (tdmpy_check_live(st) < 0) return NULL;
-  PyObject *handle = NULL, *cl_context = NULL, *fn, *tmp;
+  PyObject *handle = NULL, *cl_context = NULL, *fn, *tmp, *cap;
+  void *sq;
+  int r = tdmpy_dpctl_capsule(obj, "SyclQueueRef", &cap, &sq);
+  if (r < 0) return NULL;
+  if (r) {
+    PyObject *self = adopt_dpctl(st, obj, cap, sq, device, in_order_obj, timing);
+    Py_DECREF(cap);
+    return self;
+  }
   int in_order = in_order_obj == Py_None ? 1 : PyObject_IsTrue(in_order_obj);
   if (in_order < 0) return NULL;
-  int r = tdmpy_getattr_opt(obj, "__cuda_stream__", &fn);
+  r = tdmpy_getattr_opt(obj, "__cuda_stream__", &fn);
   if (r < 0) return NULL;
   if (r) { /* the CUDA stream protocol: (version, handle) */
     PyObject *pair = PyObject_CallNoArgs(fn);
@@ -773,7 +834,8 @@ static PyObject *queue_adopt(PyTypeObject *tp, PyObject *args, PyObject *kw) {
   } else {
     if (r == 0)
       PyErr_Format(PyExc_TypeError, "adopt takes an object with __cuda_stream__, a "
-                   "pyopencl.CommandQueue or a native handle (int), not %.100s",
+                   "pyopencl.CommandQueue, a dpctl.SyclQueue or a native handle (int), not "
+                   "%.100s",
                    Py_TYPE(obj)->tp_name);
     return NULL;
   }
@@ -790,7 +852,7 @@ static PyObject *queue_adopt(PyTypeObject *tp, PyObject *args, PyObject *kw) {
    * makes a tdm_cpu_stream, and tandem would read through whatever pointer it was given. */
   if (strcmp(((DeviceObject *)device)->info.backend, "cpu") == 0) {
     PyErr_SetString(st->errors[-TDM_ENOTSUP], "adopt: CPU devices have no foreign queues to "
-                    "adopt (CUDA and OpenCL devices do)");
+                    "adopt (CUDA, OpenCL and SYCL devices do)");
     return NULL;
   }
   unsigned flags = make_flags(in_order, timing);
@@ -801,6 +863,10 @@ static PyObject *queue_adopt(PyTypeObject *tp, PyObject *args, PyObject *kw) {
   Py_END_ALLOW_THREADS
   if (rc < 0) return tdmpy_raise(st, rc);
   return tdmpy_queue_wrap(st, q, device, flags, 1, obj);
+}
+
+static PyObject *queue_to_dpctl(QueueObject *self, PyObject *unused) {
+  return tdmpy_dpctl_queue(qstate(self), self);
 }
 
 static PyObject *queue_repr(QueueObject *self) {
@@ -872,9 +938,18 @@ static PyMethodDef queue_methods[] = {
      "adopt(obj, device=None, in_order=None, timing=False) -> Queue\n--\n\n"
      "Wraps a native queue: an object with __cuda_stream__ (cupy.cuda.Stream, torch.cuda.Stream,\n"
      "cuda.core streams), a pyopencl.CommandQueue made in tandem's context (its device and\n"
-     "in-order property are found from it), or a raw cudaStream_t / cl_command_queue integer\n"
+     "in-order property are found from it), a dpctl.SyclQueue of any context (through its\n"
+     "\"SyclQueueRef\" capsule, whose sycl::queue is the same queue; its SYCL device and order\n"
+     "are found from it), or a raw cudaStream_t / cl_command_queue / sycl::queue * integer\n"
      "(taken on trust, as in C: it must be a live queue of device). obj is kept alive and\n"
      "never destroyed by tandem."},
+    {"to_dpctl", (PyCFunction)queue_to_dpctl, METH_NOARGS,
+     "to_dpctl() -> dpctl.SyclQueue\n--\n\n"
+     "A dpctl.SyclQueue over the queue's native sycl::queue (SYCL devices): the same queue, so\n"
+     "kernels submitted to it (dpctl's submit, dpnp operations on it) are ordered with\n"
+     "tandem's work, and record(), synchronize() and SequentialOrderManager.wait() cover them.\n"
+     "It holds a handle of its own: it stays usable after this queue is destroyed, but\n"
+     "tandem's ordering ends with this queue. Needs dpctl."},
     {"__enter__", (PyCFunction)queue_enter, METH_NOARGS,
      "Makes the queue this thread's current queue for its device (CuPy's `with stream:`)."},
     {"__exit__", (PyCFunction)queue_exit, METH_VARARGS, "Restores the previous current queue."},
@@ -891,7 +966,8 @@ static PyGetSetDef queue_getset[] = {
     {"adopted", (getter)get_flag, NULL, "True for a wrapped foreign native queue.", (void *)3},
     {"destroyed", (getter)get_destroyed, NULL, "True once destroy() has run.", NULL},
     {"native", (getter)get_native, NULL,
-     "The native queue as an integer: cudaStream_t, cl_command_queue, tdm_cpu_stream *.", NULL},
+     "The native queue as an integer: cudaStream_t, cl_command_queue, sycl::queue *,\n"
+     "tdm_cpu_stream *.", NULL},
     {"cl_command_queue", (getter)get_cl, NULL,
      "The cl_command_queue as an integer, for pyopencl.CommandQueue.from_int_ptr (OpenCL).",
      NULL},

@@ -29,6 +29,7 @@ typedef struct {
   PyObject *installed;  /* dict: device index -> Queue installed by set_default_queue */
   PyObject *tls_key;    /* key of this module's stack in each thread's state dict */
   PyObject *imports;    /* dict: (address, size) -> [tandem pointer, uses] of imported memory */
+  PyObject *dpctl_devices; /* dict: device index -> dpctl.SyclDevice of a SYCL device */
   int live;             /* 1 between tdm_init and the module's own tdm_shutdown */
 } tdmpy_state;
 
@@ -191,6 +192,38 @@ int tdmpy_cuda_order(tdmpy_state *st, int ordinal, void *producer, void *consume
 
 /* buffer.c: waits on the host for the buffer's queue's work so far; -1 with an error set. */
 int tdmpy_buffer_sync(tdmpy_state *st, BufferObject *self);
+
+/* sycl.c: dpctl and dpnp on SYCL devices (tandem/sycl.h says what the native handles are).
+ * dpctl is imported only where one of its objects is met or asked for. */
+int tdmpy_is_sycl(PyObject *device);
+/* New references: a dpctl.SyclQueue over q's native sycl::queue (a copy of the handle, so the
+ * same queue), a dpctl.SyclEvent over ev's native sycl::event. */
+PyObject *tdmpy_dpctl_queue(tdmpy_state *st, QueueObject *q);
+PyObject *tdmpy_dpctl_event(tdmpy_state *st, tdm_event *ev);
+/* New reference: dpctl.<cls>(a capsule named capname over ptr), which copies the handle ptr
+ * points to (borrowed: it need only be valid during the call). */
+PyObject *tdmpy_dpctl_new(const char *cls, const char *capname, void *ptr);
+/* Borrowed: the dpctl.SyclDevice of a SYCL device (cached in the state). */
+PyObject *tdmpy_dpctl_device(tdmpy_state *st, PyObject *device);
+/* The device's id in DLPack's kDLOneAPI numbering (its index among the SYCL runtime's
+ * devices, as dpctl numbers them). */
+int tdmpy_sycl_device_id(tdmpy_state *st, PyObject *device, int *id);
+/* dpctl's capsule protocol: obj itself if it is a capsule named name, else what
+ * obj._get_capsule() returns if it is one. 1 with *cap (new reference; it owns the C++ object
+ * *ptr points to) when found, 0 when obj has none (no error set), -1 on error. */
+int tdmpy_dpctl_capsule(PyObject *obj, const char *name, PyObject **cap, void **ptr);
+/* Later work of q waits, on the device, for the work so far of producer (a dpctl.SyclQueue):
+ * a barrier on producer and one on q's native queue that waits for it, as dpctl's own
+ * __dlpack__(stream=) does. Nothing when producer is q's native queue. */
+int tdmpy_sycl_order(tdmpy_state *st, QueueObject *q, PyObject *producer);
+/* __dlpack__(stream=) of a SYCL buffer: None: the host waits for the buffer's queue; -1:
+ * nothing; a dpctl.SyclQueue: it waits on the device for the buffer's queue's work so far. */
+int tdmpy_sycl_order_consumer(tdmpy_state *st, BufferObject *b, PyObject *stream);
+/* Borrowed: a SYCL device to import a foreign sycl::event on: dev's when it is one, else the
+ * first (tandem does not know the event's context either way, tandem/sycl.h). */
+PyObject *tdmpy_sycl_import_device(tdmpy_state *st, tdm_device *dev);
+/* Buffer.__sycl_usm_array_interface__ (USM of a SYCL device). */
+PyObject *tdmpy_buffer_suai(BufferObject *self, void *closure);
 
 /* dlpack.c */
 PyObject *tdmpy_buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kwargs);

@@ -1,10 +1,13 @@
 """tandem: stream-ordered asynchronous work on accelerators.
 
-Queues of their own on every device (CPU, CUDA, OpenCL), device-side waits, copies that infer
-their direction, host tasks, keep-alive, and an order manager whose ``wait()`` covers work
-that other code put on the same native queue. Names follow CuPy (``with q:``, current and
+Queues of their own on every device (CPU, CUDA, OpenCL, SYCL), device-side waits, copies that
+infer their direction, host tasks, keep-alive, and an order manager whose ``wait()`` covers
+work that other code put on the same native queue. Names follow CuPy (``with q:``, current and
 default queues, ``__cuda_stream__``) and dpctl (``SequentialOrderManager[q]``), so code ports
-by changing an import.
+by changing an import. On SYCL devices dpctl's and dpnp's own objects are taken as they are
+(``Queue.adopt(dpctl_queue)``, ``Queue.to_dpctl()``, ``dpctl.SyclEvent``s, dpnp arrays as copy
+operands); ``tandem.dpctl`` (imported on its own, it needs dpctl) has the cached and current
+dpctl queues and ``keep_args_alive``.
 
 The package drains every queue and shuts tandem down at interpreter exit (``atexit``), before
 Python finalizes; no Python callable runs after that.

@@ -13,7 +13,7 @@ def test_devices_listed():
         assert d.index == i
         assert tandem.Device(d.id) is d  # one object per device
         assert str(d) == d.id
-        assert d.backend in ("cpu", "cuda", "opencl")
+        assert d.backend in ("cpu", "cuda", "opencl", "sycl")
 
 
 def test_default_device():
