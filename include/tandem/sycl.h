@@ -33,10 +33,12 @@
  * has TDM_DEVICE_CAP_HOST_MEMORY.
  *
  * Host work. Host tasks run on tandem's threads, never in the runtime: on an in-order queue
- * the commands after one wait, on the device, for a gate tandem opens once the task has run
- * (an OpenCL user event where the runtime reaches the device through OpenCL, else a host task
- * of the runtime's that waits for the opening). Dependencies on events of other contexts or
- * backends wait on such a gate too. Copies and fills with host memory on both sides are done
+ * the commands after one wait, on the device, for a gate tandem opens once the task has run:
+ * an OpenCL user event of the queue's context, made through the interop. Dependencies on
+ * events of other contexts or backends wait on such a gate too. A device the runtime reaches
+ * otherwise (Level Zero) has no such gate yet: host tasks and those dependencies get
+ * TDM_ENOTSUP there (a SYCL host_task would do, but the runtime then blocks every later
+ * submission to the queue on the host until it has run). Copies and fills with host memory on both sides are done
  * by tandem on the host, in queue order, so that a failure before them stops them.
  *
  * Errors: every SYCL exception, synchronous or met while waiting, becomes a TDM_E* code

@@ -203,9 +203,6 @@ def test_adopt_dpctl_queue(sycl, dq, kernel, rng):
         tandem.Queue.adopt(dq, device="cpu:0")
 
 
-@pytest.mark.xfail(reason="libtandem-sycl makes its gates (OpenCL user events) in the device's "
-                   "default context: a command that waits for one on an adopted queue of "
-                   "another context fails (SYCL barrier: Enqueue process failed)")
 def test_host_work_on_an_adopted_queue_of_its_own_context(sycl, rng):
     """dpctl's queues share the device's default context, but a user may make a context of
     their own; tandem/sycl.h says such a queue can be adopted. Host tasks and host copies on it

@@ -9,11 +9,8 @@
 #include <sycl/sycl.hpp>
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
-#include <memory>
 #include <new>
 #include <string>
 #include <vector>
@@ -31,7 +28,6 @@ struct device {
   bool opencl, gpu, cpu;
   std::string name;
   uint64_t memory;
-  sycl::queue *gates; /* host-task gates, where there are no OpenCL user events */
 };
 std::vector<device> *devs;
 
@@ -92,13 +88,6 @@ struct sy_queue {
   bool ooo, adopted;
 };
 
-/* A host-task gate's state, shared with the task. */
-struct host_gate {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool open = false;
-};
-
 /* Made from the event and context it holds: a default-constructed sycl::context would be a
  * new context of the runtime's (costly), and a default sycl::event a new host event. */
 struct sy_ev {
@@ -106,9 +95,7 @@ struct sy_ev {
   sycl::event ev;
   sycl::context ctx;
   bool foreign = false; /* imported: its context is unknown, so it is never waited for natively */
-  /* Gates: an OpenCL user event, or a host task waiting for hg->open. */
-  cl_event user = nullptr;
-  std::shared_ptr<host_gate> hg;
+  cl_event user = nullptr; /* gates: the OpenCL user event */
   sy_ev(const sycl::event &e, const sycl::context &c) : ev(e), ctx(c) {}
 };
 
@@ -154,7 +141,6 @@ int sy_init(sy_error_fn error, int *ndevices) {
         x.cpu = d.is_cpu();
         x.name = d.get_info<sycl::info::device::name>();
         x.memory = d.get_info<sycl::info::device::global_mem_size>();
-        x.gates = nullptr;
         list->push_back(x);
       }
     }
@@ -167,7 +153,6 @@ int sy_init(sy_error_fn error, int *ndevices) {
 
 void sy_fini(void) {
   if (!devs) return;
-  for (auto &d : *devs) delete d.gates;
   delete devs;
   devs = nullptr;
 }
@@ -265,57 +250,41 @@ int sy_barrier(sy_queue *q, bool all, sy_ev *const *deps, size_t ndeps, sy_ev **
   })
 }
 
-int sy_gate_new(int dev, sy_ev **out) {
-  device &x = (*devs)[dev];
+int sy_gate_new(sy_queue *q, sy_ev **out) {
+  const device &x = (*devs)[q->dev];
+  if (!x.opencl || !cl.ok)
+    return report(TDM_ENOTSUP, 0, "sycl:%d is not reached through OpenCL, and tandem gates its "
+                  "queues with OpenCL user events (a SYCL host_task would make the runtime "
+                  "block later submissions on the host): host tasks and waits for other "
+                  "backends' events are not supported on it", q->dev);
   SY_TRY("making a SYCL gate", {
+    sycl::context ctx = q->q->get_context(); /* an adopted queue's may not be the device's */
+    cl_context cc = sycl::get_native<sycl::backend::opencl>(ctx);
+    cl_int err = CL_SUCCESS;
+    cl_event user = cl.create_user(cc, &err);
+    cl.release_context(cc); /* get_native gave a reference of the caller's */
+    if (!user)
+      return report(err == CL_OUT_OF_HOST_MEMORY ? TDM_ENOMEM : TDM_EBACKEND, err,
+                    "clCreateUserEvent for a gate");
     sy_ev *g;
-    if (x.opencl && cl.ok) {
-      cl_context cc = sycl::get_native<sycl::backend::opencl>(x.ctx);
-      cl_int err = CL_SUCCESS;
-      cl_event user = cl.create_user(cc, &err);
-      cl.release_context(cc); /* get_native gave a reference of the caller's */
-      if (!user)
-        return report(err == CL_OUT_OF_HOST_MEMORY ? TDM_ENOMEM : TDM_EBACKEND, err,
-                      "clCreateUserEvent for a gate");
-      try {
-        /* The runtime takes a reference of its own, given back with its last event. */
-        g = new sy_ev(sycl::detail::make_event(reinterpret_cast<ur_native_handle_t>(user), x.ctx,
-                                               /*KeepOwnership=*/false, sycl::backend::opencl),
-                      x.ctx);
-      } catch (...) {
-        cl.set_status(user, CL_COMPLETE);
-        cl.release(user);
-        throw;
-      }
-      g->user = user;
-    } else {
-      /* A host task of the runtime's that waits for the opening: it holds one of the
-       * runtime's host threads while the gate is shut. */
-      if (!x.gates) x.gates = new sycl::queue(x.ctx, x.dev, sycl::property_list{});
-      auto hg = std::make_shared<host_gate>();
-      sycl::event e = x.gates->submit([hg](sycl::handler &h) {
-        h.host_task([hg] {
-          std::unique_lock<std::mutex> lk(hg->mu);
-          hg->cv.wait(lk, [&] { return hg->open; });
-        });
-      });
-      g = new sy_ev(e, x.ctx);
-      g->hg = hg;
+    try {
+      /* The runtime takes a reference of its own, given back with its last event. */
+      g = new sy_ev(sycl::detail::make_event(reinterpret_cast<ur_native_handle_t>(user), ctx,
+                                             /*KeepOwnership=*/false, sycl::backend::opencl),
+                    ctx);
+    } catch (...) {
+      cl.set_status(user, CL_COMPLETE);
+      cl.release(user);
+      throw;
     }
+    g->user = user;
     *out = g;
     return 0;
   })
 }
 
 void sy_gate_open(sy_ev *g) {
-  if (g->user) {
-    cl.set_status(g->user, CL_COMPLETE);
-    return;
-  }
-  if (!g->hg) return;
-  std::lock_guard<std::mutex> lk(g->hg->mu);
-  g->hg->open = true;
-  g->hg->cv.notify_all();
+  if (g->user) cl.set_status(g->user, CL_COMPLETE);
 }
 
 void sy_ev_retain(sy_ev *e) { e->refs.fetch_add(1, std::memory_order_relaxed); }

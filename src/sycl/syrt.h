@@ -57,10 +57,10 @@ int sy_fill(sy_queue *q, void *dst, int value, size_t n, sy_ev *const *deps, siz
  * NULL. */
 int sy_barrier(sy_queue *q, bool all, sy_ev *const *deps, size_t ndeps, sy_ev **out);
 
-/* A gate: an event of the device's context that completes when sy_gate_open is called (an
- * OpenCL user event, or where the device is not reached through OpenCL, an event of a host
- * task that waits for the opening). One reference. */
-int sy_gate_new(int dev, sy_ev **out);
+/* A gate: an event of q's context that completes when sy_gate_open is called (an OpenCL user
+ * event through the interop; TDM_ENOTSUP where the runtime does not reach the device through
+ * OpenCL). One reference. */
+int sy_gate_new(sy_queue *q, sy_ev **out);
 void sy_gate_open(sy_ev *gate);
 
 void sy_ev_retain(sy_ev *e);

@@ -51,7 +51,7 @@ static int deplist_get(tdm__bqueue *bq, const tdm__cmd *cmd, deplist *d) {
       continue;
     }
     bridge *b = malloc(sizeof *b);
-    int rc = b ? sy_gate_new(bq->bdev, &b->gate)
+    int rc = b ? sy_gate_new(bq->q, &b->gate)
                : sy_svc->error(TDM_ENOMEM, 0, "no memory for a cross-context dependency");
     if (rc) {
       free(b);
@@ -91,7 +91,7 @@ static int host_work(tdm__bqueue *bq, tdm__cmd *cmd, deplist *d, bool gated) {
   sy_ev *pre = NULL, *gate = NULL, *done = NULL;
   if (gated && cmd->kind != TDM__CMD_HOST) cmd->flags |= TDM__CMD_ON_HOST;
   if (bq->ooo) {
-    int rc = gated ? sy_gate_new(bq->bdev, &gate) : 0;
+    int rc = gated ? sy_gate_new(bq->q, &gate) : 0;
     if (rc) return rc;
     if (gate) sy_ev_retain(gate); /* one reference for the tandem event, one for gate_open */
     hand_over(cmd, gate, NULL, gate);
@@ -103,7 +103,7 @@ static int host_work(tdm__bqueue *bq, tdm__cmd *cmd, deplist *d, bool gated) {
     hand_over(cmd, pre, pre, NULL);
     return 0;
   }
-  if ((rc = sy_gate_new(bq->bdev, &gate)) || (rc = sy_barrier(bq->q, false, &gate, 1, &done))) {
+  if ((rc = sy_gate_new(bq->q, &gate)) || (rc = sy_barrier(bq->q, false, &gate, 1, &done))) {
     if (gate) {
       sy_gate_open(gate);
       sy_ev_release(gate);
