@@ -133,6 +133,15 @@ static int sycl_event_import(int bdev, void *native, void **handle) {
   return 0;
 }
 
+/* Lazy completion of in-order queues: a command nobody watches completes on the submitting
+ * thread once a later one is seen complete (an in-order queue runs them in order). The runtime
+ * reports asynchronous failures through the queue's asynchronous handler rather than through
+ * the event's status, so the executor's wait (sy_ev_wait) would learn little more. Without it,
+ * the executor woke for every batch of commands and waited for each, competing with the
+ * submitting thread and the device's own threads (record 1.8x the raw barrier on the CPU
+ * device). */
+static int sycl_native_done(void *handle) { return sy_ev_complete(handle); }
+
 static int sycl_event_elapsed(void *start, void *end, double *ms) {
   return sy_ev_elapsed(start, end, ms);
 }
@@ -161,6 +170,7 @@ const tdm__backend tdm__sycl_backend = {
     /* A SYCL queue runs its commands without the executor's help (the runtime's own threads
      * submit and complete them): the executor is woken only for host work and waiters. */
     .wake_lazily = true,
+    .native_done = sycl_native_done,
     .event_elapsed = sycl_event_elapsed,
     .queue_wait_now = sy_queue_wait_now,
 };
