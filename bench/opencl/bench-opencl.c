@@ -20,7 +20,7 @@
 #define CL_TARGET_OPENCL_VERSION 120
 #include <CL/cl.h>
 
-#include "measure.h"
+#include "../sidebyside.h"
 
 #include <tandem.h>
 #include <tandem/opencl.h>
@@ -49,6 +49,7 @@ static const char usage[] =
     "Exits with 77 when the device is not there.\n";
 
 enum { TINY = 64, SPAN = 64 * 1024 }; /* copy size, and the bytes the copies cycle over */
+#define DEFAULT_DEVICE "opencl:0"
 #define GOAL_RATIO 1.10
 
 /* Everything the benchmarks share. tandem's side: queues q[0] (A) and q[1] (B), pinned source
@@ -125,7 +126,8 @@ static int raw_drain(ctx *c, int rc) {
 
 /* ---- The two sides of each benchmark: run c->iters calls, time them --------------------------- */
 
-static int tandem_submit(ctx *c, double *seconds) {
+static int tandem_submit(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   double t0 = bu_seconds();
   for (long i = 0; i < c->iters; i++) {
@@ -138,7 +140,8 @@ out:
   return tandem_drain(c, rc);
 }
 
-static int raw_submit(ctx *c, double *seconds) {
+static int raw_submit(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   double t0 = bu_seconds();
   for (long i = 0; i < c->iters; i++) {
@@ -151,7 +154,8 @@ out:
   return raw_drain(c, rc);
 }
 
-static int tandem_record(ctx *c, double *seconds) {
+static int tandem_record(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   double t0 = bu_seconds();
   for (long i = 0; i < c->iters; i++) {
@@ -164,7 +168,8 @@ out:
   return tandem_drain(c, rc);
 }
 
-static int raw_record(ctx *c, double *seconds) {
+static int raw_record(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   double t0 = bu_seconds();
   for (long i = 0; i < c->iters; i++) {
@@ -179,7 +184,8 @@ out:
 
 /* Untimed: iters events recorded on A, all complete. Then timed: B waits for each. */
 /* The timed part of both wait benchmarks: queue B waits for each of A's events in c->tev. */
-static int tandem_time_waits(ctx *c, double *seconds) {
+static int tandem_time_waits(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   double t0 = bu_seconds();
   for (long i = 0; i < c->iters; i++)
@@ -190,7 +196,8 @@ out:
 }
 
 /* The same for raw OpenCL, on c->rev. */
-static int raw_time_waits(ctx *c, double *seconds) {
+static int raw_time_waits(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   double t0 = bu_seconds();
   for (long i = 0; i < c->iters; i++)
@@ -201,7 +208,8 @@ out:
   return rc;
 }
 
-static int tandem_wait(ctx *c, double *seconds) {
+static int tandem_wait(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   long n = 0;
   for (; n < c->iters; n++)
@@ -214,7 +222,8 @@ out:
   return tandem_drain(c, rc);
 }
 
-static int raw_wait(ctx *c, double *seconds) {
+static int raw_wait(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   long n = 0;
   for (; n < c->iters; n++)
@@ -236,7 +245,8 @@ static int hold_queue(void *arg) {
   return 0;
 }
 
-static int tandem_wait_pending(ctx *c, double *seconds) {
+static int tandem_wait_pending(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   long n = 0;
   atomic_store(&c->open, 0);
@@ -251,7 +261,8 @@ out:
   return tandem_drain(c, rc);
 }
 
-static int raw_wait_pending(ctx *c, double *seconds) {
+static int raw_wait_pending(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   long n = 0;
   cl_int err = CL_SUCCESS;
@@ -269,7 +280,8 @@ out:
   return raw_drain(c, rc);
 }
 
-static int tandem_round_trip(ctx *c, double *seconds) {
+static int tandem_round_trip(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   double t0 = bu_seconds();
   for (long i = 0; i < c->iters; i++) {
@@ -283,7 +295,8 @@ out:
   return tandem_drain(c, rc);
 }
 
-static int raw_round_trip(ctx *c, double *seconds) {
+static int raw_round_trip(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   double t0 = bu_seconds();
   for (long i = 0; i < c->iters; i++) {
@@ -299,15 +312,7 @@ out:
 
 /* ---- The table of benchmarks, the runner, the report ---------------------------------------- */
 
-typedef struct bench {
-  const char *key;   /* JSON name */
-  const char *label; /* human name */
-  const char *tandem_call, *raw_call;
-  int (*tandem)(ctx *, double *);
-  int (*raw)(ctx *, double *);
-} bench;
-
-static const bench benches[] = {
+static const sbs_bench benches[] = {
     {"submit", "submit: 64 B H2D copy, no event", "tdm_memcpy",
      "clEnqueueWriteBuffer (non-blocking)", tandem_submit, raw_submit},
     {"record", "record: marker + release", "tdm_event_record + tdm_event_release",
@@ -321,33 +326,6 @@ static const bench benches[] = {
 };
 #define NBENCH (sizeof benches / sizeof benches[0])
 
-typedef struct result {
-  double tandem_us, raw_us, ratio; /* per call, medians over reps */
-} result;
-
-typedef struct side_arg {
-  ctx *c;
-  const bench *b;
-} side_arg;
-
-static int side(void *p, int baseline, double *seconds) {
-  side_arg *a = p;
-  return baseline ? a->b->raw(a->c, seconds) : a->b->tandem(a->c, seconds);
-}
-
-static int run_bench(ctx *c, const bench *b, long reps, result *r) {
-  side_arg a = {c, b};
-  double t, rt;
-  int rc = bu_interleaved(&a, side, NULL, reps, &t, &rt);
-  if (rc == -2)
-    fprintf(stderr, "bench-opencl: out of host memory\n");
-  if (rc < 0)
-    return -1;
-  r->tandem_us = t / (double)c->iters * 1e6;
-  r->raw_us = rt / (double)c->iters * 1e6;
-  r->ratio = r->tandem_us / r->raw_us;
-  return 0;
-}
 
 static const char *pocl_devices(void) {
   const char *s = getenv("POCL_DEVICES");
@@ -364,31 +342,13 @@ static void print_header(const ctx *c, long reps, const bu_machine *m) {
          "the benchmark's own in tandem's context, measured in the same run, interleaved rep by "
          "rep\n\n",
          reps, c->iters);
-  printf("  %-42s %10s %10s %8s\n", "benchmark", "tandem", "raw", "ratio");
+  sbs_print_columns();
 }
 
-static void print_row(const bench *b, const result *r) {
-  printf("  %-42s %7.3f us %7.3f us %7.2fx   goal <= %.2fx: %s\n", b->label, r->tandem_us,
-         r->raw_us, r->ratio, GOAL_RATIO, r->ratio <= GOAL_RATIO ? "met" : "missed");
-  fflush(stdout);
-}
 
-static void write_result_json(bu_json *j, const bench *b, const result *r) {
-  bu_json_object(j, NULL);
-  bu_json_string(j, "name", b->key);
-  bu_json_string(j, "description", b->label);
-  bu_json_string(j, "tandem_call", b->tandem_call);
-  bu_json_string(j, "raw_call", b->raw_call);
-  bu_json_double(j, "tandem_us", r->tandem_us, 4);
-  bu_json_double(j, "raw_us", r->raw_us, 4);
-  bu_json_double(j, "ratio", r->ratio, 4);
-  bu_json_double(j, "goal_ratio", GOAL_RATIO, 2);
-  bu_json_bool(j, "goal_met", r->ratio <= GOAL_RATIO);
-  bu_json_end(j);
-}
 
 static int write_json(const char *path, const char *command, const ctx *c, long reps,
-                      const bu_machine *m, const result *res) {
+                      const bu_machine *m, const sbs_result *res) {
   bu_json j;
   if (!bu_json_begin(&j, "bench-opencl", path, command, TANDEM_GIT_COMMIT, tdm_version_string(),
                      m))
@@ -405,10 +365,7 @@ static int write_json(const char *path, const char *command, const ctx *c, long 
   bu_json_string(&j, "unit", "microseconds per call, median over reps");
   bu_json_string(&j, "baseline", "raw OpenCL calls on the benchmark's own in-order queues in the "
                                  "context tandem exports, same device");
-  bu_json_array(&j, "results");
-  for (size_t b = 0; b < NBENCH; b++)
-    write_result_json(&j, &benches[b], &res[b]);
-  bu_json_end(&j);
+  sbs_write_results(&j, benches, res, NBENCH, GOAL_RATIO);
   return bu_json_close(&j, "bench-opencl", path);
 }
 
@@ -484,62 +441,14 @@ static void teardown(ctx *c) {
   free(c->rev);
 }
 
-typedef struct options {
-  const char *device, *json;
-  long reps, iters;
-} options;
-
-static int parse_long(const char *name, const char *s, long max, long *out) {
-  char *end;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (errno || end == s || *end || v < 1 || v > max) {
-    fprintf(stderr, "bench-opencl: %s wants a whole number from 1 to %ld, not '%s'\n", name, max,
-            s);
-    return -1;
-  }
-  *out = v;
-  return 0;
-}
-
-/* 0 to run, 1 after printing help, 2 on a usage error. */
-static int parse_options(int argc, char **argv, options *o) {
-  *o = (options){"opencl:0", NULL, 31, 1000};
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      fputs(usage, stdout);
-      return 1;
-    }
-    if (strcmp(a, "--device") && strcmp(a, "--json") && strcmp(a, "--reps") &&
-        strcmp(a, "--iters")) {
-      fprintf(stderr, "bench-opencl: unknown option '%s'\n%s", a, usage);
-      return 2;
-    }
-    if (i + 1 >= argc) {
-      fprintf(stderr, "bench-opencl: option %s needs a value\n", a);
-      return 2;
-    }
-    const char *v = argv[++i];
-    if (strcmp(a, "--device") == 0)
-      o->device = v;
-    else if (strcmp(a, "--json") == 0)
-      o->json = v;
-    else if (parse_long(a, v, strcmp(a, "--reps") == 0 ? 1000 : 1000000,
-                        strcmp(a, "--reps") == 0 ? &o->reps : &o->iters) < 0)
-      return 2;
-  }
-  return 0;
-}
-
 int main(int argc, char **argv) {
-  options opt;
+  sbs_options opt;
   ctx c = {0};
-  result res[NBENCH];
+  sbs_result res[NBENCH];
   bu_machine m;
   tdm_device *dev;
   char command[1024];
-  int rc = parse_options(argc, argv, &opt);
+  int rc = sbs_parse_options("bench-opencl", usage, DEFAULT_DEVICE, argc, argv, &opt);
   if (rc)
     return rc == 1 ? 0 : 2;
   bu_join_argv(argc, argv, command, sizeof command);
@@ -561,9 +470,9 @@ int main(int argc, char **argv) {
   }
   print_header(&c, opt.reps, &m);
   for (size_t b = 0; b < NBENCH; b++) {
-    if (run_bench(&c, &benches[b], opt.reps, &res[b]) < 0)
+    if (sbs_run("bench-opencl", &c, c.iters, &benches[b], opt.reps, &res[b]) < 0)
       goto out;
-    print_row(&benches[b], &res[b]);
+    sbs_print_row(&benches[b], &res[b], GOAL_RATIO);
   }
   code = opt.json && write_json(opt.json, command, &c, opt.reps, &m, res) < 0 ? 1 : 0;
   if (opt.json && code == 0)

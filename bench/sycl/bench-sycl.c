@@ -21,7 +21,7 @@
  */
 #include "raw.h"
 
-#include "measure.h"
+#include "../sidebyside.h"
 
 #include <tandem.h>
 #include <tandem/sycl.h>
@@ -49,6 +49,7 @@ static const char usage[] =
     "Exits with 77 when the device is not there.\n";
 
 enum { TINY = 64, SPAN = 64 * 1024 }; /* copy size, and the bytes the copies cycle over */
+#define DEFAULT_DEVICE "sycl:0"
 #define GOAL_RATIO 1.5
 
 /* Everything the benchmarks share. tandem's side: queues q[0] (A) and q[1] (B), pinned source
@@ -100,7 +101,8 @@ static int raw_done(ctx *c, int rc) {
 
 /* ---- The two sides of each benchmark: run c->iters calls, time them --------------------------- */
 
-static int tandem_submit(ctx *c, double *seconds) {
+static int tandem_submit(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   double t0 = bu_seconds();
   for (long i = 0; i < c->iters; i++) {
@@ -113,14 +115,16 @@ out:
   return tandem_drain(c, rc);
 }
 
-static int raw_submit_side(ctx *c, double *seconds) {
+static int raw_submit_side(void *p, double *seconds) {
+  ctx *c = p;
   double t0 = bu_seconds();
   int rc = raw_submit(c->r, c->iters, TINY);
   *seconds = bu_seconds() - t0;
   return raw_done(c, rc);
 }
 
-static int tandem_record(ctx *c, double *seconds) {
+static int tandem_record(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   double t0 = bu_seconds();
   for (long i = 0; i < c->iters; i++) {
@@ -133,7 +137,8 @@ out:
   return tandem_drain(c, rc);
 }
 
-static int raw_record_side(ctx *c, double *seconds) {
+static int raw_record_side(void *p, double *seconds) {
+  ctx *c = p;
   double t0 = bu_seconds();
   int rc = raw_record(c->r, c->iters);
   *seconds = bu_seconds() - t0;
@@ -141,7 +146,8 @@ static int raw_record_side(ctx *c, double *seconds) {
 }
 
 /* The timed part of both wait benchmarks: queue B waits for each of A's events in c->tev. */
-static int tandem_time_waits(ctx *c, double *seconds) {
+static int tandem_time_waits(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   double t0 = bu_seconds();
   for (long i = 0; i < c->iters; i++)
@@ -162,7 +168,8 @@ static int raw_time_waits(ctx *c, int held, double *seconds) {
   return raw_done(c, rc);
 }
 
-static int tandem_wait(ctx *c, double *seconds) {
+static int tandem_wait(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   long n = 0;
   for (; n < c->iters; n++)
@@ -175,7 +182,7 @@ out:
   return tandem_drain(c, rc);
 }
 
-static int raw_wait_side(ctx *c, double *seconds) { return raw_time_waits(c, 0, seconds); }
+static int raw_wait_side(void *p, double *seconds) { return raw_time_waits(p, 0, seconds); }
 
 /* Holds queue A until the benchmark opens it: polls, sleeping 20 us between looks. */
 static int hold_queue(void *arg) {
@@ -185,7 +192,8 @@ static int hold_queue(void *arg) {
   return 0;
 }
 
-static int tandem_wait_pending(ctx *c, double *seconds) {
+static int tandem_wait_pending(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   long n = 0;
   atomic_store(&c->open, 0);
@@ -200,9 +208,10 @@ out:
   return tandem_drain(c, rc);
 }
 
-static int raw_wait_pending_side(ctx *c, double *seconds) { return raw_time_waits(c, 1, seconds); }
+static int raw_wait_pending_side(void *p, double *seconds) { return raw_time_waits(p, 1, seconds); }
 
-static int tandem_round_trip(ctx *c, double *seconds) {
+static int tandem_round_trip(void *p, double *seconds) {
+  ctx *c = p;
   int rc = 0;
   double t0 = bu_seconds();
   for (long i = 0; i < c->iters; i++) {
@@ -216,7 +225,8 @@ out:
   return tandem_drain(c, rc);
 }
 
-static int raw_round_trip_side(ctx *c, double *seconds) {
+static int raw_round_trip_side(void *p, double *seconds) {
+  ctx *c = p;
   double t0 = bu_seconds();
   int rc = raw_round_trips(c->r, c->iters, TINY);
   *seconds = bu_seconds() - t0;
@@ -225,15 +235,7 @@ static int raw_round_trip_side(ctx *c, double *seconds) {
 
 /* ---- The table of benchmarks, the runner, the report ---------------------------------------- */
 
-typedef struct bench {
-  const char *key;   /* JSON name */
-  const char *label; /* human name */
-  const char *tandem_call, *raw_call;
-  int (*tandem)(ctx *, double *);
-  int (*raw)(ctx *, double *);
-} bench;
-
-static const bench benches[] = {
+static const sbs_bench benches[] = {
     {"submit", "submit: 64 B H2D copy, no event", "tdm_memcpy", "queue::memcpy", tandem_submit,
      raw_submit_side},
     {"record", "record: marker + release", "tdm_event_record + tdm_event_release",
@@ -247,33 +249,6 @@ static const bench benches[] = {
 };
 #define NBENCH (sizeof benches / sizeof benches[0])
 
-typedef struct result {
-  double tandem_us, raw_us, ratio; /* per call, medians over reps */
-} result;
-
-typedef struct side_arg {
-  ctx *c;
-  const bench *b;
-} side_arg;
-
-static int side(void *p, int baseline, double *seconds) {
-  side_arg *a = p;
-  return baseline ? a->b->raw(a->c, seconds) : a->b->tandem(a->c, seconds);
-}
-
-static int run_bench(ctx *c, const bench *b, long reps, result *r) {
-  side_arg a = {c, b};
-  double t, rt;
-  int rc = bu_interleaved(&a, side, NULL, reps, &t, &rt);
-  if (rc == -2)
-    fprintf(stderr, "bench-sycl: out of host memory\n");
-  if (rc < 0)
-    return -1;
-  r->tandem_us = t / (double)c->iters * 1e6;
-  r->raw_us = rt / (double)c->iters * 1e6;
-  r->ratio = r->tandem_us / r->raw_us;
-  return 0;
-}
 
 static void print_header(const ctx *c, long reps, const bu_machine *m) {
   printf("bench-sycl: tandem %s on %s (%s), commit %s\n", tdm_version_string(), c->info.id,
@@ -283,30 +258,12 @@ static void print_header(const ctx *c, long reps, const bu_machine *m) {
          "the benchmark's own in tandem's context, measured in the same run, interleaved rep by "
          "rep\n\n",
          reps, c->iters);
-  printf("  %-42s %10s %10s %8s\n", "benchmark", "tandem", "raw", "ratio");
-}
-static void print_row(const bench *b, const result *r) {
-  printf("  %-42s %7.3f us %7.3f us %7.2fx   goal <= %.2fx: %s\n", b->label, r->tandem_us,
-         r->raw_us, r->ratio, GOAL_RATIO, r->ratio <= GOAL_RATIO ? "met" : "missed");
-  fflush(stdout);
+  sbs_print_columns();
 }
 
-static void write_result_json(bu_json *j, const bench *b, const result *r) {
-  bu_json_object(j, NULL);
-  bu_json_string(j, "name", b->key);
-  bu_json_string(j, "description", b->label);
-  bu_json_string(j, "tandem_call", b->tandem_call);
-  bu_json_string(j, "raw_call", b->raw_call);
-  bu_json_double(j, "tandem_us", r->tandem_us, 4);
-  bu_json_double(j, "raw_us", r->raw_us, 4);
-  bu_json_double(j, "ratio", r->ratio, 4);
-  bu_json_double(j, "goal_ratio", GOAL_RATIO, 2);
-  bu_json_bool(j, "goal_met", r->ratio <= GOAL_RATIO);
-  bu_json_end(j);
-}
 
 static int write_json(const char *path, const char *command, const ctx *c, long reps,
-                      const bu_machine *m, const result *res) {
+                      const bu_machine *m, const sbs_result *res) {
   bu_json j;
   if (!bu_json_begin(&j, "bench-sycl", path, command, TANDEM_GIT_COMMIT, tdm_version_string(),
                      m))
@@ -320,10 +277,7 @@ static int write_json(const char *path, const char *command, const ctx *c, long 
   bu_json_string(&j, "unit", "microseconds per call, median over reps");
   bu_json_string(&j, "baseline", "raw DPC++ calls on the benchmark's own in-order queues in the "
                                  "context tandem exports, same device");
-  bu_json_array(&j, "results");
-  for (size_t b = 0; b < NBENCH; b++)
-    write_result_json(&j, &benches[b], &res[b]);
-  bu_json_end(&j);
+  sbs_write_results(&j, benches, res, NBENCH, GOAL_RATIO);
   return bu_json_close(&j, "bench-sycl", path);
 }
 
@@ -363,62 +317,14 @@ static void teardown(ctx *c) {
   free(c->tev);
 }
 
-typedef struct options {
-  const char *device, *json;
-  long reps, iters;
-} options;
-
-static int parse_long(const char *name, const char *s, long max, long *out) {
-  char *end;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (errno || end == s || *end || v < 1 || v > max) {
-    fprintf(stderr, "bench-sycl: %s wants a whole number from 1 to %ld, not '%s'\n", name, max,
-            s);
-    return -1;
-  }
-  *out = v;
-  return 0;
-}
-
-/* 0 to run, 1 after printing help, 2 on a usage error. */
-static int parse_options(int argc, char **argv, options *o) {
-  *o = (options){"sycl:0", NULL, 31, 1000};
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      fputs(usage, stdout);
-      return 1;
-    }
-    if (strcmp(a, "--device") && strcmp(a, "--json") && strcmp(a, "--reps") &&
-        strcmp(a, "--iters")) {
-      fprintf(stderr, "bench-sycl: unknown option '%s'\n%s", a, usage);
-      return 2;
-    }
-    if (i + 1 >= argc) {
-      fprintf(stderr, "bench-sycl: option %s needs a value\n", a);
-      return 2;
-    }
-    const char *v = argv[++i];
-    if (strcmp(a, "--device") == 0)
-      o->device = v;
-    else if (strcmp(a, "--json") == 0)
-      o->json = v;
-    else if (parse_long(a, v, strcmp(a, "--reps") == 0 ? 1000 : 1000000,
-                        strcmp(a, "--reps") == 0 ? &o->reps : &o->iters) < 0)
-      return 2;
-  }
-  return 0;
-}
-
 int main(int argc, char **argv) {
-  options opt;
+  sbs_options opt;
   ctx c = {0};
-  result res[NBENCH];
+  sbs_result res[NBENCH];
   bu_machine m;
   tdm_device *dev;
   char command[1024];
-  int rc = parse_options(argc, argv, &opt);
+  int rc = sbs_parse_options("bench-sycl", usage, DEFAULT_DEVICE, argc, argv, &opt);
   if (rc)
     return rc == 1 ? 0 : 2;
   bu_join_argv(argc, argv, command, sizeof command);
@@ -440,9 +346,9 @@ int main(int argc, char **argv) {
   }
   print_header(&c, opt.reps, &m);
   for (size_t b = 0; b < NBENCH; b++) {
-    if (run_bench(&c, &benches[b], opt.reps, &res[b]) < 0)
+    if (sbs_run("bench-sycl", &c, c.iters, &benches[b], opt.reps, &res[b]) < 0)
       goto out;
-    print_row(&benches[b], &res[b]);
+    sbs_print_row(&benches[b], &res[b], GOAL_RATIO);
   }
   code = opt.json && write_json(opt.json, command, &c, opt.reps, &m, res) < 0 ? 1 : 0;
   if (opt.json && code == 0)
