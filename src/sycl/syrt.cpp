@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
 #include <string>
 #include <vector>
@@ -30,6 +31,21 @@ struct device {
   uint64_t memory;
 };
 std::vector<device> *devs;
+
+/* Every context a queue of tandem's lives in, by number: events carry the number, not a copy of
+ * the context (a copy costs two atomic operations on the runtime's reference count per event,
+ * on the submission path). Devices' contexts first; an adopted queue's own is added. Only
+ * grows, until sy_fini. */
+std::mutex ctx_mu;
+std::vector<sycl::context> *ctxs;
+
+int ctx_number(const sycl::context &c) {
+  std::lock_guard<std::mutex> lk(ctx_mu);
+  for (size_t i = 0; i < ctxs->size(); i++)
+    if ((*ctxs)[i] == c) return static_cast<int>(i);
+  ctxs->push_back(c);
+  return static_cast<int>(ctxs->size() - 1);
+}
 
 /* The OpenCL user-event calls, from the ICD loader the runtime's OpenCL adapter loaded (no
  * link of the module's own: the wheel's loader and the system's share a soname). */
@@ -84,7 +100,7 @@ int fail_unknown(const char *what) {
 
 struct sy_queue {
   sycl::queue *q; /* owned unless adopted */
-  int dev;
+  int dev, ctx;   /* ctx: its context's number (ctx_number) */
   bool ooo, adopted;
 };
 
@@ -93,15 +109,15 @@ struct sy_queue {
 struct sy_ev {
   std::atomic<int> refs{1};
   sycl::event ev;
-  sycl::context ctx;
-  bool foreign = false; /* imported: its context is unknown, so it is never waited for natively */
+  int ctx; /* its context's number (ctx_number), or -1: imported, its context unknown, so it
+              is never waited for natively */
   cl_event user = nullptr; /* gates: the OpenCL user event */
-  sy_ev(const sycl::event &e, const sycl::context &c) : ev(e), ctx(c) {}
+  sy_ev(const sycl::event &e, int c) : ev(e), ctx(c) {}
 };
 
 namespace {
 
-sy_ev *ev_new(const sycl::event &e, const sycl::context &ctx) {
+sy_ev *ev_new(const sycl::event &e, int ctx) {
   return new (std::nothrow) sy_ev(e, ctx);
 }
 
@@ -114,7 +130,7 @@ std::vector<sycl::event> events_of(sy_ev *const *deps, size_t n) {
 
 int give(sy_queue *q, const sycl::event &e, sy_ev **out) {
   if (!out) return 0;
-  sy_ev *r = ev_new(e, q->q->get_context());
+  sy_ev *r = ev_new(e, q->ctx);
   if (!r) return report(TDM_ENOMEM, 0, "no memory for a SYCL event");
   *out = r;
   return 0;
@@ -145,6 +161,7 @@ int sy_init(sy_error_fn error, int *ndevices) {
       }
     }
     devs = list;
+    ctxs = new std::vector<sycl::context>;
     find_opencl();
     *ndevices = static_cast<int>(devs->size());
     return 0;
@@ -154,6 +171,8 @@ int sy_init(sy_error_fn error, int *ndevices) {
 void sy_fini(void) {
   if (!devs) return;
   delete devs;
+  delete ctxs;
+  ctxs = nullptr;
   devs = nullptr;
 }
 
@@ -202,6 +221,7 @@ int sy_queue_new(int dev, bool ooo, bool timing, void *adopt, sy_queue **out) {
     s->dev = dev;
     s->ooo = ooo;
     s->adopted = adopt != nullptr;
+    s->ctx = ctx_number(q->get_context());
     *out = s;
     return 0;
   })
@@ -271,7 +291,7 @@ int sy_gate_new(sy_queue *q, sy_ev **out) {
       /* The runtime takes a reference of its own, given back with its last event. */
       g = new sy_ev(sycl::detail::make_event(reinterpret_cast<ur_native_handle_t>(user), ctx,
                                              /*KeepOwnership=*/false, sycl::backend::opencl),
-                    ctx);
+                    q->ctx);
     } catch (...) {
       cl.set_status(user, CL_COMPLETE);
       cl.release(user);
@@ -324,7 +344,7 @@ bool sy_ev_complete(sy_ev *e) {
 }
 
 bool sy_ev_usable(const sy_ev *e, const sy_queue *q) {
-  return !e->foreign && e->ctx == q->q->get_context();
+  return e->ctx >= 0 && e->ctx == q->ctx;
 }
 
 void *sy_ev_native(sy_ev *e) { return &e->ev; }
@@ -332,9 +352,9 @@ void *sy_ev_native(sy_ev *e) { return &e->ev; }
 int sy_ev_import(int dev, void *native, sy_ev **out) {
   SY_TRY("importing a SYCL event", {
     const sycl::event &src = *static_cast<const sycl::event *>(native);
-    sy_ev *r = ev_new(src, (*devs)[dev].ctx);
+    sy_ev *r = ev_new(src, -1);
     if (!r) return report(TDM_ENOMEM, 0, "no memory for a SYCL event");
-    r->foreign = true;
+    (void)dev;
     *out = r;
     return 0;
   })
