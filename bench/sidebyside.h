@@ -79,6 +79,16 @@ static inline void sbs_write_results(bu_json *j, const sbs_bench *b, const sbs_r
   bu_json_end(j);
 }
 
+/* Every figure of the table in turn, each row printed as it is measured; 0, or -1 (reported). */
+static inline int sbs_run_all(const char *prog, void *ctx, long iters, const sbs_bench *b,
+                              size_t n, long reps, sbs_result *r, double goal) {
+  for (size_t i = 0; i < n; i++) {
+    if (sbs_run(prog, ctx, iters, &b[i], reps, &r[i]) < 0) return -1;
+    sbs_print_row(&b[i], &r[i], goal);
+  }
+  return 0;
+}
+
 typedef struct sbs_options {
   const char *device, *json;
   long reps, iters;

@@ -446,6 +446,20 @@ TEST_CASE(ooo_task_waits_own_marker) {
   th_close();
 }
 
+/* The end of the producer/waiter cases: the producer ran once, and everything goes. */
+static void producer_finish(tdm_event *producer, atomic_int *count, tdm_event *hold, tdm_queue *q,
+                            tdm_queue *held, th_gate *gate) {
+  CHECK_OK(tdm_event_wait(producer));
+  CHECK_EQ(atomic_load(count), 1);
+  CHECK_OK(tdm_event_release(producer));
+  CHECK_OK(tdm_event_release(hold));
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_queue_destroy(q));
+  CHECK_OK(tdm_queue_destroy(held));
+  th_gate_destroy(gate);
+  th_close();
+}
+
 /* More waiting host tasks than the pool has threads and spares (TANDEM_CPU_POOL_THREADS = 4
  * and the 256 spares of threadpool.c): once every thread is blocked in a wait but one, the
  * next wait would leave none to run the producer, and fails with TDM_EDEADLK instead; the
@@ -492,15 +506,7 @@ TEST_CASE(pool_exhausted_by_waiters) {
   }
   printf("%d of %d waits refused with TDM_EDEADLK\n", refused, EXHAUST_WAITERS);
   CHECK(refused > 0 && refused < EXHAUST_WAITERS);
-  CHECK_OK(tdm_event_wait(producer));
-  CHECK_EQ(atomic_load(&count), 1);
-  CHECK_OK(tdm_event_release(producer));
-  CHECK_OK(tdm_event_release(hold));
-  CHECK_OK(tdm_queue_sync(q));
-  CHECK_OK(tdm_queue_destroy(q));
-  CHECK_OK(tdm_queue_destroy(held));
-  th_gate_destroy(&gate);
-  th_close();
+  producer_finish(producer, &count, hold, q, held, &gate);
 }
 
 /* Waiters fill the tracker of an out-of-order queue, so the producer's submission collapses
@@ -531,15 +537,7 @@ TEST_CASE(tracker_collapse_waiters) {
     CHECK_MSG(th_wait_atomic(&w[i].done, 1, TH_HANG_MS), "waiter %d never finished", i);
     CHECK_STATUS(atomic_load(&w[i].rc), TDM_EDEADLK);
   }
-  CHECK_OK(tdm_event_wait(producer));
-  CHECK_EQ(atomic_load(&count), 1);
-  CHECK_OK(tdm_event_release(producer));
-  CHECK_OK(tdm_event_release(hold));
-  CHECK_OK(tdm_queue_sync(q));
-  CHECK_OK(tdm_queue_destroy(q));
-  CHECK_OK(tdm_queue_destroy(held));
-  th_gate_destroy(&gate);
-  th_close();
+  producer_finish(producer, &count, hold, q, held, &gate);
 }
 
 /* ---- Bursts of host tasks ---------------------------------------------------------------- */

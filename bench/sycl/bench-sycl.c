@@ -345,11 +345,8 @@ int main(int argc, char **argv) {
     goto out;
   }
   print_header(&c, opt.reps, &m);
-  for (size_t b = 0; b < NBENCH; b++) {
-    if (sbs_run("bench-sycl", &c, c.iters, &benches[b], opt.reps, &res[b]) < 0)
-      goto out;
-    sbs_print_row(&benches[b], &res[b], GOAL_RATIO);
-  }
+  if (sbs_run_all("bench-sycl", &c, c.iters, benches, NBENCH, opt.reps, res, GOAL_RATIO) < 0)
+    goto out;
   code = opt.json && write_json(opt.json, command, &c, opt.reps, &m, res) < 0 ? 1 : 0;
   if (opt.json && code == 0)
     printf("\nresults written to %s\n", opt.json);
