@@ -21,6 +21,7 @@
  * compute queue by device-side waits, while the link copies the rest. */
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -66,6 +67,7 @@ struct tdm_moe_model {
   tdm_moe_preset p;
   int L, H, E, k, I;
   size_t ebytes;
+  float eps;                  /* the RMSNorm's epsilon */
   const tdm_moe_ops *ops;
   void *ops_state;
   tdm_queue *q;
@@ -132,6 +134,11 @@ struct tdm_moe_model {
   unsigned char *slot_host;   /* Tg x k: the slots the host experts wrote */
   bool cores_upload;          /* small uploads by the op table's upload() where it has one
                                  (TANDEM_MOE_UPLOAD, 1 by default) */
+  /* the pass underway (pass_start to pass_finish) */
+  bool in_pass, pass_overlap, pass_on_device;
+  int pass_T;
+  double pass_t0;
+  tdm_streamer_stats pass_s0;
 };
 
 static double now_s(void);
@@ -159,6 +166,8 @@ static float gauss(uint64_t *s) {
 typedef struct fill_job {
   tdm_moe_model *m;
   int t, n;
+  int rc;        /* a source's first error, and its message (set on the job's thread) */
+  char why[512];
 } fill_job;
 
 static void fill_expert(const tdm_moe_model *m, tdm_moe_bf16 *w, uint64_t seed) {
@@ -173,8 +182,15 @@ static void *fill_main(void *arg) {
   fill_job *j = arg;
   tdm_moe_model *m = j->m;
   size_t per = m->ebytes / sizeof(tdm_moe_bf16);
-  for (long key = j->t; key < (long)m->L * m->E; key += j->n)
-    fill_expert(m, m->host_experts + (size_t)key * per, m->cfg.seed * 1000003u + (uint64_t)key);
+  const tdm_moe_source *src = m->cfg.source;
+  for (long key = j->t; !j->rc && key < (long)m->L * m->E; key += j->n) {
+    tdm_moe_bf16 *w = m->host_experts + (size_t)key * per;
+    if (src) {
+      j->rc = src->expert(src->user, (int)(key / m->E), (int)(key % m->E), w);
+      if (j->rc) snprintf(j->why, sizeof j->why, "%s", tdm_last_error());
+    } else
+      fill_expert(m, w, m->cfg.seed * 1000003u + (uint64_t)key);
+  }
   return NULL;
 }
 
@@ -184,13 +200,15 @@ static int fill_parallel(tdm_moe_model *m) {
   if (n > 64) n = 64;
   pthread_t th[64];
   fill_job jobs[64];
-  for (int t = 0; t < n; t++) jobs[t] = (fill_job){m, t, n};
+  for (int t = 0; t < n; t++) jobs[t] = (fill_job){.m = m, .t = t, .n = n};
   /* Job t fills experts t, t + n, ...: the jobs whose thread did not start run here. */
   int started = 0;
   while (started < n && pthread_create(&th[started], NULL, fill_main, &jobs[started]) == 0)
     started++;
   for (int t = started; t < n; t++) fill_main(&jobs[t]);
   for (int t = 0; t < started; t++) pthread_join(th[t], NULL);
+  for (int t = 0; t < n; t++)
+    if (jobs[t].rc) return tdm_set_error(jobs[t].rc, 0, "%s", jobs[t].why);
   return 0;
 }
 
@@ -218,9 +236,20 @@ static int setup_small_weights(tdm_moe_model *m) {
   float *norm = malloc((size_t)m->L * m->H * sizeof *norm);
   m->rank = malloc((size_t)m->L * m->E * sizeof *m->rank);
   int rc = (r && bias && norm && m->rank) ? 0 : tdm_set_error(TDM_ENOMEM, 0, "no host memory");
+  const tdm_moe_source *src = m->cfg.source;
+  /* A real model's: its routers and norms, no bias, experts ranked by index. */
+  for (int l = 0; !rc && src && l < m->L; l++) {
+    rc = src->router(src->user, l, r + (size_t)l * m->E * m->H);
+    if (!rc) rc = src->norm(src->user, l, norm + (size_t)l * m->H);
+    for (int e = 0; e < m->E; e++) {
+      bias[(size_t)l * m->E + e] = 0.0f;
+      m->rank[(size_t)l * m->E + e] = e;
+    }
+  }
   uint64_t s = m->cfg.seed ^ 0x5eedu;
-  for (size_t i = 0; !rc && i < nr; i++) r[i] = tdm_moe_f32_to_bf16(gauss(&s) / sqrtf((float)m->H));
-  for (int l = 0; !rc && l < m->L; l++) {
+  for (size_t i = 0; !rc && !src && i < nr; i++)
+    r[i] = tdm_moe_f32_to_bf16(gauss(&s) / sqrtf((float)m->H));
+  for (int l = 0; !rc && !src && l < m->L; l++) {
     /* A random popularity order per layer; the expert of rank r gets a logit bias of
      * -skew * ln(r + 1), so its routing probability falls like (r + 1)^-skew. */
     int *rk = m->rank + (size_t)l * m->E;
@@ -876,6 +905,7 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   m->I = m->p.ffn;
   m->ebytes = tdm_moe_expert_bytes(&m->p);
   m->maxT = cfg->max_tokens;
+  m->eps = cfg->norm_eps > 0 ? cfg->norm_eps : 1e-6f;
   m->pdepth = !cfg->predict ? 0 : cfg->predict_depth > 0 ? cfg->predict_depth : 1;
   int rc = 0;
   if (cfg->predict_depth < 0 || cfg->predict_depth > TDM_MOE_PREDICT_DEPTH_MAX)
@@ -891,6 +921,12 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
                     "this machine has %.1f GiB: use --layers to run fewer", m->p.name, m->L,
                     host / 1073741824.0, phys / 1073741824.0);
   if (!rc) rc = check_placement(cfg);
+  if (!rc && cfg->source && (m->p.shared || !cfg->source->expert || !cfg->source->router ||
+                             !cfg->source->norm))
+    rc = tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: a weight source needs its three "
+                       "functions, and a preset without shared experts");
+  if (!rc && !(cfg->norm_eps >= 0))
+    rc = tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: a norm epsilon of %g", cfg->norm_eps);
   if (!rc && !(m->ops = tdm_moe_ops_for(cfg->device)))
     rc = TDM_ENOTSUP; /* tdm_moe_ops_for's message says why (no BLAS, a module that failed) */
   if (!rc && cfg->time_chain &&
@@ -1015,7 +1051,7 @@ static void group(tdm_moe_model *m, int T, int *count, int *offset) {
 static int norm_route(tdm_moe_model *m, int l, int T, int32_t *idx) {
   int H = m->H, E = m->E, rc;
   if ((rc = m->ops->rmsnorm(m->ops_state, m->q, m->xn, m->x, m->norm + (size_t)l * H, T, H,
-                            1e-6f)))
+                            m->eps)))
     return rc;
   return m->ops->router(m->ops_state, m->q, m->xn, m->router + (size_t)l * E * H,
                         m->bias + (size_t)l * E, T, H, E, m->k, m->p.renorm, idx, m->wts);
@@ -1570,35 +1606,31 @@ static int pass_lead(tdm_moe_model *m, int T, bool overlap, int *order) {
   return rank_prefetch(m, 0, T, order);
 }
 
-int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool overlap, tdm_moe_pass_stats *st) {
-  if (T < 1 || T > m->maxT)
-    return tdm_set_error(TDM_EINVAL, 0, "a ubatch of %d tokens (this model takes 1 to %d)", T,
-                         m->maxT);
+/* The start of a pass of T tokens whose input is in m->x or on its way there: the buffers laid
+ * out for T, the streamer's counts taken, the next layer's look-ahead started. */
+static int pass_start(tdm_moe_model *m, int T, bool overlap, bool on_device, tdm_moe_pass_stats *st) {
   memset(st, 0, sizeof *st);
-  size_t bytes = (size_t)T * m->H * sizeof(float);
-  float *xh = m->x_h;
-  int *count = m->scratch, rc;
-  memcpy(xh, x, bytes);
   m->pass++;
   /* rows then slots, back to back for this ubatch's size */
   m->rows = m->rs;
   m->slots = m->rs + (size_t)T * m->k;
   m->rows_h = m->rs_h;
   m->slots_h = m->rs_h + (size_t)T * m->k;
-  bool on_device = T <= GROUPED_MAX_T && m->device_routed;
-  tdm_streamer_stats s0, s1;
-  tdm_streamer_stats_get(m->streamer, &s0);
-  double t0 = now_s();
-  /* Every expert resident: nothing else is on the link, so the copy engines take the input.
-   * Else the input goes first, so that routing layer 0 waits for no expert's copy. */
-  rc = on_device ? tdm_memcpy(m->q, m->x, xh, bytes, TDM_COPY_H2D, 0, NULL, NULL)
-                 : upload_small(m, m->x, xh, bytes);
-  if (!rc && !on_device) rc = pass_lead(m, T, overlap, count + 2 * m->E);
+  m->in_pass = true;
+  m->pass_T = T;
+  m->pass_overlap = overlap;
+  m->pass_on_device = on_device;
+  int *count = m->scratch, rc = 0;
+  if (!on_device) rc = pass_lead(m, T, overlap, count + 2 * m->E);
   if (!rc && !on_device) rc = chain_mark(m, -1, 0);
-  if (!rc && on_device) rc = device_layers(m, T);
-  for (int l = 0; !rc && !on_device && l < m->L; l++)
-    rc = layer(m, l, T, overlap, st, count, count + m->E, count + 2 * m->E);
-  if (!rc) rc = tdm_memcpy(m->q, xh, m->x, bytes, TDM_COPY_D2H, 0, NULL, NULL);
+  return rc;
+}
+
+/* The end of a pass: the queue synced, the figures gathered; rc the pass's first error. */
+static int pass_finish(tdm_moe_model *m, int rc, tdm_moe_pass_stats *st) {
+  int T = m->pass_T;
+  bool on_device = m->pass_on_device;
+  m->in_pass = false;
   if (!rc && on_device)
     rc = tdm_memcpy(m->q, m->idx_all_h, m->idx_all, (size_t)m->L * T * m->k * sizeof(int32_t),
                     TDM_COPY_D2H, 0, NULL, NULL);
@@ -1611,17 +1643,82 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   if (m->chain) harvest_chain(m, st, !rc && !src);
   st->wait_seconds += now_s() - w0;
   if (!rc) rc = src;
-  st->seconds = now_s() - t0;
+  st->seconds = now_s() - m->pass_t0;
+  tdm_streamer_stats s1, *s0 = &m->pass_s0;
   tdm_streamer_stats_get(m->streamer, &s1);
-  st->bytes_copied = s1.bytes_copied - s0.bytes_copied;
-  st->link_busy_seconds = s1.link_busy_seconds - s0.link_busy_seconds;
-  st->acquires = s1.acquires - s0.acquires;
-  st->hits = s1.hits - s0.hits;
-  st->misses = s1.misses - s0.misses;
-  st->resident_hits = s1.resident_hits - s0.resident_hits;
-  st->inflight_hits = s1.inflight_hits - s0.inflight_hits;
+  st->bytes_copied = s1.bytes_copied - s0->bytes_copied;
+  st->link_busy_seconds = s1.link_busy_seconds - s0->link_busy_seconds;
+  st->acquires = s1.acquires - s0->acquires;
+  st->hits = s1.hits - s0->hits;
+  st->misses = s1.misses - s0->misses;
+  st->resident_hits = s1.resident_hits - s0->resident_hits;
+  st->inflight_hits = s1.inflight_hits - s0->inflight_hits;
   st->demand_misses = st->misses;
   if (!rc && on_device) count_device_routed(m, T, st);
+  return rc;
+}
+
+static int check_ubatch(const tdm_moe_model *m, int T) {
+  if (m->in_pass)
+    return tdm_set_error(TDM_ESTATE, 0, "a MoE pass is underway (tdm_moe_pass_end ends it)");
+  if (T < 1 || T > m->maxT)
+    return tdm_set_error(TDM_EINVAL, 0, "a ubatch of %d tokens (this model takes 1 to %d)", T,
+                         m->maxT);
+  return 0;
+}
+
+int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool overlap, tdm_moe_pass_stats *st) {
+  int rc = check_ubatch(m, T);
+  if (rc) return rc;
+  size_t bytes = (size_t)T * m->H * sizeof(float);
+  float *xh = m->x_h;
+  memcpy(xh, x, bytes);
+  bool on_device = T <= GROUPED_MAX_T && m->device_routed;
+  tdm_streamer_stats_get(m->streamer, &m->pass_s0);
+  m->pass_t0 = now_s();
+  /* Every expert resident: nothing else is on the link, so the copy engines take the input.
+   * Else the input goes first, so that routing layer 0 waits for no expert's copy. */
+  rc = on_device ? tdm_memcpy(m->q, m->x, xh, bytes, TDM_COPY_H2D, 0, NULL, NULL)
+                 : upload_small(m, m->x, xh, bytes);
+  int prc = pass_start(m, T, overlap, on_device, st);
+  if (!rc) rc = prc;
+  int *count = m->scratch;
+  if (!rc && on_device) rc = device_layers(m, T);
+  for (int l = 0; !rc && !on_device && l < m->L; l++)
+    rc = layer(m, l, T, overlap, st, count, count + m->E, count + 2 * m->E);
+  if (!rc) rc = tdm_memcpy(m->q, xh, m->x, bytes, TDM_COPY_D2H, 0, NULL, NULL);
+  rc = pass_finish(m, rc, st);
   if (!rc) memcpy(y, xh, bytes);
   return rc;
+}
+
+tdm_queue *tdm_moe_queue(const tdm_moe_model *m) { return m ? m->q : NULL; }
+
+float *tdm_moe_activations(const tdm_moe_model *m) { return m ? m->x : NULL; }
+
+int tdm_moe_pass_begin(tdm_moe_model *m, int T, bool overlap, tdm_moe_pass_stats *st) {
+  if (!m || !st) return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_pass_begin: NULL argument");
+  int rc = check_ubatch(m, T);
+  if (rc) return rc;
+  tdm_streamer_stats_get(m->streamer, &m->pass_s0);
+  m->pass_t0 = now_s();
+  rc = pass_start(m, T, overlap, T <= GROUPED_MAX_T && m->device_routed, st);
+  if (rc) (void)pass_finish(m, rc, st);
+  return rc;
+}
+
+int tdm_moe_pass_layer(tdm_moe_model *m, int l, tdm_moe_pass_stats *st) {
+  if (!m || !st) return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_pass_layer: NULL argument");
+  if (!m->in_pass) return tdm_set_error(TDM_ESTATE, 0, "tdm_moe_pass_layer: no pass underway");
+  if (l < 0 || l >= m->L)
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_pass_layer: layer %d of %d", l, m->L);
+  int *count = m->scratch;
+  if (m->pass_on_device) return layer_device(m, l, m->pass_T);
+  return layer(m, l, m->pass_T, m->pass_overlap, st, count, count + m->E, count + 2 * m->E);
+}
+
+int tdm_moe_pass_end(tdm_moe_model *m, int rc, tdm_moe_pass_stats *st) {
+  if (!m || !st) return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_pass_end: NULL argument");
+  if (!m->in_pass) return tdm_set_error(TDM_ESTATE, 0, "tdm_moe_pass_end: no pass underway");
+  return pass_finish(m, rc, st);
 }

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "../tandem.h"
+#include "moe_ops.h"
 #include "streamer.h"
 
 #ifdef __cplusplus
@@ -37,6 +38,20 @@ typedef enum tdm_moe_placement {
                                calibrated at creation gives (tdm_moe_placement_get) */
   TDM_MOE_PLACE_HOST = 2    /* compute every one of them on the host; nothing is copied for them */
 } tdm_moe_placement;
+
+/* Where a model's weights come from when they are not synthetic (tdm_moe_config.source): a
+ * real model's file, read by tandem/model.h. Called during tdm_moe_model_create only. Each
+ * returns 0 or a negative TDM_E* code with tdm_last_error() set, which creation returns. */
+typedef struct tdm_moe_source {
+  void *user;
+  /* Writes expert e of layer l, bf16 [Wg (I x H) | Wu (I x H) | Wd (H x I)] (tandem/moe_ops.h's
+   * layout), to dst: pinned host memory, 3HI elements. Called from several threads at once,
+   * each for different experts. */
+  int (*expert)(void *user, int l, int e, tdm_moe_bf16 *dst);
+  /* Layer l's router, bf16 [E x H], and its RMSNorm's weight, f32 [H], into host memory. */
+  int (*router)(void *user, int l, tdm_moe_bf16 *dst);
+  int (*norm)(void *user, int l, float *dst);
+} tdm_moe_source;
 
 typedef struct tdm_moe_config {
   const tdm_moe_preset *preset;
@@ -99,6 +114,10 @@ typedef struct tdm_moe_config {
                               join with the host experts and the combine. Like time_host, it
                               perturbs what it measures a little. A pass whose routing stays
                               on the device (every expert resident) has no chain to time */
+  const tdm_moe_source *source; /* NULL: synthetic weights (seed, skew); else a real model's:
+                              no router bias, experts ranked by index for the static resident
+                              set, no shared experts (a preset with some is TDM_EINVAL) */
+  float norm_eps;          /* the layers' RMSNorm epsilon (0: 1e-6) */
 } tdm_moe_config;
 
 #define TDM_MOE_PREDICT_DEPTH_MAX 16
@@ -176,6 +195,23 @@ typedef struct tdm_moe_pass_stats {
  * (experts placed on the host still run beside them: they copy nothing). One pass at a time
  * per model (the model's buffers serve every pass). */
 TDM_API int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool overlap, tdm_moe_pass_stats *st);
+
+/* A pass layer by layer, for programs that run other work between the MoE layers on the
+ * model's compute queue (tandem/model.h puts attention there): tdm_moe_pass_begin() starts a
+ * pass of T tokens whose input the caller has written, or will write on tdm_moe_queue() before
+ * the first layer, into tdm_moe_activations() (device f32 [max_tokens x H], rows 0..T);
+ * tdm_moe_pass_layer() submits layer l, x += MoE(RMSNorm(x)), in place, in stream order on the
+ * queue (it waits on the host for the layer's routing, as tdm_moe_forward does); any layers,
+ * any order, each once or more. tdm_moe_pass_end() syncs the queue (covering the caller's own
+ * work on it) and fills st; it must follow a begin that succeeded, whatever happened between,
+ * with rc the first error the caller met (0 if none), which it returns if nonzero. The routing
+ * takes the same paths as tdm_moe_forward's, except that a small ubatch with every expert
+ * resident is never recorded as a graph: the same bits, more host time. One pass at a time. */
+TDM_API tdm_queue *tdm_moe_queue(const tdm_moe_model *m);
+TDM_API float *tdm_moe_activations(const tdm_moe_model *m);
+TDM_API int tdm_moe_pass_begin(tdm_moe_model *m, int T, bool overlap, tdm_moe_pass_stats *st);
+TDM_API int tdm_moe_pass_layer(tdm_moe_model *m, int l, tdm_moe_pass_stats *st);
+TDM_API int tdm_moe_pass_end(tdm_moe_model *m, int rc, tdm_moe_pass_stats *st);
 
 TDM_API tdm_streamer *tdm_moe_streamer(tdm_moe_model *m);
 
