@@ -1,0 +1,335 @@
+#!/usr/bin/env python3
+"""tiny.py: writes a tiny random Qwen3-MoE or Mixtral model, from one seed, in both file formats
+the model layer reads, so that the C tests can load either and compare its logits against
+ref_model.py (the float64 reference):
+
+  DIR/hf/          a Hugging Face folder: config.json, two safetensors shards and
+                   model.safetensors.index.json, with the names and layouts of
+                   Qwen3MoeForCausalLM / MixtralForCausalLM
+  DIR/model.gguf   the same weights as llama.cpp's converter lays them out: arch `qwen3moe`,
+                   or arch `llama` with experts for Mixtral (q and k rows permuted, see
+                   llama_permute), experts stacked into 3-D ffn_*_exps tensors
+  DIR/meta.json    the shapes, dtypes and seed
+
+usage: tiny.py --arch qwen3moe|mixtral --out DIR [--seed N] [--layers L] [--dtype f32|f16|bf16]
+               [--experts-dtype f32|f16|bf16] [--tied] [--vocab V] [--hidden H] [--heads N]
+               [--kv-heads N] [--head-dim D] [--experts E] [--top-k K] [--moe-ffn I] [--ctx C]
+               [--rope-theta T] [--eps E]
+
+Every weight is drawn once, rounded once to the dtype it is stored in, and written to both
+files from those same values; where llama.cpp keeps a tensor in F32 (norms, the router) the
+GGUF holds the rounded value widened, exactly as its converter would. So the two files describe
+bit-identical models and ref_model.py must give the same logits from either.
+"""
+import argparse
+import json
+import os
+import struct
+import sys
+
+import numpy as np
+
+# Defaults per architecture. q dim = heads * head_dim (64, = hidden here; --head-dim can make
+# it differ, as it does in the real Qwen3 models). Qwen3's `ffn` is the dense intermediate_size
+# that no layer uses (every layer is MoE); it differs from moe_ffn so that a loader reading the
+# wrong key fails. Mixtral has only experts: its intermediate_size is the expert size.
+DEFAULTS = {
+    "qwen3moe": dict(vocab=256, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=4,
+                     moe_ffn=32, ffn=96, layers=2, ctx=256, rope_theta=1e6, eps=1e-6),
+    "mixtral": dict(vocab=256, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
+                    moe_ffn=32, ffn=32, layers=2, ctx=256, rope_theta=1e4, eps=1e-6),
+}
+DTYPES = ("f32", "f16", "bf16")
+
+
+# ---- rounding and encoding: values are kept as float32 arrays holding exactly representable
+# ---- values of the storage dtype, and turned into bytes only when written.
+
+def bf16_bits(a):
+    """float32 -> uint16 upper halves, rounded to nearest even (NaN is not expected here)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_to_f32(bits):
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def round_to(a, dtype):
+    a = np.asarray(a, dtype=np.float32)
+    if dtype == "f16":
+        return a.astype(np.float16).astype(np.float32)
+    if dtype == "bf16":
+        return bf16_to_f32(bf16_bits(a))
+    return a
+
+
+def encode(a, dtype):
+    """Storage array for a value array already rounded to dtype (bf16: uint16 bit patterns)."""
+    if dtype == "f16":
+        return a.astype(np.float16)
+    if dtype == "bf16":
+        return bf16_bits(a)
+    return a.astype(np.float32)
+
+
+# ---- the permutation llama.cpp's converter applies to q and k of `llama` models.
+# HF rotates pairs (i, i + d/2) of each head ("rotate half"); llama.cpp's normal RoPE rotates
+# adjacent pairs (2i, 2i+1) with the same frequency index i. Interleaving each head's two halves
+# (new row 2i = old row i, new row 2i+1 = old row d/2 + i) makes the two agree: the rotated
+# q and k come out permuted the same way within each head, and q.k is unchanged.
+
+def llama_permute(w, n_head):
+    """Rows of w [n_head*d, in] regrouped per head as (2, d/2) -> (d/2, 2)."""
+    d = w.shape[0] // n_head
+    return w.reshape(n_head, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---- the random model, as HF names -> (values, storage dtype)
+
+def make_weights(arch, cfg, seed, dtype, experts_dtype, tied):
+    rng = np.random.default_rng(seed)
+    H, hd, I, E = cfg["hidden"], cfg["head_dim"], cfg["moe_ffn"], cfg["experts"]
+    qd, kvd = cfg["heads"] * hd, cfg["kv_heads"] * hd
+    w = {}
+
+    def lin(name, out_dim, in_dim, dt=dtype):
+        # normal / sqrt(fan_in): every projection keeps O(1) activations, so logits are O(1)
+        w[name] = (round_to(rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim), dt), dt)
+
+    def norm(name, n):
+        # near 1, never 0: a dropped or misapplied norm still shows in the logits
+        w[name] = (round_to(1.0 + 0.1 * rng.standard_normal(n), dtype), dtype)
+
+    # The embedding is scaled like a projection too: as a tied head its logits stay O(1), and
+    # the input token does not dominate the residual stream (greedy would just repeat it).
+    lin("model.embed_tokens.weight", cfg["vocab"], H)
+    for L in range(cfg["layers"]):
+        p = f"model.layers.{L}."
+        norm(p + "input_layernorm.weight", H)
+        lin(p + "self_attn.q_proj.weight", qd, H)
+        lin(p + "self_attn.k_proj.weight", kvd, H)
+        lin(p + "self_attn.v_proj.weight", kvd, H)
+        lin(p + "self_attn.o_proj.weight", H, qd)
+        if arch == "qwen3moe":
+            norm(p + "self_attn.q_norm.weight", hd)
+            norm(p + "self_attn.k_norm.weight", hd)
+        norm(p + "post_attention_layernorm.weight", H)
+        if arch == "qwen3moe":
+            lin(p + "mlp.gate.weight", E, H)
+            for e in range(E):
+                q = f"{p}mlp.experts.{e}."
+                lin(q + "gate_proj.weight", I, H, experts_dtype)
+                lin(q + "up_proj.weight", I, H, experts_dtype)
+                lin(q + "down_proj.weight", H, I, experts_dtype)
+        else:
+            lin(p + "block_sparse_moe.gate.weight", E, H)
+            for e in range(E):
+                q = f"{p}block_sparse_moe.experts.{e}."
+                lin(q + "w1.weight", I, H, experts_dtype)   # gate
+                lin(q + "w3.weight", I, H, experts_dtype)   # up
+                lin(q + "w2.weight", H, I, experts_dtype)   # down
+    norm("model.norm.weight", H)
+    if not tied:
+        lin("lm_head.weight", cfg["vocab"], H)
+    return w
+
+
+# ---- safetensors, written by hand: the safetensors package's numpy API has no bfloat16.
+# Layout: u64 little-endian header length N, N bytes of JSON (space-padded to a multiple of 8),
+# then the tensors' bytes; data_offsets are relative to the end of the header.
+
+ST_DTYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
+
+
+def write_safetensors(path, tensors):
+    header, blobs, off = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, (vals, dt) in tensors.items():
+        e = encode(vals, dt)
+        b = e.astype(e.dtype.newbyteorder("<"), copy=False).tobytes()   # little-endian, C order
+        header[name] = {"dtype": ST_DTYPE[dt], "shape": list(vals.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    hj = json.dumps(header, separators=(",", ":")).encode()
+    hj += b" " * (-len(hj) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hj)) + hj)
+        for b in blobs:
+            f.write(b)
+    return off
+
+
+def write_hf(d, arch, cfg, weights, dtype, tied):
+    os.makedirs(d, exist_ok=True)
+    torch_dtype = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype]
+    c = dict(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
+             num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+             num_key_value_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
+             num_experts_per_tok=cfg["top_k"], rms_norm_eps=cfg["eps"],
+             rope_theta=cfg["rope_theta"], max_position_embeddings=cfg["ctx"],
+             tie_word_embeddings=tied, rope_scaling=None, sliding_window=None,
+             attention_bias=False, attention_dropout=0.0, hidden_act="silu",
+             initializer_range=0.02, output_router_logits=False, router_aux_loss_coef=0.001,
+             use_cache=True, bos_token_id=cfg["vocab"] - 2, eos_token_id=cfg["vocab"] - 1,
+             torch_dtype=torch_dtype)
+    if arch == "qwen3moe":
+        c.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                 moe_intermediate_size=cfg["moe_ffn"], num_experts=cfg["experts"],
+                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                 use_sliding_window=False, max_window_layers=cfg["layers"])
+    else:
+        c.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                 num_local_experts=cfg["experts"], router_jitter_noise=0.0)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
+    # Two shards, split halfway through the name list (a layer may straddle them, as in real
+    # checkpoints), and the index that maps each name to its shard.
+    names = list(weights)
+    parts = [names[: len(names) // 2], names[len(names) // 2:]]
+    wmap, total = {}, 0
+    for i, part in enumerate(parts):
+        fn = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        total += write_safetensors(os.path.join(d, fn), {n: weights[n] for n in part})
+        wmap.update({n: fn for n in part})
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": wmap}, f, indent=2)
+
+
+# ---- GGUF, with gguf-py's writer, names and layouts as llama.cpp's converter writes them
+
+def gpt2_vocab(n):
+    """A small byte-level-BPE-looking vocabulary (strings in GPT-2's byte-to-unicode alphabet),
+    two merges and two control tokens at the end: present so that readers learn to skip it."""
+    alphabet = [c for c in range(ord("!"), ord("~") + 1)] + \
+               [c for c in range(0xA1, 0xAD)] + [c for c in range(0xAE, 0x100)]
+    extra = [c for c in range(256) if c not in alphabet]
+    chars = [chr(c) for c in alphabet] + [chr(256 + i) for i in range(len(extra))]
+    body = n - 4
+    tokens = chars[:body] + [f"<tok{i}>" for i in range(max(0, body - len(chars)))]
+    tokens += ["ab", "cd", "<|endoftext|>", "<|im_end|>"]
+    types = [1] * (n - 2) + [3, 3]   # 1 NORMAL, 3 CONTROL
+    return tokens, types, ["a b", "c d"]
+
+
+def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied):
+    import gguf
+    T = gguf.GGMLQuantizationType
+    gtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16}
+    ga = "qwen3moe" if arch == "qwen3moe" else "llama"
+    w = gguf.GGUFWriter(path, ga)
+    w.add_name(f"tiny-{arch}")
+    w.add_file_type({"f32": 0, "f16": 1, "bf16": 32}[dtype])  # llama_ftype ALL_F32/MOSTLY_F16/BF16
+    w.add_vocab_size(cfg["vocab"])
+    w.add_block_count(cfg["layers"])
+    w.add_context_length(cfg["ctx"])
+    w.add_embedding_length(cfg["hidden"])
+    w.add_feed_forward_length(cfg["ffn"])
+    w.add_head_count(cfg["heads"])
+    w.add_head_count_kv(cfg["kv_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["eps"])
+    w.add_expert_count(cfg["experts"])
+    w.add_expert_used_count(cfg["top_k"])
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(cfg["moe_ffn"])
+    tokens, types, merges = gpt2_vocab(cfg["vocab"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg["vocab"] - 2)
+    w.add_eos_token_id(cfg["vocab"] - 1)
+
+    def put(name, vals, dt):
+        enc = encode(vals, dt)
+        w.add_tensor(name, enc, raw_dtype=gtype[dt] if dt == "bf16" else None)
+
+    def hf(name):
+        return weights[name][0]
+
+    put("token_embd.weight", hf("model.embed_tokens.weight"), dtype)
+    for L in range(cfg["layers"]):
+        p, b = f"model.layers.{L}.", f"blk.{L}."
+        q, k = hf(p + "self_attn.q_proj.weight"), hf(p + "self_attn.k_proj.weight")
+        if ga == "llama":
+            q, k = llama_permute(q, cfg["heads"]), llama_permute(k, cfg["kv_heads"])
+        put(b + "attn_norm.weight", hf(p + "input_layernorm.weight"), "f32")
+        put(b + "attn_q.weight", q, dtype)
+        put(b + "attn_k.weight", k, dtype)
+        put(b + "attn_v.weight", hf(p + "self_attn.v_proj.weight"), dtype)
+        put(b + "attn_output.weight", hf(p + "self_attn.o_proj.weight"), dtype)
+        if ga == "qwen3moe":
+            put(b + "attn_q_norm.weight", hf(p + "self_attn.q_norm.weight"), "f32")
+            put(b + "attn_k_norm.weight", hf(p + "self_attn.k_norm.weight"), "f32")
+        put(b + "ffn_norm.weight", hf(p + "post_attention_layernorm.weight"), "f32")
+        if ga == "qwen3moe":
+            m, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+        else:
+            m, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
+        put(b + "ffn_gate_inp.weight", hf(m + "gate.weight"), "f32")   # router stays F32
+        for gname, hname in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), names):
+            # [E, I, H] for gate/up and [E, H, I] for down (numpy order; GGUF ne is reversed)
+            stack = np.stack([hf(f"{m}experts.{e}.{hname}.weight") for e in range(cfg["experts"])])
+            put(f"{b}{gname}.weight", stack, experts_dtype)
+    put("output_norm.weight", hf("model.norm.weight"), "f32")
+    if not tied:
+        put("output.weight", hf("lm_head.weight"), dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_tiny(out, arch, seed=0, dtype="f32", experts_dtype="bf16", tied=False, **over):
+    """Writes out/hf, out/model.gguf and out/meta.json; returns the meta dict."""
+    if arch not in DEFAULTS:
+        raise ValueError(f"arch must be one of {sorted(DEFAULTS)}")
+    cfg = dict(DEFAULTS[arch])
+    for k, v in over.items():
+        if v is not None:
+            if k not in cfg:
+                raise ValueError(f"unknown shape key {k}")
+            cfg[k] = v
+    if arch == "mixtral":
+        cfg["ffn"] = cfg["moe_ffn"]
+    if cfg["heads"] % cfg["kv_heads"] or cfg["head_dim"] % 2 or cfg["top_k"] > cfg["experts"]:
+        raise ValueError("need heads % kv_heads == 0, an even head_dim, top_k <= experts")
+    if cfg["vocab"] < 8:
+        raise ValueError("vocab must be at least 8")
+    os.makedirs(out, exist_ok=True)
+    weights = make_weights(arch, cfg, seed, dtype, experts_dtype, tied)
+    write_hf(os.path.join(out, "hf"), arch, cfg, weights, dtype, tied)
+    write_gguf(os.path.join(out, "model.gguf"), arch, cfg, weights, dtype, experts_dtype, tied)
+    meta = dict(arch=arch, seed=seed, dtype=dtype, experts_dtype=experts_dtype, tied=tied,
+                norm_topk_prob=True, hf="hf", gguf="model.gguf", **cfg)
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    return meta
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", required=True, choices=sorted(DEFAULTS))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=DTYPES, default="f32", help="non-expert weights (f32)")
+    ap.add_argument("--experts-dtype", choices=DTYPES, default="bf16", help="experts (bf16)")
+    ap.add_argument("--tied", action="store_true", help="no lm_head/output: the embedding is the head")
+    for key in ("layers", "vocab", "hidden", "heads", "kv_heads", "head_dim", "experts",
+                "top_k", "moe_ffn", "ctx"):
+        ap.add_argument("--" + key.replace("_", "-"), type=int, dest=key)
+    ap.add_argument("--rope-theta", type=float, dest="rope_theta")
+    ap.add_argument("--eps", type=float)
+    a = vars(ap.parse_args(argv))
+    meta = write_tiny(a.pop("out"), a.pop("arch"), a.pop("seed"), a.pop("dtype"),
+                      a.pop("experts_dtype"), a.pop("tied"), **a)
+    print(json.dumps(meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
