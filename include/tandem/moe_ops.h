@@ -152,6 +152,36 @@ typedef struct tdm_moe_ops {
    * cores read over the link at a fraction of a copy engine's rate. Memory the device cannot
    * read in place is copied as tdm_memcpy would. n == 0: nothing. */
   int (*upload)(void *st, tdm_queue *q, void *dst, const void *src, size_t n);
+
+  /* ---- A transformer's other operations, for tandem/model.h: token embedding, projections,
+   * RoPE and causal attention over a KV cache. Optional: NULL where a backend has none yet (a
+   * model is then TDM_ENOTSUP on its devices). All f32, in stream order, deterministic. ---- */
+
+  /* y[t] = table[ids[t]] (rows of H) for t < T; ids int32 [T], table f32 [V x H]. An id
+   * outside [0, V) gives a row of zeros (the caller checks ids before they reach the device). */
+  int (*get_rows)(void *st, tdm_queue *q, float *y, const float *table, const int32_t *ids,
+                  int T, int H, int V);
+
+  /* y = x w^T + beta y: x f32 [T x K], w f32 [N x K] (a row per output), y f32 [T x N]; beta
+   * 0 (y is not read) or 1 (accumulate: a residual). The field's BLAS where a backend has one
+   * (OpenBLAS, cuBLAS, CLBlast). */
+  int (*matmul)(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T, int K,
+                int N, float beta);
+
+  /* RoPE in place on x [T x nh x hd], row t at position pos0 + t: each pair of a head's values
+   * (a, b) becomes (a cos - b sin, a sin + b cos) with angle p * freq_scale * base^(-2i/hd) for
+   * pair i < hd/2; neox pairs (i, i + hd/2) (rotate-half: Qwen3, Hugging Face's layouts), else
+   * adjacent (2i, 2i + 1) (GGUF's llama, whose q and k rows are permuted to match). hd even. */
+  int (*rope)(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0, float base,
+              float freq_scale, int neox);
+
+  /* Causal attention of T queries at positions pos0 .. pos0 + T - 1: qv [T x nh x hd]; kc and
+   * vc the KV cache [ctx x nkv x hd], holding positions 0 .. pos0 + T - 1 (the caller writes
+   * this ubatch's keys and values first); query head h reads KV head h / (nh / nkv) (nh a
+   * multiple of nkv). out [T x nh x hd] = softmax(q k^T scale) v over the positions up to its
+   * own. out must not overlap qv, kc or vc. */
+  int (*attention)(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
+                   const float *vc, int T, int pos0, int nh, int nkv, int hd, float scale);
 } tdm_moe_ops;
 
 /* The table for the device's backend, or NULL (with tdm_last_error() set) when this build of

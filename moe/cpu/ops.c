@@ -38,6 +38,7 @@
  */
 #include "ops.h" /* moe/ops.h */
 #include "pool.h"
+#include "task.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -52,80 +53,6 @@
  * same reason. */
 #include <cblas.h>
 #undef I
-
-/* open() binds the state to one in-order queue; every op checks it is given that queue. */
-typedef struct cpu_state {
-  tdm_queue *q;
-} cpu_state;
-
-/* ---- Submission -------------------------------------------------------------------------- */
-
-/* The head of every op's argument block. refs: one for the task, one for the submitter's
- * keep-alive (see task_submit). */
-typedef struct task {
-  int (*body)(const struct task *t);
-  atomic_int refs;
-} task;
-
-static void task_drop(task *t) {
-  if (atomic_fetch_sub(&t->refs, 1) == 1) free(t);
-}
-
-static int task_run(void *arg) {
-  task *t = arg;
-  int rc = t->body(t);
-  task_drop(t);
-  return rc;
-}
-
-/* The keep-alive fires once the task has completed or been skipped, so it frees the block
- * whatever the count says. */
-static void task_release(void *arg) { free(arg); }
-
-/* Queues t (allocated by the caller, body set) on q; frees it on failure. */
-static int task_submit(tdm_queue *q, task *t) {
-  atomic_init(&t->refs, 2);
-  int rc = tdm_host_task(q, task_run, t, 0, NULL, NULL);
-  if (rc) {
-    free(t);
-    return rc;
-  }
-  /* The task is queued, so the op has been submitted whatever happens next. If the keep-alive
-   * cannot be queued (out of memory), the task and this call share the block instead; it leaks
-   * only if the task is then also skipped. */
-  if (tdm_keep_alive(q, task_release, t) != 0) task_drop(t);
-  return 0;
-}
-
-static int check_state(void *st, tdm_queue *q, const char *op) {
-  if (st && q && ((cpu_state *)st)->q == q) return 0;
-  return tdm_set_error(TDM_EINVAL, 0, "moe %s: the state was not opened on this queue", op);
-}
-
-static int bad_args(const char *op) {
-  return tdm_set_error(TDM_EINVAL, 0, "moe %s: NULL pointer or size out of range", op);
-}
-
-/* `size` bytes of host memory (an argument block, the state), or NULL with the error set.
- * tandem's fault hook sees it, so a test can fail it as it fails tandem's own allocations. */
-static void *host_alloc(size_t size) {
-  return tdm_fault_point(TDM_FAULT_ALLOC) ? NULL : malloc(size);
-}
-
-static void *task_alloc(size_t size, const char *op) {
-  void *p = host_alloc(size);
-  if (!p) tdm_set_error(TDM_ENOMEM, 0, "moe %s: no host memory for %zu bytes", op, size);
-  return p;
-}
-
-/* How many rows of `width` floats fit between p and the end of the tandem allocation holding
- * it; SIZE_MAX when tandem does not know the memory (then the caller vouches for it). */
-static size_t rows_available(const float *p, int width) {
-  tdm_mem_info mi;
-  if (tdm_mem_query(p, &mi) != 0 || !mi.base) return SIZE_MAX;
-  size_t left = (size_t)((const char *)mi.base + mi.size - (const char *)p);
-  return left / ((size_t)width * sizeof(float));
-}
 
 static void bf16_to_f32(float *dst, const tdm_moe_bf16 *src, size_t n) {
   for (size_t i = 0; i < n; i++) dst[i] = tdm_moe_bf16_to_f32(src[i]);
@@ -148,7 +75,7 @@ static int cpu_open(tdm_queue *q, void **state) {
   /* Ops take no dependency lists: on an out-of-order queue they would not be ordered. */
   if (flags & TDM_QUEUE_OUT_OF_ORDER)
     return tdm_set_error(TDM_EINVAL, 0, "moe open: the ops need an in-order queue");
-  cpu_state *s = task_alloc(sizeof *s, "open");
+  cpu_state *s = tdm_moe__task_alloc(sizeof *s, "open");
   if (!s) return TDM_ENOMEM;
   s->q = q;
   *state = s;
@@ -194,15 +121,15 @@ static int rmsnorm_body(const task *t) {
 
 static int cpu_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T,
                        int H, float eps) {
-  int rc = check_state(st, q, "rmsnorm");
+  int rc = tdm_moe__check_state(st, q, "rmsnorm");
   if (rc) return rc;
-  if (!y || !x || !w || T < 0 || H <= 0 || !(eps >= 0.0f)) return bad_args("rmsnorm");
+  if (!y || !x || !w || T < 0 || H <= 0 || !(eps >= 0.0f)) return tdm_moe__bad_args("rmsnorm");
   if (T == 0) return 0;
-  rmsnorm_args *a = task_alloc(sizeof *a, "rmsnorm");
+  rmsnorm_args *a = tdm_moe__task_alloc(sizeof *a, "rmsnorm");
   if (!a) return TDM_ENOMEM;
   *a = (rmsnorm_args){.t.body = rmsnorm_body, .y = y, .x = x, .w = w, .T = T, .H = H,
                       .eps = eps};
-  return task_submit(q, &a->t);
+  return tdm_moe__task_submit(q, &a->t);
 }
 
 /* ---- router ------------------------------------------------------------------------------ */
@@ -255,8 +182,8 @@ static void top_k(const float *p, int E, int k, int renorm, int32_t *idx, float 
 static int router_body(const task *t) {
   const router_args *a = (const router_args *)t;
   /* Scratch is taken here, not at submission, so that layers queued ahead do not all hold it. */
-  float *wr = host_alloc((size_t)a->E * a->H * sizeof *wr);
-  float *logits = host_alloc((size_t)a->T * a->E * sizeof *logits);
+  float *wr = tdm_moe__host_alloc((size_t)a->E * a->H * sizeof *wr);
+  float *logits = tdm_moe__host_alloc((size_t)a->T * a->E * sizeof *logits);
   if (!wr || !logits) {
     free(wr);
     free(logits);
@@ -280,16 +207,16 @@ static int router_body(const task *t) {
 static int cpu_router(void *st, tdm_queue *q, const float *x, const tdm_moe_bf16 *wr,
                       const float *bias, int T, int H, int E, int k, int renorm, int32_t *idx,
                       float *weights) {
-  int rc = check_state(st, q, "router");
+  int rc = tdm_moe__check_state(st, q, "router");
   if (rc) return rc;
   if (!x || !wr || !idx || !weights || T < 0 || H <= 0 || E <= 0 || k <= 0 || k > E)
-    return bad_args("router");
+    return tdm_moe__bad_args("router");
   if (T == 0) return 0;
-  router_args *a = task_alloc(sizeof *a, "router");
+  router_args *a = tdm_moe__task_alloc(sizeof *a, "router");
   if (!a) return TDM_ENOMEM;
   *a = (router_args){.t.body = router_body, .x = x, .wr = wr, .bias = bias, .T = T, .H = H,
                      .E = E, .k = k, .renorm = renorm != 0, .idx = idx, .weights = weights};
-  return task_submit(q, &a->t);
+  return tdm_moe__task_submit(q, &a->t);
 }
 
 /* ---- expert: arguments ------------------------------------------------------------------- */
@@ -632,9 +559,9 @@ static int expert_body(const task *t) {
 static int cpu_expert(void *st, tdm_queue *q, const float *x, const int32_t *rows,
                       const int32_t *slot, int n, const tdm_moe_bf16 *w, int H, int I, float *out,
                       void *workspace, size_t workspace_bytes) {
-  int rc = check_state(st, q, "expert");
+  int rc = tdm_moe__check_state(st, q, "expert");
   if (rc) return rc;
-  if (!x || !rows || !slot || !w || !out || n < 0 || H <= 0 || I <= 0) return bad_args("expert");
+  if (!x || !rows || !slot || !w || !out || n < 0 || H <= 0 || I <= 0) return tdm_moe__bad_args("expert");
   if (n == 0) return 0;
   size_t need = tdm_moe_ops_workspace(n, H, I);
   if (!workspace || need == 0 || workspace_bytes < need ||
@@ -642,12 +569,12 @@ static int cpu_expert(void *st, tdm_queue *q, const float *x, const int32_t *row
     return tdm_set_error(TDM_EINVAL, 0,
                       "moe expert: workspace %p of %zu bytes; n=%d H=%d I=%d need %zu, aligned",
                       workspace, workspace_bytes, n, H, I, need);
-  expert_args *a = task_alloc(sizeof *a, "expert");
+  expert_args *a = tdm_moe__task_alloc(sizeof *a, "expert");
   if (!a) return TDM_ENOMEM;
   *a = (expert_args){.t.body = expert_body, .x = x, .rows = rows, .slot = slot, .n = n, .H = H,
                      .I = I, .w = w, .out = out, .ws = workspace,
-                     .x_rows = rows_available(x, H), .out_rows = rows_available(out, H)};
-  return task_submit(q, &a->t);
+                     .x_rows = tdm_moe__rows_available(x, H), .out_rows = tdm_moe__rows_available(out, H)};
+  return tdm_moe__task_submit(q, &a->t);
 }
 
 /* ---- experts: a group of experts from a device table ------------------------------------ */
@@ -778,10 +705,10 @@ static int cpu_experts(void *st, tdm_queue *q, const float *x, const int32_t *ro
                        const int32_t *slot, int n, const tdm_moe_bf16 *wbase,
                        const tdm_moe_group *groups, int G, int H, int I, float *out,
                        void *workspace, size_t workspace_bytes) {
-  int rc = check_state(st, q, "experts");
+  int rc = tdm_moe__check_state(st, q, "experts");
   if (rc) return rc;
   if (!x || !rows || !slot || !wbase || !groups || !out || n < 0 || G < 0 || H <= 0 || I <= 0)
-    return bad_args("experts");
+    return tdm_moe__bad_args("experts");
   if (n == 0 || G == 0) return 0;
   /* Each entry runs as expert() on its count <= n tokens, in the space expert() needs for n. */
   size_t need = tdm_moe_ops_workspace(n, H, I);
@@ -790,15 +717,15 @@ static int cpu_experts(void *st, tdm_queue *q, const float *x, const int32_t *ro
     return tdm_set_error(TDM_EINVAL, 0,
                          "moe experts: workspace %p of %zu bytes; n=%d H=%d I=%d need %zu, "
                          "aligned", workspace, workspace_bytes, n, H, I, need);
-  experts_args *a = task_alloc(sizeof *a, "experts");
+  experts_args *a = tdm_moe__task_alloc(sizeof *a, "experts");
   if (!a) return TDM_ENOMEM;
   *a = (experts_args){.t.body = experts_body, .x = x, .rows = rows, .slot = slot, .n = n,
                       .G = G, .H = H, .I = I, .wbase = wbase, .groups = groups, .out = out,
-                      .ws = workspace, .x_rows = rows_available(x, H),
-                      .out_rows = rows_available(out, H)};
+                      .ws = workspace, .x_rows = tdm_moe__rows_available(x, H),
+                      .out_rows = tdm_moe__rows_available(out, H)};
   /* 3HI fits: the workspace, which holds 3HI floats, did. */
   weight_range(wbase, 3 * (size_t)H * I, &a->w_lo, &a->w_hi);
-  return task_submit(q, &a->t);
+  return tdm_moe__task_submit(q, &a->t);
 }
 
 /* ---- group: the routing grouped into a table -------------------------------------------- */
@@ -845,18 +772,18 @@ static int group_body(const task *t) {
 
 static int cpu_group(void *st, tdm_queue *q, const int32_t *idx, int T, int k, int E,
                      const int64_t *wofs, int32_t *rows, int32_t *slot, tdm_moe_group *groups) {
-  int rc = check_state(st, q, "group");
+  int rc = tdm_moe__check_state(st, q, "group");
   if (rc) return rc;
   if (!idx || !wofs || !rows || !slot || !groups || T < 0 || k <= 0 || E <= 0 ||
       (int64_t)T * k > INT32_MAX)
-    return bad_args("group");
+    return tdm_moe__bad_args("group");
   if (T == 0) return 0;
   /* The counters live in the argument block: one allocation per call, as every op here. */
-  group_args *a = task_alloc(sizeof *a + (size_t)E * sizeof a->next[0], "group");
+  group_args *a = tdm_moe__task_alloc(sizeof *a + (size_t)E * sizeof a->next[0], "group");
   if (!a) return TDM_ENOMEM;
   *a = (group_args){.t.body = group_body, .idx = idx, .T = T, .k = k, .E = E, .wofs = wofs,
                     .rows = rows, .slot = slot, .groups = groups};
-  return task_submit(q, &a->t);
+  return tdm_moe__task_submit(q, &a->t);
 }
 
 /* ---- combine ----------------------------------------------------------------------------- */
@@ -885,15 +812,15 @@ static int combine_body(const task *t) {
 
 static int cpu_combine(void *st, tdm_queue *q, float *y, const float *out, const float *weights,
                        int T, int H, int k) {
-  int rc = check_state(st, q, "combine");
+  int rc = tdm_moe__check_state(st, q, "combine");
   if (rc) return rc;
-  if (!y || !out || !weights || T < 0 || H <= 0 || k <= 0) return bad_args("combine");
+  if (!y || !out || !weights || T < 0 || H <= 0 || k <= 0) return tdm_moe__bad_args("combine");
   if (T == 0) return 0;
-  combine_args *a = task_alloc(sizeof *a, "combine");
+  combine_args *a = tdm_moe__task_alloc(sizeof *a, "combine");
   if (!a) return TDM_ENOMEM;
   *a = (combine_args){.t.body = combine_body, .y = y, .out = out, .weights = weights, .T = T,
                       .H = H, .k = k};
-  return task_submit(q, &a->t);
+  return tdm_moe__task_submit(q, &a->t);
 }
 
 const tdm_moe_ops tdm_moe__cpu_ops = {
@@ -906,4 +833,8 @@ const tdm_moe_ops tdm_moe__cpu_ops = {
     .experts = cpu_experts,
     .group = cpu_group,
     .combine = cpu_combine,
+    .get_rows = tdm_moe__cpu_get_rows,
+    .matmul = tdm_moe__cpu_matmul,
+    .rope = tdm_moe__cpu_rope,
+    .attention = tdm_moe__cpu_attention,
 };

@@ -87,7 +87,7 @@ def llama_permute(w, n_head):
 
 # ---- the random model, as HF names -> (values, storage dtype)
 
-def make_weights(arch, cfg, seed, dtype, experts_dtype, tied):
+def make_weights(arch, cfg, seed, dtype, experts_dtype, tied, router_bf16=False):
     rng = np.random.default_rng(seed)
     H, hd, I, E = cfg["hidden"], cfg["head_dim"], cfg["moe_ffn"], cfg["experts"]
     qd, kvd = cfg["heads"] * hd, cfg["kv_heads"] * hd
@@ -96,6 +96,13 @@ def make_weights(arch, cfg, seed, dtype, experts_dtype, tied):
     def lin(name, out_dim, in_dim, dt=dtype):
         # normal / sqrt(fan_in): every projection keeps O(1) activations, so logits are O(1)
         w[name] = (round_to(rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim), dt), dt)
+
+    def router(name):
+        # router_bf16: values bf16 holds exactly, whatever the file's type, for engines that
+        # compute routers in bf16 (tandem's MoE operations): the same routing as the reference
+        lin(name, E, H)
+        if router_bf16:
+            w[name] = (round_to(round_to(w[name][0], "bf16"), dtype), dtype)
 
     def norm(name, n):
         # near 1, never 0: a dropped or misapplied norm still shows in the logits
@@ -116,14 +123,14 @@ def make_weights(arch, cfg, seed, dtype, experts_dtype, tied):
             norm(p + "self_attn.k_norm.weight", hd)
         norm(p + "post_attention_layernorm.weight", H)
         if arch == "qwen3moe":
-            lin(p + "mlp.gate.weight", E, H)
+            router(p + "mlp.gate.weight")
             for e in range(E):
                 q = f"{p}mlp.experts.{e}."
                 lin(q + "gate_proj.weight", I, H, experts_dtype)
                 lin(q + "up_proj.weight", I, H, experts_dtype)
                 lin(q + "down_proj.weight", H, I, experts_dtype)
         else:
-            lin(p + "block_sparse_moe.gate.weight", E, H)
+            router(p + "block_sparse_moe.gate.weight")
             for e in range(E):
                 q = f"{p}block_sparse_moe.experts.{e}."
                 lin(q + "w1.weight", I, H, experts_dtype)   # gate
@@ -284,7 +291,8 @@ def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied):
     w.close()
 
 
-def write_tiny(out, arch, seed=0, dtype="f32", experts_dtype="bf16", tied=False, **over):
+def write_tiny(out, arch, seed=0, dtype="f32", experts_dtype="bf16", tied=False,
+               router_bf16=False, **over):
     """Writes out/hf, out/model.gguf and out/meta.json; returns the meta dict."""
     if arch not in DEFAULTS:
         raise ValueError(f"arch must be one of {sorted(DEFAULTS)}")
@@ -301,7 +309,7 @@ def write_tiny(out, arch, seed=0, dtype="f32", experts_dtype="bf16", tied=False,
     if cfg["vocab"] < 8:
         raise ValueError("vocab must be at least 8")
     os.makedirs(out, exist_ok=True)
-    weights = make_weights(arch, cfg, seed, dtype, experts_dtype, tied)
+    weights = make_weights(arch, cfg, seed, dtype, experts_dtype, tied, router_bf16)
     write_hf(os.path.join(out, "hf"), arch, cfg, weights, dtype, tied)
     write_gguf(os.path.join(out, "model.gguf"), arch, cfg, weights, dtype, experts_dtype, tied)
     meta = dict(arch=arch, seed=seed, dtype=dtype, experts_dtype=experts_dtype, tied=tied,
@@ -319,6 +327,8 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=DTYPES, default="f32", help="non-expert weights (f32)")
     ap.add_argument("--experts-dtype", choices=DTYPES, default="bf16", help="experts (bf16)")
     ap.add_argument("--tied", action="store_true", help="no lm_head/output: the embedding is the head")
+    ap.add_argument("--router-bf16", action="store_true",
+                    help="router values bf16 holds exactly (stored in their file type)")
     for key in ("layers", "vocab", "hidden", "heads", "kv_heads", "head_dim", "experts",
                 "top_k", "moe_ffn", "ctx"):
         ap.add_argument("--" + key.replace("_", "-"), type=int, dest=key)
@@ -326,7 +336,7 @@ def main(argv=None):
     ap.add_argument("--eps", type=float)
     a = vars(ap.parse_args(argv))
     meta = write_tiny(a.pop("out"), a.pop("arch"), a.pop("seed"), a.pop("dtype"),
-                      a.pop("experts_dtype"), a.pop("tied"), **a)
+                      a.pop("experts_dtype"), a.pop("tied"), a.pop("router_bf16"), **a)
     print(json.dumps(meta))
     return 0
 

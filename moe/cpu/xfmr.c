@@ -1,0 +1,197 @@
+/* cpu/xfmr.c: a transformer's operations besides the MoE layers for the CPU backend (the
+ * get_rows, matmul, rope and attention entries of tdm_moe__cpu_ops): host tasks on the queue's
+ * worker, as cpu/ops.c's are. The projections are OpenBLAS sgemm; attention splits its
+ * (token, head) pairs between the pool's threads (cpu/pool.h), each pair computed whole by one
+ * thread in a fixed order, so the bits do not depend on the split. */
+#include "ops.h" /* moe/ops.h */
+#include "pool.h"
+#include "task.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cblas.h>
+#undef I /* <complex.h>'s, as in cpu/ops.c */
+
+/* ---- get_rows ---------------------------------------------------------------------------- */
+
+typedef struct rows_args {
+  task t; /* first */
+  float *y;
+  const float *table;
+  const int32_t *ids;
+  int T, H, V;
+} rows_args;
+
+static int rows_body(const task *t) {
+  const rows_args *a = (const rows_args *)t;
+  size_t row = (size_t)a->H * sizeof(float);
+  for (int i = 0; i < a->T; i++) {
+    int32_t id = a->ids[i];
+    float *y = a->y + (size_t)i * a->H;
+    if (id >= 0 && id < a->V)
+      memcpy(y, a->table + (size_t)id * a->H, row);
+    else
+      memset(y, 0, row);
+  }
+  return 0;
+}
+
+int tdm_moe__cpu_get_rows(void *st, tdm_queue *q, float *y, const float *table,
+                          const int32_t *ids, int T, int H, int V) {
+  int rc = tdm_moe__check_state(st, q, "get_rows");
+  if (rc) return rc;
+  if (!y || !table || !ids || T < 0 || H <= 0 || V <= 0) return tdm_moe__bad_args("get_rows");
+  if (T == 0) return 0;
+  rows_args *a = tdm_moe__task_alloc(sizeof *a, "get_rows");
+  if (!a) return TDM_ENOMEM;
+  *a = (rows_args){.t.body = rows_body, .y = y, .table = table, .ids = ids, .T = T, .H = H,
+                   .V = V};
+  return tdm_moe__task_submit(q, &a->t);
+}
+
+/* ---- matmul ------------------------------------------------------------------------------ */
+
+typedef struct matmul_args {
+  task t; /* first */
+  float *y;
+  const float *x, *w;
+  int T, K, N;
+  float beta;
+} matmul_args;
+
+static int matmul_body(const task *t) {
+  const matmul_args *a = (const matmul_args *)t;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, a->T, a->N, a->K, 1.0f, a->x, a->K, a->w,
+              a->K, a->beta, a->y, a->N);
+  return 0;
+}
+
+int tdm_moe__cpu_matmul(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T,
+                        int K, int N, float beta) {
+  int rc = tdm_moe__check_state(st, q, "matmul");
+  if (rc) return rc;
+  if (!y || !x || !w || T < 0 || K <= 0 || N <= 0 || (beta != 0.0f && beta != 1.0f))
+    return tdm_moe__bad_args("matmul");
+  if (T == 0) return 0;
+  matmul_args *a = tdm_moe__task_alloc(sizeof *a, "matmul");
+  if (!a) return TDM_ENOMEM;
+  *a = (matmul_args){.t.body = matmul_body, .y = y, .x = x, .w = w, .T = T, .K = K, .N = N,
+                     .beta = beta};
+  return tdm_moe__task_submit(q, &a->t);
+}
+
+/* ---- rope -------------------------------------------------------------------------------- */
+
+typedef struct rope_args {
+  task t; /* first */
+  float *x;
+  int T, nh, hd, pos0, neox;
+  float base, freq_scale;
+} rope_args;
+
+static int rope_body(const task *t) {
+  const rope_args *a = (const rope_args *)t;
+  int half = a->hd / 2;
+  for (int r = 0; r < a->T; r++) {
+    double p = (double)(a->pos0 + r) * a->freq_scale;
+    for (int i = 0; i < half; i++) {
+      /* the angle in double: at long positions a float angle loses the low bits */
+      double th = p * pow((double)a->base, -2.0 * i / a->hd);
+      float c = (float)cos(th), s = (float)sin(th);
+      for (int h = 0; h < a->nh; h++) {
+        float *v = a->x + ((size_t)r * a->nh + h) * a->hd;
+        int i0 = a->neox ? i : 2 * i, i1 = a->neox ? i + half : 2 * i + 1;
+        float x0 = v[i0], x1 = v[i1];
+        v[i0] = x0 * c - x1 * s;
+        v[i1] = x0 * s + x1 * c;
+      }
+    }
+  }
+  return 0;
+}
+
+int tdm_moe__cpu_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0,
+                      float base, float freq_scale, int neox) {
+  int rc = tdm_moe__check_state(st, q, "rope");
+  if (rc) return rc;
+  if (!x || T < 0 || nh <= 0 || hd <= 0 || hd % 2 || pos0 < 0 || !(base > 0.0f) ||
+      !(freq_scale > 0.0f))
+    return tdm_moe__bad_args("rope");
+  if (T == 0) return 0;
+  rope_args *a = tdm_moe__task_alloc(sizeof *a, "rope");
+  if (!a) return TDM_ENOMEM;
+  *a = (rope_args){.t.body = rope_body, .x = x, .T = T, .nh = nh, .hd = hd, .pos0 = pos0,
+                   .neox = neox != 0, .base = base, .freq_scale = freq_scale};
+  return tdm_moe__task_submit(q, &a->t);
+}
+
+/* ---- attention --------------------------------------------------------------------------- */
+
+typedef struct attn_args {
+  task t; /* first */
+  float *out;
+  const float *qv, *kc, *vc;
+  int T, pos0, nh, nkv, hd;
+  float scale;
+  float *scores; /* pool_workers() x (pos0 + T), while the task runs */
+} attn_args;
+
+/* One (token, head) pair: scores over positions 0 .. pos0 + t, softmax, the weighted values. */
+static void attn_pair(void *arg, size_t chunk, int worker) {
+  const attn_args *a = arg;
+  int t = (int)(chunk / (size_t)a->nh), h = (int)(chunk % (size_t)a->nh);
+  int n = a->pos0 + t + 1, g = h / (a->nh / a->nkv), hd = a->hd;
+  size_t kvrow = (size_t)a->nkv * hd;
+  const float *qr = a->qv + ((size_t)t * a->nh + h) * hd;
+  float *s = a->scores + (size_t)worker * (size_t)(a->pos0 + a->T), mx = -INFINITY;
+  for (int p = 0; p < n; p++) {
+    const float *k = a->kc + (size_t)p * kvrow + (size_t)g * hd;
+    float d = 0.0f;
+    for (int i = 0; i < hd; i++) d += qr[i] * k[i];
+    s[p] = d * a->scale;
+    if (s[p] > mx) mx = s[p];
+  }
+  double sum = 0.0;
+  for (int p = 0; p < n; p++) {
+    s[p] = expf(s[p] - mx);
+    sum += s[p];
+  }
+  float inv = (float)(1.0 / sum), *o = a->out + ((size_t)t * a->nh + h) * hd;
+  for (int i = 0; i < hd; i++) o[i] = 0.0f;
+  for (int p = 0; p < n; p++) {
+    const float *v = a->vc + (size_t)p * kvrow + (size_t)g * hd;
+    float w = s[p] * inv;
+    for (int i = 0; i < hd; i++) o[i] += w * v[i];
+  }
+}
+
+static int attn_body(const task *t) {
+  attn_args *a = (attn_args *)t;
+  size_t per = (size_t)a->pos0 + (size_t)a->T;
+  a->scores = malloc((size_t)pool_workers() * per * sizeof(float));
+  if (!a->scores)
+    return tdm_set_error(TDM_ENOMEM, 0, "moe attention: no host memory for the scores");
+  pool_run((size_t)a->T * (size_t)a->nh, attn_pair, a);
+  free(a->scores);
+  a->scores = NULL;
+  return 0;
+}
+
+int tdm_moe__cpu_attention(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
+                           const float *vc, int T, int pos0, int nh, int nkv, int hd,
+                           float scale) {
+  int rc = tdm_moe__check_state(st, q, "attention");
+  if (rc) return rc;
+  if (!out || !qv || !kc || !vc || T < 0 || pos0 < 0 || nh <= 0 || nkv <= 0 || nh % nkv ||
+      hd <= 0 || !(scale > 0.0f) || (int64_t)pos0 + T > INT32_MAX)
+    return tdm_moe__bad_args("attention");
+  if (T == 0) return 0;
+  attn_args *a = tdm_moe__task_alloc(sizeof *a, "attention");
+  if (!a) return TDM_ENOMEM;
+  *a = (attn_args){.t.body = attn_body, .out = out, .qv = qv, .kc = kc, .vc = vc, .T = T,
+                   .pos0 = pos0, .nh = nh, .nkv = nkv, .hd = hd, .scale = scale};
+  return tdm_moe__task_submit(q, &a->t);
+}
