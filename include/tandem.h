@@ -85,7 +85,8 @@ TDM_API const char *tdm_version_string(void);
   X(EAGAIN, -16, "not complete yet")                                                           \
   X(EBUSY, -17, "object is in use")                                                            \
   X(EVERSION, -18, "version mismatch")                                                         \
-  X(ESTATE, -19, "operation not valid in the object's current state")
+  X(ESTATE, -19, "operation not valid in the object's current state")                          \
+  X(ENOENT, -20, "no such file, key or entry")
 
 enum {
 #define TDM__ERRNO_ENUM(name, value, msg) TDM_##name = (value),

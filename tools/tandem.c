@@ -23,6 +23,9 @@ static const char main_help[] =
     "\n"
     "commands:\n"
     "  devices          list backends and devices\n"
+    "  run              a whole MoE model from its file (GGUF, safetensors): a prompt of ids,\n"
+    "                   then greedy decoding, with experts streamed from host memory\n"
+    "  bench -m FILE    a model's prefill and decode rates, as llama-bench prints them\n"
     "  moe              MoE layers with experts streamed from host memory (the main job)\n"
     "  bench overlap    measure how well a copy queue overlaps a compute queue\n"
     "  version          print the tool's and the library's versions\n"
@@ -34,6 +37,7 @@ static const char bench_help[] =
     "usage: tandem bench <benchmark> [options]\n"
     "\n"
     "benchmarks:\n"
+    "  -m FILE    a whole model's prefill and decode rates (tandem bench -m FILE --help)\n"
     "  overlap    copies on one queue, compute on another, waiting device-side:\n"
     "             overlapped vs serialized time\n"
     "\n"
@@ -230,6 +234,8 @@ static int cmd_bench(int argc, char **argv) {
     fputs(bench_help, stdout);
     return TOOL_OK;
   }
+  if (argv[1][0] == '-' && strcmp(argv[1], "--help") != 0 && strcmp(argv[1], "-h") != 0)
+    return tool_cmd_model_bench(argc, argv);
   if (strcmp(argv[1], "overlap") == 0)
     return tool_cmd_overlap(argc - 1, argv + 1);
   return tool_usage_error("bench", "unknown benchmark '%s'", argv[1]);
@@ -272,6 +278,8 @@ static int dispatch(int argc, char **argv) {
     return cmd_version(argc - 1, argv + 1);
   if (strcmp(cmd, "devices") == 0)
     return tool_cmd_devices(argc - 1, argv + 1);
+  if (strcmp(cmd, "run") == 0)
+    return tool_cmd_run(argc - 1, argv + 1);
   if (strcmp(cmd, "moe") == 0)
     return tool_cmd_moe(argc - 1, argv + 1);
   if (strcmp(cmd, "bench") == 0)

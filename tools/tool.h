@@ -24,6 +24,8 @@ enum {
 int tool_cmd_devices(int argc, char **argv);
 int tool_cmd_overlap(int argc, char **argv);
 int tool_cmd_moe(int argc, char **argv);
+int tool_cmd_run(int argc, char **argv);        /* run.c */
+int tool_cmd_model_bench(int argc, char **argv); /* run.c: tandem bench -m */
 
 /* The whole command line, argv joined with spaces, for result files. */
 void tool_command_line(char *buf, size_t size);

@@ -44,6 +44,7 @@ static const struct {
     {TDM_EBUSY, "BusyError", "TDM_EBUSY: the object is in use."},
     {TDM_EVERSION, "VersionError", "TDM_EVERSION: version mismatch."},
     {TDM_ESTATE, "StateError", "TDM_ESTATE: not valid in the object's current state."},
+    {TDM_ENOENT, "NotFoundError", "TDM_ENOENT: no such file, key or entry."},
 };
 
 PyObject *tdmpy_raise(tdmpy_state *st, int rc) {

@@ -14,7 +14,7 @@
 #include <tandem.h>
 
 /* Errors TDM_EINVAL (-1) ... TDM_ESTATE (-19): one exception class per code. */
-#define TDMPY_NERRORS 19
+#define TDMPY_NERRORS 20
 
 typedef struct {
   PyTypeObject *device_type; /* owned: the heap types */

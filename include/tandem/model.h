@@ -1,0 +1,111 @@
+/* tandem/model.h: whole Mixture-of-Experts language models from their files (libtandem_model):
+ * a GGUF file, or a Hugging Face folder (config.json and safetensors shards), of Qwen3-MoE
+ * (`qwen3moe`, Qwen3MoeForCausalLM) or Mixtral (`llama` with experts, MixtralForCausalLM).
+ * Token embedding, attention with RoPE and a KV cache on the device, the MoE layers through the
+ * expert streamer (tandem/moe.h: placement, cache policy and look-ahead as there), the final
+ * norm and the LM head. Token ids in, logits out: no tokenizer (a file's is read past).
+ *
+ * Weights: the experts go to pinned host memory in bf16, one blob per expert, and reach the
+ * device through the streamer; everything else (embedding, attention, norms, LM head) is kept
+ * on the device in f32. Files may hold F32, F16 or BF16 tensors: F16 and F32 experts are
+ * rounded to bf16 (to nearest even), and so are the routers (the MoE operations take bf16
+ * routers); the rest is exact. One sequence at a time. */
+#ifndef TANDEM_MODEL_API_H
+#define TANDEM_MODEL_API_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../tandem.h"
+#include "moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tdm_model tdm_model;
+
+typedef struct tdm_model_config {
+  const char *path;      /* a .gguf file, or a folder holding config.json and *.safetensors */
+  tdm_device *device;
+  int ctx;               /* KV cache positions (0: the model's context, at most 4096); more than
+                            the model's own context is TDM_EINVAL */
+  int ubatch;            /* the most tokens one device pass takes (0: 512); a longer prompt is
+                            run in ubatches of this size */
+  /* The MoE layers (tandem/moe.h's fields of the same names): */
+  size_t budget_bytes;   /* resident experts on the device */
+  bool all_resident;     /* every expert resident */
+  tdm_cache_policy policy;
+  bool predict;
+  int predict_depth;
+  int staging_slots;
+  tdm_moe_placement placement;
+  int threads;           /* for reading and converting the weights (0: all cores) */
+  /* Called on the loading thread as the weights load (what: "experts", "dense"; done in
+   * [0, 1]), so a tool can show progress; NULL: nothing. */
+  void (*progress)(void *user, const char *what, double done);
+  void *progress_user;
+} tdm_model_config;
+
+/* What a model is, as its file says. Strings are valid while the model is open. */
+typedef struct tdm_model_info {
+  const char *arch;      /* "qwen3moe" or "mixtral" */
+  const char *format;    /* "gguf" or "safetensors" */
+  const char *name;      /* the file's own name for the model, or "" */
+  int layers, hidden, heads, kv_heads, head_dim, vocab;
+  int experts, topk, expert_ffn;
+  int ctx_train;         /* the model's context */
+  int ctx;               /* the KV cache's positions */
+  int ubatch;
+  double rope_base, rope_scale, norm_eps;
+  bool rope_neox;        /* rotate-half pairs (else adjacent pairs) */
+  bool qk_norm;          /* per-head RMSNorm of q and k (Qwen3) */
+  bool tied_embeddings;  /* the LM head is the embedding */
+  size_t expert_bytes;   /* one expert, bf16 */
+  size_t host_bytes;     /* pinned host memory for the experts */
+  size_t device_bytes;   /* device memory: dense weights, KV cache, buffers (not the expert slots) */
+  const char *weight_type; /* the experts' type in the file: "F32", "F16", "BF16" */
+} tdm_model_info;
+
+/* Figures of one tdm_model_eval call, summed over its ubatches. */
+typedef struct tdm_model_stats {
+  int tokens, ubatches;
+  double seconds;        /* wall time of the call */
+  double moe_seconds;    /* of which in the MoE layers (host clock, submitting and waiting) */
+  tdm_moe_pass_stats moe; /* the MoE passes' figures, summed (seconds fields too) */
+} tdm_model_stats;
+
+/* Opens the file, checks it (every tensor the architecture needs, with the shapes its metadata
+ * gives), loads the weights and sets up the device; reports progress through cfg->progress.
+ * A bad file, a missing tensor, an unknown architecture or type, a context longer than the
+ * model's, a model larger than host memory: TDM_EINVAL, TDM_ENOTSUP or TDM_ENOMEM with
+ * tdm_last_error() naming the file, the tensor and the problem. */
+TDM_API int tdm_model_open(const tdm_model_config *cfg, tdm_model **out);
+TDM_API void tdm_model_close(tdm_model *m);
+TDM_API int tdm_model_info_get(const tdm_model *m, tdm_model_info *out);
+
+/* Runs n tokens at the sequence's next positions (pos() .. pos() + n - 1), in ubatches,
+ * appending their keys and values to the cache. logits: host f32; NULL for none; else
+ * [n x vocab] when all_logits, or [vocab] for the last token only. An id outside [0, vocab),
+ * or n past the cache's room (pos() + n > ctx): TDM_EINVAL before anything runs. A failure
+ * partway leaves the position where the last complete ubatch left it. */
+TDM_API int tdm_model_eval(tdm_model *m, const int32_t *tokens, int n, float *logits,
+                           bool all_logits, tdm_model_stats *st);
+
+/* The sequence's length so far, and a rewind to position pos (0: a new sequence; the cache
+ * past pos is forgotten). pos beyond the current position: TDM_EINVAL. */
+TDM_API int tdm_model_pos(const tdm_model *m);
+TDM_API int tdm_model_rewind(tdm_model *m, int pos);
+
+/* The MoE layers underneath (their streamer, placement and statistics). */
+TDM_API tdm_moe_model *tdm_model_moe(tdm_model *m);
+
+/* The index of the largest of n logits (the lower index on ties): greedy decoding. */
+TDM_API int tdm_model_argmax(const float *logits, int n);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

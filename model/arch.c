@@ -1,0 +1,224 @@
+/* arch.c: the architectures a model file may hold (Qwen3-MoE and Mixtral) in either format:
+ * their hyperparameters, from a GGUF's metadata keys (<arch>.block_count, ...) or a
+ * config.json, and their tensors by role, named as llama.cpp's GGUF files name them
+ * (blk.N.attn_q.weight) or as Hugging Face's do (model.layers.N.self_attn.q_proj.weight).
+ *
+ * Two facts of the formats shape what follows. GGUF's `llama` files (Mixtral among them) have
+ * their q and k rows permuted by the converter so that RoPE on adjacent pairs gives Hugging
+ * Face's rotate-half; `qwen3moe` files are not permuted and use rotate-half. And GGUF keeps a
+ * layer's experts in three 3-D tensors ([E x I x H] for gate and up, [E x H x I] for down),
+ * where Hugging Face keeps a tensor per expert and projection. */
+#include "arch.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "gguf.h"
+#include "safetensors.h"
+#include "tandem.h"
+
+int mfile_open(mfile *f, const char *path) {
+  memset(f, 0, sizeof *f);
+  f->path = path;
+  size_t n = strlen(path);
+  if (n >= 5 && strcmp(path + n - 5, ".gguf") == 0) return tdm_gguf_open(path, &f->g);
+  /* Not named .gguf: a folder is safetensors, a file is tried as GGUF (its magic decides). */
+  FILE *probe = fopen(path, "rb");
+  char magic[4] = {0};
+  bool gguf = probe && fread(magic, 1, 4, probe) == 4 && memcmp(magic, "GGUF", 4) == 0;
+  if (probe) fclose(probe);
+  return gguf ? tdm_gguf_open(path, &f->g) : tdm_st_open(path, &f->s);
+}
+
+void mfile_close(mfile *f) {
+  if (f->g) tdm_gguf_close(f->g);
+  if (f->s) tdm_st_close(f->s);
+  f->g = NULL;
+  f->s = NULL;
+}
+
+const tdm_mf_tensor *mfile_find(const mfile *f, const char *name) {
+  return f->g ? tdm_gguf_tensor_find(f->g, name) : tdm_st_tensor_find(f->s, name);
+}
+
+/* ---- hyperparameters --------------------------------------------------------------------- */
+
+/* A GGUF key "<arch>.<what>" as an integer / a float; missing ones keep *v when optional. */
+static int g_int(const mfile *f, const char *arch, const char *what, int *v, bool optional) {
+  char key[160];
+  uint64_t u;
+  snprintf(key, sizeof key, "%s.%s", arch, what);
+  int rc = tdm_gguf_get_u64(f->g, key, &u);
+  if (rc == TDM_ENOENT && optional) return 0;
+  if (rc) return tdm_set_error(rc, 0, "%s: metadata %s: %s", f->path, key, tdm_last_error());
+  if (u < 1 || u > INT32_MAX)
+    return tdm_set_error(TDM_EINVAL, 0, "%s: metadata %s is %llu", f->path, key,
+                         (unsigned long long)u);
+  *v = (int)u;
+  return 0;
+}
+
+static int g_f64(const mfile *f, const char *arch, const char *what, double *v) {
+  char key[160];
+  snprintf(key, sizeof key, "%s.%s", arch, what);
+  int rc = tdm_gguf_get_f64(f->g, key, v);
+  return rc == TDM_ENOENT ? 0 : rc;
+}
+
+static int read_gguf(const mfile *f, hparams *hp) {
+  const char *arch = NULL, *name = NULL;
+  size_t len;
+  int rc = tdm_gguf_get_str(f->g, "general.architecture", &arch, &len);
+  if (rc) return tdm_set_error(rc, 0, "%s: no general.architecture", f->path);
+  if (tdm_gguf_get_str(f->g, "general.name", &name, &len) == 0)
+    snprintf(hp->name, sizeof hp->name, "%s", name);
+  if (strcmp(arch, "qwen3moe") == 0) {
+    hp->kind = ARCH_QWEN3MOE;
+    hp->neox = hp->qk_norm = true;
+  } else if (strcmp(arch, "llama") == 0) {
+    hp->kind = ARCH_MIXTRAL;
+    hp->neox = hp->qk_norm = false;
+  } else {
+    return tdm_set_error(TDM_ENOTSUP, 0, "%s: architecture %s is not one tandem runs (qwen3moe, "
+                         "or llama with experts: Mixtral)", f->path, arch);
+  }
+  hp->renorm = true; /* both take softmax over the top-k (Qwen3-MoE's norm_topk_prob) */
+  hp->rope_base = 10000.0;
+  hp->rope_scale = 1.0;
+  hp->eps = 1e-5;
+  hp->ctx_train = 4096;
+  hp->E = 0;
+  if ((rc = g_int(f, arch, "block_count", &hp->L, false)) ||
+      (rc = g_int(f, arch, "embedding_length", &hp->H, false)) ||
+      (rc = g_int(f, arch, "attention.head_count", &hp->nh, false)) ||
+      (rc = g_int(f, arch, "context_length", &hp->ctx_train, true)) ||
+      (rc = g_int(f, arch, "expert_count", &hp->E, true)))
+    return rc;
+  if (hp->E == 0)
+    return tdm_set_error(TDM_ENOTSUP, 0, "%s: a dense %s model (no %s.expert_count): tandem "
+                         "runs Mixture-of-Experts models", f->path, arch, arch);
+  hp->nkv = hp->nh;
+  hp->hd = hp->H / hp->nh;
+  if ((rc = g_int(f, arch, "attention.head_count_kv", &hp->nkv, true)) ||
+      (rc = g_int(f, arch, "attention.key_length", &hp->hd, true)) ||
+      (rc = g_int(f, arch, "expert_used_count", &hp->k, false)))
+    return rc;
+  hp->I = 0;
+  if (hp->kind == ARCH_QWEN3MOE)
+    rc = g_int(f, arch, "expert_feed_forward_length", &hp->I, false);
+  else if ((rc = g_int(f, arch, "expert_feed_forward_length", &hp->I, true)) == 0 && !hp->I)
+    rc = g_int(f, arch, "feed_forward_length", &hp->I, false);
+  if (rc) return rc;
+  double factor = 0.0;
+  if ((rc = g_f64(f, arch, "rope.freq_base", &hp->rope_base)) ||
+      (rc = g_f64(f, arch, "attention.layer_norm_rms_epsilon", &hp->eps)) ||
+      (rc = g_f64(f, arch, "rope.scaling.factor", &factor)))
+    return rc;
+  const char *stype = NULL;
+  char key[160];
+  snprintf(key, sizeof key, "%s.rope.scaling.type", arch);
+  if (tdm_gguf_get_str(f->g, key, &stype, &len) == 0 && strcmp(stype, "none") != 0) {
+    if (strcmp(stype, "linear") != 0)
+      return tdm_set_error(TDM_ENOTSUP, 0, "%s: RoPE scaling %s (tandem has linear)", f->path,
+                           stype);
+    if (factor > 0) hp->rope_scale = 1.0 / factor;
+  }
+  /* the vocabulary: the embedding's rows */
+  const tdm_mf_tensor *e = mfile_find(f, "token_embd.weight");
+  if (!e || e->ndim != 2)
+    return tdm_set_error(TDM_EINVAL, 0, "%s: tensor token_embd.weight is %s", f->path,
+                         e ? "not 2-D" : "missing");
+  hp->V = e->shape[0] > INT32_MAX ? 0 : (int)e->shape[0];
+  hp->tied = mfile_find(f, "output.weight") == NULL;
+  return 0;
+}
+
+/* A config.json integer / float; a missing optional one keeps *v. */
+static int c_int(const mfile *f, const char *key, int *v, bool optional) {
+  int64_t i;
+  int rc = tdm_st_config_i64(f->s, key, &i);
+  if (rc == TDM_ENOENT && optional) return 0;
+  if (rc) return tdm_set_error(rc, 0, "%s/config.json: %s: %s", f->path, key, tdm_last_error());
+  if (i < 1 || i > INT32_MAX)
+    return tdm_set_error(TDM_EINVAL, 0, "%s/config.json: %s is %lld", f->path, key,
+                         (long long)i);
+  *v = (int)i;
+  return 0;
+}
+
+static int c_f64(const mfile *f, const char *key, double *v) {
+  int rc = tdm_st_config_f64(f->s, key, v);
+  return rc == TDM_ENOENT ? 0 : rc;
+}
+
+static int read_st(const mfile *f, hparams *hp) {
+  const char *arch = NULL, *type = NULL;
+  int rc = tdm_st_architecture(f->s, &arch);
+  if (rc) return tdm_set_error(rc, 0, "%s/config.json: no architectures", f->path);
+  bool qwen = strcmp(arch, "Qwen3MoeForCausalLM") == 0;
+  if (!qwen && strcmp(arch, "MixtralForCausalLM") != 0)
+    return tdm_set_error(TDM_ENOTSUP, 0, "%s/config.json: architecture %s is not one tandem "
+                         "runs (Qwen3MoeForCausalLM, MixtralForCausalLM)", f->path, arch);
+  hp->kind = qwen ? ARCH_QWEN3MOE : ARCH_MIXTRAL;
+  snprintf(hp->name, sizeof hp->name, "%s", arch);
+  hp->neox = true; /* Hugging Face's rotate-half, unpermuted */
+  hp->qk_norm = qwen;
+  hp->renorm = true;
+  hp->rope_base = 10000.0;
+  hp->rope_scale = 1.0;
+  hp->eps = 1e-6;
+  hp->ctx_train = 4096;
+  int tied = 0;
+  if ((rc = c_int(f, "num_hidden_layers", &hp->L, false)) ||
+      (rc = c_int(f, "hidden_size", &hp->H, false)) ||
+      (rc = c_int(f, "num_attention_heads", &hp->nh, false)) ||
+      (rc = c_int(f, "vocab_size", &hp->V, false)) ||
+      (rc = c_int(f, "num_experts_per_tok", &hp->k, false)) ||
+      (rc = c_int(f, "max_position_embeddings", &hp->ctx_train, true)) ||
+      (rc = c_int(f, qwen ? "num_experts" : "num_local_experts", &hp->E, false)) ||
+      (rc = c_int(f, qwen ? "moe_intermediate_size" : "intermediate_size", &hp->I, false)))
+    return rc;
+  hp->nkv = hp->nh;
+  hp->hd = hp->H / hp->nh;
+  if ((rc = c_int(f, "num_key_value_heads", &hp->nkv, true)) ||
+      (rc = c_int(f, "head_dim", &hp->hd, true)) ||
+      (rc = c_f64(f, "rope_theta", &hp->rope_base)) ||
+      (rc = c_f64(f, "rms_norm_eps", &hp->eps)))
+    return rc;
+  if (qwen) {
+    int v = 1;
+    if (tdm_st_config_bool(f->s, "norm_topk_prob", &v) == 0) hp->renorm = v != 0;
+    int64_t step = 1;
+    if (tdm_st_config_i64(f->s, "decoder_sparse_step", &step) == 0 && step != 1)
+      return tdm_set_error(TDM_ENOTSUP, 0, "%s/config.json: decoder_sparse_step %lld (tandem "
+                           "runs models whose every layer is MoE)", f->path, (long long)step);
+  }
+  if (tdm_st_config_bool(f->s, "tie_word_embeddings", &tied) == 0) hp->tied = tied != 0;
+  if (tdm_st_config_str(f->s, "rope_scaling.type", &type) == 0 ||
+      tdm_st_config_str(f->s, "rope_scaling.rope_type", &type) == 0) {
+    double factor = 1.0;
+    if (strcmp(type, "linear") != 0 && strcmp(type, "default") != 0)
+      return tdm_set_error(TDM_ENOTSUP, 0, "%s/config.json: RoPE scaling %s (tandem has linear)",
+                           f->path, type);
+    if (c_f64(f, "rope_scaling.factor", &factor) == 0 && factor > 0) hp->rope_scale = 1.0 / factor;
+  }
+  return 0;
+}
+
+int arch_read(const mfile *f, hparams *hp) {
+  memset(hp, 0, sizeof *hp);
+  int rc = f->g ? read_gguf(f, hp) : read_st(f, hp);
+  if (rc) return rc;
+  int64_t qd = (int64_t)hp->nh * hp->hd, wide = hp->H > hp->I ? hp->H : hp->I;
+  if (hp->L < 1 || hp->H < 1 || hp->nh < 1 || hp->nkv < 1 || hp->nh % hp->nkv || hp->hd < 2 ||
+      hp->hd % 2 || hp->V < 1 || hp->E < 1 || hp->k < 1 || hp->k > hp->E || hp->I < 1 ||
+      hp->L > 4096 || hp->E > 65536 || qd > INT32_MAX / 8 || (int64_t)hp->V * hp->H > INT64_MAX / 8 ||
+      (int64_t)3 * hp->H * wide > INT32_MAX || !(hp->rope_base > 0) || !(hp->eps > 0) ||
+      !(hp->rope_scale > 0) || !isfinite(hp->rope_base))
+    return tdm_set_error(TDM_EINVAL, 0, "%s: hyperparameters that are no model's: %d layers, "
+                         "hidden %d, %d heads of %d (%d KV), vocabulary %d, %d experts of %d "
+                         "(top %d), RoPE base %g, epsilon %g", f->path, hp->L, hp->H, hp->nh,
+                         hp->hd, hp->nkv, hp->V, hp->E, hp->I, hp->k, hp->rope_base, hp->eps);
+  return 0;
+}

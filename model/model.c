@@ -1,0 +1,413 @@
+/* model.c: a whole model (tandem/model.h): the file opened and checked, the dense weights
+ * converted to f32 on the device, the experts handed to the MoE layers (tandem/moe.h) as a
+ * weight source, which puts them in pinned host memory for the streamer; then the forward
+ * pass, ubatch by ubatch, on the MoE model's compute queue: embedding, and per layer the
+ * attention (RMSNorm, q/k/v projections, Qwen3's per-head norms, RoPE, the keys and values
+ * written straight into the cache, causal attention, the output projection added to the
+ * residual), then the layer's MoE block from tdm_moe_pass_layer(); the final norm and the LM
+ * head last. */
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "arch.h"
+#include "tandem/model.h"
+
+/* Dense weights cross to the device through a pinned buffer of this size, a piece at a time. */
+#define STAGE_BYTES ((size_t)32 << 20)
+
+typedef struct layer_w {
+  float *attn_norm, *wq, *wk, *wv, *wo, *qn, *kn;
+  float *kc, *vc; /* the KV cache: [ctx x nkv*hd] each */
+} layer_w;
+
+struct tdm_model {
+  tdm_model_config cfg;
+  mfile f;
+  hparams hp;
+  char format[16];
+  const char *wtype;
+  int ctx, U, pos;
+  size_t device_bytes;
+  const tdm_moe_ops *ops;
+  void *ops_state;
+  tdm_moe_model *moe;
+  tdm_queue *q;
+  float *embd, *out_norm, *output;
+  layer_w *lw;
+  float *xn, *qb, *att, *logits; /* per ubatch: [U x H], [U x qd], [U x qd], [U x V] */
+  int32_t *ids;
+  int32_t *ids_h;
+  float *logits_h;
+  void *stage;
+  /* progress, from the threads that load the experts */
+  pthread_mutex_t progress_mu;
+  atomic_long experts_done;
+  int progress_pct;
+  tdm_moe_preset preset;
+};
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void progress(tdm_model *m, const char *what, double done) {
+  if (m->cfg.progress) m->cfg.progress(m->cfg.progress_user, what, done);
+}
+
+/* ---- the MoE layers' weight source ------------------------------------------------------- */
+
+static int src_expert(void *user, int l, int e, tdm_moe_bf16 *dst) {
+  tdm_model *m = user;
+  expert_part parts[3];
+  size_t hi = (size_t)m->hp.H * m->hp.I;
+  int rc = arch_expert(&m->f, &m->hp, l, e, parts);
+  for (int p = 0; !rc && p < 3; p++)
+    rc = convert_bf16(parts[p].t, parts[p].first, hi, dst + p * hi, m->f.path);
+  long done = atomic_fetch_add(&m->experts_done, 1) + 1, all = (long)m->hp.L * m->hp.E;
+  int pct = (int)(done * 100 / all);
+  if (m->cfg.progress && pct != m->progress_pct) {
+    pthread_mutex_lock(&m->progress_mu);
+    if (pct > m->progress_pct) {
+      m->progress_pct = pct;
+      progress(m, "experts", (double)done / all);
+    }
+    pthread_mutex_unlock(&m->progress_mu);
+  }
+  return rc;
+}
+
+static int src_router(void *user, int l, tdm_moe_bf16 *dst) {
+  tdm_model *m = user;
+  const tdm_mf_tensor *t = arch_tensor(&m->f, &m->hp, T_ROUTER, l);
+  return t ? convert_bf16(t, 0, (size_t)m->hp.E * m->hp.H, dst, m->f.path) : TDM_EINVAL;
+}
+
+static int src_norm(void *user, int l, float *dst) {
+  tdm_model *m = user;
+  const tdm_mf_tensor *t = arch_tensor(&m->f, &m->hp, T_FFN_NORM, l);
+  return t ? convert_f32(t, 0, (size_t)m->hp.H, dst, m->f.path) : TDM_EINVAL;
+}
+
+/* ---- dense weights and buffers on the device --------------------------------------------- */
+
+static int dev_alloc(tdm_model *m, size_t bytes, void *out) {
+  int rc = tdm_malloc(m->cfg.device, TDM_MEM_DEVICE, bytes ? bytes : 1, (void **)out);
+  if (!rc) m->device_bytes += bytes;
+  return rc;
+}
+
+/* A tensor of role r (layer l) to the device in f32, through the staging buffer; a role the
+ * model does not have leaves *dst NULL. */
+static int upload(tdm_model *m, tensor_role r, int l, float **dst) {
+  *dst = NULL;
+  if (!arch_has(&m->hp, r)) return 0;
+  const tdm_mf_tensor *t = arch_tensor(&m->f, &m->hp, r, l);
+  if (!t) return TDM_EINVAL;
+  size_t n = (size_t)tdm_mf_elements(t), per = STAGE_BYTES / sizeof(float);
+  int rc = dev_alloc(m, n * sizeof(float), dst);
+  for (size_t at = 0; !rc && at < n; at += per) {
+    size_t c = n - at < per ? n - at : per;
+    if (!(rc = convert_f32(t, at, c, m->stage, m->f.path)) &&
+        !(rc = tdm_memcpy(m->q, *dst + at, m->stage, c * sizeof(float), TDM_COPY_H2D, 0, NULL,
+                          NULL)))
+      rc = tdm_queue_sync(m->q); /* the stage is reused next */
+  }
+  return rc;
+}
+
+static int load_dense(tdm_model *m) {
+  const hparams *hp = &m->hp;
+  int rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, STAGE_BYTES, &m->stage);
+  if (!rc) rc = upload(m, T_EMBD, 0, &m->embd);
+  if (!rc) rc = upload(m, T_OUT_NORM, 0, &m->out_norm);
+  if (!rc) rc = upload(m, T_OUTPUT, 0, &m->output);
+  if (!rc && !m->output) m->output = m->embd; /* tied */
+  size_t kvd = (size_t)hp->nkv * hp->hd, cache = (size_t)m->ctx * kvd * sizeof(float);
+  for (int l = 0; !rc && l < hp->L; l++) {
+    layer_w *w = &m->lw[l];
+    if ((rc = upload(m, T_ATTN_NORM, l, &w->attn_norm)) || (rc = upload(m, T_WQ, l, &w->wq)) ||
+        (rc = upload(m, T_WK, l, &w->wk)) || (rc = upload(m, T_WV, l, &w->wv)) ||
+        (rc = upload(m, T_WO, l, &w->wo)) || (rc = upload(m, T_QNORM, l, &w->qn)) ||
+        (rc = upload(m, T_KNORM, l, &w->kn)) || (rc = dev_alloc(m, cache, &w->kc)) ||
+        (rc = dev_alloc(m, cache, &w->vc)))
+      break;
+    progress(m, "dense", (double)(l + 1) / hp->L);
+  }
+  if (m->stage) tdm_free(m->stage);
+  m->stage = NULL;
+  return rc;
+}
+
+static int setup_buffers(tdm_model *m) {
+  const hparams *hp = &m->hp;
+  size_t U = (size_t)m->U, qd = (size_t)hp->nh * hp->hd;
+  int rc = dev_alloc(m, U * hp->H * sizeof(float), &m->xn);
+  if (!rc) rc = dev_alloc(m, U * qd * sizeof(float), &m->qb);
+  if (!rc) rc = dev_alloc(m, U * qd * sizeof(float), &m->att);
+  if (!rc) rc = dev_alloc(m, U * hp->V * sizeof(float), &m->logits);
+  if (!rc) rc = dev_alloc(m, U * sizeof(int32_t), &m->ids);
+  if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, U * sizeof(int32_t), (void **)&m->ids_h);
+  if (!rc)
+    rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, U * hp->V * sizeof(float),
+                    (void **)&m->logits_h);
+  return rc;
+}
+
+/* ---- open / close ------------------------------------------------------------------------ */
+
+static int check_config(const tdm_model_config *cfg, const hparams *hp, const char *path) {
+  if (cfg->ctx < 0 || cfg->ubatch < 0)
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_model_open: a context of %d and a ubatch of %d",
+                         cfg->ctx, cfg->ubatch);
+  if (cfg->ctx > hp->ctx_train)
+    return tdm_set_error(TDM_EINVAL, 0, "%s: a context of %d positions is longer than the "
+                         "model's %d", path, cfg->ctx, hp->ctx_train);
+  return 0;
+}
+
+static int open_moe(tdm_model *m) {
+  const hparams *hp = &m->hp;
+  m->preset = (tdm_moe_preset){.name = hp->kind == ARCH_QWEN3MOE ? "qwen3moe" : "mixtral",
+                               .hidden = hp->H, .experts = hp->E, .topk = hp->k,
+                               .ffn = hp->I, .layers = hp->L, .renorm = hp->renorm};
+  static const tdm_moe_source src = {.expert = src_expert, .router = src_router,
+                                     .norm = src_norm};
+  tdm_moe_source *s = malloc(sizeof *s);
+  if (!s) return tdm_set_error(TDM_ENOMEM, 0, "no memory");
+  *s = src;
+  s->user = m;
+  const tdm_model_config *c = &m->cfg;
+  tdm_moe_config mc = {.preset = &m->preset, .device = c->device, .max_tokens = m->U,
+                       .budget_bytes = c->budget_bytes, .all_resident = c->all_resident,
+                       .policy = c->policy, .predict = c->predict,
+                       .predict_depth = c->predict_depth, .staging_slots = c->staging_slots,
+                       .placement = c->placement, .threads = c->threads, .source = s,
+                       .norm_eps = (float)hp->eps};
+  int rc = tdm_moe_model_create(&mc, &m->moe);
+  free(s);
+  return rc;
+}
+
+int tdm_model_open(const tdm_model_config *cfg, tdm_model **out) {
+  if (!cfg || !cfg->path || !cfg->device || !out)
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_model_open: NULL argument");
+  tdm_model *m = calloc(1, sizeof *m);
+  if (!m) return tdm_set_error(TDM_ENOMEM, 0, "no memory");
+  m->cfg = *cfg;
+  m->progress_pct = -1;
+  pthread_mutex_init(&m->progress_mu, NULL);
+  int rc = mfile_open(&m->f, cfg->path);
+  if (!rc) rc = arch_read(&m->f, &m->hp);
+  if (!rc) rc = check_config(cfg, &m->hp, cfg->path);
+  if (!rc) {
+    snprintf(m->format, sizeof m->format, "%s", m->f.g ? "gguf" : "safetensors");
+    m->ctx = cfg->ctx ? cfg->ctx : m->hp.ctx_train < 4096 ? m->hp.ctx_train : 4096;
+    m->U = cfg->ubatch ? cfg->ubatch : 512;
+    if (m->U > m->ctx) m->U = m->ctx;
+    if (!(m->lw = calloc((size_t)m->hp.L, sizeof *m->lw)))
+      rc = tdm_set_error(TDM_ENOMEM, 0, "no memory");
+  }
+  if (!rc) {
+    expert_part parts[3]; /* the experts' tensors are checked before the MoE layers load them */
+    for (int l = 0; !rc && l < m->hp.L; l++) rc = arch_expert(&m->f, &m->hp, l, 0, parts);
+    m->wtype = rc ? "?" : tdm_mf_type_name(parts[0].t->type);
+  }
+  if (!rc && !(m->ops = tdm_moe_ops_for(cfg->device))) rc = TDM_ENOTSUP;
+  if (!rc && (!m->ops->get_rows || !m->ops->matmul || !m->ops->rope || !m->ops->attention))
+    rc = tdm_set_error(TDM_ENOTSUP, 0, "%s: tandem's %s operations have no attention yet",
+                       cfg->path, m->ops->name);
+  if (!rc) rc = open_moe(m);
+  if (!rc) m->q = tdm_moe_queue(m->moe);
+  if (!rc) rc = m->ops->open(m->q, &m->ops_state);
+  if (!rc) rc = load_dense(m);
+  if (!rc) rc = setup_buffers(m);
+  if (rc) {
+    tdm_model_close(m);
+    return rc;
+  }
+  *out = m;
+  return 0;
+}
+
+void tdm_model_close(tdm_model *m) {
+  if (!m) return;
+  if (m->q) (void)tdm_queue_sync(m->q);
+  void *bufs[] = {m->embd, m->out_norm, m->output != m->embd ? m->output : NULL, m->xn, m->qb,
+                  m->att, m->logits, m->ids, m->ids_h, m->logits_h, m->stage};
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+    if (bufs[i]) tdm_free(bufs[i]);
+  for (int l = 0; m->lw && l < m->hp.L; l++) {
+    float *w[] = {m->lw[l].attn_norm, m->lw[l].wq, m->lw[l].wk, m->lw[l].wv, m->lw[l].wo,
+                  m->lw[l].qn, m->lw[l].kn, m->lw[l].kc, m->lw[l].vc};
+    for (size_t i = 0; i < sizeof w / sizeof w[0]; i++)
+      if (w[i]) tdm_free(w[i]);
+  }
+  if (m->ops_state) m->ops->close(m->ops_state);
+  tdm_moe_model_destroy(m->moe);
+  mfile_close(&m->f);
+  pthread_mutex_destroy(&m->progress_mu);
+  free(m->lw);
+  free(m);
+}
+
+int tdm_model_info_get(const tdm_model *m, tdm_model_info *out) {
+  if (!m || !out) return tdm_set_error(TDM_EINVAL, 0, "tdm_model_info_get: NULL argument");
+  const hparams *hp = &m->hp;
+  size_t eb = (size_t)3 * hp->H * hp->I * sizeof(tdm_moe_bf16);
+  *out = (tdm_model_info){
+      .arch = hp->kind == ARCH_QWEN3MOE ? "qwen3moe" : "mixtral", .format = m->format,
+      .name = hp->name, .layers = hp->L, .hidden = hp->H, .heads = hp->nh,
+      .kv_heads = hp->nkv, .head_dim = hp->hd, .vocab = hp->V, .experts = hp->E,
+      .topk = hp->k, .expert_ffn = hp->I, .ctx_train = hp->ctx_train, .ctx = m->ctx,
+      .ubatch = m->U, .rope_base = hp->rope_base, .rope_scale = hp->rope_scale,
+      .norm_eps = hp->eps, .rope_neox = hp->neox, .qk_norm = hp->qk_norm,
+      .tied_embeddings = hp->tied, .expert_bytes = eb,
+      .host_bytes = eb * (size_t)hp->E * (size_t)hp->L, .device_bytes = m->device_bytes,
+      .weight_type = m->wtype};
+  return 0;
+}
+
+int tdm_model_pos(const tdm_model *m) { return m ? m->pos : 0; }
+
+int tdm_model_rewind(tdm_model *m, int pos) {
+  if (!m || pos < 0 || pos > m->pos)
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_model_rewind: position %d (the sequence has %d)",
+                         pos, m ? m->pos : 0);
+  m->pos = pos; /* what the cache holds past pos is overwritten before it is read again */
+  return 0;
+}
+
+tdm_moe_model *tdm_model_moe(tdm_model *m) { return m ? m->moe : NULL; }
+
+int tdm_model_argmax(const float *logits, int n) {
+  int best = 0;
+  for (int i = 1; i < n; i++)
+    if (logits[i] > logits[best]) best = i;
+  return best;
+}
+
+/* ---- the forward pass -------------------------------------------------------------------- */
+
+/* Layer l's attention on the ubatch of T tokens at pos0, x += Attn(RMSNorm(x)): this ubatch's
+ * keys and values go straight into the cache rows pos0 .. pos0 + T - 1. */
+static int attention(tdm_model *m, int l, int T, int pos0, float *x) {
+  const hparams *hp = &m->hp;
+  const tdm_moe_ops *o = m->ops;
+  void *s = m->ops_state;
+  const layer_w *w = &m->lw[l];
+  int qd = hp->nh * hp->hd, kvd = hp->nkv * hp->hd, rc;
+  float *k = w->kc + (size_t)pos0 * kvd, *v = w->vc + (size_t)pos0 * kvd;
+  float eps = (float)hp->eps, base = (float)hp->rope_base, fs = (float)hp->rope_scale;
+  if ((rc = o->rmsnorm(s, m->q, m->xn, x, w->attn_norm, T, hp->H, eps)) ||
+      (rc = o->matmul(s, m->q, m->qb, m->xn, w->wq, T, hp->H, qd, 0.0f)) ||
+      (rc = o->matmul(s, m->q, k, m->xn, w->wk, T, hp->H, kvd, 0.0f)) ||
+      (rc = o->matmul(s, m->q, v, m->xn, w->wv, T, hp->H, kvd, 0.0f)))
+    return rc;
+  if (hp->qk_norm &&
+      ((rc = o->rmsnorm(s, m->q, m->qb, m->qb, w->qn, T * hp->nh, hp->hd, eps)) ||
+       (rc = o->rmsnorm(s, m->q, k, k, w->kn, T * hp->nkv, hp->hd, eps))))
+    return rc;
+  if ((rc = o->rope(s, m->q, m->qb, T, hp->nh, hp->hd, pos0, base, fs, hp->neox)) ||
+      (rc = o->rope(s, m->q, k, T, hp->nkv, hp->hd, pos0, base, fs, hp->neox)) ||
+      (rc = o->attention(s, m->q, m->att, m->qb, w->kc, w->vc, T, pos0, hp->nh, hp->nkv, hp->hd,
+                         (float)(1.0 / sqrt((double)hp->hd)))))
+    return rc;
+  return o->matmul(s, m->q, x, m->att, w->wo, T, qd, hp->H, 1.0f);
+}
+
+static void add_stats(tdm_moe_pass_stats *sum, const tdm_moe_pass_stats *p) {
+  sum->seconds += p->seconds;
+  sum->wait_seconds += p->wait_seconds;
+  sum->ops_seconds += p->ops_seconds;
+  sum->streamer_seconds += p->streamer_seconds;
+  sum->bytes_copied += p->bytes_copied;
+  sum->acquires += p->acquires;
+  sum->hits += p->hits;
+  sum->misses += p->misses;
+  sum->experts_computed += p->experts_computed;
+  sum->resident_hits += p->resident_hits;
+  sum->inflight_hits += p->inflight_hits;
+  sum->demand_misses += p->demand_misses;
+  sum->host_experts += p->host_experts;
+  sum->device_routed_layers += p->device_routed_layers;
+  sum->host_candidates += p->host_candidates;
+  sum->link_busy_seconds += p->link_busy_seconds;
+  sum->host_busy_seconds += p->host_busy_seconds;
+}
+
+/* One ubatch: T tokens at the current position; the logits of its rows [first, T) into
+ * m->logits_h (none when first == T). */
+static int ubatch(tdm_model *m, const int32_t *tokens, int T, int first, tdm_model_stats *st) {
+  const hparams *hp = &m->hp;
+  const tdm_moe_ops *o = m->ops;
+  void *s = m->ops_state;
+  float *x = tdm_moe_activations(m->moe);
+  tdm_moe_pass_stats ps;
+  memcpy(m->ids_h, tokens, (size_t)T * sizeof *tokens);
+  int rc = tdm_memcpy(m->q, m->ids, m->ids_h, (size_t)T * sizeof(int32_t), TDM_COPY_H2D, 0,
+                      NULL, NULL);
+  if (!rc) rc = o->get_rows(s, m->q, x, m->embd, m->ids, T, hp->H, hp->V);
+  if (rc) { /* no pass begun: the queue still holds this ubatch's first commands */
+    (void)tdm_queue_sync(m->q);
+    return rc;
+  }
+  double t0 = now_s();
+  if ((rc = tdm_moe_pass_begin(m->moe, T, true, &ps))) return rc;
+  for (int l = 0; !rc && l < hp->L; l++) {
+    rc = attention(m, l, T, m->pos, x);
+    if (!rc) rc = tdm_moe_pass_layer(m->moe, l, &ps);
+  }
+  int rows = T - first;
+  if (!rc && rows > 0) {
+    float *xr = x + (size_t)first * hp->H;
+    size_t bytes = (size_t)rows * hp->V * sizeof(float);
+    if (!(rc = o->rmsnorm(s, m->q, m->xn, xr, m->out_norm, rows, hp->H, (float)hp->eps)) &&
+        !(rc = o->matmul(s, m->q, m->logits, m->xn, m->output, rows, hp->H, hp->V, 0.0f)))
+      rc = tdm_memcpy(m->q, m->logits_h, m->logits, bytes, TDM_COPY_D2H, 0, NULL, NULL);
+  }
+  rc = tdm_moe_pass_end(m->moe, rc, &ps);
+  st->moe_seconds += now_s() - t0;
+  add_stats(&st->moe, &ps);
+  if (!rc) m->pos += T;
+  return rc;
+}
+
+int tdm_model_eval(tdm_model *m, const int32_t *tokens, int n, float *logits, bool all_logits,
+                   tdm_model_stats *st) {
+  tdm_model_stats local;
+  if (!st) st = &local;
+  memset(st, 0, sizeof *st);
+  if (!m || (!tokens && n) || n < 0)
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_model_eval: NULL argument or a negative count");
+  if (n > m->ctx - m->pos)
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_model_eval: %d more tokens at position %d would "
+                         "pass the cache's %d positions", n, m->pos, m->ctx);
+  for (int i = 0; i < n; i++)
+    if (tokens[i] < 0 || tokens[i] >= m->hp.V)
+      return tdm_set_error(TDM_EINVAL, 0, "tdm_model_eval: token %d is id %d, outside the "
+                           "vocabulary [0, %d)", i, tokens[i], m->hp.V);
+  double t0 = now_s();
+  int rc = 0;
+  size_t V = (size_t)m->hp.V;
+  for (int at = 0; !rc && at < n; at += m->U) {
+    int T = n - at < m->U ? n - at : m->U;
+    bool last = at + T == n;
+    int first = !logits ? T : all_logits ? 0 : last ? T - 1 : T;
+    rc = ubatch(m, tokens + at, T, first, st);
+    if (!rc && first < T) {
+      float *dst = all_logits ? logits + (size_t)at * V : logits;
+      memcpy(dst, m->logits_h, (size_t)(T - first) * V * sizeof(float));
+    }
+    if (!rc) st->ubatches++;
+  }
+  st->tokens = n;
+  st->seconds = now_s() - t0;
+  return rc;
+}

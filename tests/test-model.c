@@ -1,0 +1,245 @@
+/* test-model.c: whole models from their files (tandem/model.h) against the float64 NumPy
+ * reference (tests/model/ref_model.py) on tiny random Qwen3-MoE and Mixtral models written by
+ * tests/model/tiny.py both as GGUF and as a safetensors folder: the logits of every prompt
+ * position and of every decode step (fed the reference's own greedy tokens) within a stated
+ * tolerance; streamed runs bitwise equal to the all-resident one; bad input refused. The
+ * fixture (tests/model/fixture.sh) writes the models and the references into
+ * $TANDEM_TEST_MODEL_DIR; without it the cases are skipped. */
+#include "harness.h"
+
+#include <tandem/model.h>
+
+#include <math.h>
+
+/* Relative to the row's largest reference logit (at least 1): f32 and float64 on the same
+ * weights (the experts and the router are bf16-exact in the files) differ by ~1e-5. */
+#define TOLERANCE 1e-3
+
+typedef struct ref {
+  int V, P, N;
+  double *logits; /* (P + N) x V */
+  int32_t *prompt, *gen;
+} ref;
+
+static const char *model_dir(void) {
+  const char *d = getenv("TANDEM_TEST_MODEL_DIR");
+  if (!d || !*d) {
+    printf("skipped: TANDEM_TEST_MODEL_DIR is not set (the model fixture did not run)\n");
+    exit(77);
+  }
+  char probe[1024];
+  snprintf(probe, sizeof probe, "%s/mixtral/ref.bin", d);
+  if (access(probe, R_OK) != 0) {
+    printf("skipped: %s is missing (the fixture found no Python with gguf and safetensors)\n",
+           probe);
+    exit(77);
+  }
+  return d;
+}
+
+/* The reference's file (ref_model.py's layout: magic, V, rows, P, N, f64 rows, int32 ids) and
+ * the prompt it was run on (prompt.txt: the ids, comma-separated). */
+static void ref_load(const char *arch, ref *r) {
+  char path[1024];
+  snprintf(path, sizeof path, "%s/%s/ref.bin", model_dir(), arch);
+  FILE *f = fopen(path, "rb");
+  CHECK_MSG(f != NULL, "cannot open %s", path);
+  char magic[8];
+  int32_t hdr[4];
+  CHECK(fread(magic, 1, 8, f) == 8 && memcmp(magic, "TNDREF01", 8) == 0);
+  CHECK(fread(hdr, sizeof(int32_t), 4, f) == 4);
+  r->V = hdr[0];
+  r->P = hdr[2];
+  r->N = hdr[3];
+  CHECK(hdr[1] == r->P + r->N && r->V > 0 && r->P > 0 && r->N >= 0);
+  size_t n = (size_t)hdr[1] * r->V;
+  r->logits = malloc(n * sizeof(double));
+  r->gen = malloc(((size_t)r->N + 1) * sizeof(int32_t));
+  r->prompt = malloc((size_t)r->P * sizeof(int32_t));
+  CHECK(r->logits && r->gen && r->prompt);
+  CHECK(fread(r->logits, sizeof(double), n, f) == n);
+  CHECK(fread(r->gen, sizeof(int32_t), (size_t)r->N, f) == (size_t)r->N);
+  fclose(f);
+  snprintf(path, sizeof path, "%s/%s/prompt.txt", model_dir(), arch);
+  f = fopen(path, "r");
+  CHECK_MSG(f != NULL, "cannot open %s", path);
+  for (int i = 0; i < r->P; i++) CHECK(fscanf(f, i ? ",%d" : "%d", &r->prompt[i]) == 1);
+  fclose(f);
+}
+
+static void ref_free(ref *r) {
+  free(r->logits);
+  free(r->gen);
+  free(r->prompt);
+}
+
+static tdm_model *open_model(tdm_device *dev, const char *arch, const char *which,
+                             const tdm_model_config *extra) {
+  char path[1024];
+  snprintf(path, sizeof path, "%s/%s/%s", model_dir(), arch, which);
+  tdm_model_config cfg = extra ? *extra : (tdm_model_config){0};
+  cfg.path = path;
+  cfg.device = dev;
+  cfg.threads = 2;
+  tdm_model *m = NULL;
+  CHECK_OK(tdm_model_open(&cfg, &m));
+  return m;
+}
+
+/* Prompt (all logits), then the reference's tokens one at a time: (P + N) x V logits. */
+static float *run(tdm_model *m, const ref *r) {
+  float *out = malloc((size_t)(r->P + r->N) * r->V * sizeof(float));
+  CHECK(out != NULL);
+  CHECK_OK(tdm_model_eval(m, r->prompt, r->P, out, true, NULL));
+  for (int j = 0; j < r->N; j++)
+    CHECK_OK(tdm_model_eval(m, &r->gen[j], 1, out + (size_t)(r->P + j) * r->V, false, NULL));
+  return out;
+}
+
+static void compare(const char *what, const float *got, const ref *r) {
+  for (int row = 0; row < r->P + r->N; row++) {
+    const double *want = r->logits + (size_t)row * r->V;
+    const float *have = got + (size_t)row * r->V;
+    double scale = 1.0, err = 0.0;
+    int at = 0;
+    for (int v = 0; v < r->V; v++) scale = fmax(scale, fabs(want[v]));
+    for (int v = 0; v < r->V; v++)
+      if (fabs(have[v] - want[v]) > err) {
+        err = fabs(have[v] - want[v]);
+        at = v;
+      }
+    CHECK_MSG(err <= TOLERANCE * scale, "%s: row %d (%s), logit %d: %.6g, reference %.6g "
+              "(error %.3g > %.3g)", what, row, row < r->P ? "prompt" : "decode", at, have[at],
+              want[at], err, TOLERANCE * scale);
+  }
+  /* greedy: the reference's tokens, wherever its top two are further apart than the error */
+  for (int j = 0; j < r->N; j++) {
+    const float *row = got + (size_t)(r->P - 1 + j) * r->V;
+    const double *want = r->logits + (size_t)(r->P - 1 + j) * r->V;
+    double second = -INFINITY;
+    for (int v = 0; v < r->V; v++)
+      if (v != r->gen[j]) second = fmax(second, want[v]);
+    if (want[r->gen[j]] - second > 0.05)
+      CHECK_MSG(tdm_model_argmax(row, r->V) == r->gen[j], "%s: decode step %d chose %d, the "
+                "reference %d", what, j, tdm_model_argmax(row, r->V), r->gen[j]);
+  }
+}
+
+static void against_reference(const char *arch, const char *which) {
+  tdm_device *dev = th_open();
+  ref r;
+  ref_load(arch, &r);
+  tdm_model_config all = {.all_resident = true};
+  tdm_model *m = open_model(dev, arch, which, &all);
+  tdm_model_info info;
+  CHECK_OK(tdm_model_info_get(m, &info));
+  CHECK_EQ(info.vocab, r.V);
+  float *got = run(m, &r);
+  char what[128];
+  snprintf(what, sizeof what, "%s %s", arch, which);
+  compare(what, got, &r);
+  free(got);
+  tdm_model_close(m);
+  ref_free(&r);
+  th_close();
+}
+
+TEST_CASE(qwen3moe_gguf) { against_reference("qwen3moe", "model.gguf"); }
+TEST_CASE(qwen3moe_safetensors) { against_reference("qwen3moe", "hf"); }
+TEST_CASE(mixtral_gguf) { against_reference("mixtral", "model.gguf"); }
+TEST_CASE(mixtral_safetensors) { against_reference("mixtral", "hf"); }
+
+/* Streamed at budgets 0, 25% and 50% of the experts: the same bits as all resident. */
+TEST_CASE(streamed_equals_resident) {
+  tdm_device *dev = th_open();
+  ref r;
+  ref_load("qwen3moe", &r);
+  tdm_model_config all = {.all_resident = true};
+  tdm_model *m = open_model(dev, "qwen3moe", "model.gguf", &all);
+  tdm_model_info info;
+  CHECK_OK(tdm_model_info_get(m, &info));
+  float *want = run(m, &r);
+  tdm_model_close(m);
+  const double shares[] = {0.0, 0.25, 0.5};
+  for (int i = 0; i < 3; i++) {
+    tdm_model_config c = {.budget_bytes = (size_t)(info.host_bytes * shares[i])};
+    if (c.budget_bytes && c.budget_bytes < info.expert_bytes) c.budget_bytes = info.expert_bytes;
+    m = open_model(dev, "qwen3moe", "model.gguf", &c);
+    float *got = run(m, &r);
+    size_t n = (size_t)(r.P + r.N) * r.V;
+    CHECK_MSG(memcmp(got, want, n * sizeof(float)) == 0, "budget %.0f%%: not the all-resident "
+              "run's bits", shares[i] * 100);
+    free(got);
+    tdm_model_close(m);
+  }
+  free(want);
+  ref_free(&r);
+  th_close();
+}
+
+/* A prompt in ubatches of 3 gives the logits of one pass, within the tolerance (a ubatch's
+ * size changes the GEMMs' blocking), and rewinding replays a sequence exactly. */
+TEST_CASE(ubatches_and_rewind) {
+  tdm_device *dev = th_open();
+  ref r;
+  ref_load("mixtral", &r);
+  tdm_model_config small = {.ubatch = 3};
+  tdm_model *m = open_model(dev, "mixtral", "model.gguf", &small);
+  float *got = run(m, &r);
+  compare("mixtral in ubatches of 3", got, &r);
+  CHECK_EQ(tdm_model_pos(m), r.P + r.N);
+  CHECK_OK(tdm_model_rewind(m, 0));
+  float *again = run(m, &r);
+  CHECK(memcmp(got, again, (size_t)(r.P + r.N) * r.V * sizeof(float)) == 0);
+  free(got);
+  free(again);
+  tdm_model_close(m);
+  ref_free(&r);
+  th_close();
+}
+
+TEST_CASE(bad_input) {
+  tdm_device *dev = th_open();
+  char path[1024];
+  tdm_model *m = NULL;
+  tdm_model_config cfg = {.device = dev, .path = path};
+  /* no such file; a context longer than the model's */
+  snprintf(path, sizeof path, "%s/none.gguf", model_dir());
+  CHECK(tdm_model_open(&cfg, &m) < 0 && m == NULL);
+  CHECK(strstr(tdm_last_error(), "none.gguf") != NULL);
+  snprintf(path, sizeof path, "%s/qwen3moe/model.gguf", model_dir());
+  cfg.ctx = 1 << 20;
+  CHECK_RC(tdm_model_open(&cfg, &m), TDM_EINVAL);
+  CHECK(strstr(tdm_last_error(), "longer than the model") != NULL);
+  /* ids outside the vocabulary, and past the cache, refused before anything runs */
+  cfg.ctx = 8;
+  CHECK_OK(tdm_model_open(&cfg, &m));
+  int32_t ids[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  ids[2] = -1;
+  CHECK_RC(tdm_model_eval(m, ids, 3, NULL, false, NULL), TDM_EINVAL);
+  ids[2] = 1 << 30;
+  CHECK_RC(tdm_model_eval(m, ids, 3, NULL, false, NULL), TDM_EINVAL);
+  ids[2] = 3;
+  CHECK_RC(tdm_model_eval(m, ids, 9, NULL, false, NULL), TDM_EINVAL);
+  CHECK_EQ(tdm_model_pos(m), 0);
+  CHECK_OK(tdm_model_eval(m, ids, 8, NULL, false, NULL));
+  CHECK_RC(tdm_model_rewind(m, 9), TDM_EINVAL);
+  tdm_model_close(m);
+  m = NULL;
+  /* a truncated file: an error naming it, never a crash */
+  char cut[1024];
+  snprintf(cut, sizeof cut, "%s/qwen3moe/cut.gguf", model_dir());
+  FILE *in = fopen(path, "rb"), *out = fopen(cut, "wb");
+  CHECK(in && out);
+  char buf[4096];
+  size_t n = fread(buf, 1, sizeof buf, in);
+  CHECK(fwrite(buf, 1, n, out) == n);
+  fclose(in);
+  fclose(out);
+  cfg.path = cut;
+  cfg.ctx = 0;
+  CHECK(tdm_model_open(&cfg, &m) < 0 && m == NULL);
+  CHECK_MSG(strstr(tdm_last_error(), "cut.gguf") != NULL, "%s", tdm_last_error());
+  remove(cut);
+  th_close();
+}

@@ -1,0 +1,452 @@
+/* run.c: `tandem run` (a prompt of token ids through a whole model from its file, then greedy
+ * decoding) and `tandem bench -m` (prefill and decode rates in llama-bench's rows: pp512,
+ * tg32, tokens/s with its spread, one row per device budget), on tandem/model.h. */
+#include "tool.h"
+
+#include <tandem/model.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static const char run_help[] =
+    "usage: tandem run -m FILE [--tokens IDS | -p N] [-n N] [--device D] [--device-budget B]\n"
+    "                  [--ctx N] [--ubatch N] [--seed S] [--json]\n"
+    "\n"
+    "Runs a prompt through a whole MoE model (a GGUF file, or a Hugging Face folder with\n"
+    "config.json and safetensors) with its experts streamed from host memory, then decodes\n"
+    "greedily. Token ids in, token ids out: no tokenizer.\n"
+    "\n"
+    "  -m, --model FILE     the model: a .gguf file or a safetensors folder\n"
+    "  --tokens IDS         the prompt, comma-separated token ids\n"
+    "  -p, --prompt N       a prompt of N pseudo-random ids instead (default 32)\n"
+    "  -n, --decode N       tokens to generate (default 16)\n"
+    "  --device D           the device (default: $TANDEM_DEVICE, else the first)\n"
+    "  --device-budget B    device memory for resident experts: bytes (8GiB), or a share of\n"
+    "                       all experts (50%); 0 streams every expert (default 0)\n"
+    "  --ctx N              KV cache positions (default: prompt + decode)\n"
+    "  --ubatch N           the most tokens a device pass takes (default 512)\n"
+    "  --seed S             the pseudo-random prompt's seed (default 1)\n"
+    "  --json               print the results as JSON on stdout\n"
+    "  -h, --help           show this help\n";
+
+static const char bench_help[] =
+    "usage: tandem bench -m FILE [-p LIST] [-n LIST] [--device-budget LIST] [-r N]\n"
+    "                    [--device D] [--ubatch N] [--json]\n"
+    "\n"
+    "Prefill (ppN: N prompt tokens in ubatches) and decode (tgN: N tokens one at a time from an\n"
+    "empty cache) rates of a whole model, in tokens per second, the mean and standard\n"
+    "deviation over repetitions after one warm-up, as llama-bench prints them.\n"
+    "\n"
+    "  -m, --model FILE       the model: a .gguf file or a safetensors folder\n"
+    "  -p, --prompt LIST      prompt lengths (default 512)\n"
+    "  -n, --decode LIST      decode lengths (default 32; 0 for none)\n"
+    "  --device-budget LIST   budgets, each bytes or a share of all experts (default 0)\n"
+    "  -r, --repetitions N    timed runs of each test (default 3)\n"
+    "  --device D, --ubatch N, --json   as for 'tandem run'\n"
+    "  -h, --help             show this help\n";
+
+enum { MAX_LIST = 16 };
+
+typedef struct run_opts {
+  const char *model, *device, *tokens;
+  long prompt[MAX_LIST], decode[MAX_LIST];
+  int nprompt, ndecode;
+  double budget_pct[MAX_LIST]; /* < 0: budget_bytes[i] */
+  size_t budget_bytes[MAX_LIST];
+  int nbudget;
+  long ctx, ubatch, seed, reps;
+  int json;
+} run_opts;
+
+enum { OPT_DEVICE = TOOL_OPT_LONG, OPT_BUDGET, OPT_CTX, OPT_UBATCH, OPT_SEED, OPT_JSON,
+       OPT_TOKENS, OPT_MODEL, OPT_PROMPT, OPT_DECODE, OPT_REPS };
+
+static const struct option run_options[] = {
+    {"model", required_argument, NULL, OPT_MODEL},
+    {"tokens", required_argument, NULL, OPT_TOKENS},
+    {"prompt", required_argument, NULL, OPT_PROMPT},
+    {"decode", required_argument, NULL, OPT_DECODE},
+    {"repetitions", required_argument, NULL, OPT_REPS},
+    {"device", required_argument, NULL, OPT_DEVICE},
+    {"device-budget", required_argument, NULL, OPT_BUDGET},
+    {"ctx", required_argument, NULL, OPT_CTX},
+    {"ubatch", required_argument, NULL, OPT_UBATCH},
+    {"seed", required_argument, NULL, OPT_SEED},
+    {"json", no_argument, NULL, OPT_JSON},
+    {"help", no_argument, NULL, 'h'},
+    {NULL, 0, NULL, 0},
+};
+
+/* -m, -p, -n, -r are short forms: map them onto the long options before getopt sees them. */
+static void short_forms(int argc, char **argv) {
+  static char m[] = "--model", p[] = "--prompt", n[] = "--decode", r[] = "--repetitions";
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--") == 0) break;
+    if (strcmp(argv[i], "-m") == 0) argv[i] = m;
+    else if (strcmp(argv[i], "-p") == 0) argv[i] = p;
+    else if (strcmp(argv[i], "-n") == 0) argv[i] = n;
+    else if (strcmp(argv[i], "-r") == 0) argv[i] = r;
+  }
+}
+
+/* A comma-separated list of counts (zero allowed when zero_ok). */
+static int parse_list(const char *cmd, const char *name, const char *v, long *out, int *n,
+                      bool zero_ok) {
+  char buf[256];
+  snprintf(buf, sizeof buf, "%s", v);
+  *n = 0;
+  for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+    if (*n == MAX_LIST) return tool_usage_error(cmd, "%s takes at most %d values", name, MAX_LIST), -1;
+    if (zero_ok && strcmp(tok, "0") == 0) {
+      out[(*n)++] = 0;
+      continue;
+    }
+    if (tool_parse_count(cmd, name, tok, 1 << 20, &out[*n])) return -1;
+    (*n)++;
+  }
+  if (!*n) return tool_usage_error(cmd, "%s wants a value", name), -1;
+  return 0;
+}
+
+/* --device-budget: a list of bytes, 0, or percentages of all experts. */
+static int parse_budgets(const char *cmd, const char *v, run_opts *o) {
+  char buf[256];
+  snprintf(buf, sizeof buf, "%s", v);
+  o->nbudget = 0;
+  for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+    if (o->nbudget == MAX_LIST)
+      return tool_usage_error(cmd, "--device-budget takes at most %d values", MAX_LIST), -1;
+    int i = o->nbudget++;
+    size_t len = strlen(tok);
+    o->budget_pct[i] = -1;
+    o->budget_bytes[i] = 0;
+    if (len && tok[len - 1] == '%') {
+      char *end;
+      tok[len - 1] = 0;
+      double p = strtod(tok, &end);
+      if (end == tok || *end || !(p >= 0 && p <= 100))
+        return tool_usage_error(cmd, "--device-budget wants 0..100%%, not '%s%%'", tok), -1;
+      o->budget_pct[i] = p;
+    } else if (strcmp(tok, "0") != 0 &&
+               tool_parse_size(cmd, "--device-budget", tok, &o->budget_bytes[i])) {
+      return -1;
+    }
+  }
+  return o->nbudget ? 0 : (tool_usage_error(cmd, "--device-budget wants a value"), -1);
+}
+
+static int parse(const char *cmd, int argc, char **argv, run_opts *o) {
+  const char *v;
+  int c;
+  short_forms(argc, argv);
+  while ((c = tool_getopt(cmd, argc, argv, run_options, &v)) != -1) {
+    switch (c) {
+    case 'h': fputs(strcmp(cmd, "run") == 0 ? run_help : bench_help, stdout); return 1;
+    case OPT_MODEL: o->model = v; break;
+    case OPT_TOKENS: o->tokens = v; break;
+    case OPT_DEVICE: o->device = v; break;
+    case OPT_JSON: o->json = 1; break;
+    case OPT_PROMPT:
+      if (parse_list(cmd, "--prompt", v, o->prompt, &o->nprompt, false)) return -1;
+      break;
+    case OPT_DECODE:
+      if (parse_list(cmd, "--decode", v, o->decode, &o->ndecode, true)) return -1;
+      break;
+    case OPT_BUDGET:
+      if (parse_budgets(cmd, v, o)) return -1;
+      break;
+    case OPT_CTX: if (tool_parse_count(cmd, "--ctx", v, 1 << 20, &o->ctx)) return -1; break;
+    case OPT_UBATCH: if (tool_parse_count(cmd, "--ubatch", v, 1 << 16, &o->ubatch)) return -1; break;
+    case OPT_SEED: if (tool_parse_count(cmd, "--seed", v, 1L << 40, &o->seed)) return -1; break;
+    case OPT_REPS: if (tool_parse_count(cmd, "--repetitions", v, 1000, &o->reps)) return -1; break;
+    default: return -1;
+    }
+  }
+  if (!o->model) return tool_usage_error(cmd, "-m FILE is required"), -1;
+  if (strcmp(cmd, "run") == 0 && (o->nprompt > 1 || o->ndecode > 1 || o->nbudget > 1))
+    return tool_usage_error(cmd, "tandem run takes one prompt, decode and budget"), -1;
+  if (o->tokens && o->nprompt) return tool_usage_error(cmd, "--tokens or -p, not both"), -1;
+  return 0;
+}
+
+/* ---- loading, with progress on stderr ---------------------------------------------------- */
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void show_progress(void *user, const char *what, double done) {
+  (void)user;
+  if (!isatty(2)) return;
+  fprintf(stderr, "\r  loading %-8s %3d%%", what, (int)(done * 100 + 0.5));
+  if (done >= 1.0) fputc('\n', stderr);
+  fflush(stderr);
+}
+
+/* Opens the model with budget i of o (a share needs the experts' size: a first open with no
+ * budget tells it, and is kept when the share is 0). */
+static int open_model(const run_opts *o, tdm_device *dev, int i, int ctx, tdm_model **m) {
+  tdm_model_config cfg = {.path = o->model, .device = dev, .ctx = ctx, .ubatch = (int)o->ubatch,
+                          .predict = true, .progress = show_progress};
+  if (o->nbudget && o->budget_pct[i] < 0) cfg.budget_bytes = o->budget_bytes[i];
+  fprintf(stderr, "tandem: loading %s\n", o->model);
+  double t0 = now_s();
+  int rc = tdm_model_open(&cfg, m);
+  if (!rc && o->nbudget && o->budget_pct[i] > 0) {
+    tdm_model_info info;
+    tdm_model_info_get(*m, &info);
+    tdm_model_close(*m);
+    *m = NULL;
+    cfg.budget_bytes = (size_t)(info.host_bytes * (o->budget_pct[i] / 100.0));
+    if (cfg.budget_bytes < info.expert_bytes) cfg.budget_bytes = info.expert_bytes;
+    rc = tdm_model_open(&cfg, m);
+  }
+  if (!rc) fprintf(stderr, "tandem: loaded in %.1f s\n", now_s() - t0);
+  return rc ? tool_fail("loading the model", rc) : TOOL_OK;
+}
+
+static uint64_t splitmix(uint64_t *s) {
+  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+static void random_ids(int32_t *ids, int n, int vocab, uint64_t seed) {
+  for (int i = 0; i < n; i++) ids[i] = (int32_t)(splitmix(&seed) % (uint64_t)vocab);
+}
+
+
+static void print_ids(FILE *f, const int32_t *ids, int n) {
+  for (int i = 0; i < n; i++) fprintf(f, "%s%d", i ? " " : "", ids[i]);
+  fputc('\n', f);
+}
+
+static void json_info(bu_json *j, const tdm_model_info *in) {
+  bu_json_object(j, "model");
+  bu_json_string(j, "arch", in->arch);
+  bu_json_string(j, "format", in->format);
+  bu_json_string(j, "name", in->name);
+  bu_json_string(j, "expert_type", in->weight_type);
+  bu_json_int(j, "layers", in->layers);
+  bu_json_int(j, "hidden", in->hidden);
+  bu_json_int(j, "heads", in->heads);
+  bu_json_int(j, "kv_heads", in->kv_heads);
+  bu_json_int(j, "head_dim", in->head_dim);
+  bu_json_int(j, "vocab", in->vocab);
+  bu_json_int(j, "experts", in->experts);
+  bu_json_int(j, "topk", in->topk);
+  bu_json_int(j, "expert_ffn", in->expert_ffn);
+  bu_json_int(j, "ctx", in->ctx);
+  bu_json_int(j, "ubatch", in->ubatch);
+  bu_json_uint(j, "host_bytes", in->host_bytes);
+  bu_json_uint(j, "device_bytes", in->device_bytes);
+  bu_json_end(j);
+}
+
+int tool_cmd_run(int argc, char **argv) {
+  run_opts o = {.seed = 1, .reps = 1};
+  int prc = parse("run", argc, argv, &o);
+  if (prc) return prc > 0 ? TOOL_OK : TOOL_USAGE;
+  int np = o.nprompt ? (int)o.prompt[0] : 32, nd = o.ndecode ? (int)o.decode[0] : 16;
+  int32_t *prompt = NULL;
+  if (o.tokens) { /* the ids: digits and commas */
+    np = 1;
+    for (const char *c = o.tokens; *c; c++) np += *c == ',';
+    if (!(prompt = malloc((size_t)np * sizeof *prompt))) return tool_fail("malloc", TDM_ENOMEM);
+    char *end;
+    const char *at = o.tokens;
+    for (int i = 0; i < np; i++) {
+      long v = strtol(at, &end, 10);
+      if (end == at || (*end && *end != ',') || v < 0 || v > INT32_MAX) {
+        free(prompt);
+        return tool_usage_error("run", "--tokens wants comma-separated ids, not '%s'", o.tokens);
+      }
+      prompt[i] = (int32_t)v;
+      at = end + 1;
+    }
+  }
+  int rc = tdm_init();
+  if (rc) return tool_fail("tdm_init", rc);
+  tdm_device *dev;
+  int code = tool_find_device("run", o.device, &dev);
+  tdm_model *m = NULL;
+  if (code == TOOL_OK) code = open_model(&o, dev, 0, o.ctx ? (int)o.ctx : np + nd, &m);
+  tdm_model_info info;
+  int32_t *out = malloc(((size_t)nd + 1) * sizeof *out);
+  float *logits = NULL;
+  double t_pre = 0, t_dec = 0;
+  tdm_model_stats st, sum = {0};
+  if (code == TOOL_OK) {
+    tdm_model_info_get(m, &info);
+    logits = malloc((size_t)info.vocab * sizeof *logits);
+    if (!out || !logits) code = tool_fail("malloc", TDM_ENOMEM);
+  }
+  if (code == TOOL_OK && !prompt) {
+    if (!(prompt = malloc((size_t)np * sizeof *prompt))) code = tool_fail("malloc", TDM_ENOMEM);
+    else random_ids(prompt, np, info.vocab, (uint64_t)o.seed);
+  }
+  if (code == TOOL_OK && (rc = tdm_model_eval(m, prompt, np, logits, false, &st)))
+    code = tool_fail("the prompt", rc);
+  t_pre = st.seconds;
+  for (int i = 0; code == TOOL_OK && i < nd; i++) {
+    out[i] = tdm_model_argmax(logits, info.vocab);
+    if (i + 1 == nd) break; /* the last one need not be run */
+    if ((rc = tdm_model_eval(m, &out[i], 1, logits, false, &st))) code = tool_fail("decoding", rc);
+    t_dec += st.seconds;
+    sum.moe.bytes_copied += st.moe.bytes_copied;
+  }
+  if (code == TOOL_OK) {
+    double pre = np / t_pre, dec = nd > 1 ? (nd - 1) / t_dec : 0;
+    if (o.json) {
+      bu_json j;
+      bu_json_init(&j, stdout, 2);
+      bu_json_object(&j, NULL);
+      tool_json_header(&j);
+      json_info(&j, &info);
+      bu_json_string(&j, "device", o.device ? o.device : "");
+      bu_json_array(&j, "prompt");
+      for (int i = 0; i < np; i++) bu_json_int(&j, NULL, prompt[i]);
+      bu_json_end(&j);
+      bu_json_array(&j, "generated");
+      for (int i = 0; i < nd; i++) bu_json_int(&j, NULL, out[i]);
+      bu_json_end(&j);
+      bu_json_double(&j, "prefill_tokens_per_s", pre, 2);
+      bu_json_double(&j, "decode_tokens_per_s", dec, 2);
+      bu_json_end(&j);
+      if (bu_json_finish(&j) < 0) code = TOOL_FAILED;
+    } else {
+      printf("model: %s (%s, %s), %d layers, %d experts (top %d), vocabulary %d\n", o.model,
+             info.arch, info.format, info.layers, info.experts, info.topk, info.vocab);
+      printf("prompt (%d): ", np);
+      print_ids(stdout, prompt, np);
+      printf("generated (%d): ", nd);
+      print_ids(stdout, out, nd);
+      printf("prefill: %.2f tokens/s (%d tokens in %.3f s)\n", pre, np, t_pre);
+      if (nd > 1) printf("decode:  %.2f tokens/s (%d tokens in %.3f s)\n", dec, nd - 1, t_dec);
+    }
+  }
+  tdm_model_close(m);
+  free(prompt);
+  free(out);
+  free(logits);
+  tdm_shutdown();
+  return code;
+}
+
+/* ---- tandem bench -m ----------------------------------------------------------------------- */
+
+typedef struct bench_row {
+  char test[32];
+  double budget_share; /* of all experts' bytes */
+  double mean, sd;      /* tokens per second */
+} bench_row;
+
+/* One timed run of test (pp: n prompt tokens; tg: n decode steps) from an empty cache. */
+static int bench_once(tdm_model *m, bool pp, int n, int vocab, uint64_t seed, double *seconds) {
+  int32_t *ids = malloc((size_t)n * sizeof *ids);
+  float *logits = malloc((size_t)vocab * sizeof *logits);
+  int rc = ids && logits ? tdm_model_rewind(m, 0) : TDM_ENOMEM;
+  if (!rc) random_ids(ids, n, vocab, seed);
+  double t0 = now_s();
+  if (!rc && pp) rc = tdm_model_eval(m, ids, n, logits, false, NULL);
+  for (int i = 0; !rc && !pp && i < n; i++) rc = tdm_model_eval(m, &ids[i], 1, logits, false, NULL);
+  *seconds = now_s() - t0;
+  free(ids);
+  free(logits);
+  return rc;
+}
+
+static int bench_test(tdm_model *m, const run_opts *o, bool pp, int n, int vocab, bench_row *r) {
+  double s, sum = 0, sq = 0;
+  int rc = bench_once(m, pp, pp ? n : 1, vocab, 7, &s); /* warm-up */
+  for (int i = 0; !rc && i < o->reps; i++) {
+    if ((rc = bench_once(m, pp, n, vocab, (uint64_t)(i + 11), &s))) break;
+    double tps = n / s;
+    sum += tps;
+    sq += tps * tps;
+  }
+  snprintf(r->test, sizeof r->test, "%s%d", pp ? "pp" : "tg", n);
+  r->mean = sum / o->reps;
+  r->sd = o->reps > 1 ? sqrt(fmax(0.0, (sq - sum * sum / o->reps) / (o->reps - 1))) : 0.0;
+  return rc;
+}
+
+int tool_cmd_model_bench(int argc, char **argv) {
+  run_opts o = {.seed = 1, .reps = 3};
+  int prc = parse("bench", argc, argv, &o);
+  if (prc) return prc > 0 ? TOOL_OK : TOOL_USAGE;
+  if (!o.nprompt) o.prompt[o.nprompt++] = 512;
+  if (!o.ndecode) o.decode[o.ndecode++] = 32;
+  if (!o.nbudget) o.nbudget = 1;
+  long ctx = 1;
+  for (int i = 0; i < o.nprompt; i++) ctx = o.prompt[i] > ctx ? o.prompt[i] : ctx;
+  for (int i = 0; i < o.ndecode; i++) ctx = o.decode[i] > ctx ? o.decode[i] : ctx;
+  int rc = tdm_init();
+  if (rc) return tool_fail("tdm_init", rc);
+  tdm_device *dev;
+  int code = tool_find_device("bench", o.device, &dev);
+  bench_row rows[MAX_LIST * 2 * MAX_LIST];
+  int nrows = 0;
+  tdm_model_info info = {0};
+  tdm_device_info dinfo = {0};
+  if (code == TOOL_OK) tdm_device_info_get(dev, &dinfo);
+  if (!o.json && code == TOOL_OK) {
+    printf("| model | budget | test | t/s |\n| --- | ---: | ---: | ---: |\n");
+    fflush(stdout);
+  }
+  for (int b = 0; code == TOOL_OK && b < o.nbudget; b++) {
+    tdm_model *m = NULL;
+    if ((code = open_model(&o, dev, b, (int)ctx, &m)) != TOOL_OK) break;
+    tdm_model_info_get(m, &info);
+    double share = o.budget_pct[b] >= 0 ? o.budget_pct[b] / 100.0
+                   : info.host_bytes ? (double)o.budget_bytes[b] / info.host_bytes : 0;
+    for (int t = 0; code == TOOL_OK && t < o.nprompt + o.ndecode; t++) {
+      bool pp = t < o.nprompt;
+      int n = (int)(pp ? o.prompt[t] : o.decode[t - o.nprompt]);
+      if (!n) continue;
+      bench_row *r = &rows[nrows];
+      r->budget_share = share > 1 ? 1 : share;
+      if ((rc = bench_test(m, &o, pp, n, info.vocab, r))) {
+        code = tool_fail(pp ? "prefill" : "decode", rc);
+        break;
+      }
+      nrows++;
+      if (!o.json) {
+        printf("| %s %s %dL | %.0f%% | %s | %.2f ± %.2f |\n", info.arch, info.weight_type,
+               info.layers, r->budget_share * 100, r->test, r->mean, r->sd);
+        fflush(stdout);
+      }
+    }
+    tdm_model_close(m);
+  }
+  if (code == TOOL_OK && o.json) {
+    bu_json j;
+    bu_json_init(&j, stdout, 3);
+    bu_json_object(&j, NULL);
+    tool_json_header(&j);
+    json_info(&j, &info);
+    bu_json_string(&j, "device", dinfo.name);
+    bu_json_int(&j, "repetitions", o.reps);
+    bu_json_array(&j, "rows");
+    for (int i = 0; i < nrows; i++) {
+      bu_json_object(&j, NULL);
+      bu_json_string(&j, "test", rows[i].test);
+      bu_json_double(&j, "budget_share", rows[i].budget_share, 3);
+      bu_json_double(&j, "tokens_per_s", rows[i].mean, 3);
+      bu_json_double(&j, "tokens_per_s_sd", rows[i].sd, 3);
+      bu_json_end(&j);
+    }
+    bu_json_end(&j);
+    bu_json_end(&j);
+    if (bu_json_finish(&j) < 0) code = TOOL_FAILED;
+  }
+  tdm_shutdown();
+  return code;
+}
