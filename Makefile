@@ -18,9 +18,17 @@ build: bootstrap
 	@cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS) >/dev/null
 	@cmake --build build -j $(JOBS)
 
-# The main job on the CPU backend: MoE layers with experts streamed from host memory.
-run: build
-	./build/tools/tandem moe --preset tiny --device cpu:0
+# The main job on the CPU backend: a whole model from its GGUF file, its experts streamed from
+# host memory: a small Qwen3-MoE (8 layers of 32 experts, random weights) written once by
+# tests/model/tiny.py, a prompt of 128 ids, then 32 tokens decoded greedily.
+RUN_MODEL := build/run-model/model.gguf
+run: build $(RUN_MODEL)
+	./build/tools/tandem run -m $(RUN_MODEL) -p 128 -n 32 --device cpu:0
+
+$(RUN_MODEL): tests/model/tiny.py | bootstrap
+	$(PY) tests/model/tiny.py --arch qwen3moe --out build/run-model --layers 8 --hidden 256 \
+	  --heads 8 --kv-heads 2 --head-dim 32 --experts 32 --top-k 4 --moe-ffn 128 --vocab 4096 \
+	  --ctx 1024 --seed 1 >/dev/null
 
 # Every test: the normal build, the Python package, then ASan+UBSan, then TSan.
 check: check-normal check-python check-asan check-tsan
