@@ -45,6 +45,7 @@ from ._tandem import (  # one subclass of TandemError per TDM_E* code
     HostTaskError,
     InvalidArgumentError,
     NoDeviceError,
+    NotFoundError,
     NotInitializedError,
     NotReadyError,
     NotSupportedError,
@@ -63,7 +64,8 @@ __all__ = [
     "devices", "get_current_queue", "get_default_queue", "malloc", "set_default_queue",
     "BackendError", "BusyError", "CrossDeviceError", "DeadlockError", "DependencyError",
     "DeviceLostError", "DirectionError", "ForkError", "HandleError", "HostTaskError",
-    "InvalidArgumentError", "NoDeviceError", "NotInitializedError", "NotReadyError",
+    "InvalidArgumentError", "NoDeviceError", "NotFoundError", "NotInitializedError",
+    "NotReadyError",
     "NotSupportedError", "OutOfMemoryError", "RangeError", "StateError", "VersionError",
 ]
 
