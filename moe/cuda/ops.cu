@@ -40,157 +40,7 @@ extern "C" {
 #include "tandem/cuda.h"
 }
 
-#define MOE_THREADS 256 /* threads per block for every kernel here (a power of two) */
-#define MOE_WARPS (MOE_THREADS / 32)
-#define ROUTER_TOKENS 8   /* tokens per router block: each weight row read serves them all */
-#define ROUTER_SMEM 49152 /* the router's dynamic shared memory, at most (no opt-in) */
-#define ROUTER_SPLIT_T 64   /* ubatches of at most this many tokens route in two kernels */
-#define ROUTER_SPLIT_LOGITS (64 * 4096) /* ... when T x E logits fit the scratch (1 MiB) */
-#define BLAS_WS_BYTES (32u << 20) /* cuBLAS's recommended workspace on Hopper */
-#define WS_ALIGN 256
-
-/* ---- programmatic dependent launch ----
- * The kernels of a small ubatch's layer (rmsnorm, the small-ubatch router, group, the grouped
- * experts, combine) are short, and between two of them the GPU drains one grid before it
- * launches the next. On Hopper and later they are launched as programmatic dependents
- * (launch_pdl): the next grid may be scheduled while the one before finishes, and each of
- * these kernels begins with wait_prior_grid(), which returns once the grid before it has
- * completed and its writes are visible; so what a kernel reads and writes is ordered exactly
- * as without it, and only the launch overlaps. Work that is not such a kernel (a copy, an
- * event, a cuBLAS GEMM) is ordered as always. TANDEM_MOE_CUDA_PDL=0 turns it off (read at
- * open()), to measure it. */
-static __device__ __forceinline__ void wait_prior_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-/* Hash buckets of the GEMM plan cache (a power of two). The cache holds one plan per shape
- * the state has run: two GEMMs per expert width, times the token counts seen (at most the
- * largest ubatch): a few thousand small plans at most; close() frees them. */
-#define PLAN_BUCKETS 1024
-
-/* C = A W^T for one shape (see gemm_rows): cuBLASLt's descriptors and algorithm. */
-typedef struct gemm_plan {
-  struct gemm_plan *next; /* in its bucket */
-  int N, K, n, ldb;
-  unsigned align;         /* the alignments of W, A and C (log2, 4 bits each) */
-  bool lt;                /* false: the heuristic had nothing; cublasGemmEx runs this shape */
-  cublasLtMatmulDesc_t op;
-  cublasLtMatrixLayout_t a, b, c;
-  cublasLtMatmulAlgo_t algo;
-} gemm_plan;
-
-typedef struct moe_cuda {
-  tdm_queue *q;        /* the queue open() bound the state to */
-  cudaStream_t s;      /* where ops launch: the queue's stream, or cap while recording */
-  cudaStream_t qs;     /* the queue's native stream */
-  cudaStream_t cap;    /* graph recording: a stream of the state's own, made at first use */
-  bool recording;      /* between graph_begin and graph_end */
-  int rec_failed;      /* a CUDA or cuBLAS failure while recording: its code (graph_end's) */
-  int dev;             /* its device ordinal */
-  cublasHandle_t blas; /* bound to s, with ws as its workspace */
-  cublasLtHandle_t lt; /* the plans' handle; its calls name s and ws themselves */
-  void *ws;            /* cuBLAS's workspace: cudaMalloc'd (256-byte aligned, as it requires) */
-  float *logits;       /* the small-ubatch router's logits: ROUTER_SPLIT_LOGITS floats */
-  int gx_shape;        /* experts()'s kernels: GX_SHAPE_NARROW unless forced at open() */
-  bool pdl;            /* launch_pdl() launches as programmatic dependents (open() decides) */
-  pthread_mutex_t plan_mu;            /* the plan cache: ops from several threads are allowed */
-  gemm_plan *plans[PLAN_BUCKETS];
-  const char *failed;  /* the last CUDA or cuBLAS call that failed */
-  int native;          /* and its status */
-} moe_cuda;
-
-/* Launches kernel k (one that begins with wait_prior_grid()) on the state's stream, as a
- * programmatic dependent of the work before it when m->pdl. Returns the launch's status. */
-template <typename... P, typename... A>
-static cudaError_t launch_pdl(const moe_cuda *m, void (*k)(P...), dim3 grid, dim3 block,
-                              size_t smem, A... args) {
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = m->s;
-  cfg.attrs = &attr;
-  cfg.numAttrs = m->pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, k, args...);
-}
-
-/* ---- errors and the current device ---- */
-
-static int cuda_fail(moe_cuda *m, cudaError_t e, const char *what) {
-  m->failed = what;
-  m->native = (int)e;
-  int rc = tdm_set_error(e == cudaErrorMemoryAllocation ? TDM_ENOMEM : TDM_EBACKEND, (int)e,
-                         "moe cuda: %s failed: %s", what, cudaGetErrorString(e));
-  if (m->recording && !m->rec_failed) m->rec_failed = rc;
-  return rc;
-}
-
-static int blas_fail(moe_cuda *m, cublasStatus_t st, const char *what) {
-  m->failed = what;
-  m->native = (int)st;
-  int rc = tdm_set_error(st == CUBLAS_STATUS_ALLOC_FAILED ? TDM_ENOMEM : TDM_EBACKEND, (int)st,
-                         "moe cuda: %s failed with cuBLAS status %d", what, (int)st);
-  if (m->recording && !m->rec_failed) m->rec_failed = rc;
-  return rc;
-}
-
-static int bad_args(const char *op) {
-  return tdm_set_error(TDM_EINVAL, 0, "moe %s: bad arguments (NULL pointer, size out of range, "
-                       "or a state opened on another queue)", op);
-}
-
-#define CK_CUDA(call)                                      \
-  do {                                                     \
-    cudaError_t e_ = (call);                               \
-    if (e_ != cudaSuccess) return cuda_fail(m, e_, #call); \
-  } while (0)
-
-#define CK_BLAS(call)                                                \
-  do {                                                               \
-    cublasStatus_t s_ = (call);                                      \
-    if (s_ != CUBLAS_STATUS_SUCCESS) return blas_fail(m, s_, #call); \
-  } while (0)
-
-/* Makes m->dev current, saving the caller's device; leave() restores it. */
-static int enter(moe_cuda *m, int *saved) {
-  cudaError_t e = cudaGetDevice(saved);
-  if (e != cudaSuccess) return cuda_fail(m, e, "cudaGetDevice");
-  if (*saved == m->dev) return 0;
-  e = cudaSetDevice(m->dev);
-  return e == cudaSuccess ? 0 : cuda_fail(m, e, "cudaSetDevice");
-}
-
-static void leave(moe_cuda *m, int saved) {
-  if (saved != m->dev) cudaSetDevice(saved);
-}
-
-/* Every op checks that it runs on the queue its state was opened for: the cuBLAS handle is
- * bound to that queue's stream. */
-static int check_queue(moe_cuda *m, tdm_queue *q) { return m && q == m->q ? 0 : -1; }
-
-/* ---- device helpers ---- */
-
-static __device__ __forceinline__ float bf16_to_f32(uint16_t h) {
-  return __uint_as_float((uint32_t)h << 16);
-}
-
-/* The same rounding as tdm_moe_f32_to_bf16 on the host: nearest even, NaN stays a (quiet) NaN. */
-static __device__ __forceinline__ uint16_t f32_to_bf16(float f) {
-  uint32_t u = __float_as_uint(f);
-  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return (uint16_t)((u >> 16) | 0x40);
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-/* Fixed-order warp sum: lane 0 holds the result. */
-static __device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-  return v;
-}
+#include "cuda_ops.h"
 
 /* ---- rmsnorm: one block per token; y may alias x ---- */
 
@@ -1309,6 +1159,10 @@ extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .graph_launch = */ cuda_graph_launch,
     /* .graph_free = */ cuda_graph_free,
     /* .upload = */ cuda_upload,
+    /* .get_rows = */ cuda_get_rows,
+    /* .matmul = */ cuda_matmul,
+    /* .rope = */ cuda_rope,
+    /* .attention = */ cuda_attention,
 };
 
 /* The entry libtandem_moe looks up when it loads this module (libtandem_moe-cuda.so). */
