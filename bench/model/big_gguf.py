@@ -1,0 +1,158 @@
+"""big_gguf.py: writes a GGUF file with a real model's shapes and random weights, tensor by
+tensor (a 16-layer Qwen3-30B-A3B is 10 GB in F16: nothing is held whole), for the whole-model
+benchmarks (`tandem bench -m` against llama.cpp's llama-bench on the same file).
+
+usage: big_gguf.py --shape qwen3-30b-a3b|mixtral-8x7b --layers L --out FILE [--dtype f16|bf16]
+                   [--seed N]
+
+The metadata and tensor names are those of tests/model/tiny.py (llama.cpp's own), and so is
+the vocabulary's form (a gpt2 tokenizer of placeholder tokens). The values are uniform with
+each projection's fan-in scale, drawn from a pool of random numbers at random offsets: the
+file's bytes are random for every purpose a benchmark has, and writing it is bound by the
+disk, not the generator. The router is F32 and bf16-exact (tandem computes routers in bf16),
+the norms F32 near 1.
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "model"))
+import tiny  # noqa: E402  (its vocabulary and bf16 rounding)
+
+SHAPES = {
+    "qwen3-30b-a3b": dict(arch="qwen3moe", vocab=151936, hidden=2048, heads=32, kv_heads=4,
+                          head_dim=128, experts=128, top_k=8, moe_ffn=768, ctx=40960,
+                          rope_theta=1e6, eps=1e-6),
+    "mixtral-8x7b": dict(arch="llama", vocab=32000, hidden=4096, heads=32, kv_heads=8,
+                         head_dim=128, experts=8, top_k=2, moe_ffn=14336, ctx=32768,
+                         rope_theta=1e6, eps=1e-5),
+}
+POOL = 1 << 26
+
+
+class Source:
+    """Random values in [-1, 1) from a pool, at random offsets."""
+
+    def __init__(self, seed, dtype):
+        self.rng = np.random.default_rng(seed)
+        self.pool = (self.rng.random(POOL, dtype=np.float32) * 2 - 1)
+        self.dtype = dtype
+
+    def take(self, shape, scale):
+        n = int(np.prod(shape))
+        out = np.empty(n, dtype=np.float32)
+        at = 0
+        while at < n:
+            c = min(n - at, POOL // 2)
+            o = int(self.rng.integers(0, POOL - c))
+            np.multiply(self.pool[o:o + c], scale, out=out[at:at + c])
+            at += c
+        return out.reshape(shape)
+
+
+def plan(cfg, L):
+    """(name, numpy shape, kind, fan_in) in file order; kind: dense, expert, norm, router."""
+    H, hd, E, I, V = cfg["hidden"], cfg["head_dim"], cfg["experts"], cfg["moe_ffn"], cfg["vocab"]
+    qd, kvd = cfg["heads"] * hd, cfg["kv_heads"] * hd
+    t = [("token_embd.weight", (V, H), "dense", H)]
+    for l in range(L):
+        b = f"blk.{l}."
+        t += [(b + "attn_norm.weight", (H,), "norm", 0),
+              (b + "attn_q.weight", (qd, H), "dense", H),
+              (b + "attn_k.weight", (kvd, H), "dense", H),
+              (b + "attn_v.weight", (kvd, H), "dense", H),
+              (b + "attn_output.weight", (H, qd), "dense", qd)]
+        if cfg["arch"] == "qwen3moe":
+            t += [(b + "attn_q_norm.weight", (hd,), "norm", 0),
+                  (b + "attn_k_norm.weight", (hd,), "norm", 0)]
+        t += [(b + "ffn_norm.weight", (H,), "norm", 0),
+              (b + "ffn_gate_inp.weight", (E, H), "router", H),
+              (b + "ffn_gate_exps.weight", (E, I, H), "expert", H),
+              (b + "ffn_up_exps.weight", (E, I, H), "expert", H),
+              (b + "ffn_down_exps.weight", (E, H, I), "expert", I)]
+    t += [("output_norm.weight", (H,), "norm", 0), ("output.weight", (V, H), "dense", H)]
+    return t
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dtype", choices=("f16", "bf16"), default="f16")
+    ap.add_argument("--seed", type=int, default=1)
+    a = ap.parse_args(argv)
+    import gguf
+    cfg, L = SHAPES[a.shape], a.layers
+    T = gguf.GGMLQuantizationType
+    wtype = T.F16 if a.dtype == "f16" else T.BF16
+    w = gguf.GGUFWriter(a.out, cfg["arch"])
+    w.add_name(f"{a.shape}-{L}L-random")
+    w.add_file_type(1 if a.dtype == "f16" else 32)
+    w.add_vocab_size(cfg["vocab"])
+    w.add_block_count(L)
+    w.add_context_length(cfg["ctx"])
+    w.add_embedding_length(cfg["hidden"])
+    w.add_feed_forward_length(cfg["moe_ffn"])
+    w.add_head_count(cfg["heads"])
+    w.add_head_count_kv(cfg["kv_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["eps"])
+    w.add_expert_count(cfg["experts"])
+    w.add_expert_used_count(cfg["top_k"])
+    if cfg["arch"] == "qwen3moe":
+        w.add_expert_feed_forward_length(cfg["moe_ffn"])
+    tokens, types, merges = tiny.gpt2_vocab(cfg["vocab"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg["vocab"] - 2)
+    w.add_eos_token_id(cfg["vocab"] - 1)
+    tensors = plan(cfg, L)
+    f32 = lambda kind: kind in ("norm", "router")  # noqa: E731
+    for name, shape, kind, _ in tensors:
+        n = int(np.prod(shape))
+        if f32(kind):
+            w.add_tensor_info(name, shape, np.dtype(np.float32), n * 4)
+        else:
+            w.add_tensor_info(name, shape, np.dtype(np.float16) if a.dtype == "f16"
+                              else np.dtype(np.uint16), n * 2,
+                              raw_dtype=wtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    src = Source(a.seed, a.dtype)
+    t0, done = time.time(), 0
+    for name, shape, kind, fan in tensors:
+        if kind == "norm":
+            v = 1.0 + 0.1 * src.take(shape, 1.0)
+        else:
+            v = src.take(shape, np.sqrt(3.0 / fan))
+        if kind == "router":
+            v = tiny.round_to(v, "bf16").astype(np.float32)
+        if f32(kind):
+            data = v.astype(np.float32)
+        elif a.dtype == "f16":
+            data = v.astype(np.float16)
+        else:
+            data = tiny.bf16_bits(v)
+        w.write_tensor_data(data)
+        done += data.nbytes
+        if sys.stderr.isatty() or name.endswith("ffn_down_exps.weight"):
+            print(f"\r  {done / 2**30:6.1f} GiB written ({time.time() - t0:.0f} s)", end="",
+                  file=sys.stderr, flush=True)
+    w.close()
+    print(f"\n{a.out}: {a.shape}, {L} layers, {done / 2**30:.2f} GiB of tensors", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
