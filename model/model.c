@@ -32,6 +32,7 @@ struct tdm_model {
   char format[16];
   const char *wtype;
   int ctx, U, pos;
+  bool skip_moe;                 /* tdm_model_skip_moe */
   size_t device_bytes;
   const tdm_moe_ops *ops;
   void *ops_state;
@@ -286,6 +287,12 @@ int tdm_model_rewind(tdm_model *m, int pos) {
 
 tdm_moe_model *tdm_model_moe(tdm_model *m) { return m ? m->moe : NULL; }
 
+int tdm_model_skip_moe(tdm_model *m, bool skip) {
+  if (!m) return tdm_set_error(TDM_EINVAL, 0, "tdm_model_skip_moe: NULL model");
+  m->skip_moe = skip;
+  return 0;
+}
+
 int tdm_model_argmax(const float *logits, int n) {
   int best = 0;
   for (int i = 1; i < n; i++)
@@ -362,7 +369,7 @@ static int ubatch(tdm_model *m, const int32_t *tokens, int T, int first, tdm_mod
   if ((rc = tdm_moe_pass_begin(m->moe, T, true, &ps))) return rc;
   for (int l = 0; !rc && l < hp->L; l++) {
     rc = attention(m, l, T, m->pos, x);
-    if (!rc) rc = tdm_moe_pass_layer(m->moe, l, &ps);
+    if (!rc && !m->skip_moe) rc = tdm_moe_pass_layer(m->moe, l, &ps);
   }
   int rows = T - first;
   if (!rc && rows > 0) {

@@ -266,7 +266,7 @@ static double now_s(void) {
 }
 
 /* The link's peak: one large pinned host-to-device copy, timed in this process. */
-static int measure_peak(tdm_device *dev, double *gbps) {
+int tool_measure_link(tdm_device *dev, double *gbps) {
   size_t n = (size_t)256 << 20;
   tdm_device_info info;
   tdm_device_info_get(dev, &info);
@@ -472,7 +472,7 @@ static int session_setup(session *s) {
   if (o->budget_pct > 0 && s->budget < s->ebytes) s->budget = s->ebytes;
   if ((code = tool_find_device("moe", o->device, &s->dev)) != TOOL_OK) return code;
   if ((rc = tdm_device_info_get(s->dev, &s->info))) return tool_fail("tdm_device_info_get", rc);
-  if ((rc = measure_peak(s->dev, &s->peak))) return tool_fail("measuring the link", rc);
+  if ((rc = tool_measure_link(s->dev, &s->peak))) return tool_fail("measuring the link", rc);
   s->cfg = (tdm_moe_config){.preset = s->p, .layers = (int)s->layers, .device = s->dev,
                             .seed = (uint64_t)o->seed, .skew = o->skew, .locality = o->locality,
                             .max_tokens = (int)o->ubatch, .budget_bytes = s->budget,

@@ -39,7 +39,10 @@ static const char bench_help[] =
     "\n"
     "Prefill (ppN: N prompt tokens in ubatches) and decode (tgN: N tokens one at a time from an\n"
     "empty cache) rates of a whole model, in tokens per second, the mean and standard\n"
-    "deviation over repetitions after one warm-up, as llama-bench prints them.\n"
+    "deviation over repetitions after one warm-up, as llama-bench prints them; with the\n"
+    "expert bytes each test moved over the link (GB/s, and against the link's measured peak\n"
+    "in --json), and the share of its time a run without the MoE blocks takes (attention,\n"
+    "the dense projections, the embedding and the LM head).\n"
     "\n"
     "  -m, --model FILE       the model: a .gguf file or a safetensors folder\n"
     "  -p, --prompt LIST      prompt lengths (default 512)\n"
@@ -344,19 +347,27 @@ int tool_cmd_run(int argc, char **argv) {
 
 typedef struct bench_row {
   char test[32];
-  double budget_share; /* of all experts' bytes */
+  double budget_share;  /* of all experts' bytes */
   double mean, sd;      /* tokens per second */
+  double link_gbs;      /* expert bytes copied over the timed runs / their time */
+  double non_moe_share; /* a run without the MoE blocks / a whole run: attention and the other
+                           dense work's share of a step */
 } bench_row;
 
-/* One timed run of test (pp: n prompt tokens; tg: n decode steps) from an empty cache. */
-static int bench_once(tdm_model *m, bool pp, int n, int vocab, uint64_t seed, double *seconds) {
+/* One timed run of test (pp: n prompt tokens; tg: n decode steps) from an empty cache; adds
+ * the expert bytes it copied to *bytes. */
+static int bench_once(tdm_model *m, bool pp, int n, int vocab, uint64_t seed, double *seconds,
+                      uint64_t *bytes) {
   int32_t *ids = malloc((size_t)n * sizeof *ids);
   float *logits = malloc((size_t)vocab * sizeof *logits);
   int rc = ids && logits ? tdm_model_rewind(m, 0) : TDM_ENOMEM;
+  tdm_model_stats st;
   if (!rc) random_ids(ids, n, vocab, seed);
   double t0 = now_s();
-  if (!rc && pp) rc = tdm_model_eval(m, ids, n, logits, false, NULL);
-  for (int i = 0; !rc && !pp && i < n; i++) rc = tdm_model_eval(m, &ids[i], 1, logits, false, NULL);
+  if (!rc && pp && !(rc = tdm_model_eval(m, ids, n, logits, false, &st)))
+    *bytes += st.moe.bytes_copied;
+  for (int i = 0; !rc && !pp && i < n; i++)
+    if (!(rc = tdm_model_eval(m, &ids[i], 1, logits, false, &st))) *bytes += st.moe.bytes_copied;
   *seconds = now_s() - t0;
   free(ids);
   free(logits);
@@ -364,17 +375,25 @@ static int bench_once(tdm_model *m, bool pp, int n, int vocab, uint64_t seed, do
 }
 
 static int bench_test(tdm_model *m, const run_opts *o, bool pp, int n, int vocab, bench_row *r) {
-  double s, sum = 0, sq = 0;
-  int rc = bench_once(m, pp, pp ? n : 1, vocab, 7, &s); /* warm-up */
+  double s, sum = 0, sq = 0, busy = 0, bare = 0;
+  uint64_t bytes = 0, ignored = 0;
+  int rc = bench_once(m, pp, pp ? n : 1, vocab, 7, &s, &ignored); /* warm-up */
   for (int i = 0; !rc && i < o->reps; i++) {
-    if ((rc = bench_once(m, pp, n, vocab, (uint64_t)(i + 11), &s))) break;
+    if ((rc = bench_once(m, pp, n, vocab, (uint64_t)(i + 11), &s, &bytes))) break;
     double tps = n / s;
+    busy += s;
     sum += tps;
     sq += tps * tps;
   }
+  /* the same run without the MoE blocks, once */
+  if (!rc && !(rc = tdm_model_skip_moe(m, true)))
+    rc = bench_once(m, pp, n, vocab, 11, &bare, &ignored);
+  tdm_model_skip_moe(m, false);
   snprintf(r->test, sizeof r->test, "%s%d", pp ? "pp" : "tg", n);
   r->mean = sum / o->reps;
   r->sd = o->reps > 1 ? sqrt(fmax(0.0, (sq - sum * sum / o->reps) / (o->reps - 1))) : 0.0;
+  r->link_gbs = busy > 0 ? bytes / busy / 1e9 : 0;
+  r->non_moe_share = busy > 0 ? bare / (busy / o->reps) : 0;
   return rc;
 }
 
@@ -396,9 +415,14 @@ int tool_cmd_model_bench(int argc, char **argv) {
   int nrows = 0;
   tdm_model_info info = {0};
   tdm_device_info dinfo = {0};
+  double peak = 0;
   if (code == TOOL_OK) tdm_device_info_get(dev, &dinfo);
+  if (code == TOOL_OK && !(dinfo.caps & TDM_DEVICE_CAP_HOST_MEMORY) &&
+      (rc = tool_measure_link(dev, &peak)))
+    code = tool_fail("measuring the link", rc);
   if (!o.json && code == TOOL_OK) {
-    printf("| model | budget | test | t/s |\n| --- | ---: | ---: | ---: |\n");
+    printf("| model | budget | test | t/s | link GB/s | not MoE |\n"
+           "| --- | ---: | ---: | ---: | ---: | ---: |\n");
     fflush(stdout);
   }
   for (int b = 0; code == TOOL_OK && b < o.nbudget; b++) {
@@ -419,8 +443,9 @@ int tool_cmd_model_bench(int argc, char **argv) {
       }
       nrows++;
       if (!o.json) {
-        printf("| %s %s %dL | %.0f%% | %s | %.2f ± %.2f |\n", info.arch, info.weight_type,
-               info.layers, r->budget_share * 100, r->test, r->mean, r->sd);
+        printf("| %s %s %dL | %.0f%% | %s | %.2f ± %.2f | %.1f | %.0f%% |\n", info.arch,
+               info.weight_type, info.layers, r->budget_share * 100, r->test, r->mean, r->sd,
+               r->link_gbs, r->non_moe_share * 100);
         fflush(stdout);
       }
     }
@@ -434,6 +459,7 @@ int tool_cmd_model_bench(int argc, char **argv) {
     json_info(&j, &info);
     bu_json_string(&j, "device", dinfo.name);
     bu_json_int(&j, "repetitions", o.reps);
+    bu_json_double(&j, "link_peak_gbs", peak, 3);
     bu_json_array(&j, "rows");
     for (int i = 0; i < nrows; i++) {
       bu_json_object(&j, NULL);
@@ -441,6 +467,9 @@ int tool_cmd_model_bench(int argc, char **argv) {
       bu_json_double(&j, "budget_share", rows[i].budget_share, 3);
       bu_json_double(&j, "tokens_per_s", rows[i].mean, 3);
       bu_json_double(&j, "tokens_per_s_sd", rows[i].sd, 3);
+      bu_json_double(&j, "link_gbs", rows[i].link_gbs, 3);
+      bu_json_double(&j, "link_utilization", peak > 0 ? rows[i].link_gbs / peak : 0, 3);
+      bu_json_double(&j, "non_moe_share", rows[i].non_moe_share, 3);
       bu_json_end(&j);
     }
     bu_json_end(&j);

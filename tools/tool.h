@@ -71,6 +71,10 @@ int tool_trace_check(const char *path);
  * command line, the commit, the date, tandem's version and the machine. */
 void tool_json_header(bu_json *j);
 
+/* The link's peak in GB/s: pinned host-to-device copies of 256 MiB (64 MiB on a host-memory
+ * device), the best of three after a warm-up (moe.c). */
+int tool_measure_link(tdm_device *dev, double *gbps);
+
 /* "15.6 GiB", "512.0 MiB", "4.0 KiB", "12 B". */
 void tool_format_bytes(uint64_t bytes, char *buf, size_t size);
 

@@ -98,6 +98,11 @@ TDM_API int tdm_model_eval(tdm_model *m, const int32_t *tokens, int n, float *lo
 TDM_API int tdm_model_pos(const tdm_model *m);
 TDM_API int tdm_model_rewind(tdm_model *m, int pos);
 
+/* skip true: later evals leave out the MoE blocks (the residual passes them unchanged), so a
+ * benchmark can time everything else (attention, the dense projections, the embedding and
+ * the LM head) on its own; the logits are then not the model's. false restores them. */
+TDM_API int tdm_model_skip_moe(tdm_model *m, bool skip);
+
 /* The MoE layers underneath (their streamer, placement and statistics). */
 TDM_API tdm_moe_model *tdm_model_moe(tdm_model *m);
 
