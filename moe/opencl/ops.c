@@ -30,6 +30,9 @@
  * a host task that enqueues its commands when it runs (in-order queues only, which open()
  * requires). Otherwise ops enqueue directly and never block the caller.
  *
+ * A transformer's other operations (get_rows, matmul, rope, attention) are in xfmr.c, their
+ * kernels in the same program (ocl_ops.h holds what the two files share).
+ *
  * Errors: 0 or a negative TDM_E* code with tandem's message set (tdm_set_error): TDM_EINVAL
  * for arguments, TDM_ERANGE for a buffer too small, TDM_ENOMEM when OpenCL or CLBlast ran out
  * of memory, TDM_EBACKEND for any other OpenCL or CLBlast failure. Indices are device data
@@ -38,20 +41,12 @@
  * experts() skips a token whose row or slot is out of range, and an entry whose tokens leave
  * [0, n) or whose weights leave wbase's allocation. */
 #include <limits.h>
-#include <pthread.h>
-#include <stdatomic.h>
-#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* OpenCL 1.2, as tandem's backend: the same entry points on every ICD loader. */
-#define CL_TARGET_OPENCL_VERSION 120
-#include <CL/cl.h>
-#include <clblast_c.h>
-
-#include "ops.h" /* moe/ops.h */
+#include "ocl_ops.h" /* the state, kernels and helpers xfmr.c shares */
 #include "tandem/opencl.h"
 
 #define MOE_WG_MAX 256 /* work-group size ceiling: the largest power of two the device takes */
@@ -426,31 +421,13 @@ static const char moe_cl_source[] =
     "    }\n"
     "}\n";
 
-enum {
-  K_RMSNORM, K_ROUTER, K_WIDEN, K_GATHER, K_SWIGLU, K_SCATTER, K_COMBINE, K_GATEUP, K_DOWN,
-  K_GROUP, K_COUNT
-};
+/* The program's kernels (ocl_ops.h's K_*), this file's and xfmr.c's. */
 static const char *const kernel_names[K_COUNT] = {
-    "moe_rmsnorm", "moe_router",  "moe_widen",  "moe_gather", "moe_swiglu",
-    "moe_scatter", "moe_combine", "moe_gateup", "moe_down",   "moe_group"};
+    "moe_rmsnorm", "moe_router", "moe_widen", "moe_gather", "moe_swiglu", "moe_scatter",
+    "moe_combine", "moe_gateup", "moe_down", "moe_group", "moe_get_rows", "moe_rope",
+    "moe_attention"};
 
-/* ---- state ---- */
-
-typedef struct moe_ocl {
-  tdm_queue *q;         /* the queue open() bound the state to */
-  tdm_device *dev;
-  cl_command_queue cq;  /* its native queue, retained */
-  bool defer;           /* the device gates host work on the host (see Deferral) */
-  size_t wg;            /* the work-group size the program was built for */
-  size_t xwg, team;     /* experts()'s work-group size and work-items per weight row */
-  cl_ulong router_local; /* local memory the router's two arrays may take */
-  cl_ulong group_local;  /* local memory group()'s counts may take */
-  cl_device_id id;      /* the queue's device */
-  cl_program prog;      /* the kernels' program, built by open() */
-  cl_kernel k[K_COUNT];
-  pthread_mutex_t mu;   /* kernel arguments: set and enqueued under it */
-  atomic_int refs;      /* open()'s, and one per op submitted as a host task */
-} moe_ocl;
+/* ---- state (ocl_ops.h) ---- */
 
 static void state_drop(moe_ocl *m) {
   if (atomic_fetch_sub(&m->refs, 1) != 1) return;
@@ -469,33 +446,25 @@ static int alloc_failure(cl_int err) {
          err == CL_MEM_OBJECT_ALLOCATION_FAILURE;
 }
 
-static int cl_fail(const char *op, const char *what, cl_int err) {
+int tdm_moe__ocl_cl_fail(const char *op, const char *what, cl_int err) {
   return tdm_set_error(alloc_failure(err) ? TDM_ENOMEM : TDM_EBACKEND, err,
                         "moe %s: %s failed with OpenCL error %d", op, what, err);
 }
 
 /* CLBlast's statuses are OpenCL's where they overlap (-4, -5, -6 are the allocation ones). */
-static int blast_fail(const char *op, const char *what, CLBlastStatusCode st) {
+int tdm_moe__ocl_blast_fail(const char *op, const char *what, CLBlastStatusCode st) {
   return tdm_set_error(alloc_failure((cl_int)st) ? TDM_ENOMEM : TDM_EBACKEND, (int)st,
                         "moe %s: %s failed with CLBlast status %d", op, what, (int)st);
 }
 
-static int bad_args(const char *op) {
+int tdm_moe__ocl_bad_args(const char *op) {
   return tdm_set_error(TDM_EINVAL, 0, "moe %s: NULL pointer or size out of range", op);
 }
 
 /* ---- arguments ---- */
 
-/* A tandem pointer as a kernel sees it: the buffer and an offset in elements. */
-typedef struct clbuf {
-  cl_mem mem;
-  cl_ulong off;
-} clbuf;
-
-/* Resolves p, which must be device memory of m's device aligned to `size` with room for
- * `count` elements; *avail (if not NULL) receives the elements from p to the allocation's end. */
-static int resolve(moe_ocl *m, const char *op, const char *name, const void *p, size_t count,
-                   size_t size, clbuf *out, size_t *avail) {
+int tdm_moe__ocl_resolve(moe_ocl *m, const char *op, const char *name, const void *p,
+                         size_t count, size_t size, clbuf *out, size_t *avail) {
   tdm_mem_info mi;
   void *mem;
   size_t off;
@@ -523,32 +492,18 @@ static cl_uint row_limit(size_t avail, int width) {
   return rows > UINT32_MAX ? UINT32_MAX : (cl_uint)rows;
 }
 
-static size_t round_up(size_t v, size_t to) { return (v + to - 1) / to * to; }
-
 /* ---- launching ---- */
 
-typedef struct karg {
-  size_t size;
-  const void *value; /* NULL: local memory of `size` bytes */
-} karg;
-
-#define KBUF(b) {sizeof(cl_mem), &(b).mem}, {sizeof(cl_ulong), &(b).off}
-#define KVAL(v) {sizeof(v), &(v)}
-
-/* Sets the kernel's arguments and enqueues it; with m->mu held. LAUNCH counts the arguments. */
-static int launch(moe_ocl *m, const char *op, int kid, const karg *a, cl_uint na, cl_uint dims,
-                  const size_t *global, const size_t *local) {
+int tdm_moe__ocl_launch(moe_ocl *m, const char *op, int kid, const karg *a, cl_uint na,
+                        cl_uint dims, const size_t *global, const size_t *local) {
   cl_kernel k = m->k[kid];
   for (cl_uint i = 0; i < na; i++) {
     cl_int err = clSetKernelArg(k, i, a[i].size, a[i].value);
-    if (err != CL_SUCCESS) return cl_fail(op, "clSetKernelArg", err);
+    if (err != CL_SUCCESS) return tdm_moe__ocl_cl_fail(op, "clSetKernelArg", err);
   }
   cl_int err = clEnqueueNDRangeKernel(m->cq, k, dims, NULL, global, local, 0, NULL, NULL);
-  return err == CL_SUCCESS ? 0 : cl_fail(op, kernel_names[kid], err);
+  return err == CL_SUCCESS ? 0 : tdm_moe__ocl_cl_fail(op, kernel_names[kid], err);
 }
-
-#define LAUNCH(m, op, kid, args, dims, global, local) \
-  launch(m, op, kid, args, (cl_uint)(sizeof(args) / sizeof((args)[0])), dims, global, local)
 
 /* ---- the ops' native work, with resolved arguments ---- */
 
@@ -626,7 +581,7 @@ static int gemm_nt(moe_ocl *m, size_t rows, size_t N, size_t K, clbuf A, size_t 
   CLBlastStatusCode st =
       CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes, rows, N, K,
                    1.0f, A.mem, A.off, lda, B.mem, B.off, K, 0.0f, C.mem, C.off, N, &m->cq, NULL);
-  return st == CLBlastSuccess ? 0 : blast_fail("expert", what, st);
+  return st == CLBlastSuccess ? 0 : tdm_moe__ocl_blast_fail("expert", what, st);
 }
 
 static int run_expert(moe_ocl *m, const job *j) {
@@ -714,12 +669,14 @@ static bool held_work(moe_ocl *m) {
   return held;
 }
 
-/* An op submitted as a host task. refs: one for the task, one for the keep-alive that frees it
- * (a task skipped after a failure never runs, so it cannot free the block itself). */
+/* An op submitted as a host task, with a copy of its arguments. refs: one for the task, one
+ * for the keep-alive that frees it (a task skipped after a failure never runs, so it cannot
+ * free the block itself). */
 typedef struct held_job {
-  job j;
   moe_ocl *m;
+  tdm_moe__ocl_run run;
   atomic_int refs;
+  max_align_t args[]; /* the op's arguments: a job of this file's, or one of xfmr.c's */
 } held_job;
 
 static void held_free(void *arg) {
@@ -735,23 +692,24 @@ static void held_drop(held_job *h) {
 static int held_run(void *arg) {
   held_job *h = arg;
   pthread_mutex_lock(&h->m->mu);
-  int rc = h->j.run(h->m, &h->j);
+  int rc = h->run(h->m, h->args);
   pthread_mutex_unlock(&h->m->mu);
   held_drop(h);
   return rc;
 }
 
-static int submit(moe_ocl *m, const job *j) {
+int tdm_moe__ocl_submit(moe_ocl *m, tdm_moe__ocl_run run, const void *args, size_t size) {
   if (!held_work(m)) {
     pthread_mutex_lock(&m->mu);
-    int rc = j->run(m, j);
+    int rc = run(m, args);
     pthread_mutex_unlock(&m->mu);
     return rc;
   }
-  held_job *h = malloc(sizeof *h);
+  held_job *h = malloc(sizeof *h + size);
   if (!h) return tdm_set_error(TDM_ENOMEM, 0, "moe: no host memory for a deferred op");
-  h->j = *j;
   h->m = m;
+  h->run = run;
+  memcpy(h->args, args, size);
   atomic_init(&h->refs, 2);
   atomic_fetch_add(&m->refs, 1);
   int rc = tdm_host_task(m->q, held_run, h, 0, NULL, NULL);
@@ -764,7 +722,17 @@ static int submit(moe_ocl *m, const job *j) {
   return 0;
 }
 
-static int check_state(moe_ocl *m, tdm_queue *q, const char *op) {
+/* This file's ops: a job, run by its own function. */
+static int run_job(moe_ocl *m, const void *args) {
+  const job *j = args;
+  return j->run(m, j);
+}
+
+static int submit(moe_ocl *m, const job *j) {
+  return tdm_moe__ocl_submit(m, run_job, j, sizeof *j);
+}
+
+int tdm_moe__ocl_check_state(moe_ocl *m, tdm_queue *q, const char *op) {
   if (m && q && m->q == q) return 0;
   return tdm_set_error(TDM_EINVAL, 0, "moe %s: the state was not opened on this queue", op);
 }
@@ -774,16 +742,16 @@ static int check_state(moe_ocl *m, tdm_queue *q, const char *op) {
 static int ocl_moe_rmsnorm(void *st, tdm_queue *q, float *y, const float *x, const float *w,
                            int T, int H, float eps) {
   moe_ocl *m = st;
-  int rc = check_state(m, q, "rmsnorm");
+  int rc = tdm_moe__ocl_check_state(m, q, "rmsnorm");
   if (rc) return rc;
-  if (!y || !x || !w || T < 0 || H <= 0 || !(eps >= 0.0f)) return bad_args("rmsnorm");
+  if (!y || !x || !w || T < 0 || H <= 0 || !(eps >= 0.0f)) return tdm_moe__ocl_bad_args("rmsnorm");
   if (T == 0) return 0;
   job j = {.run = run_rmsnorm, .u.rmsnorm = {.T = T, .H = H, .eps = eps}};
   rmsnorm_job *a = &j.u.rmsnorm;
   size_t TH = (size_t)T * H;
-  if ((rc = resolve(m, "rmsnorm", "y", y, TH, sizeof(float), &a->y, NULL)) ||
-      (rc = resolve(m, "rmsnorm", "x", x, TH, sizeof(float), &a->x, NULL)) ||
-      (rc = resolve(m, "rmsnorm", "w", w, (size_t)H, sizeof(float), &a->w, NULL)))
+  if ((rc = tdm_moe__ocl_resolve(m, "rmsnorm", "y", y, TH, sizeof(float), &a->y, NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "rmsnorm", "x", x, TH, sizeof(float), &a->x, NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "rmsnorm", "w", w, (size_t)H, sizeof(float), &a->w, NULL)))
     return rc;
   return submit(m, &j);
 }
@@ -792,10 +760,10 @@ static int ocl_moe_router(void *st, tdm_queue *q, const float *x, const tdm_moe_
                           const float *bias, int T, int H, int E, int k, int renorm, int32_t *idx,
                           float *weights) {
   moe_ocl *m = st;
-  int rc = check_state(m, q, "router");
+  int rc = tdm_moe__ocl_check_state(m, q, "router");
   if (rc) return rc;
   if (!x || !wr || !idx || !weights || T < 0 || H <= 0 || E <= 0 || k <= 0 || k > E)
-    return bad_args("router");
+    return tdm_moe__ocl_bad_args("router");
   if (T == 0) return 0;
   if ((cl_ulong)E * (sizeof(cl_float) + 1) > m->router_local)
     return tdm_set_error(TDM_EINVAL, 0, "moe router: %d experts need more local memory than "
@@ -805,12 +773,14 @@ static int ocl_moe_router(void *st, tdm_queue *q, const float *x, const tdm_moe_
                         .has_bias = bias != NULL}};
   router_job *a = &j.u.router;
   size_t Tk = (size_t)T * k;
-  if ((rc = resolve(m, "router", "x", x, (size_t)T * H, sizeof(float), &a->x, NULL)) ||
-      (rc = resolve(m, "router", "wr", wr, (size_t)E * H, sizeof(tdm_moe_bf16), &a->wr, NULL)) ||
-      (bias && (rc = resolve(m, "router", "bias", bias, (size_t)E, sizeof(float), &a->bias,
-                             NULL))) ||
-      (rc = resolve(m, "router", "idx", idx, Tk, sizeof(int32_t), &a->idx, NULL)) ||
-      (rc = resolve(m, "router", "weights", weights, Tk, sizeof(float), &a->wts, NULL)))
+  if ((rc = tdm_moe__ocl_resolve(m, "router", "x", x, (size_t)T * H, sizeof(float), &a->x, NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "router", "wr", wr, (size_t)E * H, sizeof(tdm_moe_bf16), &a->wr,
+                                 NULL)) ||
+      (bias && (rc = tdm_moe__ocl_resolve(m, "router", "bias", bias, (size_t)E, sizeof(float),
+                                          &a->bias, NULL))) ||
+      (rc = tdm_moe__ocl_resolve(m, "router", "idx", idx, Tk, sizeof(int32_t), &a->idx, NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "router", "weights", weights, Tk, sizeof(float), &a->wts,
+                                 NULL)))
     return rc;
   return submit(m, &j);
 }
@@ -825,10 +795,10 @@ static int ocl_moe_expert(void *st, tdm_queue *q, const float *x, const int32_t 
                           const int32_t *slot, int n, const tdm_moe_bf16 *w, int H, int I,
                           float *out, void *workspace, size_t workspace_bytes) {
   moe_ocl *m = st;
-  int rc = check_state(m, q, "expert");
+  int rc = tdm_moe__ocl_check_state(m, q, "expert");
   if (rc) return rc;
   if (!x || !rows || !slot || !w || !out || n < 0 || H <= 0 || I <= 0 || I > INT_MAX / 2)
-    return bad_args("expert");
+    return tdm_moe__ocl_bad_args("expert");
   if (n == 0) return 0;
   size_t need = tdm_moe__workspace(n, H, I);
   if (!workspace || need == 0 || workspace_bytes < need || (uintptr_t)workspace % sizeof(float))
@@ -840,13 +810,15 @@ static int ocl_moe_expert(void *st, tdm_queue *q, const float *x, const int32_t 
   const size_t sH = (size_t)H, sI = (size_t)I, sn = (size_t)n;
   size_t x_avail, out_avail;
   clbuf ws;
-  if ((rc = resolve(m, "expert", "x", x, sH, sizeof(float), &a->x, &x_avail)) ||
-      (rc = resolve(m, "expert", "rows", rows, sn, sizeof(int32_t), &a->rows, NULL)) ||
-      (rc = resolve(m, "expert", "slot", slot, sn, sizeof(int32_t), &a->slot, NULL)) ||
-      (rc = resolve(m, "expert", "w", w, 3 * sH * sI, sizeof(tdm_moe_bf16), &a->w, NULL)) ||
-      (rc = resolve(m, "expert", "out", out, sH, sizeof(float), &a->out, &out_avail)) ||
-      (rc = resolve(m, "expert", "workspace", workspace, need / sizeof(float), sizeof(float),
-                    &ws, NULL)))
+  if ((rc = tdm_moe__ocl_resolve(m, "expert", "x", x, sH, sizeof(float), &a->x, &x_avail)) ||
+      (rc = tdm_moe__ocl_resolve(m, "expert", "rows", rows, sn, sizeof(int32_t), &a->rows, NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "expert", "slot", slot, sn, sizeof(int32_t), &a->slot, NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "expert", "w", w, 3 * sH * sI, sizeof(tdm_moe_bf16), &a->w,
+                                 NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "expert", "out", out, sH, sizeof(float), &a->out,
+                                 &out_avail)) ||
+      (rc = tdm_moe__ocl_resolve(m, "expert", "workspace", workspace, need / sizeof(float),
+                                 sizeof(float), &ws, NULL)))
     return rc;
   /* CLBlast's single-kernel GEMM takes offsets as int. */
   if (ws.off + need / sizeof(float) > INT_MAX)
@@ -866,16 +838,17 @@ static int ocl_moe_expert(void *st, tdm_queue *q, const float *x, const int32_t 
 static int ocl_moe_combine(void *st, tdm_queue *q, float *y, const float *out,
                            const float *weights, int T, int H, int k) {
   moe_ocl *m = st;
-  int rc = check_state(m, q, "combine");
+  int rc = tdm_moe__ocl_check_state(m, q, "combine");
   if (rc) return rc;
-  if (!y || !out || !weights || T < 0 || H <= 0 || k <= 0) return bad_args("combine");
+  if (!y || !out || !weights || T < 0 || H <= 0 || k <= 0) return tdm_moe__ocl_bad_args("combine");
   if (T == 0) return 0;
   job j = {.run = run_combine, .u.combine = {.T = T, .H = H, .k = k}};
   combine_job *a = &j.u.combine;
   size_t TH = (size_t)T * H, Tk = (size_t)T * k;
-  if ((rc = resolve(m, "combine", "y", y, TH, sizeof(float), &a->y, NULL)) ||
-      (rc = resolve(m, "combine", "out", out, Tk * H, sizeof(float), &a->out, NULL)) ||
-      (rc = resolve(m, "combine", "weights", weights, Tk, sizeof(float), &a->wts, NULL)))
+  if ((rc = tdm_moe__ocl_resolve(m, "combine", "y", y, TH, sizeof(float), &a->y, NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "combine", "out", out, Tk * H, sizeof(float), &a->out, NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "combine", "weights", weights, Tk, sizeof(float), &a->wts,
+                                 NULL)))
     return rc;
   return submit(m, &j);
 }
@@ -887,7 +860,7 @@ static int resolve_weights(moe_ocl *m, const tdm_moe_bf16 *wbase, size_t need, c
                            cl_long *wmin, cl_long *wmax) {
   size_t after;
   tdm_mem_info mi;
-  int rc = resolve(m, "experts", "wbase", wbase, 0, sizeof *wbase, out, &after);
+  int rc = tdm_moe__ocl_resolve(m, "experts", "wbase", wbase, 0, sizeof *wbase, out, &after);
   if (rc || (rc = tdm_mem_query(wbase, &mi))) return rc;
   size_t before = (size_t)((const char *)wbase - (const char *)mi.base) / sizeof *wbase;
   if (need > before + after)
@@ -903,11 +876,11 @@ static int ocl_moe_experts(void *st, tdm_queue *q, const float *x, const int32_t
                            const tdm_moe_group *groups, int G, int H, int I, float *out,
                            void *workspace, size_t workspace_bytes) {
   moe_ocl *m = st;
-  int rc = check_state(m, q, "experts");
+  int rc = tdm_moe__ocl_check_state(m, q, "experts");
   if (rc) return rc;
   if (!x || !rows || !slot || !wbase || !groups || !out || n < 0 || G < 0 || H <= 0 || I <= 0 ||
       I > INT_MAX / 2)
-    return bad_args("experts");
+    return tdm_moe__ocl_bad_args("experts");
   if (n == 0 || G == 0) return 0;
   size_t need = tdm_moe__workspace(n, H, I);
   if (!workspace || need == 0 || workspace_bytes < need || (uintptr_t)workspace % sizeof(float))
@@ -918,15 +891,18 @@ static int ocl_moe_experts(void *st, tdm_queue *q, const float *x, const int32_t
   experts_job *a = &j.u.experts;
   const size_t sH = (size_t)H, sI = (size_t)I, sn = (size_t)n;
   size_t x_avail, out_avail;
-  if ((rc = resolve(m, "experts", "x", x, sH, sizeof(float), &a->x, &x_avail)) ||
-      (rc = resolve(m, "experts", "rows", rows, sn, sizeof(int32_t), &a->rows, NULL)) ||
-      (rc = resolve(m, "experts", "slot", slot, sn, sizeof(int32_t), &a->slot, NULL)) ||
+  if ((rc = tdm_moe__ocl_resolve(m, "experts", "x", x, sH, sizeof(float), &a->x, &x_avail)) ||
+      (rc = tdm_moe__ocl_resolve(m, "experts", "rows", rows, sn, sizeof(int32_t), &a->rows,
+                                 NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "experts", "slot", slot, sn, sizeof(int32_t), &a->slot,
+                                 NULL)) ||
       (rc = resolve_weights(m, wbase, 3 * sH * sI, &a->w, &a->wmin, &a->wmax)) ||
-      (rc = resolve(m, "experts", "groups", groups, 2 * (size_t)G, sizeof(int64_t), &a->groups,
-                    NULL)) ||
-      (rc = resolve(m, "experts", "out", out, sH, sizeof(float), &a->out, &out_avail)) ||
-      (rc = resolve(m, "experts", "workspace", workspace, need / sizeof(float), sizeof(float),
-                    &a->h, NULL)))
+      (rc = tdm_moe__ocl_resolve(m, "experts", "groups", groups, 2 * (size_t)G, sizeof(int64_t),
+                                 &a->groups, NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "experts", "out", out, sH, sizeof(float), &a->out,
+                                 &out_avail)) ||
+      (rc = tdm_moe__ocl_resolve(m, "experts", "workspace", workspace, need / sizeof(float),
+                                 sizeof(float), &a->h, NULL)))
     return rc;
   a->x_rows = row_limit(x_avail, H);
   a->out_rows = row_limit(out_avail, H);
@@ -937,11 +913,11 @@ static int ocl_moe_group(void *st, tdm_queue *q, const int32_t *idx, int T, int 
                          const int64_t *wofs, int32_t *rows, int32_t *slot,
                          tdm_moe_group *groups) {
   moe_ocl *m = st;
-  int rc = check_state(m, q, "group");
+  int rc = tdm_moe__ocl_check_state(m, q, "group");
   if (rc) return rc;
   if (!idx || !wofs || !rows || !slot || !groups || T < 0 || k <= 0 || E <= 0 ||
       (int64_t)T * k > INT_MAX)
-    return bad_args("group");
+    return tdm_moe__ocl_bad_args("group");
   if (T == 0) return 0;
   if ((cl_ulong)E * sizeof(cl_int) > m->group_local)
     return tdm_set_error(TDM_EINVAL, 0, "moe group: %d experts need more local memory than "
@@ -949,12 +925,16 @@ static int ocl_moe_group(void *st, tdm_queue *q, const int32_t *idx, int T, int 
   const int Tk = T * k, ng = E < Tk ? E : Tk;
   job j = {.run = run_group, .u.group = {.T = T, .k = k, .E = E, .ng = ng}};
   group_job *a = &j.u.group;
-  if ((rc = resolve(m, "group", "idx", idx, (size_t)Tk, sizeof(int32_t), &a->idx, NULL)) ||
-      (rc = resolve(m, "group", "wofs", wofs, (size_t)E, sizeof(int64_t), &a->wofs, NULL)) ||
-      (rc = resolve(m, "group", "rows", rows, (size_t)Tk, sizeof(int32_t), &a->rows, NULL)) ||
-      (rc = resolve(m, "group", "slot", slot, (size_t)Tk, sizeof(int32_t), &a->slot, NULL)) ||
-      (rc = resolve(m, "group", "groups", groups, 2 * (size_t)ng, sizeof(int64_t), &a->groups,
-                    NULL)))
+  if ((rc = tdm_moe__ocl_resolve(m, "group", "idx", idx, (size_t)Tk, sizeof(int32_t), &a->idx,
+                                 NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "group", "wofs", wofs, (size_t)E, sizeof(int64_t), &a->wofs,
+                                 NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "group", "rows", rows, (size_t)Tk, sizeof(int32_t), &a->rows,
+                                 NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "group", "slot", slot, (size_t)Tk, sizeof(int32_t), &a->slot,
+                                 NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "group", "groups", groups, 2 * (size_t)ng, sizeof(int64_t),
+                                 &a->groups, NULL)))
     return rc;
   return submit(m, &j);
 }
@@ -972,7 +952,8 @@ static int pick_wg(cl_device_id id, size_t *wg) {
     err = CL_INVALID_VALUE;
   if (err == CL_SUCCESS)
     err = clGetDeviceInfo(id, CL_DEVICE_MAX_WORK_ITEM_SIZES, items_size, items, NULL);
-  if (err != CL_SUCCESS) return cl_fail("open", "clGetDeviceInfo (work-group sizes)", err);
+  if (err != CL_SUCCESS)
+    return tdm_moe__ocl_cl_fail("open", "clGetDeviceInfo (work-group sizes)", err);
   size_t cap = MOE_WG_MAX < dev_max ? MOE_WG_MAX : dev_max;
   if (items[0] < cap) cap = items[0];
   *wg = 1;
@@ -997,19 +978,19 @@ static int build_program(moe_ocl *m, cl_context ctx, const char *name) {
   if (rc) return rc;
   cl_device_type type = 0;
   cl_int err = clGetDeviceInfo(m->id, CL_DEVICE_TYPE, sizeof type, &type, NULL);
-  if (err != CL_SUCCESS) return cl_fail("open", "clGetDeviceInfo (type)", err);
+  if (err != CL_SUCCESS) return tdm_moe__ocl_cl_fail("open", "clGetDeviceInfo (type)", err);
   bool cpu = (type & CL_DEVICE_TYPE_CPU) != 0;
   m->xwg = cpu && m->wg > MOE_XWG_CPU ? MOE_XWG_CPU : m->wg;
   m->team = cpu ? 1 : m->wg < MOE_TEAM_GPU ? m->wg : MOE_TEAM_GPU;
   char opts[96];
   snprintf(opts, sizeof opts, "-DMOE_WG=%zu -DMOE_XWG=%zu -DMOE_TEAM=%zu", m->wg, m->xwg,
            m->team);
-  const char *src = moe_cl_source;
-  m->prog = clCreateProgramWithSource(ctx, 1, &src, NULL, &err);
-  if (!m->prog) return cl_fail("open", "clCreateProgramWithSource", err);
+  const char *src[2] = {moe_cl_source, tdm_moe__ocl_xfmr_source};
+  m->prog = clCreateProgramWithSource(ctx, 2, src, NULL, &err);
+  if (!m->prog) return tdm_moe__ocl_cl_fail("open", "clCreateProgramWithSource", err);
   err = clBuildProgram(m->prog, 1, &m->id, opts, NULL, NULL);
   if (err == CL_BUILD_PROGRAM_FAILURE) return build_failed(m->prog, m->id, name);
-  return err == CL_SUCCESS ? 0 : cl_fail("open", "clBuildProgram", err);
+  return err == CL_SUCCESS ? 0 : tdm_moe__ocl_cl_fail("open", "clBuildProgram", err);
 }
 
 /* The local memory kernel kid leaves for its local-memory arguments, of dev_local. */
@@ -1017,7 +998,7 @@ static int local_left(moe_ocl *m, int kid, cl_ulong dev_local, cl_ulong *left) {
   cl_ulong used = 0;
   cl_int err = clGetKernelWorkGroupInfo(m->k[kid], m->id, CL_KERNEL_LOCAL_MEM_SIZE, sizeof used,
                                         &used, NULL);
-  if (err != CL_SUCCESS) return cl_fail("open", "local memory query", err);
+  if (err != CL_SUCCESS) return tdm_moe__ocl_cl_fail("open", "local memory query", err);
   *left = dev_local > used ? dev_local - used : 0;
   return 0;
 }
@@ -1027,11 +1008,11 @@ static int make_kernels(moe_ocl *m, const char *name) {
   cl_int err;
   for (int i = 0; i < K_COUNT; i++) {
     m->k[i] = clCreateKernel(m->prog, kernel_names[i], &err);
-    if (!m->k[i]) return cl_fail("open", "clCreateKernel", err);
+    if (!m->k[i]) return tdm_moe__ocl_cl_fail("open", "clCreateKernel", err);
     size_t kwg = 0;
     err = clGetKernelWorkGroupInfo(m->k[i], m->id, CL_KERNEL_WORK_GROUP_SIZE, sizeof kwg, &kwg,
                                    NULL);
-    if (err != CL_SUCCESS) return cl_fail("open", "clGetKernelWorkGroupInfo", err);
+    if (err != CL_SUCCESS) return tdm_moe__ocl_cl_fail("open", "clGetKernelWorkGroupInfo", err);
     size_t want = i == K_GATEUP || i == K_DOWN ? m->xwg : m->wg;
     if (kwg < want)
       return tdm_set_error(TDM_ENOTSUP, 0, "moe open: %s runs work-groups of %zu on %s, not "
@@ -1039,18 +1020,19 @@ static int make_kernels(moe_ocl *m, const char *name) {
   }
   cl_ulong dev_local = 0;
   err = clGetDeviceInfo(m->id, CL_DEVICE_LOCAL_MEM_SIZE, sizeof dev_local, &dev_local, NULL);
-  if (err != CL_SUCCESS) return cl_fail("open", "local memory query", err);
+  if (err != CL_SUCCESS) return tdm_moe__ocl_cl_fail("open", "local memory query", err);
   int rc = local_left(m, K_ROUTER, dev_local, &m->router_local);
-  return rc ? rc : local_left(m, K_GROUP, dev_local, &m->group_local);
+  if (!rc) rc = local_left(m, K_GROUP, dev_local, &m->group_local);
+  return rc ? rc : local_left(m, K_ATTENTION, dev_local, &m->attn_local);
 }
 
 /* The native queue (retained), its device, the program and the kernels. */
 static int state_setup(moe_ocl *m, cl_command_queue cq, cl_context ctx, const char *name) {
   cl_int err = clRetainCommandQueue(cq);
-  if (err != CL_SUCCESS) return cl_fail("open", "clRetainCommandQueue", err);
+  if (err != CL_SUCCESS) return tdm_moe__ocl_cl_fail("open", "clRetainCommandQueue", err);
   m->cq = cq;
   err = clGetCommandQueueInfo(cq, CL_QUEUE_DEVICE, sizeof m->id, &m->id, NULL);
-  if (err != CL_SUCCESS) return cl_fail("open", "clGetCommandQueueInfo (device)", err);
+  if (err != CL_SUCCESS) return tdm_moe__ocl_cl_fail("open", "clGetCommandQueueInfo (device)", err);
   int rc = build_program(m, ctx, name);
   return rc ? rc : make_kernels(m, name);
 }
@@ -1107,6 +1089,10 @@ const tdm_moe_ops tdm_moe__opencl_ops = {
     .experts = ocl_moe_experts,
     .group = ocl_moe_group,
     .combine = ocl_moe_combine,
+    .get_rows = tdm_moe__ocl_get_rows,
+    .matmul = tdm_moe__ocl_matmul,
+    .rope = tdm_moe__ocl_rope,
+    .attention = tdm_moe__ocl_attention,
 };
 
 /* The entry libtandem_moe looks up when it loads this module (libtandem_moe-opencl.so). */

@@ -1,0 +1,493 @@
+/* test-xfmr-ops.c: a transformer's other operations in the MoE op tables (tandem/moe_ops.h:
+ * get_rows, matmul, rope, attention) against a float64 reference written here, computed
+ * otherwise than the CPU table computes it.
+ *
+ * Each case uploads random inputs (never zero, seed printed) into device memory, between
+ * sentinels that must survive (outputs also start as NaN where an op must write them, so a
+ * skipped element shows), runs one op and compares with the reference: `get_rows_ref` bitwise
+ * (a copy; ids outside [0, V) give zeros); `matmul_ref` with beta 0 (y not read: it holds NaN)
+ * and 1 (accumulating into random y), at offsets inside larger allocations as a model writes
+ * its KV cache, for shapes on both sides of CLBlast's direct/indirect GEMM switch;
+ * `rope_ref` both pair layouts, positions from 0 past 4096 (and one at 100000), the angle as
+ * p * fs * exp(-(2i/hd) ln base) with explicit cos and sin per pair; `attention_ref` causal
+ * attention over a KV cache whose rows past the causal range hold random values too, with
+ * grouped-query heads (nh / nkv = 4, 2 and 1), prefill from 0 and continuing a cache (pos0 >
+ * 0, T > 1), decode (T = 1) over more positions than one work-group's chunk, against a two-pass
+ * softmax in double. `ordered_after_host_task` runs the four in a chain behind a slow host task
+ * (which PoCL's basic driver holds on the host): bitwise the result without it. `bad_args`
+ * wants TDM_EINVAL for odd hd, nh not a multiple of nkv, beta 0.5, NULL pointers and a state
+ * of another queue. `table_entries` wants the four entries on the backends that have them
+ * (cpu, cuda, opencl), and all four or none elsewhere; the other cases skip (77, with a
+ * message) on a table without them.
+ *
+ * Tolerances (relative, norm-wise over what an op wrote, except RoPE's per pair): f32 work
+ * against float64. matmul's dot products of K <= 300 terms err by ~sqrt(K) 2^-24 = 1e-6
+ * typically; attention adds a softmax over <= 520 positions whose weights and sums are f32;
+ * RoPE rotates each pair by cos and sin correct to a few ulp when the angle is (the CPU's in
+ * double, OpenCL's in float-float): ~3e-7, while a float angle at position 4096 is off by
+ * ~2e-4. 1e-5 holds all of them with room and fails any wrong row, head, pair or position. */
+#include "harness.h"
+
+#include <math.h>
+
+#include <tandem/moe_ops.h>
+
+#define REL_TOL 1e-5
+#define PAD 7                  /* sentinel floats on each side of a buffer */
+#define SENTINEL 1234.5f
+
+/* ---- Fixture ----------------------------------------------------------------------------- */
+
+typedef struct fixture {
+  tdm_device *dev;
+  tdm_queue *q;
+  const tdm_moe_ops *ops;
+  void *st;
+  uint64_t rng;
+} fixture;
+
+static fixture setup(void) {
+  fixture f = {0};
+  f.dev = th_open();
+  f.ops = tdm_moe_ops_for(f.dev);
+  if (!f.ops) TH_SKIP("no MoE op table for the %s backend", th_backend_of(f.dev));
+  CHECK_OK(tdm_queue_create(f.dev, TDM_QUEUE_IN_ORDER, &f.q));
+  CHECK_OK(f.ops->open(f.q, &f.st));
+  f.rng = th_seed();
+  return f;
+}
+
+static void teardown(fixture *f) {
+  f->ops->close(f->st);
+  CHECK_OK(tdm_queue_destroy(f->q));
+  th_close();
+}
+
+static int has_xfmr(const tdm_moe_ops *o) {
+  return o->get_rows && o->matmul && o->rope && o->attention;
+}
+
+/* The op cases skip, visibly, on a table that has no transformer operations yet. */
+static fixture setup_xfmr(void) {
+  fixture f = setup();
+  if (!has_xfmr(f.ops)) {
+    const char *name = f.ops->name;
+    teardown(&f);
+    TH_SKIP("the %s table has no transformer operations (get_rows, matmul, rope, attention)",
+            name);
+  }
+  return f;
+}
+
+static void *alloc(fixture *f, tdm_mem_kind kind, size_t n) {
+  void *p = NULL;
+  CHECK_OK(tdm_malloc(f->dev, kind, n, &p));
+  CHECK(p != NULL);
+  return p;
+}
+
+/* n floats of host data into device memory, between PAD sentinels on each side: the pointer
+ * to the first of the n. */
+static float *upload_padded(fixture *f, const float *host, size_t n) {
+  float *tmp = alloc(f, TDM_MEM_PINNED, (n + 2 * PAD) * sizeof *tmp);
+  for (size_t i = 0; i < PAD; i++) tmp[i] = tmp[PAD + n + i] = SENTINEL;
+  memcpy(tmp + PAD, host, n * sizeof *host);
+  float *d = alloc(f, TDM_MEM_DEVICE, (n + 2 * PAD) * sizeof *d);
+  CHECK_OK(tdm_memcpy(f->q, d, tmp, (n + 2 * PAD) * sizeof *d, TDM_COPY_H2D, 0, NULL, NULL));
+  CHECK_OK(tdm_queue_sync(f->q));
+  tdm_free(tmp);
+  return d + PAD;
+}
+
+/* The n floats at d (from upload_padded) into host, once the queue is done; the sentinels
+ * around them must be intact. */
+static void download_padded(fixture *f, float *host, const float *d, size_t n, const char *what) {
+  float *tmp = alloc(f, TDM_MEM_PINNED, (n + 2 * PAD) * sizeof *tmp);
+  CHECK_OK(tdm_memcpy(f->q, tmp, d - PAD, (n + 2 * PAD) * sizeof *tmp, TDM_COPY_D2H, 0, NULL,
+                      NULL));
+  CHECK_OK(tdm_queue_sync(f->q));
+  for (size_t i = 0; i < PAD; i++) {
+    CHECK_MSG(tmp[i] == SENTINEL, "%s: written %zu floats before its start", what, PAD - i);
+    CHECK_MSG(tmp[PAD + n + i] == SENTINEL, "%s: written %zu floats past its end", what, i + 1);
+  }
+  memcpy(host, tmp + PAD, n * sizeof *host);
+  tdm_free(tmp);
+}
+
+static void free_padded(float *d) { tdm_free(d - PAD); }
+
+/* ---- Random data and comparison ---------------------------------------------------------- */
+
+/* Uniform magnitude in [0.1, 1) * scale, random sign: never zero. */
+static float rnd(uint64_t *s, float scale) {
+  uint64_t r = th_rand(s);
+  float mag = 0.1f + 0.9f * (float)(r >> 40) / (float)(1u << 24);
+  return (r & 1 ? -mag : mag) * scale;
+}
+
+static float *rnd_host(fixture *f, size_t n, float scale) {
+  float *p = malloc(n * sizeof *p);
+  CHECK(p != NULL);
+  for (size_t i = 0; i < n; i++) p[i] = rnd(&f->rng, scale);
+  return p;
+}
+
+static float *nan_host(size_t n) {
+  float *p = malloc(n * sizeof *p);
+  CHECK(p != NULL);
+  for (size_t i = 0; i < n; i++) p[i] = NAN;
+  return p;
+}
+
+typedef struct errsum {
+  double diff2, ref2;
+} errsum;
+
+static void err_add(errsum *e, const char *what, size_t at, float got, double ref) {
+  if (!isfinite(got)) th_fail(__FILE__, __LINE__, "%s[%zu] is %g", what, at, got);
+  e->diff2 += (got - ref) * (got - ref);
+  e->ref2 += ref * ref;
+}
+
+static void err_check(const errsum *e, const char *what) {
+  CHECK(e->ref2 > 0.0);
+  double rel = sqrt(e->diff2 / e->ref2);
+  printf("%s: relative error %.3e (limit %.0e)\n", what, rel, REL_TOL);
+  CHECK_MSG(rel < REL_TOL, "%s: relative error %.3e", what, rel);
+}
+
+/* ---- The table --------------------------------------------------------------------------- */
+
+/* Backends whose tables have a transformer's operations. */
+static const char *const xfmr_backends[] = {"cpu", "cuda", "opencl"};
+
+/* The four entries exist where the backend has them, and a table has all four or none (a
+ * model needs every one). */
+TEST_CASE(table_entries) {
+  fixture f = setup();
+  const tdm_moe_ops *o = f.ops;
+  int claimed = 0;
+  for (size_t i = 0; i < sizeof xfmr_backends / sizeof xfmr_backends[0]; i++)
+    claimed |= strcmp(o->name, xfmr_backends[i]) == 0;
+  int present = !!o->get_rows + !!o->matmul + !!o->rope + !!o->attention;
+  printf("%s table: %d of the 4 transformer entries\n", o->name, present);
+  if (!claimed && present == 0) {
+    const char *name = o->name;
+    teardown(&f);
+    TH_SKIP("the %s table has no transformer operations yet", name);
+  }
+  CHECK_MSG(o->get_rows && o->matmul && o->rope && o->attention,
+            "%s table: get_rows %p, matmul %p, rope %p, attention %p", o->name,
+            (void *)o->get_rows, (void *)o->matmul, (void *)o->rope, (void *)o->attention);
+  teardown(&f);
+}
+
+/* ---- get_rows ---------------------------------------------------------------------------- */
+
+TEST_CASE(get_rows_ref) {
+  enum { T = 11, H = 37, V = 50 };
+  fixture f = setup_xfmr();
+  float *table = rnd_host(&f, (size_t)V * H, 2.0f), *y = nan_host((size_t)T * H);
+  int32_t ids[T];
+  for (int t = 0; t < T; t++) ids[t] = (int32_t)th_rand_below(&f.rng, V);
+  ids[0] = V - 1;
+  ids[3] = -1; /* outside [0, V): rows of zeros */
+  ids[5] = V;
+  ids[8] = INT32_MIN;
+  ids[9] = ids[1]; /* one row twice */
+  float *dtable = upload_padded(&f, table, (size_t)V * H);
+  float *dy = upload_padded(&f, y, (size_t)T * H);
+  int32_t *dids = alloc(&f, TDM_MEM_DEVICE, sizeof ids);
+  CHECK_OK(tdm_memcpy(f.q, dids, ids, sizeof ids, TDM_COPY_H2D, 0, NULL, NULL));
+
+  CHECK_OK(f.ops->get_rows(f.st, f.q, dy, dtable, dids, T, H, V));
+  download_padded(&f, y, dy, (size_t)T * H, "y");
+  for (int t = 0; t < T; t++)
+    for (int c = 0; c < H; c++) {
+      float want = ids[t] >= 0 && ids[t] < V ? table[(size_t)ids[t] * H + c] : 0.0f;
+      float got = y[(size_t)t * H + c];
+      CHECK_MSG(memcmp(&got, &want, sizeof got) == 0, "y[%d][%d] (id %d) = %g, want %g", t, c,
+                ids[t], got, want);
+    }
+  printf("get_rows T=%d H=%d V=%d: bitwise the table's rows, zeros for 3 ids outside [0, V)\n",
+         T, H, V);
+
+  free_padded(dtable); free_padded(dy); tdm_free(dids); free(table); free(y);
+  teardown(&f);
+}
+
+/* ---- matmul ------------------------------------------------------------------------------ */
+
+/* y = x w^T + beta y, every operand at an offset inside its allocation (upload_padded). */
+static void check_matmul(fixture *f, int T, int K, int N, float beta) {
+  size_t nx = (size_t)T * K, nw = (size_t)N * K, ny = (size_t)T * N;
+  float *x = rnd_host(f, nx, 1.0f), *w = rnd_host(f, nw, 1.0f);
+  /* beta 0: y must not be read, and NaN would show if it were. */
+  float *y0 = beta == 0.0f ? nan_host(ny) : rnd_host(f, ny, 4.0f), *y = malloc(ny * sizeof *y);
+  CHECK(y != NULL);
+  float *dx = upload_padded(f, x, nx), *dw = upload_padded(f, w, nw);
+  float *dy = upload_padded(f, y0, ny);
+
+  CHECK_OK(f->ops->matmul(f->st, f->q, dy, dx, dw, T, K, N, beta));
+  download_padded(f, y, dy, ny, "y");
+  errsum e = {0};
+  for (int t = 0; t < T; t++)
+    for (int n = 0; n < N; n++) {
+      double ref = beta == 0.0f ? 0.0 : y0[(size_t)t * N + n];
+      for (int k = 0; k < K; k++) ref += (double)x[(size_t)t * K + k] * w[(size_t)n * K + k];
+      err_add(&e, "y", (size_t)t * N + n, y[(size_t)t * N + n], ref);
+    }
+  char what[64];
+  snprintf(what, sizeof what, "matmul T=%d K=%d N=%d beta=%g", T, K, N, (double)beta);
+  err_check(&e, what);
+  free_padded(dx); free_padded(dw); free_padded(dy); free(x); free(w); free(y0); free(y);
+}
+
+TEST_CASE(matmul_ref) {
+  /* Decode rows, odd sizes, a long K, and one large enough for CLBlast's indirect GEMM. */
+  static const int shapes[][3] = {{1, 37, 70}, {13, 64, 33}, {5, 300, 129}, {130, 128, 140}};
+  fixture f = setup_xfmr();
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+    check_matmul(&f, shapes[i][0], shapes[i][1], shapes[i][2], 0.0f);
+    check_matmul(&f, shapes[i][0], shapes[i][1], shapes[i][2], 1.0f);
+  }
+  teardown(&f);
+}
+
+/* ---- rope -------------------------------------------------------------------------------- */
+
+static void check_rope(fixture *f, int T, int nh, int hd, int pos0, float base, float fs,
+                       int neox) {
+  size_t n = (size_t)T * nh * hd;
+  float *x = rnd_host(f, n, 2.0f), *got = malloc(n * sizeof *got);
+  CHECK(got != NULL);
+  float *dx = upload_padded(f, x, n);
+
+  CHECK_OK(f->ops->rope(f->st, f->q, dx, T, nh, hd, pos0, base, fs, neox));
+  download_padded(f, got, dx, n, "x");
+  /* Per pair: |got - ref| against the pair's length (the rotation keeps it). */
+  double worst = 0.0;
+  int half = hd / 2;
+  for (int t = 0; t < T; t++)
+    for (int i = 0; i < half; i++) {
+      double ang = (double)(pos0 + t) * fs * exp(-(2.0 * i / hd) * log((double)base));
+      double c = cos(ang), s = sin(ang);
+      for (int h = 0; h < nh; h++) {
+        size_t row = ((size_t)t * nh + h) * hd;
+        size_t i0 = row + (neox ? i : 2 * i), i1 = row + (neox ? i + half : 2 * i + 1);
+        double a = x[i0], b = x[i1], len = sqrt(a * a + b * b);
+        double r0 = a * c - b * s, r1 = a * s + b * c;
+        CHECK_MSG(isfinite(got[i0]) && isfinite(got[i1]), "x[%zu], x[%zu] not finite", i0, i1);
+        double err = sqrt((got[i0] - r0) * (got[i0] - r0) + (got[i1] - r1) * (got[i1] - r1));
+        if (err / len > worst) worst = err / len;
+        CHECK_MSG(err <= REL_TOL * len, "rope %s T=%d nh=%d hd=%d pos0=%d: token %d head %d "
+                  "pair %d: (%.9g, %.9g), reference (%.9g, %.9g)", neox ? "neox" : "adjacent",
+                  T, nh, hd, pos0, t, h, i, got[i0], got[i1], r0, r1);
+      }
+    }
+  printf("rope %-8s T=%d nh=%d hd=%d pos0=%d base=%g fs=%g: worst pair error %.3e (limit "
+         "%.0e)\n", neox ? "neox" : "adjacent", T, nh, hd, pos0, (double)base, (double)fs, worst,
+         REL_TOL);
+  free_padded(dx); free(x); free(got);
+}
+
+TEST_CASE(rope_ref) {
+  static const struct {
+    int T, nh, hd, pos0;
+    float base, fs;
+  } cases[] = {
+      {5, 3, 64, 0, 10000.0f, 1.0f},      /* a prompt from the start */
+      {4, 2, 128, 4093, 1e6f, 1.0f},      /* Qwen3's base, positions 4093 .. 4096 */
+      {3, 4, 6, 17, 500.0f, 0.25f},       /* a tiny head, scaled frequencies */
+      {1, 8, 64, 4096, 10000.0f, 1.0f},   /* decode */
+      {2, 1, 32, 100000, 10000.0f, 1.0f}, /* a long context */
+  };
+  fixture f = setup_xfmr();
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+    for (int neox = 0; neox < 2; neox++)
+      check_rope(&f, cases[i].T, cases[i].nh, cases[i].hd, cases[i].pos0, cases[i].base,
+                 cases[i].fs, neox);
+  teardown(&f);
+}
+
+/* ---- attention --------------------------------------------------------------------------- */
+
+/* out for one (token, head): a two-pass softmax in double over positions 0 .. n - 1. */
+static void ref_attention_row(const float *q, const float *kc, const float *vc, int n, int kvrow,
+                              int hd, double scale, double *s, double *out) {
+  double top = -INFINITY, sum = 0.0;
+  for (int p = 0; p < n; p++) {
+    double d = 0.0;
+    for (int i = 0; i < hd; i++) d += (double)q[i] * kc[(size_t)p * kvrow + i];
+    s[p] = d * scale;
+    if (s[p] > top) top = s[p];
+  }
+  for (int p = 0; p < n; p++) sum += (s[p] = exp(s[p] - top));
+  for (int i = 0; i < hd; i++) out[i] = 0.0;
+  for (int p = 0; p < n; p++)
+    for (int i = 0; i < hd; i++) out[i] += s[p] / sum * vc[(size_t)p * kvrow + i];
+}
+
+static void check_attention(fixture *f, int T, int pos0, int nh, int nkv, int hd) {
+  /* The cache has rows past pos0 + T, random too: a query that reads past its own position
+   * shows. Queries and keys scaled so that the scores spread over a few units. */
+  int ctx = pos0 + T + 5, kvrow = nkv * hd;
+  size_t nq = (size_t)T * nh * hd, nc = (size_t)ctx * kvrow;
+  float *qv = rnd_host(f, nq, 1.5f), *kc = rnd_host(f, nc, 1.5f), *vc = rnd_host(f, nc, 1.0f);
+  float *out = nan_host(nq);
+  float *dq = upload_padded(f, qv, nq), *dk = upload_padded(f, kc, nc);
+  float *dv = upload_padded(f, vc, nc), *dout = upload_padded(f, out, nq);
+  float scale = (float)(1.0 / sqrt((double)hd));
+
+  CHECK_OK(f->ops->attention(f->st, f->q, dout, dq, dk, dv, T, pos0, nh, nkv, hd, scale));
+  download_padded(f, out, dout, nq, "out");
+  double *s = malloc((size_t)(pos0 + T) * sizeof *s), *ref = malloc((size_t)hd * sizeof *ref);
+  CHECK(s && ref);
+  errsum e = {0};
+  for (int t = 0; t < T; t++)
+    for (int h = 0; h < nh; h++) {
+      int g = h / (nh / nkv);
+      size_t row = ((size_t)t * nh + h) * hd;
+      ref_attention_row(qv + row, kc + (size_t)g * hd, vc + (size_t)g * hd, pos0 + t + 1, kvrow,
+                        hd, scale, s, ref);
+      for (int i = 0; i < hd; i++) err_add(&e, "out", row + i, out[row + i], ref[i]);
+    }
+  char what[96];
+  snprintf(what, sizeof what, "attention T=%d pos0=%d nh=%d nkv=%d hd=%d", T, pos0, nh, nkv, hd);
+  err_check(&e, what);
+  free(s); free(ref);
+  free_padded(dq); free_padded(dk); free_padded(dv); free_padded(dout);
+  free(qv); free(kc); free(vc); free(out);
+}
+
+TEST_CASE(attention_ref) {
+  static const struct {
+    int T, pos0, nh, nkv, hd;
+  } cases[] = {
+      {5, 0, 8, 2, 64},    /* a prompt from the start, 4 query heads per KV head */
+      {6, 11, 4, 4, 32},   /* a prompt continuing a cache, one query head per KV head */
+      {1, 300, 8, 2, 128}, /* decode over more positions than a 256-wide work-group */
+      {3, 517, 6, 3, 40},  /* continuing a long cache, 2 query heads per KV head */
+      {1, 0, 2, 2, 16},    /* the first token: its own value */
+  };
+  fixture f = setup_xfmr();
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+    check_attention(&f, cases[i].T, cases[i].pos0, cases[i].nh, cases[i].nkv, cases[i].hd);
+  teardown(&f);
+}
+
+/* ---- Order after host work --------------------------------------------------------------- */
+
+static int sleep_task(void *arg) {
+  th_sleep_ms((long)(intptr_t)arg);
+  return 0;
+}
+
+/* A layer's attention in miniature, as tandem/model.h runs it: embedding rows, q, k and v
+ * projections (k and v straight into the cache at pos0), RoPE on q and k, attention, and the
+ * output projection added to the residual. Submitted once directly and once behind a slow
+ * host task and the copy of its input (which a driver gating host work on the host holds back,
+ * so the ops must wait for them too): bitwise the same, and finite. */
+TEST_CASE(ordered_after_host_task) {
+  enum { T = 4, POS0 = 3, CTX = 8, V = 20, H = 48, NH = 4, NKV = 2, HD = 16 };
+  enum { QD = NH * HD, KVD = NKV * HD };
+  fixture f = setup_xfmr();
+  float *emb = rnd_host(&f, (size_t)V * H, 1.0f), *wq = rnd_host(&f, (size_t)QD * H, 0.3f);
+  float *wk = rnd_host(&f, (size_t)KVD * H, 0.3f), *wv = rnd_host(&f, (size_t)KVD * H, 0.3f);
+  float *wo = rnd_host(&f, (size_t)H * QD, 0.3f), *cache = rnd_host(&f, (size_t)CTX * KVD, 1.0f);
+  int32_t ids[T] = {3, 19, 0, 7};
+  size_t xbytes = (size_t)T * H * sizeof(float);
+  float *want = malloc(xbytes), *got = malloc(xbytes);
+  CHECK(want && got);
+  float *demb = upload_padded(&f, emb, (size_t)V * H);
+  float *dwq = upload_padded(&f, wq, (size_t)QD * H), *dwo = upload_padded(&f, wo, (size_t)H * QD);
+  float *dwk = upload_padded(&f, wk, (size_t)KVD * H);
+  float *dwv = upload_padded(&f, wv, (size_t)KVD * H);
+  float *dkc = upload_padded(&f, cache, (size_t)CTX * KVD);
+  float *dvc = upload_padded(&f, cache, (size_t)CTX * KVD);
+  float *dx = alloc(&f, TDM_MEM_DEVICE, xbytes);
+  float *dq = alloc(&f, TDM_MEM_DEVICE, (size_t)T * QD * sizeof(float));
+  float *datt = alloc(&f, TDM_MEM_DEVICE, (size_t)T * QD * sizeof(float));
+  int32_t *dids = alloc(&f, TDM_MEM_DEVICE, sizeof ids);
+  int32_t *pids = alloc(&f, TDM_MEM_PINNED, sizeof ids);
+  memcpy(pids, ids, sizeof ids);
+  const tdm_moe_ops *o = f.ops;
+  float *dk = dkc + (size_t)POS0 * KVD, *dv = dvc + (size_t)POS0 * KVD;
+
+  for (int pass = 0; pass < 2; pass++) {
+    CHECK_OK(tdm_memset(f.q, dids, 0, sizeof ids, 0, NULL, NULL));
+    CHECK_OK(tdm_queue_sync(f.q));
+    if (pass == 1) CHECK_OK(tdm_host_task(f.q, sleep_task, (void *)(intptr_t)100, 0, NULL, NULL));
+    CHECK_OK(tdm_memcpy(f.q, dids, pids, sizeof ids, TDM_COPY_H2D, 0, NULL, NULL));
+    CHECK_OK(o->get_rows(f.st, f.q, dx, demb, dids, T, H, V));
+    CHECK_OK(o->matmul(f.st, f.q, dq, dx, dwq, T, H, QD, 0.0f));
+    CHECK_OK(o->matmul(f.st, f.q, dk, dx, dwk, T, H, KVD, 0.0f));
+    CHECK_OK(o->matmul(f.st, f.q, dv, dx, dwv, T, H, KVD, 0.0f));
+    CHECK_OK(o->rope(f.st, f.q, dq, T, NH, HD, POS0, 10000.0f, 1.0f, 1));
+    CHECK_OK(o->rope(f.st, f.q, dk, T, NKV, HD, POS0, 10000.0f, 1.0f, 1));
+    CHECK_OK(o->attention(f.st, f.q, datt, dq, dkc, dvc, T, POS0, NH, NKV, HD, 0.25f));
+    CHECK_OK(o->matmul(f.st, f.q, dx, datt, dwo, T, QD, H, 1.0f));
+    float *host = alloc(&f, TDM_MEM_PINNED, xbytes);
+    CHECK_OK(tdm_memcpy(f.q, host, dx, xbytes, TDM_COPY_D2H, 0, NULL, NULL));
+    CHECK_OK(tdm_queue_sync(f.q));
+    memcpy(pass ? got : want, host, xbytes);
+    tdm_free(host);
+  }
+  for (size_t i = 0; i < (size_t)T * H; i++)
+    CHECK_MSG(isfinite(want[i]), "x[%zu] = %g", i, want[i]);
+  CHECK_MEM_EQ(got, want, xbytes);
+  printf("a layer's attention behind a 100 ms host task: bitwise the same\n");
+
+  free_padded(demb); free_padded(dwq); free_padded(dwk); free_padded(dwv); free_padded(dwo);
+  free_padded(dkc); free_padded(dvc);
+  tdm_free(dx); tdm_free(dq); tdm_free(datt); tdm_free(dids); tdm_free(pids);
+  free(emb); free(wq); free(wk); free(wv); free(wo); free(cache); free(want); free(got);
+  teardown(&f);
+}
+
+/* ---- Argument checks --------------------------------------------------------------------- */
+
+TEST_CASE(bad_args) {
+  enum { T = 2, H = 8, V = 4, NH = 4, NKV = 2, HD = 8 };
+  fixture f = setup_xfmr();
+  const tdm_moe_ops *o = f.ops;
+  float *buf = alloc(&f, TDM_MEM_DEVICE, 4096 * sizeof(float));
+  float *b2 = alloc(&f, TDM_MEM_DEVICE, 4096 * sizeof(float));
+  float *b3 = alloc(&f, TDM_MEM_DEVICE, 4096 * sizeof(float));
+  int32_t *ids = alloc(&f, TDM_MEM_DEVICE, 64 * sizeof(int32_t));
+  CHECK_OK(tdm_memset(f.q, ids, 0, 64 * sizeof(int32_t), 0, NULL, NULL));
+
+  /* What the header rules out: odd hd, nh not a multiple of nkv, beta other than 0 or 1. */
+  CHECK_RC(o->rope(f.st, f.q, buf, T, NH, 7, 0, 10000.0f, 1.0f, 1), TDM_EINVAL);
+  CHECK_RC(o->rope(f.st, f.q, buf, T, NH, 7, 0, 10000.0f, 1.0f, 0), TDM_EINVAL);
+  CHECK_RC(o->attention(f.st, f.q, buf, b2, b3, b3, T, 0, 6, 4, HD, 0.5f), TDM_EINVAL);
+  CHECK_RC(o->matmul(f.st, f.q, buf, b2, b3, T, H, H, 0.5f), TDM_EINVAL);
+  /* Sizes and pointers. */
+  CHECK_RC(o->get_rows(f.st, f.q, buf, b2, ids, T, H, 0), TDM_EINVAL);
+  CHECK_RC(o->get_rows(f.st, f.q, buf, NULL, ids, T, H, V), TDM_EINVAL);
+  CHECK_RC(o->get_rows(f.st, f.q, buf, b2, ids, -1, H, V), TDM_EINVAL);
+  CHECK_RC(o->matmul(f.st, f.q, buf, NULL, b3, T, H, H, 0.0f), TDM_EINVAL);
+  CHECK_RC(o->matmul(f.st, f.q, buf, b2, b3, T, 0, H, 1.0f), TDM_EINVAL);
+  CHECK_RC(o->rope(f.st, f.q, NULL, T, NH, HD, 0, 10000.0f, 1.0f, 1), TDM_EINVAL);
+  CHECK_RC(o->rope(f.st, f.q, buf, T, NH, HD, -1, 10000.0f, 1.0f, 1), TDM_EINVAL);
+  CHECK_RC(o->rope(f.st, f.q, buf, T, NH, HD, 0, 0.0f, 1.0f, 1), TDM_EINVAL);
+  CHECK_RC(o->attention(f.st, f.q, buf, b2, NULL, b3, T, 0, NH, NKV, HD, 0.5f), TDM_EINVAL);
+  CHECK_RC(o->attention(f.st, f.q, buf, b2, b3, b3, T, -1, NH, NKV, HD, 0.5f), TDM_EINVAL);
+  CHECK_RC(o->attention(f.st, f.q, buf, b2, b3, b3, T, 0, NH, 0, HD, 0.5f), TDM_EINVAL);
+  /* The state of another queue. */
+  tdm_queue *q2 = NULL;
+  CHECK_OK(tdm_queue_create(f.dev, TDM_QUEUE_IN_ORDER, &q2));
+  CHECK_RC(o->matmul(f.st, q2, buf, b2, b3, T, H, H, 0.0f), TDM_EINVAL);
+  CHECK_RC(o->attention(f.st, q2, buf, b2, b3, b3, T, 0, NH, NKV, HD, 0.5f), TDM_EINVAL);
+  CHECK_OK(tdm_queue_destroy(q2));
+  /* Nothing to do is not an error, and the queue is still usable after the refusals. */
+  CHECK_OK(o->get_rows(f.st, f.q, buf, b2, ids, 0, H, V));
+  CHECK_OK(o->matmul(f.st, f.q, buf, b2, b3, 0, H, H, 1.0f));
+  CHECK_OK(o->rope(f.st, f.q, buf, 0, NH, HD, 5, 10000.0f, 1.0f, 1));
+  CHECK_OK(o->attention(f.st, f.q, buf, b2, b3, b3, 0, 5, NH, NKV, HD, 0.5f));
+  CHECK_OK(o->get_rows(f.st, f.q, buf, b2, ids, T, H, V));
+  CHECK_OK(tdm_queue_sync(f.q));
+
+  tdm_free(buf); tdm_free(b2); tdm_free(b3); tdm_free(ids);
+  teardown(&f);
+}
