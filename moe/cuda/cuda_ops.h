@@ -168,7 +168,9 @@ static __device__ __forceinline__ float warp_sum(float v) {
 }
 
 
-/* The transformer's operations (cuda/xfmr.cu), entries of tdm_moe__cuda_ops. */
+/* The transformer's operations (cuda/xfmr.cu), entries of tdm_moe__cuda_ops; and the loading
+ * of their kernels at open() (see preload in cuda/ops.cu). */
+int cuda_xfmr_preload(moe_cuda *m);
 int cuda_get_rows(void *st, tdm_queue *q, float *y, const float *table, const int32_t *ids,
                   int T, int H, int V);
 int cuda_matmul(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T, int K,

@@ -665,6 +665,30 @@ static int blas_setup(moe_cuda *m) {
   return 0;
 }
 
+/* Loads every kernel of the module now. Under CUDA's lazy loading (the default since CUDA
+ * 12.2) a kernel is loaded at its first launch, and that load waits on the context: launched
+ * while the queue's stream is held at one of tandem's gates (a host task, a pageable copy),
+ * whose release needs CUDA calls of tandem's executor, the launch never returned (a pageable
+ * copy followed by get_rows' first launch hung every time on an H100). cudaFuncGetAttributes
+ * loads a kernel without launching it. */
+static int preload(moe_cuda *m) {
+  const void *k[] = {
+      (const void *)rmsnorm_kernel, (const void *)router_kernel, (const void *)gather_kernel,
+      (const void *)swiglu_kernel, (const void *)scatter_kernel,
+      (const void *)router_logits_kernel, (const void *)router_topk_kernel,
+      (const void *)group_kernel, (const void *)combine_kernel, (const void *)upload16_kernel,
+      (const void *)upload1_kernel,
+      (const void *)gx_gate_up_kernel<GX_NARROW_NT, GX_NARROW_BLOCKS>,
+      (const void *)gx_gate_up_kernel<GX_WIDE_NT, GX_WIDE_BLOCKS>,
+      (const void *)gx_down_kernel<GX_NARROW_NT, GX_NARROW_DOWN_UNROLL, GX_NARROW_BLOCKS>,
+      (const void *)gx_down_kernel<GX_WIDE_NT, GX_WIDE_DOWN_UNROLL, GX_WIDE_BLOCKS>};
+  for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
+    cudaFuncAttributes a;
+    CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
+  }
+  return cuda_xfmr_preload(m);
+}
+
 /* Only in-order queues of CUDA devices: an out-of-order queue spreads its commands over
  * several streams, and these ops would be ordered with only one of them. */
 static int cuda_open(tdm_queue *q, void **state) {
@@ -701,6 +725,7 @@ static int cuda_open(tdm_queue *q, void **state) {
     return rc;
   }
   rc = blas_setup(m);
+  if (!rc) rc = preload(m);
   if (rc) release(m);
   leave(m, saved);
   if (!rc) *state = m;
