@@ -917,9 +917,10 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   size_t host = tdm_moe_host_bytes(&m->p, m->L);
   uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
   if (!rc && host > phys / 10 * 8)
-    rc = tdm_set_error(TDM_ENOMEM, 0, "%s with %d layers needs %.1f GiB of pinned host memory; "
-                    "this machine has %.1f GiB: use --layers to run fewer", m->p.name, m->L,
-                    host / 1073741824.0, phys / 1073741824.0);
+    rc = tdm_set_error(TDM_ENOMEM, 0, "%s with %d layers needs %.1f GiB of pinned host memory "
+                    "for its experts; this machine has %.1f GiB (at most 80%% of it is taken)%s",
+                    m->p.name, m->L, host / 1073741824.0, phys / 1073741824.0,
+                    cfg->source ? "" : ": fewer layers fit");
   if (!rc) rc = check_placement(cfg);
   if (!rc && cfg->source && (m->p.shared || !cfg->source->expert || !cfg->source->router ||
                              !cfg->source->norm))
