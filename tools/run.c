@@ -14,7 +14,7 @@
 
 static const char run_help[] =
     "usage: tandem run -m FILE [--tokens IDS | -p N] [-n N] [--device D] [--device-budget B]\n"
-    "                  [--ctx N] [--ubatch N] [--seed S] [--json]\n"
+    "                  [--ctx N] [--ubatch N] [--seed S] [--json] [--logits FILE]\n"
     "\n"
     "Runs a prompt through a whole MoE model (a GGUF file, or a Hugging Face folder with\n"
     "config.json and safetensors) with its experts streamed from host memory, then decodes\n"
@@ -31,6 +31,9 @@ static const char run_help[] =
     "  --ubatch N           the most tokens a device pass takes (default 512)\n"
     "  --seed S             the pseudo-random prompt's seed (default 1)\n"
     "  --json               print the results as JSON on stdout\n"
+    "  --logits FILE        write every prompt position's logits and every decode step's\n"
+    "                       (the last generated token's included) to FILE, float64, in the\n"
+    "                       layout of tests/model/ref_model.py (magic TNDREF01)\n"
     "  -h, --help           show this help\n";
 
 static const char bench_help[] =
@@ -55,7 +58,7 @@ static const char bench_help[] =
 enum { MAX_LIST = 16 };
 
 typedef struct run_opts {
-  const char *model, *device, *tokens;
+  const char *model, *device, *tokens, *logits;
   long prompt[MAX_LIST], decode[MAX_LIST];
   int nprompt, ndecode;
   double budget_pct[MAX_LIST]; /* < 0: budget_bytes[i] */
@@ -66,7 +69,7 @@ typedef struct run_opts {
 } run_opts;
 
 enum { OPT_DEVICE = TOOL_OPT_LONG, OPT_BUDGET, OPT_CTX, OPT_UBATCH, OPT_SEED, OPT_JSON,
-       OPT_TOKENS, OPT_MODEL, OPT_PROMPT, OPT_DECODE, OPT_REPS };
+       OPT_TOKENS, OPT_MODEL, OPT_PROMPT, OPT_DECODE, OPT_REPS, OPT_LOGITS };
 
 static const struct option run_options[] = {
     {"model", required_argument, NULL, OPT_MODEL},
@@ -74,6 +77,7 @@ static const struct option run_options[] = {
     {"prompt", required_argument, NULL, OPT_PROMPT},
     {"decode", required_argument, NULL, OPT_DECODE},
     {"repetitions", required_argument, NULL, OPT_REPS},
+    {"logits", required_argument, NULL, OPT_LOGITS},
     {"device", required_argument, NULL, OPT_DEVICE},
     {"device-budget", required_argument, NULL, OPT_BUDGET},
     {"ctx", required_argument, NULL, OPT_CTX},
@@ -153,6 +157,7 @@ static int parse(const char *cmd, int argc, char **argv, run_opts *o) {
     case OPT_TOKENS: o->tokens = v; break;
     case OPT_DEVICE: o->device = v; break;
     case OPT_JSON: o->json = 1; break;
+    case OPT_LOGITS: o->logits = v; break;
     case OPT_PROMPT:
       if (parse_list(cmd, "--prompt", v, o->prompt, &o->nprompt, false)) return -1;
       break;
@@ -173,6 +178,8 @@ static int parse(const char *cmd, int argc, char **argv, run_opts *o) {
   if (strcmp(cmd, "run") == 0 && (o->nprompt > 1 || o->ndecode > 1 || o->nbudget > 1))
     return tool_usage_error(cmd, "tandem run takes one prompt, decode and budget"), -1;
   if (o->tokens && o->nprompt) return tool_usage_error(cmd, "--tokens or -p, not both"), -1;
+  if (o->logits && strcmp(cmd, "run") != 0)
+    return tool_usage_error(cmd, "--logits is tandem run's"), -1;
   return 0;
 }
 
@@ -225,6 +232,23 @@ static void random_ids(int32_t *ids, int n, int vocab, uint64_t seed) {
   for (int i = 0; i < n; i++) ids[i] = (int32_t)(splitmix(&seed) % (uint64_t)vocab);
 }
 
+
+/* --logits: ref_model.py's layout (magic, V, rows, prompt, generated; float64 rows; the
+ * generated ids), little-endian as this machine is. 0, or -1 after saying why. */
+static int write_logits(const char *path, const float *rows, int np, int nd, int V,
+                        const int32_t *ids) {
+  FILE *f = fopen(path, "wb");
+  int32_t hdr[4] = {V, np + nd, np, nd};
+  bool ok = f && fwrite("TNDREF01", 1, 8, f) == 8 && fwrite(hdr, sizeof hdr, 1, f) == 1;
+  for (size_t i = 0; ok && i < ((size_t)np + nd) * V; i++) {
+    double d = rows[i];
+    ok = fwrite(&d, sizeof d, 1, f) == 1;
+  }
+  ok = ok && fwrite(ids, sizeof *ids, (size_t)nd, f) == (size_t)nd;
+  if (f && fclose(f) != 0) ok = false;
+  if (!ok) fprintf(stderr, "tandem: cannot write the logits to '%s'\n", path);
+  return ok ? 0 : -1;
+}
 
 static void print_ids(FILE *f, const int32_t *ids, int n) {
   for (int i = 0; i < n; i++) fprintf(f, "%s%d", i ? " " : "", ids[i]);
@@ -283,28 +307,35 @@ int tool_cmd_run(int argc, char **argv) {
   if (code == TOOL_OK) code = open_model(&o, dev, 0, o.ctx ? (int)o.ctx : np + nd, &m);
   tdm_model_info info;
   int32_t *out = malloc(((size_t)nd + 1) * sizeof *out);
-  float *logits = NULL;
+  float *logits = NULL, *rows = NULL; /* rows: --logits's, (np + nd) x vocab */
   double t_pre = 0, t_dec = 0;
   tdm_model_stats st, sum = {0};
   if (code == TOOL_OK) {
     tdm_model_info_get(m, &info);
     logits = malloc((size_t)info.vocab * sizeof *logits);
-    if (!out || !logits) code = tool_fail("malloc", TDM_ENOMEM);
+    if (o.logits) rows = malloc(((size_t)np + nd) * info.vocab * sizeof *rows);
+    if (!out || !logits || (o.logits && !rows)) code = tool_fail("malloc", TDM_ENOMEM);
   }
   if (code == TOOL_OK && !prompt) {
     if (!(prompt = malloc((size_t)np * sizeof *prompt))) code = tool_fail("malloc", TDM_ENOMEM);
     else random_ids(prompt, np, info.vocab, (uint64_t)o.seed);
   }
-  if (code == TOOL_OK && (rc = tdm_model_eval(m, prompt, np, logits, false, &st)))
+  size_t V = code == TOOL_OK ? (size_t)info.vocab : 0;
+  if (code == TOOL_OK && (rc = tdm_model_eval(m, prompt, np, rows ? rows : logits, rows != NULL,
+                                              &st)))
     code = tool_fail("the prompt", rc);
+  if (code == TOOL_OK && rows) memcpy(logits, rows + (size_t)(np - 1) * V, V * sizeof *logits);
   t_pre = st.seconds;
   for (int i = 0; code == TOOL_OK && i < nd; i++) {
     out[i] = tdm_model_argmax(logits, info.vocab);
-    if (i + 1 == nd) break; /* the last one need not be run */
+    if (i + 1 == nd && !rows) break; /* the last one need not be run */
     if ((rc = tdm_model_eval(m, &out[i], 1, logits, false, &st))) code = tool_fail("decoding", rc);
-    t_dec += st.seconds;
+    if (rows) memcpy(rows + ((size_t)np + i) * V, logits, V * sizeof *logits);
+    if (i + 1 < nd) t_dec += st.seconds;
     sum.moe.bytes_copied += st.moe.bytes_copied;
   }
+  if (code == TOOL_OK && rows && write_logits(o.logits, rows, np, nd, (int)V, out))
+    code = TOOL_FAILED;
   if (code == TOOL_OK) {
     double pre = np / t_pre, dec = nd > 1 ? (nd - 1) / t_dec : 0;
     if (o.json) {
@@ -339,6 +370,7 @@ int tool_cmd_run(int argc, char **argv) {
   free(prompt);
   free(out);
   free(logits);
+  free(rows);
   tdm_shutdown();
   return code;
 }
