@@ -48,7 +48,7 @@ struct tdm_model {
   /* progress, from the threads that load the experts */
   pthread_mutex_t progress_mu;
   atomic_long experts_done;
-  int progress_pct;
+  atomic_int progress_pct;       /* the last percentage reported (under progress_mu to change) */
   tdm_moe_preset preset;
 };
 
@@ -73,10 +73,10 @@ static int src_expert(void *user, int l, int e, tdm_moe_bf16 *dst) {
     rc = convert_bf16(parts[p].t, parts[p].first, hi, dst + p * hi, m->f.path);
   long done = atomic_fetch_add(&m->experts_done, 1) + 1, all = (long)m->hp.L * m->hp.E;
   int pct = (int)(done * 100 / all);
-  if (m->cfg.progress && pct != m->progress_pct) {
-    pthread_mutex_lock(&m->progress_mu);
-    if (pct > m->progress_pct) {
-      m->progress_pct = pct;
+  if (m->cfg.progress && pct > atomic_load(&m->progress_pct)) {
+    pthread_mutex_lock(&m->progress_mu); /* one report at a time, in order */
+    if (pct > atomic_load(&m->progress_pct)) {
+      atomic_store(&m->progress_pct, pct);
       progress(m, "experts", (double)done / all);
     }
     pthread_mutex_unlock(&m->progress_mu);
@@ -202,7 +202,7 @@ int tdm_model_open(const tdm_model_config *cfg, tdm_model **out) {
   tdm_model *m = calloc(1, sizeof *m);
   if (!m) return tdm_set_error(TDM_ENOMEM, 0, "no memory");
   m->cfg = *cfg;
-  m->progress_pct = -1;
+  atomic_init(&m->progress_pct, -1);
   pthread_mutex_init(&m->progress_mu, NULL);
   int rc = mfile_open(&m->f, cfg->path);
   if (!rc) rc = arch_read(&m->f, &m->hp);
