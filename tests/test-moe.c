@@ -467,8 +467,10 @@ TEST_CASE(streamed_equals_resident) {
   for (size_t i = 0; i < (T + DECODE) * H; i++) CHECK(isfinite(ref[i]));
   tdm_moe_model_destroy(m);
 
-  const size_t budgets[] = {0, eb, all / 4, all / 2, all};
-  const int slots[] = {1, 2, 5};
+  /* 16 models: under ThreadSanitizer each takes some 6 s, and the case must finish on a
+   * loaded 2-core machine (30 of them, with all / 4 and 2 slots, took 180 s alone there). */
+  const size_t budgets[] = {0, eb, all / 2, all};
+  const int slots[] = {1, 5};
   for (int pol = 0; pol < 2; pol++)
     for (size_t b = 0; b < sizeof budgets / sizeof budgets[0]; b++)
       for (size_t sl = 0; sl < sizeof slots / sizeof slots[0]; sl++) {
