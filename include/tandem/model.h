@@ -9,7 +9,8 @@
  * device through the streamer; everything else (embedding, attention, norms, LM head) is kept
  * on the device in f32. Files may hold F32, F16 or BF16 tensors: F16 and F32 experts are
  * rounded to bf16 (to nearest even), and so are the routers (the MoE operations take bf16
- * routers); the rest is exact. One sequence at a time. */
+ * routers); the rest is exact. One sequence at a time: a model's calls must not overlap (two
+ * models may run at once, on one device or several). */
 #ifndef TANDEM_MODEL_API_H
 #define TANDEM_MODEL_API_H
 
@@ -42,8 +43,9 @@ typedef struct tdm_model_config {
   int staging_slots;
   tdm_moe_placement placement;
   int threads;           /* for reading and converting the weights (0: all cores) */
-  /* Called on the loading thread as the weights load (what: "experts", "dense"; done in
-   * [0, 1]), so a tool can show progress; NULL: nothing. */
+  /* Called as the weights load (what: "experts", "dense"; done in [0, 1], rising), so a tool
+   * can show progress; NULL: nothing. The experts' reports come from the threads that convert
+   * them, one call at a time; the others from the thread in tdm_model_open. */
   void (*progress)(void *user, const char *what, double done);
   void *progress_user;
 } tdm_model_config;
