@@ -275,6 +275,32 @@ int tdm_model_info_get(const tdm_model *m, tdm_model_info *out) {
   return 0;
 }
 
+int tdm_model_peek(const char *path, tdm_model_info *out) {
+  if (!path || !out) return tdm_set_error(TDM_EINVAL, 0, "tdm_model_peek: NULL argument");
+  mfile f;
+  hparams hp;
+  expert_part parts[3];
+  int rc = mfile_open(&f, path);
+  if (!rc) rc = arch_read(&f, &hp);
+  if (!rc) rc = arch_expert(&f, &hp, 0, 0, parts);
+  if (!rc) {
+    size_t eb = (size_t)3 * hp.H * hp.I * sizeof(tdm_moe_bf16);
+    int ctx = hp.ctx_train < 4096 ? hp.ctx_train : 4096;
+    *out = (tdm_model_info){
+        .arch = hp.kind == ARCH_QWEN3MOE ? "qwen3moe" : "mixtral",
+        .format = f.g ? "gguf" : "safetensors", .name = "", .layers = hp.L, .hidden = hp.H,
+        .heads = hp.nh, .kv_heads = hp.nkv, .head_dim = hp.hd, .vocab = hp.V,
+        .experts = hp.E, .topk = hp.k, .expert_ffn = hp.I, .ctx_train = hp.ctx_train,
+        .ctx = ctx, .ubatch = ctx < 512 ? ctx : 512, .rope_base = hp.rope_base,
+        .rope_scale = hp.rope_scale, .norm_eps = hp.eps, .rope_neox = hp.neox,
+        .qk_norm = hp.qk_norm, .tied_embeddings = hp.tied, .expert_bytes = eb,
+        .host_bytes = eb * (size_t)hp.E * (size_t)hp.L,
+        .weight_type = tdm_mf_type_name(parts[0].t->type)};
+  }
+  mfile_close(&f);
+  return rc;
+}
+
 int tdm_model_pos(const tdm_model *m) { return m ? m->pos : 0; }
 
 int tdm_model_rewind(tdm_model *m, int pos) {

@@ -311,3 +311,32 @@ TEST_CASE(mutants) {
   free(bad);
   th_close();
 }
+
+/* tdm_model_peek reads what tdm_model_open would report, loading nothing. */
+TEST_CASE(peek_matches_open) {
+  tdm_device *dev = th_open();
+  const char *which[] = {"qwen3moe/model.gguf", "qwen3moe/hf", "mixtral/model.gguf", "mixtral/hf"};
+  for (int i = 0; i < 4; i++) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", model_dir(), which[i]);
+    tdm_model_info a, b;
+    CHECK_OK(tdm_model_peek(path, &a));
+    tdm_model_config cfg = {.path = path, .device = dev, .threads = 1};
+    tdm_model *m = NULL;
+    CHECK_OK(tdm_model_open(&cfg, &m));
+    CHECK_OK(tdm_model_info_get(m, &b));
+    CHECK(strcmp(a.arch, b.arch) == 0 && strcmp(a.format, b.format) == 0);
+    CHECK(a.layers == b.layers && a.hidden == b.hidden && a.heads == b.heads &&
+          a.kv_heads == b.kv_heads && a.head_dim == b.head_dim && a.vocab == b.vocab &&
+          a.experts == b.experts && a.topk == b.topk && a.expert_ffn == b.expert_ffn &&
+          a.ctx == b.ctx && a.ubatch == b.ubatch && a.host_bytes == b.host_bytes &&
+          a.expert_bytes == b.expert_bytes && a.tied_embeddings == b.tied_embeddings &&
+          a.rope_neox == b.rope_neox && a.qk_norm == b.qk_norm);
+    CHECK(strcmp(a.weight_type, b.weight_type) == 0);
+    tdm_model_close(m);
+  }
+  tdm_model_info none;
+  CHECK(tdm_model_peek("/nonexistent/m.gguf", &none) < 0);
+  CHECK_RC(tdm_model_peek(NULL, &none), TDM_EINVAL);
+  th_close();
+}

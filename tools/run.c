@@ -199,24 +199,23 @@ static void show_progress(void *user, const char *what, double done) {
   fflush(stderr);
 }
 
-/* Opens the model with budget i of o (a share needs the experts' size: a first open with no
- * budget tells it, and is kept when the share is 0). */
+/* Opens the model with budget i of o (a share of the experts' bytes, which the file's
+ * metadata gives: tdm_model_peek). */
 static int open_model(const run_opts *o, tdm_device *dev, int i, int ctx, tdm_model **m) {
   tdm_model_config cfg = {.path = o->model, .device = dev, .ctx = ctx, .ubatch = (int)o->ubatch,
                           .predict = true, .progress = show_progress};
+  int rc = 0;
   if (o->nbudget && o->budget_pct[i] < 0) cfg.budget_bytes = o->budget_bytes[i];
+  if (o->nbudget && o->budget_pct[i] > 0) {
+    tdm_model_info info;
+    if (!(rc = tdm_model_peek(o->model, &info))) {
+      cfg.budget_bytes = (size_t)(info.host_bytes * (o->budget_pct[i] / 100.0));
+      if (cfg.budget_bytes < info.expert_bytes) cfg.budget_bytes = info.expert_bytes;
+    }
+  }
   fprintf(stderr, "tandem: loading %s\n", o->model);
   double t0 = now_s();
-  int rc = tdm_model_open(&cfg, m);
-  if (!rc && o->nbudget && o->budget_pct[i] > 0) {
-    tdm_model_info info;
-    tdm_model_info_get(*m, &info);
-    tdm_model_close(*m);
-    *m = NULL;
-    cfg.budget_bytes = (size_t)(info.host_bytes * (o->budget_pct[i] / 100.0));
-    if (cfg.budget_bytes < info.expert_bytes) cfg.budget_bytes = info.expert_bytes;
-    rc = tdm_model_open(&cfg, m);
-  }
+  if (!rc) rc = tdm_model_open(&cfg, m);
   if (!rc) fprintf(stderr, "tandem: loaded in %.1f s\n", now_s() - t0);
   return rc ? tool_fail("loading the model", rc) : TOOL_OK;
 }

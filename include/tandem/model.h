@@ -85,6 +85,10 @@ typedef struct tdm_model_stats {
  * tdm_last_error() naming the file, the tensor and the problem. */
 TDM_API int tdm_model_open(const tdm_model_config *cfg, tdm_model **out);
 TDM_API void tdm_model_close(tdm_model *m);
+/* What a file holds, read from its metadata and tensor table alone (nothing is loaded): the
+ * fields of tdm_model_info that do not depend on a device (ctx and ubatch: the defaults
+ * tdm_model_open would take; device_bytes 0; name ""). Errors as tdm_model_open's. */
+TDM_API int tdm_model_peek(const char *path, tdm_model_info *out);
 TDM_API int tdm_model_info_get(const tdm_model *m, tdm_model_info *out);
 
 /* Runs n tokens at the sequence's next positions (pos() .. pos() + n - 1), in ubatches,
