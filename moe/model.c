@@ -920,7 +920,7 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
     rc = tdm_set_error(TDM_ENOMEM, 0, "%s with %d layers needs %.1f GiB of pinned host memory "
                     "for its experts; this machine has %.1f GiB (at most 80%% of it is taken)%s",
                     m->p.name, m->L, host / 1073741824.0, phys / 1073741824.0,
-                    cfg->source ? "" : ": fewer layers fit");
+                    cfg->source ? "" : ": use --layers to run fewer");
   if (!rc) rc = check_placement(cfg);
   if (!rc && cfg->source && (m->p.shared || !cfg->source->expert || !cfg->source->router ||
                              !cfg->source->norm))
