@@ -406,7 +406,7 @@ static int ubatch(tdm_model *m, const int32_t *tokens, int T, int first, tdm_mod
       rc = tdm_memcpy(m->q, m->logits_h, m->logits, bytes, TDM_COPY_D2H, 0, NULL, NULL);
   }
   rc = tdm_moe_pass_end(m->moe, rc, &ps);
-  st->moe_seconds += now_s() - t0;
+  st->pass_seconds += now_s() - t0;
   add_stats(&st->moe, &ps);
   if (!rc) m->pos += T;
   return rc;

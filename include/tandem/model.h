@@ -74,7 +74,9 @@ typedef struct tdm_model_info {
 typedef struct tdm_model_stats {
   int tokens, ubatches;
   double seconds;        /* wall time of the call */
-  double moe_seconds;    /* of which in the MoE layers (host clock, submitting and waiting) */
+  double pass_seconds;   /* of which from the first layer to the logits (host clock: the
+                            layers' attention and MoE blocks and the LM head, submitted and
+                            waited for); the rest is the ids' upload and the embedding */
   tdm_moe_pass_stats moe; /* the MoE passes' figures, summed (seconds fields too) */
 } tdm_model_stats;
 
