@@ -148,6 +148,9 @@ TEST_CASE(qwen3moe_gguf) { against_reference("qwen3moe", "model.gguf"); }
 TEST_CASE(qwen3moe_safetensors) { against_reference("qwen3moe", "hf"); }
 TEST_CASE(mixtral_gguf) { against_reference("mixtral", "model.gguf"); }
 TEST_CASE(mixtral_safetensors) { against_reference("mixtral", "hf"); }
+/* F16 dense weights (embedding, attention, LM head), widened to f32 on loading. */
+TEST_CASE(qwen3moe_f16_gguf) { against_reference("qwen3moe-f16", "model.gguf"); }
+TEST_CASE(qwen3moe_f16_safetensors) { against_reference("qwen3moe-f16", "hf"); }
 
 /* Streamed at budgets 0, 25% and 50% of the experts: the same bits as all resident. */
 TEST_CASE(streamed_equals_resident) {

@@ -13,10 +13,15 @@ if ! "$py" -c 'import numpy, gguf, safetensors' 2>/dev/null; then
   exit 0
 fi
 prompt=5,17,200,33,1,99,42,7,128,64,3,250,9
-for arch in qwen3moe mixtral; do
-  rm -rf "$dir/$arch"
-  "$py" "$here/tiny.py" --arch "$arch" --out "$dir/$arch" --router-bf16 --seed 3 --layers 3 \
-    >/dev/null
-  echo "$prompt" >"$dir/$arch/prompt.txt"
-  "$py" "$here/ref_model.py" "$dir/$arch/hf" --tokens "$prompt" -n 6 --out "$dir/$arch/ref.bin"
+# name, then tiny.py's arguments: f32 dense weights and bf16 experts (what tandem computes in,
+# exactly), and an F16 file whose dense weights tandem widens to f32 (exactly too)
+models="qwen3moe:--arch qwen3moe
+mixtral:--arch mixtral
+qwen3moe-f16:--arch qwen3moe --dtype f16 --seed 5"
+echo "$models" | while IFS=: read -r name args; do
+  rm -rf "${dir:?}/$name"
+  # shellcheck disable=SC2086
+  "$py" "$here/tiny.py" --out "$dir/$name" --router-bf16 --seed 3 --layers 3 $args >/dev/null
+  echo "$prompt" >"$dir/$name/prompt.txt"
+  "$py" "$here/ref_model.py" "$dir/$name/hf" --tokens "$prompt" -n 6 --out "$dir/$name/ref.bin"
 done
