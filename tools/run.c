@@ -3,6 +3,8 @@
  * tg32, tokens/s with its spread, one row per device budget), on tandem/model.h. */
 #include "tool.h"
 
+#include "measure.h" /* bu_seconds */
+
 #include <tandem/model.h>
 
 #include <math.h>
@@ -185,12 +187,6 @@ static int parse(const char *cmd, int argc, char **argv, run_opts *o) {
 
 /* ---- loading, with progress on stderr ---------------------------------------------------- */
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static void show_progress(void *user, const char *what, double done) {
   (void)user;
   if (!isatty(2)) return;
@@ -214,9 +210,9 @@ static int open_model(const run_opts *o, tdm_device *dev, int i, int ctx, tdm_mo
     }
   }
   fprintf(stderr, "tandem: loading %s\n", o->model);
-  double t0 = now_s();
+  double t0 = bu_seconds();
   if (!rc) rc = tdm_model_open(&cfg, m);
-  if (!rc) fprintf(stderr, "tandem: loaded in %.1f s\n", now_s() - t0);
+  if (!rc) fprintf(stderr, "tandem: loaded in %.1f s\n", bu_seconds() - t0);
   return rc ? tool_fail("loading the model", rc) : TOOL_OK;
 }
 
@@ -394,12 +390,12 @@ static int bench_once(tdm_model *m, bool pp, int n, int vocab, uint64_t seed, do
   int rc = ids && logits ? tdm_model_rewind(m, 0) : TDM_ENOMEM;
   tdm_model_stats st;
   if (!rc) random_ids(ids, n, vocab, seed);
-  double t0 = now_s();
+  double t0 = bu_seconds();
   if (!rc && pp && !(rc = tdm_model_eval(m, ids, n, logits, false, &st)))
     *bytes += st.moe.bytes_copied;
   for (int i = 0; !rc && !pp && i < n; i++)
     if (!(rc = tdm_model_eval(m, &ids[i], 1, logits, false, &st))) *bytes += st.moe.bytes_copied;
-  *seconds = now_s() - t0;
+  *seconds = bu_seconds() - t0;
   free(ids);
   free(logits);
   return rc;

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "model"))
-import tiny  # noqa: E402  (its vocabulary and bf16 rounding)
+import tiny  # noqa: E402  (its metadata, vocabulary and bf16 rounding)
 
 SHAPES = {
     "qwen3-30b-a3b": dict(arch="qwen3moe", vocab=151936, hidden=2048, heads=32, kv_heads=4,
@@ -90,32 +90,7 @@ def main(argv=None):
     T = gguf.GGMLQuantizationType
     wtype = T.F16 if a.dtype == "f16" else T.BF16
     w = gguf.GGUFWriter(a.out, cfg["arch"])
-    w.add_name(f"{a.shape}-{L}L-random")
-    w.add_file_type(1 if a.dtype == "f16" else 32)
-    w.add_vocab_size(cfg["vocab"])
-    w.add_block_count(L)
-    w.add_context_length(cfg["ctx"])
-    w.add_embedding_length(cfg["hidden"])
-    w.add_feed_forward_length(cfg["moe_ffn"])
-    w.add_head_count(cfg["heads"])
-    w.add_head_count_kv(cfg["kv_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_rope_dimension_count(cfg["head_dim"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["eps"])
-    w.add_expert_count(cfg["experts"])
-    w.add_expert_used_count(cfg["top_k"])
-    if cfg["arch"] == "qwen3moe":
-        w.add_expert_feed_forward_length(cfg["moe_ffn"])
-    tokens, types, merges = tiny.gpt2_vocab(cfg["vocab"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(cfg["vocab"] - 2)
-    w.add_eos_token_id(cfg["vocab"] - 1)
+    tiny.add_metadata(w, cfg["arch"], f"{a.shape}-{L}L-random", cfg, L, cfg["moe_ffn"], a.dtype)
     tensors = plan(cfg, L)
     f32 = lambda kind: kind in ("norm", "router")  # noqa: E731
     for name, shape, kind, _ in tensors:

@@ -218,19 +218,16 @@ def gpt2_vocab(n):
     return tokens, types, ["a b", "c d"]
 
 
-def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied):
-    import gguf
-    T = gguf.GGMLQuantizationType
-    gtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16}
-    ga = "qwen3moe" if arch == "qwen3moe" else "llama"
-    w = gguf.GGUFWriter(path, ga)
-    w.add_name(f"tiny-{arch}")
+def add_metadata(w, ga, name, cfg, layers, ffn, dtype):
+    """A GGUF's keys as llama.cpp's converter writes them (ga: its architecture, "qwen3moe" or
+    "llama"), and a placeholder gpt2 tokenizer. Also bench/model/big_gguf.py's."""
+    w.add_name(name)
     w.add_file_type({"f32": 0, "f16": 1, "bf16": 32}[dtype])  # llama_ftype ALL_F32/MOSTLY_F16/BF16
     w.add_vocab_size(cfg["vocab"])
-    w.add_block_count(cfg["layers"])
+    w.add_block_count(layers)
     w.add_context_length(cfg["ctx"])
     w.add_embedding_length(cfg["hidden"])
-    w.add_feed_forward_length(cfg["ffn"])
+    w.add_feed_forward_length(ffn)
     w.add_head_count(cfg["heads"])
     w.add_head_count_kv(cfg["kv_heads"])
     w.add_key_length(cfg["head_dim"])
@@ -240,7 +237,7 @@ def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied):
     w.add_layer_norm_rms_eps(cfg["eps"])
     w.add_expert_count(cfg["experts"])
     w.add_expert_used_count(cfg["top_k"])
-    if arch == "qwen3moe":
+    if ga == "qwen3moe":
         w.add_expert_feed_forward_length(cfg["moe_ffn"])
     tokens, types, merges = gpt2_vocab(cfg["vocab"])
     w.add_tokenizer_model("gpt2")
@@ -250,6 +247,15 @@ def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied):
     w.add_token_merges(merges)
     w.add_bos_token_id(cfg["vocab"] - 2)
     w.add_eos_token_id(cfg["vocab"] - 1)
+
+
+def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied):
+    import gguf
+    T = gguf.GGMLQuantizationType
+    gtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16}
+    ga = "qwen3moe" if arch == "qwen3moe" else "llama"
+    w = gguf.GGUFWriter(path, ga)
+    add_metadata(w, ga, f"tiny-{arch}", cfg, cfg["layers"], cfg["ffn"], dtype)
 
     def put(name, vals, dt):
         enc = encode(vals, dt)
