@@ -16,7 +16,8 @@
 
 static const char run_help[] =
     "usage: tandem run -m FILE [--tokens IDS | -p N] [-n N] [--device D] [--device-budget B]\n"
-    "                  [--ctx N] [--ubatch N] [--seed S] [--json] [--logits FILE]\n"
+    "                  [--ctx N] [--ubatch N] [--placement P] [--seed S] [--json]\n"
+    "                  [--logits FILE]\n"
     "\n"
     "Runs a prompt through a whole MoE model (a GGUF file, or a Hugging Face folder with\n"
     "config.json and safetensors) with its experts streamed from host memory, then decodes\n"
@@ -31,6 +32,10 @@ static const char run_help[] =
     "                       all experts (50%); 0 streams every expert (default 0)\n"
     "  --ctx N              KV cache positions (default: prompt + decode)\n"
     "  --ubatch N           the most tokens a device pass takes (default 512)\n"
+    "  --placement P        where a decode step computes the experts the device does not\n"
+    "                       hold: auto (a share on the host CPU, from pinned memory, while\n"
+    "                       the link copies the rest; the default), device (copy them all)\n"
+    "                       or host (compute them all on the host)\n"
     "  --seed S             the pseudo-random prompt's seed (default 1)\n"
     "  --json               print the results as JSON on stdout\n"
     "  --logits FILE        write every prompt position's logits and every decode step's\n"
@@ -40,7 +45,7 @@ static const char run_help[] =
 
 static const char bench_help[] =
     "usage: tandem bench -m FILE [-p LIST] [-n LIST] [--device-budget LIST] [-r N]\n"
-    "                    [--device D] [--ubatch N] [--json]\n"
+    "                    [--device D] [--ubatch N] [--placement P] [--json]\n"
     "\n"
     "Prefill (ppN: N prompt tokens in ubatches) and decode (tgN: N tokens one at a time from an\n"
     "empty cache) rates of a whole model, in tokens per second, the mean and standard\n"
@@ -54,7 +59,7 @@ static const char bench_help[] =
     "  -n, --decode LIST      decode lengths (default 32; 0 for none)\n"
     "  --device-budget LIST   budgets, each bytes or a share of all experts (default 0)\n"
     "  -r, --repetitions N    timed runs of each test (default 3)\n"
-    "  --device D, --ubatch N, --json   as for 'tandem run'\n"
+    "  --device D, --ubatch N, --placement P, --json   as for 'tandem run'\n"
     "  -h, --help             show this help\n";
 
 enum { MAX_LIST = 16 };
@@ -68,10 +73,11 @@ typedef struct run_opts {
   int nbudget;
   long ctx, ubatch, seed, reps;
   int json;
+  tdm_moe_placement placement;
 } run_opts;
 
 enum { OPT_DEVICE = TOOL_OPT_LONG, OPT_BUDGET, OPT_CTX, OPT_UBATCH, OPT_SEED, OPT_JSON,
-       OPT_TOKENS, OPT_MODEL, OPT_PROMPT, OPT_DECODE, OPT_REPS, OPT_LOGITS };
+       OPT_TOKENS, OPT_MODEL, OPT_PROMPT, OPT_DECODE, OPT_REPS, OPT_LOGITS, OPT_PLACEMENT };
 
 static const struct option run_options[] = {
     {"model", required_argument, NULL, OPT_MODEL},
@@ -85,6 +91,7 @@ static const struct option run_options[] = {
     {"ctx", required_argument, NULL, OPT_CTX},
     {"ubatch", required_argument, NULL, OPT_UBATCH},
     {"seed", required_argument, NULL, OPT_SEED},
+    {"placement", required_argument, NULL, OPT_PLACEMENT},
     {"json", no_argument, NULL, OPT_JSON},
     {"help", no_argument, NULL, 'h'},
     {NULL, 0, NULL, 0},
@@ -173,6 +180,12 @@ static int parse(const char *cmd, int argc, char **argv, run_opts *o) {
     case OPT_UBATCH: if (tool_parse_count(cmd, "--ubatch", v, 1 << 16, &o->ubatch)) return -1; break;
     case OPT_SEED: if (tool_parse_count(cmd, "--seed", v, 1L << 40, &o->seed)) return -1; break;
     case OPT_REPS: if (tool_parse_count(cmd, "--repetitions", v, 1000, &o->reps)) return -1; break;
+    case OPT_PLACEMENT:
+      if (strcmp(v, "auto") == 0) o->placement = TDM_MOE_PLACE_AUTO;
+      else if (strcmp(v, "device") == 0) o->placement = TDM_MOE_PLACE_DEVICE;
+      else if (strcmp(v, "host") == 0) o->placement = TDM_MOE_PLACE_HOST;
+      else return tool_usage_error(cmd, "--placement is auto, device or host, not '%s'", v), -1;
+      break;
     default: return -1;
     }
   }
@@ -199,7 +212,8 @@ static void show_progress(void *user, const char *what, double done) {
  * metadata gives: tdm_model_peek). */
 static int open_model(const run_opts *o, tdm_device *dev, int i, int ctx, tdm_model **m) {
   tdm_model_config cfg = {.path = o->model, .device = dev, .ctx = ctx, .ubatch = (int)o->ubatch,
-                          .predict = true, .progress = show_progress};
+                          .predict = true, .placement = o->placement,
+                          .progress = show_progress};
   int rc = 0;
   if (o->nbudget && o->budget_pct[i] < 0) cfg.budget_bytes = o->budget_bytes[i];
   if (o->nbudget && o->budget_pct[i] > 0) {
@@ -273,7 +287,7 @@ static void json_info(bu_json *j, const tdm_model_info *in) {
 }
 
 int tool_cmd_run(int argc, char **argv) {
-  run_opts o = {.seed = 1, .reps = 1};
+  run_opts o = {.seed = 1, .reps = 1, .placement = TDM_MOE_PLACE_AUTO};
   int prc = parse("run", argc, argv, &o);
   if (prc) return prc > 0 ? TOOL_OK : TOOL_USAGE;
   int np = o.nprompt ? (int)o.prompt[0] : 32, nd = o.ndecode ? (int)o.decode[0] : 16;
@@ -377,24 +391,30 @@ typedef struct bench_row {
   double budget_share;  /* of all experts' bytes */
   double mean, sd;      /* tokens per second */
   double link_gbs;      /* expert bytes copied over the timed runs / their time */
+  double host_experts;  /* routed experts computed on the host, a token (placement) */
   double non_moe_share; /* a run without the MoE blocks / a whole run: attention and the other
                            dense work's share of a step */
 } bench_row;
 
 /* One timed run of test (pp: n prompt tokens; tg: n decode steps) from an empty cache; adds
- * the expert bytes it copied to *bytes. */
+ * the expert bytes it copied to *bytes and the experts it computed on the host to *host. */
 static int bench_once(tdm_model *m, bool pp, int n, int vocab, uint64_t seed, double *seconds,
-                      uint64_t *bytes) {
+                      uint64_t *bytes, uint64_t *host) {
   int32_t *ids = malloc((size_t)n * sizeof *ids);
   float *logits = malloc((size_t)vocab * sizeof *logits);
   int rc = ids && logits ? tdm_model_rewind(m, 0) : TDM_ENOMEM;
   tdm_model_stats st;
   if (!rc) random_ids(ids, n, vocab, seed);
   double t0 = bu_seconds();
-  if (!rc && pp && !(rc = tdm_model_eval(m, ids, n, logits, false, &st)))
+  if (!rc && pp && !(rc = tdm_model_eval(m, ids, n, logits, false, &st))) {
     *bytes += st.moe.bytes_copied;
+    *host += st.moe.host_experts;
+  }
   for (int i = 0; !rc && !pp && i < n; i++)
-    if (!(rc = tdm_model_eval(m, &ids[i], 1, logits, false, &st))) *bytes += st.moe.bytes_copied;
+    if (!(rc = tdm_model_eval(m, &ids[i], 1, logits, false, &st))) {
+      *bytes += st.moe.bytes_copied;
+      *host += st.moe.host_experts;
+    }
   *seconds = bu_seconds() - t0;
   free(ids);
   free(logits);
@@ -403,10 +423,10 @@ static int bench_once(tdm_model *m, bool pp, int n, int vocab, uint64_t seed, do
 
 static int bench_test(tdm_model *m, const run_opts *o, bool pp, int n, int vocab, bench_row *r) {
   double s, sum = 0, sq = 0, busy = 0, bare = 0;
-  uint64_t bytes = 0, ignored = 0;
-  int rc = bench_once(m, pp, pp ? n : 1, vocab, 7, &s, &ignored); /* warm-up */
+  uint64_t bytes = 0, host = 0, ignored = 0;
+  int rc = bench_once(m, pp, pp ? n : 1, vocab, 7, &s, &ignored, &ignored); /* warm-up */
   for (int i = 0; !rc && i < o->reps; i++) {
-    if ((rc = bench_once(m, pp, n, vocab, (uint64_t)(i + 11), &s, &bytes))) break;
+    if ((rc = bench_once(m, pp, n, vocab, (uint64_t)(i + 11), &s, &bytes, &host))) break;
     double tps = n / s;
     busy += s;
     sum += tps;
@@ -414,18 +434,19 @@ static int bench_test(tdm_model *m, const run_opts *o, bool pp, int n, int vocab
   }
   /* the same run without the MoE blocks, once */
   if (!rc && !(rc = tdm_model_skip_moe(m, true)))
-    rc = bench_once(m, pp, n, vocab, 11, &bare, &ignored);
+    rc = bench_once(m, pp, n, vocab, 11, &bare, &ignored, &ignored);
   tdm_model_skip_moe(m, false);
   snprintf(r->test, sizeof r->test, "%s%d", pp ? "pp" : "tg", n);
   r->mean = sum / o->reps;
   r->sd = o->reps > 1 ? sqrt(fmax(0.0, (sq - sum * sum / o->reps) / (o->reps - 1))) : 0.0;
   r->link_gbs = busy > 0 ? bytes / busy / 1e9 : 0;
+  r->host_experts = (double)host / ((double)n * o->reps);
   r->non_moe_share = busy > 0 ? bare / (busy / o->reps) : 0;
   return rc;
 }
 
 int tool_cmd_model_bench(int argc, char **argv) {
-  run_opts o = {.seed = 1, .reps = 3};
+  run_opts o = {.seed = 1, .reps = 3, .placement = TDM_MOE_PLACE_AUTO};
   int prc = parse("bench", argc, argv, &o);
   if (prc) return prc > 0 ? TOOL_OK : TOOL_USAGE;
   if (!o.nprompt) o.prompt[o.nprompt++] = 512;
@@ -486,6 +507,9 @@ int tool_cmd_model_bench(int argc, char **argv) {
     json_info(&j, &info);
     bu_json_string(&j, "device", dinfo.name);
     bu_json_int(&j, "repetitions", o.reps);
+    bu_json_string(&j, "placement", o.placement == TDM_MOE_PLACE_AUTO     ? "auto"
+                                    : o.placement == TDM_MOE_PLACE_HOST ? "host"
+                                                                        : "device");
     bu_json_double(&j, "link_peak_gbs", peak, 3);
     bu_json_array(&j, "rows");
     for (int i = 0; i < nrows; i++) {
@@ -497,6 +521,7 @@ int tool_cmd_model_bench(int argc, char **argv) {
       bu_json_double(&j, "link_gbs", rows[i].link_gbs, 3);
       bu_json_double(&j, "link_utilization", peak > 0 ? rows[i].link_gbs / peak : 0, 3);
       bu_json_double(&j, "non_moe_share", rows[i].non_moe_share, 3);
+      bu_json_double(&j, "host_experts_per_token", rows[i].host_experts, 2);
       bu_json_end(&j);
     }
     bu_json_end(&j);
