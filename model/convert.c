@@ -6,26 +6,6 @@
 #include "arch.h"
 #include "tandem.h"
 
-static float f16_to_f32(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-  union { uint32_t u; float f; } v;
-  if (exp == 0x1f) {
-    v.u = sign | 0x7f800000u | (man << 13); /* inf, NaN */
-  } else if (exp) {
-    v.u = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man) { /* subnormal: normalize */
-    int e = -1;
-    do {
-      man <<= 1;
-      e++;
-    } while (!(man & 0x400u));
-    v.u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
-  } else {
-    v.u = sign;
-  }
-  return v.f;
-}
-
 static int check_range(const tdm_mf_tensor *t, size_t first, size_t n, const char *path) {
   if (t->type != TDM_MF_F32 && t->type != TDM_MF_F16 && t->type != TDM_MF_BF16)
     return tdm_set_error(TDM_ENOTSUP, 0, "%s: tensor %s is %s; tandem loads F32, F16 and BF16 "
@@ -46,7 +26,7 @@ int convert_f32(const tdm_mf_tensor *t, size_t first, size_t n, float *dst, cons
   }
   const uint16_t *src = (const uint16_t *)t->data + first;
   if (t->type == TDM_MF_F16)
-    for (size_t i = 0; i < n; i++) dst[i] = f16_to_f32(src[i]);
+    for (size_t i = 0; i < n; i++) dst[i] = tdm_moe_f16_to_f32(src[i]);
   else
     for (size_t i = 0; i < n; i++) dst[i] = tdm_moe_bf16_to_f32(src[i]);
   return 0;
@@ -60,7 +40,7 @@ int convert_bf16(const tdm_mf_tensor *t, size_t first, size_t n, tdm_moe_bf16 *d
     memcpy(dst, (const uint16_t *)t->data + first, n * sizeof(uint16_t));
   } else if (t->type == TDM_MF_F16) {
     const uint16_t *src = (const uint16_t *)t->data + first;
-    for (size_t i = 0; i < n; i++) dst[i] = tdm_moe_f32_to_bf16(f16_to_f32(src[i]));
+    for (size_t i = 0; i < n; i++) dst[i] = tdm_moe_f32_to_bf16(tdm_moe_f16_to_f32(src[i]));
   } else {
     const float *src = (const float *)t->data + first;
     for (size_t i = 0; i < n; i++) dst[i] = tdm_moe_f32_to_bf16(src[i]);

@@ -19,9 +19,19 @@
 
 /* Dense weights cross to the device through a pinned buffer of this size, a piece at a time. */
 #define STAGE_BYTES ((size_t)32 << 20)
+/* The most device memory 16-bit weights are widened into for a prefill's projections. */
+#define WIDEN_BYTES ((size_t)64 << 20)
+
+/* A dense weight on the device: f32, or in 16 bits as the file keeps it (wtype
+ * TDM_MOE_W_F16 or TDM_MOE_W_BF16) where the backend's table has the 16-bit operations. */
+typedef struct dweight {
+  void *p;
+  int wtype; /* 0: f32 */
+} dweight;
 
 typedef struct layer_w {
-  float *attn_norm, *wq, *wk, *wv, *wo, *qn, *kn;
+  float *attn_norm, *qn, *kn;
+  dweight wq, wk, wv, wo;
   float *kc, *vc; /* the KV cache: [ctx x nkv*hd] each */
 } layer_w;
 
@@ -38,8 +48,12 @@ struct tdm_model {
   void *ops_state;
   tdm_moe_model *moe;
   tdm_queue *q;
-  float *embd, *out_norm, *output;
+  dweight embd, output;
+  float *out_norm;
   layer_w *lw;
+  void *widen;                   /* matmul_h's workspace (NULL when every weight is f32) */
+  size_t widen_bytes, widen_need; /* its size; the largest 16-bit weight's f32 bytes */
+  bool dense16;                  /* some dense weight is kept in 16 bits */
   float *xn, *qb, *att, *logits; /* per ubatch: [U x H], [U x qd], [U x qd], [U x V] */
   int32_t *ids;
   int32_t *ids_h;
@@ -104,38 +118,63 @@ static int dev_alloc(tdm_model *m, size_t bytes, void *out) {
   return rc;
 }
 
-/* A tensor of role r (layer l) to the device in f32, through the staging buffer; a role the
- * model does not have leaves *dst NULL. */
-static int upload(tdm_model *m, tensor_role r, int l, float **dst) {
-  *dst = NULL;
+/* A tensor of role r (layer l) to the device, through the staging buffer: in f32, or (keep16,
+ * for a weight an F16 or BF16 file holds, where the table has 16-bit operations and the
+ * configuration does not ask for f32) in its 16 bits as they are. A role the model does not
+ * have leaves dst->p NULL. */
+static int upload_w(tdm_model *m, tensor_role r, int l, bool keep16, dweight *dst) {
+  *dst = (dweight){0};
   if (!arch_has(&m->hp, r)) return 0;
   const tdm_mf_tensor *t = arch_tensor(&m->f, &m->hp, r, l);
   if (!t) return TDM_EINVAL;
-  size_t n = (size_t)tdm_mf_elements(t), per = STAGE_BYTES / sizeof(float);
-  int rc = dev_alloc(m, n * sizeof(float), dst);
+  keep16 = keep16 && !m->cfg.dense_f32 && m->ops->matmul_h && m->ops->get_rows_h &&
+           (t->type == TDM_MF_F16 || t->type == TDM_MF_BF16);
+  size_t n = (size_t)tdm_mf_elements(t), size = keep16 ? 2 : sizeof(float);
+  size_t per = STAGE_BYTES / size;
+  if (keep16 && n > t->bytes / 2)
+    return tdm_set_error(TDM_EINVAL, 0, "%s: tensor %s holds %zu bytes for %zu elements",
+                         m->f.path, t->name, t->bytes, n);
+  dst->wtype = !keep16 ? 0 : t->type == TDM_MF_F16 ? TDM_MOE_W_F16 : TDM_MOE_W_BF16;
+  int rc = dev_alloc(m, n * size, &dst->p);
   for (size_t at = 0; !rc && at < n; at += per) {
     size_t c = n - at < per ? n - at : per;
-    if (!(rc = convert_f32(t, at, c, m->stage, m->f.path)) &&
-        !(rc = tdm_memcpy(m->q, *dst + at, m->stage, c * sizeof(float), TDM_COPY_H2D, 0, NULL,
-                          NULL)))
+    if (keep16)
+      memcpy(m->stage, (const uint16_t *)t->data + at, c * 2);
+    else
+      rc = convert_f32(t, at, c, m->stage, m->f.path);
+    if (!rc && !(rc = tdm_memcpy(m->q, (char *)dst->p + at * size, m->stage, c * size,
+                                 TDM_COPY_H2D, 0, NULL, NULL)))
       rc = tdm_queue_sync(m->q); /* the stage is reused next */
   }
+  if (!rc && keep16) {
+    m->dense16 = true;
+    if (n * sizeof(float) > m->widen_need) m->widen_need = n * sizeof(float);
+  }
+  return rc;
+}
+
+/* A small f32 tensor (a norm's weights): always f32. */
+static int upload(tdm_model *m, tensor_role r, int l, float **dst) {
+  dweight d;
+  int rc = upload_w(m, r, l, false, &d);
+  *dst = d.p;
   return rc;
 }
 
 static int load_dense(tdm_model *m) {
   const hparams *hp = &m->hp;
   int rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, STAGE_BYTES, &m->stage);
-  if (!rc) rc = upload(m, T_EMBD, 0, &m->embd);
+  if (!rc) rc = upload_w(m, T_EMBD, 0, true, &m->embd);
   if (!rc) rc = upload(m, T_OUT_NORM, 0, &m->out_norm);
-  if (!rc) rc = upload(m, T_OUTPUT, 0, &m->output);
-  if (!rc && !m->output) m->output = m->embd; /* tied */
+  if (!rc) rc = upload_w(m, T_OUTPUT, 0, true, &m->output);
+  if (!rc && !m->output.p) m->output = m->embd; /* tied */
   size_t kvd = (size_t)hp->nkv * hp->hd, cache = (size_t)m->ctx * kvd * sizeof(float);
   for (int l = 0; !rc && l < hp->L; l++) {
     layer_w *w = &m->lw[l];
-    if ((rc = upload(m, T_ATTN_NORM, l, &w->attn_norm)) || (rc = upload(m, T_WQ, l, &w->wq)) ||
-        (rc = upload(m, T_WK, l, &w->wk)) || (rc = upload(m, T_WV, l, &w->wv)) ||
-        (rc = upload(m, T_WO, l, &w->wo)) || (rc = upload(m, T_QNORM, l, &w->qn)) ||
+    if ((rc = upload(m, T_ATTN_NORM, l, &w->attn_norm)) ||
+        (rc = upload_w(m, T_WQ, l, true, &w->wq)) || (rc = upload_w(m, T_WK, l, true, &w->wk)) ||
+        (rc = upload_w(m, T_WV, l, true, &w->wv)) || (rc = upload_w(m, T_WO, l, true, &w->wo)) ||
+        (rc = upload(m, T_QNORM, l, &w->qn)) ||
         (rc = upload(m, T_KNORM, l, &w->kn)) || (rc = dev_alloc(m, cache, &w->kc)) ||
         (rc = dev_alloc(m, cache, &w->vc)))
       break;
@@ -143,6 +182,10 @@ static int load_dense(tdm_model *m) {
   }
   if (m->stage) tdm_free(m->stage);
   m->stage = NULL;
+  if (!rc && m->dense16) { /* matmul_h's workspace for prefill's pieces */
+    m->widen_bytes = m->widen_need < WIDEN_BYTES ? m->widen_need : WIDEN_BYTES;
+    rc = dev_alloc(m, m->widen_bytes, &m->widen);
+  }
   return rc;
 }
 
@@ -240,13 +283,13 @@ int tdm_model_open(const tdm_model_config *cfg, tdm_model **out) {
 void tdm_model_close(tdm_model *m) {
   if (!m) return;
   if (m->q) (void)tdm_queue_sync(m->q);
-  void *bufs[] = {m->embd, m->out_norm, m->output != m->embd ? m->output : NULL, m->xn, m->qb,
-                  m->att, m->logits, m->ids, m->ids_h, m->logits_h, m->stage};
+  void *bufs[] = {m->embd.p, m->out_norm, m->output.p != m->embd.p ? m->output.p : NULL, m->xn,
+                  m->qb, m->att, m->logits, m->ids, m->ids_h, m->logits_h, m->stage, m->widen};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
     if (bufs[i]) tdm_free(bufs[i]);
   for (int l = 0; m->lw && l < m->hp.L; l++) {
-    float *w[] = {m->lw[l].attn_norm, m->lw[l].wq, m->lw[l].wk, m->lw[l].wv, m->lw[l].wo,
-                  m->lw[l].qn, m->lw[l].kn, m->lw[l].kc, m->lw[l].vc};
+    void *w[] = {m->lw[l].attn_norm, m->lw[l].wq.p, m->lw[l].wk.p, m->lw[l].wv.p, m->lw[l].wo.p,
+                 m->lw[l].qn, m->lw[l].kn, m->lw[l].kc, m->lw[l].vc};
     for (size_t i = 0; i < sizeof w / sizeof w[0]; i++)
       if (w[i]) tdm_free(w[i]);
   }
@@ -271,7 +314,10 @@ int tdm_model_info_get(const tdm_model *m, tdm_model_info *out) {
       .norm_eps = hp->eps, .rope_neox = hp->neox, .qk_norm = hp->qk_norm,
       .tied_embeddings = hp->tied, .expert_bytes = eb,
       .host_bytes = eb * (size_t)hp->E * (size_t)hp->L, .device_bytes = m->device_bytes,
-      .weight_type = m->wtype};
+      .weight_type = m->wtype,
+      .dense_type = m->lw[0].wq.wtype == TDM_MOE_W_F16    ? "F16"
+                    : m->lw[0].wq.wtype == TDM_MOE_W_BF16 ? "BF16"
+                                                          : "F32"};
   return 0;
 }
 
@@ -283,6 +329,8 @@ int tdm_model_peek(const char *path, tdm_model_info *out) {
   int rc = mfile_open(&f, path);
   if (!rc) rc = arch_read(&f, &hp);
   if (!rc) rc = arch_expert(&f, &hp, 0, 0, parts);
+  const tdm_mf_tensor *wq = rc ? NULL : arch_tensor(&f, &hp, T_WQ, 0);
+  if (!rc && !wq) rc = TDM_EINVAL;
   if (!rc) {
     size_t eb = (size_t)3 * hp.H * hp.I * sizeof(tdm_moe_bf16);
     int ctx = hp.ctx_train < 4096 ? hp.ctx_train : 4096;
@@ -295,7 +343,8 @@ int tdm_model_peek(const char *path, tdm_model_info *out) {
         .rope_scale = hp.rope_scale, .norm_eps = hp.eps, .rope_neox = hp.neox,
         .qk_norm = hp.qk_norm, .tied_embeddings = hp.tied, .expert_bytes = eb,
         .host_bytes = eb * (size_t)hp.E * (size_t)hp.L,
-        .weight_type = tdm_mf_type_name(parts[0].t->type)};
+        .weight_type = tdm_mf_type_name(parts[0].t->type),
+        .dense_type = tdm_mf_type_name(wq->type)};
   }
   mfile_close(&f);
   return rc;
@@ -328,6 +377,14 @@ int tdm_model_argmax(const float *logits, int n) {
 
 /* ---- the forward pass -------------------------------------------------------------------- */
 
+/* y = x w^T + beta y, w in f32 or 16 bits. */
+static int matmul(tdm_model *m, float *y, const float *x, const dweight *w, int T, int K, int N,
+                  float beta) {
+  if (!w->wtype) return m->ops->matmul(m->ops_state, m->q, y, x, w->p, T, K, N, beta);
+  return m->ops->matmul_h(m->ops_state, m->q, y, x, w->p, w->wtype, T, K, N, beta, m->widen,
+                          m->widen_bytes);
+}
+
 /* Layer l's attention on the ubatch of T tokens at pos0, x += Attn(RMSNorm(x)): this ubatch's
  * keys and values go straight into the cache rows pos0 .. pos0 + T - 1. */
 static int attention(tdm_model *m, int l, int T, int pos0, float *x) {
@@ -339,9 +396,9 @@ static int attention(tdm_model *m, int l, int T, int pos0, float *x) {
   float *k = w->kc + (size_t)pos0 * kvd, *v = w->vc + (size_t)pos0 * kvd;
   float eps = (float)hp->eps, base = (float)hp->rope_base, fs = (float)hp->rope_scale;
   if ((rc = o->rmsnorm(s, m->q, m->xn, x, w->attn_norm, T, hp->H, eps)) ||
-      (rc = o->matmul(s, m->q, m->qb, m->xn, w->wq, T, hp->H, qd, 0.0f)) ||
-      (rc = o->matmul(s, m->q, k, m->xn, w->wk, T, hp->H, kvd, 0.0f)) ||
-      (rc = o->matmul(s, m->q, v, m->xn, w->wv, T, hp->H, kvd, 0.0f)))
+      (rc = matmul(m, m->qb, m->xn, &w->wq, T, hp->H, qd, 0.0f)) ||
+      (rc = matmul(m, k, m->xn, &w->wk, T, hp->H, kvd, 0.0f)) ||
+      (rc = matmul(m, v, m->xn, &w->wv, T, hp->H, kvd, 0.0f)))
     return rc;
   if (hp->qk_norm &&
       ((rc = o->rmsnorm(s, m->q, m->qb, m->qb, w->qn, T * hp->nh, hp->hd, eps)) ||
@@ -352,7 +409,7 @@ static int attention(tdm_model *m, int l, int T, int pos0, float *x) {
       (rc = o->attention(s, m->q, m->att, m->qb, w->kc, w->vc, T, pos0, hp->nh, hp->nkv, hp->hd,
                          (float)(1.0 / sqrt((double)hp->hd)))))
     return rc;
-  return o->matmul(s, m->q, x, m->att, w->wo, T, qd, hp->H, 1.0f);
+  return matmul(m, x, m->att, &w->wo, T, qd, hp->H, 1.0f);
 }
 
 static void add_stats(tdm_moe_pass_stats *sum, const tdm_moe_pass_stats *p) {
@@ -386,7 +443,10 @@ static int ubatch(tdm_model *m, const int32_t *tokens, int T, int first, tdm_mod
   memcpy(m->ids_h, tokens, (size_t)T * sizeof *tokens);
   int rc = tdm_memcpy(m->q, m->ids, m->ids_h, (size_t)T * sizeof(int32_t), TDM_COPY_H2D, 0,
                       NULL, NULL);
-  if (!rc) rc = o->get_rows(s, m->q, x, m->embd, m->ids, T, hp->H, hp->V);
+  if (!rc && m->embd.wtype)
+    rc = o->get_rows_h(s, m->q, x, m->embd.p, m->embd.wtype, m->ids, T, hp->H, hp->V);
+  else if (!rc)
+    rc = o->get_rows(s, m->q, x, m->embd.p, m->ids, T, hp->H, hp->V);
   if (rc) { /* no pass begun: the queue still holds this ubatch's first commands */
     (void)tdm_queue_sync(m->q);
     return rc;
@@ -402,7 +462,7 @@ static int ubatch(tdm_model *m, const int32_t *tokens, int T, int first, tdm_mod
     float *xr = x + (size_t)first * hp->H;
     size_t bytes = (size_t)rows * hp->V * sizeof(float);
     if (!(rc = o->rmsnorm(s, m->q, m->xn, xr, m->out_norm, rows, hp->H, (float)hp->eps)) &&
-        !(rc = o->matmul(s, m->q, m->logits, m->xn, m->output, rows, hp->H, hp->V, 0.0f)))
+        !(rc = matmul(m, m->logits, m->xn, &m->output, rows, hp->H, hp->V, 0.0f)))
       rc = tdm_memcpy(m->q, m->logits_h, m->logits, bytes, TDM_COPY_D2H, 0, NULL, NULL);
   }
   rc = tdm_moe_pass_end(m->moe, rc, &ps);

@@ -8,6 +8,7 @@
 #include "harness.h"
 
 #include <tandem/model.h>
+#include <tandem/moe_ops.h>
 
 #include <math.h>
 
@@ -125,32 +126,46 @@ static void compare(const char *what, const float *got, const ref *r) {
   }
 }
 
-static void against_reference(const char *arch, const char *which) {
+/* dense: the file's dense type ("F32", "F16", "BF16"). A 16-bit one stays 16-bit on a table
+ * with the 16-bit operations, and is also run widened (dense_f32): both within tolerance. */
+static void against_reference(const char *arch, const char *which, const char *dense) {
   tdm_device *dev = th_open();
   ref r;
   ref_load(arch, &r);
-  tdm_model_config all = {.all_resident = true};
-  tdm_model *m = open_model(dev, arch, which, &all);
-  tdm_model_info info;
-  CHECK_OK(tdm_model_info_get(m, &info));
-  CHECK_EQ(info.vocab, r.V);
-  float *got = run(m, &r);
-  char what[128];
-  snprintf(what, sizeof what, "%s %s", arch, which);
-  compare(what, got, &r);
-  free(got);
-  tdm_model_close(m);
+  bool wide = strcmp(dense, "F32") != 0;
+  const tdm_moe_ops *ops = tdm_moe_ops_for(dev);
+  bool keeps16 = ops && ops->matmul_h && ops->get_rows_h;
+  for (int f32 = 0; f32 <= (int)wide; f32++) {
+    tdm_model_config all = {.all_resident = true, .dense_f32 = f32};
+    tdm_model *m = open_model(dev, arch, which, &all);
+    tdm_model_info info;
+    CHECK_OK(tdm_model_info_get(m, &info));
+    CHECK_EQ(info.vocab, r.V);
+    const char *want = wide && keeps16 && !f32 ? dense : "F32";
+    CHECK_MSG(strcmp(info.dense_type, want) == 0, "%s %s: dense weights %s on the device, not %s",
+              arch, which, info.dense_type, want);
+    float *got = run(m, &r);
+    char what[128];
+    snprintf(what, sizeof what, "%s %s (dense %s)", arch, which, info.dense_type);
+    compare(what, got, &r);
+    printf("%s: within %.0e of the reference\n", what, TOLERANCE);
+    free(got);
+    tdm_model_close(m);
+  }
   ref_free(&r);
   th_close();
 }
 
-TEST_CASE(qwen3moe_gguf) { against_reference("qwen3moe", "model.gguf"); }
-TEST_CASE(qwen3moe_safetensors) { against_reference("qwen3moe", "hf"); }
-TEST_CASE(mixtral_gguf) { against_reference("mixtral", "model.gguf"); }
-TEST_CASE(mixtral_safetensors) { against_reference("mixtral", "hf"); }
-/* F16 dense weights (embedding, attention, LM head), widened to f32 on loading. */
-TEST_CASE(qwen3moe_f16_gguf) { against_reference("qwen3moe-f16", "model.gguf"); }
-TEST_CASE(qwen3moe_f16_safetensors) { against_reference("qwen3moe-f16", "hf"); }
+TEST_CASE(qwen3moe_gguf) { against_reference("qwen3moe", "model.gguf", "F32"); }
+TEST_CASE(qwen3moe_safetensors) { against_reference("qwen3moe", "hf", "F32"); }
+TEST_CASE(mixtral_gguf) { against_reference("mixtral", "model.gguf", "F32"); }
+TEST_CASE(mixtral_safetensors) { against_reference("mixtral", "hf", "F32"); }
+/* F16 dense weights (embedding, attention, LM head): kept in 16 bits, and widened. */
+TEST_CASE(qwen3moe_f16_gguf) { against_reference("qwen3moe-f16", "model.gguf", "F16"); }
+TEST_CASE(qwen3moe_f16_safetensors) { against_reference("qwen3moe-f16", "hf", "F16"); }
+/* BF16 dense weights and a tied LM head (the embedding's 16-bit table read by both). */
+TEST_CASE(mixtral_bf16_tied_gguf) { against_reference("mixtral-bf16", "model.gguf", "BF16"); }
+TEST_CASE(mixtral_bf16_tied_safetensors) { against_reference("mixtral-bf16", "hf", "BF16"); }
 
 /* Streamed at budgets 0, 25% and 50% of the experts: the same bits as all resident. */
 TEST_CASE(streamed_equals_resident) {

@@ -18,7 +18,10 @@
  * wants TDM_EINVAL for odd hd, nh not a multiple of nkv, beta 0.5, NULL pointers and a state
  * of another queue. `table_entries` wants the four entries on the backends that have them
  * (cpu, cuda, opencl), and all four or none elsewhere; the other cases skip (77, with a
- * message) on a table without them.
+ * message) on a table without them. `get_rows_h_ref`, `matmul_h_ref` and `w16_bad_args` do the
+ * same for the 16-bit weight entries (cpu, cuda; skipped elsewhere): rows widened bitwise (f16
+ * and bf16 edge values among them), decode's one pass and prefill's pieces (a workspace of all,
+ * 7 or 1 of w's rows) against float64 on the widened weights.
  *
  * Tolerances (relative, norm-wise over what an op wrote, except RoPE's per pair): f32 work
  * against float64. matmul's dot products of K <= 300 terms err by ~sqrt(K) 2^-24 = 1e-6
@@ -251,6 +254,172 @@ TEST_CASE(matmul_ref) {
     check_matmul(&f, shapes[i][0], shapes[i][1], shapes[i][2], 0.0f);
     check_matmul(&f, shapes[i][0], shapes[i][1], shapes[i][2], 1.0f);
   }
+  teardown(&f);
+}
+
+/* ---- 16-bit weights: get_rows_h, matmul_h ------------------------------------------------ */
+
+/* The tables with the 16-bit entries; elsewhere both are NULL (a model widens to f32). */
+static const char *const w16_backends[] = {"cpu", "cuda"};
+
+static fixture setup_w16(void) {
+  fixture f = setup_xfmr();
+  int claimed = 0;
+  for (size_t i = 0; i < sizeof w16_backends / sizeof w16_backends[0]; i++)
+    claimed |= strcmp(f.ops->name, w16_backends[i]) == 0;
+  if (claimed)
+    CHECK_MSG(f.ops->get_rows_h && f.ops->matmul_h, "the %s table lacks a 16-bit entry",
+              f.ops->name);
+  CHECK_MSG(!f.ops->get_rows_h == !f.ops->matmul_h, "%s: one 16-bit entry of two", f.ops->name);
+  if (!f.ops->matmul_h) {
+    const char *name = f.ops->name;
+    teardown(&f);
+    TH_SKIP("the %s table has no 16-bit weight operations (get_rows_h, matmul_h)", name);
+  }
+  return f;
+}
+
+/* A random 16-bit weight of magnitude in [0.1, 1) * scale (never zero; f16 by truncating an
+ * f32, exact either way), and its value. */
+static uint16_t rnd16(uint64_t *s, int wtype, float scale, float *value) {
+  float v = rnd(s, scale);
+  uint32_t u;
+  memcpy(&u, &v, sizeof u);
+  uint16_t h = wtype == TDM_MOE_W_BF16
+                   ? (uint16_t)(u >> 16)
+                   : (uint16_t)(((u >> 16) & 0x8000u) | ((((u >> 23) & 0xffu) - 112u) << 10) |
+                                ((u >> 13) & 0x3ffu));
+  *value = wtype == TDM_MOE_W_BF16 ? tdm_moe_bf16_to_f32(h) : tdm_moe_f16_to_f32(h);
+  return h;
+}
+
+/* n 16-bit values into device memory; the pointer (no sentinels: matmul_h only reads it). */
+static uint16_t *upload16(fixture *f, const uint16_t *host, size_t n) {
+  uint16_t *tmp = alloc(f, TDM_MEM_PINNED, n * sizeof *tmp);
+  memcpy(tmp, host, n * sizeof *tmp);
+  uint16_t *d = alloc(f, TDM_MEM_DEVICE, n * sizeof *d);
+  CHECK_OK(tdm_memcpy(f->q, d, tmp, n * sizeof *d, TDM_COPY_H2D, 0, NULL, NULL));
+  CHECK_OK(tdm_queue_sync(f->q));
+  tdm_free(tmp);
+  return d;
+}
+
+TEST_CASE(get_rows_h_ref) {
+  enum { T = 9, H = 29, V = 40 };
+  fixture f = setup_w16();
+  for (int wtype = TDM_MOE_W_F16; wtype <= TDM_MOE_W_BF16; wtype++) {
+    uint16_t *table = malloc((size_t)V * H * sizeof *table);
+    float *vals = malloc((size_t)V * H * sizeof *vals), *y = nan_host((size_t)T * H);
+    CHECK(table && vals);
+    for (size_t i = 0; i < (size_t)V * H; i++) table[i] = rnd16(&f.rng, wtype, 3.0f, &vals[i]);
+    /* edge values: subnormals, the largest finite, negative zero, infinity */
+    static const uint16_t edge_f16[] = {0x0001, 0x83ff, 0x7bff, 0x8000, 0x7c00};
+    static const uint16_t edge_bf16[] = {0x0001, 0x807f, 0x7f7f, 0x8000, 0x7f80};
+    for (int i = 0; i < 5; i++) {
+      uint16_t h = wtype == TDM_MOE_W_F16 ? edge_f16[i] : edge_bf16[i];
+      table[H + i] = h; /* row 1 */
+      vals[H + i] = wtype == TDM_MOE_W_F16 ? tdm_moe_f16_to_f32(h) : tdm_moe_bf16_to_f32(h);
+    }
+    int32_t ids[T] = {1, V - 1, -1, 7, V, 1, 0, 13, 2};
+    uint16_t *dtable = upload16(&f, table, (size_t)V * H);
+    float *dy = upload_padded(&f, y, (size_t)T * H);
+    int32_t *dids = alloc(&f, TDM_MEM_DEVICE, sizeof ids);
+    CHECK_OK(tdm_memcpy(f.q, dids, ids, sizeof ids, TDM_COPY_H2D, 0, NULL, NULL));
+    CHECK_OK(f.ops->get_rows_h(f.st, f.q, dy, dtable, wtype, dids, T, H, V));
+    download_padded(&f, y, dy, (size_t)T * H, "y");
+    for (int t = 0; t < T; t++)
+      for (int c = 0; c < H; c++) {
+        float want = ids[t] >= 0 && ids[t] < V ? vals[(size_t)ids[t] * H + c] : 0.0f;
+        float got = y[(size_t)t * H + c];
+        CHECK_MSG(memcmp(&got, &want, sizeof got) == 0, "%s y[%d][%d] (id %d) = %g, want %g",
+                  wtype == TDM_MOE_W_F16 ? "f16" : "bf16", t, c, ids[t], got, want);
+      }
+    printf("get_rows_h %s T=%d H=%d V=%d: bitwise the widened rows (edge values included)\n",
+           wtype == TDM_MOE_W_F16 ? "f16" : "bf16", T, H, V);
+    tdm_free(dtable); free_padded(dy); tdm_free(dids); free(table); free(vals); free(y);
+  }
+  teardown(&f);
+}
+
+/* y = x w^T + beta y with w in 16 bits, against float64 on the widened w; ws_rows: the rows of
+ * w the workspace holds (more tokens than a decode pass are widened in pieces of them). */
+static void check_matmul_h(fixture *f, int wtype, int T, int K, int N, float beta, int ws_rows) {
+  size_t nx = (size_t)T * K, nw = (size_t)N * K, ny = (size_t)T * N;
+  float *x = rnd_host(f, nx, 1.0f), *wv = malloc(nw * sizeof *wv);
+  uint16_t *w = malloc(nw * sizeof *w);
+  CHECK(wv && w);
+  for (size_t i = 0; i < nw; i++) w[i] = rnd16(&f->rng, wtype, 1.0f, &wv[i]);
+  float *y0 = beta == 0.0f ? nan_host(ny) : rnd_host(f, ny, 4.0f), *y = malloc(ny * sizeof *y);
+  CHECK(y != NULL);
+  /* x at the start of its allocation, as a model's buffers are (a GPU's one pass loads it 16
+   * bytes at a time where K allows); y between sentinels */
+  float *dx = alloc(f, TDM_MEM_DEVICE, nx * sizeof *dx), *dy = upload_padded(f, y0, ny);
+  CHECK_OK(tdm_memcpy(f->q, dx, x, nx * sizeof *dx, TDM_COPY_H2D, 0, NULL, NULL));
+  CHECK_OK(tdm_queue_sync(f->q));
+  uint16_t *dw = upload16(f, w, nw);
+  size_t ws_bytes = (size_t)ws_rows * K * sizeof(float);
+  void *ws = alloc(f, TDM_MEM_DEVICE, ws_bytes);
+
+  CHECK_OK(f->ops->matmul_h(f->st, f->q, dy, dx, dw, wtype, T, K, N, beta, ws, ws_bytes));
+  download_padded(f, y, dy, ny, "y");
+  errsum e = {0};
+  for (int t = 0; t < T; t++)
+    for (int n = 0; n < N; n++) {
+      double ref = beta == 0.0f ? 0.0 : y0[(size_t)t * N + n];
+      for (int k = 0; k < K; k++) ref += (double)x[(size_t)t * K + k] * wv[(size_t)n * K + k];
+      err_add(&e, "y", (size_t)t * N + n, y[(size_t)t * N + n], ref);
+    }
+  char what[96];
+  snprintf(what, sizeof what, "matmul_h %s T=%d K=%d N=%d beta=%g, %d rows a piece",
+           wtype == TDM_MOE_W_F16 ? "f16" : "bf16", T, K, N, (double)beta, ws_rows);
+  err_check(&e, what);
+  tdm_free(dx); free_padded(dy); tdm_free(dw); tdm_free(ws);
+  free(x); free(wv); free(w); free(y0); free(y);
+}
+
+TEST_CASE(matmul_h_ref) {
+  /* Decode's one pass (T <= 8: K a multiple of 8 for 16-byte loads, and not), and prefill's
+   * pieces: the workspace holds all of w, or 7 or 1 of its rows (the last piece short). */
+  static const int shapes[][4] = {{1, 64, 70, 70},  {1, 37, 33, 33},  {8, 256, 129, 129},
+                                  {3, 300, 20, 20}, {13, 64, 33, 33}, {13, 64, 33, 7},
+                                  {40, 96, 50, 1},  {130, 128, 140, 16}};
+  fixture f = setup_w16();
+  for (int wtype = TDM_MOE_W_F16; wtype <= TDM_MOE_W_BF16; wtype++)
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
+      for (int b = 0; b < 2; b++)
+        check_matmul_h(&f, wtype, shapes[i][0], shapes[i][1], shapes[i][2], (float)b,
+                       shapes[i][3]);
+  teardown(&f);
+}
+
+TEST_CASE(w16_bad_args) {
+  fixture f = setup_w16();
+  const tdm_moe_ops *o = f.ops;
+  float *buf = alloc(&f, TDM_MEM_DEVICE, 4096 * sizeof(float));
+  float *b2 = alloc(&f, TDM_MEM_DEVICE, 4096 * sizeof(float));
+  uint16_t *w = alloc(&f, TDM_MEM_DEVICE, 4096 * sizeof(uint16_t));
+  int32_t *ids = alloc(&f, TDM_MEM_DEVICE, 16 * sizeof(int32_t));
+  CHECK_OK(tdm_memset(f.q, ids, 0, 16 * sizeof(int32_t), 0, NULL, NULL));
+  CHECK_OK(tdm_memset(f.q, w, 0, 4096 * sizeof(uint16_t), 0, NULL, NULL));
+  CHECK_OK(tdm_memset(f.q, b2, 0, 4096 * sizeof(float), 0, NULL, NULL));
+  size_t ws = 16 * 16 * sizeof(float);
+  CHECK_RC(o->matmul_h(f.st, f.q, buf, b2, w, 0, 2, 16, 16, 0.0f, b2, ws), TDM_EINVAL);
+  CHECK_RC(o->matmul_h(f.st, f.q, buf, b2, w, 3, 2, 16, 16, 0.0f, b2, ws), TDM_EINVAL);
+  CHECK_RC(o->matmul_h(f.st, f.q, buf, b2, w, TDM_MOE_W_F16, 2, 16, 16, 0.5f, b2, ws),
+           TDM_EINVAL);
+  CHECK_RC(o->matmul_h(f.st, f.q, buf, NULL, w, TDM_MOE_W_F16, 2, 16, 16, 0.0f, b2, ws),
+           TDM_EINVAL);
+  /* many tokens with a workspace smaller than one row of w, or none */
+  CHECK_RC(o->matmul_h(f.st, f.q, buf, b2, w, TDM_MOE_W_F16, 40, 16, 16, 0.0f, b2, 63),
+           TDM_EINVAL);
+  CHECK_RC(o->matmul_h(f.st, f.q, buf, b2, w, TDM_MOE_W_F16, 40, 16, 16, 0.0f, NULL, ws),
+           TDM_EINVAL);
+  CHECK_RC(o->get_rows_h(f.st, f.q, buf, w, 0, ids, 2, 8, 4), TDM_EINVAL);
+  CHECK_RC(o->get_rows_h(f.st, f.q, buf, NULL, TDM_MOE_W_BF16, ids, 2, 8, 4), TDM_EINVAL);
+  CHECK_OK(o->matmul_h(f.st, f.q, buf, b2, w, TDM_MOE_W_BF16, 0, 16, 16, 1.0f, b2, ws));
+  CHECK_OK(o->matmul_h(f.st, f.q, buf, b2, w, TDM_MOE_W_BF16, 40, 16, 16, 0.0f, b2 + 2048, ws));
+  CHECK_OK(tdm_queue_sync(f.q));
+  tdm_free(buf); tdm_free(b2); tdm_free(w); tdm_free(ids);
   teardown(&f);
 }
 

@@ -270,6 +270,7 @@ static void json_info(bu_json *j, const tdm_model_info *in) {
   bu_json_string(j, "format", in->format);
   bu_json_string(j, "name", in->name);
   bu_json_string(j, "expert_type", in->weight_type);
+  bu_json_string(j, "dense_type", in->dense_type);
   bu_json_int(j, "layers", in->layers);
   bu_json_int(j, "hidden", in->hidden);
   bu_json_int(j, "heads", in->heads);

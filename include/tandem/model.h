@@ -7,9 +7,11 @@
  *
  * Weights: the experts go to pinned host memory in bf16, one blob per expert, and reach the
  * device through the streamer; everything else (embedding, attention, norms, LM head) is kept
- * on the device in f32. Files may hold F32, F16 or BF16 tensors: F16 and F32 experts are
- * rounded to bf16 (to nearest even), and so are the routers (the MoE operations take bf16
- * routers); the rest is exact. One sequence at a time: a model's calls must not overlap (two
+ * on the device: the embedding, the projections and the LM head in the file's F16 or BF16 as
+ * they are where the backend's operations read 16-bit weights (CPU, CUDA; dense_f32 below
+ * widens them), else in f32; norms in f32. Files may hold F32, F16 or BF16 tensors: F16 and
+ * F32 experts are rounded to bf16 (to nearest even), and so are the routers (the MoE
+ * operations take bf16 routers); the rest is exact. One sequence at a time: a model's calls must not overlap (two
  * models may run at once, on one device or several). */
 #ifndef TANDEM_MODEL_API_H
 #define TANDEM_MODEL_API_H
@@ -43,6 +45,9 @@ typedef struct tdm_model_config {
   int staging_slots;
   tdm_moe_placement placement;
   int threads;           /* for reading and converting the weights (0: all cores) */
+  bool dense_f32;        /* widen 16-bit dense weights to f32 on the device (twice the memory
+                            and the bytes a decode step reads; the results of f32 math on the
+                            same values) */
   /* Called as the weights load (what: "experts", "dense"; done in [0, 1], rising), so a tool
    * can show progress; NULL: nothing. The experts' reports come from the threads that convert
    * them, one call at a time; the others from the thread in tdm_model_open. */
@@ -68,6 +73,8 @@ typedef struct tdm_model_info {
   size_t host_bytes;     /* pinned host memory for the experts */
   size_t device_bytes;   /* device memory: dense weights, KV cache, buffers (not the expert slots) */
   const char *weight_type; /* the experts' type in the file: "F32", "F16", "BF16" */
+  const char *dense_type;  /* the projections' type on the device: "F32", "F16" or "BF16"
+                              (tdm_model_peek: the file's) */
 } tdm_model_info;
 
 /* Figures of one tdm_model_eval call, summed over its ubatches. */

@@ -43,6 +43,27 @@ static inline tdm_moe_bf16 tdm_moe_f32_to_bf16(float f) {
   return (tdm_moe_bf16)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* IEEE binary16 to f32 on the host, exactly (subnormals, infinities and NaN included). */
+static inline float tdm_moe_f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  union { uint32_t u; float f; } v;
+  if (exp == 0x1f) {
+    v.u = sign | 0x7f800000u | (man << 13); /* inf, NaN */
+  } else if (exp) {
+    v.u = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man) { /* subnormal: normalize */
+    int e = -1;
+    do {
+      man <<= 1;
+      e++;
+    } while (!(man & 0x400u));
+    v.u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+  } else {
+    v.u = sign;
+  }
+  return v.f;
+}
+
 /* One entry of a group of experts (experts() below), in device memory. */
 typedef struct tdm_moe_group {
   int64_t w;     /* the expert's weights: wbase + w, in bf16 elements (a multiple of 8 lets
@@ -182,7 +203,29 @@ typedef struct tdm_moe_ops {
    * own. out must not overlap qv, kc or vc. */
   int (*attention)(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
                    const float *vc, int T, int pos0, int nh, int nkv, int hd, float scale);
+
+  /* ---- Weights in 16 bits, as model files keep them, so that a model's dense weights take
+   * half the device memory and a decode step reads half the bytes. Optional: NULL where a
+   * backend has none (OpenCL for now); a model then widens its weights to f32 when it loads
+   * them. wtype is TDM_MOE_W_F16 (IEEE binary16) or TDM_MOE_W_BF16; every such value is exact
+   * in f32, and these compute as get_rows() and matmul() on the widened values. ---- */
+
+  /* get_rows() from a 16-bit table [V x H]: y's rows are the table's, widened (bitwise). */
+  int (*get_rows_h)(void *st, tdm_queue *q, float *y, const uint16_t *table, int wtype,
+                    const int32_t *ids, int T, int H, int V);
+
+  /* matmul() with w [N x K] in 16 bits. A few tokens (decode) run in one pass that reads each
+   * weight once and sums each output in a fixed order; more tokens widen w a piece at a time
+   * into the workspace (device memory: workspace_bytes, at least 4K; the larger, the fewer
+   * pieces) and multiply each piece as matmul() does. Both agree with matmul() on the widened
+   * w within f32 rounding. */
+  int (*matmul_h)(void *st, tdm_queue *q, float *y, const float *x, const uint16_t *w,
+                  int wtype, int T, int K, int N, float beta, void *workspace,
+                  size_t workspace_bytes);
 } tdm_moe_ops;
+
+/* The 16-bit weight types of get_rows_h() and matmul_h(). */
+enum { TDM_MOE_W_F16 = 1, TDM_MOE_W_BF16 = 2 };
 
 /* The table for the device's backend, or NULL (with tdm_last_error() set) when this build of
  * the library has none for it. Static storage. */

@@ -835,6 +835,8 @@ const tdm_moe_ops tdm_moe__cpu_ops = {
     .combine = cpu_combine,
     .get_rows = tdm_moe__cpu_get_rows,
     .matmul = tdm_moe__cpu_matmul,
+    .get_rows_h = tdm_moe__cpu_get_rows_h,
+    .matmul_h = tdm_moe__cpu_matmul_h,
     .rope = tdm_moe__cpu_rope,
     .attention = tdm_moe__cpu_attention,
 };

@@ -40,6 +40,11 @@ size_t tdm_moe__rows_available(const float *p, int width);
 /* The transformer's operations (cpu/xfmr.c), entries of tdm_moe__cpu_ops. */
 int tdm_moe__cpu_get_rows(void *st, tdm_queue *q, float *y, const float *table,
                           const int32_t *ids, int T, int H, int V);
+int tdm_moe__cpu_get_rows_h(void *st, tdm_queue *q, float *y, const uint16_t *table, int wtype,
+                            const int32_t *ids, int T, int H, int V);
+int tdm_moe__cpu_matmul_h(void *st, tdm_queue *q, float *y, const float *x, const uint16_t *w,
+                          int wtype, int T, int K, int N, float beta, void *ws,
+                          size_t ws_bytes);
 int tdm_moe__cpu_matmul(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T,
                         int K, int N, float beta);
 int tdm_moe__cpu_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0,

@@ -1,5 +1,6 @@
 /* cpu/xfmr.c: a transformer's operations besides the MoE layers for the CPU backend (the
- * get_rows, matmul, rope and attention entries of tdm_moe__cpu_ops): host tasks on the queue's
+ * get_rows, matmul, rope and attention entries of tdm_moe__cpu_ops, and get_rows_h and matmul_h
+ * for 16-bit weights, widened a piece at a time for sgemm): host tasks on the queue's
  * worker, as cpu/ops.c's are. The projections are OpenBLAS sgemm; attention splits its
  * (token, head) pairs between the pool's threads (cpu/pool.h), each pair computed whole by one
  * thread in a fixed order, so the bits do not depend on the split. */
@@ -80,6 +81,94 @@ int tdm_moe__cpu_matmul(void *st, tdm_queue *q, float *y, const float *x, const 
   if (!a) return TDM_ENOMEM;
   *a = (matmul_args){.t.body = matmul_body, .y = y, .x = x, .w = w, .T = T, .K = K, .N = N,
                      .beta = beta};
+  return tdm_moe__task_submit(q, &a->t);
+}
+
+/* ---- 16-bit weights: get_rows_h, matmul_h ------------------------------------------------ */
+
+static void widen(float *dst, const uint16_t *src, size_t n, int wtype) {
+  if (wtype == TDM_MOE_W_F16)
+    for (size_t i = 0; i < n; i++) dst[i] = tdm_moe_f16_to_f32(src[i]);
+  else
+    for (size_t i = 0; i < n; i++) dst[i] = tdm_moe_bf16_to_f32(src[i]);
+}
+
+static int bad_wtype(int wtype) { return wtype != TDM_MOE_W_F16 && wtype != TDM_MOE_W_BF16; }
+
+typedef struct rows_h_args {
+  task t; /* first */
+  float *y;
+  const uint16_t *table;
+  const int32_t *ids;
+  int wtype, T, H, V;
+} rows_h_args;
+
+static int rows_h_body(const task *t) {
+  const rows_h_args *a = (const rows_h_args *)t;
+  for (int i = 0; i < a->T; i++) {
+    int32_t id = a->ids[i];
+    float *y = a->y + (size_t)i * a->H;
+    if (id >= 0 && id < a->V)
+      widen(y, a->table + (size_t)id * a->H, (size_t)a->H, a->wtype);
+    else
+      memset(y, 0, (size_t)a->H * sizeof *y);
+  }
+  return 0;
+}
+
+int tdm_moe__cpu_get_rows_h(void *st, tdm_queue *q, float *y, const uint16_t *table, int wtype,
+                            const int32_t *ids, int T, int H, int V) {
+  int rc = tdm_moe__check_state(st, q, "get_rows_h");
+  if (rc) return rc;
+  if (!y || !table || !ids || T < 0 || H <= 0 || V <= 0 || bad_wtype(wtype))
+    return tdm_moe__bad_args("get_rows_h");
+  if (T == 0) return 0;
+  rows_h_args *a = tdm_moe__task_alloc(sizeof *a, "get_rows_h");
+  if (!a) return TDM_ENOMEM;
+  *a = (rows_h_args){.t.body = rows_h_body, .y = y, .table = table, .ids = ids, .wtype = wtype,
+                     .T = T, .H = H, .V = V};
+  return tdm_moe__task_submit(q, &a->t);
+}
+
+typedef struct matmul_h_args {
+  task t; /* first */
+  float *y;
+  const float *x;
+  const uint16_t *w;
+  float *ws;
+  size_t ws_floats;
+  int wtype, T, K, N;
+  float beta;
+} matmul_h_args;
+
+/* Pieces of w's rows widened into the workspace, each an sgemm into y's columns of them. */
+static int matmul_h_body(const task *t) {
+  const matmul_h_args *a = (const matmul_h_args *)t;
+  size_t K = (size_t)a->K, N = (size_t)a->N, R = a->ws_floats / K;
+  if (R > N) R = N;
+  for (size_t n0 = 0; n0 < N; n0 += R) {
+    size_t c = N - n0 < R ? N - n0 : R;
+    widen(a->ws, a->w + n0 * K, c * K, a->wtype);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, a->T, (int)c, a->K, 1.0f, a->x, a->K,
+                a->ws, a->K, a->beta, a->y + n0, a->N);
+  }
+  return 0;
+}
+
+int tdm_moe__cpu_matmul_h(void *st, tdm_queue *q, float *y, const float *x, const uint16_t *w,
+                          int wtype, int T, int K, int N, float beta, void *ws,
+                          size_t ws_bytes) {
+  int rc = tdm_moe__check_state(st, q, "matmul_h");
+  if (rc) return rc;
+  if (!y || !x || !w || T < 0 || K <= 0 || N <= 0 || (beta != 0.0f && beta != 1.0f) ||
+      bad_wtype(wtype) || !ws || ws_bytes / sizeof(float) < (size_t)K)
+    return tdm_moe__bad_args("matmul_h");
+  if (T == 0) return 0;
+  matmul_h_args *a = tdm_moe__task_alloc(sizeof *a, "matmul_h");
+  if (!a) return TDM_ENOMEM;
+  *a = (matmul_h_args){.t.body = matmul_h_body, .y = y, .x = x, .w = w, .ws = ws,
+                       .ws_floats = ws_bytes / sizeof(float), .wtype = wtype, .T = T, .K = K,
+                       .N = N, .beta = beta};
   return tdm_moe__task_submit(q, &a->t);
 }
 

@@ -173,6 +173,10 @@ static __device__ __forceinline__ float warp_sum(float v) {
 int cuda_xfmr_preload(moe_cuda *m);
 int cuda_get_rows(void *st, tdm_queue *q, float *y, const float *table, const int32_t *ids,
                   int T, int H, int V);
+int cuda_get_rows_h(void *st, tdm_queue *q, float *y, const uint16_t *table, int wtype,
+                    const int32_t *ids, int T, int H, int V);
+int cuda_matmul_h(void *st, tdm_queue *q, float *y, const float *x, const uint16_t *w, int wtype,
+                  int T, int K, int N, float beta, void *ws, size_t ws_bytes);
 int cuda_matmul(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T, int K,
                 int N, float beta);
 int cuda_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0, float base,

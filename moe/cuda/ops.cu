@@ -1188,6 +1188,8 @@ extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .matmul = */ cuda_matmul,
     /* .rope = */ cuda_rope,
     /* .attention = */ cuda_attention,
+    /* .get_rows_h = */ cuda_get_rows_h,
+    /* .matmul_h = */ cuda_matmul_h,
 };
 
 /* The entry libtandem_moe looks up when it loads this module (libtandem_moe-cuda.so). */

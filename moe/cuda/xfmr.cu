@@ -4,9 +4,13 @@
  * mode: no TF32), deterministic as that handle is set up (cuda/ops.cu, blas_setup). RoPE takes
  * its angles in double, as the CPU table does. Attention is a kernel of its own: one block per
  * (token, head), each warp an online softmax over a fixed stride of the positions, the warps'
- * partial results combined in a fixed order: no atomics, the same bits every run. */
+ * partial results combined in a fixed order: no atomics, the same bits every run. Weights in
+ * 16 bits (get_rows_h, matmul_h) are widened as they are read: decode's few tokens by a
+ * one-pass kernel of its own, more by pieces widened to f32 for SGEMM. */
 #include <math.h>
 #include <stdint.h>
+
+#include <cuda_fp16.h>
 
 #include "cuda_ops.h"
 
@@ -176,9 +180,160 @@ int cuda_attention(void *st, tdm_queue *q, float *out, const float *qv, const fl
   return rc;
 }
 
+/* ---- 16-bit weights: get_rows_h, matmul_h ------------------------------------------------ */
+
+static __device__ __forceinline__ float widen(uint16_t v, int wtype) {
+  return wtype == TDM_MOE_W_F16 ? __half2float(__ushort_as_half(v))
+                                : __uint_as_float((uint32_t)v << 16);
+}
+
+static __global__ void get_rows_h_kernel(float *y, const uint16_t *table, int wtype,
+                                         const int32_t *ids, int H, int V) {
+  int32_t id = ids[blockIdx.x];
+  float *yr = y + (size_t)blockIdx.x * H;
+  bool ok = id >= 0 && id < V;
+  const uint16_t *tr = table + (ok ? (size_t)id * H : 0);
+  for (int c = threadIdx.x; c < H; c += MOE_THREADS) yr[c] = ok ? widen(tr[c], wtype) : 0.f;
+}
+
+int cuda_get_rows_h(void *st, tdm_queue *q, float *y, const uint16_t *table, int wtype,
+                    const int32_t *ids, int T, int H, int V) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || !y || !table || !ids || T < 0 || H <= 0 || V <= 0 ||
+      (wtype != TDM_MOE_W_F16 && wtype != TDM_MOE_W_BF16))
+    return bad_args("get_rows_h");
+  if (T == 0) return 0;
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  get_rows_h_kernel<<<T, MOE_THREADS, 0, m->s>>>(y, table, wtype, ids, H, V);
+  cudaError_t e = cudaGetLastError();
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "get_rows_h_kernel");
+  leave(m, saved);
+  return rc;
+}
+
+#define GEMV_MAX_T 8 /* matmul_h's one-pass kernel takes up to this many tokens */
+#define GEMV_ROWS MOE_WARPS /* output rows per block: a warp each */
+
+/* Row n of y's TT tokens: the warp's lanes stride over the row's K weights, 8 at a time
+ * (16-byte loads) where vec says K and the pointers allow, each lane keeping TT sums; the
+ * lanes' sums then meet in a fixed butterfly. Each weight is read once for every token. */
+template <int TT>
+static __global__ void gemv_h_kernel(float *y, const float *x, const uint16_t *w, int wtype,
+                                     int K, int N, int beta, int vec) {
+  int lane = threadIdx.x % 32, n = blockIdx.x * GEMV_ROWS + threadIdx.x / 32;
+  if (n >= N) return;
+  const uint16_t *wr = w + (size_t)n * K;
+  float acc[TT];
+#pragma unroll
+  for (int t = 0; t < TT; t++) acc[t] = 0.f;
+  if (vec) {
+#pragma unroll 4
+    for (int k = lane * 8; k < K; k += 256) {
+      uint4 raw = *(const uint4 *)(wr + k);
+      const uint16_t *h = (const uint16_t *)&raw;
+      float wf[8];
+#pragma unroll
+      for (int j = 0; j < 8; j++) wf[j] = widen(h[j], wtype);
+#pragma unroll
+      for (int t = 0; t < TT; t++) {
+        const float4 *xr = (const float4 *)(x + (size_t)t * K + k);
+        float4 a = xr[0], b = xr[1];
+        float s = acc[t];
+        s = fmaf(wf[0], a.x, s); s = fmaf(wf[1], a.y, s);
+        s = fmaf(wf[2], a.z, s); s = fmaf(wf[3], a.w, s);
+        s = fmaf(wf[4], b.x, s); s = fmaf(wf[5], b.y, s);
+        s = fmaf(wf[6], b.z, s); s = fmaf(wf[7], b.w, s);
+        acc[t] = s;
+      }
+    }
+  } else {
+    for (int k = lane; k < K; k += 32) {
+      float wf = widen(wr[k], wtype);
+#pragma unroll
+      for (int t = 0; t < TT; t++) acc[t] = fmaf(wf, x[(size_t)t * K + k], acc[t]);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < TT; t++) {
+    float v = acc[t];
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    if (lane == 0) {
+      float *yo = y + (size_t)t * N + n;
+      *yo = beta ? *yo + v : v;
+    }
+  }
+}
+
+static __global__ void widen_kernel(float *dst, const uint16_t *src, size_t n, int wtype) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    dst[i] = widen(src[i], wtype);
+}
+
+static cudaError_t gemv_h(moe_cuda *m, float *y, const float *x, const uint16_t *w, int wtype,
+                          int T, int K, int N, int beta) {
+  int vec = K % 8 == 0 && ((uintptr_t)x | (uintptr_t)w) % 16 == 0;
+  dim3 grid((unsigned)((N + GEMV_ROWS - 1) / GEMV_ROWS)), block(MOE_THREADS);
+  switch (T) {
+#define GEMV_CASE(n)                                                                   \
+  case n: gemv_h_kernel<n><<<grid, block, 0, m->s>>>(y, x, w, wtype, K, N, beta, vec); \
+    break;
+    GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4)
+    GEMV_CASE(5) GEMV_CASE(6) GEMV_CASE(7) GEMV_CASE(8)
+#undef GEMV_CASE
+  }
+  return cudaGetLastError();
+}
+
+int cuda_matmul_h(void *st, tdm_queue *q, float *y, const float *x, const uint16_t *w, int wtype,
+                  int T, int K, int N, float beta, void *ws, size_t ws_bytes) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || !y || !x || !w || T < 0 || K <= 0 || N <= 0 ||
+      (beta != 0.f && beta != 1.f) || (wtype != TDM_MOE_W_F16 && wtype != TDM_MOE_W_BF16) ||
+      (T > GEMV_MAX_T && (!ws || ws_bytes / sizeof(float) < (size_t)K)))
+    return bad_args("matmul_h");
+  if (T == 0) return 0;
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  if (T <= GEMV_MAX_T) {
+    cudaError_t e = gemv_h(m, y, x, w, wtype, T, K, N, beta != 0.f);
+    rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "gemv_h_kernel");
+    leave(m, saved);
+    return rc;
+  }
+  /* Pieces of R rows of w, widened into the workspace, each an SGEMM into y's columns
+   * [n0, n0 + c) (ldc N); the stream orders each piece's widening after the last one's GEMM. */
+  size_t R = ws_bytes / sizeof(float) / (size_t)K;
+  if (R > (size_t)N) R = (size_t)N;
+  float *wf = (float *)ws;
+  const float one = 1.f;
+  for (size_t n0 = 0; !rc && n0 < (size_t)N; n0 += R) {
+    size_t c = (size_t)N - n0 < R ? (size_t)N - n0 : R, n = c * (size_t)K;
+    unsigned blocks = (unsigned)((n + MOE_THREADS - 1) / MOE_THREADS);
+    widen_kernel<<<blocks < 4096 ? blocks : 4096, MOE_THREADS, 0, m->s>>>(
+        wf, w + n0 * (size_t)K, n, wtype);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) {
+      rc = cuda_fail(m, e, "widen_kernel");
+      break;
+    }
+    cublasStatus_t s = cublasSgemm(m->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)c, T, K, &one, wf, K,
+                                   x, K, &beta, y + n0, N);
+    if (s != CUBLAS_STATUS_SUCCESS) rc = blas_fail(m, s, "cublasSgemm");
+  }
+  leave(m, saved);
+  return rc;
+}
+
 int cuda_xfmr_preload(moe_cuda *m) {
   const void *k[] = {(const void *)get_rows_kernel, (const void *)rope_kernel,
-                     (const void *)attention_kernel};
+                     (const void *)attention_kernel, (const void *)get_rows_h_kernel,
+                     (const void *)widen_kernel, (const void *)gemv_h_kernel<1>,
+                     (const void *)gemv_h_kernel<2>, (const void *)gemv_h_kernel<3>,
+                     (const void *)gemv_h_kernel<4>, (const void *)gemv_h_kernel<5>,
+                     (const void *)gemv_h_kernel<6>, (const void *)gemv_h_kernel<7>,
+                     (const void *)gemv_h_kernel<8>};
   for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));

@@ -14,10 +14,12 @@ if ! "$py" -c 'import numpy, gguf, safetensors' 2>/dev/null; then
 fi
 prompt=5,17,200,33,1,99,42,7,128,64,3,250,9
 # name, then tiny.py's arguments: f32 dense weights and bf16 experts (what tandem computes in,
-# exactly), and an F16 file whose dense weights tandem widens to f32 (exactly too)
+# exactly), an F16 file and a BF16 one with a tied LM head, whose dense weights tandem keeps
+# in 16 bits or widens to f32 (exactly either way)
 models="qwen3moe:--arch qwen3moe
 mixtral:--arch mixtral
-qwen3moe-f16:--arch qwen3moe --dtype f16 --seed 5"
+qwen3moe-f16:--arch qwen3moe --dtype f16 --seed 5
+mixtral-bf16:--arch mixtral --dtype bf16 --tied --seed 7"
 echo "$models" | while IFS=: read -r name args; do
   rm -rf "${dir:?}/$name"
   # shellcheck disable=SC2086
