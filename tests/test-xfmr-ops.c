@@ -538,6 +538,11 @@ TEST_CASE(attention_ref) {
       {1, 300, 8, 2, 128}, /* decode over more positions than a 256-wide work-group */
       {3, 517, 6, 3, 40},  /* continuing a long cache, 2 query heads per KV head */
       {1, 0, 2, 2, 16},    /* the first token: its own value */
+      /* prefill's tiles of 32 queries and 32 positions (CUDA, heads of 64 and 128): a
+       * short last tile, a cache continued, one KV head for all */
+      {37, 0, 8, 2, 128},
+      {50, 23, 4, 1, 64},
+      {33, 40, 4, 4, 128},
   };
   fixture f = setup_xfmr();
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)

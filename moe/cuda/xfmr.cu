@@ -4,7 +4,9 @@
  * mode: no TF32), deterministic as that handle is set up (cuda/ops.cu, blas_setup). RoPE takes
  * its angles in double, as the CPU table does. Attention is a kernel of its own: one block per
  * (token, head), each warp an online softmax over a fixed stride of the positions, the warps'
- * partial results combined in a fixed order: no atomics, the same bits every run. Weights in
+ * partial results combined in a fixed order: no atomics, the same bits every run; a prefill's
+ * many queries (heads of 64 or 128) take a tiled kernel that loads each tile of the cache once
+ * for 32 queries. Weights in
  * 16 bits (get_rows_h, matmul_h) are widened as they are read: decode's few tokens by a
  * one-pass kernel of its own, more by pieces widened to f32 for SGEMM. */
 #include <math.h>
@@ -159,6 +161,116 @@ static __global__ void attention_kernel(float *out, const float *qv, const float
   }
 }
 
+/* Prefill's many queries: a block takes FA_Q queries of one head (FA_Q / FA_WARPS a warp)
+ * and walks the cache FA_K positions at a time, each tile of keys and values loaded once into
+ * shared memory for all of them. A warp's lane j scores position j of the tile against the
+ * warp's queries (float4 reads: the keys' rows padded by 4 floats, so that lanes meet no bank
+ * twice), the online softmax takes the tile's maximum and sum across the lanes, and lane l
+ * accumulates values l * HD/32 .. of each query's output over the tile's positions in order.
+ * One order of operations for every run: the same bits each time. */
+#define FA_Q 32
+#define FA_K 32
+#define FA_WARPS 8
+#define FA_QPW (FA_Q / FA_WARPS) /* queries a warp */
+#define FA_MIN_T 16              /* fewer queries take attention_kernel */
+
+static constexpr size_t fa_smem(int hd) {
+  return ((size_t)FA_Q * hd + (size_t)FA_K * (hd + 4) + (size_t)FA_K * hd) * sizeof(float);
+}
+
+template <int HD>
+static __global__ void attention_tiled_kernel(float *out, const float *qv, const float *kc,
+                                              const float *vc, int T, int nh, int nkv, int pos0,
+                                              float scale) {
+  constexpr int VPL = HD / 32, KS = HD + 4;
+  extern __shared__ float4 fa_smem_f4[];
+  float *Qs = (float *)fa_smem_f4, *Ks = Qs + FA_Q * HD, *Vs = Ks + FA_K * KS;
+  int h = blockIdx.y, g = h / (nh / nkv), t0 = blockIdx.x * FA_Q;
+  int nq = T - t0 < FA_Q ? T - t0 : FA_Q;
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  size_t qrow = (size_t)nh * HD, kvrow = (size_t)nkv * HD;
+  for (int i = threadIdx.x; i < FA_Q * HD; i += blockDim.x) {
+    int r = i / HD, d = i % HD;
+    Qs[i] = r < nq ? qv[(size_t)(t0 + r) * qrow + (size_t)h * HD + d] * scale : 0.f;
+  }
+  float m[FA_QPW], l[FA_QPW], o[FA_QPW][VPL];
+#pragma unroll
+  for (int r = 0; r < FA_QPW; r++) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+#pragma unroll
+    for (int v = 0; v < VPL; v++) o[r][v] = 0.f;
+  }
+  int last = pos0 + t0 + nq - 1; /* the block's last position */
+  for (int p0 = 0; p0 <= last; p0 += FA_K) {
+    __syncthreads(); /* the last tile's readers are done (and Qs is written, the first time) */
+    for (int i = threadIdx.x; i < FA_K * HD; i += blockDim.x) {
+      int j = i / HD, d = i % HD, p = p0 + j;
+      bool in = p <= last;
+      Ks[j * KS + d] = in ? kc[(size_t)p * kvrow + (size_t)g * HD + d] : 0.f;
+      Vs[j * HD + d] = in ? vc[(size_t)p * kvrow + (size_t)g * HD + d] : 0.f;
+    }
+    __syncthreads();
+    float sc[FA_QPW];
+#pragma unroll
+    for (int r = 0; r < FA_QPW; r++) sc[r] = 0.f;
+    const float4 *k4 = (const float4 *)(Ks + lane * KS);
+#pragma unroll 4
+    for (int d4 = 0; d4 < HD / 4; d4++) {
+      float4 k = k4[d4];
+#pragma unroll
+      for (int r = 0; r < FA_QPW; r++) {
+        float4 q = ((const float4 *)(Qs + (warp * FA_QPW + r) * HD))[d4];
+        sc[r] = fmaf(q.x, k.x, fmaf(q.y, k.y, fmaf(q.z, k.z, fmaf(q.w, k.w, sc[r]))));
+      }
+    }
+    float pr[FA_QPW];
+#pragma unroll
+    for (int r = 0; r < FA_QPW; r++) {
+      int qi = warp * FA_QPW + r;
+      bool valid = qi < nq && p0 + lane <= pos0 + t0 + qi;
+      float sv = valid ? sc[r] : -INFINITY, mt = sv;
+      for (int off = 16; off > 0; off >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, off));
+      float nm = fmaxf(m[r], mt);
+      float corr = nm == -INFINITY ? 1.f : expf(m[r] - nm);
+      float e = valid ? expf(sv - nm) : 0.f, sum = e;
+      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      l[r] = l[r] * corr + sum;
+      m[r] = nm;
+#pragma unroll
+      for (int v = 0; v < VPL; v++) o[r][v] *= corr;
+      pr[r] = e;
+    }
+    for (int j = 0; j < FA_K; j++) {
+      float vv[VPL];
+#pragma unroll
+      for (int v = 0; v < VPL; v++) vv[v] = Vs[j * HD + lane * VPL + v];
+#pragma unroll
+      for (int r = 0; r < FA_QPW; r++) {
+        float pj = __shfl_sync(0xffffffffu, pr[r], j);
+#pragma unroll
+        for (int v = 0; v < VPL; v++) o[r][v] = fmaf(pj, vv[v], o[r][v]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < FA_QPW; r++) {
+    int qi = warp * FA_QPW + r;
+    if (qi >= nq) continue;
+    float *orow = out + (size_t)(t0 + qi) * qrow + (size_t)h * HD + lane * VPL;
+#pragma unroll
+    for (int v = 0; v < VPL; v++) orow[v] = o[r][v] / l[r];
+  }
+}
+
+template <int HD>
+static void attention_tiled(moe_cuda *m, float *out, const float *qv, const float *kc,
+                            const float *vc, int T, int pos0, int nh, int nkv, float scale) {
+  dim3 grid((unsigned)((T + FA_Q - 1) / FA_Q), (unsigned)nh);
+  attention_tiled_kernel<HD><<<grid, FA_WARPS * 32, fa_smem(HD), m->s>>>(out, qv, kc, vc, T, nh,
+                                                                         nkv, pos0, scale);
+}
+
 int cuda_attention(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
                    const float *vc, int T, int pos0, int nh, int nkv, int hd, float scale) {
   moe_cuda *m = (moe_cuda *)st;
@@ -172,8 +284,13 @@ int cuda_attention(void *st, tdm_queue *q, float *out, const float *qv, const fl
   if (T == 0) return 0;
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
-  attention_kernel<<<T * nh, ATT_WARPS * 32, 0, m->s>>>(out, qv, kc, vc, nh, nkv, hd, pos0,
-                                                        scale);
+  if (T >= FA_MIN_T && hd == 128)
+    attention_tiled<128>(m, out, qv, kc, vc, T, pos0, nh, nkv, scale);
+  else if (T >= FA_MIN_T && hd == 64)
+    attention_tiled<64>(m, out, qv, kc, vc, T, pos0, nh, nkv, scale);
+  else
+    attention_kernel<<<T * nh, ATT_WARPS * 32, 0, m->s>>>(out, qv, kc, vc, nh, nkv, hd, pos0,
+                                                          scale);
   cudaError_t e = cudaGetLastError();
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "attention_kernel");
   leave(m, saved);
@@ -333,10 +450,16 @@ int cuda_xfmr_preload(moe_cuda *m) {
                      (const void *)gemv_h_kernel<2>, (const void *)gemv_h_kernel<3>,
                      (const void *)gemv_h_kernel<4>, (const void *)gemv_h_kernel<5>,
                      (const void *)gemv_h_kernel<6>, (const void *)gemv_h_kernel<7>,
-                     (const void *)gemv_h_kernel<8>};
+                     (const void *)gemv_h_kernel<8>, (const void *)attention_tiled_kernel<64>,
+                     (const void *)attention_tiled_kernel<128>};
   for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
   }
+  /* the tiled attention's shared memory: past the 48 KiB a kernel has without asking */
+  CK_CUDA(cudaFuncSetAttribute(attention_tiled_kernel<128>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fa_smem(128)));
+  CK_CUDA(cudaFuncSetAttribute(attention_tiled_kernel<64>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fa_smem(64)));
   return 0;
 }
