@@ -491,6 +491,9 @@ int tool_cmd_model_bench(int argc, char **argv) {
         break;
       }
       nrows++;
+      if (o.json) /* progress: the table goes to stdout at the end */
+        fprintf(stderr, "tandem bench: %s at a %.0f%% budget: %.2f ± %.2f tokens/s\n", r->test,
+                r->budget_share * 100, r->mean, r->sd);
       if (!o.json) {
         printf("| %s %s %dL | %.0f%% | %s | %.2f ± %.2f | %.1f | %.0f%% |\n", info.arch,
                info.weight_type, info.layers, r->budget_share * 100, r->test, r->mean, r->sd,
