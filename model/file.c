@@ -2,6 +2,10 @@
  * layout, one table, and a tensor's element count. */
 #include "file.h"
 
+#include <stdint.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 /* ggml's block sizes (ggml-common.h's block_* structs). They match the gguf Python package's
  * GGML_QUANT_SIZES except for Q8_1, which the package gives as 40 bytes (two f32 scales, an old
  * layout) where ggml's block_q8_1 has two f16 ones: 36. ggml is what reads the files. */
@@ -53,4 +57,15 @@ int64_t tdm_mf_elements(const tdm_mf_tensor *t) {
     n *= t->shape[i];
   }
   return n;
+}
+
+/* The whole pages inside the range: the mapping is private and read-only, so dropping them
+ * loses nothing (a later read maps them from the file again). */
+void tdm_mf_release(const tdm_mf_tensor *t, size_t first, size_t bytes) {
+  long ps = sysconf(_SC_PAGESIZE);
+  if (!t || !t->data || ps <= 0 || first > t->bytes || bytes > t->bytes - first) return;
+  uintptr_t a = (uintptr_t)t->data + first, b = a + bytes, page = (uintptr_t)ps;
+  a = (a + page - 1) / page * page;
+  b = b / page * page;
+  if (b > a) (void)madvise((void *)a, b - a, MADV_DONTNEED);
 }

@@ -61,6 +61,11 @@ typedef struct tdm_mf_tensor {
 /* The number of elements of t (the product of its shape). */
 int64_t tdm_mf_elements(const tdm_mf_tensor *t);
 
+/* Bytes [first, first + bytes) of t's data are no longer needed: the whole pages among them
+ * leave the process's memory (a model's experts, once copied to pinned memory, are not held
+ * twice). Reading them again later still works. Out of range: nothing. */
+void tdm_mf_release(const tdm_mf_tensor *t, size_t first, size_t bytes);
+
 #ifdef __cplusplus
 }
 #endif

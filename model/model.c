@@ -83,8 +83,14 @@ static int src_expert(void *user, int l, int e, tdm_moe_bf16 *dst) {
   expert_part parts[3];
   size_t hi = (size_t)m->hp.H * m->hp.I;
   int rc = arch_expert(&m->f, &m->hp, l, e, parts);
-  for (int p = 0; !rc && p < 3; p++)
+  for (int p = 0; !rc && p < 3; p++) {
     rc = convert_bf16(parts[p].t, parts[p].first, hi, dst + p * hi, m->f.path);
+    if (!rc) { /* the file's copy is not kept beside the pinned one */
+      int bytes = 0;
+      tdm_mf_type_block(parts[p].t->type, NULL, &bytes);
+      tdm_mf_release(parts[p].t, parts[p].first * (size_t)bytes, hi * (size_t)bytes);
+    }
+  }
   long done = atomic_fetch_add(&m->experts_done, 1) + 1, all = (long)m->hp.L * m->hp.E;
   int pct = (int)(done * 100 / all);
   if (m->cfg.progress && pct > atomic_load(&m->progress_pct)) {
@@ -146,6 +152,7 @@ static int upload_w(tdm_model *m, tensor_role r, int l, bool keep16, dweight *ds
                                  TDM_COPY_H2D, 0, NULL, NULL)))
       rc = tdm_queue_sync(m->q); /* the stage is reused next */
   }
+  if (!rc) tdm_mf_release(t, 0, t->bytes); /* on the device now */
   if (!rc && keep16) {
     m->dense16 = true;
     if (n * sizeof(float) > m->widen_need) m->widen_need = n * sizeof(float);

@@ -454,6 +454,79 @@ static void expert_gemv(const float *const *xs, float *const *out, size_t n, con
   gemv_pass(workers, H, gemv_down, &j);
 }
 
+/* ---- matmul_h, few tokens: 16-bit weight rows dotted directly -------------------------------- */
+
+/* f16 widened as binary16 is: in the AVX2 and AVX-512 clones the compiler's _Float16 becomes
+ * the F16C conversion (eight at once); elsewhere the exact bit manipulation of moe_ops.h. */
+#if defined(__FLT16_MAX__) && defined(__x86_64__)
+static INLINE float f16_bits_to_f32(uint16_t h) {
+  _Float16 v;
+  memcpy(&v, &h, sizeof v);
+  return (float)v;
+}
+#else
+#define f16_bits_to_f32 tdm_moe_f16_to_f32
+#endif
+
+typedef struct gemv16_job {
+  const float *const *xs; /* n token rows of K */
+  float *y;               /* [n x N] */
+  const uint16_t *w;      /* [N x K] */
+  size_t n, K, N, chunk, ahead;
+  int f16, beta;
+  float *rows;            /* a row buffer of K floats per worker */
+} gemv16_job;
+
+GEMV_CLONES
+static void gemv16_rows(void *arg, size_t c, int worker) {
+  const gemv16_job *j = arg;
+  float res[GEMV_MAX_N];
+  float *row = j->rows + (size_t)worker * j->K;
+  size_t r1 = (c + 1) * j->chunk < j->N ? (c + 1) * j->chunk : j->N;
+  const uint16_t *end = j->w + r1 * j->K;
+  if (j->ahead) prefetch_start(j->w + c * j->chunk * j->K, end, j->ahead);
+  for (size_t r = c * j->chunk; r < r1; r++) {
+    const uint16_t *src = j->w + r * j->K;
+    if (j->f16) {
+      size_t k = 0;
+      for (; k + LANES <= j->K; k += LANES) {
+        if (j->ahead && (size_t)(end - (src + k)) > j->ahead) PREFETCH(src + k + j->ahead);
+        for (size_t l = 0; l < LANES; l++) row[k + l] = f16_bits_to_f32(src[k + l]);
+      }
+      for (; k < j->K; k++) row[k] = f16_bits_to_f32(src[k]);
+    } else {
+      widen_row(row, src, j->K, end, j->ahead);
+    }
+    dot_tokens(row, j->xs, res, j->K, j->n);
+    for (size_t t = 0; t < j->n; t++) {
+      float *yo = j->y + t * j->N + r;
+      *yo = j->beta ? *yo + res[t] : res[t];
+    }
+  }
+}
+
+int tdm_moe__cpu_gemv16(float *y, const float *x, const uint16_t *w, int wtype, size_t T,
+                        size_t K, size_t N, int beta) {
+  int workers = pool_workers();
+  if (N * K < GEMV_POOL_MIN_WEIGHTS) workers = 1;
+  float *rows = malloc((size_t)workers * K * sizeof *rows);
+  if (!rows) return tdm_set_error(TDM_ENOMEM, 0, "moe matmul_h: no memory for row buffers");
+  const float *xs[GEMV_MAX_N];
+  for (size_t t = 0; t < T && t < GEMV_MAX_N; t++) xs[t] = x + t * K;
+  pthread_once(&prefetch_once, prefetch_init);
+  gemv16_job j = {.xs = xs, .y = y, .w = w, .n = T, .K = K, .N = N,
+                  .ahead = prefetch_bytes / sizeof *w, .f16 = wtype == TDM_MOE_W_F16,
+                  .beta = beta, .rows = rows};
+  j.chunk = gemv_chunk(N, workers);
+  size_t chunks = (N + j.chunk - 1) / j.chunk;
+  if (workers > 1)
+    pool_run(chunks, gemv16_rows, &j);
+  else
+    for (size_t c = 0; c < chunks; c++) gemv16_rows(&j, c, 0);
+  free(rows);
+  return 0;
+}
+
 /* Up to GEMV_FUSE experts on few tokens each, both passes over all of them at once: the gate
  * and up rows of every expert, then (SiLU applied) the down rows of every expert, so the pool
  * joins twice for the lot rather than twice an expert, and its threads, which finish a pass

@@ -40,6 +40,11 @@ size_t tdm_moe__rows_available(const float *p, int width);
 /* The transformer's operations (cpu/xfmr.c), entries of tdm_moe__cpu_ops. */
 int tdm_moe__cpu_get_rows(void *st, tdm_queue *q, float *y, const float *table,
                           const int32_t *ids, int T, int H, int V);
+/* matmul_h's few-token path (cpu/ops.c, beside the experts' row kernels): y [T x N] = x [T x K]
+ * w^T (+ y when beta), w 16-bit rows widened one at a time and dotted with every token's row,
+ * the rows split between the pool's workers (each row whole by one). T <= 8. */
+int tdm_moe__cpu_gemv16(float *y, const float *x, const uint16_t *w, int wtype, size_t T,
+                        size_t K, size_t N, int beta);
 int tdm_moe__cpu_get_rows_h(void *st, tdm_queue *q, float *y, const uint16_t *table, int wtype,
                             const int32_t *ids, int T, int H, int V);
 int tdm_moe__cpu_matmul_h(void *st, tdm_queue *q, float *y, const float *x, const uint16_t *w,

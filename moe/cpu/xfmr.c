@@ -1,6 +1,7 @@
 /* cpu/xfmr.c: a transformer's operations besides the MoE layers for the CPU backend (the
  * get_rows, matmul, rope and attention entries of tdm_moe__cpu_ops, and get_rows_h and matmul_h
- * for 16-bit weights, widened a piece at a time for sgemm): host tasks on the queue's
+ * for 16-bit weights: a few tokens' rows dotted directly on the pool, more widened a piece at a
+ * time for sgemm): host tasks on the queue's
  * worker, as cpu/ops.c's are. The projections are OpenBLAS sgemm; attention splits its
  * (token, head) pairs between the pool's threads (cpu/pool.h), each pair computed whole by one
  * thread in a fixed order, so the bits do not depend on the split. */
@@ -141,9 +142,15 @@ typedef struct matmul_h_args {
   float beta;
 } matmul_h_args;
 
-/* Pieces of w's rows widened into the workspace, each an sgemm into y's columns of them. */
+/* Few tokens: each weight row widened once and dotted with all of them (cpu/ops.c). More:
+ * pieces of w's rows widened into the workspace, each an sgemm into y's columns of them. */
+enum { GEMV16_MAX_T = 8 };
+
 static int matmul_h_body(const task *t) {
   const matmul_h_args *a = (const matmul_h_args *)t;
+  if (a->T <= GEMV16_MAX_T)
+    return tdm_moe__cpu_gemv16(a->y, a->x, a->w, a->wtype, (size_t)a->T, (size_t)a->K,
+                               (size_t)a->N, a->beta != 0.0f);
   size_t K = (size_t)a->K, N = (size_t)a->N, R = a->ws_floats / K;
   if (R > N) R = N;
   for (size_t n0 = 0; n0 < N; n0 += R) {
