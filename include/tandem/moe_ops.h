@@ -51,13 +51,9 @@ static inline float tdm_moe_f16_to_f32(uint16_t h) {
     v.u = sign | 0x7f800000u | (man << 13); /* inf, NaN */
   } else if (exp) {
     v.u = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man) { /* subnormal: normalize */
-    int e = -1;
-    do {
-      man <<= 1;
-      e++;
-    } while (!(man & 0x400u));
-    v.u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+  } else if (man) { /* subnormal: man x 2^-24, exact in f32 */
+    v.f = (float)man * 5.9604644775390625e-8f; /* 2^-24 */
+    v.u |= sign;
   } else {
     v.u = sign;
   }

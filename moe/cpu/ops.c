@@ -456,17 +456,35 @@ static void expert_gemv(const float *const *xs, float *const *out, size_t n, con
 
 /* ---- matmul_h, few tokens: 16-bit weight rows dotted directly -------------------------------- */
 
-/* f16 widened as binary16 is: in the AVX2 and AVX-512 clones the compiler's _Float16 becomes
- * the F16C conversion (eight at once); elsewhere the exact bit manipulation of moe_ops.h. */
-#if defined(__FLT16_MAX__) && defined(__x86_64__)
-static INLINE float f16_bits_to_f32(uint16_t h) {
-  _Float16 v;
-  memcpy(&v, &h, sizeof v);
-  return (float)v;
+/* f16 widened: eight at a time by F16C where the CPU has it (checked once, in
+ * tdm_moe__cpu_gemv16), else one at a time by moe_ops.h's exact bit manipulation. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_F16C_PATH 1
+__attribute__((target("avx,f16c"))) static void widen_f16_f16c(float *dst, const uint16_t *src,
+                                                               size_t n) {
+  size_t full = n - n % 8;
+  for (size_t i = 0; i < full; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+  for (size_t i = full; i < n; i++) dst[i] = tdm_moe_f16_to_f32(src[i]);
 }
-#else
-#define f16_bits_to_f32 tdm_moe_f16_to_f32
+static int f16c_ok;
+static pthread_once_t f16c_once = PTHREAD_ONCE_INIT;
+static void f16c_init(void) {
+  __builtin_cpu_init();
+  f16c_ok = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+}
 #endif
+
+static void widen_f16(float *dst, const uint16_t *src, size_t n) {
+#ifdef HAVE_F16C_PATH
+  if (f16c_ok) {
+    widen_f16_f16c(dst, src, n);
+    return;
+  }
+#endif
+  for (size_t i = 0; i < n; i++) dst[i] = tdm_moe_f16_to_f32(src[i]);
+}
 
 typedef struct gemv16_job {
   const float *const *xs; /* n token rows of K */
@@ -491,9 +509,9 @@ static void gemv16_rows(void *arg, size_t c, int worker) {
       size_t k = 0;
       for (; k + LANES <= j->K; k += LANES) {
         if (j->ahead && (size_t)(end - (src + k)) > j->ahead) PREFETCH(src + k + j->ahead);
-        for (size_t l = 0; l < LANES; l++) row[k + l] = f16_bits_to_f32(src[k + l]);
+        widen_f16(row + k, src + k, (size_t)LANES);
       }
-      for (; k < j->K; k++) row[k] = f16_bits_to_f32(src[k]);
+      widen_f16(row + k, src + k, j->K - k);
     } else {
       widen_row(row, src, j->K, end, j->ahead);
     }
@@ -514,6 +532,9 @@ int tdm_moe__cpu_gemv16(float *y, const float *x, const uint16_t *w, int wtype, 
   const float *xs[GEMV_MAX_N];
   for (size_t t = 0; t < T && t < GEMV_MAX_N; t++) xs[t] = x + t * K;
   pthread_once(&prefetch_once, prefetch_init);
+#ifdef HAVE_F16C_PATH
+  pthread_once(&f16c_once, f16c_init);
+#endif
   gemv16_job j = {.xs = xs, .y = y, .w = w, .n = T, .K = K, .N = N,
                   .ahead = prefetch_bytes / sizeof *w, .f16 = wtype == TDM_MOE_W_F16,
                   .beta = beta, .rows = rows};
