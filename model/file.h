@@ -61,6 +61,12 @@ typedef struct tdm_mf_tensor {
 /* The number of elements of t (the product of its shape). */
 int64_t tdm_mf_elements(const tdm_mf_tensor *t);
 
+/* Block-quantized types widened to f32 exactly as ggml widens them (quant.c): whether type is
+ * one of them (Q8_0, Q4_K, Q6_K, MXFP4), and nblocks whole blocks of it at `blocks` into y
+ * (nblocks x the type's block of values): 0, or -1 for another type. */
+int tdm_mf_dequant_type(int type);
+int tdm_mf_dequant(int type, const void *blocks, size_t nblocks, float *y);
+
 /* Bytes [first, first + bytes) of t's data are no longer needed: the whole pages among them
  * leave the process's memory (a model's experts, once copied to pinned memory, are not held
  * twice). Reading them again later still works. Out of range: nothing. */

@@ -86,9 +86,10 @@ static int src_expert(void *user, int l, int e, tdm_moe_bf16 *dst) {
   for (int p = 0; !rc && p < 3; p++) {
     rc = convert_bf16(parts[p].t, parts[p].first, hi, dst + p * hi, m->f.path);
     if (!rc) { /* the file's copy is not kept beside the pinned one */
-      int bytes = 0;
-      tdm_mf_type_block(parts[p].t->type, NULL, &bytes);
-      tdm_mf_release(parts[p].t, parts[p].first * (size_t)bytes, hi * (size_t)bytes);
+      int block = 1, bytes = 0;
+      tdm_mf_type_block(parts[p].t->type, &block, &bytes);
+      tdm_mf_release(parts[p].t, parts[p].first / (size_t)block * (size_t)bytes,
+                     hi / (size_t)block * (size_t)bytes);
     }
   }
   long done = atomic_fetch_add(&m->experts_done, 1) + 1, all = (long)m->hp.L * m->hp.E;

@@ -11,6 +11,7 @@
 
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <math.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 
@@ -468,6 +469,58 @@ TEST_CASE(block_sizes_match_package) {
   }
   CHECK_EQ(known, 21);
   cJSON_Delete(side);
+}
+
+/* The model library's dequantization of Q8_0, Q4_K, Q6_K and MXFP4 blocks (model/quant.c)
+ * against the gguf package's (gguf.quants) on random blocks with edge scales (zero, the
+ * largest and smallest f16, E8M0's extremes): the same bits, value for value. */
+TEST_CASE(dequant_matches_package) {
+  char path[1024];
+  snprintf(path, sizeof path, "%s", fixture_path());
+  char *slash = strrchr(path, '/');
+  snprintf(slash ? slash + 1 : path, sizeof path - (size_t)(slash ? slash + 1 - path : 0),
+           "quant-fixture.bin");
+  FILE *f = fopen(path, "rb");
+  if (!f) TH_SKIP("no %s (the fixture's gguf package is missing)", path);
+  char magic[8];
+  int32_t sections;
+  CHECK(fread(magic, 1, 8, f) == 8 && memcmp(magic, "TNDQNT01", 8) == 0);
+  CHECK(fread(&sections, sizeof sections, 1, f) == 1 && sections == 4);
+  int seen[4] = {0};
+  for (int s = 0; s < sections; s++) {
+    int32_t hdr[2];
+    CHECK(fread(hdr, sizeof hdr, 1, f) == 1);
+    int type = hdr[0], n = hdr[1], block = 0, bytes = 0;
+    CHECK(tdm_mf_dequant_type(type) && n > 0 && n < 100000);
+    CHECK_OK(tdm_mf_type_block(type, &block, &bytes));
+    size_t nv = (size_t)n * block;
+    uint8_t *raw = malloc((size_t)n * bytes);
+    float *want = malloc(nv * sizeof *want), *got = malloc(nv * sizeof *got);
+    CHECK(raw && want && got);
+    CHECK(fread(raw, (size_t)bytes, (size_t)n, f) == (size_t)n);
+    CHECK(fread(want, sizeof *want, nv, f) == nv);
+    for (size_t i = 0; i < nv; i++) got[i] = NAN;
+    CHECK_OK(tdm_mf_dequant(type, raw, (size_t)n, got));
+    int finite = 0;
+    for (size_t i = 0; i < nv; i++) {
+      CHECK_MSG(memcmp(&got[i], &want[i], sizeof got[i]) == 0, "%s block %zu value %zu: %.9g, "
+                "gguf.quants %.9g", tdm_mf_type_name(type), i / (size_t)block,
+                i % (size_t)block, got[i], want[i]);
+      finite += isfinite(got[i]) && got[i] != 0.0f;
+    }
+    CHECK(finite > (int)(nv / 2)); /* random blocks, not zeros */
+    printf("%s: %d blocks (%zu values) bitwise gguf.quants' dequantization\n",
+           tdm_mf_type_name(type), n, nv);
+    seen[s] = type;
+    free(raw); free(want); free(got);
+  }
+  CHECK(seen[0] == TDM_MF_Q8_0 && seen[1] == TDM_MF_Q4_K && seen[2] == TDM_MF_Q6_K &&
+        seen[3] == TDM_MF_MXFP4);
+  uint8_t none[4] = {0};
+  float out[2];
+  CHECK_EQ(tdm_mf_dequant(TDM_MF_F16, none, 1, out), -1); /* not a block type it widens */
+  CHECK(!tdm_mf_dequant_type(TDM_MF_Q4_0) && !tdm_mf_dequant_type(TDM_MF_BF16));
+  fclose(f);
 }
 
 /* ---- Small files built here --------------------------------------------------------------- */

@@ -126,13 +126,14 @@ static void compare(const char *what, const float *got, const ref *r) {
   }
 }
 
-/* dense: the file's dense type ("F32", "F16", "BF16"). A 16-bit one stays 16-bit on a table
- * with the 16-bit operations, and is also run widened (dense_f32): both within tolerance. */
+/* dense: the file's dense type ("F32", "F16", "BF16", "Q8_0"). A 16-bit one stays 16-bit on a
+ * table with the 16-bit operations, and is also run widened (dense_f32): both within
+ * tolerance. Block types are widened to f32 on loading. */
 static void against_reference(const char *arch, const char *which, const char *dense) {
   tdm_device *dev = th_open();
   ref r;
   ref_load(arch, &r);
-  bool wide = strcmp(dense, "F32") != 0;
+  bool wide = strcmp(dense, "F16") == 0 || strcmp(dense, "BF16") == 0;
   const tdm_moe_ops *ops = tdm_moe_ops_for(dev);
   bool keeps16 = ops && ops->matmul_h && ops->get_rows_h;
   for (int f32 = 0; f32 <= (int)wide; f32++) {
@@ -166,6 +167,10 @@ TEST_CASE(qwen3moe_f16_safetensors) { against_reference("qwen3moe-f16", "hf", "F
 /* BF16 dense weights and a tied LM head (the embedding's 16-bit table read by both). */
 TEST_CASE(mixtral_bf16_tied_gguf) { against_reference("mixtral-bf16", "model.gguf", "BF16"); }
 TEST_CASE(mixtral_bf16_tied_safetensors) { against_reference("mixtral-bf16", "hf", "BF16"); }
+/* GGUF block types (tiny.py: every value a bf16 one, so the experts are exact in bf16): a
+ * Q8_0 file, projections, embedding, LM head and experts; and Mixtral with MXFP4 experts. */
+TEST_CASE(qwen3moe_q8_0_gguf) { against_reference("qwen3moe-q8_0", "model.gguf", "Q8_0"); }
+TEST_CASE(mixtral_mxfp4_gguf) { against_reference("mixtral-mxfp4", "model.gguf", "F32"); }
 
 /* Streamed at budgets 0, 25% and 50% of the experts: the same bits as all resident. */
 TEST_CASE(streamed_equals_resident) {

@@ -9,8 +9,9 @@
  * device through the streamer; everything else (embedding, attention, norms, LM head) is kept
  * on the device: the embedding, the projections and the LM head in the file's F16 or BF16 as
  * they are where the backend's operations read 16-bit weights (CPU, CUDA; dense_f32 below
- * widens them), else in f32; norms in f32. Files may hold F32, F16 or BF16 tensors: F16 and
- * F32 experts are rounded to bf16 (to nearest even), and so are the routers (the MoE
+ * widens them), else in f32; norms in f32. Files may hold F32, F16 or BF16 tensors, and GGUF
+ * files Q8_0, Q4_K, Q6_K and MXFP4 ones too, widened as ggml widens them: F16, F32 and
+ * block-typed experts are rounded to bf16 (to nearest even), and so are the routers (the MoE
  * operations take bf16 routers); the rest is exact. One sequence at a time: a model's calls must not overlap (two
  * models may run at once, on one device or several). */
 #ifndef TANDEM_MODEL_API_H
@@ -72,7 +73,7 @@ typedef struct tdm_model_info {
   size_t expert_bytes;   /* one expert, bf16 */
   size_t host_bytes;     /* pinned host memory for the experts */
   size_t device_bytes;   /* device memory: dense weights, KV cache, buffers (not the expert slots) */
-  const char *weight_type; /* the experts' type in the file: "F32", "F16", "BF16" */
+  const char *weight_type; /* the experts' type in the file: "F32", "F16", "BF16", "Q8_0", ... */
   const char *dense_type;  /* the projections' type on the device: "F32", "F16" or "BF16"
                               (tdm_model_peek: the file's) */
 } tdm_model_info;

@@ -10,8 +10,11 @@
 # Static and position-independent, so that the shared libtandem_model can take it in whole.
 add_library(tandem_model_gguf STATIC
   ${PROJECT_SOURCE_DIR}/model/file.c
+  ${PROJECT_SOURCE_DIR}/model/quant.c
   ${PROJECT_SOURCE_DIR}/model/gguf.c
   ${PROJECT_SOURCE_DIR}/model/gguf-meta.c)
+set_source_files_properties(${PROJECT_SOURCE_DIR}/model/quant.c
+  PROPERTIES COMPILE_OPTIONS "-ffp-contract=off")
 set_target_properties(tandem_model_gguf PROPERTIES POSITION_INDEPENDENT_CODE ON)
 target_include_directories(tandem_model_gguf
   PUBLIC ${PROJECT_SOURCE_DIR}/model ${PROJECT_SOURCE_DIR}/include)

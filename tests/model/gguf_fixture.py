@@ -7,8 +7,10 @@ writes <folder>/gguf-fixture.gguf and <folder>/gguf-fixture.json. The file is sm
 every metadata value type, arrays of numbers, strings, bools and arrays, a 5000-token
 vocabulary, a qwen3moe-shaped set of tensors in F32, F16 and BF16 (3D expert tensors among
 them), a 4D tensor, integer tensors and a Q8_0 one, with a data alignment of 64 (not the
-default 32). Without the gguf package it writes nothing and exits 77 (skipped), and the C
-cases that need the file skip too.
+default 32). Beside them, quant-fixture.bin: random blocks of Q8_0, Q4_K, Q6_K and MXFP4 (edge
+scales among them) and the package's dequantization of each (gguf.quants), which the model
+library's own must match bit for bit. Without the gguf package it writes nothing and exits 77
+(skipped), and the C cases that need the files skip too.
 
 The sidecar holds integers as decimal strings (JSON numbers are doubles, which lose u64s),
 floats as numbers (Python writes them so that they read back exactly), and each tensor's
@@ -184,6 +186,55 @@ def check(path: str, side: dict) -> None:
 
 TYPE_NAMES = {}
 
+# ---- quant-fixture.bin: random blocks of each block type the model library widens, and the
+# gguf package's own dequantization of them (gguf.quants), for test-gguf's
+# dequant_matches_package. Layout (little-endian): magic "TNDQNT01", i32 sections; each: i32
+# type, i32 blocks, the blocks' bytes, then blocks x block-size f32 values.
+
+def f16_bytes(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def random_blocks(qt, n: int, rng) -> np.ndarray:
+    """n blocks of qt: random quants, random finite scales, the first blocks at the edges
+    (all-zero scales; the largest, smallest normal and a subnormal f16 scale; E8M0 exponents
+    0, 1, 2, 127, 254 and 255)."""
+    size = gguf.GGML_QUANT_SIZES[qt][1]
+    b = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    scale = (rng.standard_normal(n) * 0.05).astype(np.float16)
+    edges = np.array([0.0, 65504.0, -6.1035e-05, 6e-08, 1.0], dtype=np.float16)
+    scale[: len(edges)] = edges
+    if qt == QT.Q8_0:
+        b[:, 0:2] = f16_bytes(scale)
+    elif qt == QT.Q4_K:
+        b[:, 0:2] = f16_bytes(scale)
+        b[:, 2:4] = f16_bytes(np.roll(scale, 1))
+        b[0, 4:16] = 0
+    elif qt == QT.Q6_K:
+        b[:, 208:210] = f16_bytes(scale)
+        b[0, 192:208] = 0
+    elif qt == QT.MXFP4:
+        b[: 6, 0] = [0, 1, 2, 127, 254, 255]
+    return b
+
+
+def write_quant_fixture(path: str) -> None:
+    rng = np.random.default_rng(12345)
+    types = [QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.MXFP4]
+    with open(path, "wb") as fp:
+        fp.write(b"TNDQNT01")
+        fp.write(np.array([len(types)], dtype="<i4").tobytes())
+        for qt in types:
+            n = 64
+            blocks = random_blocks(qt, n, rng)
+            with np.errstate(over="ignore"):  # E8M0 255 with the largest values: infinity
+                values = gguf.quants.dequantize(blocks.reshape(-1), qt).astype("<f4")
+            block = gguf.GGML_QUANT_SIZES[qt][0]
+            assert values.size == n * block, (qt, values.shape)
+            fp.write(np.array([int(qt), n], dtype="<i4").tobytes())
+            fp.write(blocks.tobytes())
+            fp.write(values.tobytes())
+
 
 def main() -> int:
     if len(sys.argv) != 2:
@@ -211,6 +262,9 @@ def main() -> int:
     with open(json_path + ".tmp", "w", encoding="utf-8") as fp:
         json.dump(side, fp, ensure_ascii=False, indent=1)
     os.replace(json_path + ".tmp", json_path)
+    quant_path = os.path.join(out, "quant-fixture.bin")
+    write_quant_fixture(quant_path + ".tmp")
+    os.replace(quant_path + ".tmp", quant_path)
     os.replace(gguf_path + ".tmp", gguf_path)
     print(f"gguf_fixture: wrote {gguf_path} ({os.path.getsize(gguf_path)} bytes) and {json_path}")
     return 0

@@ -11,8 +11,9 @@ ref_model.py (the float64 reference):
                    llama_permute), experts stacked into 3-D ffn_*_exps tensors
   DIR/meta.json    the shapes, dtypes and seed
 
-usage: tiny.py --arch qwen3moe|mixtral --out DIR [--seed N] [--layers L] [--dtype f32|f16|bf16]
-               [--experts-dtype f32|f16|bf16] [--tied] [--vocab V] [--hidden H] [--heads N]
+usage: tiny.py --arch qwen3moe|mixtral --out DIR [--seed N] [--layers L]
+               [--dtype f32|f16|bf16|q8_0] [--experts-dtype f32|f16|bf16|q8_0|mxfp4]
+               [--tied] [--vocab V] [--hidden H] [--heads N]
                [--kv-heads N] [--head-dim D] [--experts E] [--top-k K] [--moe-ffn I] [--ctx C]
                [--rope-theta T] [--eps E]
 
@@ -20,6 +21,11 @@ Every weight is drawn once, rounded once to the dtype it is stored in, and writt
 files from those same values; where llama.cpp keeps a tensor in F32 (norms, the router) the
 GGUF holds the rounded value widened, exactly as its converter would. So the two files describe
 bit-identical models and ref_model.py must give the same logits from either.
+
+The block types go to the GGUF as blocks and to the safetensors as their values in F32 (a
+Hugging Face folder holds no GGUF blocks). q8_0 is quantized here with power-of-two block
+scales, mxfp4 by the gguf package (whose scales are powers of two too): every value is then a
+bf16 value, which is what tandem computes experts in, so the logits still compare closely.
 """
 import argparse
 import json
@@ -40,6 +46,7 @@ DEFAULTS = {
                     moe_ffn=32, ffn=32, layers=2, ctx=256, rope_theta=1e4, eps=1e-6),
 }
 DTYPES = ("f32", "f16", "bf16")
+QTYPES = ("q8_0", "mxfp4")  # block types, GGUF only (F32 values in the safetensors)
 
 
 # ---- rounding and encoding: values are kept as float32 arrays holding exactly representable
@@ -55,8 +62,40 @@ def bf16_to_f32(bits):
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def q8_0_blocks(a):
+    """Q8_0 blocks (uint8 rows of 34-byte blocks) of a [.., K] array, K a multiple of 32, with
+    each block's scale the power of two 2^ceil(log2(amax / 127)) (0 for an all-zero block):
+    d q is then exact in bf16, and quantizing the dequantized values gives the same blocks."""
+    x = np.asarray(a, dtype=np.float32)
+    blocks = x.reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.ceil(np.log2(amax / 127.0)), 0)
+    d = np.where(amax > 0, np.exp2(e), 0).astype(np.float32)
+    q = np.where(d[:, None] > 0, np.round(blocks / np.where(d > 0, d, 1)[:, None]), 0)
+    q = np.clip(q, -127, 127).astype(np.int8)
+    out = np.concatenate([d.astype(np.float16).view(np.uint8).reshape(-1, 2),
+                          q.view(np.uint8)], axis=1)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 32 * 34)
+
+
+def q_blocks(a, dtype):
+    import gguf
+    if dtype == "q8_0":
+        return q8_0_blocks(a)
+    return gguf.quants.quantize(np.asarray(a, dtype=np.float32), gguf.GGMLQuantizationType.MXFP4)
+
+
+def dequant(blocks, dtype):
+    import gguf
+    qt = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "mxfp4": gguf.GGMLQuantizationType.MXFP4}
+    return gguf.quants.dequantize(blocks, qt[dtype]).astype(np.float32)
+
+
 def round_to(a, dtype):
     a = np.asarray(a, dtype=np.float32)
+    if dtype in QTYPES:
+        return dequant(q_blocks(a, dtype), dtype)
     if dtype == "f16":
         return a.astype(np.float16).astype(np.float32)
     if dtype == "bf16":
@@ -65,7 +104,10 @@ def round_to(a, dtype):
 
 
 def encode(a, dtype):
-    """Storage array for a value array already rounded to dtype (bf16: uint16 bit patterns)."""
+    """Storage array for a value array already rounded to dtype (bf16: uint16 bit patterns;
+    block types: their values, F32, as the safetensors hold them)."""
+    if dtype in QTYPES:
+        return a.astype(np.float32)
     if dtype == "f16":
         return a.astype(np.float16)
     if dtype == "bf16":
@@ -97,16 +139,20 @@ def make_weights(arch, cfg, seed, dtype, experts_dtype, tied, router_bf16=False)
         # normal / sqrt(fan_in): every projection keeps O(1) activations, so logits are O(1)
         w[name] = (round_to(rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim), dt), dt)
 
+    # Norms and routers, which llama.cpp keeps in F32, are never block types: with a block
+    # dtype for the rest they are F32.
+    plain = dtype if dtype in DTYPES else "f32"
+
     def router(name):
         # router_bf16: values bf16 holds exactly, whatever the file's type, for engines that
         # compute routers in bf16 (tandem's MoE operations): the same routing as the reference
-        lin(name, E, H)
+        lin(name, E, H, plain)
         if router_bf16:
-            w[name] = (round_to(round_to(w[name][0], "bf16"), dtype), dtype)
+            w[name] = (round_to(round_to(w[name][0], "bf16"), plain), plain)
 
     def norm(name, n):
         # near 1, never 0: a dropped or misapplied norm still shows in the logits
-        w[name] = (round_to(1.0 + 0.1 * rng.standard_normal(n), dtype), dtype)
+        w[name] = (round_to(1.0 + 0.1 * rng.standard_normal(n), plain), plain)
 
     # The embedding is scaled like a projection too: as a tied head its logits stay O(1), and
     # the input token does not dominate the residual stream (greedy would just repeat it).
@@ -146,7 +192,7 @@ def make_weights(arch, cfg, seed, dtype, experts_dtype, tied, router_bf16=False)
 # Layout: u64 little-endian header length N, N bytes of JSON (space-padded to a multiple of 8),
 # then the tensors' bytes; data_offsets are relative to the end of the header.
 
-ST_DTYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
+ST_DTYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "F32", "mxfp4": "F32"}
 
 
 def write_safetensors(path, tensors):
@@ -168,7 +214,8 @@ def write_safetensors(path, tensors):
 
 def write_hf(d, arch, cfg, weights, dtype, tied):
     os.makedirs(d, exist_ok=True)
-    torch_dtype = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype]
+    torch_dtype = {"f32": "float32", "f16": "float16", "bf16": "bfloat16",
+                   "q8_0": "float32"}[dtype]
     c = dict(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
              num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
              num_key_value_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
@@ -222,7 +269,8 @@ def add_metadata(w, ga, name, cfg, layers, ffn, dtype):
     """A GGUF's keys as llama.cpp's converter writes them (ga: its architecture, "qwen3moe" or
     "llama"), and a placeholder gpt2 tokenizer. Also bench/model/big_gguf.py's."""
     w.add_name(name)
-    w.add_file_type({"f32": 0, "f16": 1, "bf16": 32}[dtype])  # llama_ftype ALL_F32/MOSTLY_F16/BF16
+    # llama_ftype ALL_F32, MOSTLY_F16, MOSTLY_BF16, MOSTLY_Q8_0
+    w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[dtype])
     w.add_vocab_size(cfg["vocab"])
     w.add_block_count(layers)
     w.add_context_length(cfg["ctx"])
@@ -252,12 +300,17 @@ def add_metadata(w, ga, name, cfg, layers, ffn, dtype):
 def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied):
     import gguf
     T = gguf.GGMLQuantizationType
-    gtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16}
+    gtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "mxfp4": T.MXFP4}
     ga = "qwen3moe" if arch == "qwen3moe" else "llama"
     w = gguf.GGUFWriter(path, ga)
     add_metadata(w, ga, f"tiny-{arch}", cfg, cfg["layers"], cfg["ffn"], dtype)
 
     def put(name, vals, dt):
+        if dt in QTYPES:  # the blocks of the values (quantizing them again is exact)
+            blocks = q_blocks(vals, dt)
+            assert np.array_equal(dequant(blocks, dt).reshape(vals.shape), vals), name
+            w.add_tensor(name, blocks, raw_dtype=gtype[dt])  # shape from the blocks' bytes
+            return
         enc = encode(vals, dt)
         w.add_tensor(name, enc, raw_dtype=gtype[dt] if dt == "bf16" else None)
 
@@ -330,8 +383,10 @@ def main(argv=None):
     ap.add_argument("--arch", required=True, choices=sorted(DEFAULTS))
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", choices=DTYPES, default="f32", help="non-expert weights (f32)")
-    ap.add_argument("--experts-dtype", choices=DTYPES, default="bf16", help="experts (bf16)")
+    ap.add_argument("--dtype", choices=DTYPES + ("q8_0",), default="f32",
+                    help="non-expert weights (f32)")
+    ap.add_argument("--experts-dtype", choices=DTYPES + QTYPES, default="bf16",
+                    help="experts (bf16)")
     ap.add_argument("--tied", action="store_true", help="no lm_head/output: the embedding is the head")
     ap.add_argument("--router-bf16", action="store_true",
                     help="router values bf16 holds exactly (stored in their file type)")
