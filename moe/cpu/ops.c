@@ -311,17 +311,70 @@ static INLINE void prefetch_start(const uint16_t *p, const uint16_t *end, size_t
   for (; p < stop; p += 32) PREFETCH(p);
 }
 
-/* dst[0..K) = src widened; blocks of LANES so the compiler vectorizes without a cost model.
- * Each block (one 64-byte line of bf16) prefetches the line `ahead` values further on, unless
- * that passes end, the end of the chunk being computed. */
+/* f16 widened: eight at a time by F16C where the CPU has it (checked once, in
+ * tdm_moe__cpu_gemv16), else one at a time by moe_ops.h's exact bit manipulation. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_F16C_PATH 1
+__attribute__((target("avx,f16c"))) static void widen_f16_f16c(float *dst, const uint16_t *src,
+                                                               size_t n) {
+  size_t full = n - n % 8;
+  for (size_t i = 0; i < full; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+  for (size_t i = full; i < n; i++) dst[i] = tdm_moe_f16_to_f32(src[i]);
+}
+static int f16c_ok;
+static pthread_once_t f16c_once = PTHREAD_ONCE_INIT;
+static void f16c_init(void) {
+  __builtin_cpu_init();
+  f16c_ok = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+}
+#endif
+
+static void widen_f16(float *dst, const uint16_t *src, size_t n) {
+#ifdef HAVE_F16C_PATH
+  if (f16c_ok) {
+    widen_f16_f16c(dst, src, n);
+    return;
+  }
+#endif
+  for (size_t i = 0; i < n; i++) dst[i] = tdm_moe_f16_to_f32(src[i]);
+}
+
+/* Whichever widen_f16 takes: F16C's, where the CPU has it. Before its first use. */
+static void f16_ready(void) {
+#ifdef HAVE_F16C_PATH
+  pthread_once(&f16c_once, f16c_init);
+#endif
+}
+
+void tdm_moe__cpu_widen16(float *dst, const uint16_t *src, size_t n, int wtype) {
+  if (wtype == TDM_MOE_W_F16) {
+    f16_ready();
+    widen_f16(dst, src, n);
+  } else {
+    for (size_t i = 0; i < n; i++) dst[i] = bf16_bits_to_f32(src[i]);
+  }
+}
+
+/* dst[0..K) = src widened (bf16, or f16 when f16: f16_ready() first); blocks of LANES so the
+ * compiler vectorizes without a cost model. Each block (one 64-byte line of 16-bit values)
+ * prefetches the line `ahead` values further on, unless that passes end, the end of the chunk
+ * being computed. */
 static INLINE void widen_row(float *restrict dst, const uint16_t *restrict src, size_t K,
-                             const uint16_t *end, size_t ahead) {
+                             const uint16_t *end, size_t ahead, int f16) {
   size_t k = 0;
   for (; k + LANES <= K; k += LANES) {
     if (ahead && (size_t)(end - (src + k)) > ahead) PREFETCH(src + k + ahead);
-    for (size_t l = 0; l < LANES; l++) dst[k + l] = bf16_bits_to_f32(src[k + l]);
+    if (f16)
+      widen_f16(dst + k, src + k, LANES);
+    else
+      for (size_t l = 0; l < LANES; l++) dst[k + l] = bf16_bits_to_f32(src[k + l]);
   }
-  for (; k < K; k++) dst[k] = bf16_bits_to_f32(src[k]);
+  if (f16)
+    widen_f16(dst + k, src + k, K - k);
+  else
+    for (; k < K; k++) dst[k] = bf16_bits_to_f32(src[k]);
 }
 
 /* res[t] = sum a[k] * x[t][k] in f32 for the T tokens (T a constant after inlining), one pass
@@ -383,7 +436,7 @@ static void gemv_gate_up(void *arg, size_t c, int worker) {
   const uint16_t *end = j->w + r1 * j->H;
   if (j->ahead) prefetch_start(j->w + c * j->chunk * j->H, end, j->ahead);
   for (size_t r = c * j->chunk; r < r1; r++) {
-    widen_row(row, j->w + r * j->H, j->H, end, j->ahead);
+    widen_row(row, j->w + r * j->H, j->H, end, j->ahead, 0);
     dot_tokens(row, j->xs, res, j->H, j->n);
     for (size_t t = 0; t < j->n; t++) j->gu[t * 2 * j->I + r] = res[t];
   }
@@ -399,7 +452,7 @@ static void gemv_down(void *arg, size_t c, int worker) {
   const uint16_t *end = wd + c1 * j->I;
   if (j->ahead) prefetch_start(wd + c * j->chunk * j->I, end, j->ahead);
   for (size_t r = c * j->chunk; r < c1; r++) {
-    widen_row(row, wd + r * j->I, j->I, end, j->ahead);
+    widen_row(row, wd + r * j->I, j->I, end, j->ahead, 0);
     dot_tokens(row, j->hs, res, j->I, j->n);
     for (size_t t = 0; t < j->n; t++) j->out[t][r] = res[t];
   }
@@ -418,14 +471,15 @@ static size_t gemv_chunk(size_t rows, int workers) {
  * cost more than it saves. */
 enum { GEMV_POOL_MIN_WEIGHTS = 64 * 1024 };
 
-/* One pass of the expert's rows, fn over chunks: on the pool, or on the caller alone. */
-static void gemv_pass(int workers, size_t rows, pool_fn fn, gemv_job *j) {
-  j->chunk = gemv_chunk(rows, workers);
-  size_t chunks = (rows + j->chunk - 1) / j->chunk;
+/* One pass over rows, fn over chunks of *chunk rows (set here): on the pool, or on the caller
+ * alone. */
+static void gemv_pass(int workers, size_t rows, pool_fn fn, void *job, size_t *chunk) {
+  *chunk = gemv_chunk(rows, workers);
+  size_t chunks = (rows + *chunk - 1) / *chunk;
   if (workers > 1)
-    pool_run(chunks, fn, j);
+    pool_run(chunks, fn, job);
   else
-    for (size_t c = 0; c < chunks; c++) fn(j, c, 0);
+    for (size_t c = 0; c < chunks; c++) fn(job, c, 0);
 }
 
 /* SwiGLU in place on n tokens' [gate | up] rows of 2I floats: gate becomes SiLU(gate) * up. */
@@ -449,42 +503,12 @@ static void expert_gemv(const float *const *xs, float *const *out, size_t n, con
   gemv_job j = {.xs = xs, .hs = hs, .out = out, .n = n, .H = H, .I = I, .w = w,
                 .ahead = prefetch_bytes / sizeof *w, .gu = gu, .rows = rows,
                 .row_stride = row_stride};
-  gemv_pass(workers, 2 * I, gemv_gate_up, &j);
+  gemv_pass(workers, 2 * I, gemv_gate_up, &j, &j.chunk);
   swiglu_rows(gu, n, I);
-  gemv_pass(workers, H, gemv_down, &j);
+  gemv_pass(workers, H, gemv_down, &j, &j.chunk);
 }
 
 /* ---- matmul_h, few tokens: 16-bit weight rows dotted directly -------------------------------- */
-
-/* f16 widened: eight at a time by F16C where the CPU has it (checked once, in
- * tdm_moe__cpu_gemv16), else one at a time by moe_ops.h's exact bit manipulation. */
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define HAVE_F16C_PATH 1
-__attribute__((target("avx,f16c"))) static void widen_f16_f16c(float *dst, const uint16_t *src,
-                                                               size_t n) {
-  size_t full = n - n % 8;
-  for (size_t i = 0; i < full; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-  for (size_t i = full; i < n; i++) dst[i] = tdm_moe_f16_to_f32(src[i]);
-}
-static int f16c_ok;
-static pthread_once_t f16c_once = PTHREAD_ONCE_INIT;
-static void f16c_init(void) {
-  __builtin_cpu_init();
-  f16c_ok = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-}
-#endif
-
-static void widen_f16(float *dst, const uint16_t *src, size_t n) {
-#ifdef HAVE_F16C_PATH
-  if (f16c_ok) {
-    widen_f16_f16c(dst, src, n);
-    return;
-  }
-#endif
-  for (size_t i = 0; i < n; i++) dst[i] = tdm_moe_f16_to_f32(src[i]);
-}
 
 typedef struct gemv16_job {
   const float *const *xs; /* n token rows of K */
@@ -504,17 +528,7 @@ static void gemv16_rows(void *arg, size_t c, int worker) {
   const uint16_t *end = j->w + r1 * j->K;
   if (j->ahead) prefetch_start(j->w + c * j->chunk * j->K, end, j->ahead);
   for (size_t r = c * j->chunk; r < r1; r++) {
-    const uint16_t *src = j->w + r * j->K;
-    if (j->f16) {
-      size_t k = 0;
-      for (; k + LANES <= j->K; k += LANES) {
-        if (j->ahead && (size_t)(end - (src + k)) > j->ahead) PREFETCH(src + k + j->ahead);
-        widen_f16(row + k, src + k, (size_t)LANES);
-      }
-      widen_f16(row + k, src + k, j->K - k);
-    } else {
-      widen_row(row, src, j->K, end, j->ahead);
-    }
+    widen_row(row, j->w + r * j->K, j->K, end, j->ahead, j->f16);
     dot_tokens(row, j->xs, res, j->K, j->n);
     for (size_t t = 0; t < j->n; t++) {
       float *yo = j->y + t * j->N + r;
@@ -532,18 +546,11 @@ int tdm_moe__cpu_gemv16(float *y, const float *x, const uint16_t *w, int wtype, 
   const float *xs[GEMV_MAX_N];
   for (size_t t = 0; t < T && t < GEMV_MAX_N; t++) xs[t] = x + t * K;
   pthread_once(&prefetch_once, prefetch_init);
-#ifdef HAVE_F16C_PATH
-  pthread_once(&f16c_once, f16c_init);
-#endif
+  if (wtype == TDM_MOE_W_F16) f16_ready();
   gemv16_job j = {.xs = xs, .y = y, .w = w, .n = T, .K = K, .N = N,
                   .ahead = prefetch_bytes / sizeof *w, .f16 = wtype == TDM_MOE_W_F16,
                   .beta = beta, .rows = rows};
-  j.chunk = gemv_chunk(N, workers);
-  size_t chunks = (N + j.chunk - 1) / j.chunk;
-  if (workers > 1)
-    pool_run(chunks, gemv16_rows, &j);
-  else
-    for (size_t c = 0; c < chunks; c++) gemv16_rows(&j, c, 0);
+  gemv_pass(workers, N, gemv16_rows, &j, &j.chunk);
   free(rows);
   return 0;
 }

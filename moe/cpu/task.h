@@ -40,6 +40,9 @@ size_t tdm_moe__rows_available(const float *p, int width);
 /* The transformer's operations (cpu/xfmr.c), entries of tdm_moe__cpu_ops. */
 int tdm_moe__cpu_get_rows(void *st, tdm_queue *q, float *y, const float *table,
                           const int32_t *ids, int T, int H, int V);
+/* dst[0..n) = the 16-bit values of src widened (wtype TDM_MOE_W_F16: by F16C where the CPU has
+ * it; TDM_MOE_W_BF16: a shift), exactly (cpu/ops.c). */
+void tdm_moe__cpu_widen16(float *dst, const uint16_t *src, size_t n, int wtype);
 /* matmul_h's few-token path (cpu/ops.c, beside the experts' row kernels): y [T x N] = x [T x K]
  * w^T (+ y when beta), w 16-bit rows widened one at a time and dotted with every token's row,
  * the rows split between the pool's workers (each row whole by one). T <= 8. */

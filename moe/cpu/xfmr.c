@@ -87,13 +87,6 @@ int tdm_moe__cpu_matmul(void *st, tdm_queue *q, float *y, const float *x, const 
 
 /* ---- 16-bit weights: get_rows_h, matmul_h ------------------------------------------------ */
 
-static void widen(float *dst, const uint16_t *src, size_t n, int wtype) {
-  if (wtype == TDM_MOE_W_F16)
-    for (size_t i = 0; i < n; i++) dst[i] = tdm_moe_f16_to_f32(src[i]);
-  else
-    for (size_t i = 0; i < n; i++) dst[i] = tdm_moe_bf16_to_f32(src[i]);
-}
-
 static int bad_wtype(int wtype) { return wtype != TDM_MOE_W_F16 && wtype != TDM_MOE_W_BF16; }
 
 typedef struct rows_h_args {
@@ -110,7 +103,7 @@ static int rows_h_body(const task *t) {
     int32_t id = a->ids[i];
     float *y = a->y + (size_t)i * a->H;
     if (id >= 0 && id < a->V)
-      widen(y, a->table + (size_t)id * a->H, (size_t)a->H, a->wtype);
+      tdm_moe__cpu_widen16(y, a->table + (size_t)id * a->H, (size_t)a->H, a->wtype);
     else
       memset(y, 0, (size_t)a->H * sizeof *y);
   }
@@ -155,7 +148,7 @@ static int matmul_h_body(const task *t) {
   if (R > N) R = N;
   for (size_t n0 = 0; n0 < N; n0 += R) {
     size_t c = N - n0 < R ? N - n0 : R;
-    widen(a->ws, a->w + n0 * K, c * K, a->wtype);
+    tdm_moe__cpu_widen16(a->ws, a->w + n0 * K, c * K, a->wtype);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, a->T, (int)c, a->K, 1.0f, a->x, a->K,
                 a->ws, a->K, a->beta, a->y + n0, a->N);
   }
