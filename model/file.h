@@ -61,11 +61,16 @@ typedef struct tdm_mf_tensor {
 /* The number of elements of t (the product of its shape). */
 int64_t tdm_mf_elements(const tdm_mf_tensor *t);
 
-/* Block-quantized types widened to f32 exactly as ggml widens them (quant.c): whether type is
+/* Block-quantized types widened to f32 exactly as ggml widens them (quant.c, by
+ * tdm_moe_dequant_row): whether type is
  * one of them (Q8_0, Q4_K, Q6_K, MXFP4), and nblocks whole blocks of it at `blocks` into y
  * (nblocks x the type's block of values): 0, or -1 for another type. */
 int tdm_mf_dequant_type(int type);
 int tdm_mf_dequant(int type, const void *blocks, size_t nblocks, float *y);
+
+/* The tandem/moe_ops.h weight type (TDM_MOE_W_*) of a file's type: F16, BF16 and the
+ * block-quantized ones above; 0 for the others (F32 among them). */
+int tdm_mf_moe_wtype(int type);
 
 /* Bytes [first, first + bytes) of t's data are no longer needed: the whole pages among them
  * leave the process's memory (a model's experts, once copied to pinned memory, are not held

@@ -60,6 +60,47 @@ static inline float tdm_moe_f16_to_f32(uint16_t h) {
   return v.f;
 }
 
+/* Weight types. F16 and BF16 are 16-bit values. The others are GGUF's block-quantized types
+ * as ggml defines them (llama.cpp's Q8_0 and Q4_K_M files, gpt-oss's experts); a row of n
+ * values is n / block blocks, so n must be a multiple of the type's block:
+ *   TDM_MOE_W_Q8_0   32 values in 34 bytes: an f16 scale d, 32 int8 q; value d q
+ *   TDM_MOE_W_Q4_K   256 values in 144 bytes: f16 d and dmin, eight 6-bit scales and mins
+ *                    packed in 12 bytes, 4-bit q; value d sc q - dmin m
+ *   TDM_MOE_W_Q6_K   256 values in 210 bytes: 6-bit q in 4 + 2 bits, sixteen int8 scales, an
+ *                    f16 d; value d sc (q - 32)
+ *   TDM_MOE_W_MXFP4  32 values in 17 bytes: an E8M0 exponent e, 32 E2M1 values in nibbles;
+ *                    value 2^(e - 127) x the E2M1 value */
+enum {
+  TDM_MOE_W_F16 = 1,
+  TDM_MOE_W_BF16 = 2,
+  TDM_MOE_W_Q8_0 = 3,
+  TDM_MOE_W_Q4_K = 4,
+  TDM_MOE_W_Q6_K = 5,
+  TDM_MOE_W_MXFP4 = 6
+};
+
+/* An expert's weight format: the type of its gate and up rows (of H values each) and the type
+ * of its down rows (of I values each); llama.cpp's Q4_K_M files mix Q4_K and Q6_K. An expert
+ * in format f is [Wg (I rows) | Wu (I rows) | Wd (H rows)], each row tdm_moe_row_bytes(type,
+ * values) bytes, back to back: the bf16 layout above when both are BF16. */
+typedef struct tdm_moe_wfmt {
+  int gu, d;
+} tdm_moe_wfmt;
+
+/* The bytes of a row of n values of type wtype: 0 for an unknown type, n <= 0, or n not a
+ * multiple of the type's block. */
+TDM_API size_t tdm_moe_row_bytes(int wtype, int64_t n);
+
+/* The bytes of one expert of format f (the layout above): 0 when a row's size is 0 or the
+ * total does not fit in size_t. */
+TDM_API size_t tdm_moe_expert_size(tdm_moe_wfmt f, int H, int I);
+
+/* A row of n values of type wtype at src (tdm_moe_row_bytes(wtype, n) bytes, any alignment)
+ * widened to f32 into dst, exactly: every value is the one ggml's dequantize_row_* computes
+ * (the same f32 operations in the same order). 0, or TDM_EINVAL (with tdm_last_error() set)
+ * when tdm_moe_row_bytes(wtype, n) is 0 or a pointer is NULL. */
+TDM_API int tdm_moe_dequant_row(int wtype, const void *src, float *dst, int64_t n);
+
 /* One entry of a group of experts (experts() below), in device memory. */
 typedef struct tdm_moe_group {
   int64_t w;     /* the expert's weights: wbase + w, in bf16 elements (a multiple of 8 lets
@@ -218,10 +259,27 @@ typedef struct tdm_moe_ops {
   int (*matmul_h)(void *st, tdm_queue *q, float *y, const float *x, const uint16_t *w,
                   int wtype, int T, int K, int N, float beta, void *workspace,
                   size_t workspace_bytes);
-} tdm_moe_ops;
 
-/* The 16-bit weight types of get_rows_h() and matmul_h(). */
-enum { TDM_MOE_W_F16 = 1, TDM_MOE_W_BF16 = 2 };
+  /* ---- Experts in the weight format their file keeps (tdm_moe_wfmt below), so that a
+   * quantized expert crosses the link in its blocks and is widened inside the kernels, never
+   * before the copy. Optional: NULL where a backend has none (a model then widens its experts
+   * to bf16 when it loads them). Each is expert() or experts() with:
+   * - w (wbase) pointing at experts in format fmt (the layout of tdm_moe_wfmt), and groups' w
+   *   counting 2-byte units from wbase as before: an expert starts at an even byte;
+   * - fmt {BF16, BF16} computing what expert() and experts() compute, bitwise;
+   * - the quantized types computing on the values tdm_moe_dequant_row() gives, within f32
+   *   rounding (a backend's kernels may fuse the widening's multiply and add);
+   * - a format the backend lacks, or one whose rows are not whole blocks (H a multiple of
+   *   fmt.gu's block, I of fmt.d's), TDM_EINVAL at the call.
+   * Workspace: tdm_moe_ops_workspace(n, H, I) bytes, as before. ---- */
+  int (*expert_q)(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                  const int32_t *slot, int n, const void *w, tdm_moe_wfmt fmt, int H, int I,
+                  float *out, void *workspace, size_t workspace_bytes);
+  int (*experts_q)(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                   const int32_t *slot, int n, const void *wbase, tdm_moe_wfmt fmt,
+                   const tdm_moe_group *groups, int G, int H, int I, float *out,
+                   void *workspace, size_t workspace_bytes);
+} tdm_moe_ops;
 
 /* The table for the device's backend, or NULL (with tdm_last_error() set) when this build of
  * the library has none for it. Static storage. */

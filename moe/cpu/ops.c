@@ -38,6 +38,7 @@
  */
 #include "ops.h" /* moe/ops.h */
 #include "pool.h"
+#include "quant.h" /* moe/quant.h */
 #include "task.h"
 
 #include <math.h>
@@ -232,7 +233,8 @@ typedef struct expert_args {
   const float *x;
   const int32_t *rows, *slot;
   int n, H, I;
-  const tdm_moe_bf16 *w;
+  const uint8_t *w;
+  tdm_moe_wfmt fmt;
   float *out;
   float *ws;
   size_t x_rows, out_rows; /* bounds of x and out, from tdm_mem_query */
@@ -304,11 +306,12 @@ static void prefetch_init(void) {
 #define PREFETCH(p) ((void)(p))
 #endif
 
-/* The first `ahead` values of a chunk [p, end), prefetched as it starts, so that its first
+/* The first `ahead` bytes of a chunk [p, end), prefetched as it starts, so that its first
  * rows do not wait for memory while the prefetches inside widen_row get `ahead` in front. */
-static INLINE void prefetch_start(const uint16_t *p, const uint16_t *end, size_t ahead) {
-  const uint16_t *stop = (size_t)(end - p) < ahead ? end : p + ahead;
-  for (; p < stop; p += 32) PREFETCH(p);
+static INLINE void prefetch_start(const void *from, const void *to, size_t ahead) {
+  const uint8_t *p = from, *end = to;
+  const uint8_t *stop = (size_t)(end - p) < ahead ? end : p + ahead;
+  for (; p < stop; p += 64) PREFETCH(p);
 }
 
 /* f16 widened: eight at a time by F16C where the CPU has it (checked once, in
@@ -377,6 +380,40 @@ static INLINE void widen_row(float *restrict dst, const uint16_t *restrict src, 
     for (; k < K; k++) dst[k] = bf16_bits_to_f32(src[k]);
 }
 
+/* A row of K values of a block type (rb bytes at src) widened into dst, block by block, as
+ * quant.h defines them. The row's lines `ahead` bytes further on are prefetched as it starts,
+ * unless they pass end. */
+static INLINE void widen_qrow(float *restrict dst, const uint8_t *restrict src, size_t K,
+                              int type, size_t rb, const uint8_t *end, size_t ahead) {
+  if (ahead)
+    for (size_t o = 0; o < rb; o += 64)
+      if ((size_t)(end - (src + o)) > ahead) PREFETCH(src + o + ahead);
+  switch (type) {
+  case TDM_MOE_W_Q8_0:
+    for (size_t k = 0; k < K; k += 32, src += 34) tdm_moe__q8_0(src, dst + k);
+    break;
+  case TDM_MOE_W_Q4_K:
+    for (size_t k = 0; k < K; k += 256, src += 144) tdm_moe__q4_k(src, dst + k);
+    break;
+  case TDM_MOE_W_Q6_K:
+    for (size_t k = 0; k < K; k += 256, src += 210) tdm_moe__q6_k(src, dst + k);
+    break;
+  default: /* TDM_MOE_W_MXFP4: the formats were checked at submission */
+    for (size_t k = 0; k < K; k += 32, src += 17) tdm_moe__mxfp4(src, dst + k);
+    break;
+  }
+}
+
+/* A weight row of any type (rb bytes at src) widened into dst; ahead and end in bytes. */
+static INLINE void widen_any(float *restrict dst, const uint8_t *restrict src, size_t K,
+                             int type, size_t rb, const uint8_t *end, size_t ahead) {
+  if (type == TDM_MOE_W_BF16 || type == TDM_MOE_W_F16)
+    widen_row(dst, (const uint16_t *)(const void *)src, K,
+              (const uint16_t *)(const void *)end, ahead / 2, type == TDM_MOE_W_F16);
+  else
+    widen_qrow(dst, src, K, type, rb, end, ahead);
+}
+
 /* res[t] = sum a[k] * x[t][k] in f32 for the T tokens (T a constant after inlining), one pass
  * over a: each a[k] loaded once serves all T. For every token, lane l sums k = l mod LANES in
  * ascending k, the tail adds in order, then the lanes add in ascending order: a fixed order
@@ -421,8 +458,10 @@ typedef struct gemv_job {
   const float *const *hs; /* n: token t's SiLU(gate) * up (I), for the down rows */
   float *const *out;      /* n: token t's output row (H) */
   size_t n, H, I, chunk;
-  const uint16_t *w;        /* the expert's weights */
-  size_t ahead;             /* prefetch distance in values (prefetch_bytes / 2) */
+  const uint8_t *w;         /* the expert's weights, in format fmt */
+  tdm_moe_wfmt fmt;
+  size_t gu_rb, d_rb;       /* bytes of a gate or up row, and of a down row */
+  size_t ahead;             /* prefetch distance in bytes (prefetch_bytes) */
   float *gu, *rows;
   size_t row_stride;
 } gemv_job;
@@ -433,10 +472,10 @@ static void gemv_gate_up(void *arg, size_t c, int worker) {
   float res[GEMV_MAX_N];
   float *row = j->rows + (size_t)worker * j->row_stride;
   size_t r1 = (c + 1) * j->chunk < 2 * j->I ? (c + 1) * j->chunk : 2 * j->I;
-  const uint16_t *end = j->w + r1 * j->H;
-  if (j->ahead) prefetch_start(j->w + c * j->chunk * j->H, end, j->ahead);
+  const uint8_t *end = j->w + r1 * j->gu_rb;
+  if (j->ahead) prefetch_start(j->w + c * j->chunk * j->gu_rb, end, j->ahead);
   for (size_t r = c * j->chunk; r < r1; r++) {
-    widen_row(row, j->w + r * j->H, j->H, end, j->ahead, 0);
+    widen_any(row, j->w + r * j->gu_rb, j->H, j->fmt.gu, j->gu_rb, end, j->ahead);
     dot_tokens(row, j->xs, res, j->H, j->n);
     for (size_t t = 0; t < j->n; t++) j->gu[t * 2 * j->I + r] = res[t];
   }
@@ -447,12 +486,12 @@ static void gemv_down(void *arg, size_t c, int worker) {
   const gemv_job *j = arg;
   float res[GEMV_MAX_N];
   float *row = j->rows + (size_t)worker * j->row_stride;
-  const uint16_t *wd = j->w + 2 * j->I * j->H;
+  const uint8_t *wd = j->w + 2 * j->I * j->gu_rb;
   size_t c1 = (c + 1) * j->chunk < j->H ? (c + 1) * j->chunk : j->H;
-  const uint16_t *end = wd + c1 * j->I;
-  if (j->ahead) prefetch_start(wd + c * j->chunk * j->I, end, j->ahead);
+  const uint8_t *end = wd + c1 * j->d_rb;
+  if (j->ahead) prefetch_start(wd + c * j->chunk * j->d_rb, end, j->ahead);
   for (size_t r = c * j->chunk; r < c1; r++) {
-    widen_row(row, wd + r * j->I, j->I, end, j->ahead, 0);
+    widen_any(row, wd + r * j->d_rb, j->I, j->fmt.d, j->d_rb, end, j->ahead);
     dot_tokens(row, j->hs, res, j->I, j->n);
     for (size_t t = 0; t < j->n; t++) j->out[t][r] = res[t];
   }
@@ -491,18 +530,25 @@ static void swiglu_rows(float *gu, size_t n, size_t I) {
   }
 }
 
+/* The gemv_job of an expert at w in format fmt (chunk left to the pass). */
+static gemv_job gemv_job_of(const uint8_t *w, tdm_moe_wfmt fmt, size_t H, size_t I) {
+  pthread_once(&prefetch_once, prefetch_init);
+  if (fmt.gu == TDM_MOE_W_F16 || fmt.d == TDM_MOE_W_F16) f16_ready();
+  return (gemv_job){.H = H, .I = I, .w = w, .fmt = fmt,
+                    .gu_rb = tdm_moe_row_bytes(fmt.gu, (int64_t)H),
+                    .d_rb = tdm_moe_row_bytes(fmt.d, (int64_t)I), .ahead = prefetch_bytes};
+}
+
 /* xs, out as in gemv_job; rows: `slots` row buffers of row_stride floats; gu: n x 2I floats. */
-static void expert_gemv(const float *const *xs, float *const *out, size_t n, const uint16_t *w,
-                        size_t H, size_t I, float *rows, size_t row_stride, size_t slots,
-                        float *gu) {
+static void expert_gemv(const float *const *xs, float *const *out, size_t n, const uint8_t *w,
+                        tdm_moe_wfmt fmt, size_t H, size_t I, float *rows, size_t row_stride,
+                        size_t slots, float *gu) {
   int workers = pool_workers();
   if ((size_t)workers > slots || 3 * H * I < GEMV_POOL_MIN_WEIGHTS) workers = 1;
   const float *hs[GEMV_MAX_N];
   for (size_t t = 0; t < n; t++) hs[t] = gu + t * 2 * I;
-  pthread_once(&prefetch_once, prefetch_init);
-  gemv_job j = {.xs = xs, .hs = hs, .out = out, .n = n, .H = H, .I = I, .w = w,
-                .ahead = prefetch_bytes / sizeof *w, .gu = gu, .rows = rows,
-                .row_stride = row_stride};
+  gemv_job j = gemv_job_of(w, fmt, H, I);
+  j.xs = xs, j.hs = hs, j.out = out, j.n = n, j.gu = gu, j.rows = rows, j.row_stride = row_stride;
   gemv_pass(workers, 2 * I, gemv_gate_up, &j, &j.chunk);
   swiglu_rows(gu, n, I);
   gemv_pass(workers, H, gemv_down, &j, &j.chunk);
@@ -526,7 +572,7 @@ static void gemv16_rows(void *arg, size_t c, int worker) {
   float *row = j->rows + (size_t)worker * j->K;
   size_t r1 = (c + 1) * j->chunk < j->N ? (c + 1) * j->chunk : j->N;
   const uint16_t *end = j->w + r1 * j->K;
-  if (j->ahead) prefetch_start(j->w + c * j->chunk * j->K, end, j->ahead);
+  if (j->ahead) prefetch_start(j->w + c * j->chunk * j->K, end, 2 * j->ahead);
   for (size_t r = c * j->chunk; r < r1; r++) {
     widen_row(row, j->w + r * j->K, j->K, end, j->ahead, j->f16);
     dot_tokens(row, j->xs, res, j->K, j->n);
@@ -600,10 +646,23 @@ static void experts_gemv_fused(gemv_job *jobs, int njobs, size_t H, size_t I, in
 
 /* ---- expert ------------------------------------------------------------------------------ */
 
+/* The expert at src, in format fmt, widened into w (3HI floats, the bf16 layout). */
+static void widen_expert(float *w, const uint8_t *src, tdm_moe_wfmt fmt, size_t H, size_t I) {
+  if (fmt.gu == TDM_MOE_W_BF16 && fmt.d == TDM_MOE_W_BF16) {
+    bf16_to_f32(w, (const tdm_moe_bf16 *)(const void *)src, 3 * H * I);
+    return;
+  }
+  size_t gu_rb = tdm_moe_row_bytes(fmt.gu, (int64_t)H), d_rb = tdm_moe_row_bytes(fmt.d, (int64_t)I);
+  for (size_t r = 0; r < 2 * I; r++, src += gu_rb) (void)tdm_moe_dequant_row(fmt.gu, src, w + r * H, (int64_t)H);
+  for (size_t r = 0; r < H; r++, src += d_rb)
+    (void)tdm_moe_dequant_row(fmt.d, src, w + 2 * H * I + r * I, (int64_t)I);
+}
+
 /* The expert at w on n tokens whose indices are known to be in range: what expert() computes,
  * and experts() for each entry of its table, so that the two give the same bits. */
 static void expert_compute(const float *x, const int32_t *rows, const int32_t *slot, size_t n,
-                           const tdm_moe_bf16 *wts, size_t H, size_t I, float *out, float *ws) {
+                           const uint8_t *wts, tdm_moe_wfmt fmt, size_t H, size_t I, float *out,
+                           float *ws) {
   if (n <= GEMV_MAX_N) {
     /* Workspace, in the sgemm path's layout, so tdm_moe_ops_workspace() covers it: a row
      * buffer per worker in the region of the f32 weights (3HI floats hold 3 min(H, I) buffers
@@ -620,7 +679,7 @@ static void expert_compute(const float *x, const int32_t *rows, const int32_t *s
     size_t stride = round256((H > I ? H : I) * sizeof(float)) / sizeof(float);
     size_t region = round256(3 * H * I * sizeof(float)) / sizeof(float);
     float *gu = ws + region + round256(n * H * sizeof(float)) / sizeof(float);
-    expert_gemv(xs, outs, n, wts, H, I, ws, stride, region / stride, gu);
+    expert_gemv(xs, outs, n, wts, fmt, H, I, ws, stride, region / stride, gu);
     return;
   }
   float *w = ws;
@@ -628,7 +687,7 @@ static void expert_compute(const float *x, const int32_t *rows, const int32_t *s
   float *gu = (float *)((char *)xo + round256(n * H * sizeof(float)));
   const float *wd = w + 2 * H * I;
 
-  bf16_to_f32(w, wts, 3 * H * I);
+  widen_expert(w, wts, fmt, H, I);
   for (size_t i = 0; i < n; i++) memcpy(xo + i * H, x + (size_t)rows[i] * H, H * sizeof(float));
   /* Wg and Wu are adjacent, so [gate | up] = X [Wg; Wu]^T is one GEMM of width 2I. */
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, 2 * (int)I, (int)H, 1.0f, xo,
@@ -652,30 +711,50 @@ static int expert_body(const task *t) {
       return tdm_set_error(TDM_ERANGE, 0, "moe expert: slot[%zu] = %d outside out", i,
                            (int)a->slot[i]);
   }
-  expert_compute(a->x, a->rows, a->slot, (size_t)a->n, a->w, (size_t)a->H, (size_t)a->I, a->out,
-                 a->ws);
+  expert_compute(a->x, a->rows, a->slot, (size_t)a->n, a->w, a->fmt, (size_t)a->H, (size_t)a->I,
+                 a->out, a->ws);
   return 0;
+}
+
+/* Whether fmt is one the CPU computes with rows of H and I values: 0, or TDM_EINVAL. */
+static int check_fmt(tdm_moe_wfmt fmt, int H, int I, const char *op) {
+  if (tdm_moe_expert_size(fmt, H, I)) return 0;
+  return tdm_set_error(TDM_EINVAL, 0,
+                       "moe %s: weight format {%d, %d} with H=%d, I=%d: a type the CPU lacks, or "
+                       "rows that are not whole blocks", op, fmt.gu, fmt.d, H, I);
+}
+
+/* The workspace check of expert() and experts(). */
+static int check_workspace(const void *ws, size_t bytes, int n, int H, int I, const char *op) {
+  size_t need = tdm_moe_ops_workspace(n, H, I);
+  if (ws && need && bytes >= need && (uintptr_t)ws % sizeof(float) == 0) return 0;
+  return tdm_set_error(TDM_EINVAL, 0,
+                       "moe %s: workspace %p of %zu bytes; n=%d H=%d I=%d need %zu, aligned", op,
+                       ws, bytes, n, H, I, need);
+}
+
+static int cpu_expert_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                        const int32_t *slot, int n, const void *w, tdm_moe_wfmt fmt, int H, int I,
+                        float *out, void *workspace, size_t workspace_bytes) {
+  int rc = tdm_moe__check_state(st, q, "expert");
+  if (rc) return rc;
+  if (!x || !rows || !slot || !w || !out || n < 0 || H <= 0 || I <= 0) return tdm_moe__bad_args("expert");
+  if ((rc = check_fmt(fmt, H, I, "expert"))) return rc;
+  if (n == 0) return 0;
+  if ((rc = check_workspace(workspace, workspace_bytes, n, H, I, "expert"))) return rc;
+  expert_args *a = tdm_moe__task_alloc(sizeof *a, "expert");
+  if (!a) return TDM_ENOMEM;
+  *a = (expert_args){.t.body = expert_body, .x = x, .rows = rows, .slot = slot, .n = n, .H = H,
+                     .I = I, .w = w, .fmt = fmt, .out = out, .ws = workspace,
+                     .x_rows = tdm_moe__rows_available(x, H), .out_rows = tdm_moe__rows_available(out, H)};
+  return tdm_moe__task_submit(q, &a->t);
 }
 
 static int cpu_expert(void *st, tdm_queue *q, const float *x, const int32_t *rows,
                       const int32_t *slot, int n, const tdm_moe_bf16 *w, int H, int I, float *out,
                       void *workspace, size_t workspace_bytes) {
-  int rc = tdm_moe__check_state(st, q, "expert");
-  if (rc) return rc;
-  if (!x || !rows || !slot || !w || !out || n < 0 || H <= 0 || I <= 0) return tdm_moe__bad_args("expert");
-  if (n == 0) return 0;
-  size_t need = tdm_moe_ops_workspace(n, H, I);
-  if (!workspace || need == 0 || workspace_bytes < need ||
-      (uintptr_t)workspace % sizeof(float))
-    return tdm_set_error(TDM_EINVAL, 0,
-                      "moe expert: workspace %p of %zu bytes; n=%d H=%d I=%d need %zu, aligned",
-                      workspace, workspace_bytes, n, H, I, need);
-  expert_args *a = tdm_moe__task_alloc(sizeof *a, "expert");
-  if (!a) return TDM_ENOMEM;
-  *a = (expert_args){.t.body = expert_body, .x = x, .rows = rows, .slot = slot, .n = n, .H = H,
-                     .I = I, .w = w, .out = out, .ws = workspace,
-                     .x_rows = tdm_moe__rows_available(x, H), .out_rows = tdm_moe__rows_available(out, H)};
-  return tdm_moe__task_submit(q, &a->t);
+  return cpu_expert_q(st, q, x, rows, slot, n, w, (tdm_moe_wfmt){TDM_MOE_W_BF16, TDM_MOE_W_BF16},
+                      H, I, out, workspace, workspace_bytes);
 }
 
 /* ---- experts: a group of experts from a device table ------------------------------------ */
@@ -685,12 +764,13 @@ typedef struct experts_args {
   const float *x;
   const int32_t *rows, *slot;
   int n, G, H, I;
-  const tdm_moe_bf16 *wbase;
+  const uint8_t *wbase;
+  tdm_moe_wfmt fmt;
   const tdm_moe_group *groups;
   float *out;
   float *ws;
   size_t x_rows, out_rows; /* bounds of x and out, from tdm_mem_query */
-  int64_t w_lo, w_hi;      /* the w whose 3HI weights lie in wbase's allocation: [w_lo, w_hi] */
+  int64_t w_lo, w_hi;      /* the w whose expert lies in wbase's allocation: [w_lo, w_hi] */
 } experts_args;
 
 /* The table is checked whole before anything is computed, so that a bad entry fails the
@@ -742,7 +822,6 @@ static void experts_fused(const experts_args *a, int workers, size_t stride, siz
   const float *xs[GEMV_FUSE][GEMV_MAX_N], *hs[GEMV_FUSE][GEMV_MAX_N];
   float *outs[GEMV_FUSE][GEMV_MAX_N];
   gemv_job jobs[GEMV_FUSE];
-  pthread_once(&prefetch_once, prefetch_init);
   int g = 0;
   while (g < a->G) {
     int nj = 0;
@@ -755,10 +834,10 @@ static void experts_fused(const experts_args *a, int workers, size_t stride, siz
         outs[nj][i] = a->out + (size_t)a->slot[e.first + i] * H;
         hs[nj][i] = gu + (size_t)i * 2 * I;
       }
-      jobs[nj] = (gemv_job){.xs = xs[nj], .hs = hs[nj], .out = outs[nj], .n = (size_t)e.count,
-                            .H = H, .I = I, .w = a->wbase + e.w,
-                            .ahead = prefetch_bytes / sizeof(uint16_t), .gu = gu,
-                            .rows = a->ws, .row_stride = stride};
+      jobs[nj] = gemv_job_of(a->wbase + 2 * e.w, a->fmt, H, I);
+      jobs[nj].xs = xs[nj], jobs[nj].hs = hs[nj], jobs[nj].out = outs[nj];
+      jobs[nj].n = (size_t)e.count, jobs[nj].gu = gu, jobs[nj].rows = a->ws;
+      jobs[nj].row_stride = stride;
       gu += (size_t)e.count * 2 * I;
       nj++;
     }
@@ -782,51 +861,55 @@ static int experts_body(const task *t) {
   for (int g = 0; g < a->G; g++) {
     const tdm_moe_group e = a->groups[g];
     if (e.count == 0) continue;
-    expert_compute(a->x, a->rows + e.first, a->slot + e.first, (size_t)e.count, a->wbase + e.w,
-                   (size_t)a->H, (size_t)a->I, a->out, a->ws);
+    expert_compute(a->x, a->rows + e.first, a->slot + e.first, (size_t)e.count,
+                   a->wbase + 2 * e.w, a->fmt, (size_t)a->H, (size_t)a->I, a->out, a->ws);
   }
   return 0;
 }
 
-/* The offsets w (in bf16 elements from wbase) at which an expert of `elems` weights lies inside
+/* The offsets w (in 2-byte units from wbase) at which an expert of `bytes` bytes lies inside
  * the tandem allocation holding wbase; every offset when tandem does not know the memory (the
  * caller vouches for it, as for rows_available). */
-static void weight_range(const tdm_moe_bf16 *wbase, size_t elems, int64_t *lo, int64_t *hi) {
+static void weight_range(const void *wbase, size_t bytes, int64_t *lo, int64_t *hi) {
   tdm_mem_info mi;
   *lo = INT64_MIN;
   *hi = INT64_MAX;
   if (tdm_mem_query(wbase, &mi) != 0 || !mi.base) return;
   size_t before = (size_t)((const char *)wbase - (const char *)mi.base);
-  size_t after = mi.size - before;
-  *lo = -(int64_t)(before / sizeof *wbase);
-  *hi = (int64_t)(after / sizeof *wbase) - (int64_t)elems; /* negative: nothing fits */
+  int64_t room = (int64_t)(mi.size - before) - (int64_t)bytes; /* bytes past wbase to spare */
+  *lo = -(int64_t)(before / 2);
+  *hi = room >= 0 ? room / 2 : -((1 - room) / 2); /* floor(room / 2): below lo, nothing fits */
+}
+
+static int cpu_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                         const int32_t *slot, int n, const void *wbase, tdm_moe_wfmt fmt,
+                         const tdm_moe_group *groups, int G, int H, int I, float *out,
+                         void *workspace, size_t workspace_bytes) {
+  int rc = tdm_moe__check_state(st, q, "experts");
+  if (rc) return rc;
+  if (!x || !rows || !slot || !wbase || !groups || !out || n < 0 || G < 0 || H <= 0 || I <= 0)
+    return tdm_moe__bad_args("experts");
+  if ((rc = check_fmt(fmt, H, I, "experts"))) return rc;
+  if (n == 0 || G == 0) return 0;
+  /* Each entry runs as expert() on its count <= n tokens, in the space expert() needs for n. */
+  if ((rc = check_workspace(workspace, workspace_bytes, n, H, I, "experts"))) return rc;
+  experts_args *a = tdm_moe__task_alloc(sizeof *a, "experts");
+  if (!a) return TDM_ENOMEM;
+  *a = (experts_args){.t.body = experts_body, .x = x, .rows = rows, .slot = slot, .n = n,
+                      .G = G, .H = H, .I = I, .wbase = wbase, .fmt = fmt, .groups = groups,
+                      .out = out, .ws = workspace, .x_rows = tdm_moe__rows_available(x, H),
+                      .out_rows = tdm_moe__rows_available(out, H)};
+  weight_range(wbase, tdm_moe_expert_size(fmt, H, I), &a->w_lo, &a->w_hi);
+  return tdm_moe__task_submit(q, &a->t);
 }
 
 static int cpu_experts(void *st, tdm_queue *q, const float *x, const int32_t *rows,
                        const int32_t *slot, int n, const tdm_moe_bf16 *wbase,
                        const tdm_moe_group *groups, int G, int H, int I, float *out,
                        void *workspace, size_t workspace_bytes) {
-  int rc = tdm_moe__check_state(st, q, "experts");
-  if (rc) return rc;
-  if (!x || !rows || !slot || !wbase || !groups || !out || n < 0 || G < 0 || H <= 0 || I <= 0)
-    return tdm_moe__bad_args("experts");
-  if (n == 0 || G == 0) return 0;
-  /* Each entry runs as expert() on its count <= n tokens, in the space expert() needs for n. */
-  size_t need = tdm_moe_ops_workspace(n, H, I);
-  if (!workspace || need == 0 || workspace_bytes < need ||
-      (uintptr_t)workspace % sizeof(float))
-    return tdm_set_error(TDM_EINVAL, 0,
-                         "moe experts: workspace %p of %zu bytes; n=%d H=%d I=%d need %zu, "
-                         "aligned", workspace, workspace_bytes, n, H, I, need);
-  experts_args *a = tdm_moe__task_alloc(sizeof *a, "experts");
-  if (!a) return TDM_ENOMEM;
-  *a = (experts_args){.t.body = experts_body, .x = x, .rows = rows, .slot = slot, .n = n,
-                      .G = G, .H = H, .I = I, .wbase = wbase, .groups = groups, .out = out,
-                      .ws = workspace, .x_rows = tdm_moe__rows_available(x, H),
-                      .out_rows = tdm_moe__rows_available(out, H)};
-  /* 3HI fits: the workspace, which holds 3HI floats, did. */
-  weight_range(wbase, 3 * (size_t)H * I, &a->w_lo, &a->w_hi);
-  return tdm_moe__task_submit(q, &a->t);
+  return cpu_experts_q(st, q, x, rows, slot, n, wbase,
+                       (tdm_moe_wfmt){TDM_MOE_W_BF16, TDM_MOE_W_BF16}, groups, G, H, I, out,
+                       workspace, workspace_bytes);
 }
 
 /* ---- group: the routing grouped into a table -------------------------------------------- */
@@ -932,6 +1015,8 @@ const tdm_moe_ops tdm_moe__cpu_ops = {
     .router = cpu_router,
     .expert = cpu_expert,
     .experts = cpu_experts,
+    .expert_q = cpu_expert_q,
+    .experts_q = cpu_experts_q,
     .group = cpu_group,
     .combine = cpu_combine,
     .get_rows = tdm_moe__cpu_get_rows,

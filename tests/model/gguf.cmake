@@ -1,5 +1,6 @@
-# tests/model/gguf.cmake: the GGUF reader of libtandem_model (model/gguf.c, gguf-meta.c and
-# the type table of model/file.c) as a static library, and its suite (tests/test-gguf.c).
+# tests/model/gguf.cmake: the GGUF reader of libtandem_model (model/gguf.c, gguf-meta.c, the
+# type table of model/file.c and the block types' widening, moe/quant.c) as a static library,
+# and its suite (tests/test-gguf.c).
 # include()d from tests/CMakeLists.txt, where tandem_test_suite is defined.
 #
 # The cases that read a real GGUF file need the fixture that tests/model/gguf_fixture.py
@@ -12,8 +13,9 @@ add_library(tandem_model_gguf STATIC
   ${PROJECT_SOURCE_DIR}/model/file.c
   ${PROJECT_SOURCE_DIR}/model/quant.c
   ${PROJECT_SOURCE_DIR}/model/gguf.c
-  ${PROJECT_SOURCE_DIR}/model/gguf-meta.c)
-set_source_files_properties(${PROJECT_SOURCE_DIR}/model/quant.c
+  ${PROJECT_SOURCE_DIR}/model/gguf-meta.c
+  ${PROJECT_SOURCE_DIR}/moe/quant.c)
+set_source_files_properties(${PROJECT_SOURCE_DIR}/moe/quant.c
   PROPERTIES COMPILE_OPTIONS "-ffp-contract=off")
 set_target_properties(tandem_model_gguf PROPERTIES POSITION_INDEPENDENT_CODE ON)
 target_include_directories(tandem_model_gguf

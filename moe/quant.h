@@ -1,0 +1,115 @@
+/* quant.h: inside libtandem_moe, GGUF's block-quantized weight types (tandem/moe_ops.h's
+ * TDM_MOE_W_Q8_0, _Q4_K, _Q6_K, _MXFP4) widened to f32 as ggml defines them (its
+ * dequantize_row_* in ggml-quants.c; the gguf package's gguf.quants, which the tests compare
+ * with). One definition of each block, inline, for two users:
+ * - quant.c, the exact widening (tdm_moe_dequant_row), compiled without floating-point
+ *   contraction, so each value is ggml's bits;
+ * - cpu/ops.c, the expert kernels, which widen a row at a time into a buffer the size of L1 and
+ *   dot it with the tokens, compiled for each instruction set they are cloned for (where the
+ *   compiler may fuse a multiply and an add: Q4_K's d sc q - dmin m, within one rounding).
+ * All little-endian, as GGUF files are. */
+#ifndef TANDEM_MOE_QUANT_H
+#define TANDEM_MOE_QUANT_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "tandem/moe_ops.h"
+
+#if defined(__GNUC__)
+#define QUANT_INLINE static inline __attribute__((always_inline))
+#else
+#define QUANT_INLINE static inline
+#endif
+
+QUANT_INLINE float tdm_moe__f16_at(const uint8_t *p) {
+  uint16_t h;
+  memcpy(&h, p, sizeof h);
+  return tdm_moe_f16_to_f32(h);
+}
+
+/* Q8_0: 32 values = d (f16) x q (int8). 34 bytes. */
+QUANT_INLINE void tdm_moe__q8_0(const uint8_t *restrict b, float *restrict y) {
+  float d = tdm_moe__f16_at(b);
+  const int8_t *qs = (const int8_t *)(b + 2);
+  for (int j = 0; j < 32; j++) y[j] = qs[j] * d;
+}
+
+/* Q4_K's 6-bit scale and min of sub-block j from the 12 packed bytes. */
+QUANT_INLINE void tdm_moe__scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+  if (j < 4) {
+    *d = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *d = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+    *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+  }
+}
+
+/* Q4_K: 256 values in 8 sub-blocks of 32, value = d sc q - dmin m with 6-bit sc and m. Layout:
+ * d, dmin (f16), scales[12], qs[128] (low nibbles: the first 32 of 64, high: the next). 144
+ * bytes. */
+QUANT_INLINE void tdm_moe__q4_k(const uint8_t *restrict b, float *restrict y) {
+  float d = tdm_moe__f16_at(b), min = tdm_moe__f16_at(b + 2);
+  const uint8_t *scales = b + 4, *q = b + 16;
+  for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
+    uint8_t sc, m;
+    tdm_moe__scale_min_k4(is + 0, scales, &sc, &m);
+    float d1 = d * sc, m1 = min * m;
+    tdm_moe__scale_min_k4(is + 1, scales, &sc, &m);
+    float d2 = d * sc, m2 = min * m;
+    for (int l = 0; l < 32; l++) y[j + l] = d1 * (q[l] & 0xF) - m1;
+    for (int l = 0; l < 32; l++) y[j + 32 + l] = d2 * (q[l] >> 4) - m2;
+  }
+}
+
+/* Q6_K: 256 values in 16 sub-blocks of 16, value = d sc q with int8 sc and 6-bit q - 32.
+ * Layout: ql[128] (low 4 bits), qh[64] (high 2), scales[16] (int8), d (f16). 210 bytes. */
+QUANT_INLINE void tdm_moe__q6_k(const uint8_t *restrict b, float *restrict y) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t *sc = (const int8_t *)(b + 192);
+  float d = tdm_moe__f16_at(b + 208);
+  for (int n = 0; n < 256; n += 128, ql += 64, qh += 32, sc += 8) {
+    for (int l = 0; l < 32; l++) {
+      int is = l / 16;
+      int8_t q1 = (int8_t)((ql[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+      int8_t q2 = (int8_t)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+      int8_t q3 = (int8_t)((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+      int8_t q4 = (int8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+      y[n + l + 0] = d * sc[is + 0] * q1;
+      y[n + l + 32] = d * sc[is + 2] * q2;
+      y[n + l + 64] = d * sc[is + 4] * q3;
+      y[n + l + 96] = d * sc[is + 6] * q4;
+    }
+  }
+}
+
+/* MXFP4: 32 values = 2^(e - 128) x (twice an E2M1 value), e an E8M0 exponent (2^(e - 128) is
+ * half the block's scale: the table holds doubled values). Layout: e, qs[16] (value j in the
+ * low nibble of qs[j], value j + 16 in its high nibble). 17 bytes. */
+QUANT_INLINE void tdm_moe__mxfp4(const uint8_t *restrict b, float *restrict y) {
+  static const float kv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  uint8_t e = b[0];
+  uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23; /* 2^(e - 128) */
+  float d;
+  memcpy(&d, &bits, sizeof d);
+  for (int j = 0; j < 16; j++) {
+    y[j] = kv[b[1 + j] & 0x0F] * d;
+    y[j + 16] = kv[b[1 + j] >> 4] * d;
+  }
+}
+
+/* A type's block: values and bytes (0 and 0 for a type that is not one of the table's). */
+QUANT_INLINE void tdm_moe__wtype_block(int wtype, int *values, int *bytes) {
+  switch (wtype) {
+  case TDM_MOE_W_F16:
+  case TDM_MOE_W_BF16: *values = 1, *bytes = 2; return;
+  case TDM_MOE_W_Q8_0: *values = 32, *bytes = 34; return;
+  case TDM_MOE_W_Q4_K: *values = 256, *bytes = 144; return;
+  case TDM_MOE_W_Q6_K: *values = 256, *bytes = 210; return;
+  case TDM_MOE_W_MXFP4: *values = 32, *bytes = 17; return;
+  default: *values = 0, *bytes = 0; return;
+  }
+}
+
+#endif
