@@ -41,6 +41,9 @@ struct tdm_model {
   hparams hp;
   char format[16];
   const char *wtype;
+  tdm_moe_wfmt *efmt;            /* [L]: the experts' formats as the file keeps them; NULL:
+                                    widened to bf16 */
+  char etype[32];                /* tdm_model_info's expert_type */
   int ctx, U, pos;
   bool skip_moe;                 /* tdm_model_skip_moe */
   size_t device_bytes;
@@ -76,15 +79,96 @@ static void progress(tdm_model *m, const char *what, double done) {
   if (m->cfg.progress) m->cfg.progress(m->cfg.progress_user, what, done);
 }
 
+/* ---- the experts' format ----------------------------------------------------------------- */
+
+/* An expert's format as the file keeps it ({gate and up type, down type}), or {0, 0} where the
+ * MoE layers cannot take it as it is: F32, a type they have no kernels for, gate and up of
+ * different types, rows that are not whole blocks. */
+static tdm_moe_wfmt file_fmt(const hparams *hp, const expert_part parts[3]) {
+  int g = tdm_mf_moe_wtype(parts[0].t->type), u = tdm_mf_moe_wtype(parts[1].t->type);
+  tdm_moe_wfmt f = {g, tdm_mf_moe_wtype(parts[2].t->type)};
+  return g && g == u && tdm_moe_expert_size(f, hp->H, hp->I) ? f : (tdm_moe_wfmt){0, 0};
+}
+
+/* Each layer's expert format into *out (L entries, malloc'd; NULL: every expert is widened to
+ * bf16): the file's, where `native` (the device's table computes experts in their format, and
+ * the configuration does not ask for bf16) and every layer has one; else bf16. name (cap
+ * bytes) gets tdm_model_info's expert_type. */
+static int choose_formats(const mfile *f, const hparams *hp, bool native, tdm_moe_wfmt **out,
+                          char *name, size_t cap) {
+  *out = NULL;
+  snprintf(name, cap, "BF16");
+  if (!native || hp->L <= 0) return 0;
+  tdm_moe_wfmt *fm = malloc((size_t)hp->L * sizeof *fm);
+  if (!fm) return tdm_set_error(TDM_ENOMEM, 0, "no memory");
+  bool mixed = false;
+  for (int l = 0; l < hp->L; l++) {
+    expert_part parts[3];
+    int rc = arch_expert(f, hp, l, 0, parts);
+    if (rc) {
+      free(fm);
+      return rc;
+    }
+    fm[l] = file_fmt(hp, parts);
+    if (!fm[l].gu) {
+      free(fm);
+      return 0;
+    }
+    mixed |= fm[l].gu != fm[0].gu || fm[l].d != fm[0].d;
+  }
+  static const char *const names[] = {"?", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K", "MXFP4"};
+  snprintf(name, cap, "%s%s%s%s", names[fm[0].gu], fm[0].d != fm[0].gu ? "+" : "",
+           fm[0].d != fm[0].gu ? names[fm[0].d] : "", mixed ? "+..." : "");
+  *out = fm;
+  return 0;
+}
+
+/* The bytes one expert takes in host memory and on the link: the largest layer's. */
+static size_t expert_stride(const hparams *hp, const tdm_moe_wfmt *fm) {
+  size_t eb = (size_t)3 * hp->H * hp->I * sizeof(tdm_moe_bf16);
+  if (!fm) return eb;
+  tdm_moe_preset p = {.hidden = hp->H, .ffn = hp->I};
+  size_t most = 0;
+  for (int l = 0; l < hp->L; l++) {
+    size_t b = tdm_moe_expert_stride(&p, fm[l]);
+    if (b > most) most = b;
+  }
+  return most;
+}
+
 /* ---- the MoE layers' weight source ------------------------------------------------------- */
 
-static int src_expert(void *user, int l, int e, tdm_moe_bf16 *dst) {
+/* Expert e of layer l copied as the file keeps it (format fm) to dst. */
+static int copy_expert(tdm_model *m, int l, int e, const expert_part parts[3], tdm_moe_wfmt fm,
+                       uint8_t *dst) {
+  const hparams *hp = &m->hp;
+  for (int p = 0; p < 3; p++) {
+    const tdm_mf_tensor *t = parts[p].t;
+    int wt = p < 2 ? fm.gu : fm.d, block, bytes;
+    if (tdm_mf_moe_wtype(t->type) != wt || tdm_mf_type_block(t->type, &block, &bytes) != 0)
+      return tdm_set_error(TDM_EINVAL, 0, "%s: %s: expert %d of layer %d is %s, the layer's "
+                           "first expert is not", m->f.path, t->name, e, l,
+                           tdm_mf_type_name(t->type));
+    size_t n = p < 2 ? tdm_moe_row_bytes(wt, hp->H) * hp->I : tdm_moe_row_bytes(wt, hp->I) * hp->H;
+    size_t at = parts[p].first / (size_t)block * (size_t)bytes;
+    if (at > t->bytes || n > t->bytes - at)
+      return tdm_set_error(TDM_EINVAL, 0, "%s: %s: expert %d of layer %d lies past the "
+                           "tensor's %zu bytes", m->f.path, t->name, e, l, t->bytes);
+    memcpy(dst, (const uint8_t *)t->data + at, n);
+    tdm_mf_release(t, at, n);
+    dst += n;
+  }
+  return 0;
+}
+
+static int src_expert(void *user, int l, int e, void *dst) {
   tdm_model *m = user;
   expert_part parts[3];
   size_t hi = (size_t)m->hp.H * m->hp.I;
   int rc = arch_expert(&m->f, &m->hp, l, e, parts);
-  for (int p = 0; !rc && p < 3; p++) {
-    rc = convert_bf16(parts[p].t, parts[p].first, hi, dst + p * hi, m->f.path);
+  if (!rc && m->efmt) rc = copy_expert(m, l, e, parts, m->efmt[l], dst);
+  for (int p = 0; !rc && !m->efmt && p < 3; p++) {
+    rc = convert_bf16(parts[p].t, parts[p].first, hi, (tdm_moe_bf16 *)dst + p * hi, m->f.path);
     if (!rc) { /* the file's copy is not kept beside the pinned one */
       int block = 1, bytes = 0;
       tdm_mf_type_block(parts[p].t->type, &block, &bytes);
@@ -241,7 +325,7 @@ static int open_moe(tdm_model *m) {
                        .policy = c->policy, .predict = c->predict,
                        .predict_depth = c->predict_depth, .staging_slots = c->staging_slots,
                        .placement = c->placement, .threads = c->threads, .source = s,
-                       .norm_eps = (float)hp->eps};
+                       .norm_eps = (float)hp->eps, .layer_fmt = m->efmt};
   int rc = tdm_moe_model_create(&mc, &m->moe);
   free(s);
   return rc;
@@ -275,6 +359,10 @@ int tdm_model_open(const tdm_model_config *cfg, tdm_model **out) {
   if (!rc && (!m->ops->get_rows || !m->ops->matmul || !m->ops->rope || !m->ops->attention))
     rc = tdm_set_error(TDM_ENOTSUP, 0, "%s: tandem's %s operations have no attention yet",
                        cfg->path, m->ops->name);
+  if (!rc)
+    rc = choose_formats(&m->f, &m->hp,
+                        !cfg->experts_bf16 && m->ops->expert_q && m->ops->experts_q, &m->efmt,
+                        m->etype, sizeof m->etype);
   if (!rc) rc = open_moe(m);
   if (!rc) m->q = tdm_moe_queue(m->moe);
   if (!rc) rc = m->ops->open(m->q, &m->ops_state);
@@ -306,13 +394,14 @@ void tdm_model_close(tdm_model *m) {
   mfile_close(&m->f);
   pthread_mutex_destroy(&m->progress_mu);
   free(m->lw);
+  free(m->efmt);
   free(m);
 }
 
 int tdm_model_info_get(const tdm_model *m, tdm_model_info *out) {
   if (!m || !out) return tdm_set_error(TDM_EINVAL, 0, "tdm_model_info_get: NULL argument");
   const hparams *hp = &m->hp;
-  size_t eb = (size_t)3 * hp->H * hp->I * sizeof(tdm_moe_bf16);
+  size_t eb = expert_stride(hp, m->efmt);
   *out = (tdm_model_info){
       .arch = hp->kind == ARCH_QWEN3MOE ? "qwen3moe" : "mixtral", .format = m->format,
       .name = hp->name, .layers = hp->L, .hidden = hp->H, .heads = hp->nh,
@@ -322,7 +411,7 @@ int tdm_model_info_get(const tdm_model *m, tdm_model_info *out) {
       .norm_eps = hp->eps, .rope_neox = hp->neox, .qk_norm = hp->qk_norm,
       .tied_embeddings = hp->tied, .expert_bytes = eb,
       .host_bytes = eb * (size_t)hp->E * (size_t)hp->L, .device_bytes = m->device_bytes,
-      .weight_type = m->wtype,
+      .weight_type = m->wtype, .expert_type = m->etype,
       .dense_type = m->lw[0].wq.wtype == TDM_MOE_W_F16    ? "F16"
                     : m->lw[0].wq.wtype == TDM_MOE_W_BF16 ? "BF16"
                                                           : "F32"};
@@ -339,8 +428,11 @@ int tdm_model_peek(const char *path, tdm_model_info *out) {
   if (!rc) rc = arch_expert(&f, &hp, 0, 0, parts);
   const tdm_mf_tensor *wq = rc ? NULL : arch_tensor(&f, &hp, T_WQ, 0);
   if (!rc && !wq) rc = TDM_EINVAL;
+  tdm_moe_wfmt *fm = NULL;
+  static _Thread_local char etype[32]; /* valid until the thread's next peek */
+  if (!rc) rc = choose_formats(&f, &hp, true, &fm, etype, sizeof etype);
   if (!rc) {
-    size_t eb = (size_t)3 * hp.H * hp.I * sizeof(tdm_moe_bf16);
+    size_t eb = expert_stride(&hp, fm);
     int ctx = hp.ctx_train < 4096 ? hp.ctx_train : 4096;
     *out = (tdm_model_info){
         .arch = hp.kind == ARCH_QWEN3MOE ? "qwen3moe" : "mixtral",
@@ -351,9 +443,10 @@ int tdm_model_peek(const char *path, tdm_model_info *out) {
         .rope_scale = hp.rope_scale, .norm_eps = hp.eps, .rope_neox = hp.neox,
         .qk_norm = hp.qk_norm, .tied_embeddings = hp.tied, .expert_bytes = eb,
         .host_bytes = eb * (size_t)hp.E * (size_t)hp.L,
-        .weight_type = tdm_mf_type_name(parts[0].t->type),
+        .weight_type = tdm_mf_type_name(parts[0].t->type), .expert_type = etype,
         .dense_type = tdm_mf_type_name(wq->type)};
   }
+  free(fm);
   mfile_close(&f);
   return rc;
 }

@@ -30,6 +30,7 @@
 
 #include "cpu/pool.h"
 #include "ops.h"
+#include "quant.h"
 #include "tandem/moe.h"
 
 const tdm_moe_preset tdm_moe_presets[] = {
@@ -50,6 +51,12 @@ const tdm_moe_preset *tdm_moe_preset_find(const char *name) {
 
 size_t tdm_moe_expert_bytes(const tdm_moe_preset *p) { return (size_t)3 * p->hidden * p->ffn * 2; }
 
+size_t tdm_moe_expert_stride(const tdm_moe_preset *p, tdm_moe_wfmt f) {
+  if (f.gu == 0 && f.d == 0) return tdm_moe_expert_bytes(p);
+  size_t b = tdm_moe_expert_size(f, p->hidden, p->ffn);
+  return b && b <= SIZE_MAX - 15 ? (b + 15) / 16 * 16 : 0;
+}
+
 size_t tdm_moe_host_bytes(const tdm_moe_preset *p, int layers) {
   return tdm_moe_expert_bytes(p) * (size_t)p->experts * (size_t)layers;
 }
@@ -66,7 +73,9 @@ struct tdm_moe_model {
   tdm_moe_config cfg;
   tdm_moe_preset p;
   int L, H, E, k, I;
-  size_t ebytes;
+  size_t ebytes;              /* one routed expert's bytes (tdm_moe_expert_stride) */
+  tdm_moe_wfmt *fmt;          /* [L]: each layer's routed experts' format (bf16: {BF16, BF16}) */
+  bool quant;                 /* a format is not bf16: the ops' expert_q() and experts_q() */
   float eps;                  /* the RMSNorm's epsilon */
   const tdm_moe_ops *ops;
   void *ops_state;
@@ -170,6 +179,8 @@ typedef struct fill_job {
   char why[512];
 } fill_job;
 
+static void put_f16(uint8_t *p, uint16_t h) { memcpy(p, &h, sizeof h); }
+
 static void fill_expert(const tdm_moe_model *m, tdm_moe_bf16 *w, uint64_t seed) {
   uint64_t s = seed;
   size_t hi = (size_t)m->H * m->I;
@@ -178,18 +189,55 @@ static void fill_expert(const tdm_moe_model *m, tdm_moe_bf16 *w, uint64_t seed) 
   for (size_t i = 2 * hi; i < 3 * hi; i++) w[i] = tdm_moe_f32_to_bf16(b * unit(&s)); /* Wd */
 }
 
+/* A synthetic row of K values of a block type, its values spread over about (-a, a) as
+ * fill_expert's are: random quants under scales that put their largest near a. */
+static uint8_t *fill_row_q(uint8_t *p, int type, int K, float a, uint64_t *s) {
+  int values, bytes;
+  tdm_moe__wtype_block(type, &values, &bytes);
+  for (int b = 0; b < K / values; b++, p += bytes) {
+    for (int i = 0; i < bytes; i += 8) {
+      uint64_t r = splitmix(s);
+      memcpy(p + i, &r, bytes - i < 8 ? (size_t)(bytes - i) : 8);
+    }
+    switch (type) {
+    case TDM_MOE_W_Q8_0: put_f16(p, tdm_moe__f16_of(a / 127.0f)); break;
+    case TDM_MOE_W_Q4_K: /* value d sc q - dmin m, in about (-a, 2a) */
+      put_f16(p, tdm_moe__f16_of(2.0f * a / (63.0f * 15.0f)));
+      put_f16(p + 2, tdm_moe__f16_of(a / 63.0f));
+      break;
+    case TDM_MOE_W_Q6_K: /* int8 scales of 64..127 */
+      for (int i = 192; i < 208; i++) p[i] = (uint8_t)(64 | (p[i] & 63));
+      put_f16(p + 208, tdm_moe__f16_of(a / (127.0f * 32.0f)));
+      break;
+    default: /* MXFP4: 2^(e - 127) x 6 about a */
+      p[0] = (uint8_t)(127 + (int)floorf(log2f(a / 6.0f)));
+      break;
+    }
+  }
+  return p;
+}
+
+static void fill_expert_q(const tdm_moe_model *m, uint8_t *w, uint64_t seed) {
+  uint64_t s = seed;
+  float a = 1.0f / sqrtf((float)m->H), b = 1.0f / sqrtf((float)m->I);
+  for (int r = 0; r < 2 * m->I; r++) w = fill_row_q(w, m->fmt[0].gu, m->H, a, &s);
+  for (int r = 0; r < m->H; r++) w = fill_row_q(w, m->fmt[0].d, m->I, b, &s);
+}
+
 static void *fill_main(void *arg) {
   fill_job *j = arg;
   tdm_moe_model *m = j->m;
-  size_t per = m->ebytes / sizeof(tdm_moe_bf16);
   const tdm_moe_source *src = m->cfg.source;
   for (long key = j->t; !j->rc && key < (long)m->L * m->E; key += j->n) {
-    tdm_moe_bf16 *w = m->host_experts + (size_t)key * per;
+    uint8_t *w = (uint8_t *)m->host_experts + (size_t)key * m->ebytes;
+    uint64_t seed = m->cfg.seed * 1000003u + (uint64_t)key;
     if (src) {
       j->rc = src->expert(src->user, (int)(key / m->E), (int)(key % m->E), w);
       if (j->rc) snprintf(j->why, sizeof j->why, "%s", tdm_last_error());
-    } else
-      fill_expert(m, w, m->cfg.seed * 1000003u + (uint64_t)key);
+    } else if (m->quant)
+      fill_expert_q(m, w, seed);
+    else
+      fill_expert(m, (tdm_moe_bf16 *)(void *)w, seed);
   }
   return NULL;
 }
@@ -346,6 +394,20 @@ static int setup_buffers(tdm_moe_model *m) {
     free(iota);
   }
   return rc;
+}
+
+static bool same_fmt(tdm_moe_wfmt a, tdm_moe_wfmt b) { return a.gu == b.gu && a.d == b.d; }
+
+/* A table's experts() on layer l's routed experts' weights: experts_q() in their format where it is
+ * not bf16. */
+static int run_experts(const tdm_moe_model *m, int l, const tdm_moe_ops *ops, void *st,
+                       tdm_queue *q, const float *x, const int32_t *rows, const int32_t *slots,
+                       int n, const void *wbase, const tdm_moe_group *groups, int G, float *out,
+                       void *ws, size_t ws_bytes) {
+  if (m->quant)
+    return ops->experts_q(st, q, x, rows, slots, n, wbase, m->fmt[l], groups, G, m->H, m->I,
+                          out, ws, ws_bytes);
+  return ops->experts(st, q, x, rows, slots, n, wbase, groups, G, m->H, m->I, out, ws, ws_bytes);
 }
 
 /* Expert weights w as an offset from the streamer's slots (one allocation, whose start is
@@ -511,13 +573,17 @@ static int cal_experts(calib *c, int n, int g) {
   for (int base = 0, call = 0; !rc && base < n; base += g, call++) {
     int cnt = n - base < g ? n - base : g, j = call % m->nhq;
     for (int i = 0; i < cnt; i++) {
-      const tdm_moe_bf16 *w = m->host_ptrs[c->next++ % keys];
+      long key;
+      do /* one call computes one format: layer 0's, and the layers that share it */
+        key = c->next++ % keys;
+      while (!same_fmt(m->fmt[key / m->E], m->fmt[0]));
+      const tdm_moe_bf16 *w = m->host_ptrs[key];
       c->groups[base + i] =
           (tdm_moe_group){.w = (int64_t)(w - m->host_experts), .first = i, .count = 1};
     }
-    rc = m->hops->experts(m->hstate[j], m->hq[j], c->x, c->rows + base, c->slot + base, cnt,
-                          m->host_experts, c->groups + base, cnt, m->H, m->I, c->out, m->hws[j],
-                          m->hws_bytes);
+    rc = run_experts(m, 0, m->hops, m->hstate[j], m->hq[j], c->x, c->rows + base, c->slot + base,
+                     cnt, m->host_experts, c->groups + base, cnt, c->out, m->hws[j],
+                     m->hws_bytes);
   }
   return rc;
 }
@@ -726,6 +792,9 @@ static int setup_host(tdm_moe_model *m) {
   m->place_host_dev = m->cfg.host;
   if (!m->place_host_dev && (rc = tdm_device_find("cpu:0", &m->place_host_dev))) return rc;
   if (!(m->hops = tdm_moe_ops_for(m->place_host_dev))) return TDM_ENOTSUP; /* says why */
+  if (m->quant && !m->hops->experts_q)
+    return tdm_set_error(TDM_ENOTSUP, 0, "the host's %s MoE table computes bf16 experts only",
+                         m->hops->name);
   /* The CPU table's pool, sized before any of its op states starts it: beside a device that
    * needs feeding, the cores less HOST_RESERVE. The model holds a reference to it until
    * destroy_host(), so that its size is the model's for as long as the model lives. */
@@ -889,6 +958,27 @@ static int check_shape(const tdm_moe_config *cfg) {
   return 0;
 }
 
+/* Each layer's expert format (cfg's layer_fmt, else its expert_fmt, else bf16), and the bytes
+ * an expert takes: the largest layer's, since the streamer's slots are of one size. */
+static int set_formats(tdm_moe_model *m, const tdm_moe_config *cfg) {
+  const tdm_moe_wfmt bf16 = {TDM_MOE_W_BF16, TDM_MOE_W_BF16};
+  if (!(m->fmt = malloc((size_t)m->L * sizeof *m->fmt)))
+    return tdm_set_error(TDM_ENOMEM, 0, "no memory");
+  for (int l = 0; l < m->L; l++) {
+    tdm_moe_wfmt f = cfg->layer_fmt ? cfg->layer_fmt[l] : cfg->expert_fmt;
+    if (!f.gu && !f.d) f = bf16;
+    size_t b = same_fmt(f, bf16) ? tdm_moe_expert_bytes(&m->p) : tdm_moe_expert_stride(&m->p, f);
+    if (!b)
+      return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: layer %d's experts in format "
+                           "{%d, %d}: not a format, or %s's rows (%d and %d values) are not "
+                           "whole blocks of it", l, f.gu, f.d, m->p.name, m->H, m->I);
+    m->fmt[l] = f;
+    m->quant |= !same_fmt(f, bf16);
+    if (b > m->ebytes) m->ebytes = b;
+  }
+  return 0;
+}
+
 int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   if (!cfg || !cfg->preset || !cfg->device || !out || cfg->max_tokens < 1)
     return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: bad configuration");
@@ -903,18 +993,17 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   m->E = m->p.experts;
   m->k = m->p.topk;
   m->I = m->p.ffn;
-  m->ebytes = tdm_moe_expert_bytes(&m->p);
+  int rc = set_formats(m, cfg);
   m->maxT = cfg->max_tokens;
   m->eps = cfg->norm_eps > 0 ? cfg->norm_eps : 1e-6f;
   m->pdepth = !cfg->predict ? 0 : cfg->predict_depth > 0 ? cfg->predict_depth : 1;
-  int rc = 0;
   if (cfg->predict_depth < 0 || cfg->predict_depth > TDM_MOE_PREDICT_DEPTH_MAX)
     rc = tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: a predict depth of %d (0 to %d)",
                        cfg->predict_depth, TDM_MOE_PREDICT_DEPTH_MAX);
   if (!rc && cfg->budget_bytes && cfg->budget_bytes < m->ebytes && !cfg->all_resident)
     rc = tdm_set_error(TDM_EINVAL, 0, "a device budget of %zu bytes cannot hold one %zu-byte "
                        "expert of %s", cfg->budget_bytes, m->ebytes, m->p.name);
-  size_t host = tdm_moe_host_bytes(&m->p, m->L);
+  size_t host = m->ebytes * (size_t)m->E * (size_t)m->L;
   uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
   if (!rc && host > phys / 10 * 8)
     rc = tdm_set_error(TDM_ENOMEM, 0, "%s with %d layers needs %.1f GiB of pinned host memory "
@@ -930,6 +1019,10 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
     rc = tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: a norm epsilon of %g", cfg->norm_eps);
   if (!rc && !(m->ops = tdm_moe_ops_for(cfg->device)))
     rc = TDM_ENOTSUP; /* tdm_moe_ops_for's message says why (no BLAS, a module that failed) */
+  if (!rc && m->quant && (!m->ops->expert_q || !m->ops->experts_q))
+    rc = tdm_set_error(TDM_ENOTSUP, 0, "the %s MoE table computes bf16 experts only (no "
+                       "expert_q/experts_q): widen the experts to bf16 to run there",
+                       m->ops->name);
   if (!rc && cfg->time_chain &&
       !(m->chain = calloc(1 + (size_t)CHAIN_MARKS * m->L, sizeof *m->chain)))
     rc = tdm_set_error(TDM_ENOMEM, 0, "no memory for the chain's markers");
@@ -978,6 +1071,7 @@ void tdm_moe_model_destroy(tdm_moe_model *m) {
   free(m->scratch);
   free(m->fill);
   free(m->chain);
+  free(m->fmt);
   free(m);
 }
 
@@ -1143,8 +1237,12 @@ static int layer_experts(tdm_moe_model *m, int l, bool overlap, tdm_moe_pass_sta
     double t0 = now_s();
     if ((rc = tdm_streamer_acquire(m->streamer, l, e, &w, NULL))) return rc;
     double t1 = now_s();
-    rc = m->ops->expert(m->ops_state, m->q, m->xn, m->rows + offset[e], m->slots + offset[e],
-                        count[e], w, m->H, m->I, m->out, m->ws, m->ws_bytes);
+    rc = m->quant ? m->ops->expert_q(m->ops_state, m->q, m->xn, m->rows + offset[e],
+                                     m->slots + offset[e], count[e], w, m->fmt[l], m->H, m->I,
+                                     m->out, m->ws, m->ws_bytes)
+                  : m->ops->expert(m->ops_state, m->q, m->xn, m->rows + offset[e],
+                                   m->slots + offset[e], count[e], w, m->H, m->I, m->out, m->ws,
+                                   m->ws_bytes);
     double t2 = now_s();
     st->ops_seconds += t2 - t1;
     st->streamer_seconds += t1 - t0;
@@ -1187,8 +1285,8 @@ static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pas
   int rc;
   double t0 = now_s();
   if ((rc = upload_small(m, m->groups + at, m->groups_h + at, (size_t)nb * sizeof *m->groups_h)) ||
-      (rc = m->ops->experts(m->ops_state, m->q, m->xn, m->rows, m->slots, T * m->k, m->wbase,
-                            m->groups + at, nb, m->H, m->I, m->out, m->ws, m->ws_bytes))) {
+      (rc = run_experts(m, l, m->ops, m->ops_state, m->q, m->xn, m->rows, m->slots, T * m->k,
+                        m->wbase, m->groups + at, nb, m->out, m->ws, m->ws_bytes))) {
     batch_release(m, l, b, nb);
     return rc;
   }
@@ -1302,9 +1400,9 @@ static int host_submit(tdm_moe_model *m, int l, int T, const int *count, const i
       *g++ = (tdm_moe_group){.w = (int64_t)(w - m->host_experts), .first = offset[host[i]],
                              .count = count[host[i]]};
     }
-    rc = m->hops->experts(m->hstate[j], m->hq[j], m->xn_h, m->rows_h, m->slots_h, T * m->k,
-                          m->host_experts, table, (int)(g - table), m->H, m->I, m->out_h,
-                          m->hws[j], m->hws_bytes);
+    rc = run_experts(m, l, m->hops, m->hstate[j], m->hq[j], m->xn_h, m->rows_h, m->slots_h,
+                     T * m->k, m->host_experts, table, (int)(g - table), m->out_h, m->hws[j],
+                     m->hws_bytes);
   }
   return rc;
 }
@@ -1467,13 +1565,13 @@ static int layer_combine(tdm_moe_model *m, int l, int T) {
 static int layer_device(tdm_moe_model *m, int l, int T) {
   const tdm_moe_ops *ops = m->ops;
   void *os = m->ops_state;
-  int H = m->H, E = m->E, k = m->k, G = E < T * k ? E : T * k, rc;
+  int E = m->E, k = m->k, G = E < T * k ? E : T * k, rc;
   int32_t *idx = m->idx_all + (size_t)l * T * k;
   if ((rc = norm_route(m, l, T, idx)) ||
       (rc = ops->group(os, m->q, idx, T, k, E, m->wofs + (size_t)l * E, m->rows, m->slots,
                        m->groups)) ||
-      (rc = ops->experts(os, m->q, m->xn, m->rows, m->slots, T * k, m->wbase, m->groups, G, H,
-                         m->I, m->out, m->ws, m->ws_bytes)))
+      (rc = run_experts(m, l, ops, os, m->q, m->xn, m->rows, m->slots, T * k, m->wbase, m->groups,
+                        G, m->out, m->ws, m->ws_bytes)))
     return rc;
   return layer_combine(m, l, T);
 }

@@ -28,6 +28,18 @@ QUANT_INLINE float tdm_moe__f16_at(const uint8_t *p) {
   return tdm_moe_f16_to_f32(h);
 }
 
+/* A positive f32 in binary16's normal range as its bits, rounded to nearest (a scale for
+ * synthetic blocks; clamped to the range). */
+QUANT_INLINE uint16_t tdm_moe__f16_of(float v) {
+  union { float f; uint32_t u; } b = {v};
+  int32_t e = (int32_t)((b.u >> 23) & 0xff) - 127 + 15;
+  uint32_t man = (b.u & 0x7fffffu) + 0x1000u; /* rounded at the 13th bit */
+  if (man & 0x800000u) man = 0, e++;
+  if (e < 1) return 0x0400u;   /* the smallest normal */
+  if (e > 30) return 0x7bffu;  /* the largest */
+  return (uint16_t)((uint32_t)e << 10 | man >> 13);
+}
+
 /* Q8_0: 32 values = d (f16) x q (int8). 34 bytes. */
 QUANT_INLINE void tdm_moe__q8_0(const uint8_t *restrict b, float *restrict y) {
   float d = tdm_moe__f16_at(b);

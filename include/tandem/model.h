@@ -49,6 +49,9 @@ typedef struct tdm_model_config {
   bool dense_f32;        /* widen 16-bit dense weights to f32 on the device (twice the memory
                             and the bytes a decode step reads; the results of f32 math on the
                             same values) */
+  bool experts_bf16;     /* widen the routed experts to bf16 even where the device's table
+                            computes them in the file's format (Q8_0, Q4_K, Q6_K, MXFP4,
+                            F16): more bytes on the link, the results of the widened values */
   /* Called as the weights load (what: "experts", "dense"; done in [0, 1], rising), so a tool
    * can show progress; NULL: nothing. The experts' reports come from the threads that convert
    * them, one call at a time; the others from the thread in tdm_model_open. */
@@ -70,10 +73,17 @@ typedef struct tdm_model_info {
   bool rope_neox;        /* rotate-half pairs (else adjacent pairs) */
   bool qk_norm;          /* per-head RMSNorm of q and k (Qwen3) */
   bool tied_embeddings;  /* the LM head is the embedding */
-  size_t expert_bytes;   /* one expert, bf16 */
+  size_t expert_bytes;   /* one expert as it crosses the link: in expert_type (the largest
+                            layer's where layers differ) */
   size_t host_bytes;     /* pinned host memory for the experts */
   size_t device_bytes;   /* device memory: dense weights, KV cache, buffers (not the expert slots) */
   const char *weight_type; /* the experts' type in the file: "F32", "F16", "BF16", "Q8_0", ... */
+  const char *expert_type; /* the experts' format in host memory and on the link: "BF16"
+                              (widened at load), or the file's, gate/up type first and the down
+                              projections' after a "+" where they differ ("Q4_K+Q6_K"), the
+                              first layer's ("+..." follows where other layers differ).
+                              tdm_model_peek: what tdm_model_open would choose on the CPU,
+                              valid until the thread's next peek */
   const char *dense_type;  /* the projections' type on the device: "F32", "F16" or "BF16"
                               (tdm_model_peek: the file's) */
 } tdm_model_info;

@@ -44,10 +44,11 @@ typedef enum tdm_moe_placement {
  * returns 0 or a negative TDM_E* code with tdm_last_error() set, which creation returns. */
 typedef struct tdm_moe_source {
   void *user;
-  /* Writes expert e of layer l, bf16 [Wg (I x H) | Wu (I x H) | Wd (H x I)] (tandem/moe_ops.h's
-   * layout), to dst: pinned host memory, 3HI elements. Called from several threads at once,
-   * each for different experts. */
-  int (*expert)(void *user, int l, int e, tdm_moe_bf16 *dst);
+  /* Writes expert e of layer l in the config's expert_fmt ([Wg (I x H) | Wu (I x H) |
+   * Wd (H x I)], tandem/moe_ops.h's layout: bf16, or the file's blocks) to dst: pinned host
+   * memory, tdm_moe_expert_size() bytes. Called from several threads at once, each for
+   * different experts. */
+  int (*expert)(void *user, int l, int e, void *dst);
   /* Layer l's router, bf16 [E x H], and its RMSNorm's weight, f32 [H], into host memory. */
   int (*router)(void *user, int l, tdm_moe_bf16 *dst);
   int (*norm)(void *user, int l, float *dst);
@@ -118,6 +119,16 @@ typedef struct tdm_moe_config {
                               no router bias, experts ranked by index for the static resident
                               set, no shared experts (a preset with some is TDM_EINVAL) */
   float norm_eps;          /* the layers' RMSNorm epsilon (0: 1e-6) */
+  tdm_moe_wfmt expert_fmt; /* the routed experts' weight format (tandem/moe_ops.h): {0, 0} is
+                              bf16; another crosses the link as it is, and needs the device's
+                              table (and, with host placement, the CPU's) to have expert_q()
+                              and experts_q() (TDM_ENOTSUP otherwise). Synthetic weights are
+                              random blocks of it; a source writes its experts in it. Each
+                              expert then takes tdm_moe_expert_size() bytes, rounded up to 16 */
+  const tdm_moe_wfmt *layer_fmt; /* NULL: expert_fmt for every layer; else one format a layer
+                              (the layers' count of them), as a file may mix them (Q4_K_M's
+                              down projections are Q6_K in some layers). An expert's slot
+                              takes the largest layer's bytes */
 } tdm_moe_config;
 
 #define TDM_MOE_PREDICT_DEPTH_MAX 16
@@ -131,6 +142,10 @@ TDM_API int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out)
 TDM_API void tdm_moe_model_destroy(tdm_moe_model *m);
 
 TDM_API size_t tdm_moe_expert_bytes(const tdm_moe_preset *p);
+/* The bytes one routed expert of p takes in format f (tdm_moe_config.expert_fmt; {0, 0} is
+ * bf16, tdm_moe_expert_bytes()) in host memory, in the device's slots and on the link: 0 when
+ * p's rows are not whole blocks of f's types. */
+TDM_API size_t tdm_moe_expert_stride(const tdm_moe_preset *p, tdm_moe_wfmt f);
 TDM_API size_t tdm_moe_host_bytes(const tdm_moe_preset *p, int layers);
 
 /* The synthetic input of n tokens starting at `pos`: prefill tokens are independent; decode

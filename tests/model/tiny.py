@@ -12,7 +12,7 @@ ref_model.py (the float64 reference):
   DIR/meta.json    the shapes, dtypes and seed
 
 usage: tiny.py --arch qwen3moe|mixtral --out DIR [--seed N] [--layers L]
-               [--dtype f32|f16|bf16|q8_0] [--experts-dtype f32|f16|bf16|q8_0|mxfp4]
+               [--dtype f32|f16|bf16|q8_0] [--experts-dtype f32|f16|bf16|q8_0|mxfp4|q4_k_m]
                [--tied] [--vocab V] [--hidden H] [--heads N]
                [--kv-heads N] [--head-dim D] [--experts E] [--top-k K] [--moe-ffn I] [--ctx C]
                [--rope-theta T] [--eps E]
@@ -26,6 +26,11 @@ The block types go to the GGUF as blocks and to the safetensors as their values 
 Hugging Face folder holds no GGUF blocks). q8_0 is quantized here with power-of-two block
 scales, mxfp4 by the gguf package (whose scales are powers of two too): every value is then a
 bf16 value, which is what tandem computes experts in, so the logits still compare closely.
+q4_k_m mixes the types as llama.cpp's Q4_K_M files do: Q4_K gate and up projections, and down
+projections in Q6_K in even layers and Q4_K in odd ones (it needs --hidden and --moe-ffn
+multiples of 256). The gguf package has no quantizer for these, so this file has its own
+(plain round-to-nearest under the block's largest scale, not llama.cpp's search); the values
+are what gguf.quants.dequantize makes of its blocks, and are not bf16 values.
 """
 import argparse
 import json
@@ -46,7 +51,9 @@ DEFAULTS = {
                     moe_ffn=32, ffn=32, layers=2, ctx=256, rope_theta=1e4, eps=1e-6),
 }
 DTYPES = ("f32", "f16", "bf16")
-QTYPES = ("q8_0", "mxfp4")  # block types, GGUF only (F32 values in the safetensors)
+QTYPES = ("q8_0", "mxfp4", "q4_k", "q6_k")  # block types, GGUF only (F32 values in the
+                                            # safetensors); q4_k_m is a mix of the last two
+KTYPES = ("q4_k", "q6_k")
 
 
 # ---- rounding and encoding: values are kept as float32 arrays holding exactly representable
@@ -79,21 +86,100 @@ def q8_0_blocks(a):
     return out.reshape(*x.shape[:-1], x.shape[-1] // 32 * 34)
 
 
+def f16_round(a):
+    return np.asarray(a, dtype=np.float32).astype(np.float16).astype(np.float32)
+
+
+def q4_k_quantize(x):
+    """Q4_K blocks [n, 144] of blocks x [n, 256]: per sub-block of 32 an affine 4-bit grid
+    from its minimum (at most 0) to its maximum, its scale and minimum in 6 bits under the
+    block's f16 d and dmin."""
+    sub = x.reshape(-1, 8, 32)
+    mn = np.minimum(sub.min(axis=2), 0.0)
+    sc = (sub.max(axis=2) - mn) / 15.0
+    d = f16_round(np.maximum(sc.max(axis=1), 1e-8) / 63.0)
+    dmin = f16_round(np.maximum((-mn).max(axis=1), 1e-8) / 63.0)
+    isc = np.clip(np.round(sc / d[:, None]), 1, 63).astype(np.int64)
+    imn = np.clip(np.round(-mn / dmin[:, None]), 0, 63).astype(np.int64)
+    step = (d[:, None] * isc)[:, :, None]
+    q = np.clip(np.round((sub + (dmin[:, None] * imn)[:, :, None]) / step), 0, 15)
+    q = q.astype(np.uint8).reshape(-1, 4, 2, 32)  # [block, 64-chunk, low/high nibble, 32]
+    scales = np.zeros((x.shape[0], 12), dtype=np.uint8)
+    for i in range(4):  # ggml's packing of eight 6-bit scales and mins into 12 bytes
+        scales[:, i] = isc[:, i] | ((isc[:, i + 4] >> 4) << 6)
+        scales[:, i + 4] = imn[:, i] | ((imn[:, i + 4] >> 4) << 6)
+        scales[:, i + 8] = (isc[:, i + 4] & 15) | ((imn[:, i + 4] & 15) << 4)
+    qs = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(-1, 128)
+    return np.concatenate([d.astype(np.float16).view(np.uint8).reshape(-1, 2),
+                           dmin.astype(np.float16).view(np.uint8).reshape(-1, 2), scales, qs],
+                          axis=1)
+
+
+def q6_k_quantize(x):
+    """Q6_K blocks [n, 210] of blocks x [n, 256]: per sub-block of 16 a symmetric 6-bit grid
+    (-32..31) under an int8 scale, under the block's f16 d."""
+    sub = x.reshape(-1, 16, 16)
+    sc = np.abs(sub).max(axis=2) / 31.0
+    d = f16_round(np.maximum(sc.max(axis=1), 1e-8) / 127.0)
+    isc = np.clip(np.round(sc / d[:, None]), 1, 127).astype(np.int64)
+    q = np.clip(np.round(sub / (d[:, None] * isc)[:, :, None]), -32, 31) + 32
+    q = q.astype(np.uint8).reshape(-1, 2, 4, 32)  # [block, half, quarter, 32]
+    # per half: ql = quarters 0 | 2 (low nibbles), then 1 | 3; qh = the four quarters' top bits
+    ql = np.concatenate([(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4),
+                         (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)], axis=2).reshape(-1, 128)
+    qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) |
+          ((q[:, :, 3] >> 4) << 6)).reshape(-1, 64)
+    return np.concatenate([ql, qh, isc.astype(np.int8).view(np.uint8),
+                           d.astype(np.float16).view(np.uint8).reshape(-1, 2)], axis=1)
+
+
+# K-type blocks by their values' bytes: quantizing the dequantized values of a block again
+# need not give the same block, so the file gets the blocks the values came from.
+_KBLOCKS = {}
+
+
+def k_blocks(a, dtype):
+    x = np.asarray(a, dtype=np.float32)
+    flat = x.reshape(-1, 256)
+    out = np.empty((flat.shape[0], 144 if dtype == "q4_k" else 210), dtype=np.uint8)
+    for i, row in enumerate(flat):
+        out[i] = _KBLOCKS[(dtype, row.tobytes())]
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 256 * out.shape[1])
+
+
 def q_blocks(a, dtype):
     import gguf
     if dtype == "q8_0":
         return q8_0_blocks(a)
+    if dtype in KTYPES:
+        return k_blocks(a, dtype)
     return gguf.quants.quantize(np.asarray(a, dtype=np.float32), gguf.GGMLQuantizationType.MXFP4)
 
 
 def dequant(blocks, dtype):
     import gguf
-    qt = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "mxfp4": gguf.GGMLQuantizationType.MXFP4}
+    T = gguf.GGMLQuantizationType
+    qt = {"q8_0": T.Q8_0, "mxfp4": T.MXFP4, "q4_k": T.Q4_K, "q6_k": T.Q6_K}
     return gguf.quants.dequantize(blocks, qt[dtype]).astype(np.float32)
+
+
+def k_round(a, dtype):
+    """a quantized to a K type: the values of its blocks (which _KBLOCKS keeps)."""
+    x = np.asarray(a, dtype=np.float32)
+    if x.shape[-1] % 256:
+        raise ValueError(f"{dtype} rows of {x.shape[-1]} values: not a multiple of 256")
+    flat = x.reshape(-1, 256)
+    blocks = q4_k_quantize(flat) if dtype == "q4_k" else q6_k_quantize(flat)
+    vals = dequant(blocks, dtype).reshape(flat.shape)
+    for v, b in zip(vals, blocks):
+        _KBLOCKS[(dtype, v.tobytes())] = b
+    return vals.reshape(x.shape)
 
 
 def round_to(a, dtype):
     a = np.asarray(a, dtype=np.float32)
+    if dtype in KTYPES:
+        return k_round(a, dtype)
     if dtype in QTYPES:
         return dequant(q_blocks(a, dtype), dtype)
     if dtype == "f16":
@@ -154,6 +240,12 @@ def make_weights(arch, cfg, seed, dtype, experts_dtype, tied, router_bf16=False)
         # near 1, never 0: a dropped or misapplied norm still shows in the logits
         w[name] = (round_to(1.0 + 0.1 * rng.standard_normal(n), plain), plain)
 
+    def edt(kind, layer):
+        """An expert projection's dtype: q4_k_m's mix, else experts_dtype."""
+        if experts_dtype != "q4_k_m":
+            return experts_dtype
+        return "q6_k" if kind == "down" and layer % 2 == 0 else "q4_k"
+
     # The embedding is scaled like a projection too: as a tied head its logits stay O(1), and
     # the input token does not dominate the residual stream (greedy would just repeat it).
     lin("model.embed_tokens.weight", cfg["vocab"], H)
@@ -172,16 +264,16 @@ def make_weights(arch, cfg, seed, dtype, experts_dtype, tied, router_bf16=False)
             router(p + "mlp.gate.weight")
             for e in range(E):
                 q = f"{p}mlp.experts.{e}."
-                lin(q + "gate_proj.weight", I, H, experts_dtype)
-                lin(q + "up_proj.weight", I, H, experts_dtype)
-                lin(q + "down_proj.weight", H, I, experts_dtype)
+                lin(q + "gate_proj.weight", I, H, edt("gate", L))
+                lin(q + "up_proj.weight", I, H, edt("up", L))
+                lin(q + "down_proj.weight", H, I, edt("down", L))
         else:
             router(p + "block_sparse_moe.gate.weight")
             for e in range(E):
                 q = f"{p}block_sparse_moe.experts.{e}."
-                lin(q + "w1.weight", I, H, experts_dtype)   # gate
-                lin(q + "w3.weight", I, H, experts_dtype)   # up
-                lin(q + "w2.weight", H, I, experts_dtype)   # down
+                lin(q + "w1.weight", I, H, edt("gate", L))   # gate
+                lin(q + "w3.weight", I, H, edt("up", L))     # up
+                lin(q + "w2.weight", H, I, edt("down", L))   # down
     norm("model.norm.weight", H)
     if not tied:
         lin("lm_head.weight", cfg["vocab"], H)
@@ -192,7 +284,8 @@ def make_weights(arch, cfg, seed, dtype, experts_dtype, tied, router_bf16=False)
 # Layout: u64 little-endian header length N, N bytes of JSON (space-padded to a multiple of 8),
 # then the tensors' bytes; data_offsets are relative to the end of the header.
 
-ST_DTYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "F32", "mxfp4": "F32"}
+ST_DTYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "F32", "mxfp4": "F32",
+            "q4_k": "F32", "q6_k": "F32"}
 
 
 def write_safetensors(path, tensors):
@@ -300,7 +393,8 @@ def add_metadata(w, ga, name, cfg, layers, ffn, dtype):
 def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied):
     import gguf
     T = gguf.GGMLQuantizationType
-    gtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "mxfp4": T.MXFP4}
+    gtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "mxfp4": T.MXFP4,
+             "q4_k": T.Q4_K, "q6_k": T.Q6_K}
     ga = "qwen3moe" if arch == "qwen3moe" else "llama"
     w = gguf.GGUFWriter(path, ga)
     add_metadata(w, ga, f"tiny-{arch}", cfg, cfg["layers"], cfg["ffn"], dtype)
@@ -340,7 +434,7 @@ def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied):
         for gname, hname in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), names):
             # [E, I, H] for gate/up and [E, H, I] for down (numpy order; GGUF ne is reversed)
             stack = np.stack([hf(f"{m}experts.{e}.{hname}.weight") for e in range(cfg["experts"])])
-            put(f"{b}{gname}.weight", stack, experts_dtype)
+            put(f"{b}{gname}.weight", stack, weights[f"{m}experts.0.{hname}.weight"][1])
     put("output_norm.weight", hf("model.norm.weight"), "f32")
     if not tied:
         put("output.weight", hf("lm_head.weight"), dtype)
@@ -385,7 +479,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=DTYPES + ("q8_0",), default="f32",
                     help="non-expert weights (f32)")
-    ap.add_argument("--experts-dtype", choices=DTYPES + QTYPES, default="bf16",
+    ap.add_argument("--experts-dtype", choices=DTYPES + ("q8_0", "mxfp4", "q4_k_m"),
+                    default="bf16",
                     help="experts (bf16)")
     ap.add_argument("--tied", action="store_true", help="no lm_head/output: the embedding is the head")
     ap.add_argument("--router-bf16", action="store_true",
