@@ -168,6 +168,31 @@ static __device__ __forceinline__ float warp_sum(float v) {
 }
 
 
+/* What cuda/quant.cu takes from cuda/ops.cu: the bf16 entries (the {BF16, BF16} format is
+ * theirs), expert()'s GEMM path on bf16 weights (its workspace as expert() lays it out: gate|up
+ * at 0, the gathered rows and the output at cuda_expert_off_o(n, I), 4nH bytes), and the rows of
+ * H floats from p to the end of its allocation. */
+int cuda_expert(void *st, tdm_queue *q, const float *x, const int32_t *rows, const int32_t *slot,
+                int n, const tdm_moe_bf16 *w, int H, int I, float *out, void *workspace,
+                size_t workspace_bytes);
+int cuda_experts(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                 const int32_t *slot, int n, const tdm_moe_bf16 *wbase,
+                 const tdm_moe_group *groups, int G, int H, int I, float *out, void *workspace,
+                 size_t workspace_bytes);
+int cuda_run_expert(moe_cuda *m, const float *x, const int32_t *rows, const int32_t *slot, int n,
+                    const uint16_t *w, int H, int I, float *out, unsigned char *ws);
+size_t cuda_expert_off_o(size_t n, size_t I);
+uint32_t cuda_rows_in(const float *p, int H);
+
+/* Experts in their file's format (cuda/quant.cu), entries of tdm_moe__cuda_ops. */
+int cuda_expert_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                  const int32_t *slot, int n, const void *w, tdm_moe_wfmt fmt, int H, int I,
+                  float *out, void *workspace, size_t workspace_bytes);
+int cuda_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                   const int32_t *slot, int n, const void *wbase, tdm_moe_wfmt fmt,
+                   const tdm_moe_group *groups, int G, int H, int I, float *out,
+                   void *workspace, size_t workspace_bytes);
+
 /* The transformer's operations (cuda/xfmr.cu), entries of tdm_moe__cuda_ops; and the loading
  * of their kernels at open() (see preload in cuda/ops.cu). */
 int cuda_xfmr_preload(moe_cuda *m);

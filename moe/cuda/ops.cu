@@ -170,7 +170,7 @@ static __global__ void router_kernel(const float *x, const uint16_t *wr, const f
 
 static size_t round_ws(size_t b) { return (b + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN; }
 
-static size_t expert_off_o(size_t n, size_t I) { return round_ws(8 * n * I); }
+size_t cuda_expert_off_o(size_t n, size_t I) { return round_ws(8 * n * I); }
 
 /* Indices are device data written by earlier commands, so they are checked only here, against
  * the rows the host saw in the allocations (limit): a bad row gathers zeros and a bad slot is
@@ -912,7 +912,7 @@ static int gemm_rows(moe_cuda *m, int ntok, int N, int K, const void *A, int a_s
 
 /* How many rows of H floats lie between p and the end of the tandem allocation holding it
  * (memory tandem does not know: as many as an int32 index can name; the caller vouches). */
-static uint32_t rows_in(const float *p, int H) {
+uint32_t cuda_rows_in(const float *p, int H) {
   tdm_mem_info mi;
   size_t rows = (size_t)INT32_MAX + 1;
   if (tdm_mem_query(p, &mi) == 0 && mi.base) {
@@ -922,28 +922,28 @@ static uint32_t rows_in(const float *p, int H) {
   return (uint32_t)rows;
 }
 
-static int run_expert(moe_cuda *m, const float *x, const int32_t *rows, const int32_t *slot, int n,
-                      const tdm_moe_bf16 *w, int H, int I, float *out, unsigned char *ws) {
+int cuda_run_expert(moe_cuda *m, const float *x, const int32_t *rows, const int32_t *slot, int n,
+                    const uint16_t *w, int H, int I, float *out, unsigned char *ws) {
   float *GU = (float *)ws;
-  uint16_t *X = (uint16_t *)(ws + expert_off_o((size_t)n, (size_t)I));
+  uint16_t *X = (uint16_t *)(ws + cuda_expert_off_o((size_t)n, (size_t)I));
   float *O = (float *)X;
   const uint16_t *Wgu = w;                    /* [2I x H]: Wg then Wu */
   const uint16_t *Wd = w + 2 * (size_t)I * H; /* [H x I] */
   int rc;
-  gather_kernel<<<n, MOE_THREADS, 0, m->s>>>(X, x, rows, H, rows_in(x, H));
+  gather_kernel<<<n, MOE_THREADS, 0, m->s>>>(X, x, rows, H, cuda_rows_in(x, H));
   CK_CUDA(cudaGetLastError());
   if ((rc = gemm_rows(m, n, 2 * I, H, X, H, Wgu, GU))) return rc; /* GU = X [Wg|Wu]^T */
   swiglu_kernel<<<n, MOE_THREADS, 0, m->s>>>(GU, I);
   CK_CUDA(cudaGetLastError());
   if ((rc = gemm_rows(m, n, H, I, GU, 4 * I, Wd, O))) return rc; /* O = h Wd^T */
-  scatter_kernel<<<n, MOE_THREADS, 0, m->s>>>(out, O, slot, H, rows_in(out, H));
+  scatter_kernel<<<n, MOE_THREADS, 0, m->s>>>(out, O, slot, H, cuda_rows_in(out, H));
   CK_CUDA(cudaGetLastError());
   return 0;
 }
 
-static int cuda_expert(void *st, tdm_queue *q, const float *x, const int32_t *rows,
-                       const int32_t *slot, int n, const tdm_moe_bf16 *w, int H, int I, float *out,
-                       void *workspace, size_t workspace_bytes) {
+int cuda_expert(void *st, tdm_queue *q, const float *x, const int32_t *rows, const int32_t *slot,
+                int n, const tdm_moe_bf16 *w, int H, int I, float *out, void *workspace,
+                size_t workspace_bytes) {
   moe_cuda *m = (moe_cuda *)st;
   if (check_queue(m, q) || n < 0 || H <= 0 || I <= 0 || I > INT_MAX / 4)
     return bad_args("expert");
@@ -952,12 +952,12 @@ static int cuda_expert(void *st, tdm_queue *q, const float *x, const int32_t *ro
     return bad_args("expert");
   size_t contract = tdm_moe__workspace(n, H, I);
   if (!contract || workspace_bytes < contract ||
-      expert_off_o((size_t)n, (size_t)I) + 4 * (size_t)n * H > workspace_bytes)
+      cuda_expert_off_o((size_t)n, (size_t)I) + 4 * (size_t)n * H > workspace_bytes)
     return tdm_set_error(TDM_EINVAL, 0, "moe expert: a workspace of %zu bytes; n=%d H=%d I=%d "
                          "need %zu", workspace_bytes, n, H, I, contract);
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
-  rc = run_expert(m, x, rows, slot, n, w, H, I, out, (unsigned char *)workspace);
+  rc = cuda_run_expert(m, x, rows, slot, n, w, H, I, out, (unsigned char *)workspace);
   leave(m, saved);
   return rc;
 }
@@ -971,10 +971,10 @@ static long long elems_in(const tdm_moe_bf16 *w) {
   return LLONG_MAX;
 }
 
-static int cuda_experts(void *st, tdm_queue *q, const float *x, const int32_t *rows,
-                        const int32_t *slot, int n, const tdm_moe_bf16 *wbase,
-                        const tdm_moe_group *groups, int G, int H, int I, float *out,
-                        void *workspace, size_t workspace_bytes) {
+int cuda_experts(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                 const int32_t *slot, int n, const tdm_moe_bf16 *wbase,
+                 const tdm_moe_group *groups, int G, int H, int I, float *out, void *workspace,
+                 size_t workspace_bytes) {
   moe_cuda *m = (moe_cuda *)st;
   if (check_queue(m, q) || n < 0 || G < 0 || G > 65535 || H <= 0 || I <= 0)
     return bad_args("experts");
@@ -987,7 +987,7 @@ static int cuda_experts(void *st, tdm_queue *q, const float *x, const int32_t *r
     return tdm_set_error(TDM_EINVAL, 0, "moe experts: a workspace of %zu bytes; n=%d H=%d I=%d "
                          "need %zu", workspace_bytes, n, H, I, contract);
   bool vec = H % 8 == 0 && I % 8 == 0 && !((uintptr_t)x & 15) && !((uintptr_t)wbase & 15);
-  uint32_t xlimit = rows_in(x, H), olimit = rows_in(out, H);
+  uint32_t xlimit = cuda_rows_in(x, H), olimit = cuda_rows_in(out, H);
   long long wlimit = elems_in(wbase);
   float *h = (float *)workspace;
   bool narrow = m->gx_shape == GX_SHAPE_NARROW;
@@ -1190,6 +1190,8 @@ extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .attention = */ cuda_attention,
     /* .get_rows_h = */ cuda_get_rows_h,
     /* .matmul_h = */ cuda_matmul_h,
+    /* .expert_q = */ cuda_expert_q,
+    /* .experts_q = */ cuda_experts_q,
 };
 
 /* The entry libtandem_moe looks up when it loads this module (libtandem_moe-cuda.so). */

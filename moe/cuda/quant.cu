@@ -1,0 +1,377 @@
+/* cuda/quant.cu: experts in their file's format on CUDA (expert_q() and experts_q() of
+ * tandem/moe_ops.h): GGUF's Q8_0, Q4_K, Q6_K and MXFP4 blocks, and F16, read as they crossed
+ * the link and widened inside the kernels ({BF16, BF16} is experts()'s and expert()'s own).
+ *
+ * Every type is read in units of 32 values (unit32): a Q8_0 or MXFP4 block; a Q4_K sub-block
+ * (its 6-bit scale and min, and one nibble of 32 bytes); a quarter of a Q6_K half-block; 32
+ * F16 values. Each unit's values are computed in moe/quant.h's f32 operations and order (the
+ * compiler may fuse Q4_K's d sc q - dmin m into one rounding), so a weight is the value
+ * tdm_moe_dequant_row gives within that rounding.
+ *
+ * experts_q (decode, small ubatches): as experts() on bf16, one warp per weight row of an
+ * entry's expert (blockIdx.y the entry). Lane l widens the row's units l, l + 32, ... into
+ * registers and dots each with every token (NT at a time), f32 fmaf in ascending column order
+ * within a unit, units ascending, then the fixed warp tree: a token's result depends on its
+ * expert and its own activations only.
+ *
+ * expert_q (prefill, many tokens an expert): the expert is widened to bf16 into the workspace
+ * (one warp a row), then expert()'s GEMMs run on it, as on a bf16 expert: bf16 rounding of the
+ * widened weights, as of the activations, is the precision of that path. */
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <limits.h>
+#include <stdint.h>
+
+#include "cuda/cuda_ops.h"
+
+extern "C" {
+#include "tandem/moe_ops.h"
+}
+
+/* ---- units of 32 values ---- */
+
+static __device__ __forceinline__ uint16_t ld16(const uint8_t *p) { /* p even */
+  return __ldg((const unsigned short *)p);
+}
+
+static __device__ __forceinline__ float f16_at(const uint8_t *p) {
+  return __half2float(__ushort_as_half(ld16(p)));
+}
+
+/* Unit u (values 32u .. 32u + 31) of a row of type T at row (an even address) into v. */
+template <int T>
+static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v[32]) {
+  if (T == TDM_MOE_W_Q8_0) {
+    const uint8_t *b = row + 34 * (size_t)u;
+    const float d = f16_at(b);
+#pragma unroll
+    for (int j = 0; j < 32; j += 2) {
+      uint16_t q = ld16(b + 2 + j);
+      v[j] = (float)(int8_t)(q & 0xff) * d;
+      v[j + 1] = (float)(int8_t)(q >> 8) * d;
+    }
+  } else if (T == TDM_MOE_W_Q4_K) {
+    const uint8_t *b = row + 144 * (size_t)(u >> 3);
+    const int j = u & 7;
+    const uint8_t *sc = b + 4;
+    int s, m;
+    if (j < 4) {
+      s = __ldg(sc + j) & 63;
+      m = __ldg(sc + j + 4) & 63;
+    } else {
+      s = (__ldg(sc + j + 4) & 0xF) | ((__ldg(sc + j - 4) >> 6) << 4);
+      m = (__ldg(sc + j + 4) >> 4) | ((__ldg(sc + j) >> 6) << 4);
+    }
+    const float d1 = f16_at(b) * (float)s, m1 = f16_at(b + 2) * (float)m;
+    const uint8_t *q = b + 16 + 32 * (j >> 1);
+    const int shift = (j & 1) * 4;
+#pragma unroll
+    for (int l = 0; l < 32; l += 2) {
+      const uint16_t w = ld16(q + l);
+      v[l] = d1 * (float)((w >> shift) & 0xF) - m1;
+      v[l + 1] = d1 * (float)((w >> (8 + shift)) & 0xF) - m1;
+    }
+  } else if (T == TDM_MOE_W_Q6_K) {
+    const uint8_t *b = row + 210 * (size_t)(u >> 3);
+    const int j = u & 7, h = j >> 2, qq = j & 3;
+    const uint8_t *ql = b + 64 * h + 32 * (qq & 1), *qh = b + 128 + 32 * h;
+    const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * qq;
+    const float d = f16_at(b + 208);
+    const float d0 = d * (float)__ldg(sc), d1 = d * (float)__ldg(sc + 1);
+    const int sl = (qq >> 1) * 4, sh = 2 * qq;
+#pragma unroll
+    for (int l = 0; l < 32; l += 2) {
+      uint16_t lo = ld16(ql + l), hi = ld16(qh + l);
+#pragma unroll
+      for (int k = 0; k < 2; k++) {
+        int q = (((lo >> (8 * k)) >> sl) & 0xF) | ((((hi >> (8 * k)) >> sh) & 3) << 4);
+        v[l + k] = (l + k < 16 ? d0 : d1) * (float)(int8_t)(q - 32);
+      }
+    }
+  } else if (T == TDM_MOE_W_MXFP4) {
+    const uint8_t *b = row + 17 * (size_t)u;
+    const uint32_t e = __ldg(b);
+    const float d = __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+    /* E2M1 doubled, by the code's low 3 bits: 0 1 2 3 4 6 8 12 (a nibble each); bit 3 is the
+     * sign */
+    const uint32_t kv = 0xC8643210u;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+      const uint32_t q = __ldg(b + 1 + j);
+      const float lo = (float)((kv >> (4 * (q & 7))) & 15), hi = (float)((kv >> (4 * ((q >> 4) & 7))) & 15);
+      v[j] = ((q & 8) ? -lo : lo) * d;
+      v[j + 16] = ((q & 0x80) ? -hi : hi) * d;
+    }
+  } else { /* TDM_MOE_W_F16 */
+    const uint8_t *p = row + 64 * (size_t)u;
+#pragma unroll
+    for (int j = 0; j < 32; j++) v[j] = f16_at(p + 2 * j);
+  }
+}
+
+/* ---- experts_q: the grouped kernels ---- */
+
+/* An entry whose rows leave [0, n) or whose expert (ebytes from byte 2w) leaves the weights'
+ * allocation (wlimit bytes from wbase) is skipped. */
+static __device__ __forceinline__ bool qentry_ok(const tdm_moe_group &g, int n, long long wlimit,
+                                                 long long ebytes) {
+  return g.count > 0 && g.first >= 0 && (long long)g.first + g.count <= n && g.w >= 0 &&
+         2 * g.w <= wlimit - ebytes;
+}
+
+#define GQ_NT 2 /* tokens a pass over a row dots with its widened units */
+
+template <int T>
+static __global__ void __launch_bounds__(MOE_THREADS)
+    gq_gate_up_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int n,
+                      const uint8_t *wbase, long long wlimit, long long ebytes,
+                      const tdm_moe_group *groups, int H, int I, size_t rb, float *h) {
+  wait_prior_grid();
+  const tdm_moe_group g = groups[blockIdx.y];
+  const int r = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (r >= I || !qentry_ok(g, n, wlimit, ebytes)) return; /* whole warps leave */
+  const uint8_t *wg = wbase + 2 * g.w + (size_t)r * rb, *wu = wg + (size_t)I * rb;
+  const int units = H / 32;
+  for (int t0 = 0; t0 < g.count; t0 += GQ_NT) {
+    const int nt = min(GQ_NT, g.count - t0);
+    const float *xr[GQ_NT];
+    float ag[GQ_NT], au[GQ_NT];
+#pragma unroll
+    for (int t = 0; t < GQ_NT; t++) {
+      uint32_t row = t < nt ? (uint32_t)rows[g.first + t0 + t] : xlimit;
+      xr[t] = row < xlimit ? x + (size_t)row * H : NULL;
+      ag[t] = au[t] = 0.f;
+    }
+    for (int u = lane; u < units; u += 32) {
+      float gv[32], uv[32];
+      unit32<T>(wg, u, gv);
+      unit32<T>(wu, u, uv);
+#pragma unroll
+      for (int t = 0; t < GQ_NT; t++) {
+        if (!xr[t]) continue;
+        const float4 *xp = (const float4 *)(xr[t] + 32 * u);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+          float4 xv = xp[k];
+          const float xs[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+          for (int i = 0; i < 4; i++) {
+            ag[t] = fmaf(xs[i], gv[4 * k + i], ag[t]);
+            au[t] = fmaf(xs[i], uv[4 * k + i], au[t]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < GQ_NT; t++) {
+      if (t >= nt) break;
+      float gs = warp_sum(ag[t]), us = warp_sum(au[t]);
+      if (lane == 0 && xr[t]) h[((size_t)g.first + t0 + t) * I + r] = gs / (1.f + expf(-gs)) * us;
+    }
+  }
+}
+
+/* Down row c of an entry's expert: out[slot][c] = h . Wd[c], for its tokens (a slot outside
+ * out's allocation, or a token whose row lies outside x's, is not written). */
+template <int T>
+static __global__ void __launch_bounds__(MOE_THREADS)
+    gq_down_kernel(const float *h, const int32_t *rows, uint32_t xlimit, const int32_t *slot,
+                   uint32_t olimit, int n, const uint8_t *wbase, long long wlimit,
+                   long long ebytes, const tdm_moe_group *groups, int H, int I, size_t gu_rb,
+                   size_t rb, float *out) {
+  wait_prior_grid();
+  const tdm_moe_group g = groups[blockIdx.y];
+  const int c = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (c >= H || !qentry_ok(g, n, wlimit, ebytes)) return;
+  const uint8_t *wd = wbase + 2 * g.w + 2 * (size_t)I * gu_rb + (size_t)c * rb;
+  const int units = I / 32;
+  for (int t0 = 0; t0 < g.count; t0 += GQ_NT) {
+    const int nt = min(GQ_NT, g.count - t0);
+    float acc[GQ_NT];
+#pragma unroll
+    for (int t = 0; t < GQ_NT; t++) acc[t] = 0.f;
+    for (int u = lane; u < units; u += 32) {
+      float wv[32];
+      unit32<T>(wd, u, wv);
+#pragma unroll
+      for (int t = 0; t < GQ_NT; t++) {
+        if (t >= nt) break;
+        const float4 *hp = (const float4 *)(h + ((size_t)g.first + t0 + t) * I + 32 * u);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+          float4 hv = hp[k];
+          acc[t] = fmaf(hv.x, wv[4 * k], acc[t]);
+          acc[t] = fmaf(hv.y, wv[4 * k + 1], acc[t]);
+          acc[t] = fmaf(hv.z, wv[4 * k + 2], acc[t]);
+          acc[t] = fmaf(hv.w, wv[4 * k + 3], acc[t]);
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < GQ_NT; t++) {
+      if (t >= nt) break;
+      uint32_t s = (uint32_t)slot[g.first + t0 + t];
+      bool ok = s < olimit && (uint32_t)rows[g.first + t0 + t] < xlimit;
+      float v = warp_sum(acc[t]);
+      if (lane == 0 && ok) out[(size_t)s * H + c] = v;
+    }
+  }
+}
+
+/* ---- expert_q: widened to bf16, then expert()'s GEMMs ---- */
+
+/* Rows [0, nrows) of K values of type T at w (rb bytes each) into bf16 rows at dst, one warp a
+ * row. */
+template <int T>
+static __global__ void __launch_bounds__(MOE_THREADS)
+    widen_rows_kernel(const uint8_t *w, size_t rb, int nrows, int K, uint16_t *dst) {
+  const int r = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (r >= nrows) return;
+  const uint8_t *row = w + (size_t)r * rb;
+  uint16_t *out = dst + (size_t)r * K;
+  for (int u = lane; u < K / 32; u += 32) {
+    float v[32];
+    unit32<T>(row, u, v);
+    uint4 *o = (uint4 *)(out + 32 * u);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      uint32_t p[4];
+#pragma unroll
+      for (int i = 0; i < 4; i++)
+        p[i] = f32_to_bf16(v[8 * k + 2 * i]) | (uint32_t)f32_to_bf16(v[8 * k + 2 * i + 1]) << 16;
+      o[k] = make_uint4(p[0], p[1], p[2], p[3]);
+    }
+  }
+}
+
+/* ---- dispatch ---- */
+
+/* Whether the CUDA kernels take type t for rows of K values: a type of moe_ops.h, K a
+ * multiple of its block and of 32. */
+static bool type_ok(int t, int K) {
+  return t != TDM_MOE_W_BF16 && tdm_moe_row_bytes(t, K) && K % 32 == 0;
+}
+
+#define GQ_DISPATCH(t, kernel, ...)                                                           \
+  ((t) == TDM_MOE_W_Q8_0    ? launch_pdl(m, kernel<TDM_MOE_W_Q8_0>, __VA_ARGS__)                \
+   : (t) == TDM_MOE_W_Q4_K  ? launch_pdl(m, kernel<TDM_MOE_W_Q4_K>, __VA_ARGS__)              \
+   : (t) == TDM_MOE_W_Q6_K  ? launch_pdl(m, kernel<TDM_MOE_W_Q6_K>, __VA_ARGS__)              \
+   : (t) == TDM_MOE_W_MXFP4 ? launch_pdl(m, kernel<TDM_MOE_W_MXFP4>, __VA_ARGS__)             \
+                            : launch_pdl(m, kernel<TDM_MOE_W_F16>, __VA_ARGS__))
+
+static bool is_bf16(tdm_moe_wfmt f) { return f.gu == TDM_MOE_W_BF16 && f.d == TDM_MOE_W_BF16; }
+
+static int check_fmt(tdm_moe_wfmt fmt, int H, int I, const char *op) {
+  if (type_ok(fmt.gu, H) && type_ok(fmt.d, I) && tdm_moe_expert_size(fmt, H, I)) return 0;
+  return tdm_set_error(TDM_EINVAL, 0,
+                       "moe %s: weight format {%d, %d} with H=%d, I=%d: a type the CUDA table "
+                       "lacks, or rows that are not whole blocks (and multiples of 32)", op,
+                       fmt.gu, fmt.d, H, I);
+}
+
+/* Bytes from w to the end of the tandem allocation holding it (memory tandem does not know:
+ * as many as a long long names; the caller vouches). */
+static long long bytes_in(const void *w) {
+  tdm_mem_info mi;
+  if (tdm_mem_query(w, &mi) == 0 && mi.base)
+    return (long long)((const char *)mi.base + mi.size - (const char *)w);
+  return LLONG_MAX;
+}
+
+int cuda_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                   const int32_t *slot, int n, const void *wbase, tdm_moe_wfmt fmt,
+                   const tdm_moe_group *groups, int G, int H, int I, float *out,
+                   void *workspace, size_t workspace_bytes) {
+  if (is_bf16(fmt))
+    return cuda_experts(st, q, x, rows, slot, n, (const tdm_moe_bf16 *)wbase, groups, G, H, I,
+                        out, workspace, workspace_bytes);
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || n < 0 || G < 0 || G > 65535 || H <= 0 || I <= 0)
+    return bad_args("experts");
+  int rc = check_fmt(fmt, H, I, "experts");
+  if (rc) return rc;
+  if (n == 0 || G == 0) return 0;
+  if (!x || !rows || !slot || !wbase || !groups || !out || !workspace ||
+      ((uintptr_t)workspace & 15) || ((uintptr_t)x & 15) || ((uintptr_t)wbase & 1))
+    return bad_args("experts");
+  size_t contract = tdm_moe__workspace(n, H, I);
+  if (!contract || workspace_bytes < contract)
+    return tdm_set_error(TDM_EINVAL, 0, "moe experts: a workspace of %zu bytes; n=%d H=%d I=%d "
+                         "need %zu", workspace_bytes, n, H, I, contract);
+  uint32_t xlimit = cuda_rows_in(x, H), olimit = cuda_rows_in(out, H);
+  long long wlimit = bytes_in(wbase), ebytes = (long long)tdm_moe_expert_size(fmt, H, I);
+  size_t gu_rb = tdm_moe_row_bytes(fmt.gu, H), d_rb = tdm_moe_row_bytes(fmt.d, I);
+  float *h = (float *)workspace;
+  const uint8_t *wb = (const uint8_t *)wbase;
+  const dim3 gu_grid((unsigned)((I + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G);
+  const dim3 down_grid((unsigned)((H + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G);
+  int saved;
+  if ((rc = enter(m, &saved))) return rc;
+  cudaError_t e = GQ_DISPATCH(fmt.gu, gq_gate_up_kernel, gu_grid, MOE_THREADS, 0, x, xlimit,
+                              rows, n, wb, wlimit, ebytes, groups, H, I, gu_rb, h);
+  if (e == cudaSuccess)
+    e = GQ_DISPATCH(fmt.d, gq_down_kernel, down_grid, MOE_THREADS, 0, (const float *)h, rows,
+                    xlimit, slot, olimit, n, wb, wlimit, ebytes, groups, H, I, gu_rb, d_rb, out);
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "the quantized grouped expert kernels");
+  leave(m, saved);
+  return rc;
+}
+
+/* Rows of one type widened to bf16 (widen_rows_kernel). */
+static cudaError_t widen_rows(moe_cuda *m, int t, const uint8_t *w, size_t rb, int nrows, int K,
+                              uint16_t *dst) {
+  const dim3 grid((unsigned)((nrows + MOE_WARPS - 1) / MOE_WARPS));
+  switch (t) {
+  case TDM_MOE_W_Q8_0:
+    widen_rows_kernel<TDM_MOE_W_Q8_0><<<grid, MOE_THREADS, 0, m->s>>>(w, rb, nrows, K, dst);
+    break;
+  case TDM_MOE_W_Q4_K:
+    widen_rows_kernel<TDM_MOE_W_Q4_K><<<grid, MOE_THREADS, 0, m->s>>>(w, rb, nrows, K, dst);
+    break;
+  case TDM_MOE_W_Q6_K:
+    widen_rows_kernel<TDM_MOE_W_Q6_K><<<grid, MOE_THREADS, 0, m->s>>>(w, rb, nrows, K, dst);
+    break;
+  case TDM_MOE_W_MXFP4:
+    widen_rows_kernel<TDM_MOE_W_MXFP4><<<grid, MOE_THREADS, 0, m->s>>>(w, rb, nrows, K, dst);
+    break;
+  default:
+    widen_rows_kernel<TDM_MOE_W_F16><<<grid, MOE_THREADS, 0, m->s>>>(w, rb, nrows, K, dst);
+    break;
+  }
+  return cudaGetLastError();
+}
+
+int cuda_expert_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
+                  const int32_t *slot, int n, const void *w, tdm_moe_wfmt fmt, int H, int I,
+                  float *out, void *workspace, size_t workspace_bytes) {
+  if (is_bf16(fmt))
+    return cuda_expert(st, q, x, rows, slot, n, (const tdm_moe_bf16 *)w, H, I, out, workspace,
+                       workspace_bytes);
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || n < 0 || H <= 0 || I <= 0 || I > INT_MAX / 4) return bad_args("expert");
+  int rc = check_fmt(fmt, H, I, "expert");
+  if (rc) return rc;
+  if (n == 0) return 0;
+  if (!x || !rows || !slot || !w || !out || !workspace || ((uintptr_t)workspace & 15) ||
+      ((uintptr_t)w & 1))
+    return bad_args("expert");
+  /* expert()'s layout, then the widened expert (3HI bf16, 16-byte aligned) after its output */
+  size_t contract = tdm_moe__workspace(n, H, I);
+  size_t at = (cuda_expert_off_o((size_t)n, (size_t)I) + 4 * (size_t)n * H + 255) / 256 * 256;
+  if (!contract || workspace_bytes < contract || at + 6 * (size_t)H * I > workspace_bytes)
+    return tdm_set_error(TDM_EINVAL, 0, "moe expert: a workspace of %zu bytes; n=%d H=%d I=%d "
+                         "need %zu", workspace_bytes, n, H, I, contract);
+  unsigned char *ws = (unsigned char *)workspace;
+  uint16_t *wide = (uint16_t *)(ws + at);
+  const uint8_t *wb = (const uint8_t *)w;
+  size_t gu_rb = tdm_moe_row_bytes(fmt.gu, H), d_rb = tdm_moe_row_bytes(fmt.d, I);
+  int saved;
+  if ((rc = enter(m, &saved))) return rc;
+  cudaError_t e = widen_rows(m, fmt.gu, wb, gu_rb, 2 * I, H, wide);
+  if (e == cudaSuccess)
+    e = widen_rows(m, fmt.d, wb + 2 * (size_t)I * gu_rb, d_rb, H, I, wide + 2 * (size_t)I * H);
+  rc = e == cudaSuccess ? cuda_run_expert(m, x, rows, slot, n, wide, H, I, out, ws)
+                        : cuda_fail(m, e, "widening a quantized expert");
+  leave(m, saved);
+  return rc;
+}
