@@ -20,13 +20,14 @@
 #include "ops.h" /* moe/ops.h */
 
 /* The kernels of the one program open() builds from ops.c's source followed by xfmr.c's
- * (tdm_moe__ocl_xfmr_source); ops.c names them. */
+ * (tdm_moe__ocl_xfmr_source) and quant.c's (tdm_moe__ocl_quant_source); ops.c names them. */
 enum {
   K_RMSNORM, K_ROUTER, K_WIDEN, K_GATHER, K_SWIGLU, K_SCATTER, K_COMBINE, K_GATEUP, K_DOWN,
-  K_GROUP, K_GET_ROWS, K_ROPE, K_ATTENTION, K_COUNT
+  K_GROUP, K_GET_ROWS, K_ROPE, K_ATTENTION, K_QWIDEN, K_QGATEUP, K_QDOWN, K_COUNT
 };
 
 extern const char tdm_moe__ocl_xfmr_source[];
+extern const char tdm_moe__ocl_quant_source[];
 
 typedef struct moe_ocl {
   tdm_queue *q;         /* the queue open() bound the state to */
