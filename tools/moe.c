@@ -25,7 +25,7 @@ static const char moe_help[] =
     "usage: tandem moe [--preset P] [--device D] [--layers N] [--tokens T] [--ubatch U]\n"
     "                  [--decode N] [--device-budget B] [--cache-policy static|lru] [--slots N]\n"
     "                  [--prefetch-depth N] [--skew S] [--locality R] [--seed N] [--predict]\n"
-    "                  [--predict-depth D]\n"
+    "                  [--predict-depth D] [--experts-type T]\n"
     "                  [--placement auto|device|host] [--host-share S] [--host-queues N]\n"
     "                  [--host-threads N] [--time-link] [--time-host] [--time-chain]\n"
     "                  [--no-overlap] [--no-check] [--json] [--trace FILE]\n"
@@ -62,6 +62,11 @@ static const char moe_help[] =
     "  --skew S           Zipf exponent of expert popularity (default 1.0)\n"
     "  --locality R       correlation of successive decode tokens, 0..0.99 (default 0.8)\n"
     "  --seed N           weights and inputs (default 1)\n"
+    "  --experts-type T   the routed experts' format in host memory, on the link and in the\n"
+    "                     kernels: bf16 (default), f16, q8_0, q4_k, q6_k, mxfp4 (GGUF's\n"
+    "                     blocks, random), or q4_k_m (Q4_K gate and up, Q6_K down); every\n"
+    "                     block type needs the preset's sizes to be whole blocks (256 values\n"
+    "                     for the K types)\n"
     "  --predict          look ahead: layer L+1's router on layer L's input picks experts to\n"
     "                     prefetch while layer L computes (decode)\n"
     "  --predict-depth D  with --predict (which it implies), predict layers L+1 .. L+D from\n"
@@ -96,7 +101,8 @@ static const char moe_help[] =
     "  -h, --help         show this help\n";
 
 typedef struct moe_opts {
-  const char *preset, *device, *trace;
+  const char *preset, *device, *trace, *etype;
+  tdm_moe_wfmt fmt;
   long layers, tokens, ubatch, decode, slots, depth, seed;
   double skew, locality, budget_pct, host_share;
   size_t budget_bytes;
@@ -132,12 +138,31 @@ static int parse_budget(const char *v, moe_opts *o) {
   return tool_parse_size("moe", "--device-budget", v, &o->budget_bytes);
 }
 
+/* --experts-type: a name of the table below. */
+static int parse_etype(const char *v, moe_opts *o) {
+  static const struct {
+    const char *name;
+    tdm_moe_wfmt fmt;
+  } types[] = {{"bf16", {TDM_MOE_W_BF16, TDM_MOE_W_BF16}}, {"f16", {TDM_MOE_W_F16, TDM_MOE_W_F16}},
+               {"q8_0", {TDM_MOE_W_Q8_0, TDM_MOE_W_Q8_0}}, {"q4_k", {TDM_MOE_W_Q4_K, TDM_MOE_W_Q4_K}},
+               {"q6_k", {TDM_MOE_W_Q6_K, TDM_MOE_W_Q6_K}},
+               {"mxfp4", {TDM_MOE_W_MXFP4, TDM_MOE_W_MXFP4}},
+               {"q4_k_m", {TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K}}};
+  for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+    if (strcmp(v, types[i].name) == 0) {
+      o->etype = types[i].name;
+      o->fmt = types[i].fmt;
+      return 0;
+    }
+  return USAGE("--experts-type is bf16, f16, q8_0, q4_k, q6_k, mxfp4 or q4_k_m, not '%s'", v);
+}
+
 enum {
   OPT_PRESET = TOOL_OPT_LONG, OPT_DEVICE, OPT_LAYERS, OPT_TOKENS, OPT_UBATCH, OPT_DECODE,
   OPT_BUDGET, OPT_POLICY, OPT_SLOTS, OPT_DEPTH, OPT_SKEW, OPT_LOCALITY, OPT_SEED, OPT_PREDICT,
   OPT_NO_OVERLAP, OPT_NO_CHECK, OPT_JSON, OPT_TRACE, OPT_PLACEMENT, OPT_HOST_QUEUES,
   OPT_HOST_THREADS, OPT_HOST_SHARE, OPT_PREDICT_DEPTH, OPT_TIME_LINK,
-  OPT_TIME_HOST, OPT_TIME_CHAIN
+  OPT_TIME_HOST, OPT_TIME_CHAIN, OPT_EXPERTS_TYPE
 };
 
 static const struct option moe_options[] = {
@@ -167,6 +192,7 @@ static const struct option moe_options[] = {
     {"host-queues", required_argument, NULL, OPT_HOST_QUEUES},
     {"host-threads", required_argument, NULL, OPT_HOST_THREADS},
     {"host-share", required_argument, NULL, OPT_HOST_SHARE},
+    {"experts-type", required_argument, NULL, OPT_EXPERTS_TYPE},
     {"help", no_argument, NULL, 'h'},
     {NULL, 0, NULL, 0},
 };
@@ -210,6 +236,7 @@ static int parse_option(int c, const char *v, moe_opts *o) {
       else return USAGE("--cache-policy is static or lru, not '%s'", v);
       return 0;
     case OPT_BUDGET: return parse_budget(v, o);
+    case OPT_EXPERTS_TYPE: return parse_etype(v, o);
     case OPT_HOST_QUEUES: return tool_parse_count(cmd, "--host-queues", v, 256, &o->host_queues);
     case OPT_HOST_THREADS:
       return tool_parse_count(cmd, "--host-threads", v, 256, &o->host_threads);
@@ -231,7 +258,8 @@ static int parse_option(int c, const char *v, moe_opts *o) {
 static int parse(int argc, char **argv, moe_opts *o) {
   *o = (moe_opts){.preset = "tiny", .tokens = 256, .slots = 16, .seed = 1, .skew = 1.0,
                   .locality = 0.8, .budget_pct = -1, .check = 1,
-                  .placement = TDM_MOE_PLACE_AUTO};
+                  .placement = TDM_MOE_PLACE_AUTO, .etype = "bf16",
+                  .fmt = {TDM_MOE_W_BF16, TDM_MOE_W_BF16}};
   const char *v;
   int c, bad = 0;
   while (!bad && (c = tool_getopt("moe", argc, argv, moe_options, &v)) != -1) {
@@ -256,6 +284,10 @@ static int parse(int argc, char **argv, moe_opts *o) {
   if (o->ubatch > o->tokens) o->ubatch = o->tokens;
   if (o->host_share > 0 && o->placement != TDM_MOE_PLACE_AUTO)
     return USAGE("--host-share applies to --placement auto only");
+  if (!tdm_moe_expert_stride(tdm_moe_preset_find(o->preset), o->fmt))
+    return USAGE("--experts-type %s: %s's experts (rows of %d and %d values) are not whole "
+                 "blocks of it", o->etype, o->preset, tdm_moe_preset_find(o->preset)->hidden,
+                 tdm_moe_preset_find(o->preset)->ffn);
   return 0;
 }
 
@@ -465,8 +497,8 @@ static int session_setup(session *s) {
   int rc, code;
   s->p = tdm_moe_preset_find(o->preset);
   s->layers = o->layers ? o->layers : s->p->layers;
-  s->ebytes = tdm_moe_expert_bytes(s->p);
-  s->all = tdm_moe_host_bytes(s->p, (int)s->layers);
+  s->ebytes = tdm_moe_expert_stride(s->p, o->fmt);
+  s->all = s->ebytes * (size_t)s->p->experts * (size_t)s->layers;
   s->budget = o->budget_pct >= 0 ? (size_t)(s->all * (o->budget_pct / 100.0)) : o->budget_bytes;
   /* A percentage rounds up to one expert; a byte count below one is the user's to fix. */
   if (o->budget_pct > 0 && s->budget < s->ebytes) s->budget = s->ebytes;
@@ -485,7 +517,7 @@ static int session_setup(session *s) {
                             .placement = (tdm_moe_placement)o->placement,
                             .host_queues = (int)o->host_queues,
                             .host_threads = (int)o->host_threads,
-                            .host_share = o->host_share};
+                            .host_share = o->host_share, .expert_fmt = o->fmt};
   s->H = (size_t)s->p->hidden;
   s->total = (size_t)(o->tokens + o->decode);
   s->x = malloc(((size_t)o->ubatch + o->decode) * s->H * sizeof *s->x);
@@ -768,6 +800,8 @@ static int print_json(const session *s, const figures *f) {
   bu_json_int(&j, "resident_slots", s->ss.resident_slots);
   bu_json_int(&j, "prefetch_depth", s->ss.prefetch_depth);
   bu_json_uint(&j, "expert_bytes", s->ebytes);
+  bu_json_string(&j, "experts_type", o->etype);
+  bu_json_uint(&j, "expert_bytes_bf16", tdm_moe_expert_bytes(s->p)); /* the bf16 link bound's */
   bu_json_double(&j, "peak_gbps", s->peak, 3);
   bu_json_string(&j, "placement", placement_name(s->place.placement));
   bu_json_int(&j, "host_queues", s->place.host_queues);

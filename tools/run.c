@@ -16,7 +16,8 @@
 
 static const char run_help[] =
     "usage: tandem run -m FILE [--tokens IDS | -p N] [-n N] [--device D] [--device-budget B]\n"
-    "                  [--ctx N] [--ubatch N] [--placement P] [--seed S] [--json]\n"
+    "                  [--ctx N] [--ubatch N] [--placement P] [--experts-bf16] [--seed S]\n"
+    "                  [--json]\n"
     "                  [--logits FILE]\n"
     "\n"
     "Runs a prompt through a whole MoE model (a GGUF file, or a Hugging Face folder with\n"
@@ -36,6 +37,9 @@ static const char run_help[] =
     "                       hold: auto (a share on the host CPU, from pinned memory, while\n"
     "                       the link copies the rest; the default), device (copy them all)\n"
     "                       or host (compute them all on the host)\n"
+    "  --experts-bf16       widen the experts to bf16 at load even where the device computes\n"
+    "                       them in the file's format (Q8_0, Q4_K, Q6_K, MXFP4, F16): more\n"
+    "                       bytes on the link, for comparing\n"
     "  --seed S             the pseudo-random prompt's seed (default 1)\n"
     "  --json               print the results as JSON on stdout\n"
     "  --logits FILE        write every prompt position's logits and every decode step's\n"
@@ -45,7 +49,7 @@ static const char run_help[] =
 
 static const char bench_help[] =
     "usage: tandem bench -m FILE [-p LIST] [-n LIST] [--device-budget LIST] [-r N]\n"
-    "                    [--device D] [--ubatch N] [--placement P] [--json]\n"
+    "                    [--device D] [--ubatch N] [--placement P] [--experts-bf16] [--json]\n"
     "\n"
     "Prefill (ppN: N prompt tokens in ubatches) and decode (tgN: N tokens one at a time from an\n"
     "empty cache) rates of a whole model, in tokens per second, the mean and standard\n"
@@ -59,7 +63,7 @@ static const char bench_help[] =
     "  -n, --decode LIST      decode lengths (default 32; 0 for none)\n"
     "  --device-budget LIST   budgets, each bytes or a share of all experts (default 0)\n"
     "  -r, --repetitions N    timed runs of each test (default 3)\n"
-    "  --device D, --ubatch N, --placement P, --json   as for 'tandem run'\n"
+    "  --device D, --ubatch N, --placement P, --experts-bf16, --json   as for 'tandem run'\n"
     "  -h, --help             show this help\n";
 
 enum { MAX_LIST = 16 };
@@ -74,10 +78,12 @@ typedef struct run_opts {
   long ctx, ubatch, seed, reps;
   int json;
   tdm_moe_placement placement;
+  bool experts_bf16;
 } run_opts;
 
 enum { OPT_DEVICE = TOOL_OPT_LONG, OPT_BUDGET, OPT_CTX, OPT_UBATCH, OPT_SEED, OPT_JSON,
-       OPT_TOKENS, OPT_MODEL, OPT_PROMPT, OPT_DECODE, OPT_REPS, OPT_LOGITS, OPT_PLACEMENT };
+       OPT_TOKENS, OPT_MODEL, OPT_PROMPT, OPT_DECODE, OPT_REPS, OPT_LOGITS, OPT_PLACEMENT,
+       OPT_EXPERTS_BF16 };
 
 static const struct option run_options[] = {
     {"model", required_argument, NULL, OPT_MODEL},
@@ -92,6 +98,7 @@ static const struct option run_options[] = {
     {"ubatch", required_argument, NULL, OPT_UBATCH},
     {"seed", required_argument, NULL, OPT_SEED},
     {"placement", required_argument, NULL, OPT_PLACEMENT},
+    {"experts-bf16", no_argument, NULL, OPT_EXPERTS_BF16},
     {"json", no_argument, NULL, OPT_JSON},
     {"help", no_argument, NULL, 'h'},
     {NULL, 0, NULL, 0},
@@ -180,6 +187,7 @@ static int parse(const char *cmd, int argc, char **argv, run_opts *o) {
     case OPT_UBATCH: if (tool_parse_count(cmd, "--ubatch", v, 1 << 16, &o->ubatch)) return -1; break;
     case OPT_SEED: if (tool_parse_count(cmd, "--seed", v, 1L << 40, &o->seed)) return -1; break;
     case OPT_REPS: if (tool_parse_count(cmd, "--repetitions", v, 1000, &o->reps)) return -1; break;
+    case OPT_EXPERTS_BF16: o->experts_bf16 = true; break;
     case OPT_PLACEMENT:
       if (strcmp(v, "auto") == 0) o->placement = TDM_MOE_PLACE_AUTO;
       else if (strcmp(v, "device") == 0) o->placement = TDM_MOE_PLACE_DEVICE;
@@ -213,13 +221,16 @@ static void show_progress(void *user, const char *what, double done) {
 static int open_model(const run_opts *o, tdm_device *dev, int i, int ctx, tdm_model **m) {
   tdm_model_config cfg = {.path = o->model, .device = dev, .ctx = ctx, .ubatch = (int)o->ubatch,
                           .predict = true, .placement = o->placement,
-                          .progress = show_progress};
+                          .experts_bf16 = o->experts_bf16, .progress = show_progress};
   int rc = 0;
   if (o->nbudget && o->budget_pct[i] < 0) cfg.budget_bytes = o->budget_bytes[i];
   if (o->nbudget && o->budget_pct[i] > 0) {
     tdm_model_info info;
     if (!(rc = tdm_model_peek(o->model, &info))) {
-      cfg.budget_bytes = (size_t)(info.host_bytes * (o->budget_pct[i] / 100.0));
+      size_t all = o->experts_bf16 ? (size_t)3 * info.hidden * info.expert_ffn * 2 *
+                                         (size_t)info.experts * (size_t)info.layers
+                                   : info.host_bytes;
+      cfg.budget_bytes = (size_t)(all * (o->budget_pct[i] / 100.0));
       if (cfg.budget_bytes < info.expert_bytes) cfg.budget_bytes = info.expert_bytes;
     }
   }
@@ -270,6 +281,8 @@ static void json_info(bu_json *j, const tdm_model_info *in) {
   bu_json_string(j, "format", in->format);
   bu_json_string(j, "name", in->name);
   bu_json_string(j, "expert_type", in->weight_type);
+  bu_json_string(j, "experts_as", in->expert_type); /* on the link and in the kernels */
+  bu_json_uint(j, "expert_bytes", in->expert_bytes);
   bu_json_string(j, "dense_type", in->dense_type);
   bu_json_int(j, "layers", in->layers);
   bu_json_int(j, "hidden", in->hidden);
@@ -368,6 +381,8 @@ int tool_cmd_run(int argc, char **argv) {
     } else {
       printf("model: %s (%s, %s), %d layers, %d experts (top %d), vocabulary %d\n", o.model,
              info.arch, info.format, info.layers, info.experts, info.topk, info.vocab);
+      printf("weights: experts %s (%.2f MiB each, in %s), dense %s on the device\n",
+             info.weight_type, info.expert_bytes / 1048576.0, info.expert_type, info.dense_type);
       printf("prompt (%d): ", np);
       print_ids(stdout, prompt, np);
       printf("generated (%d): ", nd);

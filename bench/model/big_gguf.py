@@ -3,7 +3,7 @@ tensor (a 16-layer Qwen3-30B-A3B is 10 GB in F16: nothing is held whole), for th
 benchmarks (`tandem bench -m` against llama.cpp's llama-bench on the same file).
 
 usage: big_gguf.py --shape qwen3-30b-a3b|mixtral-8x7b --layers L --out FILE [--dtype f16|bf16]
-                   [--seed N]
+                   [--experts f16|bf16|q8_0|q4_k_m] [--seed N]
 
 The metadata and tensor names are those of tests/model/tiny.py (llama.cpp's own), and so is
 the vocabulary's form (a gpt2 tokenizer of placeholder tokens). The values are uniform with
@@ -11,6 +11,11 @@ each projection's fan-in scale, drawn from a pool of random numbers at random of
 file's bytes are random for every purpose a benchmark has, and writing it is bound by the
 disk, not the generator. The router is F32 and bf16-exact (tandem computes routers in bf16),
 the norms F32 near 1.
+
+--experts q8_0 or q4_k_m stores the experts in GGUF's blocks (the rest stays in --dtype): random
+bytes with scales set so that the values keep about the fan-in scale (Q8_0: d = s / 127; Q4_K:
+d and dmin of s / 472 and s / 63; Q6_K: positive int8 scales under d = s / 4064). q4_k_m is
+llama.cpp's mix: Q4_K gate and up, Q6_K down in even layers and Q4_K in odd ones.
 """
 import argparse
 import os
@@ -34,12 +39,23 @@ POOL = 1 << 26
 
 
 class Source:
-    """Random values in [-1, 1) from a pool, at random offsets."""
+    """Random values in [-1, 1) from a pool, at random offsets (and random bytes, the pool's)."""
 
     def __init__(self, seed, dtype):
         self.rng = np.random.default_rng(seed)
         self.pool = (self.rng.random(POOL, dtype=np.float32) * 2 - 1)
         self.dtype = dtype
+
+    def bytes(self, n):
+        raw = self.pool.view(np.uint8)
+        out = np.empty(n, dtype=np.uint8)
+        at = 0
+        while at < n:
+            c = min(n - at, raw.size // 2)
+            o = int(self.rng.integers(0, raw.size - c))
+            out[at:at + c] = raw[o:o + c]
+            at += c
+        return out
 
     def take(self, shape, scale):
         n = int(np.prod(shape))
@@ -51,6 +67,33 @@ class Source:
             np.multiply(self.pool[o:o + c], scale, out=out[at:at + c])
             at += c
         return out.reshape(shape)
+
+
+def f16_bytes(v):
+    return np.asarray(v, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def random_blocks(src, qtype, rows, cols, scale):
+    """[rows, cols / block * bytes] uint8: random blocks of qtype (q8_0, q4_k, q6_k)."""
+    block, nbytes = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210)}[qtype]
+    n = rows * (cols // block)
+    b = src.bytes(n * nbytes).reshape(n, nbytes)
+    if qtype == "q8_0":
+        b[:, 0:2] = f16_bytes(np.full(n, scale / 127.0))
+    elif qtype == "q4_k":
+        b[:, 0:2] = f16_bytes(np.full(n, 2.0 * scale / (63 * 15)))
+        b[:, 2:4] = f16_bytes(np.full(n, scale / 63.0))
+    else:
+        b[:, 192:208] = 64 | (b[:, 192:208] & 63)
+        b[:, 208:210] = f16_bytes(np.full(n, scale / (127.0 * 32)))
+    return b.reshape(rows, (cols // block) * nbytes)
+
+
+def expert_qtype(experts, name, layer):
+    """A q4_k_m expert tensor's block type (llama.cpp's mix), else experts' own."""
+    if experts != "q4_k_m":
+        return experts
+    return "q6_k" if "down" in name and layer % 2 == 0 else "q4_k"
 
 
 def plan(cfg, L):
@@ -83,19 +126,30 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", choices=("f16", "bf16"), default="f16")
+    ap.add_argument("--experts", choices=("f16", "bf16", "q8_0", "q4_k_m"), default=None,
+                    help="the experts' type (default: --dtype)")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args(argv)
     import gguf
     cfg, L = SHAPES[a.shape], a.layers
+    experts = a.experts or a.dtype
     T = gguf.GGMLQuantizationType
+    QT = {"q8_0": (T.Q8_0, 32, 34), "q4_k": (T.Q4_K, 256, 144), "q6_k": (T.Q6_K, 256, 210)}
     wtype = T.F16 if a.dtype == "f16" else T.BF16
     w = gguf.GGUFWriter(a.out, cfg["arch"])
     tiny.add_metadata(w, cfg["arch"], f"{a.shape}-{L}L-random", cfg, L, cfg["moe_ffn"], a.dtype)
     tensors = plan(cfg, L)
     f32 = lambda kind: kind in ("norm", "router")  # noqa: E731
+    layer_of = lambda name: int(name.split(".")[1]) if name.startswith("blk.") else -1  # noqa
     for name, shape, kind, _ in tensors:
         n = int(np.prod(shape))
-        if f32(kind):
+        qt = expert_qtype(experts, name, layer_of(name)) if kind == "expert" else None
+        if qt in QT:
+            gt, block, nbytes = QT[qt]
+            byte_shape = (*shape[:-1], shape[-1] // block * nbytes)  # uint8 data: rows of bytes
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), n // block * nbytes,
+                              raw_dtype=gt)
+        elif f32(kind):
             w.add_tensor_info(name, shape, np.dtype(np.float32), n * 4)
         else:
             w.add_tensor_info(name, shape, np.dtype(np.float16) if a.dtype == "f16"
@@ -107,6 +161,12 @@ def main(argv=None):
     src = Source(a.seed, a.dtype)
     t0, done = time.time(), 0
     for name, shape, kind, fan in tensors:
+        qt = expert_qtype(experts, name, layer_of(name)) if kind == "expert" else None
+        if qt in QT:
+            data = random_blocks(src, qt, int(np.prod(shape[:-1])), shape[-1], np.sqrt(3.0 / fan))
+            w.write_tensor_data(data)
+            done += data.nbytes
+            continue
         if kind == "norm":
             v = 1.0 + 0.1 * src.take(shape, 1.0)
         else:
