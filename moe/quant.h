@@ -76,39 +76,47 @@ QUANT_INLINE void tdm_moe__q4_k(const uint8_t *restrict b, float *restrict y) {
 }
 
 /* Q6_K: 256 values in 16 sub-blocks of 16, value = d sc q with int8 sc and 6-bit q - 32.
- * Layout: ql[128] (low 4 bits), qh[64] (high 2), scales[16] (int8), d (f16). 210 bytes. */
+ * Layout: ql[128] (low 4 bits), qh[64] (high 2), scales[16] (int8), d (f16). 210 bytes. Per
+ * half of 128 values, quarter k (32 values) takes ql's first or second 32 bytes (k odd), their
+ * low or high nibbles (k >= 2), and bits 2k, 2k + 1 of qh; its two sub-blocks' scales are
+ * sc[2k], sc[2k + 1]. Written sub-block by sub-block so that the loops vectorize; each value
+ * is (d sc) q, ggml's operations. */
 QUANT_INLINE void tdm_moe__q6_k(const uint8_t *restrict b, float *restrict y) {
   const uint8_t *ql = b, *qh = b + 128;
   const int8_t *sc = (const int8_t *)(b + 192);
-  float d = tdm_moe__f16_at(b + 208);
-  for (int n = 0; n < 256; n += 128, ql += 64, qh += 32, sc += 8) {
-    for (int l = 0; l < 32; l++) {
-      int is = l / 16;
-      int8_t q1 = (int8_t)((ql[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-      int8_t q2 = (int8_t)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-      int8_t q3 = (int8_t)((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-      int8_t q4 = (int8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-      y[n + l + 0] = d * sc[is + 0] * q1;
-      y[n + l + 32] = d * sc[is + 2] * q2;
-      y[n + l + 64] = d * sc[is + 4] * q3;
-      y[n + l + 96] = d * sc[is + 6] * q4;
+  const float d = tdm_moe__f16_at(b + 208);
+  for (int n = 0; n < 2; n++, ql += 64, qh += 32, sc += 8, y += 128)
+    for (int k = 0; k < 8; k++) { /* sub-block k of the half: quarter k / 2, its half k % 2 */
+      const int quarter = k >> 1, at = (k & 1) * 16;
+      const uint8_t *lo = ql + 32 * (quarter & 1) + at, *hi = qh + at;
+      const unsigned sl = (unsigned)(quarter >> 1) * 4, sh = 2u * (unsigned)quarter;
+      const float ds = d * sc[k];
+      for (int l = 0; l < 16; l++)
+        y[16 * k + l] =
+            ds * (float)((int)(((lo[l] >> sl) & 0xFu) | (((hi[l] >> sh) & 3u) << 4)) - 32);
     }
-  }
 }
 
 /* MXFP4: 32 values = 2^(e - 128) x (twice an E2M1 value), e an E8M0 exponent (2^(e - 128) is
  * half the block's scale: the table holds doubled values). Layout: e, qs[16] (value j in the
  * low nibble of qs[j], value j + 16 in its high nibble). 17 bytes. */
 QUANT_INLINE void tdm_moe__mxfp4(const uint8_t *restrict b, float *restrict y) {
-  static const float kv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
   uint8_t e = b[0];
   uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23; /* 2^(e - 128) */
   float d;
   memcpy(&d, &bits, sizeof d);
-  for (int j = 0; j < 16; j++) {
-    y[j] = kv[b[1 + j] & 0x0F] * d;
-    y[j + 16] = kv[b[1 + j] >> 4] * d;
-  }
+  /* the doubled E2M1 value of code c as f32 bits, built rather than looked up (so that the
+   * loops vectorize): m = c & 7 is 0, 1, or (1 + (m & 1) / 2) 2^(m >> 1); bit 3 the sign, never
+   * on 0 (ggml's table holds +0 there). Low nibbles are values 0..15, high ones 16..31. */
+  for (int h = 0; h < 2; h++)
+    for (int j = 0; j < 16; j++) {
+      const unsigned c = ((unsigned)b[1 + j] >> (4 * h)) & 0xFu, m = c & 7;
+      uint32_t v = m == 0 ? 0u : m == 1 ? 0x3f800000u : (127u + (m >> 1)) << 23 | (m & 1u) << 22;
+      v |= m ? (c & 8u) << 28 : 0u;
+      float f;
+      memcpy(&f, &v, sizeof f);
+      y[16 * h + j] = f * d;
+    }
 }
 
 /* A type's block: values and bytes (0 and 0 for a type that is not one of the table's). */
