@@ -9,8 +9,9 @@
  *
  * Data: activations are f32 [T x H] row-major; expert weights are bf16 (uint16_t holding the
  * top half of an f32) laid out per expert as [Wg (I x H) | Wu (I x H) | Wd (H x I)], each
- * row-major, so gate = x Wg^T, up = x Wu^T, out = (silu(gate) * up) Wd^T. Router weights are
- * bf16 [E x H]. Reductions are deterministic: no atomics; every sum has a fixed order, so a
+ * row-major, so gate = x Wg^T, up = x Wu^T, out = (silu(gate) * up) Wd^T; expert_q() and
+ * experts_q() take them in the same layout in other formats too (F16, GGUF's blocks: see
+ * tdm_moe_wfmt). Router weights are bf16 [E x H]. Reductions are deterministic: no atomics; every sum has a fixed order, so a
  * run is bitwise repeatable on one backend.
  *
  * Every entry returns 0 or a negative TDM_E* code, with tdm_last_error() set. Scratch memory
