@@ -233,7 +233,12 @@ static void *fill_main(void *arg) {
     uint64_t seed = m->cfg.seed * 1000003u + (uint64_t)key;
     if (src) {
       j->rc = src->expert(src->user, (int)(key / m->E), (int)(key % m->E), w);
-      if (j->rc) snprintf(j->why, sizeof j->why, "%s", tdm_last_error());
+      if (j->rc) { /* the message without its code's name, which tdm_set_error adds back */
+        const char *msg = tdm_last_error(), *name = tdm_err_name(j->rc);
+        size_t n = strlen(name);
+        if (strncmp(msg, name, n) == 0 && strncmp(msg + n, ": ", 2) == 0) msg += n + 2;
+        snprintf(j->why, sizeof j->why, "%s", msg);
+      }
     } else if (m->quant)
       fill_expert_q(m, w, seed);
     else

@@ -301,6 +301,15 @@ TEST_CASE(bad_input) {
   CHECK(tdm_model_open(&cfg, &m) < 0 && m == NULL);
   CHECK_MSG(strstr(tdm_last_error(), "cut.gguf") != NULL, "%s", tdm_last_error());
   remove(cut);
+  /* experts of a type with no kernels to widen them (tests/model/retype.py: Q5_K) */
+  snprintf(path, sizeof path, "%s/qwen3moe-q5_k/model.gguf", model_dir());
+  cfg.path = path;
+  CHECK_RC(tdm_model_open(&cfg, &m), TDM_ENOTSUP);
+  CHECK(m == NULL);
+  const char *why = tdm_last_error();
+  CHECK_MSG(strstr(why, "qwen3moe-q5_k/model.gguf") && strstr(why, "blk.1.ffn_down_exps") &&
+                strstr(why, "Q5_K") && !strstr(why, "TDM_ENOTSUP: TDM_ENOTSUP"),
+            "%s", why);
   th_close();
 }
 
