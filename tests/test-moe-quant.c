@@ -317,16 +317,24 @@ TEST_CASE(experts_q_ref) {
   teardown(f);
 }
 
-/* expert_q() on one expert of a table, with few tokens and with many. */
+/* expert_q() on one expert of a table, with few tokens and with many; on CUDA with each of
+ * its prefill GEMMs (TANDEM_MOE_CUDA_QGEMM: the widened expert through cuBLASLt, and the
+ * fused kernel that reads the blocks). */
 TEST_CASE(expert_q_ref) {
   fixture f0 = setup(1), *f = &f0;
   static const int counts[] = {20, 3};
-  for (int i = 0; i < NFORMATS; i++)
+  const int modes = strcmp(f->ops->name, "cuda") == 0 ? 2 : 1;
+  for (int i = 0; i < NFORMATS * modes; i++)
     for (int g = 0; g < 2; g++) {
-      char what[64];
-      snprintf(what, sizeof what, "expert_q {%s, %s} n=%d", type_name(FORMATS[i].gu),
-               type_name(FORMATS[i].d), counts[g]);
-      qcase c = qcase_setup(f, FORMATS[i], 512, 256, counts, 2);
+      const int fused = i >= NFORMATS;
+      if (fused)
+        setenv("TANDEM_MOE_CUDA_QGEMM", "fused", 1);
+      else
+        unsetenv("TANDEM_MOE_CUDA_QGEMM");
+      char what[80];
+      snprintf(what, sizeof what, "expert_q {%s, %s} n=%d%s", type_name(FORMATS[i % NFORMATS].gu),
+               type_name(FORMATS[i % NFORMATS].d), counts[g], fused ? " fused" : "");
+      qcase c = qcase_setup(f, FORMATS[i % NFORMATS], 512, 256, counts, 2);
       sentinel(f, &c);
       CHECK_OK(f->ops->expert_q(f->st, f->q, c.dx, c.drows + c.groups[g].first,
                                 c.dslot + c.groups[g].first, counts[g],

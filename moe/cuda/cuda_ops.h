@@ -181,6 +181,14 @@ int cuda_experts(void *st, tdm_queue *q, const float *x, const int32_t *rows,
                  size_t workspace_bytes);
 int cuda_run_expert(moe_cuda *m, const float *x, const int32_t *rows, const int32_t *slot, int n,
                     const uint16_t *w, int H, int I, float *out, unsigned char *ws);
+/* expert()'s path with GEMMs of the caller's: C [ntok x N] (f32) = A W^T, A bf16 rows of
+ * a_stride elements (K used), W the gate|up weights (N = 2I) or, when down, the down weights
+ * (N = H), as the caller keeps them (ctx: its own). */
+typedef int (*cuda_gemm_fn)(moe_cuda *m, int ntok, int N, int K, const void *A, int a_stride,
+                            const void *W, bool down, float *C, const void *ctx);
+int cuda_run_expert_with(moe_cuda *m, const float *x, const int32_t *rows, const int32_t *slot,
+                         int n, const void *wgu, const void *wd, int H, int I, float *out,
+                         unsigned char *ws, cuda_gemm_fn gemm, const void *ctx);
 size_t cuda_expert_off_o(size_t n, size_t I);
 uint32_t cuda_rows_in(const float *p, int H);
 

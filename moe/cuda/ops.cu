@@ -922,23 +922,36 @@ uint32_t cuda_rows_in(const float *p, int H) {
   return (uint32_t)rows;
 }
 
-int cuda_run_expert(moe_cuda *m, const float *x, const int32_t *rows, const int32_t *slot, int n,
-                    const uint16_t *w, int H, int I, float *out, unsigned char *ws) {
+/* expert()'s GEMMs on bf16 weights: gemm_rows. */
+static int gemm_bf16(moe_cuda *m, int ntok, int N, int K, const void *A, int a_stride,
+                     const void *W, bool down, float *C, const void *ctx) {
+  (void)down, (void)ctx;
+  return gemm_rows(m, ntok, N, K, A, a_stride, W, C);
+}
+
+int cuda_run_expert_with(moe_cuda *m, const float *x, const int32_t *rows, const int32_t *slot,
+                         int n, const void *wgu, const void *wd, int H, int I, float *out,
+                         unsigned char *ws, cuda_gemm_fn gemm, const void *ctx) {
   float *GU = (float *)ws;
   uint16_t *X = (uint16_t *)(ws + cuda_expert_off_o((size_t)n, (size_t)I));
   float *O = (float *)X;
-  const uint16_t *Wgu = w;                    /* [2I x H]: Wg then Wu */
-  const uint16_t *Wd = w + 2 * (size_t)I * H; /* [H x I] */
   int rc;
   gather_kernel<<<n, MOE_THREADS, 0, m->s>>>(X, x, rows, H, cuda_rows_in(x, H));
   CK_CUDA(cudaGetLastError());
-  if ((rc = gemm_rows(m, n, 2 * I, H, X, H, Wgu, GU))) return rc; /* GU = X [Wg|Wu]^T */
+  if ((rc = gemm(m, n, 2 * I, H, X, H, wgu, false, GU, ctx))) return rc; /* GU = X [Wg|Wu]^T */
   swiglu_kernel<<<n, MOE_THREADS, 0, m->s>>>(GU, I);
   CK_CUDA(cudaGetLastError());
-  if ((rc = gemm_rows(m, n, H, I, GU, 4 * I, Wd, O))) return rc; /* O = h Wd^T */
+  if ((rc = gemm(m, n, H, I, GU, 4 * I, wd, true, O, ctx))) return rc; /* O = h Wd^T */
   scatter_kernel<<<n, MOE_THREADS, 0, m->s>>>(out, O, slot, H, cuda_rows_in(out, H));
   CK_CUDA(cudaGetLastError());
   return 0;
+}
+
+int cuda_run_expert(moe_cuda *m, const float *x, const int32_t *rows, const int32_t *slot, int n,
+                    const uint16_t *w, int H, int I, float *out, unsigned char *ws) {
+  /* [2I x H]: Wg then Wu; then Wd [H x I] */
+  return cuda_run_expert_with(m, x, rows, slot, n, w, w + 2 * (size_t)I * H, H, I, out, ws,
+                              gemm_bf16, NULL);
 }
 
 int cuda_expert(void *st, tdm_queue *q, const float *x, const int32_t *rows, const int32_t *slot,

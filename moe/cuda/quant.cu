@@ -14,13 +14,23 @@
  * within a unit, units ascending, then the fixed warp tree: a token's result depends on its
  * expert and its own activations only.
  *
- * expert_q (prefill, many tokens an expert): the expert is widened to bf16 into the workspace
- * (one warp a row), then expert()'s GEMMs run on it, as on a bf16 expert: bf16 rounding of the
- * widened weights, as of the activations, is the precision of that path. */
+ * expert_q (prefill, many tokens an expert) runs expert()'s path (gather to bf16, gate|up,
+ * SwiGLU, down, scatter) with one of two GEMMs, both on bf16 operands with f32 sums:
+ * - widen (the default): the expert is widened to bf16 into the workspace (one warp a row),
+ *   then expert()'s cuBLASLt GEMMs run on it, as on a bf16 expert;
+ * - fused (TANDEM_MOE_CUDA_QGEMM=fused, read at each call): qgemm_kernel reads the blocks
+ *   itself, widening a 64-row, 32-value tile of the weights into shared memory per step of
+ *   its tensor-core (WMMA) loop; no bf16 copy of the expert is written.
+ * bf16 rounding of the widened weights, as of the activations, is the precision of either.
+ * Which is faster for a shape is a measurement's to say (scripts/gpu-check runs both). */
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <limits.h>
+#include <mma.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "cuda/cuda_ops.h"
 
@@ -244,6 +254,127 @@ static __global__ void __launch_bounds__(MOE_THREADS)
   }
 }
 
+/* ---- expert_q's fused GEMM ---- */
+
+#define QG_BM 64 /* tokens a block */
+#define QG_BN 64 /* weight rows (outputs) a block */
+#define QG_PAD 8 /* bf16 of padding a shared row: 80 bytes, off the banks' period */
+
+/* C [n x N] (f32, row stride N) = A W^T: A bf16 [n x K] (rows of lda elements), W N rows of K
+ * values of type T (rb bytes each). 128 threads: warp w computes the 32 x 32 tile of tokens
+ * (w / 2) 32.. and rows (w % 2) 32.. of the block's 64 x 64, in 16 x 16 WMMA fragments; per
+ * step of 32 along K, threads 0..63 widen one weight row's unit each into shared memory and
+ * every thread loads 16 of A's values. */
+template <int T>
+static __global__ void __launch_bounds__(128)
+    qgemm_kernel(const uint16_t *A, int lda, int n, const uint8_t *W, size_t rb, int N, int K,
+                 float *C) {
+  using namespace nvcuda;
+  __shared__ __align__(32) __nv_bfloat16 As[QG_BM][32 + QG_PAD];
+  __shared__ __align__(32) __nv_bfloat16 Bs[QG_BN][32 + QG_PAD];
+  __shared__ __align__(32) float Cs[QG_BM][QG_BN + 4];
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int m0 = blockIdx.y * QG_BM, n0 = blockIdx.x * QG_BN;
+  const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+  for (int i = 0; i < 2; i++)
+#pragma unroll
+    for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.f);
+  for (int k0 = 0; k0 < K; k0 += 32) {
+    { /* A: token row tid / 2, values 16 (tid % 2) .. + 16 (zeros past n) */
+      const int r = tid >> 1, c = (tid & 1) * 16;
+      uint16_t *dst = (uint16_t *)&As[r][c];
+      if (m0 + r < n) {
+        const uint16_t *src = A + (size_t)(m0 + r) * lda + k0 + c;
+#pragma unroll
+        for (int j = 0; j < 16; j++) dst[j] = src[j];
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; j++) dst[j] = 0;
+      }
+    }
+    if (tid < QG_BN) { /* B: weight row n0 + tid, unit k0 / 32 (zeros past N) */
+      float v[32];
+      if (n0 + tid < N)
+        unit32<T>(W + (size_t)(n0 + tid) * rb, k0 >> 5, v);
+      else
+#pragma unroll
+        for (int j = 0; j < 32; j++) v[j] = 0.f;
+      uint16_t *dst = (uint16_t *)&Bs[tid][0];
+#pragma unroll
+      for (int j = 0; j < 32; j++) dst[j] = f32_to_bf16(v[j]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < 32; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a[2];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b[2];
+#pragma unroll
+      for (int i = 0; i < 2; i++) wmma::load_matrix_sync(a[i], &As[wm + 16 * i][kk], 32 + QG_PAD);
+#pragma unroll
+      for (int j = 0; j < 2; j++) wmma::load_matrix_sync(b[j], &Bs[wn + 16 * j][kk], 32 + QG_PAD);
+#pragma unroll
+      for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 2; i++)
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+      wmma::store_matrix_sync(&Cs[wm + 16 * i][wn + 16 * j], acc[i][j], QG_BN + 4,
+                              wmma::mem_row_major);
+  __syncthreads();
+  for (int e = tid; e < QG_BM * QG_BN; e += 128) {
+    const int r = e / QG_BN, c = e % QG_BN;
+    if (m0 + r < n && n0 + c < N) C[(size_t)(m0 + r) * N + n0 + c] = Cs[r][c];
+  }
+}
+
+/* What expert_q's fused GEMMs need to know of the expert: the types and rows' bytes. */
+typedef struct qgemm_ctx {
+  tdm_moe_wfmt fmt;
+  size_t gu_rb, d_rb;
+} qgemm_ctx;
+
+static int gemm_fused(moe_cuda *m, int ntok, int N, int K, const void *A, int a_stride,
+                      const void *W, bool down, float *C, const void *ctx) {
+  const qgemm_ctx *q = (const qgemm_ctx *)ctx;
+  const int t = down ? q->fmt.d : q->fmt.gu;
+  const size_t rb = down ? q->d_rb : q->gu_rb;
+  const uint16_t *a = (const uint16_t *)A;
+  const uint8_t *w = (const uint8_t *)W;
+  const dim3 grid((unsigned)((N + QG_BN - 1) / QG_BN), (unsigned)((ntok + QG_BM - 1) / QG_BM));
+  switch (t) {
+  case TDM_MOE_W_Q8_0:
+    qgemm_kernel<TDM_MOE_W_Q8_0><<<grid, 128, 0, m->s>>>(a, a_stride, ntok, w, rb, N, K, C);
+    break;
+  case TDM_MOE_W_Q4_K:
+    qgemm_kernel<TDM_MOE_W_Q4_K><<<grid, 128, 0, m->s>>>(a, a_stride, ntok, w, rb, N, K, C);
+    break;
+  case TDM_MOE_W_Q6_K:
+    qgemm_kernel<TDM_MOE_W_Q6_K><<<grid, 128, 0, m->s>>>(a, a_stride, ntok, w, rb, N, K, C);
+    break;
+  case TDM_MOE_W_MXFP4:
+    qgemm_kernel<TDM_MOE_W_MXFP4><<<grid, 128, 0, m->s>>>(a, a_stride, ntok, w, rb, N, K, C);
+    break;
+  default:
+    qgemm_kernel<TDM_MOE_W_F16><<<grid, 128, 0, m->s>>>(a, a_stride, ntok, w, rb, N, K, C);
+    break;
+  }
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : cuda_fail(m, e, "the fused quantized expert GEMM");
+}
+
+/* TANDEM_MOE_CUDA_QGEMM=fused: expert_q's GEMMs read the blocks (qgemm_kernel). */
+static bool qgemm_fused(void) {
+  const char *v = getenv("TANDEM_MOE_CUDA_QGEMM");
+  return v && strcmp(v, "fused") == 0;
+}
+
 /* ---- dispatch ---- */
 
 /* Whether the CUDA kernels take type t for rows of K values: a type of moe_ops.h, K a
@@ -367,6 +498,13 @@ int cuda_expert_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
   size_t gu_rb = tdm_moe_row_bytes(fmt.gu, H), d_rb = tdm_moe_row_bytes(fmt.d, I);
   int saved;
   if ((rc = enter(m, &saved))) return rc;
+  if (qgemm_fused()) {
+    const qgemm_ctx ctx = {fmt, gu_rb, d_rb};
+    rc = cuda_run_expert_with(m, x, rows, slot, n, wb, wb + 2 * (size_t)I * gu_rb, H, I, out,
+                              ws, gemm_fused, &ctx);
+    leave(m, saved);
+    return rc;
+  }
   cudaError_t e = widen_rows(m, fmt.gu, wb, gu_rb, 2 * I, H, wide);
   if (e == cudaSuccess)
     e = widen_rows(m, fmt.d, wb + 2 * (size_t)I * gu_rb, d_rb, H, I, wide + 2 * (size_t)I * H);
