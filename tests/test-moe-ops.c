@@ -31,6 +31,7 @@
  * green until every table has them.
  */
 #include "harness.h"
+#include "moe-fixture.h"
 
 #include <math.h>
 
@@ -41,51 +42,7 @@
 #define REL_TOL (strcmp(th_backend_of_current(), "cpu") == 0 ? 1e-4 : 1e-2)
 #define ROUTE_TIE 1e-5
 
-/* ---- Fixture ----------------------------------------------------------------------------- */
-
-typedef struct fixture {
-  tdm_device *dev;
-  tdm_queue *q;
-  const tdm_moe_ops *ops;
-  void *st;
-  uint64_t rng;
-} fixture;
-
-static fixture setup(void) {
-  fixture f = {0};
-  f.dev = th_open();
-  f.ops = tdm_moe_ops_for(f.dev);
-  if (!f.ops) TH_SKIP("no MoE op table for the %s backend", th_backend_of(f.dev));
-  CHECK_OK(tdm_queue_create(f.dev, TDM_QUEUE_IN_ORDER, &f.q));
-  CHECK_OK(f.ops->open(f.q, &f.st));
-  f.rng = th_seed();
-  return f;
-}
-
-static void teardown(fixture *f) {
-  f->ops->close(f->st);
-  CHECK_OK(tdm_queue_destroy(f->q));
-  th_close();
-}
-
-static void *alloc(fixture *f, tdm_mem_kind kind, size_t n) {
-  void *p = NULL;
-  CHECK_OK(tdm_malloc(f->dev, kind, n, &p));
-  CHECK(p != NULL);
-  return p;
-}
-
-/* A device buffer holding a copy of n bytes of host data. */
-static void *upload(fixture *f, const void *host, size_t n) {
-  void *d = alloc(f, TDM_MEM_DEVICE, n);
-  CHECK_OK(tdm_memcpy(f->q, d, host, n, TDM_COPY_H2D, 0, NULL, NULL));
-  return d;
-}
-
-static void download(fixture *f, void *host, const void *dev, size_t n) {
-  CHECK_OK(tdm_memcpy(f->q, host, dev, n, TDM_COPY_D2H, 0, NULL, NULL));
-  CHECK_OK(tdm_queue_sync(f->q));
-}
+/* ---- Fixture: moe-fixture.h ---------------------------------------------------------- */
 
 /* ---- Random data ------------------------------------------------------------------------- */
 

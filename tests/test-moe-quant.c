@@ -15,6 +15,7 @@
  * table without expert_q() / experts_q() skips, visibly (77).
  */
 #include "harness.h"
+#include "moe-fixture.h"
 
 #include <math.h>
 
@@ -22,44 +23,15 @@
 
 #define REL_TOL (strcmp(f->ops->name, "cpu") == 0 ? 1e-4 : 1e-2)
 
-typedef struct fixture {
-  tdm_device *dev;
-  tdm_queue *q;
-  const tdm_moe_ops *ops;
-  void *st;
-  uint64_t rng;
-} fixture;
-
-static fixture setup(int need_q) {
-  fixture f = {0};
-  f.dev = th_open();
-  f.ops = tdm_moe_ops_for(f.dev);
-  if (!f.ops) TH_SKIP("no MoE op table for the %s backend", th_backend_of(f.dev));
-  if (need_q && (!f.ops->expert_q || !f.ops->experts_q))
-    TH_SKIP("the %s table has no expert_q() / experts_q() yet", f.ops->name);
-  CHECK_OK(tdm_queue_create(f.dev, TDM_QUEUE_IN_ORDER, &f.q));
-  CHECK_OK(f.ops->open(f.q, &f.st));
-  f.rng = th_seed();
+/* setup() with, when need_q, a table that has expert_q() and experts_q() (else skipped). */
+static fixture setup_q(int need_q) {
+  fixture f = setup();
+  if (need_q && (!f.ops->expert_q || !f.ops->experts_q)) {
+    const char *name = f.ops->name;
+    teardown(&f);
+    TH_SKIP("the %s table has no expert_q() / experts_q() yet", name);
+  }
   return f;
-}
-
-static void teardown(fixture *f) {
-  f->ops->close(f->st);
-  CHECK_OK(tdm_queue_destroy(f->q));
-  th_close();
-}
-
-static void *alloc(fixture *f, tdm_mem_kind kind, size_t n) {
-  void *p = NULL;
-  CHECK_OK(tdm_malloc(f->dev, kind, n, &p));
-  CHECK(p != NULL);
-  return p;
-}
-
-static void *upload(fixture *f, const void *host, size_t n) {
-  void *d = alloc(f, TDM_MEM_DEVICE, n);
-  CHECK_OK(tdm_memcpy(f->q, d, host, n, TDM_COPY_H2D, 0, NULL, NULL));
-  return d;
 }
 
 /* ---- Random blocks ----------------------------------------------------------------------- */
@@ -298,7 +270,7 @@ static const int FEW[] = {1, 2, 0, 8, 1, 3};
 enum { NFEW = sizeof FEW / sizeof FEW[0] };
 
 TEST_CASE(experts_q_ref) {
-  fixture f0 = setup(1), *f = &f0;
+  fixture f0 = setup_q(1), *f = &f0;
   for (int i = 0; i < 2 * NFORMATS; i++) {
     const int few = i >= NFORMATS;
     const tdm_moe_wfmt fmt = FORMATS[i % NFORMATS];
@@ -321,7 +293,7 @@ TEST_CASE(experts_q_ref) {
  * its prefill GEMMs (TANDEM_MOE_CUDA_QGEMM: the widened expert through cuBLASLt, and the
  * fused kernel that reads the blocks). */
 TEST_CASE(expert_q_ref) {
-  fixture f0 = setup(1), *f = &f0;
+  fixture f0 = setup_q(1), *f = &f0;
   static const int counts[] = {20, 3};
   const int modes = strcmp(f->ops->name, "cuda") == 0 ? 2 : 1;
   for (int i = 0; i < NFORMATS * modes; i++)
@@ -349,7 +321,7 @@ TEST_CASE(expert_q_ref) {
 
 /* {BF16, BF16} is experts()'s format: the same bits from either entry. */
 TEST_CASE(bf16_matches_experts) {
-  fixture f0 = setup(1), *f = &f0;
+  fixture f0 = setup_q(1), *f = &f0;
   if (!f->ops->experts) TH_SKIP("the %s table has no experts()", f->ops->name);
   qcase c = qcase_setup(f, (tdm_moe_wfmt){TDM_MOE_W_BF16, TDM_MOE_W_BF16}, 256, 512, COUNTS,
                         NCOUNTS);
@@ -374,7 +346,7 @@ TEST_CASE(bf16_matches_experts) {
 
 /* The sizes of rows and experts, and the exact widening's argument errors: device-free. */
 TEST_CASE(row_sizes) {
-  fixture f0 = setup(0), *f = &f0;
+  fixture f0 = setup_q(0), *f = &f0;
   CHECK(tdm_moe_row_bytes(TDM_MOE_W_Q8_0, 64) == 68);
   CHECK(tdm_moe_row_bytes(TDM_MOE_W_Q4_K, 512) == 288);
   CHECK(tdm_moe_row_bytes(TDM_MOE_W_Q6_K, 256) == 210);
@@ -414,7 +386,7 @@ TEST_CASE(row_sizes) {
  * queued. On the CPU an entry whose quantized expert runs past the weights' allocation fails
  * the command with TDM_ERANGE (reported by the sync), out untouched; a GPU skips it. */
 TEST_CASE(bad_args) {
-  fixture f0 = setup(1), *f = &f0;
+  fixture f0 = setup_q(1), *f = &f0;
   static const int counts[] = {2, 3};
   tdm_moe_wfmt q8 = {TDM_MOE_W_Q8_0, TDM_MOE_W_Q8_0};
   qcase c = qcase_setup(f, q8, 256, 256, counts, 2);

@@ -30,6 +30,7 @@
  * double, OpenCL's in float-float): ~3e-7, while a float angle at position 4096 is off by
  * ~2e-4. 1e-5 holds all of them with room and fails any wrong row, head, pair or position. */
 #include "harness.h"
+#include "moe-fixture.h"
 
 #include <math.h>
 
@@ -40,31 +41,6 @@
 #define SENTINEL 1234.5f
 
 /* ---- Fixture ----------------------------------------------------------------------------- */
-
-typedef struct fixture {
-  tdm_device *dev;
-  tdm_queue *q;
-  const tdm_moe_ops *ops;
-  void *st;
-  uint64_t rng;
-} fixture;
-
-static fixture setup(void) {
-  fixture f = {0};
-  f.dev = th_open();
-  f.ops = tdm_moe_ops_for(f.dev);
-  if (!f.ops) TH_SKIP("no MoE op table for the %s backend", th_backend_of(f.dev));
-  CHECK_OK(tdm_queue_create(f.dev, TDM_QUEUE_IN_ORDER, &f.q));
-  CHECK_OK(f.ops->open(f.q, &f.st));
-  f.rng = th_seed();
-  return f;
-}
-
-static void teardown(fixture *f) {
-  f->ops->close(f->st);
-  CHECK_OK(tdm_queue_destroy(f->q));
-  th_close();
-}
 
 static int has_xfmr(const tdm_moe_ops *o) {
   return o->get_rows && o->matmul && o->rope && o->attention;
@@ -80,13 +56,6 @@ static fixture setup_xfmr(void) {
             name);
   }
   return f;
-}
-
-static void *alloc(fixture *f, tdm_mem_kind kind, size_t n) {
-  void *p = NULL;
-  CHECK_OK(tdm_malloc(f->dev, kind, n, &p));
-  CHECK(p != NULL);
-  return p;
 }
 
 /* n floats of host data into device memory, between PAD sentinels on each side: the pointer
