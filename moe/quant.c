@@ -36,17 +36,8 @@ int tdm_moe_dequant_row(int wtype, const void *src, float *dst, int64_t n) {
       dst[i] = wtype == TDM_MOE_W_F16 ? tdm_moe_f16_to_f32(h) : tdm_moe_bf16_to_f32(h);
     }
     break;
-  case TDM_MOE_W_Q8_0:
-    for (size_t i = 0; i < count; i += 32, b += 34) tdm_moe__q8_0(b, dst + i);
-    break;
-  case TDM_MOE_W_Q4_K:
-    for (size_t i = 0; i < count; i += 256, b += 144) tdm_moe__q4_k(b, dst + i);
-    break;
-  case TDM_MOE_W_Q6_K:
-    for (size_t i = 0; i < count; i += 256, b += 210) tdm_moe__q6_k(b, dst + i);
-    break;
-  default: /* TDM_MOE_W_MXFP4: tdm_moe_row_bytes knows no other */
-    for (size_t i = 0; i < count; i += 32, b += 17) tdm_moe__mxfp4(b, dst + i);
+  default: /* a block type: tdm_moe_row_bytes knows no other */
+    tdm_moe__dequant_blocks(wtype, b, count, dst);
     break;
   }
   return 0;

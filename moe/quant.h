@@ -119,6 +119,25 @@ QUANT_INLINE void tdm_moe__mxfp4(const uint8_t *restrict b, float *restrict y) {
     }
 }
 
+/* K values of a block type (whole blocks) at src into y, block by block. */
+QUANT_INLINE void tdm_moe__dequant_blocks(int type, const uint8_t *restrict src, size_t K,
+                                          float *restrict y) {
+  switch (type) {
+  case TDM_MOE_W_Q8_0:
+    for (size_t k = 0; k < K; k += 32, src += 34) tdm_moe__q8_0(src, y + k);
+    break;
+  case TDM_MOE_W_Q4_K:
+    for (size_t k = 0; k < K; k += 256, src += 144) tdm_moe__q4_k(src, y + k);
+    break;
+  case TDM_MOE_W_Q6_K:
+    for (size_t k = 0; k < K; k += 256, src += 210) tdm_moe__q6_k(src, y + k);
+    break;
+  default: /* TDM_MOE_W_MXFP4: the callers checked the type */
+    for (size_t k = 0; k < K; k += 32, src += 17) tdm_moe__mxfp4(src, y + k);
+    break;
+  }
+}
+
 /* A type's block: values and bytes (0 and 0 for a type that is not one of the table's). */
 QUANT_INLINE void tdm_moe__wtype_block(int wtype, int *values, int *bytes) {
   switch (wtype) {

@@ -388,20 +388,8 @@ static INLINE void widen_qrow(float *restrict dst, const uint8_t *restrict src, 
   if (ahead)
     for (size_t o = 0; o < rb; o += 64)
       if ((size_t)(end - (src + o)) > ahead) PREFETCH(src + o + ahead);
-  switch (type) {
-  case TDM_MOE_W_Q8_0:
-    for (size_t k = 0; k < K; k += 32, src += 34) tdm_moe__q8_0(src, dst + k);
-    break;
-  case TDM_MOE_W_Q4_K:
-    for (size_t k = 0; k < K; k += 256, src += 144) tdm_moe__q4_k(src, dst + k);
-    break;
-  case TDM_MOE_W_Q6_K:
-    for (size_t k = 0; k < K; k += 256, src += 210) tdm_moe__q6_k(src, dst + k);
-    break;
-  default: /* TDM_MOE_W_MXFP4: the formats were checked at submission */
-    for (size_t k = 0; k < K; k += 32, src += 17) tdm_moe__mxfp4(src, dst + k);
-    break;
-  }
+  tdm_moe__dequant_blocks(type, src, K, dst);
+}
 }
 
 /* A weight row of any type (rb bytes at src) widened into dst; ahead and end in bytes. */
