@@ -390,7 +390,6 @@ static INLINE void widen_qrow(float *restrict dst, const uint8_t *restrict src, 
       if ((size_t)(end - (src + o)) > ahead) PREFETCH(src + o + ahead);
   tdm_moe__dequant_blocks(type, src, K, dst);
 }
-}
 
 /* A weight row of any type (rb bytes at src) widened into dst; ahead and end in bytes. */
 static INLINE void widen_any(float *restrict dst, const uint8_t *restrict src, size_t K,
