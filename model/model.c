@@ -82,11 +82,13 @@ static void progress(tdm_model *m, const char *what, double done) {
 /* ---- the experts' format ----------------------------------------------------------------- */
 
 /* An expert's format as the file keeps it ({gate and up type, down type}), or {0, 0} where the
- * MoE layers cannot take it as it is: F32, a type they have no kernels for, gate and up of
- * different types, rows that are not whole blocks. */
+ * MoE layers take it widened to bf16: F32, a type they have no kernels for, gate and up of
+ * different types, rows that are not whole blocks; and F16, which is bf16's size on the link,
+ * so that it runs on the bf16 kernels, the tuned ones (rounded to bf16 at load). */
 static tdm_moe_wfmt file_fmt(const hparams *hp, const expert_part parts[3]) {
   int g = tdm_mf_moe_wtype(parts[0].t->type), u = tdm_mf_moe_wtype(parts[1].t->type);
   tdm_moe_wfmt f = {g, tdm_mf_moe_wtype(parts[2].t->type)};
+  if (f.gu == TDM_MOE_W_F16 || f.d == TDM_MOE_W_F16) return (tdm_moe_wfmt){0, 0};
   return g && g == u && tdm_moe_expert_size(f, hp->H, hp->I) ? f : (tdm_moe_wfmt){0, 0};
 }
 

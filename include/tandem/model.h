@@ -50,8 +50,9 @@ typedef struct tdm_model_config {
                             and the bytes a decode step reads; the results of f32 math on the
                             same values) */
   bool experts_bf16;     /* widen the routed experts to bf16 even where the device's table
-                            computes them in the file's format (Q8_0, Q4_K, Q6_K, MXFP4,
-                            F16): more bytes on the link, the results of the widened values */
+                            computes them in the file's format (Q8_0, Q4_K, Q6_K, MXFP4; F16
+                            experts are widened always): more bytes on the link, the results
+                            of the widened values */
   /* Called as the weights load (what: "experts", "dense"; done in [0, 1], rising), so a tool
    * can show progress; NULL: nothing. The experts' reports come from the threads that convert
    * them, one call at a time; the others from the thread in tdm_model_open. */
