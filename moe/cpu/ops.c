@@ -633,16 +633,20 @@ static void experts_gemv_fused(gemv_job *jobs, int njobs, size_t H, size_t I, in
 
 /* ---- expert ------------------------------------------------------------------------------ */
 
-/* The expert at src, in format fmt, widened into w (3HI floats, the bf16 layout). */
+/* The expert at src, in format fmt, widened into w (3HI floats, the bf16 layout), row by row
+ * as the few-token kernels widen them (for sgemm, many tokens an expert). */
+GEMV_CLONES
 static void widen_expert(float *w, const uint8_t *src, tdm_moe_wfmt fmt, size_t H, size_t I) {
   if (fmt.gu == TDM_MOE_W_BF16 && fmt.d == TDM_MOE_W_BF16) {
     bf16_to_f32(w, (const tdm_moe_bf16 *)(const void *)src, 3 * H * I);
     return;
   }
+  if (fmt.gu == TDM_MOE_W_F16 || fmt.d == TDM_MOE_W_F16) f16_ready();
   size_t gu_rb = tdm_moe_row_bytes(fmt.gu, (int64_t)H), d_rb = tdm_moe_row_bytes(fmt.d, (int64_t)I);
-  for (size_t r = 0; r < 2 * I; r++, src += gu_rb) (void)tdm_moe_dequant_row(fmt.gu, src, w + r * H, (int64_t)H);
+  const uint8_t *end = src + 2 * I * gu_rb + H * d_rb;
+  for (size_t r = 0; r < 2 * I; r++, src += gu_rb) widen_any(w + r * H, src, H, fmt.gu, gu_rb, end, 0);
   for (size_t r = 0; r < H; r++, src += d_rb)
-    (void)tdm_moe_dequant_row(fmt.d, src, w + 2 * H * I + r * I, (int64_t)I);
+    widen_any(w + 2 * H * I + r * I, src, I, fmt.d, d_rb, end, 0);
 }
 
 /* The expert at w on n tokens whose indices are known to be in range: what expert() computes,
