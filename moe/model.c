@@ -189,9 +189,17 @@ static void fill_expert(const tdm_moe_model *m, tdm_moe_bf16 *w, uint64_t seed) 
   for (size_t i = 2 * hi; i < 3 * hi; i++) w[i] = tdm_moe_f32_to_bf16(b * unit(&s)); /* Wd */
 }
 
-/* A synthetic row of K values of a block type, its values spread over about (-a, a) as
- * fill_expert's are: random quants under scales that put their largest near a. */
+/* A synthetic row of K values of a type other than bf16, its values spread over about (-a, a)
+ * as fill_expert's are: F16 values drawn as fill_expert draws them; for a block type, random
+ * quants under scales that put their largest near a. */
 static uint8_t *fill_row_q(uint8_t *p, int type, int K, float a, uint64_t *s) {
+  if (type == TDM_MOE_W_F16) {
+    for (int k = 0; k < K; k++, p += 2) {
+      float v = a * unit(s);
+      put_f16(p, (uint16_t)(tdm_moe__f16_of(fabsf(v)) | (v < 0 ? 0x8000u : 0u)));
+    }
+    return p;
+  }
   int values, bytes;
   tdm_moe__wtype_block(type, &values, &bytes);
   for (int b = 0; b < K / values; b++, p += bytes) {
@@ -217,11 +225,12 @@ static uint8_t *fill_row_q(uint8_t *p, int type, int K, float a, uint64_t *s) {
   return p;
 }
 
-static void fill_expert_q(const tdm_moe_model *m, uint8_t *w, uint64_t seed) {
+/* An expert of format f (not bf16). */
+static void fill_expert_q(const tdm_moe_model *m, tdm_moe_wfmt f, uint8_t *w, uint64_t seed) {
   uint64_t s = seed;
   float a = 1.0f / sqrtf((float)m->H), b = 1.0f / sqrtf((float)m->I);
-  for (int r = 0; r < 2 * m->I; r++) w = fill_row_q(w, m->fmt[0].gu, m->H, a, &s);
-  for (int r = 0; r < m->H; r++) w = fill_row_q(w, m->fmt[0].d, m->I, b, &s);
+  for (int r = 0; r < 2 * m->I; r++) w = fill_row_q(w, f.gu, m->H, a, &s);
+  for (int r = 0; r < m->H; r++) w = fill_row_q(w, f.d, m->I, b, &s);
 }
 
 static void *fill_main(void *arg) {
@@ -239,10 +248,13 @@ static void *fill_main(void *arg) {
         if (strncmp(msg, name, n) == 0 && strncmp(msg + n, ": ", 2) == 0) msg += n + 2;
         snprintf(j->why, sizeof j->why, "%s", msg);
       }
-    } else if (m->quant)
-      fill_expert_q(m, w, seed);
-    else
-      fill_expert(m, (tdm_moe_bf16 *)(void *)w, seed);
+    } else {
+      tdm_moe_wfmt f = m->fmt[key / m->E];
+      if (f.gu == TDM_MOE_W_BF16 && f.d == TDM_MOE_W_BF16)
+        fill_expert(m, (tdm_moe_bf16 *)(void *)w, seed);
+      else
+        fill_expert_q(m, f, w, seed);
+    }
   }
   return NULL;
 }
