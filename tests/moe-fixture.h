@@ -1,6 +1,7 @@
 /* moe-fixture.h: what the suites of the MoE op tables (test-moe-ops.c, test-xfmr-ops.c,
- * test-moe-quant.c) share: the device's table opened on an in-order queue, and device memory
- * in and out. A device without a table is skipped (77). Include after harness.h. */
+ * test-moe-quant.c) share: the device's table opened on an in-order queue, device memory in
+ * and out, and random distinct indices. A device without a table is skipped (77). Include
+ * after harness.h. */
 #ifndef TANDEM_TESTS_MOE_FIXTURE_H
 #define TANDEM_TESTS_MOE_FIXTURE_H
 
@@ -49,6 +50,21 @@ TH_HELPER void *upload(fixture *f, const void *host, size_t n) {
 TH_HELPER void download(fixture *f, void *host, const void *dev, size_t n) {
   CHECK_OK(tdm_memcpy(f->q, host, dev, n, TDM_COPY_D2H, 0, NULL, NULL));
   CHECK_OK(tdm_queue_sync(f->q));
+}
+
+/* m distinct values of [0, n) in random order, into dst. */
+TH_HELPER void pick_distinct(fixture *f, int n, int m, int32_t *dst) {
+  int32_t *all = malloc((size_t)n * sizeof *all);
+  CHECK(all != NULL && m <= n);
+  for (int i = 0; i < n; i++) all[i] = i;
+  for (int i = 0; i < m; i++) {
+    int j = i + (int)th_rand_below(&f->rng, (uint64_t)(n - i));
+    int32_t t = all[i];
+    all[i] = all[j];
+    all[j] = t;
+    dst[i] = all[i];
+  }
+  free(all);
 }
 
 #endif

@@ -65,22 +65,7 @@ static tdm_moe_bf16 *rnd_bf16(fixture *f, size_t n, float scale) {
   return p;
 }
 
-/* m distinct values of [0, n) in random order, into dst. */
-static void pick_distinct(fixture *f, int n, int m, int32_t *dst) {
-  int32_t *all = malloc((size_t)n * sizeof *all);
-  CHECK(all != NULL && m <= n);
-  for (int i = 0; i < n; i++) all[i] = i;
-  for (int i = 0; i < m; i++) {
-    int j = i + (int)th_rand_below(&f->rng, (uint64_t)(n - i));
-    int32_t t = all[i];
-    all[i] = all[j];
-    all[j] = t;
-    dst[i] = all[i];
-  }
-  free(all);
-}
-
-/* The same, in pinned memory. */
+/* pick_distinct() (moe-fixture.h), in pinned memory. */
 static int32_t *rnd_distinct(fixture *f, int n, int m) {
   int32_t *out = alloc(f, TDM_MEM_PINNED, (size_t)m * sizeof *out);
   pick_distinct(f, n, m, out);

@@ -121,19 +121,6 @@ typedef struct qcase {
 
 static const float SENTINEL = 12345.0f;
 
-/* m distinct values of [0, n) into dst. */
-static void pick_distinct(fixture *f, int n, int m, int32_t *dst) {
-  int32_t all[T * TOPK];
-  CHECK(n <= T * TOPK && m <= n);
-  for (int i = 0; i < n; i++) all[i] = i;
-  for (int i = 0; i < m; i++) {
-    int j = i + (int)th_rand_below(&f->rng, (uint64_t)(n - i));
-    int32_t t = all[i];
-    all[i] = all[j], all[j] = t;
-    dst[i] = all[i];
-  }
-}
-
 static qcase qcase_setup(fixture *f, tdm_moe_wfmt fmt, int H, int I, const int *counts, int G) {
   qcase c = {.H = H, .I = I, .G = G, .fmt = fmt};
   CHECK(G > 0 && G <= MAX_G);

@@ -254,6 +254,25 @@ static __global__ void __launch_bounds__(MOE_THREADS)
   }
 }
 
+/* BODY compiled for each type the kernels take, with QT the type, and run for t (the callers
+ * checked it: anything else is F16). */
+#define QTYPE_CASE(T, ...)  \
+  case T: {                 \
+    constexpr int QT = T;   \
+    __VA_ARGS__;            \
+  } break;
+#define BY_QTYPE(t, ...)                                 \
+  switch (t) {                                           \
+    QTYPE_CASE(TDM_MOE_W_Q8_0, __VA_ARGS__)              \
+    QTYPE_CASE(TDM_MOE_W_Q4_K, __VA_ARGS__)              \
+    QTYPE_CASE(TDM_MOE_W_Q6_K, __VA_ARGS__)              \
+    QTYPE_CASE(TDM_MOE_W_MXFP4, __VA_ARGS__)             \
+  default: {                                             \
+    constexpr int QT = TDM_MOE_W_F16;                    \
+    __VA_ARGS__;                                         \
+  } break;                                               \
+  }
+
 /* ---- expert_q's fused GEMM ---- */
 
 #define QG_BM 64 /* tokens a block */
@@ -348,23 +367,7 @@ static int gemm_fused(moe_cuda *m, int ntok, int N, int K, const void *A, int a_
   const uint16_t *a = (const uint16_t *)A;
   const uint8_t *w = (const uint8_t *)W;
   const dim3 grid((unsigned)((N + QG_BN - 1) / QG_BN), (unsigned)((ntok + QG_BM - 1) / QG_BM));
-  switch (t) {
-  case TDM_MOE_W_Q8_0:
-    qgemm_kernel<TDM_MOE_W_Q8_0><<<grid, 128, 0, m->s>>>(a, a_stride, ntok, w, rb, N, K, C);
-    break;
-  case TDM_MOE_W_Q4_K:
-    qgemm_kernel<TDM_MOE_W_Q4_K><<<grid, 128, 0, m->s>>>(a, a_stride, ntok, w, rb, N, K, C);
-    break;
-  case TDM_MOE_W_Q6_K:
-    qgemm_kernel<TDM_MOE_W_Q6_K><<<grid, 128, 0, m->s>>>(a, a_stride, ntok, w, rb, N, K, C);
-    break;
-  case TDM_MOE_W_MXFP4:
-    qgemm_kernel<TDM_MOE_W_MXFP4><<<grid, 128, 0, m->s>>>(a, a_stride, ntok, w, rb, N, K, C);
-    break;
-  default:
-    qgemm_kernel<TDM_MOE_W_F16><<<grid, 128, 0, m->s>>>(a, a_stride, ntok, w, rb, N, K, C);
-    break;
-  }
+  BY_QTYPE(t, qgemm_kernel<QT><<<grid, 128, 0, m->s>>>(a, a_stride, ntok, w, rb, N, K, C));
   cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? 0 : cuda_fail(m, e, "the fused quantized expert GEMM");
 }
@@ -382,13 +385,6 @@ static bool qgemm_fused(void) {
 static bool type_ok(int t, int K) {
   return t != TDM_MOE_W_BF16 && tdm_moe_row_bytes(t, K) && K % 32 == 0;
 }
-
-#define GQ_DISPATCH(t, kernel, ...)                                                           \
-  ((t) == TDM_MOE_W_Q8_0    ? launch_pdl(m, kernel<TDM_MOE_W_Q8_0>, __VA_ARGS__)                \
-   : (t) == TDM_MOE_W_Q4_K  ? launch_pdl(m, kernel<TDM_MOE_W_Q4_K>, __VA_ARGS__)              \
-   : (t) == TDM_MOE_W_Q6_K  ? launch_pdl(m, kernel<TDM_MOE_W_Q6_K>, __VA_ARGS__)              \
-   : (t) == TDM_MOE_W_MXFP4 ? launch_pdl(m, kernel<TDM_MOE_W_MXFP4>, __VA_ARGS__)             \
-                            : launch_pdl(m, kernel<TDM_MOE_W_F16>, __VA_ARGS__))
 
 static bool is_bf16(tdm_moe_wfmt f) { return f.gu == TDM_MOE_W_BF16 && f.d == TDM_MOE_W_BF16; }
 
@@ -438,11 +434,13 @@ int cuda_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
   const dim3 down_grid((unsigned)((H + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G);
   int saved;
   if ((rc = enter(m, &saved))) return rc;
-  cudaError_t e = GQ_DISPATCH(fmt.gu, gq_gate_up_kernel, gu_grid, MOE_THREADS, 0, x, xlimit,
-                              rows, n, wb, wlimit, ebytes, groups, H, I, gu_rb, h);
+  cudaError_t e;
+  BY_QTYPE(fmt.gu, e = launch_pdl(m, gq_gate_up_kernel<QT>, gu_grid, MOE_THREADS, 0, x, xlimit,
+                                  rows, n, wb, wlimit, ebytes, groups, H, I, gu_rb, h));
   if (e == cudaSuccess)
-    e = GQ_DISPATCH(fmt.d, gq_down_kernel, down_grid, MOE_THREADS, 0, (const float *)h, rows,
-                    xlimit, slot, olimit, n, wb, wlimit, ebytes, groups, H, I, gu_rb, d_rb, out);
+    BY_QTYPE(fmt.d, e = launch_pdl(m, gq_down_kernel<QT>, down_grid, MOE_THREADS, 0,
+                                   (const float *)h, rows, xlimit, slot, olimit, n, wb, wlimit,
+                                   ebytes, groups, H, I, gu_rb, d_rb, out));
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "the quantized grouped expert kernels");
   leave(m, saved);
   return rc;
@@ -452,23 +450,7 @@ int cuda_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
 static cudaError_t widen_rows(moe_cuda *m, int t, const uint8_t *w, size_t rb, int nrows, int K,
                               uint16_t *dst) {
   const dim3 grid((unsigned)((nrows + MOE_WARPS - 1) / MOE_WARPS));
-  switch (t) {
-  case TDM_MOE_W_Q8_0:
-    widen_rows_kernel<TDM_MOE_W_Q8_0><<<grid, MOE_THREADS, 0, m->s>>>(w, rb, nrows, K, dst);
-    break;
-  case TDM_MOE_W_Q4_K:
-    widen_rows_kernel<TDM_MOE_W_Q4_K><<<grid, MOE_THREADS, 0, m->s>>>(w, rb, nrows, K, dst);
-    break;
-  case TDM_MOE_W_Q6_K:
-    widen_rows_kernel<TDM_MOE_W_Q6_K><<<grid, MOE_THREADS, 0, m->s>>>(w, rb, nrows, K, dst);
-    break;
-  case TDM_MOE_W_MXFP4:
-    widen_rows_kernel<TDM_MOE_W_MXFP4><<<grid, MOE_THREADS, 0, m->s>>>(w, rb, nrows, K, dst);
-    break;
-  default:
-    widen_rows_kernel<TDM_MOE_W_F16><<<grid, MOE_THREADS, 0, m->s>>>(w, rb, nrows, K, dst);
-    break;
-  }
+  BY_QTYPE(t, widen_rows_kernel<QT><<<grid, MOE_THREADS, 0, m->s>>>(w, rb, nrows, K, dst));
   return cudaGetLastError();
 }
 
