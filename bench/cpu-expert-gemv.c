@@ -197,6 +197,77 @@ static float rnd(uint64_t *s, float scale) {
   return (*s >> 33 & 1 ? -mag : mag) * scale;
 }
 
+/* ---- Experts in their file's block formats (expert_q / experts_q), on the same memory ----
+ * The bf16 blobs' bytes, refilled with random blocks of one format at a time: random bytes,
+ * then each block's scale fields set to a small finite value, so no value is a NaN or a
+ * subnormal. GB/s count the blocks' own bytes (what a host expert reads from memory). */
+typedef struct qformat {
+  const char *name;
+  tdm_moe_wfmt fmt;
+} qformat;
+
+static const qformat QFORMATS[] = {
+    {"bf16", {TDM_MOE_W_BF16, TDM_MOE_W_BF16}}, {"q8_0", {TDM_MOE_W_Q8_0, TDM_MOE_W_Q8_0}},
+    {"q4_k+q6_k", {TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K}}, {"q4_k", {TDM_MOE_W_Q4_K, TDM_MOE_W_Q4_K}},
+    {"q6_k", {TDM_MOE_W_Q6_K, TDM_MOE_W_Q6_K}}, {"mxfp4", {TDM_MOE_W_MXFP4, TDM_MOE_W_MXFP4}}};
+
+/* Sets the scale fields of the blocks of a row of `bytes` bytes of type t. */
+static void fix_scales(uint8_t *p, size_t bytes, int t) {
+  static const uint8_t f16_small[2] = {0x00, 0x14}; /* 2^-10 */
+  size_t bb = tdm_moe_row_bytes(t, t == TDM_MOE_W_Q8_0 || t == TDM_MOE_W_MXFP4 ? 32 : 256);
+  for (size_t o = 0; t != TDM_MOE_W_BF16 && o + bb <= bytes; o += bb) {
+    uint8_t *blk = p + o;
+    if (t == TDM_MOE_W_Q8_0) memcpy(blk, f16_small, 2);
+    if (t == TDM_MOE_W_Q4_K) memcpy(blk, f16_small, 2), memcpy(blk + 2, f16_small, 2);
+    if (t == TDM_MOE_W_Q6_K) memcpy(blk + bb - 2, f16_small, 2);
+    if (t == TDM_MOE_W_MXFP4) blk[0] = 120; /* 2^-7 */
+  }
+}
+
+static void fill_quant(uint8_t *w, size_t blobs, size_t stride, tdm_moe_wfmt f, uint64_t *seed) {
+  size_t gu_rb = tdm_moe_row_bytes(f.gu, H), d_rb = tdm_moe_row_bytes(f.d, I);
+  for (size_t e = 0; e < blobs; e++) {
+    uint8_t *p = w + e * stride;
+    for (size_t i = 0; i < stride; i += 8) {
+      *seed = *seed * 6364136223846793005ull + 1442695040888963407ull;
+      uint64_t v = *seed >> 1 & 0x3f7f3f7f3f7f3f7full; /* bf16 and f16 pairs stay finite */
+      memcpy(p + i, &v, stride - i < 8 ? stride - i : 8);
+    }
+    for (size_t r = 0; r < 2 * (size_t)I; r++) fix_scales(p + r * gu_rb, gu_rb, f.gu);
+    for (size_t r = 0; r < (size_t)H; r++) fix_scales(p + 2 * I * gu_rb + r * d_rb, d_rb, f.d);
+  }
+}
+
+/* n tokens through every blob (expert_q per blob), or one token through G blobs a call
+ * (experts_q); one sync at the end. */
+static int run_quant(bench *b, const uint8_t *w, size_t blobs, size_t stride, tdm_moe_wfmt f,
+                     int G, double *seconds) {
+  int rc = 0;
+  double t0 = bu_seconds();
+  if (G == 0)
+    for (size_t e = 0; !rc && e < blobs; e++)
+      rc = b->ops->expert_q(b->st, b->q, b->x, b->rows, b->slot, b->n, w + e * stride, f, H, I,
+                            b->out_new, b->ws, b->ws_bytes);
+  for (size_t e = 0; G && !rc && e + (size_t)G <= blobs; e += (size_t)G)
+    rc = b->ops->experts_q(b->st, b->q, b->x, b->zrows, b->slot, G, w, f, b->groups + e, G, H,
+                           I, b->out_new, b->ws, b->ws_bytes);
+  if (rc || tdm_queue_sync(b->q) != 0) return -1;
+  *seconds = bu_seconds() - t0;
+  return 0;
+}
+
+/* Seconds per expert: one warm-up pass, then the median of REPS. */
+static int quant_rate(bench *b, const uint8_t *w, size_t blobs, size_t stride, tdm_moe_wfmt f,
+                      int G, double *per_expert) {
+  double t[REPS], warm;
+  if (run_quant(b, w, blobs, stride, f, G, &warm) != 0) return -1;
+  for (int r = 0; r < REPS; r++)
+    if (run_quant(b, w, blobs, stride, f, G, &t[r]) != 0) return -1;
+  size_t done = G ? blobs / (size_t)G * (size_t)G : blobs;
+  *per_expert = bu_median(t, REPS) / (double)done;
+  return 0;
+}
+
 #define TRY(what, call)                                                                       \
   do {                                                                                        \
     if ((call) != 0) {                                                                        \
@@ -395,6 +466,57 @@ int main(int argc, char **argv) {
     bu_json_end(&j);
   }
   bu_json_end(&j);
+  /* The block formats: one token (expert_q), 4 tokens, and 8 experts of one token a call
+   * (experts_q), each set against the read bandwidth of all the cores (the pool's). */
+  if (b.ops->expert_q && b.ops->experts_q) {
+    double all_bw = thr_bw[nt - 1], bf16_mb = blob_mb;
+    size_t bytes = b.blobs * blob_len() * sizeof *b.w;
+    printf("\n  block formats, against %.1f GB/s read by %d threads:\n", all_bw / 1e9,
+           nthr[nt - 1]);
+    printf("  %-10s %8s %10s %10s %10s %10s %10s %10s\n", "format", "MB/exp", "n=1 us",
+           "n=4 us", "G=8 us", "n=1 GB/s", "of read", "bf16-eq");
+    bu_json_array(&j, "formats");
+    for (size_t k = 0; k < sizeof QFORMATS / sizeof QFORMATS[0]; k++) {
+      const qformat *qf = &QFORMATS[k];
+      size_t stride = (tdm_moe_expert_size(qf->fmt, H, I) + 15) / 16 * 16;
+      size_t blobs = bytes / stride;
+      fill_quant((uint8_t *)b.w, blobs, stride, qf->fmt, &seed);
+      tdm_moe_group *g = realloc(b.groups, blobs * sizeof *g);
+      if (!g) {
+        fprintf(stderr, "bench-cpu-expert-gemv: out of memory\n");
+        return 1;
+      }
+      b.groups = g;
+      for (size_t e = 0; e < blobs; e++)
+        b.groups[e] = (tdm_moe_group){.w = (int64_t)(e * stride / 2), .first = (int32_t)(e % 8),
+                                      .count = 1};
+      double t1, t4, tg;
+      b.n = 1;
+      int rc = quant_rate(&b, (const uint8_t *)b.w, blobs, stride, qf->fmt, 0, &t1);
+      b.n = 4;
+      rc = rc ? rc : quant_rate(&b, (const uint8_t *)b.w, blobs, stride, qf->fmt, 0, &t4);
+      b.n = 1;
+      rc = rc ? rc : quant_rate(&b, (const uint8_t *)b.w, blobs, stride, qf->fmt, 8, &tg);
+      if (rc) {
+        fprintf(stderr, "bench-cpu-expert-gemv: %s failed: %s\n", qf->name, tdm_last_error());
+        return 1;
+      }
+      double mb = stride / 1e6, gbs = mb / 1e3 / t1;
+      printf("  %-10s %8.2f %10.1f %10.1f %10.1f %10.2f %10.2f %10.2f\n", qf->name, mb, t1 * 1e6,
+             t4 * 1e6, tg * 1e6, gbs, gbs * 1e9 / all_bw, bf16_mb / 1e3 / t1);
+      bu_json_object(&j, NULL);
+      bu_json_string(&j, "format", qf->name);
+      bu_json_double(&j, "expert_mb", mb, 4);
+      bu_json_double(&j, "us_per_expert_n1", t1 * 1e6, 2);
+      bu_json_double(&j, "us_per_expert_n4", t4 * 1e6, 2);
+      bu_json_double(&j, "us_per_expert_grouped8", tg * 1e6, 2);
+      bu_json_double(&j, "block_gb_per_s_n1", gbs, 3);
+      bu_json_double(&j, "block_over_read_all_threads", gbs * 1e9 / all_bw, 3);
+      bu_json_double(&j, "bf16_equivalent_gb_per_s_n1", bf16_mb / 1e3 / t1, 3);
+      bu_json_end(&j);
+    }
+    bu_json_end(&j);
+  }
   if (bu_json_close(&j, "bench-cpu-expert-gemv", path) != 0) return 1;
   printf("\n  wrote %s\n", path);
 
