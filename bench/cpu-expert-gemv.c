@@ -14,6 +14,9 @@
  * Times are medians of interleaved passes, per expert. It reports figures and never fails on
  * them. Results: bench/results/cpu-expert-gemv.json (or the path given); a second argument
  * sets the GiB of expert blobs (1.5 by default: more than this machine's 480 MiB L3).
+ * Last, the block formats (expert_q, experts_q: bf16, Q8_0, Q4_K with Q6_K down rows as Q4_K_M
+ * files have them, Q4_K, Q6_K, MXFP4) on the same memory, each against the read bandwidth of
+ * all the cores; a third argument `formats` runs the read bandwidth and that part alone.
  */
 #include <math.h>
 #include <pthread.h>
@@ -279,8 +282,10 @@ static int quant_rate(bench *b, const uint8_t *w, size_t blobs, size_t stride, t
 int main(int argc, char **argv) {
   const char *path = argc > 1 ? argv[1] : "bench/results/cpu-expert-gemv.json";
   double gib = argc > 2 ? atof(argv[2]) : 1.5;
-  if (argc > 3 || !(gib > 0.0)) {
-    fprintf(stderr, "usage: bench-cpu-expert-gemv [RESULT.json] [GiB of experts, default 1.5]\n");
+  bool formats_only = argc > 3 && strcmp(argv[3], "formats") == 0;
+  if (argc > 4 || (argc > 3 && !formats_only) || !(gib > 0.0)) {
+    fprintf(stderr, "usage: bench-cpu-expert-gemv [RESULT.json] [GiB of experts, default 1.5] "
+                    "[formats]\n");
     return 2;
   }
   bench b = {0};
@@ -368,8 +373,9 @@ int main(int argc, char **argv) {
   }
   const char *pf_env = getenv("TANDEM_MOE_CPU_PREFETCH_KB");
   printf("  the op prefetches TANDEM_MOE_CPU_PREFETCH_KB=%s\n\n", pf_env ? pf_env : "(unset)");
-  printf("  %2s %12s %12s %8s %12s %10s %10s\n", "n", "new us/exp", "old us/exp", "old/new",
-         "new GB/s", "of read", "rel diff");
+  if (!formats_only)
+    printf("  %2s %12s %12s %8s %12s %10s %10s\n", "n", "new us/exp", "old us/exp", "old/new",
+           "new GB/s", "of read", "rel diff");
 
   bu_json j;
   if (!bu_json_begin(&j, "bench-cpu-expert-gemv", path, command, TANDEM_GIT_COMMIT,
@@ -404,7 +410,7 @@ int main(int argc, char **argv) {
   }
   bu_json_end(&j);
   bu_json_array(&j, "rows");
-  for (size_t k = 0; k < sizeof NS / sizeof NS[0]; k++) {
+  for (size_t k = 0; !formats_only && k < sizeof NS / sizeof NS[0]; k++) {
     b.n = NS[k];
     double tn, to;
     if (bu_interleaved(&b, side, NULL, REPS, &tn, &to) != 0) {
@@ -436,11 +442,13 @@ int main(int argc, char **argv) {
   bu_json_end(&j);
   /* One token, G experts a call: experts(), whose passes cover all G at once (the pool joins
    * twice a call), against expert() per expert (twice an expert); outputs bitwise equal. */
-  printf("\n  %2s %14s %14s %10s %12s %8s\n", "G", "grouped us/exp", "single us/exp",
-         "single/grp", "grouped GB/s", "equal");
+  if (!formats_only)
+    printf("\n  %2s %14s %14s %10s %12s %8s\n", "G", "grouped us/exp", "single us/exp",
+           "single/grp", "grouped GB/s", "equal");
   bu_json_array(&j, "grouped");
   static const int GS[] = {2, 4, 8};
-  for (size_t k = 0; k < sizeof GS / sizeof GS[0] && (size_t)GS[k] <= b.blobs; k++) {
+  for (size_t k = 0; !formats_only && k < sizeof GS / sizeof GS[0] && (size_t)GS[k] <= b.blobs;
+       k++) {
     b.G = GS[k];
     for (size_t e = 0; e < b.blobs; e++)
       b.groups[e] = (tdm_moe_group){.w = (int64_t)(e * blob_len()), .first = (int32_t)(e % b.G),
