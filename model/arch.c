@@ -176,9 +176,14 @@ static int read_st(const mfile *f, hparams *hp) {
       (rc = c_int(f, "vocab_size", &hp->V, false)) ||
       (rc = c_int(f, "num_experts_per_tok", &hp->k, false)) ||
       (rc = c_int(f, "max_position_embeddings", &hp->ctx_train, true)) ||
-      (rc = c_int(f, qwen ? "num_experts" : "num_local_experts", &hp->E, false)) ||
       (rc = c_int(f, qwen ? "moe_intermediate_size" : "intermediate_size", &hp->I, false)))
     return rc;
+  /* The experts' count: Qwen3-MoE's num_experts, Mixtral's num_local_experts; transformers 5
+   * writes num_local_experts for both (num_experts is an alias of it there). */
+  const char *ekey = qwen ? "num_experts" : "num_local_experts";
+  if (tdm_st_config_i64(f->s, ekey, &(int64_t){0}) == TDM_ENOENT)
+    ekey = qwen ? "num_local_experts" : "num_experts";
+  if ((rc = c_int(f, ekey, &hp->E, false))) return rc;
   hp->nkv = hp->nh;
   hp->hd = hp->H / hp->nh;
   if ((rc = c_int(f, "num_key_value_heads", &hp->nkv, true)) ||
@@ -186,6 +191,10 @@ static int read_st(const mfile *f, hparams *hp) {
       (rc = c_f64(f, "rope_theta", &hp->rope_base)) ||
       (rc = c_f64(f, "rms_norm_eps", &hp->eps)))
     return rc;
+  /* transformers 5 keeps RoPE's settings in rope_parameters (rope_theta, rope_type, factor),
+   * where earlier versions had rope_theta and rope_scaling at the top. */
+  bool v5_rope = tdm_st_config_f64(f->s, "rope_theta", &(double){0}) == TDM_ENOENT;
+  if (v5_rope && (rc = c_f64(f, "rope_parameters.rope_theta", &hp->rope_base))) return rc;
   if (qwen) {
     int v = 1;
     if (tdm_st_config_bool(f->s, "norm_topk_prob", &v) == 0) hp->renorm = v != 0;
@@ -195,13 +204,19 @@ static int read_st(const mfile *f, hparams *hp) {
                            "runs models whose every layer is MoE)", f->path, (long long)step);
   }
   if (tdm_st_config_bool(f->s, "tie_word_embeddings", &tied) == 0) hp->tied = tied != 0;
-  if (tdm_st_config_str(f->s, "rope_scaling.type", &type) == 0 ||
-      tdm_st_config_str(f->s, "rope_scaling.rope_type", &type) == 0) {
+  const char *scaling = v5_rope ? "rope_parameters" : "rope_scaling";
+  char key[64];
+  snprintf(key, sizeof key, "%s.type", scaling);
+  bool typed = tdm_st_config_str(f->s, key, &type) == 0;
+  snprintf(key, sizeof key, "%s.rope_type", scaling);
+  if (typed || tdm_st_config_str(f->s, key, &type) == 0) {
     double factor = 1.0;
     if (strcmp(type, "linear") != 0 && strcmp(type, "default") != 0)
       return tdm_set_error(TDM_ENOTSUP, 0, "%s/config.json: RoPE scaling %s (tandem has linear)",
                            f->path, type);
-    if (c_f64(f, "rope_scaling.factor", &factor) == 0 && factor > 0) hp->rope_scale = 1.0 / factor;
+    snprintf(key, sizeof key, "%s.factor", scaling);
+    if (strcmp(type, "linear") == 0 && c_f64(f, key, &factor) == 0 && factor > 0)
+      hp->rope_scale = 1.0 / factor;
   }
   return 0;
 }

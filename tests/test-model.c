@@ -184,6 +184,11 @@ TEST_CASE(qwen3moe_f16_gguf) { against_reference("qwen3moe-f16", "model.gguf", "
 TEST_CASE(qwen3moe_f16_safetensors) {
   against_reference("qwen3moe-f16", "hf", "F16", "BF16");
 }
+/* config.json as transformers 5 writes it: num_local_experts for Qwen3-MoE's experts, RoPE's
+ * base in rope_parameters (1e6 here, which the old default 1e4 would get wrong). */
+TEST_CASE(qwen3moe_v5_config_safetensors) {
+  against_reference("qwen3moe-v5", "hf", "F32", "BF16");
+}
 /* BF16 dense weights and a tied LM head (the embedding's 16-bit table read by both). */
 TEST_CASE(mixtral_bf16_tied_gguf) {
   against_reference("mixtral-bf16", "model.gguf", "BF16", "BF16");

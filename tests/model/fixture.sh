@@ -17,14 +17,16 @@ prompt=5,17,200,33,1,99,42,7,128,64,3,250,9
 # exactly), an F16 file and a BF16 one with a tied LM head, whose dense weights tandem keeps
 # in 16 bits or widens to f32 (exactly either way), and GGUF block types: a Q8_0 file (every
 # projection and expert), MXFP4 experts, and Q4_K_M's mix of Q4_K and Q6_K experts (rows of
-# 256 values and more), which tandem computes in their blocks where the device's table can
+# 256 values and more), which tandem computes in their blocks where the device's table can;
+# last, a Qwen3-MoE folder whose config.json is laid out as transformers 5 writes it.
 models="qwen3moe:--arch qwen3moe
 mixtral:--arch mixtral
 qwen3moe-f16:--arch qwen3moe --dtype f16 --seed 5
 mixtral-bf16:--arch mixtral --dtype bf16 --tied --seed 7
 qwen3moe-q8_0:--arch qwen3moe --dtype q8_0 --experts-dtype q8_0 --seed 9
 mixtral-mxfp4:--arch mixtral --experts-dtype mxfp4 --seed 11
-qwen3moe-q4_k_m:--arch qwen3moe --experts-dtype q4_k_m --hidden 256 --moe-ffn 256 --seed 13"
+qwen3moe-q4_k_m:--arch qwen3moe --experts-dtype q4_k_m --hidden 256 --moe-ffn 256 --seed 13
+qwen3moe-v5:--arch qwen3moe --hf-config v5 --seed 15"
 echo "$models" | while IFS=: read -r name args; do
   rm -rf "${dir:?}/$name"
   # shellcheck disable=SC2086

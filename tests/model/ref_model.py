@@ -105,11 +105,15 @@ def load_hf(d):
                kv_heads=c.get("num_key_value_heads", heads),
                head_dim=c.get("head_dim") or c["hidden_size"] // heads,
                top_k=c["num_experts_per_tok"], eps=c["rms_norm_eps"],
-               rope_theta=c.get("rope_theta", 10000.0), rope="neox",  # HF: rotate half
+               rope_theta=c.get("rope_theta",  # transformers 5: in rope_parameters
+                                (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+               rope="neox",  # HF: rotate half
                qk_norm=mt == "qwen3_moe",
                # Mixtral's softmax over the top-k logits = renormalized top-k probabilities
                norm_topk=c.get("norm_topk_prob", False) if mt == "qwen3_moe" else True)
-    cfg["experts"] = c["num_experts"] if mt == "qwen3_moe" else c["num_local_experts"]
+    # transformers 5 writes num_local_experts for Qwen3-MoE too
+    cfg["experts"] = c.get("num_experts") or c["num_local_experts"] if mt == "qwen3_moe" \
+        else c["num_local_experts"]
     layers = []
     for L in range(cfg["layers"]):
         p = f"model.layers.{L}."

@@ -305,7 +305,7 @@ def write_safetensors(path, tensors):
     return off
 
 
-def write_hf(d, arch, cfg, weights, dtype, tied):
+def write_hf(d, arch, cfg, weights, dtype, tied, hf_config="v4"):
     os.makedirs(d, exist_ok=True)
     torch_dtype = {"f32": "float32", "f16": "float16", "bf16": "bfloat16",
                    "q8_0": "float32"}[dtype]
@@ -327,6 +327,12 @@ def write_hf(d, arch, cfg, weights, dtype, tied):
     else:
         c.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
                  num_local_experts=cfg["experts"], router_jitter_noise=0.0)
+    if hf_config == "v5":
+        # transformers 5's layout: the experts' count as num_local_experts for every
+        # architecture, RoPE's settings in rope_parameters.
+        c["num_local_experts"] = c.pop("num_local_experts", None) or c.pop("num_experts")
+        c["rope_parameters"] = dict(rope_theta=c.pop("rope_theta"), rope_type="default")
+        del c["rope_scaling"]
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(c, f, indent=2)
     # Two shards, split halfway through the name list (a layer may straddle them, as in real
@@ -445,7 +451,7 @@ def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied):
 
 
 def write_tiny(out, arch, seed=0, dtype="f32", experts_dtype="bf16", tied=False,
-               router_bf16=False, **over):
+               router_bf16=False, hf_config="v4", **over):
     """Writes out/hf, out/model.gguf and out/meta.json; returns the meta dict."""
     if arch not in DEFAULTS:
         raise ValueError(f"arch must be one of {sorted(DEFAULTS)}")
@@ -463,7 +469,7 @@ def write_tiny(out, arch, seed=0, dtype="f32", experts_dtype="bf16", tied=False,
         raise ValueError("vocab must be at least 8")
     os.makedirs(out, exist_ok=True)
     weights = make_weights(arch, cfg, seed, dtype, experts_dtype, tied, router_bf16)
-    write_hf(os.path.join(out, "hf"), arch, cfg, weights, dtype, tied)
+    write_hf(os.path.join(out, "hf"), arch, cfg, weights, dtype, tied, hf_config)
     write_gguf(os.path.join(out, "model.gguf"), arch, cfg, weights, dtype, experts_dtype, tied)
     meta = dict(arch=arch, seed=seed, dtype=dtype, experts_dtype=experts_dtype, tied=tied,
                 norm_topk_prob=True, hf="hf", gguf="model.gguf", **cfg)
@@ -489,10 +495,14 @@ def main(argv=None):
                 "top_k", "moe_ffn", "ctx"):
         ap.add_argument("--" + key.replace("_", "-"), type=int, dest=key)
     ap.add_argument("--rope-theta", type=float, dest="rope_theta")
+    ap.add_argument("--hf-config", choices=("v4", "v5"), default="v4",
+                    help="config.json as transformers 4 writes it (v4), or 5 (v5: "
+                         "num_local_experts, rope_parameters)")
     ap.add_argument("--eps", type=float)
     a = vars(ap.parse_args(argv))
     meta = write_tiny(a.pop("out"), a.pop("arch"), a.pop("seed"), a.pop("dtype"),
-                      a.pop("experts_dtype"), a.pop("tied"), a.pop("router_bf16"), **a)
+                      a.pop("experts_dtype"), a.pop("tied"), a.pop("router_bf16"),
+                      a.pop("hf_config"), **a)
     print(json.dumps(meta))
     return 0
 
