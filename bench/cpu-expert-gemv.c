@@ -365,6 +365,10 @@ int main(int argc, char **argv) {
   int pf_thr[3] = {1, nthr[nt - 1] >= 12 ? 12 : nthr[nt - 1], nthr[nt - 1]};
   double pf_bw[3][NPF];
   for (int i = 0; i < 3; i++) {
+    if (formats_only) { /* not measured: zeros in the JSON */
+      for (int k = 0; k < NPF; k++) pf_bw[i][k] = 0.0;
+      continue;
+    }
     printf("  read bandwidth, %d threads, prefetching:", pf_thr[i]);
     for (int k = 0; k < NPF; k++) {
       pf_bw[i][k] = read_rate(&b, pf_thr[i], (size_t)pf_kb[k] * 1024);
