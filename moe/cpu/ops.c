@@ -38,6 +38,7 @@
  */
 #include "ops.h" /* moe/ops.h */
 #include "pool.h"
+#include "qdot.h"
 #include "quant.h" /* moe/quant.h */
 #include "task.h"
 
@@ -434,6 +435,23 @@ static INLINE void dot_tokens(const float *restrict a, const float *const *x, fl
   }
 }
 
+/* A weight row (rb bytes at src) dotted with n tokens: on its blocks (qdot.h) where qdot says
+ * so, else widened into the row buffer and dotted from there. The row's lines `ahead` bytes
+ * further on are prefetched either way, unless they pass end. */
+static INLINE void dot_any(float *restrict row, const uint8_t *restrict src, size_t K, int type,
+                           size_t rb, bool qdot, const uint8_t *end, size_t ahead,
+                           const float *const *x, float *res, size_t n) {
+  if (!qdot) {
+    widen_any(row, src, K, type, rb, end, ahead);
+    dot_tokens(row, x, res, K, n);
+    return;
+  }
+  if (ahead)
+    for (size_t o = 0; o < rb; o += 64)
+      if ((size_t)(end - (src + o)) > ahead) PREFETCH(src + o + ahead);
+  tdm_moe__qdot(src, type, K, x, res, n);
+}
+
 /* The expert for n <= GEMV_MAX_N tokens, its rows split between the pool's workers (pool.h)
  * in chunks of `chunk` rows: first the 2I rows of [Wg; Wu] into gu (token t's [gate | up] at
  * gu + t*2I), then, once all are done and the caller has applied SiLU, the H rows of Wd into
@@ -448,6 +466,7 @@ typedef struct gemv_job {
   const uint8_t *w;         /* the expert's weights, in format fmt */
   tdm_moe_wfmt fmt;
   size_t gu_rb, d_rb;       /* bytes of a gate or up row, and of a down row */
+  bool qdot_gu, qdot_d;     /* rows dotted on their blocks (qdot.h), not widened first */
   size_t ahead;             /* prefetch distance in bytes (prefetch_bytes) */
   float *gu, *rows;
   size_t row_stride;
@@ -462,8 +481,8 @@ static void gemv_gate_up(void *arg, size_t c, int worker) {
   const uint8_t *end = j->w + r1 * j->gu_rb;
   if (j->ahead) prefetch_start(j->w + c * j->chunk * j->gu_rb, end, j->ahead);
   for (size_t r = c * j->chunk; r < r1; r++) {
-    widen_any(row, j->w + r * j->gu_rb, j->H, j->fmt.gu, j->gu_rb, end, j->ahead);
-    dot_tokens(row, j->xs, res, j->H, j->n);
+    dot_any(row, j->w + r * j->gu_rb, j->H, j->fmt.gu, j->gu_rb, j->qdot_gu, end, j->ahead,
+            j->xs, res, j->n);
     for (size_t t = 0; t < j->n; t++) j->gu[t * 2 * j->I + r] = res[t];
   }
 }
@@ -478,8 +497,8 @@ static void gemv_down(void *arg, size_t c, int worker) {
   const uint8_t *end = wd + c1 * j->d_rb;
   if (j->ahead) prefetch_start(wd + c * j->chunk * j->d_rb, end, j->ahead);
   for (size_t r = c * j->chunk; r < c1; r++) {
-    widen_any(row, wd + r * j->d_rb, j->I, j->fmt.d, j->d_rb, end, j->ahead);
-    dot_tokens(row, j->hs, res, j->I, j->n);
+    dot_any(row, wd + r * j->d_rb, j->I, j->fmt.d, j->d_rb, j->qdot_d, end, j->ahead, j->hs,
+            res, j->n);
     for (size_t t = 0; t < j->n; t++) j->out[t][r] = res[t];
   }
 }
@@ -517,13 +536,29 @@ static void swiglu_rows(float *gu, size_t n, size_t I) {
   }
 }
 
+static bool is_block(int t) { return t != TDM_MOE_W_BF16 && t != TDM_MOE_W_F16; }
+
+/* Block rows dotted on their blocks where the CPU can (qdot.h), unless
+ * TANDEM_MOE_CPU_QDOT=0 (read once): then widened first, as on other CPUs. */
+static bool qdot_state;
+static pthread_once_t qdot_once = PTHREAD_ONCE_INIT;
+static void qdot_init(void) {
+  qdot_state = tdm_moe__qdot_ready() && tdm_moe__env_long("TANDEM_MOE_CPU_QDOT", 0, 1, 1);
+}
+static bool qdot_on(void) {
+  pthread_once(&qdot_once, qdot_init);
+  return qdot_state;
+}
+
 /* The gemv_job of an expert at w in format fmt (chunk left to the pass). */
 static gemv_job gemv_job_of(const uint8_t *w, tdm_moe_wfmt fmt, size_t H, size_t I) {
   pthread_once(&prefetch_once, prefetch_init);
   if (fmt.gu == TDM_MOE_W_F16 || fmt.d == TDM_MOE_W_F16) f16_ready();
+  bool q = qdot_on();
   return (gemv_job){.H = H, .I = I, .w = w, .fmt = fmt,
                     .gu_rb = tdm_moe_row_bytes(fmt.gu, (int64_t)H),
-                    .d_rb = tdm_moe_row_bytes(fmt.d, (int64_t)I), .ahead = prefetch_bytes};
+                    .d_rb = tdm_moe_row_bytes(fmt.d, (int64_t)I), .ahead = prefetch_bytes,
+                    .qdot_gu = q && is_block(fmt.gu), .qdot_d = q && is_block(fmt.d)};
 }
 
 /* xs, out as in gemv_job; rows: `slots` row buffers of row_stride floats; gu: n x 2I floats. */

@@ -1,0 +1,213 @@
+/* cpu/qdot.c: block rows dotted with f32 activations, AVX2 + FMA (qdot.h). */
+#include "qdot.h"
+
+#include <pthread.h>
+
+#include "quant.h" /* moe/quant.h */
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#define QDOT_TARGET __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+
+static bool ok;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static void check_cpu(void) {
+  __builtin_cpu_init();
+  ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+       __builtin_cpu_supports("f16c");
+}
+
+bool tdm_moe__qdot_ready(void) {
+  pthread_once(&once, check_cpu);
+  return ok;
+}
+
+/* A unit of 32 values: q[4] (values 8i .. 8i + 7 as f32 integers), their scales (s[0] for
+ * q[0], q[1]; s[1] for q[2], q[3]) and the offset m (value = s q - m). */
+typedef struct unit {
+  __m256 q[4];
+  float s[2], m;
+} unit;
+
+/* The binary16 at p (any alignment), exactly. */
+QDOT_TARGET float f16(const uint8_t *p) {
+  uint16_t h;
+  memcpy(&h, p, sizeof h);
+  return _cvtsh_ss(h);
+}
+
+/* The 32 bytes at v (signed when sign) as four vectors of 8 f32. */
+QDOT_TARGET void bytes_to_f32(__m256i v, int sign, __m256 q[4]) {
+  __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+  __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; i++)
+    q[i] = _mm256_cvtepi32_ps(sign ? _mm256_cvtepi8_epi32(part[i]) : _mm256_cvtepu8_epi32(part[i]));
+}
+
+/* Unit u (values 32u .. 32u + 31) of a row of type t at src, as quant.h's functions define
+ * the values. */
+QDOT_TARGET void load_unit(const uint8_t *src, int t, size_t u, unit *un) {
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  un->m = 0.0f;
+  if (t == TDM_MOE_W_Q8_0) {
+    const uint8_t *b = src + 34 * u;
+    un->s[0] = un->s[1] = f16(b);
+    bytes_to_f32(_mm256_loadu_si256((const __m256i *)(b + 2)), 1, un->q);
+  } else if (t == TDM_MOE_W_Q4_K) {
+    const uint8_t *b = src + 144 * (u >> 3);
+    const int j = (int)(u & 7);
+    uint8_t sc, m;
+    tdm_moe__scale_min_k4(j, b + 4, &sc, &m);
+    un->s[0] = un->s[1] = f16(b) * sc;
+    un->m = f16(b + 2) * m;
+    __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (j >> 1)));
+    if (j & 1) raw = _mm256_srli_epi16(raw, 4);
+    bytes_to_f32(_mm256_and_si256(raw, nib), 0, un->q);
+  } else if (t == TDM_MOE_W_Q6_K) {
+    const uint8_t *b = src + 210 * (u >> 3);
+    const int c = (int)(u & 7), half = c >> 2, quarter = c & 3;
+    const int8_t *sc = (const int8_t *)(b + 192) + 8 * half + 2 * quarter;
+    const float d = f16(b + 208);
+    un->s[0] = d * sc[0];
+    un->s[1] = d * sc[1];
+    __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + 32 * (quarter & 1)));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
+    ql = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128((quarter >> 1) * 4)), nib);
+    qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * quarter)),
+                          _mm256_set1_epi8(3));
+    __m256i q = _mm256_or_si256(ql, _mm256_slli_epi16(qh, 4));
+    bytes_to_f32(_mm256_sub_epi8(q, _mm256_set1_epi8(32)), 1, un->q);
+  } else { /* TDM_MOE_W_MXFP4 */
+    const uint8_t *b = src + 17 * u;
+    const uint32_t e = b[0], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+    float d;
+    memcpy(&d, &bits, sizeof d);
+    un->s[0] = un->s[1] = d;
+    __m128i raw = _mm_loadu_si128((const __m128i *)(b + 1));
+    __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+    __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    /* twice E2M1's magnitude by the code's low 3 bits; bit 3 the sign */
+    const __m256i mag = _mm256_setr_epi32(0, 1, 2, 3, 4, 6, 8, 12);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+      __m256i code = _mm256_cvtepu8_epi32(part[i]);
+      __m256 v = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(mag, code));
+      __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(8)), 28);
+      un->q[i] = _mm256_xor_ps(v, _mm256_castsi256_ps(sign));
+    }
+  }
+}
+
+QDOT_TARGET float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/* T tokens (a constant after inlining): each unit's values widened once into registers,
+ * w = s q - m (one rounding where the CPU fuses it, as CUDA's kernels may), and dotted with
+ * every token's 32 activations into that token's accumulators: NA of them a token, unit
+ * vector i into accumulator i % NA, so the adds of a token do not wait on each other. */
+QDOT_TARGET void group(const uint8_t *src, int t, size_t K, const float *const *x, float *res,
+                       int T) {
+  enum { MAXA = 4 };
+  const int NA = T <= 2 ? 4 : 2;
+  __m256 acc[4][MAXA];
+  for (int i = 0; i < T; i++)
+    for (int a = 0; a < NA; a++) acc[i][a] = _mm256_setzero_ps();
+  if (t == TDM_MOE_W_Q4_K) { /* a block at a time: its scales once, two units a load */
+    for (size_t blk = 0; blk < K / 256; blk++) {
+      const uint8_t *b = src + 144 * blk;
+      const float d = f16(b), dmin = f16(b + 2);
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; p++) {
+        uint8_t sc[2], m[2];
+        tdm_moe__scale_min_k4(2 * p, b + 4, &sc[0], &m[0]);
+        tdm_moe__scale_min_k4(2 * p + 1, b + 4, &sc[1], &m[1]);
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * p));
+        const __m256i nib = _mm256_set1_epi8(0x0F);
+        __m256 q[2][4], w[8];
+        bytes_to_f32(_mm256_and_si256(raw, nib), 0, q[0]);
+        bytes_to_f32(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), 0, q[1]);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+          const __m256 sv = _mm256_set1_ps(d * sc[h]), nm = _mm256_set1_ps(-(dmin * m[h]));
+#pragma GCC unroll 4
+          for (int k = 0; k < 4; k++) w[4 * h + k] = _mm256_fmadd_ps(q[h][k], sv, nm);
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < T; i++) {
+          const float *xp = x[i] + 256 * blk + 64 * p;
+#pragma GCC unroll 8
+          for (int k = 0; k < 8; k++)
+            acc[i][k % NA] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xp + 8 * k), acc[i][k % NA]);
+        }
+      }
+    }
+  }
+  for (size_t u = 0; t != TDM_MOE_W_Q4_K && u < K / 32; u++) {
+    unit un;
+    load_unit(src, t, u, &un);
+    __m256 w[4];
+    const __m256 s0 = _mm256_set1_ps(un.s[0]), s1 = _mm256_set1_ps(un.s[1]);
+    if (t == TDM_MOE_W_Q4_K) {
+      const __m256 nm = _mm256_set1_ps(-un.m);
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; k++) w[k] = _mm256_fmadd_ps(un.q[k], s0, nm);
+    } else {
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; k++) w[k] = _mm256_mul_ps(un.q[k], k < 2 ? s0 : s1);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < T; i++) {
+      const float *xp = x[i] + 32 * u;
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; k++)
+        acc[i][k % NA] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xp + 8 * k), acc[i][k % NA]);
+    }
+  }
+  for (int i = 0; i < T; i++) {
+    __m256 sum = acc[i][0];
+    for (int a = 1; a < NA; a++) sum = _mm256_add_ps(sum, acc[i][a]);
+    res[i] = hsum(sum);
+  }
+}
+
+/* Every token, in groups of four; type a constant after inlining. */
+QDOT_TARGET void tokens(const uint8_t *src, int type, size_t K, const float *const *x,
+                        float *res, size_t n) {
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) group(src, type, K, x + i, res + i, 4);
+  switch (n - i) {
+  case 3: group(src, type, K, x + i, res + i, 3); break;
+  case 2: group(src, type, K, x + i, res + i, 2); break;
+  case 1: group(src, type, K, x + i, res + i, 1); break;
+  default: break;
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) void tdm_moe__qdot(const uint8_t *src, int type,
+                                                           size_t K, const float *const *x,
+                                                           float *res, size_t n) {
+  switch (type) {
+  case TDM_MOE_W_Q8_0: tokens(src, TDM_MOE_W_Q8_0, K, x, res, n); break;
+  case TDM_MOE_W_Q4_K: tokens(src, TDM_MOE_W_Q4_K, K, x, res, n); break;
+  case TDM_MOE_W_Q6_K: tokens(src, TDM_MOE_W_Q6_K, K, x, res, n); break;
+  default: tokens(src, TDM_MOE_W_MXFP4, K, x, res, n); break;
+  }
+}
+
+#else /* not x86-64: ops.c widens the rows */
+
+bool tdm_moe__qdot_ready(void) { return false; }
+
+void tdm_moe__qdot(const uint8_t *src, int type, size_t K, const float *const *x, float *res,
+                   size_t n) {
+  (void)src, (void)type, (void)K, (void)x, (void)res, (void)n;
+}
+
+#endif
