@@ -2,17 +2,20 @@
  * tandem/moe_ops.h): GGUF's Q8_0, Q4_K, Q6_K and MXFP4 blocks, and F16, read as they crossed
  * the link and widened inside the kernels ({BF16, BF16} is experts()'s and expert()'s own).
  *
- * Every type is read in units of 32 values (unit32): a Q8_0 or MXFP4 block; a Q4_K sub-block
- * (its 6-bit scale and min, and one nibble of 32 bytes); a quarter of a Q6_K half-block; 32
- * F16 values. Each unit's values are computed in moe/quant.h's f32 operations and order (the
- * compiler may fuse Q4_K's d sc q - dmin m into one rounding), so a weight is the value
- * tdm_moe_dequant_row gives within that rounding.
+ * The prefill kernels read every type in units of 32 values (unit32): a Q8_0 or MXFP4 block;
+ * a Q4_K sub-block (its 6-bit scale and min, and one nibble of 32 bytes); a quarter of a Q6_K
+ * half-block; 32 F16 values. Every value, there and in the decode kernels, is computed in
+ * moe/quant.h's f32 operations and order (the compiler may fuse Q4_K's d sc q - dmin m into
+ * one rounding), so a weight is the value tdm_moe_dequant_row gives within that rounding.
  *
  * experts_q (decode, small ubatches): as experts() on bf16, one warp per weight row of an
- * entry's expert (blockIdx.y the entry). Lane l widens the row's units l, l + 32, ... into
- * registers and dots each with every token (NT at a time), f32 fmaf in ascending column order
- * within a unit, units ascending, then the fixed warp tree: a token's result depends on its
- * expert and its own activations only.
+ * entry's expert (blockIdx.y the entry). The row is read 256 values at a time with the lanes
+ * side by side (lane8: each lane 8 values of the chunk's blocks, so a warp's loads of the
+ * blocks and of the activations are contiguous), widened into registers and dotted with every
+ * token (NT at a time), f32 fmaf in a fixed order per lane, then the fixed warp tree: a
+ * token's result depends on its expert and its own activations only. (Reading a unit of 32
+ * values a lane, two bytes a load, made these kernels slower than the bf16 ones on 2-3x the
+ * bytes: bench/results/h200-quant-9854c0c/.)
  *
  * expert_q (prefill, many tokens an expert) runs expert()'s path (gather to bf16, gate|up,
  * SwiGLU, down, scatter) with one of two GEMMs, both on bf16 operands with f32 sums:
@@ -129,7 +132,147 @@ static __device__ __forceinline__ bool qentry_ok(const tdm_moe_group &g, int n, 
          2 * g.w <= wlimit - ebytes;
 }
 
-#define GQ_NT 2 /* tokens a pass over a row dots with its widened units */
+#define GQ_NT 2 /* tokens a pass over a row dots with its widened values */
+
+/* The decode kernels read a row 256 values (a chunk) at a time, the warp's lanes side by side:
+ * lane l takes 8 of a chunk's values, laid out in the row as R runs of L consecutive values, S
+ * apart, from p0 (lane8 below), so that a warp's loads of a chunk's blocks, and of the
+ * activations, are contiguous across lanes (a few wide loads a chunk, not two bytes a lane). */
+template <int T> struct qlay { enum { R = 1, L = 8, S = 0 }; };     /* F16, Q8_0 */
+template <> struct qlay<TDM_MOE_W_Q4_K> { enum { R = 2, L = 4, S = 32 }; };
+template <> struct qlay<TDM_MOE_W_MXFP4> { enum { R = 2, L = 4, S = 16 }; };
+template <> struct qlay<TDM_MOE_W_Q6_K> { enum { R = 4, L = 2, S = 32 }; };
+
+/* Four bytes at p, an even address (an expert starts at an even byte; most start at a multiple
+ * of 16, and are read four bytes a load). */
+static __device__ __forceinline__ uint32_t ld32(const uint8_t *p) {
+  if (((uintptr_t)p & 3) == 0) return __ldg((const unsigned int *)p);
+  return (uint32_t)ld16(p) | (uint32_t)ld16(p + 2) << 16;
+}
+
+/* Lane `lane`'s 8 values of chunk c of a row of K values of type T, in moe/quant.h's f32
+ * operations: v[L r + e] is the value at p0 + S r + e. Returns p0, or -1 where the lane's
+ * values lie past K (a row of Q8_0, MXFP4 or F16 whose length is not a multiple of 256). */
+template <int T>
+static __device__ __forceinline__ int lane8(const uint8_t *row, int c, int lane, int K,
+                                            float v[8]) {
+  if (T == TDM_MOE_W_Q4_K) {
+    const uint8_t *b = row + 144 * (size_t)c;
+    const int pr = lane >> 3, i = 4 * (lane & 7);
+    const uint8_t *sc = b + 4;
+    float d1[2], m1[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int j = 2 * pr + h;
+      int s, m;
+      if (j < 4) {
+        s = __ldg(sc + j) & 63;
+        m = __ldg(sc + j + 4) & 63;
+      } else {
+        s = (__ldg(sc + j + 4) & 0xF) | ((__ldg(sc + j - 4) >> 6) << 4);
+        m = (__ldg(sc + j + 4) >> 4) | ((__ldg(sc + j) >> 6) << 4);
+      }
+      d1[h] = f16_at(b) * (float)s;
+      m1[h] = f16_at(b + 2) * (float)m;
+    }
+    const uint32_t q = ld32(b + 16 + 32 * pr + i);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      v[e] = d1[0] * (float)((q >> (8 * e)) & 0xF) - m1[0];
+      v[4 + e] = d1[1] * (float)((q >> (8 * e + 4)) & 0xF) - m1[1];
+    }
+    return 256 * c + 64 * pr + i;
+  } else if (T == TDM_MOE_W_Q6_K) {
+    const uint8_t *b = row + 210 * (size_t)c;
+    const int h = lane >> 4, i = 2 * (lane & 15);
+    const uint16_t lo0 = ld16(b + 64 * h + i), lo1 = ld16(b + 64 * h + 32 + i);
+    const uint16_t hi = ld16(b + 128 + 32 * h + i);
+    const int8_t *sc = (const int8_t *)(b + 192) + 8 * h;
+    const float d = f16_at(b + 208);
+#pragma unroll
+    for (int qq = 0; qq < 4; qq++) { /* quarter qq: values 32 qq + i, + 1 of the half */
+      const float ds = d * (float)__ldg(sc + 2 * qq + (i >= 16));
+      const uint16_t lo = (qq & 1) ? lo1 : lo0;
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int q = (((lo >> (8 * e)) >> ((qq >> 1) * 4)) & 0xF) |
+                      ((((hi >> (8 * e)) >> (2 * qq)) & 3) << 4);
+        v[2 * qq + e] = ds * (float)(int8_t)(q - 32);
+      }
+    }
+    return 256 * c + 128 * h + i;
+  } else if (T == TDM_MOE_W_Q8_0) {
+    const int bk = 8 * c + (lane >> 2), m = lane & 3;
+    if (32 * bk >= K) return -1;
+    const uint8_t *b = row + 34 * (size_t)bk;
+    const float d = f16_at(b);
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) {
+      const uint16_t q = ld16(b + 2 + 8 * m + e);
+      v[e] = (float)(int8_t)(q & 0xff) * d;
+      v[e + 1] = (float)(int8_t)(q >> 8) * d;
+    }
+    return 32 * bk + 8 * m;
+  } else if (T == TDM_MOE_W_MXFP4) {
+    const int bk = 8 * c + (lane >> 2), m = lane & 3;
+    if (32 * bk >= K) return -1;
+    const uint8_t *b = row + 17 * (size_t)bk;
+    const uint32_t ex = __ldg(b);
+    const float d = __uint_as_float(ex < 2 ? 0x00200000u << ex : (ex - 1) << 23);
+    const uint32_t kv = 0xC8643210u; /* E2M1 doubled by the low 3 bits of a code; bit 3 the sign */
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const uint32_t q = __ldg(b + 1 + 4 * m + e);
+      const float lo = (float)((kv >> (4 * (q & 7))) & 15);
+      const float hi = (float)((kv >> (4 * ((q >> 4) & 7))) & 15);
+      v[e] = ((q & 8) ? -lo : lo) * d;
+      v[4 + e] = ((q & 0x80) ? -hi : hi) * d;
+    }
+    return 32 * bk + 4 * m;
+  } else { /* TDM_MOE_W_F16 */
+    const int p0 = 256 * c + 8 * lane;
+    if (p0 >= K) return -1;
+    const uint8_t *p = row + 2 * (size_t)p0;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const uint32_t w = ld32(p + 4 * e);
+      v[2 * e] = __half2float(__ushort_as_half((unsigned short)(w & 0xffff)));
+      v[2 * e + 1] = __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+    }
+    return p0;
+  }
+}
+
+/* acc += the lane's 8 values dotted with the activations at xr, in ascending order. */
+template <int T>
+static __device__ __forceinline__ float dot8(const float *xr, int p0, const float v[8],
+                                             float acc) {
+  constexpr int R = qlay<T>::R, L = qlay<T>::L, S = qlay<T>::S;
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+    const float *xp = xr + p0 + S * r;
+    float xs[L];
+    if (L == 8) {
+      const float4 a = *(const float4 *)xp, b = *(const float4 *)(xp + 4);
+      const float t[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int e = 0; e < L; e++) xs[e] = t[e];
+    } else if (L == 4) {
+      const float4 a = *(const float4 *)xp;
+      const float t[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+      for (int e = 0; e < L; e++) xs[e] = t[e];
+    } else {
+      const float2 a = *(const float2 *)xp;
+      const float t[2] = {a.x, a.y};
+#pragma unroll
+      for (int e = 0; e < L; e++) xs[e] = t[e];
+    }
+#pragma unroll
+    for (int e = 0; e < L; e++) acc = fmaf(xs[e], v[L * r + e], acc);
+  }
+  return acc;
+}
 
 template <int T>
 static __global__ void __launch_bounds__(MOE_THREADS)
@@ -141,7 +284,7 @@ static __global__ void __launch_bounds__(MOE_THREADS)
   const int r = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (r >= I || !qentry_ok(g, n, wlimit, ebytes)) return; /* whole warps leave */
   const uint8_t *wg = wbase + 2 * g.w + (size_t)r * rb, *wu = wg + (size_t)I * rb;
-  const int units = H / 32;
+  const int chunks = (H + 255) / 256;
   for (int t0 = 0; t0 < g.count; t0 += GQ_NT) {
     const int nt = min(GQ_NT, g.count - t0);
     const float *xr[GQ_NT];
@@ -152,24 +295,16 @@ static __global__ void __launch_bounds__(MOE_THREADS)
       xr[t] = row < xlimit ? x + (size_t)row * H : NULL;
       ag[t] = au[t] = 0.f;
     }
-    for (int u = lane; u < units; u += 32) {
-      float gv[32], uv[32];
-      unit32<T>(wg, u, gv);
-      unit32<T>(wu, u, uv);
+    for (int c = 0; c < chunks; c++) {
+      float gv[8], uv[8];
+      const int p0 = lane8<T>(wg, c, lane, H, gv);
+      if (p0 < 0) continue;
+      lane8<T>(wu, c, lane, H, uv);
 #pragma unroll
       for (int t = 0; t < GQ_NT; t++) {
         if (!xr[t]) continue;
-        const float4 *xp = (const float4 *)(xr[t] + 32 * u);
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-          float4 xv = xp[k];
-          const float xs[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-          for (int i = 0; i < 4; i++) {
-            ag[t] = fmaf(xs[i], gv[4 * k + i], ag[t]);
-            au[t] = fmaf(xs[i], uv[4 * k + i], au[t]);
-          }
-        }
+        ag[t] = dot8<T>(xr[t], p0, gv, ag[t]);
+        au[t] = dot8<T>(xr[t], p0, uv, au[t]);
       }
     }
 #pragma unroll
@@ -194,27 +329,20 @@ static __global__ void __launch_bounds__(MOE_THREADS)
   const int c = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (c >= H || !qentry_ok(g, n, wlimit, ebytes)) return;
   const uint8_t *wd = wbase + 2 * g.w + 2 * (size_t)I * gu_rb + (size_t)c * rb;
-  const int units = I / 32;
+  const int chunks = (I + 255) / 256;
   for (int t0 = 0; t0 < g.count; t0 += GQ_NT) {
     const int nt = min(GQ_NT, g.count - t0);
     float acc[GQ_NT];
 #pragma unroll
     for (int t = 0; t < GQ_NT; t++) acc[t] = 0.f;
-    for (int u = lane; u < units; u += 32) {
-      float wv[32];
-      unit32<T>(wd, u, wv);
+    for (int k = 0; k < chunks; k++) {
+      float wv[8];
+      const int p0 = lane8<T>(wd, k, lane, I, wv);
+      if (p0 < 0) continue;
 #pragma unroll
       for (int t = 0; t < GQ_NT; t++) {
         if (t >= nt) break;
-        const float4 *hp = (const float4 *)(h + ((size_t)g.first + t0 + t) * I + 32 * u);
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-          float4 hv = hp[k];
-          acc[t] = fmaf(hv.x, wv[4 * k], acc[t]);
-          acc[t] = fmaf(hv.y, wv[4 * k + 1], acc[t]);
-          acc[t] = fmaf(hv.z, wv[4 * k + 2], acc[t]);
-          acc[t] = fmaf(hv.w, wv[4 * k + 3], acc[t]);
-        }
+        acc[t] = dot8<T>(h + ((size_t)g.first + t0 + t) * I, p0, wv, acc[t]);
       }
     }
 #pragma unroll
