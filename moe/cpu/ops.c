@@ -538,17 +538,9 @@ static void swiglu_rows(float *gu, size_t n, size_t I) {
 
 static bool is_block(int t) { return t != TDM_MOE_W_BF16 && t != TDM_MOE_W_F16; }
 
-/* Block rows dotted on their blocks where the CPU can (qdot.h), unless
- * TANDEM_MOE_CPU_QDOT=0 (read once): then widened first, as on other CPUs. */
-static bool qdot_state;
-static pthread_once_t qdot_once = PTHREAD_ONCE_INIT;
-static void qdot_init(void) {
-  qdot_state = tdm_moe__qdot_ready() && tdm_moe__env_long("TANDEM_MOE_CPU_QDOT", 0, 1, 1);
-}
-static bool qdot_on(void) {
-  pthread_once(&qdot_once, qdot_init);
-  return qdot_state;
-}
+/* Block rows dotted on their blocks where the CPU can (qdot.h; TANDEM_MOE_CPU_QDOT=0: never),
+ * else widened first. */
+static bool qdot_on(void) { return tdm_moe__qdot_ready(); }
 
 /* The gemv_job of an expert at w in format fmt (chunk left to the pass). */
 static gemv_job gemv_job_of(const uint8_t *w, tdm_moe_wfmt fmt, size_t H, size_t I) {

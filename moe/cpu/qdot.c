@@ -1,8 +1,9 @@
-/* cpu/qdot.c: block rows dotted with f32 activations, AVX2 + FMA (qdot.h). */
+/* cpu/qdot.c: block rows dotted with f32 activations, AVX2 and AVX-512 (qdot.h). */
 #include "qdot.h"
 
 #include <pthread.h>
 
+#include "ops.h"   /* moe/ops.h: tdm_moe__env_long */
 #include "quant.h" /* moe/quant.h */
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -10,12 +11,17 @@
 
 #define QDOT_TARGET __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
 
-static bool ok;
+/* What runs: TANDEM_MOE_CPU_QDOT (read once) 0 none (ops.c widens the rows first), 1 AVX2,
+ * 2 (the default) AVX-512 where the CPU has it; each only where the CPU has it. */
+static bool ok, ok512;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static void check_cpu(void) {
   __builtin_cpu_init();
-  ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+  long want = tdm_moe__env_long("TANDEM_MOE_CPU_QDOT", 0, 2, 2);
+  ok = want >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
        __builtin_cpu_supports("f16c");
+  ok512 = ok && want >= 2 && __builtin_cpu_supports("avx512f") &&
+          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
 
 bool tdm_moe__qdot_ready(void) {
@@ -190,9 +196,140 @@ QDOT_TARGET void tokens(const uint8_t *src, int type, size_t K, const float *con
   }
 }
 
+/* ---- the AVX-512 variant: the same units and order, sixteen values a vector ---- */
+
+#define QDOT512                                                                               \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) static inline
+
+/* 16 bytes (signed when sign) as 16 f32. */
+QDOT512 __m512 bytes16(__m128i v, int sign) {
+  return _mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+
+/* Unit u of a row of type t (not Q4_K, which group512 reads a block at a time): w[0], w[1]
+ * its 32 values (s q), as load_unit defines q and s. */
+QDOT512 void unit512(const uint8_t *src, int t, size_t u, __m512 w[2]) {
+  if (t == TDM_MOE_W_Q8_0) {
+    const uint8_t *b = src + 34 * u;
+    const __m512 d = _mm512_set1_ps(f16(b));
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2));
+    w[0] = _mm512_mul_ps(bytes16(_mm256_castsi256_si128(q), 1), d);
+    w[1] = _mm512_mul_ps(bytes16(_mm256_extracti128_si256(q, 1), 1), d);
+  } else if (t == TDM_MOE_W_Q6_K) {
+    const uint8_t *b = src + 210 * (u >> 3);
+    const int c = (int)(u & 7), half = c >> 2, quarter = c & 3;
+    const int8_t *sc = (const int8_t *)(b + 192) + 8 * half + 2 * quarter;
+    const float d = f16(b + 208);
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + 32 * (quarter & 1)));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
+    ql = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128((quarter >> 1) * 4)), nib);
+    qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * quarter)),
+                          _mm256_set1_epi8(3));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)),
+                                      _mm256_set1_epi8(32));
+    w[0] = _mm512_mul_ps(bytes16(_mm256_castsi256_si128(q), 1), _mm512_set1_ps(d * sc[0]));
+    w[1] = _mm512_mul_ps(bytes16(_mm256_extracti128_si256(q, 1), 1), _mm512_set1_ps(d * sc[1]));
+  } else { /* TDM_MOE_W_MXFP4: a code's value from a table of the 16 (code 8 is +0) */
+    const uint8_t *b = src + 17 * u;
+    const uint32_t e = b[0], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+    float d;
+    memcpy(&d, &bits, sizeof d);
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 1));
+    const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+    const __m512 dv = _mm512_set1_ps(d);
+    w[0] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(lo), table), dv);
+    w[1] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(hi), table), dv);
+  }
+}
+
+/* group() with sixteen lanes: NA accumulators a token, vector k of a unit into k % NA. */
+QDOT512 void group512(const uint8_t *src, int t, size_t K, const float *const *x, float *res,
+                      int T) {
+  const int NA = T <= 2 ? 4 : 2;
+  __m512 acc[4][4];
+  for (int i = 0; i < T; i++)
+    for (int a = 0; a < NA; a++) acc[i][a] = _mm512_setzero_ps();
+  if (t == TDM_MOE_W_Q4_K) {
+    for (size_t blk = 0; blk < K / 256; blk++) {
+      const uint8_t *b = src + 144 * blk;
+      const float d = f16(b), dmin = f16(b + 2);
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; p++) {
+        uint8_t sc[2], m[2];
+        tdm_moe__scale_min_k4(2 * p, b + 4, &sc[0], &m[0]);
+        tdm_moe__scale_min_k4(2 * p + 1, b + 4, &sc[1], &m[1]);
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * p));
+        const __m256i nib = _mm256_set1_epi8(0x0F);
+        const __m256i q[2] = {_mm256_and_si256(raw, nib),
+                              _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib)};
+        __m512 w[4];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+          const __m512 sv = _mm512_set1_ps(d * sc[h]), nm = _mm512_set1_ps(-(dmin * m[h]));
+          w[2 * h] = _mm512_fmadd_ps(bytes16(_mm256_castsi256_si128(q[h]), 0), sv, nm);
+          w[2 * h + 1] = _mm512_fmadd_ps(bytes16(_mm256_extracti128_si256(q[h], 1), 0), sv, nm);
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < T; i++) {
+          const float *xp = x[i] + 256 * blk + 64 * p;
+#pragma GCC unroll 4
+          for (int k = 0; k < 4; k++)
+            acc[i][k % NA] = _mm512_fmadd_ps(w[k], _mm512_loadu_ps(xp + 16 * k), acc[i][k % NA]);
+        }
+      }
+    }
+  }
+  for (size_t u = 0; t != TDM_MOE_W_Q4_K && u < K / 32; u++) {
+    __m512 w[2];
+    unit512(src, t, u, w);
+#pragma GCC unroll 4
+    for (int i = 0; i < T; i++) {
+      const float *xp = x[i] + 32 * u;
+      const int a = (int)(u % (size_t)(NA / 2)) * 2;
+      acc[i][a] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xp), acc[i][a]);
+      acc[i][a + 1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xp + 16), acc[i][a + 1]);
+    }
+  }
+  for (int i = 0; i < T; i++) {
+    __m512 sum = acc[i][0];
+    for (int a = 1; a < NA; a++) sum = _mm512_add_ps(sum, acc[i][a]);
+    res[i] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+QDOT512 void tokens512(const uint8_t *src, int type, size_t K, const float *const *x,
+                       float *res, size_t n) {
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) group512(src, type, K, x + i, res + i, 4);
+  switch (n - i) {
+  case 3: group512(src, type, K, x + i, res + i, 3); break;
+  case 2: group512(src, type, K, x + i, res + i, 2); break;
+  case 1: group512(src, type, K, x + i, res + i, 1); break;
+  default: break;
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), noinline)) static void
+qdot512(const uint8_t *src, int type, size_t K, const float *const *x, float *res, size_t n) {
+  switch (type) {
+  case TDM_MOE_W_Q8_0: tokens512(src, TDM_MOE_W_Q8_0, K, x, res, n); break;
+  case TDM_MOE_W_Q4_K: tokens512(src, TDM_MOE_W_Q4_K, K, x, res, n); break;
+  case TDM_MOE_W_Q6_K: tokens512(src, TDM_MOE_W_Q6_K, K, x, res, n); break;
+  default: tokens512(src, TDM_MOE_W_MXFP4, K, x, res, n); break;
+  }
+}
+
+/* AVX-512 where check_cpu found it, else AVX2. */
 __attribute__((target("avx2,fma,f16c"))) void tdm_moe__qdot(const uint8_t *src, int type,
                                                            size_t K, const float *const *x,
                                                            float *res, size_t n) {
+  if (ok512) {
+    qdot512(src, type, K, x, res, n);
+    return;
+  }
   switch (type) {
   case TDM_MOE_W_Q8_0: tokens(src, TDM_MOE_W_Q8_0, K, x, res, n); break;
   case TDM_MOE_W_Q4_K: tokens(src, TDM_MOE_W_Q4_K, K, x, res, n); break;

@@ -1,14 +1,15 @@
 /* qdot.h: dot products of GGUF block rows (Q8_0, Q4_K, Q6_K, MXFP4) with f32 activations, on
- * the blocks themselves, for the CPU's few-token expert kernels (ops.c). AVX2 with FMA (which
- * every AVX-512 CPU has), chosen once at first use; where the CPU lacks them, or the build is
- * not for x86-64, tdm_moe__qdot_ready() is false and ops.c widens each row to f32 first.
+ * the blocks themselves, for the CPU's few-token expert kernels (ops.c). AVX-512 where the CPU
+ * has it, else AVX2 with FMA and F16C, chosen once at first use (TANDEM_MOE_CPU_QDOT: 2, the
+ * default, either; 1 AVX2 only; 0 none); where none runs, or the build is not for x86-64,
+ * tdm_moe__qdot_ready() is false and ops.c widens each row to f32 first.
  *
  * Each 32 values (a unit: a Q8_0 or MXFP4 block, a Q4_K sub-block, two Q6_K sub-blocks) are
- * dotted as integers widened to f32, and scaled once: sum (s q - m) x = s (sum q x) - m (sum x),
- * so a value's scale is not multiplied in 32 times. The values are those of
- * tdm_moe_dequant_row() and the sums f32, so a result is within f32 rounding of the widened
- * row's (not bitwise: the products are grouped differently). Each token has its own
- * accumulators, in a fixed order: a token's result does not depend on the others in its group. */
+ * widened once into registers, w = s q - m (moe/quant.h's values; Q4_K's multiply and subtract
+ * fused into one rounding), and dotted with every token's activations by fused multiply-adds
+ * into that token's own accumulators, in a fixed order: a result is within f32 rounding of the
+ * widened row's (not bitwise), and does not depend on the other tokens of its group. The AVX2
+ * and AVX-512 variants sum in different orders, so their bits differ. */
 #ifndef TANDEM_MOE_CPU_QDOT_H
 #define TANDEM_MOE_CPU_QDOT_H
 
