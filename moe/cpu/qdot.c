@@ -183,18 +183,25 @@ QDOT_TARGET void group(const uint8_t *src, int t, size_t K, const float *const *
   }
 }
 
-/* Every token, in groups of four; type a constant after inlining. */
-QDOT_TARGET void tokens(const uint8_t *src, int type, size_t K, const float *const *x,
-                        float *res, size_t n) {
-  size_t i = 0;
-  for (; i + 4 <= n; i += 4) group(src, type, K, x + i, res + i, 4);
-  switch (n - i) {
-  case 3: group(src, type, K, x + i, res + i, 3); break;
-  case 2: group(src, type, K, x + i, res + i, 2); break;
-  case 1: group(src, type, K, x + i, res + i, 1); break;
-  default: break;
+/* The body of a variant's entry: GROUP (group or group512) over every token in groups of four,
+ * with the type and the group's size constants in each call, so that each inlined copy is
+ * specialized for them. */
+#define GROUP_CALL(GROUP, T, N) GROUP(src, T, K, x + i, res + i, N)
+#define TOKENS_OF(GROUP, T)                                                                   \
+  do {                                                                                        \
+    size_t i = 0;                                                                             \
+    for (; i + 4 <= n; i += 4) GROUP_CALL(GROUP, T, 4);                                       \
+    if (n - i == 3) GROUP_CALL(GROUP, T, 3);                                                  \
+    if (n - i == 2) GROUP_CALL(GROUP, T, 2);                                                  \
+    if (n - i == 1) GROUP_CALL(GROUP, T, 1);                                                  \
+  } while (0)
+#define BY_TYPE(GROUP)                                                                        \
+  switch (type) {                                                                             \
+  case TDM_MOE_W_Q8_0: TOKENS_OF(GROUP, TDM_MOE_W_Q8_0); break;                               \
+  case TDM_MOE_W_Q4_K: TOKENS_OF(GROUP, TDM_MOE_W_Q4_K); break;                               \
+  case TDM_MOE_W_Q6_K: TOKENS_OF(GROUP, TDM_MOE_W_Q6_K); break;                               \
+  default: TOKENS_OF(GROUP, TDM_MOE_W_MXFP4); break;                                          \
   }
-}
 
 /* ---- the AVX-512 variant: the same units and order, sixteen values a vector ---- */
 
@@ -300,26 +307,9 @@ QDOT512 void group512(const uint8_t *src, int t, size_t K, const float *const *x
   }
 }
 
-QDOT512 void tokens512(const uint8_t *src, int type, size_t K, const float *const *x,
-                       float *res, size_t n) {
-  size_t i = 0;
-  for (; i + 4 <= n; i += 4) group512(src, type, K, x + i, res + i, 4);
-  switch (n - i) {
-  case 3: group512(src, type, K, x + i, res + i, 3); break;
-  case 2: group512(src, type, K, x + i, res + i, 2); break;
-  case 1: group512(src, type, K, x + i, res + i, 1); break;
-  default: break;
-  }
-}
-
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), noinline)) static void
 qdot512(const uint8_t *src, int type, size_t K, const float *const *x, float *res, size_t n) {
-  switch (type) {
-  case TDM_MOE_W_Q8_0: tokens512(src, TDM_MOE_W_Q8_0, K, x, res, n); break;
-  case TDM_MOE_W_Q4_K: tokens512(src, TDM_MOE_W_Q4_K, K, x, res, n); break;
-  case TDM_MOE_W_Q6_K: tokens512(src, TDM_MOE_W_Q6_K, K, x, res, n); break;
-  default: tokens512(src, TDM_MOE_W_MXFP4, K, x, res, n); break;
-  }
+  BY_TYPE(group512)
 }
 
 /* AVX-512 where check_cpu found it, else AVX2. */
@@ -330,12 +320,7 @@ __attribute__((target("avx2,fma,f16c"))) void tdm_moe__qdot(const uint8_t *src, 
     qdot512(src, type, K, x, res, n);
     return;
   }
-  switch (type) {
-  case TDM_MOE_W_Q8_0: tokens(src, TDM_MOE_W_Q8_0, K, x, res, n); break;
-  case TDM_MOE_W_Q4_K: tokens(src, TDM_MOE_W_Q4_K, K, x, res, n); break;
-  case TDM_MOE_W_Q6_K: tokens(src, TDM_MOE_W_Q6_K, K, x, res, n); break;
-  default: tokens(src, TDM_MOE_W_MXFP4, K, x, res, n); break;
-  }
+  BY_TYPE(group)
 }
 
 #else /* not x86-64: ops.c widens the rows */

@@ -51,6 +51,22 @@ static __device__ __forceinline__ float f16_at(const uint8_t *p) {
   return __half2float(__ushort_as_half(ld16(p)));
 }
 
+/* Sub-block j's scale d sc and offset dmin m of the Q4_K block at b (its 6-bit sc and m from
+ * the 12 packed bytes, as moe/quant.h's tdm_moe__scale_min_k4). */
+static __device__ __forceinline__ void q4k_scale(const uint8_t *b, int j, float *d1, float *m1) {
+  const uint8_t *sc = b + 4;
+  int s, m;
+  if (j < 4) {
+    s = __ldg(sc + j) & 63;
+    m = __ldg(sc + j + 4) & 63;
+  } else {
+    s = (__ldg(sc + j + 4) & 0xF) | ((__ldg(sc + j - 4) >> 6) << 4);
+    m = (__ldg(sc + j + 4) >> 4) | ((__ldg(sc + j) >> 6) << 4);
+  }
+  *d1 = f16_at(b) * (float)s;
+  *m1 = f16_at(b + 2) * (float)m;
+}
+
 /* Unit u (values 32u .. 32u + 31) of a row of type T at row (an even address) into v. */
 template <int T>
 static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v[32]) {
@@ -66,16 +82,8 @@ static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v
   } else if (T == TDM_MOE_W_Q4_K) {
     const uint8_t *b = row + 144 * (size_t)(u >> 3);
     const int j = u & 7;
-    const uint8_t *sc = b + 4;
-    int s, m;
-    if (j < 4) {
-      s = __ldg(sc + j) & 63;
-      m = __ldg(sc + j + 4) & 63;
-    } else {
-      s = (__ldg(sc + j + 4) & 0xF) | ((__ldg(sc + j - 4) >> 6) << 4);
-      m = (__ldg(sc + j + 4) >> 4) | ((__ldg(sc + j) >> 6) << 4);
-    }
-    const float d1 = f16_at(b) * (float)s, m1 = f16_at(b + 2) * (float)m;
+    float d1, m1;
+    q4k_scale(b, j, &d1, &m1);
     const uint8_t *q = b + 16 + 32 * (j >> 1);
     const int shift = (j & 1) * 4;
 #pragma unroll
@@ -159,22 +167,9 @@ static __device__ __forceinline__ int lane8(const uint8_t *row, int c, int lane,
   if (T == TDM_MOE_W_Q4_K) {
     const uint8_t *b = row + 144 * (size_t)c;
     const int pr = lane >> 3, i = 4 * (lane & 7);
-    const uint8_t *sc = b + 4;
     float d1[2], m1[2];
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-      const int j = 2 * pr + h;
-      int s, m;
-      if (j < 4) {
-        s = __ldg(sc + j) & 63;
-        m = __ldg(sc + j + 4) & 63;
-      } else {
-        s = (__ldg(sc + j + 4) & 0xF) | ((__ldg(sc + j - 4) >> 6) << 4);
-        m = (__ldg(sc + j + 4) >> 4) | ((__ldg(sc + j) >> 6) << 4);
-      }
-      d1[h] = f16_at(b) * (float)s;
-      m1[h] = f16_at(b + 2) * (float)m;
-    }
+    for (int h = 0; h < 2; h++) q4k_scale(b, 2 * pr + h, &d1[h], &m1[h]);
     const uint32_t q = ld32(b + 16 + 32 * pr + i);
 #pragma unroll
     for (int e = 0; e < 4; e++) {
