@@ -215,24 +215,45 @@ static int dev_alloc(tdm_model *m, size_t bytes, void *out) {
  * for a weight an F16 or BF16 file holds, where the table has 16-bit operations and the
  * configuration does not ask for f32) in its 16 bits as they are. A role the model does not
  * have leaves dst->p NULL. */
-static int upload_w(tdm_model *m, tensor_role r, int l, bool keep16, dweight *dst) {
+/* A projection of a block type (Q8_0, Q4_K, Q6_K, MXFP4) to the device as the file keeps it,
+ * where the table multiplies such weights (matmul_q): its type, else 0. */
+static int block_kept(const tdm_model *m, tensor_role r, const tdm_mf_tensor *t) {
+  int wt = tdm_mf_moe_wtype(t->type);
+  if (r == T_EMBD || m->cfg.dense_f32 || !m->ops->matmul_q || wt < TDM_MOE_W_Q8_0 ||
+      t->ndim != 2 || !tdm_moe_row_bytes(wt, t->shape[1]) ||
+      tdm_moe_row_bytes(wt, t->shape[1]) * (size_t)t->shape[0] > t->bytes)
+    return 0;
+  return wt;
+}
+
+/* A tensor of role r (layer l) to the device, through the staging buffer: in f32, or (keep, a
+ * projection or the embedding) as the file holds it where the table reads that type: 16 bits
+ * (F16, BF16: get_rows_h and matmul_h), or a projection's blocks (matmul_q); the
+ * configuration's dense_f32 asks for f32. A role the model does not have leaves dst->p
+ * NULL. */
+static int upload_w(tdm_model *m, tensor_role r, int l, bool keep, dweight *dst) {
   *dst = (dweight){0};
   if (!arch_has(&m->hp, r)) return 0;
   const tdm_mf_tensor *t = arch_tensor(&m->f, &m->hp, r, l);
   if (!t) return TDM_EINVAL;
-  keep16 = keep16 && !m->cfg.dense_f32 && m->ops->matmul_h && m->ops->get_rows_h &&
-           (t->type == TDM_MF_F16 || t->type == TDM_MF_BF16);
-  size_t n = (size_t)tdm_mf_elements(t), size = keep16 ? 2 : sizeof(float);
-  size_t per = STAGE_BYTES / size;
+  bool keep16 = keep && !m->cfg.dense_f32 && m->ops->matmul_h && m->ops->get_rows_h &&
+                (t->type == TDM_MF_F16 || t->type == TDM_MF_BF16);
+  int qt = keep ? block_kept(m, r, t) : 0;
+  size_t n = (size_t)tdm_mf_elements(t);
+  /* what goes to the device: n values of `size` bytes, or (qt) the blocks' bytes */
+  size_t total = qt ? tdm_moe_row_bytes(qt, t->shape[1]) * (size_t)t->shape[0]
+                    : n * (keep16 ? 2 : sizeof(float));
+  size_t size = keep16 ? 2 : qt ? 1 : sizeof(float), per = STAGE_BYTES / size;
   if (keep16 && n > t->bytes / 2)
     return tdm_set_error(TDM_EINVAL, 0, "%s: tensor %s holds %zu bytes for %zu elements",
                          m->f.path, t->name, t->bytes, n);
-  dst->wtype = !keep16 ? 0 : t->type == TDM_MF_F16 ? TDM_MOE_W_F16 : TDM_MOE_W_BF16;
-  int rc = dev_alloc(m, n * size, &dst->p);
-  for (size_t at = 0; !rc && at < n; at += per) {
-    size_t c = n - at < per ? n - at : per;
-    if (keep16)
-      memcpy(m->stage, (const uint16_t *)t->data + at, c * 2);
+  dst->wtype = qt ? qt : !keep16 ? 0 : t->type == TDM_MF_F16 ? TDM_MOE_W_F16 : TDM_MOE_W_BF16;
+  int rc = dev_alloc(m, total, &dst->p);
+  size_t count = qt ? total : n; /* in units of size */
+  for (size_t at = 0; !rc && at < count; at += per) {
+    size_t c = count - at < per ? count - at : per;
+    if (keep16 || qt)
+      memcpy(m->stage, (const uint8_t *)t->data + at * size, c * size);
     else
       rc = convert_f32(t, at, c, m->stage, m->f.path);
     if (!rc && !(rc = tdm_memcpy(m->q, (char *)dst->p + at * size, m->stage, c * size,
@@ -240,7 +261,7 @@ static int upload_w(tdm_model *m, tensor_role r, int l, bool keep16, dweight *ds
       rc = tdm_queue_sync(m->q); /* the stage is reused next */
   }
   if (!rc) tdm_mf_release(t, 0, t->bytes); /* on the device now */
-  if (!rc && keep16) {
+  if (!rc && (keep16 || qt)) {
     m->dense16 = true;
     if (n * sizeof(float) > m->widen_need) m->widen_need = n * sizeof(float);
   }
@@ -400,6 +421,12 @@ void tdm_model_close(tdm_model *m) {
   free(m);
 }
 
+/* A projection's type on the device, by its dweight.wtype. */
+static const char *dense_name(int wtype) {
+  static const char *const names[] = {"F32", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K", "MXFP4"};
+  return wtype >= 0 && wtype <= TDM_MOE_W_MXFP4 ? names[wtype] : "?";
+}
+
 int tdm_model_info_get(const tdm_model *m, tdm_model_info *out) {
   if (!m || !out) return tdm_set_error(TDM_EINVAL, 0, "tdm_model_info_get: NULL argument");
   const hparams *hp = &m->hp;
@@ -414,9 +441,7 @@ int tdm_model_info_get(const tdm_model *m, tdm_model_info *out) {
       .tied_embeddings = hp->tied, .expert_bytes = eb,
       .host_bytes = eb * (size_t)hp->E * (size_t)hp->L, .device_bytes = m->device_bytes,
       .weight_type = m->wtype, .expert_type = m->etype,
-      .dense_type = m->lw[0].wq.wtype == TDM_MOE_W_F16    ? "F16"
-                    : m->lw[0].wq.wtype == TDM_MOE_W_BF16 ? "BF16"
-                                                          : "F32"};
+      .dense_type = dense_name(m->lw[0].wq.wtype)};
   return 0;
 }
 
@@ -480,10 +505,13 @@ int tdm_model_argmax(const float *logits, int n) {
 
 /* ---- the forward pass -------------------------------------------------------------------- */
 
-/* y = x w^T + beta y, w in f32 or 16 bits. */
+/* y = x w^T + beta y, w in f32, 16 bits or a block type. */
 static int matmul(tdm_model *m, float *y, const float *x, const dweight *w, int T, int K, int N,
                   float beta) {
   if (!w->wtype) return m->ops->matmul(m->ops_state, m->q, y, x, w->p, T, K, N, beta);
+  if (w->wtype >= TDM_MOE_W_Q8_0)
+    return m->ops->matmul_q(m->ops_state, m->q, y, x, w->p, w->wtype, T, K, N, beta, m->widen,
+                            m->widen_bytes);
   return m->ops->matmul_h(m->ops_state, m->q, y, x, w->p, w->wtype, T, K, N, beta, m->widen,
                           m->widen_bytes);
 }

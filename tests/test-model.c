@@ -129,17 +129,18 @@ static void compare(const char *what, const float *got, const ref *r) {
 /* dense: the file's dense type ("F32", "F16", "BF16", "Q8_0"); experts: the format its
  * experts stay in where the device's table computes experts in their file's format
  * (expert_q), tdm_model_info's expert_type. A 16-bit dense type stays 16-bit on a table with
- * the 16-bit operations, and is also run widened (dense_f32); experts in a format other than
- * bf16 are also run widened to bf16 (experts_bf16): every run within tolerance. Dense block
- * types are widened to f32 on loading. */
+ * the 16-bit operations, a block type in its blocks on a table with matmul_q, and either is
+ * also run widened (dense_f32); experts in a format other than bf16 are also run widened to
+ * bf16 (experts_bf16): every run within tolerance. */
 static void against_reference(const char *arch, const char *which, const char *dense,
                               const char *experts) {
   tdm_device *dev = th_open();
   ref r;
   ref_load(arch, &r);
-  bool wide = strcmp(dense, "F16") == 0 || strcmp(dense, "BF16") == 0;
+  bool half = strcmp(dense, "F16") == 0 || strcmp(dense, "BF16") == 0;
+  bool wide = half || strcmp(dense, "F32") != 0; /* a type the device may keep */
   const tdm_moe_ops *ops = tdm_moe_ops_for(dev);
-  bool keeps16 = ops && ops->matmul_h && ops->get_rows_h;
+  bool keeps = ops && (half ? ops->matmul_h && ops->get_rows_h : ops->matmul_q != NULL);
   bool native = ops && ops->expert_q && ops->experts_q && strcmp(experts, "BF16") != 0;
   /* Q4_K and Q6_K values are not bf16 values: widened to bf16, the experts are another model's
    * (rounding them flips routing choices near ties), so only their own format is compared. */
@@ -155,7 +156,7 @@ static void against_reference(const char *arch, const char *which, const char *d
     tdm_model_info info;
     CHECK_OK(tdm_model_info_get(m, &info));
     CHECK_EQ(info.vocab, r.V);
-    const char *want = wide && keeps16 && !f32 ? dense : "F32";
+    const char *want = wide && keeps && !f32 ? dense : "F32";
     CHECK_MSG(strcmp(info.dense_type, want) == 0, "%s %s: dense weights %s on the device, not %s",
               arch, which, info.dense_type, want);
     want = native && !ebf16 ? experts : "BF16";

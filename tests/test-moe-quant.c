@@ -11,8 +11,9 @@
  * a sentinel. `experts_q_ref` runs tables of experts on 0 to 20 tokens each (both sides of the
  * CPU's direct-path threshold of 8) in every format, Q4_K_M's mix of Q4_K and Q6_K among them;
  * `expert_q_ref` the single-expert entry; `bf16_matches_experts` wants experts_q() in {BF16,
- * BF16} bitwise equal to experts(); `row_sizes` and `bad_args` the sizes and the errors. A
- * table without expert_q() / experts_q() skips, visibly (77).
+ * BF16} bitwise equal to experts(); `row_sizes` and `bad_args` the sizes and the errors;
+ * `matmul_q_ref` a projection in each block type. A table without expert_q() / experts_q()
+ * (or matmul_q()) skips, visibly (77).
  */
 #include "harness.h"
 #include "moe-fixture.h"
@@ -406,5 +407,78 @@ TEST_CASE(bad_args) {
     CHECK(strstr(tdm_last_error(), "leave wbase's allocation") != NULL);
   }
   qcase_teardown(&c);
+  teardown(f);
+}
+
+/* ---- matmul_q: a projection in its blocks ------------------------------------------------ */
+
+/* y = x w^T + beta y with w [N x K] in block type t, against float64 on the widened w; ws_rows:
+ * the rows of w the workspace holds (more tokens than decode are widened in pieces). */
+static void check_matmul_q(fixture *f, int t, int nt, int K, int N, float beta, int ws_rows) {
+  size_t rb = tdm_moe_row_bytes(t, K), nx = (size_t)nt * K, ny = (size_t)nt * N;
+  uint8_t *w = alloc(f, TDM_MEM_PINNED, rb * (size_t)N);
+  float *wide = malloc((size_t)N * K * sizeof *wide), *y = malloc(ny * sizeof *y);
+  float *x = alloc(f, TDM_MEM_PINNED, nx * sizeof *x), *y0 = alloc(f, TDM_MEM_PINNED, ny * 4);
+  CHECK(wide && y);
+  for (int n = 0; n < N; n++) {
+    rnd_row(f, t, K, w + (size_t)n * rb);
+    CHECK_OK(tdm_moe_dequant_row(t, w + (size_t)n * rb, wide + (size_t)n * K, K));
+  }
+  for (size_t i = 0; i < nx; i++)
+    x[i] = (0.1f + (float)th_rand_below(&f->rng, 900) / 1000.0f) * (th_rand(&f->rng) & 1 ? 1 : -1);
+  for (size_t i = 0; i < ny; i++) y0[i] = beta == 0.0f ? NAN : (float)th_rand_below(&f->rng, 100);
+  float *dx = upload(f, x, nx * sizeof *x), *dy = upload(f, y0, ny * sizeof *y0);
+  uint8_t *dw = upload(f, w, rb * (size_t)N);
+  size_t ws_bytes = (size_t)ws_rows * K * sizeof(float);
+  void *ws = alloc(f, TDM_MEM_DEVICE, ws_bytes);
+  CHECK_OK(f->ops->matmul_q(f->st, f->q, dy, dx, dw, t, nt, K, N, beta, ws, ws_bytes));
+  CHECK_OK(tdm_memcpy(f->q, y, dy, ny * sizeof *y, TDM_COPY_D2H, 0, NULL, NULL));
+  CHECK_OK(tdm_queue_sync(f->q));
+  double d2 = 0.0, r2 = 0.0;
+  for (int i = 0; i < nt; i++)
+    for (int n = 0; n < N; n++) {
+      double ref = beta == 0.0f ? 0.0 : y0[(size_t)i * N + n];
+      for (int k = 0; k < K; k++) ref += (double)x[(size_t)i * K + k] * wide[(size_t)n * K + k];
+      double got = y[(size_t)i * N + n];
+      CHECK_MSG(isfinite(got), "matmul_q %s: y[%d][%d] = %g", type_name(t), i, n, got);
+      d2 += (got - ref) * (got - ref);
+      r2 += ref * ref;
+    }
+  double rel = sqrt(d2 / r2);
+  printf("matmul_q %s T=%d K=%d N=%d beta=%g, %d rows a piece: relative error %.3e\n",
+         type_name(t), nt, K, N, (double)beta, ws_rows, rel);
+  CHECK_MSG(rel < REL_TOL, "matmul_q %s T=%d: relative error %.3e", type_name(t), nt, rel);
+  tdm_free(w); tdm_free(x); tdm_free(y0); tdm_free(dx); tdm_free(dy); tdm_free(dw);
+  tdm_free(ws); free(wide); free(y);
+}
+
+/* Every block type, decode's few tokens (rows read once) and prefill's pieces (the workspace
+ * holding all of w, or a few rows: the last piece short), beta 0 and 1. A table without it
+ * skips; one with it refuses a type that is not a block type and rows not whole blocks. */
+TEST_CASE(matmul_q_ref) {
+  fixture f0 = setup_q(0), *f = &f0;
+  if (!f->ops->matmul_q) {
+    const char *name = f->ops->name;
+    teardown(f);
+    TH_SKIP("the %s table has no matmul_q(): a model widens block-typed projections to f32",
+            name);
+  }
+  static const int types[] = {TDM_MOE_W_Q8_0, TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K, TDM_MOE_W_MXFP4};
+  static const int shapes[][4] = {{1, 512, 70, 70}, {5, 256, 33, 33}, {8, 512, 40, 40},
+                                  {13, 256, 37, 5}, {30, 512, 64, 64}};
+  for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+      for (int b = 0; b < 2; b++)
+        check_matmul_q(f, types[i], shapes[s][0], shapes[s][1], shapes[s][2], (float)b,
+                       shapes[s][3]);
+  float *buf = alloc(f, TDM_MEM_DEVICE, 64 * 256 * sizeof(float));
+  CHECK(f->ops->matmul_q(f->st, f->q, buf, buf, buf, TDM_MOE_W_F16, 1, 256, 8, 0.0f, buf,
+                         4096) == TDM_EINVAL);
+  CHECK(f->ops->matmul_q(f->st, f->q, buf, buf, buf, TDM_MOE_W_Q4_K, 1, 96, 8, 0.0f, buf,
+                         4096) == TDM_EINVAL);
+  CHECK(f->ops->matmul_q(f->st, f->q, buf, buf, buf, TDM_MOE_W_Q8_0, 1, 64, 8, 0.5f, buf,
+                         4096) == TDM_EINVAL);
+  CHECK_OK(tdm_queue_sync(f->q));
+  tdm_free(buf);
   teardown(f);
 }

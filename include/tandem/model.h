@@ -5,14 +5,16 @@
  * expert streamer (tandem/moe.h: placement, cache policy and look-ahead as there), the final
  * norm and the LM head. Token ids in, logits out: no tokenizer (a file's is read past).
  *
- * Weights: the experts go to pinned host memory in bf16, one blob per expert, and reach the
- * device through the streamer; everything else (embedding, attention, norms, LM head) is kept
- * on the device: the embedding, the projections and the LM head in the file's F16 or BF16 as
- * they are where the backend's operations read 16-bit weights (CPU, CUDA; dense_f32 below
- * widens them), else in f32; norms in f32. Files may hold F32, F16 or BF16 tensors, and GGUF
- * files Q8_0, Q4_K, Q6_K and MXFP4 ones too, widened as ggml widens them: F16, F32 and
- * block-typed experts are rounded to bf16 (to nearest even), and so are the routers (the MoE
- * operations take bf16 routers); the rest is exact. One sequence at a time: a model's calls must not overlap (two
+ * Weights: the experts go to pinned host memory, one blob per expert, in the file's block
+ * format (Q8_0, Q4_K, Q6_K, MXFP4) where the device's table computes it, else in bf16, and
+ * reach the device through the streamer; everything else (embedding, attention, norms, LM
+ * head) is kept on the device as the file holds it where the backend's operations read that
+ * type: F16 or BF16 (CPU, CUDA), and for the projections and the LM head the block types too
+ * (CPU); else widened to f32 (dense_f32 below widens them all); norms in f32. Files may hold
+ * F32, F16 or BF16 tensors, and GGUF files Q8_0, Q4_K, Q6_K and MXFP4 ones too, widened as
+ * ggml widens them: F16 and F32 experts, and block-typed ones where they are widened, are
+ * rounded to bf16 (to nearest even), and so are the routers (the MoE operations take bf16
+ * routers); the rest is exact. One sequence at a time: a model's calls must not overlap (two
  * models may run at once, on one device or several). */
 #ifndef TANDEM_MODEL_API_H
 #define TANDEM_MODEL_API_H
@@ -46,9 +48,9 @@ typedef struct tdm_model_config {
   int staging_slots;
   tdm_moe_placement placement;
   int threads;           /* for reading and converting the weights (0: all cores) */
-  bool dense_f32;        /* widen 16-bit dense weights to f32 on the device (twice the memory
-                            and the bytes a decode step reads; the results of f32 math on the
-                            same values) */
+  bool dense_f32;        /* widen 16-bit and block-typed dense weights to f32 on the device
+                            (twice the memory and the bytes a decode step reads, or more; the
+                            results of f32 math on the same values) */
   bool experts_bf16;     /* widen the routed experts to bf16 even where the device's table
                             computes them in the file's format (Q8_0, Q4_K, Q6_K, MXFP4; F16
                             experts are widened always): more bytes on the link, the results
@@ -85,8 +87,9 @@ typedef struct tdm_model_info {
                               first layer's ("+..." follows where other layers differ).
                               tdm_model_peek: what tdm_model_open would choose on the CPU,
                               valid until the thread's next peek */
-  const char *dense_type;  /* the projections' type on the device: "F32", "F16" or "BF16"
-                              (tdm_model_peek: the file's) */
+  const char *dense_type;  /* the projections' type on the device: "F32", "F16", "BF16",
+                              "Q8_0", "Q4_K", "Q6_K" or "MXFP4" (the first layer's query
+                              projection's; tdm_model_peek: the file's) */
 } tdm_model_info;
 
 /* Figures of one tdm_model_eval call, summed over its ubatches. */

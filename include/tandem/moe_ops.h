@@ -280,6 +280,16 @@ typedef struct tdm_moe_ops {
                    const int32_t *slot, int n, const void *wbase, tdm_moe_wfmt fmt,
                    const tdm_moe_group *groups, int G, int H, int I, float *out,
                    void *workspace, size_t workspace_bytes);
+
+  /* matmul_h() with w [N x K] in a block type (TDM_MOE_W_Q8_0, _Q4_K, _Q6_K or _MXFP4: each
+   * row tdm_moe_row_bytes(wtype, K) bytes, back to back, K whole blocks), so that a file's
+   * quantized projections and LM head are read in their blocks: computing on the values
+   * tdm_moe_dequant_row() gives, within f32 rounding. A few tokens read each row once; more
+   * widen pieces of w into the workspace (at least K floats), as matmul_h() does. Optional:
+   * NULL where a backend has none (CUDA and OpenCL for now), and a model widens such weights
+   * to f32 when it loads them. Another type, or K not whole blocks: TDM_EINVAL. */
+  int (*matmul_q)(void *st, tdm_queue *q, float *y, const float *x, const void *w, int wtype,
+                  int T, int K, int N, float beta, void *workspace, size_t workspace_bytes);
 } tdm_moe_ops;
 
 /* The table for the device's backend, or NULL (with tdm_last_error() set) when this build of

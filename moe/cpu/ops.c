@@ -568,28 +568,29 @@ static void expert_gemv(const float *const *xs, float *const *out, size_t n, con
   gemv_pass(workers, H, gemv_down, &j, &j.chunk);
 }
 
-/* ---- matmul_h, few tokens: 16-bit weight rows dotted directly -------------------------------- */
+/* ---- matmul_h and matmul_q, few tokens: weight rows dotted directly ------------------------ */
 
-typedef struct gemv16_job {
+typedef struct gemvw_job {
   const float *const *xs; /* n token rows of K */
   float *y;               /* [n x N] */
-  const uint16_t *w;      /* [N x K] */
-  size_t n, K, N, chunk, ahead;
-  int f16, beta;
+  const uint8_t *w;       /* [N x K], rows of rb bytes in type wtype */
+  size_t n, K, N, rb, chunk, ahead;
+  int wtype, beta;
+  bool qdot;              /* block rows dotted on their blocks (qdot.h) */
   float *rows;            /* a row buffer of K floats per worker */
-} gemv16_job;
+} gemvw_job;
 
 GEMV_CLONES
-static void gemv16_rows(void *arg, size_t c, int worker) {
-  const gemv16_job *j = arg;
+static void gemvw_rows(void *arg, size_t c, int worker) {
+  const gemvw_job *j = arg;
   float res[GEMV_MAX_N];
   float *row = j->rows + (size_t)worker * j->K;
   size_t r1 = (c + 1) * j->chunk < j->N ? (c + 1) * j->chunk : j->N;
-  const uint16_t *end = j->w + r1 * j->K;
-  if (j->ahead) prefetch_start(j->w + c * j->chunk * j->K, end, 2 * j->ahead);
+  const uint8_t *end = j->w + r1 * j->rb;
+  if (j->ahead) prefetch_start(j->w + c * j->chunk * j->rb, end, j->ahead);
   for (size_t r = c * j->chunk; r < r1; r++) {
-    widen_row(row, j->w + r * j->K, j->K, end, j->ahead, j->f16);
-    dot_tokens(row, j->xs, res, j->K, j->n);
+    dot_any(row, j->w + r * j->rb, j->K, j->wtype, j->rb, j->qdot, end, j->ahead, j->xs, res,
+            j->n);
     for (size_t t = 0; t < j->n; t++) {
       float *yo = j->y + t * j->N + r;
       *yo = j->beta ? *yo + res[t] : res[t];
@@ -597,20 +598,21 @@ static void gemv16_rows(void *arg, size_t c, int worker) {
   }
 }
 
-int tdm_moe__cpu_gemv16(float *y, const float *x, const uint16_t *w, int wtype, size_t T,
-                        size_t K, size_t N, int beta) {
+int tdm_moe__cpu_gemvw(float *y, const float *x, const void *w, int wtype, size_t T, size_t K,
+                       size_t N, int beta) {
   int workers = pool_workers();
   if (N * K < GEMV_POOL_MIN_WEIGHTS) workers = 1;
   float *rows = malloc((size_t)workers * K * sizeof *rows);
-  if (!rows) return tdm_set_error(TDM_ENOMEM, 0, "moe matmul_h: no memory for row buffers");
+  if (!rows) return tdm_set_error(TDM_ENOMEM, 0, "moe matmul: no memory for row buffers");
   const float *xs[GEMV_MAX_N];
   for (size_t t = 0; t < T && t < GEMV_MAX_N; t++) xs[t] = x + t * K;
   pthread_once(&prefetch_once, prefetch_init);
   if (wtype == TDM_MOE_W_F16) f16_ready();
-  gemv16_job j = {.xs = xs, .y = y, .w = w, .n = T, .K = K, .N = N,
-                  .ahead = prefetch_bytes / sizeof *w, .f16 = wtype == TDM_MOE_W_F16,
-                  .beta = beta, .rows = rows};
-  gemv_pass(workers, N, gemv16_rows, &j, &j.chunk);
+  gemvw_job j = {.xs = xs, .y = y, .w = w, .n = T, .K = K, .N = N,
+                 .rb = tdm_moe_row_bytes(wtype, (int64_t)K), .ahead = prefetch_bytes,
+                 .wtype = wtype, .beta = beta, .qdot = is_block(wtype) && qdot_on(),
+                 .rows = rows};
+  gemv_pass(workers, N, gemvw_rows, &j, &j.chunk);
   free(rows);
   return 0;
 }
@@ -1041,6 +1043,7 @@ const tdm_moe_ops tdm_moe__cpu_ops = {
     .matmul = tdm_moe__cpu_matmul,
     .get_rows_h = tdm_moe__cpu_get_rows_h,
     .matmul_h = tdm_moe__cpu_matmul_h,
+    .matmul_q = tdm_moe__cpu_matmul_q,
     .rope = tdm_moe__cpu_rope,
     .attention = tdm_moe__cpu_attention,
 };

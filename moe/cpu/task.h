@@ -43,16 +43,19 @@ int tdm_moe__cpu_get_rows(void *st, tdm_queue *q, float *y, const float *table,
 /* dst[0..n) = the 16-bit values of src widened (wtype TDM_MOE_W_F16: by F16C where the CPU has
  * it; TDM_MOE_W_BF16: a shift), exactly (cpu/ops.c). */
 void tdm_moe__cpu_widen16(float *dst, const uint16_t *src, size_t n, int wtype);
-/* matmul_h's few-token path (cpu/ops.c, beside the experts' row kernels): y [T x N] = x [T x K]
- * w^T (+ y when beta), w 16-bit rows widened one at a time and dotted with every token's row,
- * the rows split between the pool's workers (each row whole by one). T <= 8. */
-int tdm_moe__cpu_gemv16(float *y, const float *x, const uint16_t *w, int wtype, size_t T,
-                        size_t K, size_t N, int beta);
+/* matmul_h's and matmul_q's few-token path (cpu/ops.c, beside the experts' row kernels):
+ * y [T x N] = x [T x K] w^T (+ y when beta), w's rows (16-bit or a block type) widened one at
+ * a time, or dotted on their blocks (qdot.h), with every token's row, the rows split between
+ * the pool's workers (each row whole by one). T <= 8. */
+int tdm_moe__cpu_gemvw(float *y, const float *x, const void *w, int wtype, size_t T, size_t K,
+                       size_t N, int beta);
 int tdm_moe__cpu_get_rows_h(void *st, tdm_queue *q, float *y, const uint16_t *table, int wtype,
                             const int32_t *ids, int T, int H, int V);
 int tdm_moe__cpu_matmul_h(void *st, tdm_queue *q, float *y, const float *x, const uint16_t *w,
                           int wtype, int T, int K, int N, float beta, void *ws,
                           size_t ws_bytes);
+int tdm_moe__cpu_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *w,
+                          int wtype, int T, int K, int N, float beta, void *ws, size_t ws_bytes);
 int tdm_moe__cpu_matmul(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T,
                         int K, int N, float beta);
 int tdm_moe__cpu_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0,

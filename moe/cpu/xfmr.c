@@ -1,8 +1,8 @@
 /* cpu/xfmr.c: a transformer's operations besides the MoE layers for the CPU backend (the
- * get_rows, matmul, rope and attention entries of tdm_moe__cpu_ops, and get_rows_h and matmul_h
- * for 16-bit weights: a few tokens' rows dotted directly on the pool, more widened a piece at a
- * time for sgemm): host tasks on the queue's
- * worker, as cpu/ops.c's are. The projections are OpenBLAS sgemm; attention splits its
+ * get_rows, matmul, rope and attention entries of tdm_moe__cpu_ops; get_rows_h and matmul_h for
+ * 16-bit weights and matmul_q for block types: a few tokens' rows dotted directly on the pool,
+ * more widened a piece at a time for sgemm): host tasks on the queue's worker, as cpu/ops.c's
+ * are. The projections are OpenBLAS sgemm; attention splits its
  * (token, head) pairs between the pool's threads (cpu/pool.h), each pair computed whole by one
  * thread in a fixed order, so the bits do not depend on the split. */
 #include "ops.h" /* moe/ops.h */
@@ -124,52 +124,74 @@ int tdm_moe__cpu_get_rows_h(void *st, tdm_queue *q, float *y, const uint16_t *ta
   return tdm_moe__task_submit(q, &a->t);
 }
 
-typedef struct matmul_h_args {
+typedef struct matmul_w_args {
   task t; /* first */
   float *y;
   const float *x;
-  const uint16_t *w;
+  const uint8_t *w;
   float *ws;
   size_t ws_floats;
   int wtype, T, K, N;
   float beta;
-} matmul_h_args;
+} matmul_w_args;
 
-/* Few tokens: each weight row widened once and dotted with all of them (cpu/ops.c). More:
- * pieces of w's rows widened into the workspace, each an sgemm into y's columns of them. */
-enum { GEMV16_MAX_T = 8 };
+/* Few tokens: each weight row read once and dotted with all of them (cpu/ops.c). More: pieces
+ * of w's rows widened into the workspace, each an sgemm into y's columns of them. */
+enum { GEMVW_MAX_T = 8 };
 
-static int matmul_h_body(const task *t) {
-  const matmul_h_args *a = (const matmul_h_args *)t;
-  if (a->T <= GEMV16_MAX_T)
-    return tdm_moe__cpu_gemv16(a->y, a->x, a->w, a->wtype, (size_t)a->T, (size_t)a->K,
-                               (size_t)a->N, a->beta != 0.0f);
+static int matmul_w_body(const task *t) {
+  const matmul_w_args *a = (const matmul_w_args *)t;
+  if (a->T <= GEMVW_MAX_T)
+    return tdm_moe__cpu_gemvw(a->y, a->x, a->w, a->wtype, (size_t)a->T, (size_t)a->K,
+                              (size_t)a->N, a->beta != 0.0f);
   size_t K = (size_t)a->K, N = (size_t)a->N, R = a->ws_floats / K;
+  size_t rb = (size_t)tdm_moe_row_bytes(a->wtype, a->K);
   if (R > N) R = N;
   for (size_t n0 = 0; n0 < N; n0 += R) {
     size_t c = N - n0 < R ? N - n0 : R;
-    tdm_moe__cpu_widen16(a->ws, a->w + n0 * K, c * K, a->wtype);
+    if (a->wtype == TDM_MOE_W_F16 || a->wtype == TDM_MOE_W_BF16)
+      tdm_moe__cpu_widen16(a->ws, (const uint16_t *)(const void *)(a->w + n0 * rb), c * K,
+                           a->wtype);
+    else
+      for (size_t r = 0; r < c; r++)
+        tdm_moe_dequant_row(a->wtype, a->w + (n0 + r) * rb, a->ws + r * K, a->K);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, a->T, (int)c, a->K, 1.0f, a->x, a->K,
                 a->ws, a->K, a->beta, a->y + n0, a->N);
   }
   return 0;
 }
 
-int tdm_moe__cpu_matmul_h(void *st, tdm_queue *q, float *y, const float *x, const uint16_t *w,
-                          int wtype, int T, int K, int N, float beta, void *ws,
-                          size_t ws_bytes) {
-  int rc = tdm_moe__check_state(st, q, "matmul_h");
+static int matmul_w(void *st, tdm_queue *q, float *y, const float *x, const void *w, int wtype,
+                    int T, int K, int N, float beta, void *ws, size_t ws_bytes,
+                    const char *op) {
+  int rc = tdm_moe__check_state(st, q, op);
   if (rc) return rc;
   if (!y || !x || !w || T < 0 || K <= 0 || N <= 0 || (beta != 0.0f && beta != 1.0f) ||
-      bad_wtype(wtype) || !ws || ws_bytes / sizeof(float) < (size_t)K)
-    return tdm_moe__bad_args("matmul_h");
+      !tdm_moe_row_bytes(wtype, K) || !ws || ws_bytes / sizeof(float) < (size_t)K)
+    return tdm_moe__bad_args(op);
   if (T == 0) return 0;
-  matmul_h_args *a = tdm_moe__task_alloc(sizeof *a, "matmul_h");
+  matmul_w_args *a = tdm_moe__task_alloc(sizeof *a, op);
   if (!a) return TDM_ENOMEM;
-  *a = (matmul_h_args){.t.body = matmul_h_body, .y = y, .x = x, .w = w, .ws = ws,
+  *a = (matmul_w_args){.t.body = matmul_w_body, .y = y, .x = x, .w = w, .ws = ws,
                        .ws_floats = ws_bytes / sizeof(float), .wtype = wtype, .T = T, .K = K,
                        .N = N, .beta = beta};
   return tdm_moe__task_submit(q, &a->t);
+}
+
+int tdm_moe__cpu_matmul_h(void *st, tdm_queue *q, float *y, const float *x, const uint16_t *w,
+                          int wtype, int T, int K, int N, float beta, void *ws,
+                          size_t ws_bytes) {
+  if (bad_wtype(wtype)) return tdm_moe__bad_args("matmul_h");
+  return matmul_w(st, q, y, x, w, wtype, T, K, N, beta, ws, ws_bytes, "matmul_h");
+}
+
+int tdm_moe__cpu_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *w,
+                          int wtype, int T, int K, int N, float beta, void *ws,
+                          size_t ws_bytes) {
+  if (wtype < TDM_MOE_W_Q8_0 || wtype > TDM_MOE_W_MXFP4)
+    return tdm_set_error(TDM_EINVAL, 0, "moe matmul_q: weight type %d is not a block type",
+                         wtype);
+  return matmul_w(st, q, y, x, w, wtype, T, K, N, beta, ws, ws_bytes, "matmul_q");
 }
 
 /* ---- rope -------------------------------------------------------------------------------- */
