@@ -16,8 +16,8 @@
 
 static const char run_help[] =
     "usage: tandem run -m FILE [--tokens IDS | -p N] [-n N] [--device D] [--device-budget B]\n"
-    "                  [--ctx N] [--ubatch N] [--placement P] [--experts-bf16] [--seed S]\n"
-    "                  [--json]\n"
+    "                  [--ctx N] [--ubatch N] [--placement P] [--experts-bf16] [--dense-f32]\n"
+    "                  [--seed S] [--json]\n"
     "                  [--logits FILE]\n"
     "\n"
     "Runs a prompt through a whole MoE model (a GGUF file, or a Hugging Face folder with\n"
@@ -40,6 +40,9 @@ static const char run_help[] =
     "  --experts-bf16       widen the experts to bf16 at load even where the device computes\n"
     "                       them in the file's format (Q8_0, Q4_K, Q6_K, MXFP4): more bytes\n"
     "                       on the link, for comparing\n"
+    "  --dense-f32          widen the embedding, projections and LM head to f32 at load even\n"
+    "                       where the device reads them as the file keeps them (F16, BF16,\n"
+    "                       and on the CPU Q8_0, Q4_K, Q6_K, MXFP4): more bytes, for comparing\n"
     "  --seed S             the pseudo-random prompt's seed (default 1)\n"
     "  --json               print the results as JSON on stdout\n"
     "  --logits FILE        write every prompt position's logits and every decode step's\n"
@@ -49,7 +52,8 @@ static const char run_help[] =
 
 static const char bench_help[] =
     "usage: tandem bench -m FILE [-p LIST] [-n LIST] [--device-budget LIST] [-r N]\n"
-    "                    [--device D] [--ubatch N] [--placement P] [--experts-bf16] [--json]\n"
+    "                    [--device D] [--ubatch N] [--placement P] [--experts-bf16]\n"
+    "                    [--dense-f32] [--json]\n"
     "\n"
     "Prefill (ppN: N prompt tokens in ubatches) and decode (tgN: N tokens one at a time from an\n"
     "empty cache) rates of a whole model, in tokens per second, the mean and standard\n"
@@ -63,7 +67,8 @@ static const char bench_help[] =
     "  -n, --decode LIST      decode lengths (default 32; 0 for none)\n"
     "  --device-budget LIST   budgets, each bytes or a share of all experts (default 0)\n"
     "  -r, --repetitions N    timed runs of each test (default 3)\n"
-    "  --device D, --ubatch N, --placement P, --experts-bf16, --json   as for 'tandem run'\n"
+    "  --device D, --ubatch N, --placement P, --experts-bf16, --dense-f32, --json\n"
+    "                         as for 'tandem run'\n"
     "  -h, --help             show this help\n";
 
 enum { MAX_LIST = 16 };
@@ -78,12 +83,12 @@ typedef struct run_opts {
   long ctx, ubatch, seed, reps;
   int json;
   tdm_moe_placement placement;
-  bool experts_bf16;
+  bool experts_bf16, dense_f32;
 } run_opts;
 
 enum { OPT_DEVICE = TOOL_OPT_LONG, OPT_BUDGET, OPT_CTX, OPT_UBATCH, OPT_SEED, OPT_JSON,
        OPT_TOKENS, OPT_MODEL, OPT_PROMPT, OPT_DECODE, OPT_REPS, OPT_LOGITS, OPT_PLACEMENT,
-       OPT_EXPERTS_BF16 };
+       OPT_EXPERTS_BF16, OPT_DENSE_F32 };
 
 static const struct option run_options[] = {
     {"model", required_argument, NULL, OPT_MODEL},
@@ -99,6 +104,7 @@ static const struct option run_options[] = {
     {"seed", required_argument, NULL, OPT_SEED},
     {"placement", required_argument, NULL, OPT_PLACEMENT},
     {"experts-bf16", no_argument, NULL, OPT_EXPERTS_BF16},
+    {"dense-f32", no_argument, NULL, OPT_DENSE_F32},
     {"json", no_argument, NULL, OPT_JSON},
     {"help", no_argument, NULL, 'h'},
     {NULL, 0, NULL, 0},
@@ -188,6 +194,7 @@ static int parse(const char *cmd, int argc, char **argv, run_opts *o) {
     case OPT_SEED: if (tool_parse_count(cmd, "--seed", v, 1L << 40, &o->seed)) return -1; break;
     case OPT_REPS: if (tool_parse_count(cmd, "--repetitions", v, 1000, &o->reps)) return -1; break;
     case OPT_EXPERTS_BF16: o->experts_bf16 = true; break;
+    case OPT_DENSE_F32: o->dense_f32 = true; break;
     case OPT_PLACEMENT:
       if (strcmp(v, "auto") == 0) o->placement = TDM_MOE_PLACE_AUTO;
       else if (strcmp(v, "device") == 0) o->placement = TDM_MOE_PLACE_DEVICE;
@@ -221,7 +228,8 @@ static void show_progress(void *user, const char *what, double done) {
 static int open_model(const run_opts *o, tdm_device *dev, int i, int ctx, tdm_model **m) {
   tdm_model_config cfg = {.path = o->model, .device = dev, .ctx = ctx, .ubatch = (int)o->ubatch,
                           .predict = true, .placement = o->placement,
-                          .experts_bf16 = o->experts_bf16, .progress = show_progress};
+                          .experts_bf16 = o->experts_bf16, .dense_f32 = o->dense_f32,
+                          .progress = show_progress};
   int rc = 0;
   if (o->nbudget && o->budget_pct[i] < 0) cfg.budget_bytes = o->budget_bytes[i];
   if (o->nbudget && o->budget_pct[i] > 0) {
