@@ -211,10 +211,6 @@ static int dev_alloc(tdm_model *m, size_t bytes, void *out) {
   return rc;
 }
 
-/* A tensor of role r (layer l) to the device, through the staging buffer: in f32, or (keep16,
- * for a weight an F16 or BF16 file holds, where the table has 16-bit operations and the
- * configuration does not ask for f32) in its 16 bits as they are. A role the model does not
- * have leaves dst->p NULL. */
 /* A projection of a block type (Q8_0, Q4_K, Q6_K, MXFP4) to the device as the file keeps it,
  * where the table multiplies such weights (matmul_q): its type, else 0. */
 static int block_kept(const tdm_model *m, tensor_role r, const tdm_mf_tensor *t) {
