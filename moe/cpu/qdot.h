@@ -1,7 +1,8 @@
 /* qdot.h: dot products of GGUF block rows (Q8_0, Q4_K, Q6_K, MXFP4) with f32 activations, on
- * the blocks themselves, for the CPU's few-token expert kernels (ops.c). AVX-512 where the CPU
- * has it, else AVX2 with FMA and F16C, chosen once at first use (TANDEM_MOE_CPU_QDOT: 2, the
- * default, either; 1 AVX2 only; 0 none); where none runs, or the build is not for x86-64,
+ * the blocks themselves, for the CPU's few-token expert kernels and matmul_q (ops.c). AVX2 with
+ * FMA and F16C, and for Q4_K and MXFP4 AVX-512 where the CPU has it (faster there; Q8_0 and
+ * Q6_K were faster in AVX2), chosen once at first use (TANDEM_MOE_CPU_QDOT: 2, the default,
+ * so; 1 AVX2 only; 0 none); where none runs, or the build is not for x86-64,
  * tdm_moe__qdot_ready() is false and ops.c widens each row to f32 first.
  *
  * Each 32 values (a unit: a Q8_0 or MXFP4 block, a Q4_K sub-block, two Q6_K sub-blocks) are
