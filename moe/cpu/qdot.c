@@ -114,6 +114,23 @@ QDOT_TARGET float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+/* Pair p (sub-blocks 2p, 2p + 1: 64 values) of the Q4_K block at b, whose d and dmin are given:
+ * each sub-block's scale d sc and negated offset -(dmin m), and its 32 nibbles as bytes (the
+ * pair's 32 bytes' low nibbles, then their high ones). Both variants read Q4_K through it. */
+QDOT_TARGET void q4k_pair(const uint8_t *b, int p, float d, float dmin, float sc[2],
+                          float nm[2], __m256i nibbles[2]) {
+  for (int h = 0; h < 2; h++) {
+    uint8_t s, m;
+    tdm_moe__scale_min_k4(2 * p + h, b + 4, &s, &m);
+    sc[h] = d * s;
+    nm[h] = -(dmin * m);
+  }
+  const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * p));
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  nibbles[0] = _mm256_and_si256(raw, nib);
+  nibbles[1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+}
+
 /* T tokens (a constant after inlining): each unit's values widened once into registers,
  * w = s q - m (one rounding where the CPU fuses it, as CUDA's kernels may), and dotted with
  * every token's 32 activations into that token's accumulators: NA of them a token, unit
@@ -131,19 +148,17 @@ QDOT_TARGET void group(const uint8_t *src, int t, size_t K, const float *const *
       const float d = f16(b), dmin = f16(b + 2);
 #pragma GCC unroll 4
       for (int p = 0; p < 4; p++) {
-        uint8_t sc[2], m[2];
-        tdm_moe__scale_min_k4(2 * p, b + 4, &sc[0], &m[0]);
-        tdm_moe__scale_min_k4(2 * p + 1, b + 4, &sc[1], &m[1]);
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * p));
-        const __m256i nib = _mm256_set1_epi8(0x0F);
+        float sc[2], nm[2];
+        __m256i nibbles[2];
+        q4k_pair(b, p, d, dmin, sc, nm, nibbles);
         __m256 q[2][4], w[8];
-        bytes_to_f32(_mm256_and_si256(raw, nib), 0, q[0]);
-        bytes_to_f32(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), 0, q[1]);
+        bytes_to_f32(nibbles[0], 0, q[0]);
+        bytes_to_f32(nibbles[1], 0, q[1]);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
-          const __m256 sv = _mm256_set1_ps(d * sc[h]), nm = _mm256_set1_ps(-(dmin * m[h]));
+          const __m256 sv = _mm256_set1_ps(sc[h]), mv = _mm256_set1_ps(nm[h]);
 #pragma GCC unroll 4
-          for (int k = 0; k < 4; k++) w[4 * h + k] = _mm256_fmadd_ps(q[h][k], sv, nm);
+          for (int k = 0; k < 4; k++) w[4 * h + k] = _mm256_fmadd_ps(q[h][k], sv, mv);
         }
 #pragma GCC unroll 4
         for (int i = 0; i < T; i++) {
@@ -241,19 +256,15 @@ QDOT512 void group512(const uint8_t *src, int t, size_t K, const float *const *x
       const float d = f16(b), dmin = f16(b + 2);
 #pragma GCC unroll 4
       for (int p = 0; p < 4; p++) {
-        uint8_t sc[2], m[2];
-        tdm_moe__scale_min_k4(2 * p, b + 4, &sc[0], &m[0]);
-        tdm_moe__scale_min_k4(2 * p + 1, b + 4, &sc[1], &m[1]);
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * p));
-        const __m256i nib = _mm256_set1_epi8(0x0F);
-        const __m256i q[2] = {_mm256_and_si256(raw, nib),
-                              _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib)};
+        float sc[2], nm[2];
+        __m256i q[2];
+        q4k_pair(b, p, d, dmin, sc, nm, q);
         __m512 w[4];
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
-          const __m512 sv = _mm512_set1_ps(d * sc[h]), nm = _mm512_set1_ps(-(dmin * m[h]));
-          w[2 * h] = _mm512_fmadd_ps(bytes16(_mm256_castsi256_si128(q[h])), sv, nm);
-          w[2 * h + 1] = _mm512_fmadd_ps(bytes16(_mm256_extracti128_si256(q[h], 1)), sv, nm);
+          const __m512 sv = _mm512_set1_ps(sc[h]), mv = _mm512_set1_ps(nm[h]);
+          w[2 * h] = _mm512_fmadd_ps(bytes16(_mm256_castsi256_si128(q[h])), sv, mv);
+          w[2 * h + 1] = _mm512_fmadd_ps(bytes16(_mm256_extracti128_si256(q[h], 1)), sv, mv);
         }
 #pragma GCC unroll 4
         for (int i = 0; i < T; i++) {
