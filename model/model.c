@@ -48,7 +48,7 @@ struct tdm_model {
   bool skip_moe;                 /* tdm_model_skip_moe */
   size_t device_bytes;
   const tdm_moe_ops *ops;
-  void *ops_state;
+  void *ops_state;               /* the MoE model's (tdm_moe_model_ops): one state records both */
   tdm_moe_model *moe;
   tdm_queue *q;
   dweight embd, output;
@@ -61,6 +61,14 @@ struct tdm_model {
   int32_t *ids;
   int32_t *ids_h;
   float *logits_h;
+  /* decode steps as graphs (see step_graph): the step's position and token id, on the device
+   * and pinned ([0] position, [1] id); this token's key and value rows before kv_store; the
+   * recorded steps, with the MoE layers and without (tdm_model_skip_moe) */
+  int32_t *step, *step_h;
+  float *kvb;
+  void *graph[2];
+  bool graph_off;                /* no graphs: the backend lacks them, TANDEM_MODEL_GRAPH=0, or
+                                    a recording failed */
   void *stage;
   /* progress, from the threads that load the experts */
   pthread_mutex_t progress_mu;
@@ -300,6 +308,12 @@ static int load_dense(tdm_model *m) {
   return rc;
 }
 
+/* An environment switch: on unless set to 0. */
+static bool env_on(const char *name) {
+  const char *v = getenv(name);
+  return !v || strcmp(v, "0") != 0;
+}
+
 static int setup_buffers(tdm_model *m) {
   const hparams *hp = &m->hp;
   size_t U = (size_t)m->U, qd = (size_t)hp->nh * hp->hd;
@@ -312,6 +326,13 @@ static int setup_buffers(tdm_model *m) {
   if (!rc)
     rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, U * hp->V * sizeof(float),
                     (void **)&m->logits_h);
+  const tdm_moe_ops *o = m->ops;
+  m->graph_off = !o->graph_begin || !o->rope_at || !o->attention_at || !o->kv_store ||
+                 !env_on("TANDEM_MODEL_GRAPH");
+  if (!rc && !m->graph_off) rc = dev_alloc(m, 2 * sizeof(int32_t), &m->step);
+  if (!rc && !m->graph_off)
+    rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, 2 * sizeof(int32_t), (void **)&m->step_h);
+  if (!rc && !m->graph_off) rc = dev_alloc(m, 2 * (size_t)hp->nkv * hp->hd * sizeof(float), &m->kvb);
   return rc;
 }
 
@@ -383,8 +404,10 @@ int tdm_model_open(const tdm_model_config *cfg, tdm_model **out) {
                         !cfg->experts_bf16 && m->ops->expert_q && m->ops->experts_q, &m->efmt,
                         m->etype, sizeof m->etype);
   if (!rc) rc = open_moe(m);
-  if (!rc) m->q = tdm_moe_queue(m->moe);
-  if (!rc) rc = m->ops->open(m->q, &m->ops_state);
+  if (!rc) {
+    m->q = tdm_moe_queue(m->moe);
+    m->ops = tdm_moe_model_ops(m->moe, &m->ops_state);
+  }
   if (!rc) rc = load_dense(m);
   if (!rc) rc = setup_buffers(m);
   if (rc) {
@@ -398,8 +421,11 @@ int tdm_model_open(const tdm_model_config *cfg, tdm_model **out) {
 void tdm_model_close(tdm_model *m) {
   if (!m) return;
   if (m->q) (void)tdm_queue_sync(m->q);
-  void *bufs[] = {m->embd.p, m->out_norm, m->output.p != m->embd.p ? m->output.p : NULL, m->xn,
-                  m->qb, m->att, m->logits, m->ids, m->ids_h, m->logits_h, m->stage, m->widen};
+  for (int i = 0; i < 2; i++)
+    if (m->graph[i]) m->ops->graph_free(m->ops_state, m->graph[i]);
+  void *bufs[] = {m->embd.p, m->out_norm, m->output.p != m->embd.p ? m->output.p : NULL,
+                  m->xn, m->qb, m->att, m->logits, m->ids, m->ids_h, m->logits_h, m->stage,
+                  m->widen, m->step, m->step_h, m->kvb};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
     if (bufs[i]) tdm_free(bufs[i]);
   for (int l = 0; m->lw && l < m->hp.L; l++) {
@@ -408,8 +434,7 @@ void tdm_model_close(tdm_model *m) {
     for (size_t i = 0; i < sizeof w / sizeof w[0]; i++)
       if (w[i]) tdm_free(w[i]);
   }
-  if (m->ops_state) m->ops->close(m->ops_state);
-  tdm_moe_model_destroy(m->moe);
+  tdm_moe_model_destroy(m->moe); /* and the ops state, which is its */
   mfile_close(&m->f);
   pthread_mutex_destroy(&m->progress_mu);
   free(m->lw);
@@ -513,14 +538,17 @@ static int matmul(tdm_model *m, float *y, const float *x, const dweight *w, int 
 }
 
 /* Layer l's attention on the ubatch of T tokens at pos0, x += Attn(RMSNorm(x)): this ubatch's
- * keys and values go straight into the cache rows pos0 .. pos0 + T - 1. */
-static int attention(tdm_model *m, int l, int T, int pos0, float *x) {
+ * keys and values go straight into the cache rows pos0 .. pos0 + T - 1. With dpos (a recorded
+ * decode step, T = 1), the position is read on the device from *dpos instead, and the key and
+ * value go to m->kvb first, then into the cache at that position (kv_store). */
+static int attention(tdm_model *m, int l, int T, int pos0, const int32_t *dpos, float *x) {
   const hparams *hp = &m->hp;
   const tdm_moe_ops *o = m->ops;
   void *s = m->ops_state;
   const layer_w *w = &m->lw[l];
   int qd = hp->nh * hp->hd, kvd = hp->nkv * hp->hd, rc;
-  float *k = w->kc + (size_t)pos0 * kvd, *v = w->vc + (size_t)pos0 * kvd;
+  float *k = dpos ? m->kvb : w->kc + (size_t)pos0 * kvd;
+  float *v = dpos ? m->kvb + kvd : w->vc + (size_t)pos0 * kvd;
   float eps = (float)hp->eps, base = (float)hp->rope_base, fs = (float)hp->rope_scale;
   if ((rc = o->rmsnorm(s, m->q, m->xn, x, w->attn_norm, T, hp->H, eps)) ||
       (rc = matmul(m, m->qb, m->xn, &w->wq, T, hp->H, qd, 0.0f)) ||
@@ -531,11 +559,20 @@ static int attention(tdm_model *m, int l, int T, int pos0, float *x) {
       ((rc = o->rmsnorm(s, m->q, m->qb, m->qb, w->qn, T * hp->nh, hp->hd, eps)) ||
        (rc = o->rmsnorm(s, m->q, k, k, w->kn, T * hp->nkv, hp->hd, eps))))
     return rc;
-  if ((rc = o->rope(s, m->q, m->qb, T, hp->nh, hp->hd, pos0, base, fs, hp->neox)) ||
-      (rc = o->rope(s, m->q, k, T, hp->nkv, hp->hd, pos0, base, fs, hp->neox)) ||
-      (rc = o->attention(s, m->q, m->att, m->qb, w->kc, w->vc, T, pos0, hp->nh, hp->nkv, hp->hd,
-                         (float)(1.0 / sqrt((double)hp->hd)))))
+  float scale = (float)(1.0 / sqrt((double)hp->hd));
+  if (dpos) {
+    if ((rc = o->rope_at(s, m->q, m->qb, T, hp->nh, hp->hd, dpos, m->ctx, base, fs, hp->neox)) ||
+        (rc = o->rope_at(s, m->q, k, T, hp->nkv, hp->hd, dpos, m->ctx, base, fs, hp->neox)) ||
+        (rc = o->kv_store(s, m->q, w->kc, w->vc, k, v, T, kvd, dpos, m->ctx)) ||
+        (rc = o->attention_at(s, m->q, m->att, m->qb, w->kc, w->vc, T, dpos, m->ctx, hp->nh,
+                              hp->nkv, hp->hd, scale)))
+      return rc;
+  } else if ((rc = o->rope(s, m->q, m->qb, T, hp->nh, hp->hd, pos0, base, fs, hp->neox)) ||
+             (rc = o->rope(s, m->q, k, T, hp->nkv, hp->hd, pos0, base, fs, hp->neox)) ||
+             (rc = o->attention(s, m->q, m->att, m->qb, w->kc, w->vc, T, pos0, hp->nh, hp->nkv,
+                                hp->hd, scale))) {
     return rc;
+  }
   return matmul(m, x, m->att, &w->wo, T, qd, hp->H, 1.0f);
 }
 
@@ -559,39 +596,95 @@ static void add_stats(tdm_moe_pass_stats *sum, const tdm_moe_pass_stats *p) {
   sum->host_busy_seconds += p->host_busy_seconds;
 }
 
+/* The ubatch's embeddings: T token ids on the device in, the activations' rows out. */
+static int embed(tdm_model *m, const int32_t *ids, int T) {
+  const hparams *hp = &m->hp;
+  float *x = tdm_moe_activations(m->moe);
+  if (m->embd.wtype)
+    return m->ops->get_rows_h(m->ops_state, m->q, x, m->embd.p, m->embd.wtype, ids, T, hp->H,
+                              hp->V);
+  return m->ops->get_rows(m->ops_state, m->q, x, m->embd.p, ids, T, hp->H, hp->V);
+}
+
+/* Every layer of a pass underway, and the logits of rows [first, T) into m->logits (none when
+ * first == T); dpos as attention() takes it. */
+static int layers(tdm_model *m, int T, int first, const int32_t *dpos, tdm_moe_pass_stats *ps) {
+  const hparams *hp = &m->hp;
+  float *x = tdm_moe_activations(m->moe);
+  int rc = 0, rows = T - first;
+  for (int l = 0; !rc && l < hp->L; l++) {
+    rc = attention(m, l, T, m->pos, dpos, x);
+    if (!rc && !m->skip_moe) rc = tdm_moe_pass_layer(m->moe, l, ps);
+  }
+  if (!rc && rows > 0 &&
+      !(rc = m->ops->rmsnorm(m->ops_state, m->q, m->xn, x + (size_t)first * hp->H, m->out_norm,
+                             rows, hp->H, (float)hp->eps)))
+    rc = matmul(m, m->logits, m->xn, &m->output, rows, hp->H, hp->V, 0.0f);
+  return rc;
+}
+
+/* A decode step with every layer on the device (tdm_moe_pass_on_device) as one submission:
+ * the step's embedding, layers and LM head recorded once as a graph, the position and token
+ * read from m->step as it runs, then replayed each step: the same kernels on the same buffers
+ * as the step op by op, so the same bits, without the host launching each kernel. A recording
+ * that fails turns graphs off for the model (the step then runs op by op, and a device fault
+ * shows itself there). */
+static int step_graph(tdm_model *m, tdm_moe_pass_stats *ps, bool *ran) {
+  const tdm_moe_ops *o = m->ops;
+  void **g = &m->graph[m->skip_moe];
+  *ran = false;
+  if (!*g) {
+    int rc = o->graph_begin(m->ops_state, m->q), erc = 0;
+    if (!rc) {
+      rc = embed(m, m->step + 1, 1);
+      if (!rc) rc = layers(m, 1, 0, m->step, ps);
+      erc = o->graph_end(m->ops_state, m->q, g);
+    }
+    if (rc || erc) {
+      if (*g) o->graph_free(m->ops_state, *g);
+      *g = NULL;
+      m->graph_off = true;
+      tdm_clear_error();
+      return 0;
+    }
+  }
+  *ran = true;
+  return o->graph_launch(m->ops_state, m->q, *g);
+}
+
 /* One ubatch: T tokens at the current position; the logits of its rows [first, T) into
- * m->logits_h (none when first == T). */
+ * m->logits_h (none when first == T). A decode step (one token and its logits) takes its
+ * position and id on the device (m->step), so that it can run as a graph. */
 static int ubatch(tdm_model *m, const int32_t *tokens, int T, int first, tdm_model_stats *st) {
   const hparams *hp = &m->hp;
-  const tdm_moe_ops *o = m->ops;
-  void *s = m->ops_state;
-  float *x = tdm_moe_activations(m->moe);
   tdm_moe_pass_stats ps;
-  memcpy(m->ids_h, tokens, (size_t)T * sizeof *tokens);
-  int rc = tdm_memcpy(m->q, m->ids, m->ids_h, (size_t)T * sizeof(int32_t), TDM_COPY_H2D, 0,
-                      NULL, NULL);
-  if (!rc && m->embd.wtype)
-    rc = o->get_rows_h(s, m->q, x, m->embd.p, m->embd.wtype, m->ids, T, hp->H, hp->V);
-  else if (!rc)
-    rc = o->get_rows(s, m->q, x, m->embd.p, m->ids, T, hp->H, hp->V);
+  bool step = T == 1 && first == 0 && !m->graph_off;
+  int rc;
+  if (step) {
+    m->step_h[0] = m->pos;
+    m->step_h[1] = tokens[0];
+    rc = m->ops->upload ? m->ops->upload(m->ops_state, m->q, m->step, m->step_h, 8)
+                        : tdm_memcpy(m->q, m->step, m->step_h, 8, TDM_COPY_H2D, 0, NULL, NULL);
+  } else {
+    memcpy(m->ids_h, tokens, (size_t)T * sizeof *tokens);
+    rc = tdm_memcpy(m->q, m->ids, m->ids_h, (size_t)T * sizeof(int32_t), TDM_COPY_H2D, 0, NULL,
+                    NULL);
+    if (!rc) rc = embed(m, m->ids, T);
+  }
   if (rc) { /* no pass begun: the queue still holds this ubatch's first commands */
     (void)tdm_queue_sync(m->q);
     return rc;
   }
   double t0 = now_s();
   if ((rc = tdm_moe_pass_begin(m->moe, T, true, &ps))) return rc;
-  for (int l = 0; !rc && l < hp->L; l++) {
-    rc = attention(m, l, T, m->pos, x);
-    if (!rc && !m->skip_moe) rc = tdm_moe_pass_layer(m->moe, l, &ps);
-  }
-  int rows = T - first;
-  if (!rc && rows > 0) {
-    float *xr = x + (size_t)first * hp->H;
-    size_t bytes = (size_t)rows * hp->V * sizeof(float);
-    if (!(rc = o->rmsnorm(s, m->q, m->xn, xr, m->out_norm, rows, hp->H, (float)hp->eps)) &&
-        !(rc = matmul(m, m->logits, m->xn, &m->output, rows, hp->H, hp->V, 0.0f)))
-      rc = tdm_memcpy(m->q, m->logits_h, m->logits, bytes, TDM_COPY_D2H, 0, NULL, NULL);
-  }
+  bool ran = false;
+  if (step && tdm_moe_pass_on_device(m->moe)) rc = step_graph(m, &ps, &ran);
+  if (ran) st->graph_steps++;
+  if (!rc && !ran && step) rc = embed(m, m->step + 1, 1);
+  if (!rc && !ran) rc = layers(m, T, first, NULL, &ps);
+  if (!rc && first < T)
+    rc = tdm_memcpy(m->q, m->logits_h, m->logits, (size_t)(T - first) * hp->V * sizeof(float),
+                    TDM_COPY_D2H, 0, NULL, NULL);
   rc = tdm_moe_pass_end(m->moe, rc, &ps);
   st->pass_seconds += now_s() - t0;
   add_stats(&st->moe, &ps);

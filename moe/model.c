@@ -1812,6 +1812,15 @@ tdm_queue *tdm_moe_queue(const tdm_moe_model *m) { return m ? m->q : NULL; }
 
 float *tdm_moe_activations(const tdm_moe_model *m) { return m ? m->x : NULL; }
 
+const tdm_moe_ops *tdm_moe_model_ops(const tdm_moe_model *m, void **state) {
+  if (state) *state = m ? m->ops_state : NULL;
+  return m ? m->ops : NULL;
+}
+
+bool tdm_moe_pass_on_device(const tdm_moe_model *m) {
+  return m && m->in_pass && m->pass_on_device;
+}
+
 int tdm_moe_pass_begin(tdm_moe_model *m, int T, bool overlap, tdm_moe_pass_stats *st) {
   if (!m || !st) return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_pass_begin: NULL argument");
   int rc = check_ubatch(m, T);

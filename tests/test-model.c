@@ -243,6 +243,76 @@ TEST_CASE(streamed_equals_resident) { streamed("qwen3moe"); }
 /* Experts that cross the link in their blocks, two formats in one model. */
 TEST_CASE(streamed_equals_resident_q4_k_m) { streamed("qwen3moe-q4_k_m"); }
 
+/* Prompt and decode as run() does, the decode steps' graph_steps summed into *graphed. */
+static float *run_counted(tdm_model *m, const ref *r, int *graphed) {
+  float *out = malloc((size_t)(r->P + r->N) * r->V * sizeof(float));
+  CHECK(out != NULL);
+  tdm_model_stats st;
+  CHECK_OK(tdm_model_eval(m, r->prompt, r->P, out, true, &st));
+  CHECK_EQ(st.graph_steps, 0);
+  *graphed = 0;
+  for (int j = 0; j < r->N; j++) {
+    CHECK_OK(tdm_model_eval(m, &r->gen[j], 1, out + (size_t)(r->P + j) * r->V, false, &st));
+    *graphed += st.graph_steps;
+  }
+  return out;
+}
+
+/* Decode steps with every expert resident run as one recorded graph where the backend records
+ * graphs: every step of the sequence, the first recording it; the same bits as the steps op by
+ * op (TANDEM_MODEL_GRAPH=0), at every position, again after a rewind (the graph replayed at
+ * positions it ran before), and with the MoE blocks left out (a graph of its own). */
+TEST_CASE(decode_graph_equals_ops) {
+  tdm_device *dev = th_open();
+  ref r;
+  ref_load("qwen3moe", &r);
+  CHECK(r.N >= 2);
+  tdm_model_config all = {.all_resident = true};
+  const tdm_moe_ops *ops = tdm_moe_ops_for(dev);
+  bool graphs = ops && ops->graph_begin && ops->rope_at && ops->attention_at && ops->kv_store;
+  size_t n = (size_t)(r.P + r.N) * r.V, V = (size_t)r.V;
+  float *out[2], *skip_logits[2];
+  for (int off = 0; off < 2; off++) {
+    if (off) CHECK(setenv("TANDEM_MODEL_GRAPH", "0", 1) == 0);
+    tdm_model *m = open_model(dev, "qwen3moe", "model.gguf", &all);
+    if (off) CHECK(unsetenv("TANDEM_MODEL_GRAPH") == 0);
+    int graphed;
+    out[off] = run_counted(m, &r, &graphed);
+    CHECK_EQ(graphed, graphs && !off ? r.N : 0);
+    /* rewound to the prompt's end: the steps again, the same bits */
+    CHECK_OK(tdm_model_rewind(m, r.P));
+    float *again = malloc(V * sizeof(float));
+    CHECK(again != NULL);
+    for (int j = 0; j < r.N; j++) {
+      CHECK_OK(tdm_model_eval(m, &r.gen[j], 1, again, false, NULL));
+      CHECK_MSG(memcmp(again, out[off] + (size_t)(r.P + j) * V, V * sizeof(float)) == 0,
+                "graphs %s: step %d after a rewind is not the first run's", off ? "off" : "on",
+                j);
+    }
+    /* one more step without the MoE blocks */
+    CHECK_OK(tdm_model_rewind(m, r.P));
+    CHECK_OK(tdm_model_skip_moe(m, true));
+    skip_logits[off] = malloc(V * sizeof(float));
+    CHECK(skip_logits[off] != NULL);
+    CHECK_OK(tdm_model_eval(m, &r.gen[0], 1, skip_logits[off], false, NULL));
+    CHECK_OK(tdm_model_skip_moe(m, false));
+    free(again);
+    tdm_model_close(m);
+  }
+  CHECK_MSG(memcmp(out[0], out[1], n * sizeof(float)) == 0,
+            "decode with graphs is not decode op by op, bitwise");
+  CHECK_MSG(memcmp(skip_logits[0], skip_logits[1], V * sizeof(float)) == 0,
+            "a step without the MoE blocks: graphs and ops differ");
+  printf("%s: %d decode steps %s; the same bits op by op\n", ops ? ops->name : "?", r.N,
+         graphs ? "each one graph" : "op by op (no graphs on this backend)");
+  for (int i = 0; i < 2; i++) {
+    free(out[i]);
+    free(skip_logits[i]);
+  }
+  ref_free(&r);
+  th_close();
+}
+
 /* A prompt in ubatches of 3 gives the logits of one pass, within the tolerance (a ubatch's
  * size changes the GEMMs' blocking), and rewinding replays a sequence exactly. */
 TEST_CASE(ubatches_and_rewind) {

@@ -588,6 +588,206 @@ TEST_CASE(ordered_after_host_task) {
   teardown(&f);
 }
 
+/* ---- The position on the device: rope_at, attention_at, kv_store ------------------------ */
+
+enum { AT_NH = 4, AT_NKV = 2, AT_HD = 64, AT_CTX = 40 };
+enum { AT_QD = AT_NH * AT_HD, AT_KVD = AT_NKV * AT_HD };
+
+typedef struct at_case {
+  int T;
+  float *q, *k, *v, *cache; /* host: [T x QD], [T x KVD] twice, [CTX x KVD] (both caches) */
+} at_case;
+
+typedef struct at_out {
+  float *att, *kc, *vc; /* host: [T x QD], [CTX x KVD] twice */
+} at_out;
+
+static at_out at_alloc(int T) {
+  at_out o = {malloc((size_t)T * AT_QD * sizeof(float)),
+              malloc((size_t)AT_CTX * AT_KVD * sizeof(float)),
+              malloc((size_t)AT_CTX * AT_KVD * sizeof(float))};
+  CHECK(o.att && o.kc && o.vc);
+  return o;
+}
+
+static void at_free(at_out *o) { free(o->att); free(o->kc); free(o->vc); }
+
+/* The model's way with the position on the host: k and v written straight into the caches'
+ * rows pos .., RoPE on q and on those rows, attention. */
+static at_out at_host(fixture *f, const at_case *c, int pos) {
+  size_t cn = (size_t)AT_CTX * AT_KVD, kn = (size_t)c->T * AT_KVD;
+  float *kc = malloc(cn * sizeof *kc), *vc = malloc(cn * sizeof *vc);
+  CHECK(kc && vc);
+  memcpy(kc, c->cache, cn * sizeof *kc);
+  memcpy(vc, c->cache, cn * sizeof *vc);
+  memcpy(kc + (size_t)pos * AT_KVD, c->k, kn * sizeof *kc);
+  memcpy(vc + (size_t)pos * AT_KVD, c->v, kn * sizeof *vc);
+  float *dq = upload_padded(f, c->q, (size_t)c->T * AT_QD);
+  float *dkc = upload_padded(f, kc, cn), *dvc = upload_padded(f, vc, cn);
+  float *datt = upload_padded(f, c->q, (size_t)c->T * AT_QD);
+  const tdm_moe_ops *o = f->ops;
+  CHECK_OK(o->rope(f->st, f->q, dq, c->T, AT_NH, AT_HD, pos, 1e6f, 1.0f, 1));
+  CHECK_OK(o->rope(f->st, f->q, dkc + (size_t)pos * AT_KVD, c->T, AT_NKV, AT_HD, pos, 1e6f, 1.0f,
+                   1));
+  CHECK_OK(o->attention(f->st, f->q, datt, dq, dkc, dvc, c->T, pos, AT_NH, AT_NKV, AT_HD, 0.125f));
+  at_out r = at_alloc(c->T);
+  download_padded(f, r.att, datt, (size_t)c->T * AT_QD, "att");
+  download_padded(f, r.kc, dkc, cn, "kc");
+  download_padded(f, r.vc, dvc, cn, "vc");
+  free_padded(dq); free_padded(dkc); free_padded(dvc); free_padded(datt);
+  free(kc); free(vc);
+  return r;
+}
+
+/* The device buffers of a run with the position on the device. */
+typedef struct at_dev {
+  float *q, *k, *v, *kc, *vc, *att;
+  int32_t *pos;
+} at_dev;
+
+static at_dev at_upload(fixture *f, const at_case *c) {
+  size_t cn = (size_t)AT_CTX * AT_KVD;
+  at_dev d = {upload_padded(f, c->q, (size_t)c->T * AT_QD),
+              upload_padded(f, c->k, (size_t)c->T * AT_KVD),
+              upload_padded(f, c->v, (size_t)c->T * AT_KVD), upload_padded(f, c->cache, cn),
+              upload_padded(f, c->cache, cn), upload_padded(f, c->q, (size_t)c->T * AT_QD),
+              alloc(f, TDM_MEM_DEVICE, sizeof(int32_t))};
+  return d;
+}
+
+static void at_submit(fixture *f, const at_dev *d, int T) {
+  const tdm_moe_ops *o = f->ops;
+  CHECK_OK(o->rope_at(f->st, f->q, d->q, T, AT_NH, AT_HD, d->pos, AT_CTX, 1e6f, 1.0f, 1));
+  CHECK_OK(o->rope_at(f->st, f->q, d->k, T, AT_NKV, AT_HD, d->pos, AT_CTX, 1e6f, 1.0f, 1));
+  CHECK_OK(o->kv_store(f->st, f->q, d->kc, d->vc, d->k, d->v, T, AT_KVD, d->pos, AT_CTX));
+  CHECK_OK(o->attention_at(f->st, f->q, d->att, d->q, d->kc, d->vc, T, d->pos, AT_CTX, AT_NH,
+                           AT_NKV, AT_HD, 0.125f));
+}
+
+static at_out at_download(fixture *f, const at_dev *d, int T) {
+  size_t cn = (size_t)AT_CTX * AT_KVD;
+  at_out r = at_alloc(T);
+  download_padded(f, r.att, d->att, (size_t)T * AT_QD, "att");
+  download_padded(f, r.kc, d->kc, cn, "kc");
+  download_padded(f, r.vc, d->vc, cn, "vc");
+  return r;
+}
+
+static void at_release(at_dev *d) {
+  free_padded(d->q); free_padded(d->k); free_padded(d->v); free_padded(d->kc);
+  free_padded(d->vc); free_padded(d->att);
+  tdm_free(d->pos);
+}
+
+static void at_same(const at_out *got, const at_out *want, int T, const char *what) {
+  for (size_t i = 0; i < (size_t)T * AT_QD; i++)
+    CHECK_MSG(isfinite(want->att[i]), "%s: att[%zu] = %g", what, i, want->att[i]);
+  CHECK_MEM_EQ(got->att, want->att, (size_t)T * AT_QD * sizeof(float));
+  CHECK_MEM_EQ(got->kc, want->kc, (size_t)AT_CTX * AT_KVD * sizeof(float));
+  CHECK_MEM_EQ(got->vc, want->vc, (size_t)AT_CTX * AT_KVD * sizeof(float));
+}
+
+static at_case at_make(fixture *f, int T) {
+  at_case c = {T, rnd_host(f, (size_t)T * AT_QD, 1.5f), rnd_host(f, (size_t)T * AT_KVD, 1.5f),
+               rnd_host(f, (size_t)T * AT_KVD, 1.0f),
+               rnd_host(f, (size_t)AT_CTX * AT_KVD, 1.0f)};
+  return c;
+}
+
+static void at_case_free(at_case *c) { free(c->q); free(c->k); free(c->v); free(c->cache); }
+
+/* The _at ops compute what rope and attention compute at the position the device holds when
+ * they run, bitwise, with the keys and values landing where the host-position way writes
+ * them and nowhere else: the position is written by a copy queued behind a 50 ms host task,
+ * so that when the ops are called it still holds another value. A position past the cache,
+ * or negative, is clamped to [0, ctx - T]. */
+TEST_CASE(position_on_device) {
+  fixture f = setup_xfmr();
+  const tdm_moe_ops *o = f.ops;
+  if (!o->rope_at || !o->attention_at || !o->kv_store) {
+    const char *name = o->name;
+    CHECK_MSG(!o->rope_at && !o->attention_at && !o->kv_store,
+              "%s table: rope_at %p, attention_at %p, kv_store %p: all three or none", name,
+              (void *)o->rope_at, (void *)o->attention_at, (void *)o->kv_store);
+    teardown(&f);
+    TH_SKIP("the %s table has no ops with the position on the device", name);
+  }
+  static const struct {
+    int T, pos, as; /* as: the position the ops must use */
+  } cases[] = {
+      {1, 5, 5},   {1, 0, 0},       {3, 2, 2},  {1, AT_CTX - 1, AT_CTX - 1},
+      {20, 4, 4},  /* prefill's tiled kernel on CUDA */
+      {1, 1000, AT_CTX - 1}, {2, -3, 0}, {4, INT32_MAX, AT_CTX - 4},
+  };
+  int32_t *pin = alloc(&f, TDM_MEM_PINNED, sizeof(int32_t));
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    int T = cases[i].T;
+    at_case c = at_make(&f, T);
+    at_out want = at_host(&f, &c, cases[i].as);
+    at_dev d = at_upload(&f, &c);
+    CHECK_OK(tdm_memset(f.q, d.pos, 0x7f, sizeof(int32_t), 0, NULL, NULL));
+    CHECK_OK(tdm_queue_sync(f.q));
+    *pin = cases[i].pos;
+    CHECK_OK(tdm_host_task(f.q, sleep_task, (void *)(intptr_t)50, 0, NULL, NULL));
+    CHECK_OK(tdm_memcpy(f.q, d.pos, pin, sizeof(int32_t), TDM_COPY_H2D, 0, NULL, NULL));
+    at_submit(&f, &d, T);
+    at_out got = at_download(&f, &d, T);
+    char what[64];
+    snprintf(what, sizeof what, "T=%d *pos=%d", T, cases[i].pos);
+    at_same(&got, &want, T, what);
+    printf("%s: bitwise the ops at position %d\n", what, cases[i].as);
+    at_free(&got); at_free(&want); at_release(&d); at_case_free(&c);
+  }
+  tdm_free(pin);
+  teardown(&f);
+}
+
+/* Where the table records graphs: one decode step's ops recorded once, then run at three
+ * positions, each time on fresh inputs: each run equals the ops at that position. */
+TEST_CASE(position_on_device_graph) {
+  fixture f = setup_xfmr();
+  const tdm_moe_ops *o = f.ops;
+  if (!o->graph_begin || !o->rope_at) {
+    const char *name = o->name;
+    teardown(&f);
+    TH_SKIP("the %s table records no graphs", name);
+  }
+  at_case c = at_make(&f, 1);
+  at_dev d = at_upload(&f, &c);
+  void *g = NULL;
+  CHECK_OK(o->graph_begin(f.st, f.q));
+  at_submit(&f, &d, 1);
+  CHECK_OK(o->graph_end(f.st, f.q, &g));
+  CHECK(g != NULL);
+  int32_t *pin = alloc(&f, TDM_MEM_PINNED, sizeof(int32_t));
+  static const int at[] = {7, 0, AT_CTX - 1};
+  for (size_t i = 0; i < sizeof at / sizeof at[0]; i++) {
+    at_case_free(&c);
+    c = at_make(&f, 1);
+    at_out want = at_host(&f, &c, at[i]);
+    size_t cn = (size_t)AT_CTX * AT_KVD;
+    CHECK_OK(tdm_memcpy(f.q, d.q, c.q, AT_QD * sizeof(float), TDM_COPY_H2D, 0, NULL, NULL));
+    CHECK_OK(tdm_memcpy(f.q, d.k, c.k, AT_KVD * sizeof(float), TDM_COPY_H2D, 0, NULL, NULL));
+    CHECK_OK(tdm_memcpy(f.q, d.v, c.v, AT_KVD * sizeof(float), TDM_COPY_H2D, 0, NULL, NULL));
+    CHECK_OK(tdm_memcpy(f.q, d.kc, c.cache, cn * sizeof(float), TDM_COPY_H2D, 0, NULL, NULL));
+    CHECK_OK(tdm_memcpy(f.q, d.vc, c.cache, cn * sizeof(float), TDM_COPY_H2D, 0, NULL, NULL));
+    CHECK_OK(tdm_queue_sync(f.q));
+    *pin = at[i];
+    CHECK_OK(tdm_memcpy(f.q, d.pos, pin, sizeof(int32_t), TDM_COPY_H2D, 0, NULL, NULL));
+    CHECK_OK(o->graph_launch(f.st, f.q, g));
+    at_out got = at_download(&f, &d, 1);
+    char what[48];
+    snprintf(what, sizeof what, "graph at %d", at[i]);
+    at_same(&got, &want, 1, what);
+    printf("%s: bitwise the ops at that position\n", what);
+    at_free(&got); at_free(&want);
+  }
+  o->graph_free(f.st, g);
+  tdm_free(pin);
+  at_release(&d); at_case_free(&c);
+  teardown(&f);
+}
+
 /* ---- Argument checks --------------------------------------------------------------------- */
 
 TEST_CASE(bad_args) {
@@ -617,6 +817,18 @@ TEST_CASE(bad_args) {
   CHECK_RC(o->attention(f.st, f.q, buf, b2, NULL, b3, T, 0, NH, NKV, HD, 0.5f), TDM_EINVAL);
   CHECK_RC(o->attention(f.st, f.q, buf, b2, b3, b3, T, -1, NH, NKV, HD, 0.5f), TDM_EINVAL);
   CHECK_RC(o->attention(f.st, f.q, buf, b2, b3, b3, T, 0, NH, 0, HD, 0.5f), TDM_EINVAL);
+  if (o->rope_at) { /* the position's pointer, and 1 <= T <= ctx */
+    int32_t *pos = ids;
+    CHECK_RC(o->rope_at(f.st, f.q, buf, T, NH, HD, NULL, 8, 10000.0f, 1.0f, 1), TDM_EINVAL);
+    CHECK_RC(o->rope_at(f.st, f.q, buf, T, NH, HD, pos, T - 1, 10000.0f, 1.0f, 1), TDM_EINVAL);
+    CHECK_RC(o->attention_at(f.st, f.q, buf, b2, b3, b3, T, NULL, 8, NH, NKV, HD, 0.5f),
+             TDM_EINVAL);
+    CHECK_RC(o->attention_at(f.st, f.q, buf, b2, b3, b3, 0, pos, 8, NH, NKV, HD, 0.5f),
+             TDM_EINVAL);
+    CHECK_RC(o->kv_store(f.st, f.q, buf, b2, b3, b3, T, NKV * HD, NULL, 8), TDM_EINVAL);
+    CHECK_RC(o->kv_store(f.st, f.q, buf, b2, b3, b3, 9, NKV * HD, pos, 8), TDM_EINVAL);
+    CHECK_RC(o->kv_store(f.st, f.q, buf, NULL, b3, b3, T, NKV * HD, pos, 8), TDM_EINVAL);
+  }
   /* The state of another queue. */
   tdm_queue *q2 = NULL;
   CHECK_OK(tdm_queue_create(f.dev, TDM_QUEUE_IN_ORDER, &q2));

@@ -418,26 +418,26 @@ typedef struct bench_row {
   double host_experts;  /* routed experts computed on the host, a token (placement) */
   double non_moe_share; /* a run without the MoE blocks / a whole run: attention and the other
                            dense work's share of a step */
+  double graph_share;   /* of the timed ubatches, those run as one recorded graph */
 } bench_row;
 
 /* One timed run of test (pp: n prompt tokens; tg: n decode steps) from an empty cache; adds
- * the expert bytes it copied to *bytes and the experts it computed on the host to *host. */
+ * the expert bytes it copied to *bytes, the experts it computed on the host to *host, and its
+ * ubatches (all, and those run as graphs) to ub[0] and ub[1]. */
 static int bench_once(tdm_model *m, bool pp, int n, int vocab, uint64_t seed, double *seconds,
-                      uint64_t *bytes, uint64_t *host) {
+                      uint64_t *bytes, uint64_t *host, uint64_t ub[2]) {
   int32_t *ids = malloc((size_t)n * sizeof *ids);
   float *logits = malloc((size_t)vocab * sizeof *logits);
   int rc = ids && logits ? tdm_model_rewind(m, 0) : TDM_ENOMEM;
   tdm_model_stats st;
   if (!rc) random_ids(ids, n, vocab, seed);
   double t0 = bu_seconds();
-  if (!rc && pp && !(rc = tdm_model_eval(m, ids, n, logits, false, &st))) {
-    *bytes += st.moe.bytes_copied;
-    *host += st.moe.host_experts;
-  }
-  for (int i = 0; !rc && !pp && i < n; i++)
-    if (!(rc = tdm_model_eval(m, &ids[i], 1, logits, false, &st))) {
+  for (int i = 0; !rc && i < (pp ? 1 : n); i++)
+    if (!(rc = tdm_model_eval(m, pp ? ids : &ids[i], pp ? n : 1, logits, false, &st))) {
       *bytes += st.moe.bytes_copied;
       *host += st.moe.host_experts;
+      ub[0] += (uint64_t)st.ubatches;
+      ub[1] += (uint64_t)st.graph_steps;
     }
   *seconds = bu_seconds() - t0;
   free(ids);
@@ -447,10 +447,10 @@ static int bench_once(tdm_model *m, bool pp, int n, int vocab, uint64_t seed, do
 
 static int bench_test(tdm_model *m, const run_opts *o, bool pp, int n, int vocab, bench_row *r) {
   double s, sum = 0, sq = 0, busy = 0, bare = 0;
-  uint64_t bytes = 0, host = 0, ignored = 0;
-  int rc = bench_once(m, pp, pp ? n : 1, vocab, 7, &s, &ignored, &ignored); /* warm-up */
+  uint64_t bytes = 0, host = 0, ignored = 0, ub[2] = {0, 0}, ub_ignored[2] = {0, 0};
+  int rc = bench_once(m, pp, pp ? n : 1, vocab, 7, &s, &ignored, &ignored, ub_ignored); /* warm-up */
   for (int i = 0; !rc && i < o->reps; i++) {
-    if ((rc = bench_once(m, pp, n, vocab, (uint64_t)(i + 11), &s, &bytes, &host))) break;
+    if ((rc = bench_once(m, pp, n, vocab, (uint64_t)(i + 11), &s, &bytes, &host, ub))) break;
     double tps = n / s;
     busy += s;
     sum += tps;
@@ -458,7 +458,7 @@ static int bench_test(tdm_model *m, const run_opts *o, bool pp, int n, int vocab
   }
   /* the same run without the MoE blocks, once */
   if (!rc && !(rc = tdm_model_skip_moe(m, true)))
-    rc = bench_once(m, pp, n, vocab, 11, &bare, &ignored, &ignored);
+    rc = bench_once(m, pp, n, vocab, 11, &bare, &ignored, &ignored, ub_ignored);
   tdm_model_skip_moe(m, false);
   snprintf(r->test, sizeof r->test, "%s%d", pp ? "pp" : "tg", n);
   r->mean = sum / o->reps;
@@ -466,6 +466,7 @@ static int bench_test(tdm_model *m, const run_opts *o, bool pp, int n, int vocab
   r->link_gbs = busy > 0 ? bytes / busy / 1e9 : 0;
   r->host_experts = (double)host / ((double)n * o->reps);
   r->non_moe_share = busy > 0 ? bare / (busy / o->reps) : 0;
+  r->graph_share = ub[0] ? (double)ub[1] / (double)ub[0] : 0;
   return rc;
 }
 
@@ -549,6 +550,7 @@ int tool_cmd_model_bench(int argc, char **argv) {
       bu_json_double(&j, "link_utilization", peak > 0 ? rows[i].link_gbs / peak : 0, 3);
       bu_json_double(&j, "non_moe_share", rows[i].non_moe_share, 3);
       bu_json_double(&j, "host_experts_per_token", rows[i].host_experts, 2);
+      bu_json_double(&j, "graph_share", rows[i].graph_share, 3);
       bu_json_end(&j);
     }
     bu_json_end(&j);

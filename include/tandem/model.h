@@ -100,6 +100,10 @@ typedef struct tdm_model_stats {
                             layers' attention and MoE blocks and the LM head, submitted and
                             waited for); the rest is the ids' upload and the embedding */
   tdm_moe_pass_stats moe; /* the MoE passes' figures, summed (seconds fields too) */
+  int graph_steps;       /* ubatches that ran as one recorded graph: decode steps (one token
+                            and its logits) with every layer on the device (every expert
+                            resident), where the backend records graphs (CUDA) and
+                            TANDEM_MODEL_GRAPH is not 0; the same bits as op by op */
 } tdm_model_stats;
 
 /* Opens the file, checks it (every tensor the architecture needs, with the shapes its metadata

@@ -224,6 +224,16 @@ TDM_API int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, b
  * resident is never recorded as a graph: the same bits, more host time. One pass at a time. */
 TDM_API tdm_queue *tdm_moe_queue(const tdm_moe_model *m);
 TDM_API float *tdm_moe_activations(const tdm_moe_model *m);
+/* The op table (tandem/moe_ops.h) and its state that the model runs its layers with, on
+ * tdm_moe_queue(): a program may run its own ops on that state between a pass's layers, and
+ * record them and the layers into one graph (graph_begin) where the pass is on the device
+ * (below). The model owns the state; the program never closes it. */
+TDM_API const tdm_moe_ops *tdm_moe_model_ops(const tdm_moe_model *m, void **state);
+/* True while a pass is underway whose every layer runs on the device: a small ubatch with
+ * every expert resident, routed on the device, so that its layers submit work and never wait
+ * on the host, and the same buffers serve every such pass of T tokens: a graph recorded around
+ * tdm_moe_pass_layer() calls replays them. */
+TDM_API bool tdm_moe_pass_on_device(const tdm_moe_model *m);
 TDM_API int tdm_moe_pass_begin(tdm_moe_model *m, int T, bool overlap, tdm_moe_pass_stats *st);
 TDM_API int tdm_moe_pass_layer(tdm_moe_model *m, int l, tdm_moe_pass_stats *st);
 TDM_API int tdm_moe_pass_end(tdm_moe_model *m, int rc, tdm_moe_pass_stats *st);

@@ -290,6 +290,21 @@ typedef struct tdm_moe_ops {
    * to f32 when it loads them. Another type, or K not whole blocks: TDM_EINVAL. */
   int (*matmul_q)(void *st, tdm_queue *q, float *y, const float *x, const void *w, int wtype,
                   int T, int K, int N, float beta, void *workspace, size_t workspace_bytes);
+
+  /* ---- The position on the device, so that one recorded graph (graph_begin) serves every
+   * decode step: rope() and attention() with pos0 read from *pos (device int32) when the op
+   * runs, not when it is called; and kv_store(), which writes this ubatch's keys and values,
+   * k and v [T x kvd], into the cache rows *pos .. *pos + T - 1 of kc and vc [ctx x kvd]. The
+   * position read is *pos clamped to [0, ctx - T] (1 <= T <= ctx), so that no value in *pos
+   * makes an op read or write past the caches; the caller keeps it in that range. Optional:
+   * NULL where a backend has none (a model then runs its steps op by op). ---- */
+  int (*rope_at)(void *st, tdm_queue *q, float *x, int T, int nh, int hd, const int32_t *pos,
+                 int ctx, float base, float freq_scale, int neox);
+  int (*attention_at)(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
+                      const float *vc, int T, const int32_t *pos, int ctx, int nh, int nkv,
+                      int hd, float scale);
+  int (*kv_store)(void *st, tdm_queue *q, float *kc, float *vc, const float *k, const float *v,
+                  int T, int kvd, const int32_t *pos, int ctx);
 } tdm_moe_ops;
 
 /* The table for the device's backend, or NULL (with tdm_last_error() set) when this build of

@@ -1046,4 +1046,7 @@ const tdm_moe_ops tdm_moe__cpu_ops = {
     .matmul_q = tdm_moe__cpu_matmul_q,
     .rope = tdm_moe__cpu_rope,
     .attention = tdm_moe__cpu_attention,
+    .rope_at = tdm_moe__cpu_rope_at,
+    .attention_at = tdm_moe__cpu_attention_at,
+    .kv_store = tdm_moe__cpu_kv_store,
 };

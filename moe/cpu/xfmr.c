@@ -1,8 +1,9 @@
 /* cpu/xfmr.c: a transformer's operations besides the MoE layers for the CPU backend (the
  * get_rows, matmul, rope and attention entries of tdm_moe__cpu_ops; get_rows_h and matmul_h for
  * 16-bit weights and matmul_q for block types: a few tokens' rows dotted directly on the pool,
- * more widened a piece at a time for sgemm): host tasks on the queue's worker, as cpu/ops.c's
- * are. The projections are OpenBLAS sgemm; attention splits its
+ * more widened a piece at a time for sgemm; rope_at, attention_at and kv_store, which read the
+ * position when the task runs): host tasks on the queue's worker, as cpu/ops.c's are. The
+ * projections are OpenBLAS sgemm; attention splits its
  * (token, head) pairs between the pool's threads (cpu/pool.h), each pair computed whole by one
  * thread in a fixed order, so the bits do not depend on the split. */
 #include "ops.h" /* moe/ops.h */
@@ -196,18 +197,27 @@ int tdm_moe__cpu_matmul_q(void *st, tdm_queue *q, float *y, const float *x, cons
 
 /* ---- rope -------------------------------------------------------------------------------- */
 
+/* rope_at, attention_at and kv_store: *pos as the queue reaches the op, clamped to
+ * [0, ctx - T]; pos0 itself for rope and attention (pos NULL). */
+static int pos_at(const int32_t *pos, int pos0, int ctx, int T) {
+  if (!pos) return pos0;
+  int p = *pos;
+  return p < 0 ? 0 : p > ctx - T ? ctx - T : p;
+}
+
 typedef struct rope_args {
   task t; /* first */
   float *x;
-  int T, nh, hd, pos0, neox;
+  const int32_t *pos; /* rope_at: the position on the device (NULL: pos0) */
+  int T, nh, hd, pos0, ctx, neox;
   float base, freq_scale;
 } rope_args;
 
 static int rope_body(const task *t) {
   const rope_args *a = (const rope_args *)t;
-  int half = a->hd / 2;
+  int half = a->hd / 2, pos0 = pos_at(a->pos, a->pos0, a->ctx, a->T);
   for (int r = 0; r < a->T; r++) {
-    double p = (double)(a->pos0 + r) * a->freq_scale;
+    double p = (double)(pos0 + r) * a->freq_scale;
     for (int i = 0; i < half; i++) {
       /* the angle in double: at long positions a float angle loses the low bits */
       double th = p * pow((double)a->base, -2.0 * i / a->hd);
@@ -224,19 +234,32 @@ static int rope_body(const task *t) {
   return 0;
 }
 
-int tdm_moe__cpu_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0,
-                      float base, float freq_scale, int neox) {
-  int rc = tdm_moe__check_state(st, q, "rope");
+static int rope_submit(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0,
+                       const int32_t *pos, int ctx, float base, float freq_scale, int neox,
+                       const char *op) {
+  int rc = tdm_moe__check_state(st, q, op);
   if (rc) return rc;
   if (!x || T < 0 || nh <= 0 || hd <= 0 || hd % 2 || pos0 < 0 || !(base > 0.0f) ||
-      !(freq_scale > 0.0f))
-    return tdm_moe__bad_args("rope");
+      !(freq_scale > 0.0f) || (pos && (T < 1 || T > ctx)))
+    return tdm_moe__bad_args(op);
   if (T == 0) return 0;
-  rope_args *a = tdm_moe__task_alloc(sizeof *a, "rope");
+  rope_args *a = tdm_moe__task_alloc(sizeof *a, op);
   if (!a) return TDM_ENOMEM;
-  *a = (rope_args){.t.body = rope_body, .x = x, .T = T, .nh = nh, .hd = hd, .pos0 = pos0,
-                   .neox = neox != 0, .base = base, .freq_scale = freq_scale};
+  *a = (rope_args){.t.body = rope_body, .x = x, .pos = pos, .T = T, .nh = nh, .hd = hd,
+                   .pos0 = pos0, .ctx = ctx, .neox = neox != 0, .base = base,
+                   .freq_scale = freq_scale};
   return tdm_moe__task_submit(q, &a->t);
+}
+
+int tdm_moe__cpu_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0,
+                      float base, float freq_scale, int neox) {
+  return rope_submit(st, q, x, T, nh, hd, pos0, NULL, 0, base, freq_scale, neox, "rope");
+}
+
+int tdm_moe__cpu_rope_at(void *st, tdm_queue *q, float *x, int T, int nh, int hd,
+                         const int32_t *pos, int ctx, float base, float freq_scale, int neox) {
+  if (!pos) return tdm_moe__bad_args("rope_at");
+  return rope_submit(st, q, x, T, nh, hd, 0, pos, ctx, base, freq_scale, neox, "rope_at");
 }
 
 /* ---- attention --------------------------------------------------------------------------- */
@@ -245,7 +268,8 @@ typedef struct attn_args {
   task t; /* first */
   float *out;
   const float *qv, *kc, *vc;
-  int T, pos0, nh, nkv, hd;
+  const int32_t *pos; /* attention_at: the position on the device (NULL: pos0) */
+  int T, pos0, ctx, nh, nkv, hd;
   float scale;
   float *scores; /* pool_workers() x (pos0 + T), while the task runs */
 } attn_args;
@@ -281,6 +305,7 @@ static void attn_pair(void *arg, size_t chunk, int worker) {
 
 static int attn_body(const task *t) {
   attn_args *a = (attn_args *)t;
+  a->pos0 = pos_at(a->pos, a->pos0, a->ctx, a->T);
   size_t per = (size_t)a->pos0 + (size_t)a->T;
   a->scores = malloc((size_t)pool_workers() * per * sizeof(float));
   if (!a->scores)
@@ -291,18 +316,65 @@ static int attn_body(const task *t) {
   return 0;
 }
 
+static int attn_submit(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
+                       const float *vc, int T, int pos0, const int32_t *pos, int ctx, int nh,
+                       int nkv, int hd, float scale, const char *op) {
+  int rc = tdm_moe__check_state(st, q, op);
+  if (rc) return rc;
+  if (!out || !qv || !kc || !vc || T < 0 || pos0 < 0 || nh <= 0 || nkv <= 0 || nh % nkv ||
+      hd <= 0 || !(scale > 0.0f) || (int64_t)pos0 + T > INT32_MAX ||
+      (pos && (T < 1 || T > ctx)))
+    return tdm_moe__bad_args(op);
+  if (T == 0) return 0;
+  attn_args *a = tdm_moe__task_alloc(sizeof *a, op);
+  if (!a) return TDM_ENOMEM;
+  *a = (attn_args){.t.body = attn_body, .out = out, .qv = qv, .kc = kc, .vc = vc, .pos = pos,
+                   .T = T, .pos0 = pos0, .ctx = ctx, .nh = nh, .nkv = nkv, .hd = hd,
+                   .scale = scale};
+  return tdm_moe__task_submit(q, &a->t);
+}
+
 int tdm_moe__cpu_attention(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
                            const float *vc, int T, int pos0, int nh, int nkv, int hd,
                            float scale) {
-  int rc = tdm_moe__check_state(st, q, "attention");
+  return attn_submit(st, q, out, qv, kc, vc, T, pos0, NULL, 0, nh, nkv, hd, scale, "attention");
+}
+
+int tdm_moe__cpu_attention_at(void *st, tdm_queue *q, float *out, const float *qv,
+                              const float *kc, const float *vc, int T, const int32_t *pos,
+                              int ctx, int nh, int nkv, int hd, float scale) {
+  if (!pos) return tdm_moe__bad_args("attention_at");
+  return attn_submit(st, q, out, qv, kc, vc, T, 0, pos, ctx, nh, nkv, hd, scale,
+                     "attention_at");
+}
+
+/* ---- kv_store ---------------------------------------------------------------------------- */
+
+typedef struct kv_args {
+  task t; /* first */
+  float *kc, *vc;
+  const float *k, *v;
+  const int32_t *pos;
+  int T, kvd, ctx;
+} kv_args;
+
+static int kv_body(const task *t) {
+  const kv_args *a = (const kv_args *)t;
+  size_t row = (size_t)pos_at(a->pos, 0, a->ctx, a->T) * a->kvd, n = (size_t)a->T * a->kvd;
+  memcpy(a->kc + row, a->k, n * sizeof(float));
+  memcpy(a->vc + row, a->v, n * sizeof(float));
+  return 0;
+}
+
+int tdm_moe__cpu_kv_store(void *st, tdm_queue *q, float *kc, float *vc, const float *k,
+                          const float *v, int T, int kvd, const int32_t *pos, int ctx) {
+  int rc = tdm_moe__check_state(st, q, "kv_store");
   if (rc) return rc;
-  if (!out || !qv || !kc || !vc || T < 0 || pos0 < 0 || nh <= 0 || nkv <= 0 || nh % nkv ||
-      hd <= 0 || !(scale > 0.0f) || (int64_t)pos0 + T > INT32_MAX)
-    return tdm_moe__bad_args("attention");
-  if (T == 0) return 0;
-  attn_args *a = tdm_moe__task_alloc(sizeof *a, "attention");
+  if (!kc || !vc || !k || !v || !pos || T < 1 || T > ctx || kvd <= 0)
+    return tdm_moe__bad_args("kv_store");
+  kv_args *a = tdm_moe__task_alloc(sizeof *a, "kv_store");
   if (!a) return TDM_ENOMEM;
-  *a = (attn_args){.t.body = attn_body, .out = out, .qv = qv, .kc = kc, .vc = vc, .T = T,
-                   .pos0 = pos0, .nh = nh, .nkv = nkv, .hd = hd, .scale = scale};
+  *a = (kv_args){.t.body = kv_body, .kc = kc, .vc = vc, .k = k, .v = v, .pos = pos, .T = T,
+                 .kvd = kvd, .ctx = ctx};
   return tdm_moe__task_submit(q, &a->t);
 }

@@ -1205,6 +1205,10 @@ extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .matmul_h = */ cuda_matmul_h,
     /* .expert_q = */ cuda_expert_q,
     /* .experts_q = */ cuda_experts_q,
+    /* .matmul_q = */ NULL,
+    /* .rope_at = */ cuda_rope_at,
+    /* .attention_at = */ cuda_attention_at,
+    /* .kv_store = */ cuda_kv_store,
 };
 
 /* The entry libtandem_moe looks up when it loads this module (libtandem_moe-cuda.so). */

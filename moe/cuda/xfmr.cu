@@ -6,7 +6,8 @@
  * (token, head), each warp an online softmax over a fixed stride of the positions, the warps'
  * partial results combined in a fixed order: no atomics, the same bits every run; a prefill's
  * many queries (heads of 64 or 128) take a tiled kernel that loads each tile of the cache once
- * for 32 queries. Weights in
+ * for 32 queries. rope_at, attention_at and kv_store read the position from device memory as
+ * they run, so that a decode step recorded once as a graph serves every position. Weights in
  * 16 bits (get_rows_h, matmul_h) are widened as they are read: decode's few tokens by a
  * one-pass kernel of its own, more by pieces widened to f32 for SGEMM. */
 #include <math.h>
@@ -67,10 +68,19 @@ int cuda_matmul(void *st, tdm_queue *q, float *y, const float *x, const float *w
   return rc;
 }
 
+/* rope_at, attention_at and kv_store: *dpos as the kernel runs, clamped to [0, ctx - T]; pos0
+ * itself for rope and attention (dpos NULL). */
+static __device__ __forceinline__ int pos_at(const int32_t *dpos, int pos0, int ctx, int T) {
+  if (!dpos) return pos0;
+  int p = *dpos;
+  return p < 0 ? 0 : p > ctx - T ? ctx - T : p;
+}
+
 /* ---- rope: one block per (token, head), a thread per pair -------------------------------- */
 
-static __global__ void rope_kernel(float *x, int nh, int hd, int pos0, double base,
-                                   double freq_scale, int neox) {
+static __global__ void rope_kernel(float *x, int nh, int hd, int pos0, const int32_t *dpos,
+                                   int ctx, double base, double freq_scale, int neox) {
+  pos0 = pos_at(dpos, pos0, ctx, (int)gridDim.x / nh);
   int t = blockIdx.x / nh, half = hd / 2;
   float *v = x + (size_t)blockIdx.x * hd;
   double p = (double)(pos0 + t) * freq_scale;
@@ -84,22 +94,35 @@ static __global__ void rope_kernel(float *x, int nh, int hd, int pos0, double ba
   }
 }
 
-int cuda_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0, float base,
-              float freq_scale, int neox) {
+static int rope_launch(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0,
+                       const int32_t *dpos, int ctx, float base, float freq_scale, int neox,
+                       const char *op) {
   moe_cuda *m = (moe_cuda *)st;
   if (check_queue(m, q) || !x || T < 0 || nh <= 0 || hd <= 0 || hd % 2 || pos0 < 0 ||
-      !(base > 0.f) || !(freq_scale > 0.f) || (long long)T * nh > INT32_MAX)
-    return bad_args("rope");
+      !(base > 0.f) || !(freq_scale > 0.f) || (long long)T * nh > INT32_MAX ||
+      (dpos && (T < 1 || T > ctx)))
+    return bad_args(op);
   if (T == 0) return 0;
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
   int threads = hd / 2 < MOE_THREADS ? (hd / 2 + 31) / 32 * 32 : MOE_THREADS;
-  rope_kernel<<<T * nh, threads, 0, m->s>>>(x, nh, hd, pos0, (double)base, (double)freq_scale,
-                                            neox != 0);
+  rope_kernel<<<T * nh, threads, 0, m->s>>>(x, nh, hd, pos0, dpos, ctx, (double)base,
+                                            (double)freq_scale, neox != 0);
   cudaError_t e = cudaGetLastError();
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "rope_kernel");
   leave(m, saved);
   return rc;
+}
+
+int cuda_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0, float base,
+              float freq_scale, int neox) {
+  return rope_launch(st, q, x, T, nh, hd, pos0, NULL, 0, base, freq_scale, neox, "rope");
+}
+
+int cuda_rope_at(void *st, tdm_queue *q, float *x, int T, int nh, int hd, const int32_t *pos,
+                 int ctx, float base, float freq_scale, int neox) {
+  if (!pos) return bad_args("rope_at");
+  return rope_launch(st, q, x, T, nh, hd, 0, pos, ctx, base, freq_scale, neox, "rope_at");
 }
 
 /* ---- attention --------------------------------------------------------------------------- */
@@ -108,7 +131,8 @@ int cuda_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0,
  * positions w, w + ATT_WARPS, ...; lane l holds the row's elements l, l + 32, ... */
 static __global__ void attention_kernel(float *out, const float *qv, const float *kc,
                                         const float *vc, int nh, int nkv, int hd, int pos0,
-                                        float scale) {
+                                        const int32_t *dpos, int ctx, float scale) {
+  pos0 = pos_at(dpos, pos0, ctx, (int)gridDim.x / nh);
   __shared__ float wm[ATT_WARPS], wl[ATT_WARPS], wo[ATT_WARPS][ATT_MAX_HD];
   int t = blockIdx.x / nh, h = blockIdx.x % nh, g = h / (nh / nkv);
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n = pos0 + t + 1;
@@ -181,7 +205,8 @@ static constexpr size_t fa_smem(int hd) {
 template <int HD>
 static __global__ void attention_tiled_kernel(float *out, const float *qv, const float *kc,
                                               const float *vc, int T, int nh, int nkv, int pos0,
-                                              float scale) {
+                                              const int32_t *dpos, int ctx, float scale) {
+  pos0 = pos_at(dpos, pos0, ctx, T);
   constexpr int VPL = HD / 32, KS = HD + 4;
   extern __shared__ float4 fa_smem_f4[];
   float *Qs = (float *)fa_smem_f4, *Ks = Qs + FA_Q * HD, *Vs = Ks + FA_K * KS;
@@ -265,19 +290,21 @@ static __global__ void attention_tiled_kernel(float *out, const float *qv, const
 
 template <int HD>
 static void attention_tiled(moe_cuda *m, float *out, const float *qv, const float *kc,
-                            const float *vc, int T, int pos0, int nh, int nkv, float scale) {
+                            const float *vc, int T, int pos0, const int32_t *dpos, int ctx,
+                            int nh, int nkv, float scale) {
   dim3 grid((unsigned)((T + FA_Q - 1) / FA_Q), (unsigned)nh);
-  attention_tiled_kernel<HD><<<grid, FA_WARPS * 32, fa_smem(HD), m->s>>>(out, qv, kc, vc, T, nh,
-                                                                         nkv, pos0, scale);
+  attention_tiled_kernel<HD><<<grid, FA_WARPS * 32, fa_smem(HD), m->s>>>(
+      out, qv, kc, vc, T, nh, nkv, pos0, dpos, ctx, scale);
 }
 
-int cuda_attention(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
-                   const float *vc, int T, int pos0, int nh, int nkv, int hd, float scale) {
+static int attention_launch(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
+                            const float *vc, int T, int pos0, const int32_t *dpos, int ctx,
+                            int nh, int nkv, int hd, float scale, const char *op) {
   moe_cuda *m = (moe_cuda *)st;
   if (check_queue(m, q) || !out || !qv || !kc || !vc || T < 0 || pos0 < 0 || nh <= 0 ||
       nkv <= 0 || nh % nkv || hd <= 0 || !(scale > 0.f) || (long long)pos0 + T > INT32_MAX ||
-      (long long)T * nh > INT32_MAX)
-    return bad_args("attention");
+      (long long)T * nh > INT32_MAX || (dpos && (T < 1 || T > ctx)))
+    return bad_args(op);
   if (hd > ATT_MAX_HD)
     return tdm_set_error(TDM_ENOTSUP, 0, "moe attention: heads of %d values (the CUDA kernel "
                          "takes up to %d)", hd, ATT_MAX_HD);
@@ -285,14 +312,54 @@ int cuda_attention(void *st, tdm_queue *q, float *out, const float *qv, const fl
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
   if (T >= FA_MIN_T && hd == 128)
-    attention_tiled<128>(m, out, qv, kc, vc, T, pos0, nh, nkv, scale);
+    attention_tiled<128>(m, out, qv, kc, vc, T, pos0, dpos, ctx, nh, nkv, scale);
   else if (T >= FA_MIN_T && hd == 64)
-    attention_tiled<64>(m, out, qv, kc, vc, T, pos0, nh, nkv, scale);
+    attention_tiled<64>(m, out, qv, kc, vc, T, pos0, dpos, ctx, nh, nkv, scale);
   else
     attention_kernel<<<T * nh, ATT_WARPS * 32, 0, m->s>>>(out, qv, kc, vc, nh, nkv, hd, pos0,
-                                                          scale);
+                                                          dpos, ctx, scale);
   cudaError_t e = cudaGetLastError();
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "attention_kernel");
+  leave(m, saved);
+  return rc;
+}
+
+int cuda_attention(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
+                   const float *vc, int T, int pos0, int nh, int nkv, int hd, float scale) {
+  return attention_launch(st, q, out, qv, kc, vc, T, pos0, NULL, 0, nh, nkv, hd, scale,
+                          "attention");
+}
+
+int cuda_attention_at(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
+                      const float *vc, int T, const int32_t *pos, int ctx, int nh, int nkv,
+                      int hd, float scale) {
+  if (!pos) return bad_args("attention_at");
+  return attention_launch(st, q, out, qv, kc, vc, T, 0, pos, ctx, nh, nkv, hd, scale,
+                          "attention_at");
+}
+
+/* ---- kv_store: T rows of k and v into the caches at *pos, a block a row ------------------ */
+
+static __global__ void kv_store_kernel(float *kc, float *vc, const float *k, const float *v,
+                                       int kvd, const int32_t *dpos, int ctx) {
+  int T = (int)gridDim.x, t = blockIdx.x;
+  size_t dst = (size_t)(pos_at(dpos, 0, ctx, T) + t) * kvd, src = (size_t)t * kvd;
+  for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
+    kc[dst + i] = k[src + i];
+    vc[dst + i] = v[src + i];
+  }
+}
+
+int cuda_kv_store(void *st, tdm_queue *q, float *kc, float *vc, const float *k, const float *v,
+                  int T, int kvd, const int32_t *pos, int ctx) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || !kc || !vc || !k || !v || !pos || T < 1 || T > ctx || kvd <= 0)
+    return bad_args("kv_store");
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  kv_store_kernel<<<T, MOE_THREADS, 0, m->s>>>(kc, vc, k, v, kvd, pos, ctx);
+  cudaError_t e = cudaGetLastError();
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "kv_store_kernel");
   leave(m, saved);
   return rc;
 }
@@ -451,7 +518,7 @@ int cuda_xfmr_preload(moe_cuda *m) {
                      (const void *)gemv_h_kernel<4>, (const void *)gemv_h_kernel<5>,
                      (const void *)gemv_h_kernel<6>, (const void *)gemv_h_kernel<7>,
                      (const void *)gemv_h_kernel<8>, (const void *)attention_tiled_kernel<64>,
-                     (const void *)attention_tiled_kernel<128>};
+                     (const void *)attention_tiled_kernel<128>, (const void *)kv_store_kernel};
   for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
