@@ -196,6 +196,8 @@ uint32_t cuda_rows_in(const float *p, int H);
 int cuda_expert_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
                   const int32_t *slot, int n, const void *w, tdm_moe_wfmt fmt, int H, int I,
                   float *out, void *workspace, size_t workspace_bytes);
+int cuda_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *w, int wtype,
+                  int T, int K, int N, float beta, void *ws, size_t ws_bytes);
 int cuda_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
                    const int32_t *slot, int n, const void *wbase, tdm_moe_wfmt fmt,
                    const tdm_moe_group *groups, int G, int H, int I, float *out,
@@ -204,6 +206,7 @@ int cuda_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
 /* The transformer's operations (cuda/xfmr.cu), entries of tdm_moe__cuda_ops; and the loading
  * of their kernels at open() (see preload in cuda/ops.cu). */
 int cuda_xfmr_preload(moe_cuda *m);
+int cuda_quant_preload(moe_cuda *m); /* cuda/quant.cu's kernels */
 int cuda_get_rows(void *st, tdm_queue *q, float *y, const float *table, const int32_t *ids,
                   int T, int H, int V);
 int cuda_get_rows_h(void *st, tdm_queue *q, float *y, const uint16_t *table, int wtype,

@@ -686,7 +686,8 @@ static int preload(moe_cuda *m) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
   }
-  return cuda_xfmr_preload(m);
+  int rc = cuda_xfmr_preload(m);
+  return rc ? rc : cuda_quant_preload(m);
 }
 
 /* Only in-order queues of CUDA devices: an out-of-order queue spreads its commands over
@@ -1205,7 +1206,7 @@ extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .matmul_h = */ cuda_matmul_h,
     /* .expert_q = */ cuda_expert_q,
     /* .experts_q = */ cuda_experts_q,
-    /* .matmul_q = */ NULL,
+    /* .matmul_q = */ cuda_matmul_q,
     /* .rope_at = */ cuda_rope_at,
     /* .attention_at = */ cuda_attention_at,
     /* .kv_store = */ cuda_kv_store,

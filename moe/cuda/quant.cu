@@ -618,3 +618,127 @@ int cuda_expert_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
   leave(m, saved);
   return rc;
 }
+
+/* ---- matmul_q: a projection in its blocks ----
+ * A few tokens (decode) read each row once, as experts_q's decode kernels read an expert's
+ * rows: a warp a row, 256 values at a time with the lanes side by side (lane8), dotted with
+ * every token in a fixed order, then the fixed warp tree. More tokens widen pieces of w to f32
+ * in the workspace (a warp a row, 32 values a lane at a time) and multiply each piece with
+ * SGEMM, as matmul_h does. */
+
+#define MQ_MAX_T 8 /* tokens the one-pass kernel takes */
+
+template <int T>
+static __global__ void __launch_bounds__(MOE_THREADS)
+    mq_gemv_kernel(float *y, const float *x, const uint8_t *w, size_t rb, int nt, int K, int N,
+                   int beta) {
+  const int n = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (n >= N) return;
+  const uint8_t *row = w + (size_t)n * rb;
+  float acc[MQ_MAX_T];
+#pragma unroll
+  for (int t = 0; t < MQ_MAX_T; t++) acc[t] = 0.f;
+  const int chunks = (K + 255) / 256;
+  for (int c = 0; c < chunks; c++) {
+    float v[8];
+    const int p0 = lane8<T>(row, c, lane, K, v);
+    if (p0 < 0) continue;
+#pragma unroll
+    for (int t = 0; t < MQ_MAX_T; t++)
+      if (t < nt) acc[t] = dot8<T>(x + (size_t)t * K, p0, v, acc[t]);
+  }
+#pragma unroll
+  for (int t = 0; t < MQ_MAX_T; t++) {
+    if (t >= nt) break;
+    const float s = warp_sum(acc[t]);
+    if (lane == 0) {
+      float *yo = y + (size_t)t * N + n;
+      *yo = beta ? *yo + s : s;
+    }
+  }
+}
+
+template <int T>
+static __global__ void __launch_bounds__(MOE_THREADS)
+    mq_widen_kernel(const uint8_t *w, size_t rb, int nrows, int K, float *dst) {
+  const int r = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (r >= nrows) return;
+  const uint8_t *row = w + (size_t)r * rb;
+  float4 *out = (float4 *)(dst + (size_t)r * K);
+  for (int u = lane; u < K / 32; u += 32) {
+    float v[32];
+    unit32<T>(row, u, v);
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+      out[8 * u + k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
+  }
+}
+
+int cuda_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *w, int wtype,
+                  int T, int K, int N, float beta, void *ws, size_t ws_bytes) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (wtype < TDM_MOE_W_Q8_0 || wtype > TDM_MOE_W_MXFP4 || !type_ok(wtype, K))
+    return tdm_set_error(TDM_EINVAL, 0, "moe matmul_q: weight type %d with rows of %d values: "
+                         "not a block type, or rows that are not whole blocks", wtype, K);
+  if (check_queue(m, q) || !y || !x || !w || T < 0 || N <= 0 || (beta != 0.f && beta != 1.f) ||
+      ((uintptr_t)x & 15) || ((uintptr_t)ws & 15) ||
+      (T > MQ_MAX_T && (!ws || ws_bytes / sizeof(float) < (size_t)K)))
+    return bad_args("matmul_q");
+  if (T == 0) return 0;
+  const size_t rb = tdm_moe_row_bytes(wtype, K);
+  const uint8_t *wb = (const uint8_t *)w;
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  if (T <= MQ_MAX_T) {
+    const dim3 grid((unsigned)((N + MOE_WARPS - 1) / MOE_WARPS));
+    BY_QTYPE(wtype, mq_gemv_kernel<QT><<<grid, MOE_THREADS, 0, m->s>>>(y, x, wb, rb, T, K, N,
+                                                                       beta != 0.f));
+    cudaError_t e = cudaGetLastError();
+    rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "mq_gemv_kernel");
+    leave(m, saved);
+    return rc;
+  }
+  /* pieces of R rows widened into the workspace, each an SGEMM into y's columns [n0, n0 + c) */
+  size_t R = ws_bytes / sizeof(float) / (size_t)K;
+  if (R > (size_t)N) R = (size_t)N;
+  float *wf = (float *)ws;
+  const float one = 1.f;
+  for (size_t n0 = 0; !rc && n0 < (size_t)N; n0 += R) {
+    const size_t c = (size_t)N - n0 < R ? (size_t)N - n0 : R;
+    const dim3 grid((unsigned)((c + MOE_WARPS - 1) / MOE_WARPS));
+    BY_QTYPE(wtype, mq_widen_kernel<QT><<<grid, MOE_THREADS, 0, m->s>>>(wb + n0 * rb, rb, (int)c,
+                                                                        K, wf));
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) {
+      rc = cuda_fail(m, e, "mq_widen_kernel");
+      break;
+    }
+    cublasStatus_t s = cublasSgemm(m->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)c, T, K, &one, wf, K,
+                                   x, K, &beta, y + n0, N);
+    if (s != CUBLAS_STATUS_SUCCESS) rc = blas_fail(m, s, "cublasSgemm");
+  }
+  leave(m, saved);
+  return rc;
+}
+
+/* Loads this file's kernels at open(), every type's, as preload in cuda/ops.cu does its own. */
+template <int T>
+static int quant_preload_type(moe_cuda *m) {
+  const void *k[] = {(const void *)gq_gate_up_kernel<T>, (const void *)gq_down_kernel<T>,
+                     (const void *)widen_rows_kernel<T>, (const void *)qgemm_kernel<T>,
+                     (const void *)mq_gemv_kernel<T>, (const void *)mq_widen_kernel<T>};
+  for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
+    cudaFuncAttributes a;
+    CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
+  }
+  return 0;
+}
+
+int cuda_quant_preload(moe_cuda *m) {
+  int rc = quant_preload_type<TDM_MOE_W_Q8_0>(m);
+  if (!rc) rc = quant_preload_type<TDM_MOE_W_Q4_K>(m);
+  if (!rc) rc = quant_preload_type<TDM_MOE_W_Q6_K>(m);
+  if (!rc) rc = quant_preload_type<TDM_MOE_W_MXFP4>(m);
+  if (!rc) rc = quant_preload_type<TDM_MOE_W_F16>(m);
+  return rc;
+}
