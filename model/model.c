@@ -32,6 +32,7 @@ typedef struct dweight {
 typedef struct layer_w {
   float *attn_norm, *qn, *kn;
   dweight wq, wk, wv, wo;
+  dweight wqkv; /* wq, wk and wv in one allocation, where they share a type (upload_qkv) */
   float *kc, *vc; /* the KV cache: [ctx x nkv*hd] each */
 } layer_w;
 
@@ -57,15 +58,17 @@ struct tdm_model {
   void *widen;                   /* matmul_h's workspace (NULL when every weight is f32) */
   size_t widen_bytes, widen_need; /* its size; the largest 16-bit weight's f32 bytes */
   bool dense16;                  /* some dense weight is kept in 16 bits */
-  float *xn, *qb, *att, *logits; /* per ubatch: [U x H], [U x qd], [U x qd], [U x V] */
+  float *xn, *qb, *att, *logits; /* per ubatch: [U x H], [U x qd] (a step: q, k, v), [U x qd],
+                                    [U x V] */
   int32_t *ids;
   int32_t *ids_h;
   float *logits_h;
-  /* decode steps as graphs (see step_graph): the step's position and token id, on the device
-   * and pinned ([0] position, [1] id); this token's key and value rows before kv_store; the
-   * recorded steps, with the MoE layers and without (tdm_model_skip_moe) */
+  /* decode steps (attention_step, step_graph): whether the table has the ops that read the
+   * position on the device; the step's position and token id, on the device and pinned ([0]
+   * position, [1] id); the recorded steps, with the MoE layers and without
+   * (tdm_model_skip_moe) */
+  bool stepper;
   int32_t *step, *step_h;
-  float *kvb;
   void *graph[2];
   bool graph_off;                /* no graphs: the backend lacks them, TANDEM_MODEL_GRAPH=0, or
                                     a recording failed */
@@ -230,44 +233,96 @@ static int block_kept(const tdm_model *m, tensor_role r, const tdm_mf_tensor *t)
   return wt;
 }
 
-/* A tensor of role r (layer l) to the device, through the staging buffer: in f32, or (keep, a
- * projection or the embedding) as the file holds it where the table reads that type: 16 bits
- * (F16, BF16: get_rows_h and matmul_h), or a projection's blocks (matmul_q); the
- * configuration's dense_f32 asks for f32. A role the model does not have leaves dst->p
- * NULL. */
-static int upload_w(tdm_model *m, tensor_role r, int l, bool keep, dweight *dst) {
-  *dst = (dweight){0};
+/* How a tensor goes to the device: in f32, or (keep, a projection or the embedding) as the
+ * file holds it where the table reads that type: 16 bits (F16, BF16: get_rows_h and matmul_h),
+ * or a projection's blocks (matmul_q); the configuration's dense_f32 asks for f32. */
+typedef struct wplan {
+  const tdm_mf_tensor *t; /* NULL: a role the model does not have */
+  bool keep16;
+  int qt;                 /* the block type kept, or 0 */
+  int wtype;              /* dweight.wtype */
+  size_t n, bytes;        /* values, and bytes on the device */
+} wplan;
+
+static int plan_w(tdm_model *m, tensor_role r, int l, bool keep, wplan *p) {
+  *p = (wplan){0};
   if (!arch_has(&m->hp, r)) return 0;
   const tdm_mf_tensor *t = arch_tensor(&m->f, &m->hp, r, l);
   if (!t) return TDM_EINVAL;
-  bool keep16 = keep && !m->cfg.dense_f32 && m->ops->matmul_h && m->ops->get_rows_h &&
-                (t->type == TDM_MF_F16 || t->type == TDM_MF_BF16);
-  int qt = keep ? block_kept(m, r, t) : 0;
-  size_t n = (size_t)tdm_mf_elements(t);
-  /* what goes to the device: n values of `size` bytes, or (qt) the blocks' bytes */
-  size_t total = qt ? tdm_moe_row_bytes(qt, t->shape[1]) * (size_t)t->shape[0]
-                    : n * (keep16 ? 2 : sizeof(float));
-  size_t size = keep16 ? 2 : qt ? 1 : sizeof(float), per = STAGE_BYTES / size;
-  if (keep16 && n > t->bytes / 2)
+  p->t = t;
+  p->keep16 = keep && !m->cfg.dense_f32 && m->ops->matmul_h && m->ops->get_rows_h &&
+              (t->type == TDM_MF_F16 || t->type == TDM_MF_BF16);
+  p->qt = keep ? block_kept(m, r, t) : 0;
+  p->n = (size_t)tdm_mf_elements(t);
+  p->bytes = p->qt ? tdm_moe_row_bytes(p->qt, t->shape[1]) * (size_t)t->shape[0]
+                   : p->n * (p->keep16 ? 2 : sizeof(float));
+  p->wtype = p->qt ? p->qt : !p->keep16 ? 0 : t->type == TDM_MF_F16 ? TDM_MOE_W_F16 : TDM_MOE_W_BF16;
+  if (p->keep16 && p->n > t->bytes / 2)
     return tdm_set_error(TDM_EINVAL, 0, "%s: tensor %s holds %zu bytes for %zu elements",
-                         m->f.path, t->name, t->bytes, n);
-  dst->wtype = qt ? qt : !keep16 ? 0 : t->type == TDM_MF_F16 ? TDM_MOE_W_F16 : TDM_MOE_W_BF16;
-  int rc = dev_alloc(m, total, &dst->p);
-  size_t count = qt ? total : n; /* in units of size */
+                         m->f.path, t->name, t->bytes, p->n);
+  return 0;
+}
+
+/* The planned tensor into dst (device memory of p->bytes), through the staging buffer. */
+static int fill_w(tdm_model *m, const wplan *p, void *dst) {
+  const tdm_mf_tensor *t = p->t;
+  bool raw = p->keep16 || p->qt; /* the file's bytes as they are */
+  size_t size = p->keep16 ? 2 : p->qt ? 1 : sizeof(float), per = STAGE_BYTES / size;
+  size_t count = p->qt ? p->bytes : p->n; /* in units of size */
+  int rc = 0;
   for (size_t at = 0; !rc && at < count; at += per) {
     size_t c = count - at < per ? count - at : per;
-    if (keep16 || qt)
+    if (raw)
       memcpy(m->stage, (const uint8_t *)t->data + at * size, c * size);
     else
       rc = convert_f32(t, at, c, m->stage, m->f.path);
-    if (!rc && !(rc = tdm_memcpy(m->q, (char *)dst->p + at * size, m->stage, c * size,
+    if (!rc && !(rc = tdm_memcpy(m->q, (char *)dst + at * size, m->stage, c * size,
                                  TDM_COPY_H2D, 0, NULL, NULL)))
       rc = tdm_queue_sync(m->q); /* the stage is reused next */
   }
   if (!rc) tdm_mf_release(t, 0, t->bytes); /* on the device now */
-  if (!rc && (keep16 || qt)) {
+  if (!rc && raw) {
     m->dense16 = true;
-    if (n * sizeof(float) > m->widen_need) m->widen_need = n * sizeof(float);
+    if (p->n * sizeof(float) > m->widen_need) m->widen_need = p->n * sizeof(float);
+  }
+  return rc;
+}
+
+/* A tensor of role r (layer l) to the device, as plan_w says; a role the model does not have
+ * leaves dst->p NULL. */
+static int upload_w(tdm_model *m, tensor_role r, int l, bool keep, dweight *dst) {
+  wplan p;
+  *dst = (dweight){0};
+  int rc = plan_w(m, r, l, keep, &p);
+  if (rc || !p.t) return rc;
+  dst->wtype = p.wtype;
+  if (!(rc = dev_alloc(m, p.bytes, &dst->p))) rc = fill_w(m, &p, dst->p);
+  return rc;
+}
+
+/* Layer l's q, k and v projections: in one allocation, q's rows then k's then v's, where the
+ * three are kept in one type (w->wqkv, which a decode step multiplies in one pass; wq, wk and wv
+ * point into it), else each in its own. */
+static int upload_qkv(tdm_model *m, int l, layer_w *w) {
+  static const tensor_role role[3] = {T_WQ, T_WK, T_WV};
+  dweight *d[3] = {&w->wq, &w->wk, &w->wv};
+  wplan p[3];
+  int rc = 0;
+  for (int i = 0; !rc && i < 3; i++) rc = plan_w(m, role[i], l, true, &p[i]);
+  if (rc) return rc;
+  bool one = p[0].t && p[1].t && p[2].t && p[0].wtype == p[1].wtype &&
+             p[1].wtype == p[2].wtype;
+  if (!one) {
+    for (int i = 0; !rc && i < 3; i++) rc = upload_w(m, role[i], l, true, d[i]);
+    return rc;
+  }
+  w->wqkv.wtype = p[0].wtype;
+  if ((rc = dev_alloc(m, p[0].bytes + p[1].bytes + p[2].bytes, &w->wqkv.p))) return rc;
+  size_t at = 0;
+  for (int i = 0; !rc && i < 3; i++) {
+    *d[i] = (dweight){(char *)w->wqkv.p + at, p[i].wtype};
+    rc = fill_w(m, &p[i], d[i]->p);
+    at += p[i].bytes;
   }
   return rc;
 }
@@ -291,8 +346,7 @@ static int load_dense(tdm_model *m) {
   for (int l = 0; !rc && l < hp->L; l++) {
     layer_w *w = &m->lw[l];
     if ((rc = upload(m, T_ATTN_NORM, l, &w->attn_norm)) ||
-        (rc = upload_w(m, T_WQ, l, true, &w->wq)) || (rc = upload_w(m, T_WK, l, true, &w->wk)) ||
-        (rc = upload_w(m, T_WV, l, true, &w->wv)) || (rc = upload_w(m, T_WO, l, true, &w->wo)) ||
+        (rc = upload_qkv(m, l, w)) || (rc = upload_w(m, T_WO, l, true, &w->wo)) ||
         (rc = upload(m, T_QNORM, l, &w->qn)) ||
         (rc = upload(m, T_KNORM, l, &w->kn)) || (rc = dev_alloc(m, cache, &w->kc)) ||
         (rc = dev_alloc(m, cache, &w->vc)))
@@ -318,7 +372,8 @@ static int setup_buffers(tdm_model *m) {
   const hparams *hp = &m->hp;
   size_t U = (size_t)m->U, qd = (size_t)hp->nh * hp->hd;
   int rc = dev_alloc(m, U * hp->H * sizeof(float), &m->xn);
-  if (!rc) rc = dev_alloc(m, U * qd * sizeof(float), &m->qb);
+  size_t qkv = qd + 2 * (size_t)hp->nkv * hp->hd; /* a step's q, k and v */
+  if (!rc) rc = dev_alloc(m, (U * qd > qkv ? U * qd : qkv) * sizeof(float), &m->qb);
   if (!rc) rc = dev_alloc(m, U * qd * sizeof(float), &m->att);
   if (!rc) rc = dev_alloc(m, U * hp->V * sizeof(float), &m->logits);
   if (!rc) rc = dev_alloc(m, U * sizeof(int32_t), &m->ids);
@@ -327,12 +382,11 @@ static int setup_buffers(tdm_model *m) {
     rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, U * hp->V * sizeof(float),
                     (void **)&m->logits_h);
   const tdm_moe_ops *o = m->ops;
-  m->graph_off = !o->graph_begin || !o->rope_at || !o->attention_at || !o->kv_store ||
-                 !env_on("TANDEM_MODEL_GRAPH");
-  if (!rc && !m->graph_off) rc = dev_alloc(m, 2 * sizeof(int32_t), &m->step);
-  if (!rc && !m->graph_off)
+  m->stepper = o->attn_prep_at && o->attention_at;
+  m->graph_off = !m->stepper || !o->graph_begin || !env_on("TANDEM_MODEL_GRAPH");
+  if (!rc && m->stepper) rc = dev_alloc(m, 2 * sizeof(int32_t), &m->step);
+  if (!rc && m->stepper)
     rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, 2 * sizeof(int32_t), (void **)&m->step_h);
-  if (!rc && !m->graph_off) rc = dev_alloc(m, 2 * (size_t)hp->nkv * hp->hd * sizeof(float), &m->kvb);
   return rc;
 }
 
@@ -425,12 +479,14 @@ void tdm_model_close(tdm_model *m) {
     if (m->graph[i]) m->ops->graph_free(m->ops_state, m->graph[i]);
   void *bufs[] = {m->embd.p, m->out_norm, m->output.p != m->embd.p ? m->output.p : NULL,
                   m->xn, m->qb, m->att, m->logits, m->ids, m->ids_h, m->logits_h, m->stage,
-                  m->widen, m->step, m->step_h, m->kvb};
+                  m->widen, m->step, m->step_h};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
     if (bufs[i]) tdm_free(bufs[i]);
   for (int l = 0; m->lw && l < m->hp.L; l++) {
-    void *w[] = {m->lw[l].attn_norm, m->lw[l].wq.p, m->lw[l].wk.p, m->lw[l].wv.p, m->lw[l].wo.p,
-                 m->lw[l].qn, m->lw[l].kn, m->lw[l].kc, m->lw[l].vc};
+    const layer_w *lw = &m->lw[l];
+    bool one = lw->wqkv.p != NULL;
+    void *w[] = {lw->attn_norm, one ? lw->wqkv.p : lw->wq.p, one ? NULL : lw->wk.p,
+                 one ? NULL : lw->wv.p, lw->wo.p, lw->qn, lw->kn, lw->kc, lw->vc};
     for (size_t i = 0; i < sizeof w / sizeof w[0]; i++)
       if (w[i]) tdm_free(w[i]);
   }
@@ -538,17 +594,14 @@ static int matmul(tdm_model *m, float *y, const float *x, const dweight *w, int 
 }
 
 /* Layer l's attention on the ubatch of T tokens at pos0, x += Attn(RMSNorm(x)): this ubatch's
- * keys and values go straight into the cache rows pos0 .. pos0 + T - 1. With dpos (a recorded
- * decode step, T = 1), the position is read on the device from *dpos instead, and the key and
- * value go to m->kvb first, then into the cache at that position (kv_store). */
-static int attention(tdm_model *m, int l, int T, int pos0, const int32_t *dpos, float *x) {
+ * keys and values go straight into the cache rows pos0 .. pos0 + T - 1. */
+static int attention(tdm_model *m, int l, int T, int pos0, float *x) {
   const hparams *hp = &m->hp;
   const tdm_moe_ops *o = m->ops;
   void *s = m->ops_state;
   const layer_w *w = &m->lw[l];
   int qd = hp->nh * hp->hd, kvd = hp->nkv * hp->hd, rc;
-  float *k = dpos ? m->kvb : w->kc + (size_t)pos0 * kvd;
-  float *v = dpos ? m->kvb + kvd : w->vc + (size_t)pos0 * kvd;
+  float *k = w->kc + (size_t)pos0 * kvd, *v = w->vc + (size_t)pos0 * kvd;
   float eps = (float)hp->eps, base = (float)hp->rope_base, fs = (float)hp->rope_scale;
   if ((rc = o->rmsnorm(s, m->q, m->xn, x, w->attn_norm, T, hp->H, eps)) ||
       (rc = matmul(m, m->qb, m->xn, &w->wq, T, hp->H, qd, 0.0f)) ||
@@ -559,21 +612,39 @@ static int attention(tdm_model *m, int l, int T, int pos0, const int32_t *dpos, 
       ((rc = o->rmsnorm(s, m->q, m->qb, m->qb, w->qn, T * hp->nh, hp->hd, eps)) ||
        (rc = o->rmsnorm(s, m->q, k, k, w->kn, T * hp->nkv, hp->hd, eps))))
     return rc;
-  float scale = (float)(1.0 / sqrt((double)hp->hd));
-  if (dpos) {
-    if ((rc = o->rope_at(s, m->q, m->qb, T, hp->nh, hp->hd, dpos, m->ctx, base, fs, hp->neox)) ||
-        (rc = o->rope_at(s, m->q, k, T, hp->nkv, hp->hd, dpos, m->ctx, base, fs, hp->neox)) ||
-        (rc = o->kv_store(s, m->q, w->kc, w->vc, k, v, T, kvd, dpos, m->ctx)) ||
-        (rc = o->attention_at(s, m->q, m->att, m->qb, w->kc, w->vc, T, dpos, m->ctx, hp->nh,
-                              hp->nkv, hp->hd, scale)))
-      return rc;
-  } else if ((rc = o->rope(s, m->q, m->qb, T, hp->nh, hp->hd, pos0, base, fs, hp->neox)) ||
-             (rc = o->rope(s, m->q, k, T, hp->nkv, hp->hd, pos0, base, fs, hp->neox)) ||
-             (rc = o->attention(s, m->q, m->att, m->qb, w->kc, w->vc, T, pos0, hp->nh, hp->nkv,
-                                hp->hd, scale))) {
+  if ((rc = o->rope(s, m->q, m->qb, T, hp->nh, hp->hd, pos0, base, fs, hp->neox)) ||
+      (rc = o->rope(s, m->q, k, T, hp->nkv, hp->hd, pos0, base, fs, hp->neox)) ||
+      (rc = o->attention(s, m->q, m->att, m->qb, w->kc, w->vc, T, pos0, hp->nh, hp->nkv, hp->hd,
+                         (float)(1.0 / sqrt((double)hp->hd)))))
     return rc;
-  }
   return matmul(m, x, m->att, &w->wo, T, qd, hp->H, 1.0f);
+}
+
+/* Layer l's attention for a decode step's one token, its position read on the device from
+ * m->step[0]: q, k and v into m->qb back to back (one pass over wqkv where the layer has it),
+ * then attn_prep_at (q and k's norms, RoPE, the cache's new row) and attention_at: five ops
+ * where attention() takes ten, and none of them depends on the position when it is called. */
+static int attention_step(tdm_model *m, int l, float *x) {
+  const hparams *hp = &m->hp;
+  const tdm_moe_ops *o = m->ops;
+  void *s = m->ops_state;
+  const layer_w *w = &m->lw[l];
+  int qd = hp->nh * hp->hd, kvd = hp->nkv * hp->hd, H = hp->H, rc;
+  float *q = m->qb, *k = q + qd, *v = k + kvd, eps = (float)hp->eps;
+  if ((rc = o->rmsnorm(s, m->q, m->xn, x, w->attn_norm, 1, H, eps))) return rc;
+  if (w->wqkv.p)
+    rc = matmul(m, q, m->xn, &w->wqkv, 1, H, qd + 2 * kvd, 0.0f);
+  else if (!(rc = matmul(m, q, m->xn, &w->wq, 1, H, qd, 0.0f)) &&
+           !(rc = matmul(m, k, m->xn, &w->wk, 1, H, kvd, 0.0f)))
+    rc = matmul(m, v, m->xn, &w->wv, 1, H, kvd, 0.0f);
+  if (rc ||
+      (rc = o->attn_prep_at(s, m->q, q, k, v, w->kc, w->vc, hp->qk_norm ? w->qn : NULL,
+                            hp->qk_norm ? w->kn : NULL, 1, hp->nh, hp->nkv, hp->hd, eps, m->step,
+                            m->ctx, (float)hp->rope_base, (float)hp->rope_scale, hp->neox)) ||
+      (rc = o->attention_at(s, m->q, m->att, q, w->kc, w->vc, 1, m->step, m->ctx, hp->nh,
+                            hp->nkv, hp->hd, (float)(1.0 / sqrt((double)hp->hd)))))
+    return rc;
+  return matmul(m, x, m->att, &w->wo, 1, qd, H, 1.0f);
 }
 
 static void add_stats(tdm_moe_pass_stats *sum, const tdm_moe_pass_stats *p) {
@@ -607,13 +678,13 @@ static int embed(tdm_model *m, const int32_t *ids, int T) {
 }
 
 /* Every layer of a pass underway, and the logits of rows [first, T) into m->logits (none when
- * first == T); dpos as attention() takes it. */
-static int layers(tdm_model *m, int T, int first, const int32_t *dpos, tdm_moe_pass_stats *ps) {
+ * first == T); step: a decode step's (attention_step). */
+static int layers(tdm_model *m, int T, int first, bool step, tdm_moe_pass_stats *ps) {
   const hparams *hp = &m->hp;
   float *x = tdm_moe_activations(m->moe);
   int rc = 0, rows = T - first;
   for (int l = 0; !rc && l < hp->L; l++) {
-    rc = attention(m, l, T, m->pos, dpos, x);
+    rc = step ? attention_step(m, l, x) : attention(m, l, T, m->pos, x);
     if (!rc && !m->skip_moe) rc = tdm_moe_pass_layer(m->moe, l, ps);
   }
   if (!rc && rows > 0 &&
@@ -637,7 +708,7 @@ static int step_graph(tdm_model *m, tdm_moe_pass_stats *ps, bool *ran) {
     int rc = o->graph_begin(m->ops_state, m->q), erc = 0;
     if (!rc) {
       rc = embed(m, m->step + 1, 1);
-      if (!rc) rc = layers(m, 1, 0, m->step, ps);
+      if (!rc) rc = layers(m, 1, 0, true, ps);
       erc = o->graph_end(m->ops_state, m->q, g);
     }
     if (rc || erc) {
@@ -658,7 +729,7 @@ static int step_graph(tdm_model *m, tdm_moe_pass_stats *ps, bool *ran) {
 static int ubatch(tdm_model *m, const int32_t *tokens, int T, int first, tdm_model_stats *st) {
   const hparams *hp = &m->hp;
   tdm_moe_pass_stats ps;
-  bool step = T == 1 && first == 0 && !m->graph_off;
+  bool step = T == 1 && first == 0 && m->stepper;
   int rc;
   if (step) {
     m->step_h[0] = m->pos;
@@ -678,10 +749,10 @@ static int ubatch(tdm_model *m, const int32_t *tokens, int T, int first, tdm_mod
   double t0 = now_s();
   if ((rc = tdm_moe_pass_begin(m->moe, T, true, &ps))) return rc;
   bool ran = false;
-  if (step && tdm_moe_pass_on_device(m->moe)) rc = step_graph(m, &ps, &ran);
+  if (step && !m->graph_off && tdm_moe_pass_on_device(m->moe)) rc = step_graph(m, &ps, &ran);
   if (ran) st->graph_steps++;
   if (!rc && !ran && step) rc = embed(m, m->step + 1, 1);
-  if (!rc && !ran) rc = layers(m, T, first, NULL, &ps);
+  if (!rc && !ran) rc = layers(m, T, first, step, &ps);
   if (!rc && first < T)
     rc = tdm_memcpy(m->q, m->logits_h, m->logits, (size_t)(T - first) * hp->V * sizeof(float),
                     TDM_COPY_D2H, 0, NULL, NULL);

@@ -269,7 +269,7 @@ TEST_CASE(decode_graph_equals_ops) {
   CHECK(r.N >= 2);
   tdm_model_config all = {.all_resident = true};
   const tdm_moe_ops *ops = tdm_moe_ops_for(dev);
-  bool graphs = ops && ops->graph_begin && ops->rope_at && ops->attention_at && ops->kv_store;
+  bool graphs = ops && ops->graph_begin && ops->attn_prep_at && ops->attention_at;
   size_t n = (size_t)(r.P + r.N) * r.V, V = (size_t)r.V;
   float *out[2], *skip_logits[2];
   for (int off = 0; off < 2; off++) {

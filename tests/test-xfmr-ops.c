@@ -33,6 +33,7 @@
 #include "moe-fixture.h"
 
 #include <math.h>
+#include <stdbool.h>
 
 #include <tandem/moe_ops.h>
 
@@ -588,7 +589,7 @@ TEST_CASE(ordered_after_host_task) {
   teardown(&f);
 }
 
-/* ---- The position on the device: rope_at, attention_at, kv_store ------------------------ */
+/* ---- The position on the device: attn_prep_at, attention_at ----------------------------- */
 
 enum { AT_NH = 4, AT_NKV = 2, AT_HD = 64, AT_CTX = 40 };
 enum { AT_QD = AT_NH * AT_HD, AT_KVD = AT_NKV * AT_HD };
@@ -596,6 +597,7 @@ enum { AT_QD = AT_NH * AT_HD, AT_KVD = AT_NKV * AT_HD };
 typedef struct at_case {
   int T;
   float *q, *k, *v, *cache; /* host: [T x QD], [T x KVD] twice, [CTX x KVD] (both caches) */
+  float *qn, *kn;           /* host: [HD] each, the heads' norms; NULL: none */
 } at_case;
 
 typedef struct at_out {
@@ -613,7 +615,8 @@ static at_out at_alloc(int T) {
 static void at_free(at_out *o) { free(o->att); free(o->kc); free(o->vc); }
 
 /* The model's way with the position on the host: k and v written straight into the caches'
- * rows pos .., RoPE on q and on those rows, attention. */
+ * rows pos .., q's and those rows' heads normalized (where the case has norms), RoPE on them,
+ * attention. */
 static at_out at_host(fixture *f, const at_case *c, int pos) {
   size_t cn = (size_t)AT_CTX * AT_KVD, kn = (size_t)c->T * AT_KVD;
   float *kc = malloc(cn * sizeof *kc), *vc = malloc(cn * sizeof *vc);
@@ -626,6 +629,14 @@ static at_out at_host(fixture *f, const at_case *c, int pos) {
   float *dkc = upload_padded(f, kc, cn), *dvc = upload_padded(f, vc, cn);
   float *datt = upload_padded(f, c->q, (size_t)c->T * AT_QD);
   const tdm_moe_ops *o = f->ops;
+  float *dqn = NULL, *dkn = NULL;
+  if (c->qn) {
+    dqn = upload_padded(f, c->qn, AT_HD);
+    dkn = upload_padded(f, c->kn, AT_HD);
+    CHECK_OK(o->rmsnorm(f->st, f->q, dq, dq, dqn, c->T * AT_NH, AT_HD, 1e-6f));
+    CHECK_OK(o->rmsnorm(f->st, f->q, dkc + (size_t)pos * AT_KVD, dkc + (size_t)pos * AT_KVD, dkn,
+                        c->T * AT_NKV, AT_HD, 1e-6f));
+  }
   CHECK_OK(o->rope(f->st, f->q, dq, c->T, AT_NH, AT_HD, pos, 1e6f, 1.0f, 1));
   CHECK_OK(o->rope(f->st, f->q, dkc + (size_t)pos * AT_KVD, c->T, AT_NKV, AT_HD, pos, 1e6f, 1.0f,
                    1));
@@ -635,13 +646,17 @@ static at_out at_host(fixture *f, const at_case *c, int pos) {
   download_padded(f, r.kc, dkc, cn, "kc");
   download_padded(f, r.vc, dvc, cn, "vc");
   free_padded(dq); free_padded(dkc); free_padded(dvc); free_padded(datt);
+  if (dqn) {
+    free_padded(dqn);
+    free_padded(dkn);
+  }
   free(kc); free(vc);
   return r;
 }
 
 /* The device buffers of a run with the position on the device. */
 typedef struct at_dev {
-  float *q, *k, *v, *kc, *vc, *att;
+  float *q, *k, *v, *kc, *vc, *att, *qn, *kn; /* qn, kn: NULL where the case has none */
   int32_t *pos;
 } at_dev;
 
@@ -651,15 +666,16 @@ static at_dev at_upload(fixture *f, const at_case *c) {
               upload_padded(f, c->k, (size_t)c->T * AT_KVD),
               upload_padded(f, c->v, (size_t)c->T * AT_KVD), upload_padded(f, c->cache, cn),
               upload_padded(f, c->cache, cn), upload_padded(f, c->q, (size_t)c->T * AT_QD),
+              c->qn ? upload_padded(f, c->qn, AT_HD) : NULL,
+              c->kn ? upload_padded(f, c->kn, AT_HD) : NULL,
               alloc(f, TDM_MEM_DEVICE, sizeof(int32_t))};
   return d;
 }
 
 static void at_submit(fixture *f, const at_dev *d, int T) {
   const tdm_moe_ops *o = f->ops;
-  CHECK_OK(o->rope_at(f->st, f->q, d->q, T, AT_NH, AT_HD, d->pos, AT_CTX, 1e6f, 1.0f, 1));
-  CHECK_OK(o->rope_at(f->st, f->q, d->k, T, AT_NKV, AT_HD, d->pos, AT_CTX, 1e6f, 1.0f, 1));
-  CHECK_OK(o->kv_store(f->st, f->q, d->kc, d->vc, d->k, d->v, T, AT_KVD, d->pos, AT_CTX));
+  CHECK_OK(o->attn_prep_at(f->st, f->q, d->q, d->k, d->v, d->kc, d->vc, d->qn, d->kn, T, AT_NH,
+                           AT_NKV, AT_HD, 1e-6f, d->pos, AT_CTX, 1e6f, 1.0f, 1));
   CHECK_OK(o->attention_at(f->st, f->q, d->att, d->q, d->kc, d->vc, T, d->pos, AT_CTX, AT_NH,
                            AT_NKV, AT_HD, 0.125f));
 }
@@ -676,6 +692,10 @@ static at_out at_download(fixture *f, const at_dev *d, int T) {
 static void at_release(at_dev *d) {
   free_padded(d->q); free_padded(d->k); free_padded(d->v); free_padded(d->kc);
   free_padded(d->vc); free_padded(d->att);
+  if (d->qn) {
+    free_padded(d->qn);
+    free_padded(d->kn);
+  }
   tdm_free(d->pos);
 }
 
@@ -687,42 +707,48 @@ static void at_same(const at_out *got, const at_out *want, int T, const char *wh
   CHECK_MEM_EQ(got->vc, want->vc, (size_t)AT_CTX * AT_KVD * sizeof(float));
 }
 
-static at_case at_make(fixture *f, int T) {
+static at_case at_make(fixture *f, int T, bool norms) {
   at_case c = {T, rnd_host(f, (size_t)T * AT_QD, 1.5f), rnd_host(f, (size_t)T * AT_KVD, 1.5f),
                rnd_host(f, (size_t)T * AT_KVD, 1.0f),
-               rnd_host(f, (size_t)AT_CTX * AT_KVD, 1.0f)};
+               rnd_host(f, (size_t)AT_CTX * AT_KVD, 1.0f), norms ? rnd_host(f, AT_HD, 1.0f) : NULL,
+               norms ? rnd_host(f, AT_HD, 1.0f) : NULL};
   return c;
 }
 
-static void at_case_free(at_case *c) { free(c->q); free(c->k); free(c->v); free(c->cache); }
+static void at_case_free(at_case *c) {
+  free(c->q); free(c->k); free(c->v); free(c->cache); free(c->qn); free(c->kn);
+}
 
-/* The _at ops compute what rope and attention compute at the position the device holds when
- * they run, bitwise, with the keys and values landing where the host-position way writes
- * them and nowhere else: the position is written by a copy queued behind a 50 ms host task,
- * so that when the ops are called it still holds another value. A position past the cache,
- * or negative, is clamped to [0, ctx - T]. */
+/* attn_prep_at and attention_at compute what rmsnorm (q's and k's heads, where there are
+ * norms), rope, the cache's new rows and attention compute at the position the device holds
+ * when they run, bitwise, the keys and values landing where the host-position way writes them
+ * and nowhere else: the position is written by a copy queued behind a 50 ms host task, so
+ * that when the ops are called it still holds another value. A position past the cache, or
+ * negative, is clamped to [0, ctx - T]. */
 TEST_CASE(position_on_device) {
   fixture f = setup_xfmr();
   const tdm_moe_ops *o = f.ops;
-  if (!o->rope_at || !o->attention_at || !o->kv_store) {
+  if (!o->attn_prep_at || !o->attention_at) {
     const char *name = o->name;
-    CHECK_MSG(!o->rope_at && !o->attention_at && !o->kv_store,
-              "%s table: rope_at %p, attention_at %p, kv_store %p: all three or none", name,
-              (void *)o->rope_at, (void *)o->attention_at, (void *)o->kv_store);
+    CHECK_MSG(!o->attn_prep_at && !o->attention_at,
+              "%s table: attn_prep_at %p, attention_at %p: both or neither", name,
+              (void *)o->attn_prep_at, (void *)o->attention_at);
     teardown(&f);
     TH_SKIP("the %s table has no ops with the position on the device", name);
   }
   static const struct {
     int T, pos, as; /* as: the position the ops must use */
+    bool norms;
   } cases[] = {
-      {1, 5, 5},   {1, 0, 0},       {3, 2, 2},  {1, AT_CTX - 1, AT_CTX - 1},
-      {20, 4, 4},  /* prefill's tiled kernel on CUDA */
-      {1, 1000, AT_CTX - 1}, {2, -3, 0}, {4, INT32_MAX, AT_CTX - 4},
+      {1, 5, 5, true},   {1, 0, 0, false},      {3, 2, 2, true},
+      {1, AT_CTX - 1, AT_CTX - 1, true},
+      {20, 4, 4, true},  /* prefill's tiled kernel on CUDA */
+      {1, 1000, AT_CTX - 1, false}, {2, -3, 0, true}, {4, INT32_MAX, AT_CTX - 4, true},
   };
   int32_t *pin = alloc(&f, TDM_MEM_PINNED, sizeof(int32_t));
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     int T = cases[i].T;
-    at_case c = at_make(&f, T);
+    at_case c = at_make(&f, T, cases[i].norms);
     at_out want = at_host(&f, &c, cases[i].as);
     at_dev d = at_upload(&f, &c);
     CHECK_OK(tdm_memset(f.q, d.pos, 0x7f, sizeof(int32_t), 0, NULL, NULL));
@@ -733,7 +759,8 @@ TEST_CASE(position_on_device) {
     at_submit(&f, &d, T);
     at_out got = at_download(&f, &d, T);
     char what[64];
-    snprintf(what, sizeof what, "T=%d *pos=%d", T, cases[i].pos);
+    snprintf(what, sizeof what, "T=%d *pos=%d%s", T, cases[i].pos,
+             cases[i].norms ? " (q/k norms)" : "");
     at_same(&got, &want, T, what);
     printf("%s: bitwise the ops at position %d\n", what, cases[i].as);
     at_free(&got); at_free(&want); at_release(&d); at_case_free(&c);
@@ -747,12 +774,12 @@ TEST_CASE(position_on_device) {
 TEST_CASE(position_on_device_graph) {
   fixture f = setup_xfmr();
   const tdm_moe_ops *o = f.ops;
-  if (!o->graph_begin || !o->rope_at) {
+  if (!o->graph_begin || !o->attn_prep_at) {
     const char *name = o->name;
     teardown(&f);
     TH_SKIP("the %s table records no graphs", name);
   }
-  at_case c = at_make(&f, 1);
+  at_case c = at_make(&f, 1, true);
   at_dev d = at_upload(&f, &c);
   void *g = NULL;
   CHECK_OK(o->graph_begin(f.st, f.q));
@@ -762,8 +789,12 @@ TEST_CASE(position_on_device_graph) {
   int32_t *pin = alloc(&f, TDM_MEM_PINNED, sizeof(int32_t));
   static const int at[] = {7, 0, AT_CTX - 1};
   for (size_t i = 0; i < sizeof at / sizeof at[0]; i++) {
+    float *qn = c.qn, *kn = c.kn; /* the recorded norms stay */
+    c.qn = c.kn = NULL;
     at_case_free(&c);
-    c = at_make(&f, 1);
+    c = at_make(&f, 1, false);
+    c.qn = qn;
+    c.kn = kn;
     at_out want = at_host(&f, &c, at[i]);
     size_t cn = (size_t)AT_CTX * AT_KVD;
     CHECK_OK(tdm_memcpy(f.q, d.q, c.q, AT_QD * sizeof(float), TDM_COPY_H2D, 0, NULL, NULL));
@@ -817,17 +848,20 @@ TEST_CASE(bad_args) {
   CHECK_RC(o->attention(f.st, f.q, buf, b2, NULL, b3, T, 0, NH, NKV, HD, 0.5f), TDM_EINVAL);
   CHECK_RC(o->attention(f.st, f.q, buf, b2, b3, b3, T, -1, NH, NKV, HD, 0.5f), TDM_EINVAL);
   CHECK_RC(o->attention(f.st, f.q, buf, b2, b3, b3, T, 0, NH, 0, HD, 0.5f), TDM_EINVAL);
-  if (o->rope_at) { /* the position's pointer, and 1 <= T <= ctx */
+  if (o->attn_prep_at) { /* the position's pointer, 1 <= T <= ctx, an even hd */
     int32_t *pos = ids;
-    CHECK_RC(o->rope_at(f.st, f.q, buf, T, NH, HD, NULL, 8, 10000.0f, 1.0f, 1), TDM_EINVAL);
-    CHECK_RC(o->rope_at(f.st, f.q, buf, T, NH, HD, pos, T - 1, 10000.0f, 1.0f, 1), TDM_EINVAL);
+    CHECK_RC(o->attn_prep_at(f.st, f.q, buf, b2, b2, b3, b3, NULL, NULL, T, NH, NKV, HD, 1e-6f,
+                             NULL, 8, 1e4f, 1.0f, 1), TDM_EINVAL);
+    CHECK_RC(o->attn_prep_at(f.st, f.q, buf, b2, b2, b3, b3, NULL, NULL, 9, NH, NKV, HD, 1e-6f,
+                             pos, 8, 1e4f, 1.0f, 1), TDM_EINVAL);
+    CHECK_RC(o->attn_prep_at(f.st, f.q, buf, b2, b2, b3, b3, NULL, NULL, T, NH, NKV, 7, 1e-6f,
+                             pos, 8, 1e4f, 1.0f, 1), TDM_EINVAL);
+    CHECK_RC(o->attn_prep_at(f.st, f.q, buf, NULL, b2, b3, b3, NULL, NULL, T, NH, NKV, HD,
+                             1e-6f, pos, 8, 1e4f, 1.0f, 1), TDM_EINVAL);
     CHECK_RC(o->attention_at(f.st, f.q, buf, b2, b3, b3, T, NULL, 8, NH, NKV, HD, 0.5f),
              TDM_EINVAL);
     CHECK_RC(o->attention_at(f.st, f.q, buf, b2, b3, b3, 0, pos, 8, NH, NKV, HD, 0.5f),
              TDM_EINVAL);
-    CHECK_RC(o->kv_store(f.st, f.q, buf, b2, b3, b3, T, NKV * HD, NULL, 8), TDM_EINVAL);
-    CHECK_RC(o->kv_store(f.st, f.q, buf, b2, b3, b3, 9, NKV * HD, pos, 8), TDM_EINVAL);
-    CHECK_RC(o->kv_store(f.st, f.q, buf, NULL, b3, b3, T, NKV * HD, pos, 8), TDM_EINVAL);
   }
   /* The state of another queue. */
   tdm_queue *q2 = NULL;

@@ -291,20 +291,26 @@ typedef struct tdm_moe_ops {
   int (*matmul_q)(void *st, tdm_queue *q, float *y, const float *x, const void *w, int wtype,
                   int T, int K, int N, float beta, void *workspace, size_t workspace_bytes);
 
-  /* ---- The position on the device, so that one recorded graph (graph_begin) serves every
-   * decode step: rope() and attention() with pos0 read from *pos (device int32) when the op
-   * runs, not when it is called; and kv_store(), which writes this ubatch's keys and values,
-   * k and v [T x kvd], into the cache rows *pos .. *pos + T - 1 of kc and vc [ctx x kvd]. The
-   * position read is *pos clamped to [0, ctx - T] (1 <= T <= ctx), so that no value in *pos
-   * makes an op read or write past the caches; the caller keeps it in that range. Optional:
-   * NULL where a backend has none (a model then runs its steps op by op). ---- */
-  int (*rope_at)(void *st, tdm_queue *q, float *x, int T, int nh, int hd, const int32_t *pos,
-                 int ctx, float base, float freq_scale, int neox);
+  /* ---- A decode step's attention with its position on the device, so that one recorded
+   * graph (graph_begin) serves every step: the position is read from *pos (device int32) when
+   * the op runs, not when it is called, clamped to [0, ctx - T] (1 <= T <= ctx) so that no
+   * value there makes an op read or write past the caches; the caller keeps it in range.
+   * Optional: NULL where a backend has none (a model then runs its steps op by op). ---- */
+
+  /* The T tokens' q, k and v after their projections (qv [T x nh x hd], k and v
+   * [T x nkv x hd]), made ready for attention() in one op: each head of qv and of k
+   * RMS-normalized with qn and kn (hd weights each; NULL: no norm), as rmsnorm() does a row,
+   * then rotated as rope() does at positions *pos .. *pos + T - 1; qv in place, and k's rows
+   * and v's into the caches' rows *pos .. (kc and vc [ctx x nkv x hd]); k itself unchanged.
+   * The same bits as those ops one after the other at that position. */
+  int (*attn_prep_at)(void *st, tdm_queue *q, float *qv, const float *k, const float *v,
+                      float *kc, float *vc, const float *qn, const float *kn, int T, int nh,
+                      int nkv, int hd, float eps, const int32_t *pos, int ctx, float base,
+                      float freq_scale, int neox);
+  /* attention() at position *pos: the same bits as attention() with pos0 = *pos. */
   int (*attention_at)(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
                       const float *vc, int T, const int32_t *pos, int ctx, int nh, int nkv,
                       int hd, float scale);
-  int (*kv_store)(void *st, tdm_queue *q, float *kc, float *vc, const float *k, const float *v,
-                  int T, int kvd, const int32_t *pos, int ctx);
 } tdm_moe_ops;
 
 /* The table for the device's backend, or NULL (with tdm_last_error() set) when this build of

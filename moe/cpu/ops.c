@@ -108,16 +108,18 @@ typedef struct rmsnorm_args {
   float eps;
 } rmsnorm_args;
 
+void tdm_moe__cpu_rmsnorm_row(float *y, const float *x, const float *w, int H, float eps) {
+  double ss = 0.0; /* double: exact enough that H never matters, and still a fixed order */
+  for (int h = 0; h < H; h++) ss += (double)x[h] * x[h];
+  float scale = (float)(1.0 / sqrt(ss / H + eps));
+  for (int h = 0; h < H; h++) y[h] = x[h] * scale * w[h];
+}
+
 static int rmsnorm_body(const task *t) {
   const rmsnorm_args *a = (const rmsnorm_args *)t;
-  for (int r = 0; r < a->T; r++) {
-    const float *x = a->x + (size_t)r * a->H;
-    float *y = a->y + (size_t)r * a->H;
-    double ss = 0.0; /* double: exact enough that H never matters, and still a fixed order */
-    for (int h = 0; h < a->H; h++) ss += (double)x[h] * x[h];
-    float scale = (float)(1.0 / sqrt(ss / a->H + a->eps));
-    for (int h = 0; h < a->H; h++) y[h] = x[h] * scale * a->w[h];
-  }
+  for (int r = 0; r < a->T; r++)
+    tdm_moe__cpu_rmsnorm_row(a->y + (size_t)r * a->H, a->x + (size_t)r * a->H, a->w, a->H,
+                             a->eps);
   return 0;
 }
 
@@ -1046,7 +1048,6 @@ const tdm_moe_ops tdm_moe__cpu_ops = {
     .matmul_q = tdm_moe__cpu_matmul_q,
     .rope = tdm_moe__cpu_rope,
     .attention = tdm_moe__cpu_attention,
-    .rope_at = tdm_moe__cpu_rope_at,
+    .attn_prep_at = tdm_moe__cpu_attn_prep_at,
     .attention_at = tdm_moe__cpu_attention_at,
-    .kv_store = tdm_moe__cpu_kv_store,
 };

@@ -1,7 +1,7 @@
 /* cpu/xfmr.c: a transformer's operations besides the MoE layers for the CPU backend (the
  * get_rows, matmul, rope and attention entries of tdm_moe__cpu_ops; get_rows_h and matmul_h for
  * 16-bit weights and matmul_q for block types: a few tokens' rows dotted directly on the pool,
- * more widened a piece at a time for sgemm; rope_at, attention_at and kv_store, which read the
+ * more widened a piece at a time for sgemm; attn_prep_at and attention_at, which read the
  * position when the task runs): host tasks on the queue's worker, as cpu/ops.c's are. The
  * projections are OpenBLAS sgemm; attention splits its
  * (token, head) pairs between the pool's threads (cpu/pool.h), each pair computed whole by one
@@ -197,69 +197,107 @@ int tdm_moe__cpu_matmul_q(void *st, tdm_queue *q, float *y, const float *x, cons
 
 /* ---- rope -------------------------------------------------------------------------------- */
 
-/* rope_at, attention_at and kv_store: *pos as the queue reaches the op, clamped to
- * [0, ctx - T]; pos0 itself for rope and attention (pos NULL). */
+/* attn_prep_at and attention_at: *pos as the queue reaches the op, clamped to [0, ctx - T];
+ * pos0 itself for rope and attention (pos NULL). */
 static int pos_at(const int32_t *pos, int pos0, int ctx, int T) {
   if (!pos) return pos0;
   int p = *pos;
   return p < 0 ? 0 : p > ctx - T ? ctx - T : p;
 }
 
+/* One token's nheads heads of hd values at x, rotated for position p. */
+static void rope_token(float *x, int nheads, int hd, int p, float base, float freq_scale,
+                       int neox) {
+  int half = hd / 2;
+  double pf = (double)p * freq_scale;
+  for (int i = 0; i < half; i++) {
+    /* the angle in double: at long positions a float angle loses the low bits */
+    double th = pf * pow((double)base, -2.0 * i / hd);
+    float c = (float)cos(th), s = (float)sin(th);
+    for (int h = 0; h < nheads; h++) {
+      float *v = x + (size_t)h * hd;
+      int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+      float x0 = v[i0], x1 = v[i1];
+      v[i0] = x0 * c - x1 * s;
+      v[i1] = x0 * s + x1 * c;
+    }
+  }
+}
+
 typedef struct rope_args {
   task t; /* first */
   float *x;
-  const int32_t *pos; /* rope_at: the position on the device (NULL: pos0) */
-  int T, nh, hd, pos0, ctx, neox;
+  int T, nh, hd, pos0, neox;
   float base, freq_scale;
 } rope_args;
 
 static int rope_body(const task *t) {
   const rope_args *a = (const rope_args *)t;
-  int half = a->hd / 2, pos0 = pos_at(a->pos, a->pos0, a->ctx, a->T);
-  for (int r = 0; r < a->T; r++) {
-    double p = (double)(pos0 + r) * a->freq_scale;
-    for (int i = 0; i < half; i++) {
-      /* the angle in double: at long positions a float angle loses the low bits */
-      double th = p * pow((double)a->base, -2.0 * i / a->hd);
-      float c = (float)cos(th), s = (float)sin(th);
-      for (int h = 0; h < a->nh; h++) {
-        float *v = a->x + ((size_t)r * a->nh + h) * a->hd;
-        int i0 = a->neox ? i : 2 * i, i1 = a->neox ? i + half : 2 * i + 1;
-        float x0 = v[i0], x1 = v[i1];
-        v[i0] = x0 * c - x1 * s;
-        v[i1] = x0 * s + x1 * c;
-      }
-    }
-  }
+  for (int r = 0; r < a->T; r++)
+    rope_token(a->x + (size_t)r * a->nh * a->hd, a->nh, a->hd, a->pos0 + r, a->base,
+               a->freq_scale, a->neox);
   return 0;
-}
-
-static int rope_submit(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0,
-                       const int32_t *pos, int ctx, float base, float freq_scale, int neox,
-                       const char *op) {
-  int rc = tdm_moe__check_state(st, q, op);
-  if (rc) return rc;
-  if (!x || T < 0 || nh <= 0 || hd <= 0 || hd % 2 || pos0 < 0 || !(base > 0.0f) ||
-      !(freq_scale > 0.0f) || (pos && (T < 1 || T > ctx)))
-    return tdm_moe__bad_args(op);
-  if (T == 0) return 0;
-  rope_args *a = tdm_moe__task_alloc(sizeof *a, op);
-  if (!a) return TDM_ENOMEM;
-  *a = (rope_args){.t.body = rope_body, .x = x, .pos = pos, .T = T, .nh = nh, .hd = hd,
-                   .pos0 = pos0, .ctx = ctx, .neox = neox != 0, .base = base,
-                   .freq_scale = freq_scale};
-  return tdm_moe__task_submit(q, &a->t);
 }
 
 int tdm_moe__cpu_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0,
                       float base, float freq_scale, int neox) {
-  return rope_submit(st, q, x, T, nh, hd, pos0, NULL, 0, base, freq_scale, neox, "rope");
+  int rc = tdm_moe__check_state(st, q, "rope");
+  if (rc) return rc;
+  if (!x || T < 0 || nh <= 0 || hd <= 0 || hd % 2 || pos0 < 0 || !(base > 0.0f) ||
+      !(freq_scale > 0.0f))
+    return tdm_moe__bad_args("rope");
+  if (T == 0) return 0;
+  rope_args *a = tdm_moe__task_alloc(sizeof *a, "rope");
+  if (!a) return TDM_ENOMEM;
+  *a = (rope_args){.t.body = rope_body, .x = x, .T = T, .nh = nh, .hd = hd, .pos0 = pos0,
+                   .neox = neox != 0, .base = base, .freq_scale = freq_scale};
+  return tdm_moe__task_submit(q, &a->t);
 }
 
-int tdm_moe__cpu_rope_at(void *st, tdm_queue *q, float *x, int T, int nh, int hd,
-                         const int32_t *pos, int ctx, float base, float freq_scale, int neox) {
-  if (!pos) return tdm_moe__bad_args("rope_at");
-  return rope_submit(st, q, x, T, nh, hd, 0, pos, ctx, base, freq_scale, neox, "rope_at");
+/* ---- attn_prep_at ------------------------------------------------------------------------ */
+
+typedef struct prep_args {
+  task t; /* first */
+  float *qv, *kc, *vc;
+  const float *k, *v, *qn, *kn;
+  const int32_t *pos;
+  int T, nh, nkv, hd, ctx, neox;
+  float eps, base, freq_scale;
+} prep_args;
+
+static int prep_body(const task *t) {
+  const prep_args *a = (const prep_args *)t;
+  int pos0 = pos_at(a->pos, 0, a->ctx, a->T), hd = a->hd;
+  size_t kvd = (size_t)a->nkv * hd;
+  for (int r = 0; r < a->T; r++) {
+    float *q = a->qv + (size_t)r * a->nh * hd, *kr = a->kc + (size_t)(pos0 + r) * kvd;
+    memcpy(kr, a->k + (size_t)r * kvd, kvd * sizeof(float));
+    memcpy(a->vc + (size_t)(pos0 + r) * kvd, a->v + (size_t)r * kvd, kvd * sizeof(float));
+    for (int h = 0; a->qn && h < a->nh; h++)
+      tdm_moe__cpu_rmsnorm_row(q + (size_t)h * hd, q + (size_t)h * hd, a->qn, hd, a->eps);
+    for (int h = 0; a->kn && h < a->nkv; h++)
+      tdm_moe__cpu_rmsnorm_row(kr + (size_t)h * hd, kr + (size_t)h * hd, a->kn, hd, a->eps);
+    rope_token(q, a->nh, hd, pos0 + r, a->base, a->freq_scale, a->neox);
+    rope_token(kr, a->nkv, hd, pos0 + r, a->base, a->freq_scale, a->neox);
+  }
+  return 0;
+}
+
+int tdm_moe__cpu_attn_prep_at(void *st, tdm_queue *q, float *qv, const float *k, const float *v,
+                              float *kc, float *vc, const float *qn, const float *kn, int T,
+                              int nh, int nkv, int hd, float eps, const int32_t *pos, int ctx,
+                              float base, float freq_scale, int neox) {
+  int rc = tdm_moe__check_state(st, q, "attn_prep_at");
+  if (rc) return rc;
+  if (!qv || !k || !v || !kc || !vc || !pos || T < 1 || T > ctx || nh <= 0 || nkv <= 0 ||
+      hd <= 0 || hd % 2 || !(eps >= 0.0f) || !(base > 0.0f) || !(freq_scale > 0.0f))
+    return tdm_moe__bad_args("attn_prep_at");
+  prep_args *a = tdm_moe__task_alloc(sizeof *a, "attn_prep_at");
+  if (!a) return TDM_ENOMEM;
+  *a = (prep_args){.t.body = prep_body, .qv = qv, .kc = kc, .vc = vc, .k = k, .v = v, .qn = qn,
+                   .kn = kn, .pos = pos, .T = T, .nh = nh, .nkv = nkv, .hd = hd, .ctx = ctx,
+                   .neox = neox != 0, .eps = eps, .base = base, .freq_scale = freq_scale};
+  return tdm_moe__task_submit(q, &a->t);
 }
 
 /* ---- attention --------------------------------------------------------------------------- */
@@ -346,35 +384,4 @@ int tdm_moe__cpu_attention_at(void *st, tdm_queue *q, float *out, const float *q
   if (!pos) return tdm_moe__bad_args("attention_at");
   return attn_submit(st, q, out, qv, kc, vc, T, 0, pos, ctx, nh, nkv, hd, scale,
                      "attention_at");
-}
-
-/* ---- kv_store ---------------------------------------------------------------------------- */
-
-typedef struct kv_args {
-  task t; /* first */
-  float *kc, *vc;
-  const float *k, *v;
-  const int32_t *pos;
-  int T, kvd, ctx;
-} kv_args;
-
-static int kv_body(const task *t) {
-  const kv_args *a = (const kv_args *)t;
-  size_t row = (size_t)pos_at(a->pos, 0, a->ctx, a->T) * a->kvd, n = (size_t)a->T * a->kvd;
-  memcpy(a->kc + row, a->k, n * sizeof(float));
-  memcpy(a->vc + row, a->v, n * sizeof(float));
-  return 0;
-}
-
-int tdm_moe__cpu_kv_store(void *st, tdm_queue *q, float *kc, float *vc, const float *k,
-                          const float *v, int T, int kvd, const int32_t *pos, int ctx) {
-  int rc = tdm_moe__check_state(st, q, "kv_store");
-  if (rc) return rc;
-  if (!kc || !vc || !k || !v || !pos || T < 1 || T > ctx || kvd <= 0)
-    return tdm_moe__bad_args("kv_store");
-  kv_args *a = tdm_moe__task_alloc(sizeof *a, "kv_store");
-  if (!a) return TDM_ENOMEM;
-  *a = (kv_args){.t.body = kv_body, .kc = kc, .vc = vc, .k = k, .v = v, .pos = pos, .T = T,
-                 .kvd = kvd, .ctx = ctx};
-  return tdm_moe__task_submit(q, &a->t);
 }

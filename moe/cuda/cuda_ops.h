@@ -219,12 +219,12 @@ int cuda_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0,
               float freq_scale, int neox);
 int cuda_attention(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
                    const float *vc, int T, int pos0, int nh, int nkv, int hd, float scale);
-int cuda_rope_at(void *st, tdm_queue *q, float *x, int T, int nh, int hd, const int32_t *pos,
-                 int ctx, float base, float freq_scale, int neox);
+int cuda_attn_prep_at(void *st, tdm_queue *q, float *qv, const float *k, const float *v,
+                      float *kc, float *vc, const float *qn, const float *kn, int T, int nh,
+                      int nkv, int hd, float eps, const int32_t *pos, int ctx, float base,
+                      float freq_scale, int neox);
 int cuda_attention_at(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
                       const float *vc, int T, const int32_t *pos, int ctx, int nh, int nkv,
                       int hd, float scale);
-int cuda_kv_store(void *st, tdm_queue *q, float *kc, float *vc, const float *k, const float *v,
-                  int T, int kvd, const int32_t *pos, int ctx);
 
 #endif

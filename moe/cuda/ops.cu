@@ -1207,9 +1207,8 @@ extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .expert_q = */ cuda_expert_q,
     /* .experts_q = */ cuda_experts_q,
     /* .matmul_q = */ cuda_matmul_q,
-    /* .rope_at = */ cuda_rope_at,
+    /* .attn_prep_at = */ cuda_attn_prep_at,
     /* .attention_at = */ cuda_attention_at,
-    /* .kv_store = */ cuda_kv_store,
 };
 
 /* The entry libtandem_moe looks up when it loads this module (libtandem_moe-cuda.so). */

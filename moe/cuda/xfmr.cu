@@ -6,8 +6,9 @@
  * (token, head), each warp an online softmax over a fixed stride of the positions, the warps'
  * partial results combined in a fixed order: no atomics, the same bits every run; a prefill's
  * many queries (heads of 64 or 128) take a tiled kernel that loads each tile of the cache once
- * for 32 queries. rope_at, attention_at and kv_store read the position from device memory as
- * they run, so that a decode step recorded once as a graph serves every position. Weights in
+ * for 32 queries. attn_prep_at (q and k's norms and RoPE, and the cache's new rows, in one
+ * kernel) and attention_at read the position from device memory as they run, so that a decode
+ * step recorded once as a graph serves every position. Weights in
  * 16 bits (get_rows_h, matmul_h) are widened as they are read: decode's few tokens by a
  * one-pass kernel of its own, more by pieces widened to f32 for SGEMM. */
 #include <math.h>
@@ -68,7 +69,7 @@ int cuda_matmul(void *st, tdm_queue *q, float *y, const float *x, const float *w
   return rc;
 }
 
-/* rope_at, attention_at and kv_store: *dpos as the kernel runs, clamped to [0, ctx - T]; pos0
+/* attn_prep_at and attention_at: *dpos as the kernel runs, clamped to [0, ctx - T]; pos0
  * itself for rope and attention (dpos NULL). */
 static __device__ __forceinline__ int pos_at(const int32_t *dpos, int pos0, int ctx, int T) {
   if (!dpos) return pos0;
@@ -78,51 +79,110 @@ static __device__ __forceinline__ int pos_at(const int32_t *dpos, int pos0, int 
 
 /* ---- rope: one block per (token, head), a thread per pair -------------------------------- */
 
-static __global__ void rope_kernel(float *x, int nh, int hd, int pos0, const int32_t *dpos,
-                                   int ctx, double base, double freq_scale, int neox) {
-  pos0 = pos_at(dpos, pos0, ctx, (int)gridDim.x / nh);
+/* Pair i of a head of hd values at v, rotated for position p (times freq_scale): rope_kernel's
+ * and attn_prep_kernel's one computation. */
+static __device__ __forceinline__ void rope_pair(float *v, int i, int hd, double p, double base,
+                                                 int neox) {
+  double s, c;
+  sincos(p * pow(base, -2.0 * i / hd), &s, &c);
+  int half = hd / 2, i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+  float x0 = v[i0], x1 = v[i1], fc = (float)c, fs = (float)s;
+  v[i0] = x0 * fc - x1 * fs;
+  v[i1] = x0 * fs + x1 * fc;
+}
+
+static __global__ void rope_kernel(float *x, int nh, int hd, int pos0, double base,
+                                   double freq_scale, int neox) {
   int t = blockIdx.x / nh, half = hd / 2;
   float *v = x + (size_t)blockIdx.x * hd;
   double p = (double)(pos0 + t) * freq_scale;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    double s, c;
-    sincos(p * pow(base, -2.0 * i / hd), &s, &c);
-    int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
-    float x0 = v[i0], x1 = v[i1], fc = (float)c, fs = (float)s;
-    v[i0] = x0 * fc - x1 * fs;
-    v[i1] = x0 * fs + x1 * fc;
-  }
+  for (int i = threadIdx.x; i < half; i += blockDim.x) rope_pair(v, i, hd, p, base, neox);
 }
 
-static int rope_launch(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0,
-                       const int32_t *dpos, int ctx, float base, float freq_scale, int neox,
-                       const char *op) {
+int cuda_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0, float base,
+              float freq_scale, int neox) {
   moe_cuda *m = (moe_cuda *)st;
   if (check_queue(m, q) || !x || T < 0 || nh <= 0 || hd <= 0 || hd % 2 || pos0 < 0 ||
-      !(base > 0.f) || !(freq_scale > 0.f) || (long long)T * nh > INT32_MAX ||
-      (dpos && (T < 1 || T > ctx)))
-    return bad_args(op);
+      !(base > 0.f) || !(freq_scale > 0.f) || (long long)T * nh > INT32_MAX)
+    return bad_args("rope");
   if (T == 0) return 0;
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
   int threads = hd / 2 < MOE_THREADS ? (hd / 2 + 31) / 32 * 32 : MOE_THREADS;
-  rope_kernel<<<T * nh, threads, 0, m->s>>>(x, nh, hd, pos0, dpos, ctx, (double)base,
-                                            (double)freq_scale, neox != 0);
+  rope_kernel<<<T * nh, threads, 0, m->s>>>(x, nh, hd, pos0, (double)base, (double)freq_scale,
+                                            neox != 0);
   cudaError_t e = cudaGetLastError();
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "rope_kernel");
   leave(m, saved);
   return rc;
 }
 
-int cuda_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0, float base,
-              float freq_scale, int neox) {
-  return rope_launch(st, q, x, T, nh, hd, pos0, NULL, 0, base, freq_scale, neox, "rope");
+/* ---- attn_prep_at: a block per (token, head) of q and of k ------------------------------- */
+
+/* Block (t, j): q's head j (j < nh), in place, or k's head j - nh, into kc at row *dpos + t
+ * (and v's head beside it into vc): the row in shared memory, RMS-normalized as rmsnorm_kernel
+ * does a row (MOE_THREADS threads, its fixed tree: the same bits) where w is given, then its
+ * pairs rotated by rope_pair. hd <= ATT_MAX_HD <= MOE_THREADS. */
+static __global__ void __launch_bounds__(MOE_THREADS)
+    attn_prep_kernel(float *qv, const float *k, const float *v, float *kc, float *vc,
+                     const float *qn, const float *kn, int T, int nh, int nkv, int hd, float eps,
+                     const int32_t *dpos, int ctx, double base, double freq_scale, int neox) {
+  __shared__ float row[ATT_MAX_HD], part[MOE_THREADS];
+  const int pos0 = pos_at(dpos, 0, ctx, T), heads = nh + nkv;
+  const int t = blockIdx.x / heads, j = blockIdx.x % heads, c = threadIdx.x;
+  const size_t kvrow = (size_t)(pos0 + t) * nkv * hd;
+  const float *src, *w;
+  float *dst;
+  if (j < nh) {
+    src = dst = qv + ((size_t)t * nh + j) * hd;
+    w = qn;
+  } else {
+    const size_t at = ((size_t)t * nkv + (j - nh)) * hd, to = kvrow + (size_t)(j - nh) * hd;
+    src = k + at;
+    dst = kc + to;
+    w = kn;
+    if (c < hd) vc[to + c] = v[at + c];
+  }
+  const float x = c < hd ? src[c] : 0.f;
+  if (w) {
+    part[c] = fmaf(x, x, 0.f);
+    __syncthreads();
+    for (int s = MOE_THREADS / 2; s > 0; s >>= 1) {
+      if (c < s) part[c] += part[c + s];
+      __syncthreads();
+    }
+    const float inv = 1.f / sqrtf(part[0] / (float)hd + eps);
+    if (c < hd) row[c] = x * inv * w[c];
+  } else if (c < hd) {
+    row[c] = x;
+  }
+  __syncthreads();
+  if (c < hd / 2) rope_pair(row, c, hd, (double)(pos0 + t) * freq_scale, base, neox);
+  __syncthreads();
+  if (c < hd) dst[c] = row[c];
 }
 
-int cuda_rope_at(void *st, tdm_queue *q, float *x, int T, int nh, int hd, const int32_t *pos,
-                 int ctx, float base, float freq_scale, int neox) {
-  if (!pos) return bad_args("rope_at");
-  return rope_launch(st, q, x, T, nh, hd, 0, pos, ctx, base, freq_scale, neox, "rope_at");
+int cuda_attn_prep_at(void *st, tdm_queue *q, float *qv, const float *k, const float *v,
+                      float *kc, float *vc, const float *qn, const float *kn, int T, int nh,
+                      int nkv, int hd, float eps, const int32_t *pos, int ctx, float base,
+                      float freq_scale, int neox) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || !qv || !k || !v || !kc || !vc || !pos || T < 1 || T > ctx ||
+      nh <= 0 || nkv <= 0 || hd <= 0 || hd % 2 || !(eps >= 0.f) || !(base > 0.f) ||
+      !(freq_scale > 0.f) || (long long)T * (nh + nkv) > INT32_MAX)
+    return bad_args("attn_prep_at");
+  if (hd > ATT_MAX_HD)
+    return tdm_set_error(TDM_ENOTSUP, 0, "moe attn_prep_at: heads of %d values (the CUDA "
+                         "kernel takes up to %d)", hd, ATT_MAX_HD);
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  attn_prep_kernel<<<T * (nh + nkv), MOE_THREADS, 0, m->s>>>(
+      qv, k, v, kc, vc, qn, kn, T, nh, nkv, hd, eps, pos, ctx, (double)base, (double)freq_scale,
+      neox != 0);
+  cudaError_t e = cudaGetLastError();
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "attn_prep_kernel");
+  leave(m, saved);
+  return rc;
 }
 
 /* ---- attention --------------------------------------------------------------------------- */
@@ -338,32 +398,6 @@ int cuda_attention_at(void *st, tdm_queue *q, float *out, const float *qv, const
                           "attention_at");
 }
 
-/* ---- kv_store: T rows of k and v into the caches at *pos, a block a row ------------------ */
-
-static __global__ void kv_store_kernel(float *kc, float *vc, const float *k, const float *v,
-                                       int kvd, const int32_t *dpos, int ctx) {
-  int T = (int)gridDim.x, t = blockIdx.x;
-  size_t dst = (size_t)(pos_at(dpos, 0, ctx, T) + t) * kvd, src = (size_t)t * kvd;
-  for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
-    kc[dst + i] = k[src + i];
-    vc[dst + i] = v[src + i];
-  }
-}
-
-int cuda_kv_store(void *st, tdm_queue *q, float *kc, float *vc, const float *k, const float *v,
-                  int T, int kvd, const int32_t *pos, int ctx) {
-  moe_cuda *m = (moe_cuda *)st;
-  if (check_queue(m, q) || !kc || !vc || !k || !v || !pos || T < 1 || T > ctx || kvd <= 0)
-    return bad_args("kv_store");
-  int saved, rc = enter(m, &saved);
-  if (rc) return rc;
-  kv_store_kernel<<<T, MOE_THREADS, 0, m->s>>>(kc, vc, k, v, kvd, pos, ctx);
-  cudaError_t e = cudaGetLastError();
-  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "kv_store_kernel");
-  leave(m, saved);
-  return rc;
-}
-
 /* ---- 16-bit weights: get_rows_h, matmul_h ------------------------------------------------ */
 
 static __device__ __forceinline__ float widen(uint16_t v, int wtype) {
@@ -518,7 +552,7 @@ int cuda_xfmr_preload(moe_cuda *m) {
                      (const void *)gemv_h_kernel<4>, (const void *)gemv_h_kernel<5>,
                      (const void *)gemv_h_kernel<6>, (const void *)gemv_h_kernel<7>,
                      (const void *)gemv_h_kernel<8>, (const void *)attention_tiled_kernel<64>,
-                     (const void *)attention_tiled_kernel<128>, (const void *)kv_store_kernel};
+                     (const void *)attention_tiled_kernel<128>, (const void *)attn_prep_kernel};
   for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
