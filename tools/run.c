@@ -419,13 +419,22 @@ typedef struct bench_row {
   double non_moe_share; /* a run without the MoE blocks / a whole run: attention and the other
                            dense work's share of a step */
   double graph_share;   /* of the timed ubatches, those run as one recorded graph */
+  double wait_share;    /* of the timed evals' time, the host waiting for the device at the
+                           passes' ends (the rest: submitting, copies and the host's own work) */
 } bench_row;
 
-/* One timed run of test (pp: n prompt tokens; tg: n decode steps) from an empty cache; adds
- * the expert bytes it copied to *bytes, the experts it computed on the host to *host, and its
- * ubatches (all, and those run as graphs) to ub[0] and ub[1]. */
+/* What bench_once adds up over a run's evals. */
+typedef struct bench_sums {
+  uint64_t bytes;        /* expert bytes copied */
+  uint64_t host;         /* experts computed on the host */
+  uint64_t ubatches, graphs;
+  double seconds, wait;  /* the evals' time, and the passes' waits for the device */
+} bench_sums;
+
+/* One timed run of test (pp: n prompt tokens; tg: n decode steps) from an empty cache, its
+ * evals' figures added to *sum. */
 static int bench_once(tdm_model *m, bool pp, int n, int vocab, uint64_t seed, double *seconds,
-                      uint64_t *bytes, uint64_t *host, uint64_t ub[2]) {
+                      bench_sums *sum) {
   int32_t *ids = malloc((size_t)n * sizeof *ids);
   float *logits = malloc((size_t)vocab * sizeof *logits);
   int rc = ids && logits ? tdm_model_rewind(m, 0) : TDM_ENOMEM;
@@ -434,10 +443,12 @@ static int bench_once(tdm_model *m, bool pp, int n, int vocab, uint64_t seed, do
   double t0 = bu_seconds();
   for (int i = 0; !rc && i < (pp ? 1 : n); i++)
     if (!(rc = tdm_model_eval(m, pp ? ids : &ids[i], pp ? n : 1, logits, false, &st))) {
-      *bytes += st.moe.bytes_copied;
-      *host += st.moe.host_experts;
-      ub[0] += (uint64_t)st.ubatches;
-      ub[1] += (uint64_t)st.graph_steps;
+      sum->bytes += st.moe.bytes_copied;
+      sum->host += st.moe.host_experts;
+      sum->ubatches += (uint64_t)st.ubatches;
+      sum->graphs += (uint64_t)st.graph_steps;
+      sum->seconds += st.seconds;
+      sum->wait += st.moe.wait_seconds;
     }
   *seconds = bu_seconds() - t0;
   free(ids);
@@ -446,27 +457,28 @@ static int bench_once(tdm_model *m, bool pp, int n, int vocab, uint64_t seed, do
 }
 
 static int bench_test(tdm_model *m, const run_opts *o, bool pp, int n, int vocab, bench_row *r) {
-  double s, sum = 0, sq = 0, busy = 0, bare = 0;
-  uint64_t bytes = 0, host = 0, ignored = 0, ub[2] = {0, 0}, ub_ignored[2] = {0, 0};
-  int rc = bench_once(m, pp, pp ? n : 1, vocab, 7, &s, &ignored, &ignored, ub_ignored); /* warm-up */
+  double s, tsum = 0, sq = 0, busy = 0, bare = 0;
+  bench_sums sum = {0}, ignored = {0};
+  int rc = bench_once(m, pp, pp ? n : 1, vocab, 7, &s, &ignored); /* warm-up */
   for (int i = 0; !rc && i < o->reps; i++) {
-    if ((rc = bench_once(m, pp, n, vocab, (uint64_t)(i + 11), &s, &bytes, &host, ub))) break;
+    if ((rc = bench_once(m, pp, n, vocab, (uint64_t)(i + 11), &s, &sum))) break;
     double tps = n / s;
     busy += s;
-    sum += tps;
+    tsum += tps;
     sq += tps * tps;
   }
   /* the same run without the MoE blocks, once */
   if (!rc && !(rc = tdm_model_skip_moe(m, true)))
-    rc = bench_once(m, pp, n, vocab, 11, &bare, &ignored, &ignored, ub_ignored);
+    rc = bench_once(m, pp, n, vocab, 11, &bare, &ignored);
   tdm_model_skip_moe(m, false);
   snprintf(r->test, sizeof r->test, "%s%d", pp ? "pp" : "tg", n);
-  r->mean = sum / o->reps;
-  r->sd = o->reps > 1 ? sqrt(fmax(0.0, (sq - sum * sum / o->reps) / (o->reps - 1))) : 0.0;
-  r->link_gbs = busy > 0 ? bytes / busy / 1e9 : 0;
-  r->host_experts = (double)host / ((double)n * o->reps);
+  r->mean = tsum / o->reps;
+  r->sd = o->reps > 1 ? sqrt(fmax(0.0, (sq - tsum * tsum / o->reps) / (o->reps - 1))) : 0.0;
+  r->link_gbs = busy > 0 ? sum.bytes / busy / 1e9 : 0;
+  r->host_experts = (double)sum.host / ((double)n * o->reps);
   r->non_moe_share = busy > 0 ? bare / (busy / o->reps) : 0;
-  r->graph_share = ub[0] ? (double)ub[1] / (double)ub[0] : 0;
+  r->graph_share = sum.ubatches ? (double)sum.graphs / (double)sum.ubatches : 0;
+  r->wait_share = sum.seconds > 0 ? sum.wait / sum.seconds : 0;
   return rc;
 }
 
@@ -551,6 +563,7 @@ int tool_cmd_model_bench(int argc, char **argv) {
       bu_json_double(&j, "non_moe_share", rows[i].non_moe_share, 3);
       bu_json_double(&j, "host_experts_per_token", rows[i].host_experts, 2);
       bu_json_double(&j, "graph_share", rows[i].graph_share, 3);
+      bu_json_double(&j, "wait_share", rows[i].wait_share, 3);
       bu_json_end(&j);
     }
     bu_json_end(&j);

@@ -129,9 +129,14 @@ def main(argv=None):
     ap.add_argument("--experts", choices=("f16", "bf16", "q8_0", "q4_k_m"), default=None,
                     help="the experts' type (default: --dtype)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=0,
+                    help="another vocabulary size than the shape's (to see what the LM head and "
+                    "its logits cost a step)")
     a = ap.parse_args(argv)
     import gguf
-    cfg, L = SHAPES[a.shape], a.layers
+    cfg, L = dict(SHAPES[a.shape]), a.layers
+    if a.vocab:
+        cfg["vocab"] = a.vocab
     experts = a.experts or a.dtype
     T = gguf.GGMLQuantizationType
     QT = {"q8_0": (T.Q8_0, 32, 34), "q4_k": (T.Q4_K, 256, 144), "q6_k": (T.Q6_K, 256, 210)}
