@@ -26,7 +26,8 @@ extern "C" {
 
 /* ---- programmatic dependent launch ----
  * The kernels of a small ubatch's layer (rmsnorm, the small-ubatch router, group, the grouped
- * experts, combine) are short, and between two of them the GPU drains one grid before it
+ * experts, combine; and a transformer's: embedding, the few-token projections, attn_prep,
+ * RoPE, attention) are short, and between two of them the GPU drains one grid before it
  * launches the next. On Hopper and later they are launched as programmatic dependents
  * (launch_pdl): the next grid may be scheduled while the one before finishes, and each of
  * these kernels begins with wait_prior_grid(), which returns once the grid before it has
@@ -165,6 +166,19 @@ static __device__ __forceinline__ uint16_t f32_to_bf16(float f) {
 static __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
   return v;
+}
+
+/* The sum of every thread's v over a block of MOE_THREADS threads, in a fixed order (each
+ * warp's sum, then the warps' in warp order): every thread gets it. part: MOE_WARPS floats of
+ * shared memory; every thread of the block calls it (it syncs the block twice). */
+static __device__ __forceinline__ float block_sum(float v, float *part) {
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float s = 0.f;
+  for (int w = 0; w < MOE_WARPS; w++) s += part[w];
+  __syncthreads(); /* part may be written again */
+  return s;
 }
 
 

@@ -46,18 +46,12 @@ extern "C" {
 
 static __global__ void rmsnorm_kernel(float *y, const float *x, const float *w, int H, float eps) {
   wait_prior_grid();
-  __shared__ float part[MOE_THREADS];
+  __shared__ float part[MOE_WARPS];
   const float *xr = x + (size_t)blockIdx.x * H;
   float *yr = y + (size_t)blockIdx.x * H;
   float acc = 0.f;
   for (int c = threadIdx.x; c < H; c += MOE_THREADS) acc = fmaf(xr[c], xr[c], acc);
-  part[threadIdx.x] = acc;
-  __syncthreads();
-  for (int s = MOE_THREADS / 2; s > 0; s >>= 1) { /* a fixed tree */
-    if ((int)threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
-    __syncthreads();
-  }
-  float inv = 1.f / sqrtf(part[0] / (float)H + eps);
+  float inv = 1.f / sqrtf(block_sum(acc, part) / (float)H + eps);
   for (int c = threadIdx.x; c < H; c += MOE_THREADS) yr[c] = xr[c] * inv * w[c];
 }
 

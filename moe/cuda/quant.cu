@@ -632,6 +632,7 @@ template <int T>
 static __global__ void __launch_bounds__(MOE_THREADS)
     mq_gemv_kernel(float *y, const float *x, const uint8_t *w, size_t rb, int nt, int K, int N,
                    int beta) {
+  wait_prior_grid();
   const int n = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (n >= N) return;
   const uint8_t *row = w + (size_t)n * rb;
@@ -691,9 +692,9 @@ int cuda_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *
   if (rc) return rc;
   if (T <= MQ_MAX_T) {
     const dim3 grid((unsigned)((N + MOE_WARPS - 1) / MOE_WARPS));
-    BY_QTYPE(wtype, mq_gemv_kernel<QT><<<grid, MOE_THREADS, 0, m->s>>>(y, x, wb, rb, T, K, N,
-                                                                       beta != 0.f));
-    cudaError_t e = cudaGetLastError();
+    cudaError_t e;
+    BY_QTYPE(wtype, e = launch_pdl(m, mq_gemv_kernel<QT>, grid, MOE_THREADS, 0, y, x, wb, rb, T,
+                                   K, N, (int)(beta != 0.f)));
     rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "mq_gemv_kernel");
     leave(m, saved);
     return rc;

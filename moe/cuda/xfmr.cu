@@ -26,6 +26,7 @@
 
 static __global__ void get_rows_kernel(float *y, const float *table, const int32_t *ids, int H,
                                        int V) {
+  wait_prior_grid();
   int32_t id = ids[blockIdx.x];
   float *yr = y + (size_t)blockIdx.x * H;
   bool ok = id >= 0 && id < V;
@@ -41,8 +42,7 @@ int cuda_get_rows(void *st, tdm_queue *q, float *y, const float *table, const in
   if (T == 0) return 0;
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
-  get_rows_kernel<<<T, MOE_THREADS, 0, m->s>>>(y, table, ids, H, V);
-  cudaError_t e = cudaGetLastError();
+  cudaError_t e = launch_pdl(m, get_rows_kernel, T, MOE_THREADS, 0, y, table, ids, H, V);
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "get_rows_kernel");
   leave(m, saved);
   return rc;
@@ -93,6 +93,7 @@ static __device__ __forceinline__ void rope_pair(float *v, int i, int hd, double
 
 static __global__ void rope_kernel(float *x, int nh, int hd, int pos0, double base,
                                    double freq_scale, int neox) {
+  wait_prior_grid();
   int t = blockIdx.x / nh, half = hd / 2;
   float *v = x + (size_t)blockIdx.x * hd;
   double p = (double)(pos0 + t) * freq_scale;
@@ -109,9 +110,8 @@ int cuda_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0,
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
   int threads = hd / 2 < MOE_THREADS ? (hd / 2 + 31) / 32 * 32 : MOE_THREADS;
-  rope_kernel<<<T * nh, threads, 0, m->s>>>(x, nh, hd, pos0, (double)base, (double)freq_scale,
-                                            neox != 0);
-  cudaError_t e = cudaGetLastError();
+  cudaError_t e = launch_pdl(m, rope_kernel, T * nh, threads, 0, x, nh, hd, pos0, (double)base,
+                             (double)freq_scale, (int)(neox != 0));
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "rope_kernel");
   leave(m, saved);
   return rc;
@@ -121,13 +121,14 @@ int cuda_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0,
 
 /* Block (t, j): q's head j (j < nh), in place, or k's head j - nh, into kc at row *dpos + t
  * (and v's head beside it into vc): the row in shared memory, RMS-normalized as rmsnorm_kernel
- * does a row (MOE_THREADS threads, its fixed tree: the same bits) where w is given, then its
- * pairs rotated by rope_pair. hd <= ATT_MAX_HD <= MOE_THREADS. */
+ * does a row (MOE_THREADS threads summed by block_sum: the same bits) where w is given, then
+ * its pairs rotated by rope_pair. hd <= ATT_MAX_HD <= MOE_THREADS. */
 static __global__ void __launch_bounds__(MOE_THREADS)
     attn_prep_kernel(float *qv, const float *k, const float *v, float *kc, float *vc,
                      const float *qn, const float *kn, int T, int nh, int nkv, int hd, float eps,
                      const int32_t *dpos, int ctx, double base, double freq_scale, int neox) {
-  __shared__ float row[ATT_MAX_HD], part[MOE_THREADS];
+  wait_prior_grid();
+  __shared__ float row[ATT_MAX_HD], part[MOE_WARPS];
   const int pos0 = pos_at(dpos, 0, ctx, T), heads = nh + nkv;
   const int t = blockIdx.x / heads, j = blockIdx.x % heads, c = threadIdx.x;
   const size_t kvrow = (size_t)(pos0 + t) * nkv * hd;
@@ -145,13 +146,7 @@ static __global__ void __launch_bounds__(MOE_THREADS)
   }
   const float x = c < hd ? src[c] : 0.f;
   if (w) {
-    part[c] = fmaf(x, x, 0.f);
-    __syncthreads();
-    for (int s = MOE_THREADS / 2; s > 0; s >>= 1) {
-      if (c < s) part[c] += part[c + s];
-      __syncthreads();
-    }
-    const float inv = 1.f / sqrtf(part[0] / (float)hd + eps);
+    const float inv = 1.f / sqrtf(block_sum(fmaf(x, x, 0.f), part) / (float)hd + eps);
     if (c < hd) row[c] = x * inv * w[c];
   } else if (c < hd) {
     row[c] = x;
@@ -176,10 +171,9 @@ int cuda_attn_prep_at(void *st, tdm_queue *q, float *qv, const float *k, const f
                          "kernel takes up to %d)", hd, ATT_MAX_HD);
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
-  attn_prep_kernel<<<T * (nh + nkv), MOE_THREADS, 0, m->s>>>(
-      qv, k, v, kc, vc, qn, kn, T, nh, nkv, hd, eps, pos, ctx, (double)base, (double)freq_scale,
-      neox != 0);
-  cudaError_t e = cudaGetLastError();
+  cudaError_t e = launch_pdl(m, attn_prep_kernel, T * (nh + nkv), MOE_THREADS, 0, qv, k, v, kc,
+                             vc, qn, kn, T, nh, nkv, hd, eps, pos, ctx, (double)base,
+                             (double)freq_scale, (int)(neox != 0));
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "attn_prep_kernel");
   leave(m, saved);
   return rc;
@@ -192,6 +186,7 @@ int cuda_attn_prep_at(void *st, tdm_queue *q, float *qv, const float *k, const f
 static __global__ void attention_kernel(float *out, const float *qv, const float *kc,
                                         const float *vc, int nh, int nkv, int hd, int pos0,
                                         const int32_t *dpos, int ctx, float scale) {
+  wait_prior_grid();
   pos0 = pos_at(dpos, pos0, ctx, (int)gridDim.x / nh);
   __shared__ float wm[ATT_WARPS], wl[ATT_WARPS], wo[ATT_WARPS][ATT_MAX_HD];
   int t = blockIdx.x / nh, h = blockIdx.x % nh, g = h / (nh / nkv);
@@ -266,6 +261,7 @@ template <int HD>
 static __global__ void attention_tiled_kernel(float *out, const float *qv, const float *kc,
                                               const float *vc, int T, int nh, int nkv, int pos0,
                                               const int32_t *dpos, int ctx, float scale) {
+  wait_prior_grid();
   pos0 = pos_at(dpos, pos0, ctx, T);
   constexpr int VPL = HD / 32, KS = HD + 4;
   extern __shared__ float4 fa_smem_f4[];
@@ -349,12 +345,12 @@ static __global__ void attention_tiled_kernel(float *out, const float *qv, const
 }
 
 template <int HD>
-static void attention_tiled(moe_cuda *m, float *out, const float *qv, const float *kc,
-                            const float *vc, int T, int pos0, const int32_t *dpos, int ctx,
-                            int nh, int nkv, float scale) {
+static cudaError_t attention_tiled(moe_cuda *m, float *out, const float *qv, const float *kc,
+                                   const float *vc, int T, int pos0, const int32_t *dpos,
+                                   int ctx, int nh, int nkv, float scale) {
   dim3 grid((unsigned)((T + FA_Q - 1) / FA_Q), (unsigned)nh);
-  attention_tiled_kernel<HD><<<grid, FA_WARPS * 32, fa_smem(HD), m->s>>>(
-      out, qv, kc, vc, T, nh, nkv, pos0, dpos, ctx, scale);
+  return launch_pdl(m, attention_tiled_kernel<HD>, grid, FA_WARPS * 32, fa_smem(HD), out, qv, kc,
+                    vc, T, nh, nkv, pos0, dpos, ctx, scale);
 }
 
 static int attention_launch(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
@@ -371,14 +367,14 @@ static int attention_launch(void *st, tdm_queue *q, float *out, const float *qv,
   if (T == 0) return 0;
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
+  cudaError_t e;
   if (T >= FA_MIN_T && hd == 128)
-    attention_tiled<128>(m, out, qv, kc, vc, T, pos0, dpos, ctx, nh, nkv, scale);
+    e = attention_tiled<128>(m, out, qv, kc, vc, T, pos0, dpos, ctx, nh, nkv, scale);
   else if (T >= FA_MIN_T && hd == 64)
-    attention_tiled<64>(m, out, qv, kc, vc, T, pos0, dpos, ctx, nh, nkv, scale);
+    e = attention_tiled<64>(m, out, qv, kc, vc, T, pos0, dpos, ctx, nh, nkv, scale);
   else
-    attention_kernel<<<T * nh, ATT_WARPS * 32, 0, m->s>>>(out, qv, kc, vc, nh, nkv, hd, pos0,
-                                                          dpos, ctx, scale);
-  cudaError_t e = cudaGetLastError();
+    e = launch_pdl(m, attention_kernel, T * nh, ATT_WARPS * 32, 0, out, qv, kc, vc, nh, nkv, hd,
+                   pos0, dpos, ctx, scale);
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "attention_kernel");
   leave(m, saved);
   return rc;
@@ -407,6 +403,7 @@ static __device__ __forceinline__ float widen(uint16_t v, int wtype) {
 
 static __global__ void get_rows_h_kernel(float *y, const uint16_t *table, int wtype,
                                          const int32_t *ids, int H, int V) {
+  wait_prior_grid();
   int32_t id = ids[blockIdx.x];
   float *yr = y + (size_t)blockIdx.x * H;
   bool ok = id >= 0 && id < V;
@@ -423,8 +420,7 @@ int cuda_get_rows_h(void *st, tdm_queue *q, float *y, const uint16_t *table, int
   if (T == 0) return 0;
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
-  get_rows_h_kernel<<<T, MOE_THREADS, 0, m->s>>>(y, table, wtype, ids, H, V);
-  cudaError_t e = cudaGetLastError();
+  cudaError_t e = launch_pdl(m, get_rows_h_kernel, T, MOE_THREADS, 0, y, table, wtype, ids, H, V);
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "get_rows_h_kernel");
   leave(m, saved);
   return rc;
@@ -439,6 +435,7 @@ int cuda_get_rows_h(void *st, tdm_queue *q, float *y, const uint16_t *table, int
 template <int TT>
 static __global__ void gemv_h_kernel(float *y, const float *x, const uint16_t *w, int wtype,
                                      int K, int N, int beta, int vec) {
+  wait_prior_grid();
   int lane = threadIdx.x % 32, n = blockIdx.x * GEMV_ROWS + threadIdx.x / 32;
   if (n >= N) return;
   const uint16_t *wr = w + (size_t)n * K;
@@ -494,14 +491,14 @@ static cudaError_t gemv_h(moe_cuda *m, float *y, const float *x, const uint16_t 
   int vec = K % 8 == 0 && ((uintptr_t)x | (uintptr_t)w) % 16 == 0;
   dim3 grid((unsigned)((N + GEMV_ROWS - 1) / GEMV_ROWS)), block(MOE_THREADS);
   switch (T) {
-#define GEMV_CASE(n)                                                                   \
-  case n: gemv_h_kernel<n><<<grid, block, 0, m->s>>>(y, x, w, wtype, K, N, beta, vec); \
-    break;
+#define GEMV_CASE(n)                                                                         \
+  case n: return launch_pdl(m, gemv_h_kernel<n>, grid, block, 0, y, x, w, wtype, K, N, beta, \
+                            vec);
     GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4)
     GEMV_CASE(5) GEMV_CASE(6) GEMV_CASE(7) GEMV_CASE(8)
 #undef GEMV_CASE
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 int cuda_matmul_h(void *st, tdm_queue *q, float *y, const float *x, const uint16_t *w, int wtype,
