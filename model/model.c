@@ -763,35 +763,49 @@ static int ubatch(tdm_model *m, const int32_t *tokens, int T, int first, tdm_mod
   return rc;
 }
 
-int tdm_model_eval(tdm_model *m, const int32_t *tokens, int n, float *logits, bool all_logits,
-                   tdm_model_stats *st) {
+/* tdm_model_eval, and with view (tdm_model_step: n == 1) the logits left in m->logits_h for
+ * the caller to read there. */
+static int eval(tdm_model *m, const int32_t *tokens, int n, float *logits, bool all_logits,
+                tdm_model_stats *st, const float **view, const char *fn) {
   tdm_model_stats local;
   if (!st) st = &local;
   memset(st, 0, sizeof *st);
   if (!m || (!tokens && n) || n < 0)
-    return tdm_set_error(TDM_EINVAL, 0, "tdm_model_eval: NULL argument or a negative count");
+    return tdm_set_error(TDM_EINVAL, 0, "%s: NULL argument or a negative count", fn);
   if (n > m->ctx - m->pos)
-    return tdm_set_error(TDM_EINVAL, 0, "tdm_model_eval: %d more tokens at position %d would "
-                         "pass the cache's %d positions", n, m->pos, m->ctx);
+    return tdm_set_error(TDM_EINVAL, 0, "%s: %d more tokens at position %d would pass the "
+                         "cache's %d positions", fn, n, m->pos, m->ctx);
   for (int i = 0; i < n; i++)
     if (tokens[i] < 0 || tokens[i] >= m->hp.V)
-      return tdm_set_error(TDM_EINVAL, 0, "tdm_model_eval: token %d is id %d, outside the "
-                           "vocabulary [0, %d)", i, tokens[i], m->hp.V);
+      return tdm_set_error(TDM_EINVAL, 0, "%s: token %d is id %d, outside the vocabulary "
+                           "[0, %d)", fn, i, tokens[i], m->hp.V);
   double t0 = now_s();
   int rc = 0;
   size_t V = (size_t)m->hp.V;
   for (int at = 0; !rc && at < n; at += m->U) {
     int T = n - at < m->U ? n - at : m->U;
     bool last = at + T == n;
-    int first = !logits ? T : all_logits ? 0 : last ? T - 1 : T;
+    int first = view ? 0 : !logits ? T : all_logits ? 0 : last ? T - 1 : T;
     rc = ubatch(m, tokens + at, T, first, st);
-    if (!rc && first < T) {
+    if (!rc && first < T && !view) {
       float *dst = all_logits ? logits + (size_t)at * V : logits;
       memcpy(dst, m->logits_h, (size_t)(T - first) * V * sizeof(float));
     }
     if (!rc) st->ubatches++;
   }
+  if (view) *view = rc ? NULL : m->logits_h;
   st->tokens = n;
   st->seconds = now_s() - t0;
   return rc;
+}
+
+int tdm_model_eval(tdm_model *m, const int32_t *tokens, int n, float *logits, bool all_logits,
+                   tdm_model_stats *st) {
+  return eval(m, tokens, n, logits, all_logits, st, NULL, "tdm_model_eval");
+}
+
+int tdm_model_step(tdm_model *m, int32_t token, const float **logits, tdm_model_stats *st) {
+  if (!logits) return tdm_set_error(TDM_EINVAL, 0, "tdm_model_step: NULL argument");
+  *logits = NULL;
+  return eval(m, &token, 1, NULL, false, st, logits, "tdm_model_step");
 }

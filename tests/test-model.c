@@ -279,16 +279,23 @@ TEST_CASE(decode_graph_equals_ops) {
     int graphed;
     out[off] = run_counted(m, &r, &graphed);
     CHECK_EQ(graphed, graphs && !off ? r.N : 0);
-    /* rewound to the prompt's end: the steps again, the same bits */
+    /* rewound to the prompt's end: the steps again (tdm_model_step: the logits where the
+     * model keeps them), the same bits */
     CHECK_OK(tdm_model_rewind(m, r.P));
     float *again = malloc(V * sizeof(float));
     CHECK(again != NULL);
     for (int j = 0; j < r.N; j++) {
-      CHECK_OK(tdm_model_eval(m, &r.gen[j], 1, again, false, NULL));
-      CHECK_MSG(memcmp(again, out[off] + (size_t)(r.P + j) * V, V * sizeof(float)) == 0,
+      const float *view = again;
+      CHECK_OK(tdm_model_step(m, r.gen[j], &view, NULL));
+      CHECK(view != NULL && view != again);
+      CHECK_MSG(memcmp(view, out[off] + (size_t)(r.P + j) * V, V * sizeof(float)) == 0,
                 "graphs %s: step %d after a rewind is not the first run's", off ? "off" : "on",
                 j);
     }
+    const float *none = again; /* refused: the token, the pointer */
+    CHECK_RC(tdm_model_step(m, r.V, &none, NULL), TDM_EINVAL);
+    CHECK(none == NULL);
+    CHECK_RC(tdm_model_step(m, 0, NULL, NULL), TDM_EINVAL);
     /* one more step without the MoE blocks */
     CHECK_OK(tdm_model_rewind(m, r.P));
     CHECK_OK(tdm_model_skip_moe(m, true));

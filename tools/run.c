@@ -357,11 +357,12 @@ int tool_cmd_run(int argc, char **argv) {
     code = tool_fail("the prompt", rc);
   if (code == TOOL_OK && rows) memcpy(logits, rows + (size_t)(np - 1) * V, V * sizeof *logits);
   t_pre = st.seconds;
+  const float *cur = logits; /* the logits the next token is chosen from */
   for (int i = 0; code == TOOL_OK && i < nd; i++) {
-    out[i] = tdm_model_argmax(logits, info.vocab);
+    out[i] = tdm_model_argmax(cur, info.vocab);
     if (i + 1 == nd && !rows) break; /* the last one need not be run */
-    if ((rc = tdm_model_eval(m, &out[i], 1, logits, false, &st))) code = tool_fail("decoding", rc);
-    if (rows) memcpy(rows + ((size_t)np + i) * V, logits, V * sizeof *logits);
+    if ((rc = tdm_model_step(m, out[i], &cur, &st))) code = tool_fail("decoding", rc);
+    if (rows && cur) memcpy(rows + ((size_t)np + i) * V, cur, V * sizeof *cur);
     if (i + 1 < nd) t_dec += st.seconds;
     sum.moe.bytes_copied += st.moe.bytes_copied;
   }
@@ -441,8 +442,10 @@ static int bench_once(tdm_model *m, bool pp, int n, int vocab, uint64_t seed, do
   tdm_model_stats st;
   if (!rc) random_ids(ids, n, vocab, seed);
   double t0 = bu_seconds();
+  const float *view;
   for (int i = 0; !rc && i < (pp ? 1 : n); i++)
-    if (!(rc = tdm_model_eval(m, pp ? ids : &ids[i], pp ? n : 1, logits, false, &st))) {
+    if (!(rc = pp ? tdm_model_eval(m, ids, n, logits, false, &st)
+                  : tdm_model_step(m, ids[i], &view, &st))) {
       sum->bytes += st.moe.bytes_copied;
       sum->host += st.moe.host_experts;
       sum->ubatches += (uint64_t)st.ubatches;

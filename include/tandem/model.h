@@ -127,6 +127,14 @@ TDM_API int tdm_model_info_get(const tdm_model *m, tdm_model_info *out);
 TDM_API int tdm_model_eval(tdm_model *m, const int32_t *tokens, int n, float *logits,
                            bool all_logits, tdm_model_stats *st);
 
+/* One decode step: token at the next position, as tdm_model_eval(m, &token, 1, ...) with its
+ * logits, which *logits points at in the model's own host memory (pinned: where the device
+ * wrote them) instead of a copy: vocab floats, valid until the next eval, step, rewind or
+ * close. On failure *logits is NULL. The step a decode loop takes, without copying the
+ * vocabulary's logits once more each token. */
+TDM_API int tdm_model_step(tdm_model *m, int32_t token, const float **logits,
+                           tdm_model_stats *st);
+
 /* The sequence's length so far, and a rewind to position pos (0: a new sequence; the cache
  * past pos is forgotten). pos beyond the current position: TDM_EINVAL. */
 TDM_API int tdm_model_pos(const tdm_model *m);
