@@ -750,7 +750,7 @@ static int ubatch(tdm_model *m, const int32_t *tokens, int T, int first, tdm_mod
   if ((rc = tdm_moe_pass_begin(m->moe, T, true, &ps))) return rc;
   bool ran = false;
   if (step && !m->graph_off && tdm_moe_pass_on_device(m->moe)) rc = step_graph(m, &ps, &ran);
-  if (ran) st->graph_steps++;
+  if (ran && !rc) st->graph_steps++;
   if (!rc && !ran && step) rc = embed(m, m->step + 1, 1);
   if (!rc && !ran) rc = layers(m, T, first, step, &ps);
   if (!rc && first < T)
