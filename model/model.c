@@ -288,16 +288,22 @@ static int fill_w(tdm_model *m, const wplan *p, void *dst) {
   return rc;
 }
 
-/* A tensor of role r (layer l) to the device, as plan_w says; a role the model does not have
+/* A planned tensor into an allocation of its own; a role the model does not have (p->t NULL)
  * leaves dst->p NULL. */
+static int upload_planned(tdm_model *m, const wplan *p, dweight *dst) {
+  *dst = (dweight){0};
+  if (!p->t) return 0;
+  dst->wtype = p->wtype;
+  int rc = dev_alloc(m, p->bytes, &dst->p);
+  return rc ? rc : fill_w(m, p, dst->p);
+}
+
+/* A tensor of role r (layer l) to the device, as plan_w says. */
 static int upload_w(tdm_model *m, tensor_role r, int l, bool keep, dweight *dst) {
   wplan p;
   *dst = (dweight){0};
   int rc = plan_w(m, r, l, keep, &p);
-  if (rc || !p.t) return rc;
-  dst->wtype = p.wtype;
-  if (!(rc = dev_alloc(m, p.bytes, &dst->p))) rc = fill_w(m, &p, dst->p);
-  return rc;
+  return rc ? rc : upload_planned(m, &p, dst);
 }
 
 /* Layer l's q, k and v projections: in one allocation, q's rows then k's then v's, where the
@@ -313,7 +319,7 @@ static int upload_qkv(tdm_model *m, int l, layer_w *w) {
   bool one = p[0].t && p[1].t && p[2].t && p[0].wtype == p[1].wtype &&
              p[1].wtype == p[2].wtype;
   if (!one) {
-    for (int i = 0; !rc && i < 3; i++) rc = upload_w(m, role[i], l, true, d[i]);
+    for (int i = 0; !rc && i < 3; i++) rc = upload_planned(m, &p[i], d[i]);
     return rc;
   }
   w->wqkv.wtype = p[0].wtype;
