@@ -277,6 +277,30 @@ TEST_CASE(experts_q_ref) {
   teardown(f);
 }
 
+/* Rows longer than a decode kernel's unrolled run of 256-value chunks, and (the types of
+ * 32-value blocks) rows that end in part of a chunk: H 1312 = 5 chunks and 32 values, I 288. */
+TEST_CASE(experts_q_long_rows) {
+  fixture f0 = setup_q(1), *f = &f0;
+  static const tdm_moe_wfmt fmts[] = {{TDM_MOE_W_Q8_0, TDM_MOE_W_Q8_0},
+                                      {TDM_MOE_W_MXFP4, TDM_MOE_W_MXFP4},
+                                      {TDM_MOE_W_F16, TDM_MOE_W_F16},
+                                      {TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K}};
+  for (size_t i = 0; i < sizeof fmts / sizeof fmts[0]; i++) {
+    const int k = fmts[i].gu == TDM_MOE_W_Q4_K; /* 256-value blocks: whole chunks */
+    char what[64];
+    snprintf(what, sizeof what, "experts_q {%s, %s} long rows", type_name(fmts[i].gu),
+             type_name(fmts[i].d));
+    qcase c = qcase_setup(f, fmts[i], k ? 1280 : 1312, k ? 512 : 288, FEW, NFEW);
+    sentinel(f, &c);
+    CHECK_OK(f->ops->experts_q(f->st, f->q, c.dx, c.drows, c.dslot, c.n, c.dw, c.fmt, c.dgroups,
+                               c.G, c.H, c.I, c.dout, c.ws, c.ws_bytes));
+    read_back(f, &c);
+    check_entries(f, &c, 0, c.G, what);
+    qcase_teardown(&c);
+  }
+  teardown(f);
+}
+
 /* expert_q() on one expert of a table, with few tokens and with many; on CUDA with each of
  * its prefill GEMMs (TANDEM_MOE_CUDA_QGEMM: the widened expert through cuBLASLt, and the
  * fused kernel that reads the blocks). */
@@ -464,13 +488,17 @@ TEST_CASE(matmul_q_ref) {
             name);
   }
   static const int types[] = {TDM_MOE_W_Q8_0, TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K, TDM_MOE_W_MXFP4};
-  static const int shapes[][4] = {{1, 512, 70, 70}, {5, 256, 33, 33}, {8, 512, 40, 40},
-                                  {13, 256, 37, 5}, {30, 512, 64, 64}};
+  static const int shapes[][4] = {{1, 512, 70, 70},  {5, 256, 33, 33}, {8, 512, 40, 40},
+                                  {13, 256, 37, 5},  {30, 512, 64, 64}, {1, 1280, 9, 9},
+                                  {3, 1280, 9, 9}};
   for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
       for (int b = 0; b < 2; b++)
         check_matmul_q(f, types[i], shapes[s][0], shapes[s][1], shapes[s][2], (float)b,
                        shapes[s][3]);
+  /* rows that end in part of a 256-value chunk (32-value blocks only) */
+  check_matmul_q(f, TDM_MOE_W_Q8_0, 2, 1312, 9, 0.0f, 9);
+  check_matmul_q(f, TDM_MOE_W_MXFP4, 1, 1312, 9, 1.0f, 9);
   float *buf = alloc(f, TDM_MEM_DEVICE, 64 * 256 * sizeof(float));
   CHECK(f->ops->matmul_q(f->st, f->q, buf, buf, buf, TDM_MOE_W_F16, 1, 256, 8, 0.0f, buf,
                          4096) == TDM_EINVAL);

@@ -1,7 +1,9 @@
 /* grouped.c: `bench-cuda grouped`: a decode-shaped MoE layer's routed experts computed by the
  * grouped operation (tandem/moe_ops.h experts(): one table, two kernels) against the same
  * experts through expert() one by one (five launches each), at Qwen3-30B-A3B's shapes (hidden
- * 2048, expert FFN 768, bf16 weights), top-8, for ubatches of 1, 4 and 16 tokens.
+ * 2048, expert FFN 768, bf16 weights), top-8, for ubatches of 1, 4 and 16 tokens; then the
+ * grouped operation on experts in GGUF's block formats (experts_q(): Q8_0, Q4_K, Q4_K_M's
+ * Q4_K with Q6_K down rows, MXFP4), for 1 and 4 tokens, grouped only.
  *
  * The experts come from a pool of POOL experts in one allocation (POOL x 9.4 MB, far larger
  * than the L2 cache), and every call of a batch routes to other experts, so each call reads its
@@ -15,7 +17,10 @@
  *   of copy bandwidth      that against a device-to-device copy of the pool in the same run
  *                          (which reads and writes every byte: 2 x bytes / time)
  * Checked: grouped output for a few tokens against fp64 on the host (relative error of the
- * row under 1e-3: the grouped kernels keep activations in f32).
+ * row under 1e-3: the grouped kernels keep activations in f32), on the values
+ * tdm_moe_dequant_row() gives for a block format. A block format's experts are random bytes
+ * with their scales set to moderate values (a block's d, dmin or exponent), so every value is
+ * finite and the layer's values stay of order one.
  */
 #include "bcuda.h"
 
@@ -42,7 +47,9 @@ typedef struct gx {
   void *st;
   tdm_queue *q;
   cudaStream_t s;
-  uint16_t *pool;         /* device: POOL experts */
+  tdm_moe_wfmt fmt;       /* the experts' format ({BF16, BF16}: experts()) */
+  size_t ebytes;          /* one expert's bytes in it */
+  unsigned char *pool;    /* device: POOL experts */
   float *x, *out;         /* device: [TMAX x HID], [TMAX * TOPK x HID] */
   int32_t *rs;            /* device: CALLS x (rows | slots), each TMAX * TOPK */
   tdm_moe_group *groups;  /* device: CALLS x TMAX * TOPK entries */
@@ -51,13 +58,13 @@ typedef struct gx {
   unsigned char *gate_src, *gate_dst;
   /* host copies */
   float *hx;
-  uint16_t *hw;           /* the first expert only (the check uses a call that routes to it) */
+  unsigned char *hw;      /* the first expert only (the check uses a call that routes to it) */
   int32_t *hrs;
   tdm_moe_group *hgroups;
   int ng[CALLS];          /* entries per call */
 } gx;
 
-static size_t expert_elems(void) { return 3 * (size_t)HID * FFN; }
+static bool is_bf16(const gx *g) { return g->fmt.gu == TDM_MOE_W_BF16 && g->fmt.d == g->fmt.gu; }
 
 /* Call i's routing: every token picks TOPK distinct experts of the pool; the tokens are grouped
  * expert by expert (the order group() gives). Call 0 routes token 0 to expert 0 first. */
@@ -82,7 +89,7 @@ static void route(gx *g, int i) {
   for (int e = 0; e < POOL; e++) {
     first[e] = at;
     if (count[e])
-      grp[ng++] = (tdm_moe_group){.w = (int64_t)e * (int64_t)expert_elems(), .first = at,
+      grp[ng++] = (tdm_moe_group){.w = (int64_t)e * (int64_t)(g->ebytes / 2), .first = at,
                                   .count = count[e]};
     at += count[e];
   }
@@ -97,9 +104,13 @@ static void route(gx *g, int i) {
 
 static int grouped_call(gx *g, int i) {
   const int32_t *rows = g->rs + (size_t)i * 2 * TMAX * TOPK, *slots = rows + TMAX * TOPK;
-  return TDM_CALL(g->ops->experts(g->st, g->q, g->x, rows, slots, g->T * TOPK, g->pool,
-                                  g->groups + (size_t)i * TMAX * TOPK, g->ng[i], HID, FFN, g->out,
-                                  g->ws, g->ws_bytes));
+  const tdm_moe_group *grp = g->groups + (size_t)i * TMAX * TOPK;
+  if (is_bf16(g))
+    return TDM_CALL(g->ops->experts(g->st, g->q, g->x, rows, slots, g->T * TOPK,
+                                    (const tdm_moe_bf16 *)g->pool, grp, g->ng[i], HID, FFN,
+                                    g->out, g->ws, g->ws_bytes));
+  return TDM_CALL(g->ops->experts_q(g->st, g->q, g->x, rows, slots, g->T * TOPK, g->pool, g->fmt,
+                                    grp, g->ng[i], HID, FFN, g->out, g->ws, g->ws_bytes));
 }
 
 static int single_calls(gx *g, int i) {
@@ -107,8 +118,8 @@ static int single_calls(gx *g, int i) {
   const tdm_moe_group *grp = g->hgroups + (size_t)i * TMAX * TOPK;
   for (int k = 0; k < g->ng[i]; k++)
     if (TDM_CALL(g->ops->expert(g->st, g->q, g->x, rows + grp[k].first, slots + grp[k].first,
-                                grp[k].count, g->pool + grp[k].w, HID, FFN, g->out, g->ws,
-                                g->ws_bytes)) < 0)
+                                grp[k].count, (const tdm_moe_bf16 *)g->pool + grp[k].w, HID,
+                                FFN, g->out, g->ws, g->ws_bytes)) < 0)
       return -1;
   return 0;
 }
@@ -169,7 +180,7 @@ out:
 /* Device-to-device copy bandwidth over the pool (reads and writes every byte), GB/s. */
 static int copy_bandwidth(gx *g, double *gbs) {
   int rc = -1;
-  size_t bytes = (size_t)POOL / 2 * expert_elems() * sizeof(uint16_t);
+  size_t bytes = (size_t)POOL / 2 * g->ebytes;
   const char *src = bc_native(g->pool);
   cudaEvent_t a = NULL, b = NULL;
   CK(src, "no native pointer for the pool");
@@ -202,7 +213,14 @@ static int check(gx *g) {
   int rc = -1;
   float got[HID];
   double *h = malloc(FFN * sizeof *h);
-  CK(h, "out of host memory");
+  float *wf = malloc(3 * (size_t)HID * FFN * sizeof *wf); /* the first expert, widened */
+  CK(h && wf, "out of host memory");
+  size_t gu_rb = tdm_moe_row_bytes(g->fmt.gu, HID), d_rb = tdm_moe_row_bytes(g->fmt.d, FFN);
+  for (int r = 0; r < 2 * FFN; r++)
+    CK_TDM(tdm_moe_dequant_row(g->fmt.gu, g->hw + r * gu_rb, wf + (size_t)r * HID, HID));
+  for (int r = 0; r < HID; r++)
+    CK_TDM(tdm_moe_dequant_row(g->fmt.d, g->hw + 2 * FFN * gu_rb + r * d_rb,
+                               wf + 2 * (size_t)FFN * HID + (size_t)r * FFN, FFN));
   const tdm_moe_group *grp = g->hgroups;
   CK(grp[0].w == 0 && g->hrs[0] == 0, "call 0 does not start with expert 0, token 0");
   int32_t slot = g->hrs[TMAX * TOPK];
@@ -211,12 +229,12 @@ static int check(gx *g) {
   CK_TDM(tdm_memcpy(g->q, got, g->out + (size_t)slot * HID, sizeof got, TDM_COPY_D2H, 0, NULL,
                     NULL));
   CK_TDM(tdm_queue_sync(g->q));
-  const uint16_t *wg = g->hw, *wu = wg + (size_t)FFN * HID, *wd = wu + (size_t)FFN * HID;
+  const float *wg = wf, *wu = wg + (size_t)FFN * HID, *wd = wu + (size_t)FFN * HID;
   for (int i = 0; i < FFN; i++) {
     double a = 0, b = 0;
     for (int c = 0; c < HID; c++) {
-      a += (double)g->hx[c] * bc_bf16_to_double(wg[(size_t)i * HID + c]);
-      b += (double)g->hx[c] * bc_bf16_to_double(wu[(size_t)i * HID + c]);
+      a += (double)g->hx[c] * wg[(size_t)i * HID + c];
+      b += (double)g->hx[c] * wu[(size_t)i * HID + c];
     }
     h[i] = a / (1.0 + exp(-a)) * b;
   }
@@ -224,16 +242,62 @@ static int check(gx *g) {
   for (int c = 0; c < HID; c++) {
     double s = 0;
     for (int i = 0; i < FFN; i++)
-      s += h[i] * bc_bf16_to_double(wd[(size_t)c * FFN + i]);
+      s += h[i] * wd[(size_t)c * FFN + i];
     num += (got[c] - s) * (got[c] - s);
     den += s * s;
   }
   double rel = sqrt(num / (den > 0 ? den : 1));
-  CK(rel < 1e-3 && den > 0, "check failed: grouped experts, T %d: relative error %.3g", g->T, rel);
+  CK(rel < 1e-3 && den > 0, "check failed: grouped experts {%d, %d}, T %d: relative error %.3g",
+     g->fmt.gu, g->fmt.d, g->T, rel);
   rc = 0;
 out:
   free(h);
+  free(wf);
   return rc;
+}
+
+/* Random blocks of type t for a row of n values at p, with moderate scales (see the top). */
+static void fix_blocks(int t, unsigned char *p, int n) {
+  static const struct { int t, values, bytes, at; uint16_t f16; } fix[] = {
+      {TDM_MOE_W_Q8_0, 32, 34, 0, 0x1400},    /* d = 2^-10 */
+      {TDM_MOE_W_Q4_K, 256, 144, 0, 0x0C00},  /* d = 2^-12 (and dmin below) */
+      {TDM_MOE_W_Q6_K, 256, 210, 208, 0x0400}, /* d = 2^-14 */
+  };
+  if (t == TDM_MOE_W_MXFP4) {
+    for (int b = 0; b < n / 32; b++)
+      p[17 * b] = 121; /* 2^-6 */
+    return;
+  }
+  for (size_t i = 0; i < sizeof fix / sizeof *fix; i++) {
+    if (fix[i].t != t)
+      continue;
+    for (int b = 0; b < n / fix[i].values; b++) {
+      unsigned char *blk = p + (size_t)b * fix[i].bytes + fix[i].at;
+      memcpy(blk, &fix[i].f16, 2);
+      if (t == TDM_MOE_W_Q4_K)
+        memcpy(blk + 2, &fix[i].f16, 2);
+    }
+  }
+}
+
+static void fill_expert(gx *g) {
+  if (is_bf16(g)) {
+    /* Weights of magnitude ~1/sqrt(K), so the layer's values stay of order one. */
+    uint16_t *w = (uint16_t *)g->hw;
+    size_t en = 3 * (size_t)HID * FFN;
+    bc_fill_bf16(w, en, bc_next_seed(g->c));
+    for (size_t i = 0; i < en; i++) {
+      double s = i < 2 * (size_t)HID * FFN ? 8.0 / sqrt(HID) : 8.0 / sqrt(FFN);
+      w[i] = tdm_moe_f32_to_bf16((float)(bc_bf16_to_double(w[i]) * s / 2));
+    }
+    return;
+  }
+  size_t gu_rb = tdm_moe_row_bytes(g->fmt.gu, HID), d_rb = tdm_moe_row_bytes(g->fmt.d, FFN);
+  bc_fill_random(g->hw, g->ebytes, bc_next_seed(g->c));
+  for (int r = 0; r < 2 * FFN; r++)
+    fix_blocks(g->fmt.gu, g->hw + r * gu_rb, HID);
+  for (int r = 0; r < HID; r++)
+    fix_blocks(g->fmt.d, g->hw + 2 * FFN * gu_rb + r * d_rb, FFN);
 }
 
 /* Every expert of the pool holds the same random weights (hw, kept on the host for the
@@ -242,17 +306,20 @@ static int setup(gx *g) {
   int rc = -1;
   bc_ctx *c = g->c;
   tdm_device *dev = c->dev;
-  size_t en = expert_elems(), rsn = (size_t)CALLS * 2 * TMAX * TOPK,
+  size_t rsn = (size_t)CALLS * 2 * TMAX * TOPK,
          gn = (size_t)CALLS * TMAX * TOPK;
   CK(g->ops = tdm_moe_ops_for(dev), "no MoE operations for %s", c->info.id);
-  CK(g->ops->experts, "the %s table has no grouped operation", c->info.id);
+  CK(g->ops->experts && g->ops->experts_q, "the %s table has no grouped operation", c->info.id);
+  g->ebytes = tdm_moe_expert_size(g->fmt, HID, FFN);
+  CK(g->ebytes % 16 == 0, "an expert of format {%d, %d} is %zu bytes", g->fmt.gu, g->fmt.d,
+     g->ebytes);
   CK_TDM(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &g->q));
   CK_TDM(g->ops->open(g->q, &g->st));
   void *native;
   CK_TDM(tdm_queue_native(g->q, &native));
   g->s = (cudaStream_t)native;
   g->ws_bytes = tdm_moe_ops_workspace(TMAX * TOPK, HID, FFN);
-  CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, POOL * en * sizeof(uint16_t), (void **)&g->pool));
+  CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, POOL * g->ebytes, (void **)&g->pool));
   CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, TMAX * HID * sizeof(float), (void **)&g->x));
   CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, TMAX * TOPK * HID * sizeof(float), (void **)&g->out));
   CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, rsn * sizeof(int32_t), (void **)&g->rs));
@@ -262,20 +329,15 @@ static int setup(gx *g) {
   CK_TDM(tdm_malloc(dev, TDM_MEM_DEVICE, GATE_BYTES, (void **)&g->gate_dst));
   bc_fill_random(g->gate_src, GATE_BYTES, bc_next_seed(c));
   g->hx = malloc(TMAX * HID * sizeof *g->hx);
-  g->hw = malloc(en * sizeof *g->hw);
+  g->hw = malloc(g->ebytes);
   g->hrs = calloc(rsn, sizeof *g->hrs);
   g->hgroups = calloc(gn, sizeof *g->hgroups);
   CK(g->hx && g->hw && g->hrs && g->hgroups, "out of host memory");
   for (size_t i = 0; i < (size_t)TMAX * HID; i++)
     g->hx[i] = (float)((double)(bc_next_seed(c) >> 11) * 0x1.0p-52 - 1.0);
-  /* Weights of magnitude ~1/sqrt(K), so the layer's values stay of order one. */
-  bc_fill_bf16(g->hw, en, bc_next_seed(c));
-  for (size_t i = 0; i < en; i++) {
-    double s = i < 2 * (size_t)HID * FFN ? 8.0 / sqrt(HID) : 8.0 / sqrt(FFN);
-    g->hw[i] = tdm_moe_f32_to_bf16((float)(bc_bf16_to_double(g->hw[i]) * s / 2));
-  }
+  fill_expert(g);
   for (int e = 0; e < POOL; e++)
-    if (bc_upload(g->c, g->q, g->pool + (size_t)e * en, g->hw, en * sizeof *g->hw) < 0)
+    if (bc_upload(g->c, g->q, g->pool + (size_t)e * g->ebytes, g->hw, g->ebytes) < 0)
       goto out;
   for (int i = 0; i < CALLS; i++)
     route(g, i);
@@ -303,34 +365,54 @@ static void teardown(gx *g) {
   free(g->hgroups);
 }
 
-static int run_T(bc_ctx *c, int T, double copy_gbs, bu_json *json) {
-  gx g = {.c = c, .T = T};
-  double gh, gd, sh, sd;
+static const char *fmt_name(tdm_moe_wfmt f) {
+  static const struct { int gu, d; const char *name; } names[] = {
+      {TDM_MOE_W_BF16, TDM_MOE_W_BF16, "bf16"}, {TDM_MOE_W_Q8_0, TDM_MOE_W_Q8_0, "q8_0"},
+      {TDM_MOE_W_Q4_K, TDM_MOE_W_Q4_K, "q4_k"}, {TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K, "q4_k+q6_k"},
+      {TDM_MOE_W_MXFP4, TDM_MOE_W_MXFP4, "mxfp4"}};
+  for (size_t i = 0; i < sizeof names / sizeof *names; i++)
+    if (names[i].gu == f.gu && names[i].d == f.d)
+      return names[i].name;
+  return "?";
+}
+
+/* One ubatch size in one format: grouped, and (bf16 only) one by one. */
+static int run_T(bc_ctx *c, tdm_moe_wfmt fmt, int T, double copy_gbs, bu_json *json) {
+  gx g = {.c = c, .T = T, .fmt = fmt};
+  double gh, gd, sh = 0, sd = 0;
   int rc = -1;
+  bool single = is_bf16(&g);
   if (setup(&g) < 0 || check(&g) < 0 || measure(&g, true, &gh, &gd) < 0 ||
-      measure(&g, false, &sh, &sd) < 0)
+      (single && measure(&g, false, &sh, &sd) < 0))
     goto out;
   long experts = 0;
   for (int i = 0; i < CALLS; i++)
     experts += g.ng[i];
   double per_layer = (double)experts / CALLS;
-  double bytes = per_layer * expert_elems() * sizeof(uint16_t);
-  double g_gbs = bytes / (gd * 1e-6) / 1e9, s_gbs = bytes / (sd * 1e-6) / 1e9;
-  printf("  %2d tokens (%.1f experts a layer): grouped %7.1f us host %7.1f us device "
-         "(%6.0f GB/s, %.2f of copy); one by one %7.1f us host %7.1f us device (%6.0f GB/s)\n",
-         T, per_layer, gh, gd, g_gbs, g_gbs / copy_gbs, sh, sd, s_gbs);
+  double bytes = per_layer * g.ebytes;
+  double g_gbs = bytes / (gd * 1e-6) / 1e9, s_gbs = single ? bytes / (sd * 1e-6) / 1e9 : 0;
+  printf("  %-9s %2d tokens (%.1f experts a layer): grouped %7.1f us host %7.1f us device "
+         "(%6.0f GB/s, %.2f of copy)", fmt_name(fmt), T, per_layer, gh, gd, g_gbs,
+         g_gbs / copy_gbs);
+  if (single)
+    printf("; one by one %7.1f us host %7.1f us device (%6.0f GB/s)", sh, sd, s_gbs);
+  printf("\n");
   bu_json_object(json, NULL);
+  bu_json_string(json, "format", fmt_name(fmt));
   bu_json_int(json, "tokens", T);
   bu_json_double(json, "experts_per_layer", per_layer, 2);
+  bu_json_double(json, "expert_bytes", (double)g.ebytes, 0);
   bu_json_double(json, "grouped_host_us", gh, 3);
   bu_json_double(json, "grouped_device_us", gd, 3);
   bu_json_double(json, "grouped_weights_gbs", g_gbs, 1);
   bu_json_double(json, "grouped_of_copy_bandwidth", g_gbs / copy_gbs, 3);
-  bu_json_double(json, "single_host_us", sh, 3);
-  bu_json_double(json, "single_device_us", sd, 3);
-  bu_json_double(json, "single_weights_gbs", s_gbs, 1);
-  bu_json_double(json, "host_ratio_single_over_grouped", sh / gh, 3);
-  bu_json_double(json, "device_ratio_single_over_grouped", sd / gd, 3);
+  if (single) {
+    bu_json_double(json, "single_host_us", sh, 3);
+    bu_json_double(json, "single_device_us", sd, 3);
+    bu_json_double(json, "single_weights_gbs", s_gbs, 1);
+    bu_json_double(json, "host_ratio_single_over_grouped", sh / gh, 3);
+    bu_json_double(json, "device_ratio_single_over_grouped", sd / gd, 3);
+  }
   bu_json_end(json);
   fflush(stdout);
   rc = 0;
@@ -340,14 +422,20 @@ out:
 }
 
 int bench_grouped(bc_ctx *c, bu_json *json) {
-  static const int Ts[] = {1, 4, TMAX};
+  static const struct { tdm_moe_wfmt fmt; int Ts[3]; } runs[] = {
+      {{TDM_MOE_W_BF16, TDM_MOE_W_BF16}, {1, 4, TMAX}},
+      {{TDM_MOE_W_Q8_0, TDM_MOE_W_Q8_0}, {1, 4, 0}},
+      {{TDM_MOE_W_Q4_K, TDM_MOE_W_Q4_K}, {1, 4, 0}},
+      {{TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K}, {1, 4, 0}},
+      {{TDM_MOE_W_MXFP4, TDM_MOE_W_MXFP4}, {1, 4, 0}},
+  };
   int rc = -1;
   double copy_gbs = 0;
-  printf("\ngrouped: a decode layer's routed experts (hidden %d, FFN %d, top-%d, bf16), grouped "
-         "against one by one, median of %ld reps x %d layers\n", HID, FFN, TOPK, c->opt->reps,
-         CALLS);
+  printf("\ngrouped: a decode layer's routed experts (hidden %d, FFN %d, top-%d; bf16, then "
+         "block formats), grouped against one by one (bf16), median of %ld reps x %d layers\n",
+         HID, FFN, TOPK, c->opt->reps, CALLS);
   {
-    gx g = {.c = c, .T = 1};
+    gx g = {.c = c, .T = 1, .fmt = {TDM_MOE_W_BF16, TDM_MOE_W_BF16}};
     int ok = setup(&g) == 0 && copy_bandwidth(&g, &copy_gbs) == 0;
     teardown(&g);
     if (!ok)
@@ -363,9 +451,10 @@ int bench_grouped(bc_ctx *c, bu_json *json) {
   bu_json_int(json, "reps", c->opt->reps);
   bu_json_double(json, "copy_gbs", copy_gbs, 1);
   bu_json_array(json, "results");
-  for (size_t i = 0; i < sizeof Ts / sizeof *Ts; i++)
-    if (run_T(c, Ts[i], copy_gbs, json) < 0)
-      goto out;
+  for (size_t r = 0; r < sizeof runs / sizeof *runs; r++)
+    for (int i = 0; i < 3 && runs[r].Ts[i]; i++)
+      if (run_T(c, runs[r].fmt, runs[r].Ts[i], copy_gbs, json) < 0)
+        goto out;
   rc = 0;
 out:
   bu_json_end(json);

@@ -71,6 +71,7 @@ typedef struct moe_cuda {
   float *logits;       /* the small-ubatch router's logits: ROUTER_SPLIT_LOGITS floats */
   int gx_shape;        /* experts()'s kernels: GX_SHAPE_NARROW unless forced at open() */
   bool pdl;            /* launch_pdl() launches as programmatic dependents (open() decides) */
+  int qunroll;         /* chunks the quantized decode kernels unroll (quant.cu): 1, 2 or 4 */
   pthread_mutex_t plan_mu;            /* the plan cache: ops from several threads are allowed */
   gemm_plan *plans[PLAN_BUCKETS];
   const char *failed;  /* the last CUDA or cuBLAS call that failed */

@@ -715,6 +715,8 @@ static int cuda_open(tdm_queue *q, void **state) {
            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, m->dev) ==
                cudaSuccess && major >= 9;
   cudaGetLastError(); /* a failed query only means no programmatic launches */
+  const char *qu = getenv("TANDEM_MOE_CUDA_QUNROLL");
+  m->qunroll = qu && (strcmp(qu, "1") == 0 || strcmp(qu, "2") == 0) ? atoi(qu) : 4;
   if ((rc = enter(m, &saved))) {
     free(m);
     return rc;

@@ -160,8 +160,9 @@ static __device__ __forceinline__ uint32_t ld32(const uint8_t *p) {
 
 /* Lane `lane`'s 8 values of chunk c of a row of K values of type T, in moe/quant.h's f32
  * operations: v[L r + e] is the value at p0 + S r + e. Returns p0, or -1 where the lane's
- * values lie past K (a row of Q8_0, MXFP4 or F16 whose length is not a multiple of 256). */
-template <int T>
+ * values lie past K (a row of Q8_0, MXFP4 or F16 whose length is not a multiple of 256); with
+ * Check false the caller knows the chunk is whole (c < K / 256), and no test is made. */
+template <int T, bool Check = true>
 static __device__ __forceinline__ int lane8(const uint8_t *row, int c, int lane, int K,
                                             float v[8]) {
   if (T == TDM_MOE_W_Q4_K) {
@@ -198,7 +199,7 @@ static __device__ __forceinline__ int lane8(const uint8_t *row, int c, int lane,
     return 256 * c + 128 * h + i;
   } else if (T == TDM_MOE_W_Q8_0) {
     const int bk = 8 * c + (lane >> 2), m = lane & 3;
-    if (32 * bk >= K) return -1;
+    if (Check && 32 * bk >= K) return -1;
     const uint8_t *b = row + 34 * (size_t)bk;
     const float d = f16_at(b);
 #pragma unroll
@@ -210,7 +211,7 @@ static __device__ __forceinline__ int lane8(const uint8_t *row, int c, int lane,
     return 32 * bk + 8 * m;
   } else if (T == TDM_MOE_W_MXFP4) {
     const int bk = 8 * c + (lane >> 2), m = lane & 3;
-    if (32 * bk >= K) return -1;
+    if (Check && 32 * bk >= K) return -1;
     const uint8_t *b = row + 17 * (size_t)bk;
     const uint32_t ex = __ldg(b);
     const float d = __uint_as_float(ex < 2 ? 0x00200000u << ex : (ex - 1) << 23);
@@ -226,7 +227,7 @@ static __device__ __forceinline__ int lane8(const uint8_t *row, int c, int lane,
     return 32 * bk + 4 * m;
   } else { /* TDM_MOE_W_F16 */
     const int p0 = 256 * c + 8 * lane;
-    if (p0 >= K) return -1;
+    if (Check && p0 >= K) return -1;
     const uint8_t *p = row + 2 * (size_t)p0;
 #pragma unroll
     for (int e = 0; e < 4; e++) {
@@ -269,7 +270,62 @@ static __device__ __forceinline__ float dot8(const float *xr, int p0, const floa
   return acc;
 }
 
-template <int T>
+/* The chunk loops below run a row's whole chunks unrolled U at a time (no test between them,
+ * so that the loads of U chunks are in flight together: one chunk a warp leaves the kernel
+ * waiting on memory at one token), then the row's last, partial chunk with its test. The
+ * order of every lane's sums is the chunk order either way. U is m->qunroll (open() reads
+ * TANDEM_MOE_CUDA_QUNROLL: 1, 2 or 4, to measure it). */
+
+/* One chunk c of a gate row wg and an up row wu, dotted with NT tokens' activations xr. */
+template <int T, int NT, bool Check>
+static __device__ __forceinline__ void gu_chunk(const uint8_t *wg, const uint8_t *wu, int c,
+                                                int lane, int H, const float *const *xr,
+                                                float *ag, float *au) {
+  float gv[8], uv[8];
+  const int p0 = lane8<T, Check>(wg, c, lane, H, gv);
+  if (Check && p0 < 0) return;
+  lane8<T, false>(wu, c, lane, H, uv);
+#pragma unroll
+  for (int t = 0; t < NT; t++) {
+    ag[t] = dot8<T>(xr[t], p0, gv, ag[t]);
+    au[t] = dot8<T>(xr[t], p0, uv, au[t]);
+  }
+}
+
+template <int T, int NT, int U>
+static __device__ __forceinline__ void gu_rows(const uint8_t *wg, const uint8_t *wu, int lane,
+                                               int H, const float *const *xr, float *ag,
+                                               float *au) {
+  const int whole = H / 256;
+#pragma unroll U
+  for (int c = 0; c < whole; c++) gu_chunk<T, NT, false>(wg, wu, c, lane, H, xr, ag, au);
+  if (whole * 256 < H) gu_chunk<T, NT, true>(wg, wu, whole, lane, H, xr, ag, au);
+}
+
+/* One chunk k of a down row wd, dotted with NT tokens' hidden rows hr. */
+template <int T, int NT, bool Check>
+static __device__ __forceinline__ void d_chunk(const uint8_t *wd, int k, int lane, int I,
+                                               const float *const *hr, float *acc) {
+  float wv[8];
+  const int p0 = lane8<T, Check>(wd, k, lane, I, wv);
+  if (Check && p0 < 0) return;
+#pragma unroll
+  for (int t = 0; t < NT; t++) acc[t] = dot8<T>(hr[t], p0, wv, acc[t]);
+}
+
+template <int T, int NT, int U>
+static __device__ __forceinline__ void d_row(const uint8_t *wd, int lane, int I,
+                                             const float *const *hr, float *acc) {
+  const int whole = I / 256;
+#pragma unroll U
+  for (int k = 0; k < whole; k++) d_chunk<T, NT, false>(wd, k, lane, I, hr, acc);
+  if (whole * 256 < I) d_chunk<T, NT, true>(wd, whole, lane, I, hr, acc);
+}
+
+/* Gate/up row r of an entry's expert for its tokens, GQ_NT at a time: h[entry][r] = SiLU(g) u.
+ * A token whose row lies outside x's allocation is not written; it is dotted with row 0
+ * instead (at least one of the pair's rows is in x then), so the chunk loop has no test. */
+template <int T, int U>
 static __global__ void __launch_bounds__(MOE_THREADS)
     gq_gate_up_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int n,
                       const uint8_t *wbase, long long wlimit, long long ebytes,
@@ -279,41 +335,36 @@ static __global__ void __launch_bounds__(MOE_THREADS)
   const int r = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (r >= I || !qentry_ok(g, n, wlimit, ebytes)) return; /* whole warps leave */
   const uint8_t *wg = wbase + 2 * g.w + (size_t)r * rb, *wu = wg + (size_t)I * rb;
-  const int chunks = (H + 255) / 256;
   for (int t0 = 0; t0 < g.count; t0 += GQ_NT) {
     const int nt = min(GQ_NT, g.count - t0);
     const float *xr[GQ_NT];
+    bool ok[GQ_NT], any = false;
     float ag[GQ_NT], au[GQ_NT];
 #pragma unroll
     for (int t = 0; t < GQ_NT; t++) {
-      uint32_t row = t < nt ? (uint32_t)rows[g.first + t0 + t] : xlimit;
-      xr[t] = row < xlimit ? x + (size_t)row * H : NULL;
+      const uint32_t row = t < nt ? (uint32_t)rows[g.first + t0 + t] : xlimit;
+      ok[t] = row < xlimit;
+      any |= ok[t];
+      xr[t] = ok[t] ? x + (size_t)row * H : x;
       ag[t] = au[t] = 0.f;
     }
-    for (int c = 0; c < chunks; c++) {
-      float gv[8], uv[8];
-      const int p0 = lane8<T>(wg, c, lane, H, gv);
-      if (p0 < 0) continue;
-      lane8<T>(wu, c, lane, H, uv);
-#pragma unroll
-      for (int t = 0; t < GQ_NT; t++) {
-        if (!xr[t]) continue;
-        ag[t] = dot8<T>(xr[t], p0, gv, ag[t]);
-        au[t] = dot8<T>(xr[t], p0, uv, au[t]);
-      }
-    }
+    if (!any) continue;
+    if (nt == 1)
+      gu_rows<T, 1, U>(wg, wu, lane, H, xr, ag, au);
+    else
+      gu_rows<T, GQ_NT, U>(wg, wu, lane, H, xr, ag, au);
 #pragma unroll
     for (int t = 0; t < GQ_NT; t++) {
       if (t >= nt) break;
       float gs = warp_sum(ag[t]), us = warp_sum(au[t]);
-      if (lane == 0 && xr[t]) h[((size_t)g.first + t0 + t) * I + r] = gs / (1.f + expf(-gs)) * us;
+      if (lane == 0 && ok[t]) h[((size_t)g.first + t0 + t) * I + r] = gs / (1.f + expf(-gs)) * us;
     }
   }
 }
 
 /* Down row c of an entry's expert: out[slot][c] = h . Wd[c], for its tokens (a slot outside
  * out's allocation, or a token whose row lies outside x's, is not written). */
-template <int T>
+template <int T, int U>
 static __global__ void __launch_bounds__(MOE_THREADS)
     gq_down_kernel(const float *h, const int32_t *rows, uint32_t xlimit, const int32_t *slot,
                    uint32_t olimit, int n, const uint8_t *wbase, long long wlimit,
@@ -324,22 +375,19 @@ static __global__ void __launch_bounds__(MOE_THREADS)
   const int c = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (c >= H || !qentry_ok(g, n, wlimit, ebytes)) return;
   const uint8_t *wd = wbase + 2 * g.w + 2 * (size_t)I * gu_rb + (size_t)c * rb;
-  const int chunks = (I + 255) / 256;
   for (int t0 = 0; t0 < g.count; t0 += GQ_NT) {
     const int nt = min(GQ_NT, g.count - t0);
+    const float *hr[GQ_NT];
     float acc[GQ_NT];
 #pragma unroll
-    for (int t = 0; t < GQ_NT; t++) acc[t] = 0.f;
-    for (int k = 0; k < chunks; k++) {
-      float wv[8];
-      const int p0 = lane8<T>(wd, k, lane, I, wv);
-      if (p0 < 0) continue;
-#pragma unroll
-      for (int t = 0; t < GQ_NT; t++) {
-        if (t >= nt) break;
-        acc[t] = dot8<T>(h + ((size_t)g.first + t0 + t) * I, p0, wv, acc[t]);
-      }
+    for (int t = 0; t < GQ_NT; t++) {
+      hr[t] = h + ((size_t)g.first + t0 + min(t, nt - 1)) * I;
+      acc[t] = 0.f;
     }
+    if (nt == 1)
+      d_row<T, 1, U>(wd, lane, I, hr, acc);
+    else
+      d_row<T, GQ_NT, U>(wd, lane, I, hr, acc);
 #pragma unroll
     for (int t = 0; t < GQ_NT; t++) {
       if (t >= nt) break;
@@ -394,6 +442,23 @@ static __global__ void __launch_bounds__(MOE_THREADS)
     constexpr int QT = TDM_MOE_W_F16;                    \
     __VA_ARGS__;                                         \
   } break;                                               \
+  }
+
+/* BODY compiled for each chunk unroll the decode kernels take, with QU the unroll, and run for
+ * u (m->qunroll: 1, 2 or 4). */
+#define UNROLL_CASE(U, ...) \
+  case U: {                 \
+    constexpr int QU = U;   \
+    __VA_ARGS__;            \
+  } break;
+#define BY_UNROLL(u, ...)        \
+  switch (u) {                   \
+    UNROLL_CASE(1, __VA_ARGS__)  \
+    UNROLL_CASE(2, __VA_ARGS__)  \
+  default: {                     \
+    constexpr int QU = 4;        \
+    __VA_ARGS__;                 \
+  } break;                       \
   }
 
 /* ---- expert_q's fused GEMM ---- */
@@ -558,12 +623,16 @@ int cuda_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
   int saved;
   if ((rc = enter(m, &saved))) return rc;
   cudaError_t e;
-  BY_QTYPE(fmt.gu, e = launch_pdl(m, gq_gate_up_kernel<QT>, gu_grid, MOE_THREADS, 0, x, xlimit,
-                                  rows, n, wb, wlimit, ebytes, groups, H, I, gu_rb, h));
+  BY_UNROLL(m->qunroll,
+            BY_QTYPE(fmt.gu, e = launch_pdl(m, gq_gate_up_kernel<QT, QU>, gu_grid, MOE_THREADS,
+                                            0, x, xlimit, rows, n, wb, wlimit, ebytes, groups, H,
+                                            I, gu_rb, h)));
   if (e == cudaSuccess)
-    BY_QTYPE(fmt.d, e = launch_pdl(m, gq_down_kernel<QT>, down_grid, MOE_THREADS, 0,
-                                   (const float *)h, rows, xlimit, slot, olimit, n, wb, wlimit,
-                                   ebytes, groups, H, I, gu_rb, d_rb, out));
+    BY_UNROLL(m->qunroll,
+              BY_QTYPE(fmt.d, e = launch_pdl(m, gq_down_kernel<QT, QU>, down_grid, MOE_THREADS,
+                                             0, (const float *)h, rows, xlimit, slot, olimit, n,
+                                             wb, wlimit, ebytes, groups, H, I, gu_rb, d_rb,
+                                             out)));
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "the quantized grouped expert kernels");
   leave(m, saved);
   return rc;
@@ -628,28 +697,30 @@ int cuda_expert_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
 
 #define MQ_MAX_T 8 /* tokens the one-pass kernel takes */
 
-template <int T>
-static __global__ void __launch_bounds__(MOE_THREADS)
-    mq_gemv_kernel(float *y, const float *x, const uint8_t *w, size_t rb, int nt, int K, int N,
-                   int beta) {
-  wait_prior_grid();
-  const int n = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (n >= N) return;
-  const uint8_t *row = w + (size_t)n * rb;
-  float acc[MQ_MAX_T];
+/* Row `row` of K values dotted with NT tokens' activations (x, K apart; tokens past nt read
+ * the last one's, and are not written), the whole chunks unrolled as experts_q's are. */
+template <int T, int NT, bool Check>
+static __device__ __forceinline__ void mq_chunk(const uint8_t *row, int c, int lane, int K,
+                                                const float *x, int nt, float *acc) {
+  float v[8];
+  const int p0 = lane8<T, Check>(row, c, lane, K, v);
+  if (Check && p0 < 0) return;
 #pragma unroll
-  for (int t = 0; t < MQ_MAX_T; t++) acc[t] = 0.f;
-  const int chunks = (K + 255) / 256;
-  for (int c = 0; c < chunks; c++) {
-    float v[8];
-    const int p0 = lane8<T>(row, c, lane, K, v);
-    if (p0 < 0) continue;
+  for (int t = 0; t < NT; t++) acc[t] = dot8<T>(x + (size_t)min(t, nt - 1) * K, p0, v, acc[t]);
+}
+
+template <int T, int NT, int U>
+static __device__ __forceinline__ void mq_row(float *y, const float *x, const uint8_t *row,
+                                              int nt, int K, int N, int n, int beta) {
+  const int lane = threadIdx.x & 31, whole = K / 256;
+  float acc[NT];
 #pragma unroll
-    for (int t = 0; t < MQ_MAX_T; t++)
-      if (t < nt) acc[t] = dot8<T>(x + (size_t)t * K, p0, v, acc[t]);
-  }
+  for (int t = 0; t < NT; t++) acc[t] = 0.f;
+#pragma unroll U
+  for (int c = 0; c < whole; c++) mq_chunk<T, NT, false>(row, c, lane, K, x, nt, acc);
+  if (whole * 256 < K) mq_chunk<T, NT, true>(row, whole, lane, K, x, nt, acc);
 #pragma unroll
-  for (int t = 0; t < MQ_MAX_T; t++) {
+  for (int t = 0; t < NT; t++) {
     if (t >= nt) break;
     const float s = warp_sum(acc[t]);
     if (lane == 0) {
@@ -657,6 +728,24 @@ static __global__ void __launch_bounds__(MOE_THREADS)
       *yo = beta ? *yo + s : s;
     }
   }
+}
+
+template <int T, int U>
+static __global__ void __launch_bounds__(MOE_THREADS)
+    mq_gemv_kernel(float *y, const float *x, const uint8_t *w, size_t rb, int nt, int K, int N,
+                   int beta) {
+  wait_prior_grid();
+  const int n = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+  if (n >= N) return;
+  const uint8_t *row = w + (size_t)n * rb;
+  if (nt == 1)
+    mq_row<T, 1, U>(y, x, row, nt, K, N, n, beta);
+  else if (nt == 2)
+    mq_row<T, 2, U>(y, x, row, nt, K, N, n, beta);
+  else if (nt <= 4)
+    mq_row<T, 4, U>(y, x, row, nt, K, N, n, beta);
+  else
+    mq_row<T, MQ_MAX_T, U>(y, x, row, nt, K, N, n, beta);
 }
 
 template <int T>
@@ -693,8 +782,9 @@ int cuda_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *
   if (T <= MQ_MAX_T) {
     const dim3 grid((unsigned)((N + MOE_WARPS - 1) / MOE_WARPS));
     cudaError_t e;
-    BY_QTYPE(wtype, e = launch_pdl(m, mq_gemv_kernel<QT>, grid, MOE_THREADS, 0, y, x, wb, rb, T,
-                                   K, N, (int)(beta != 0.f)));
+    BY_UNROLL(m->qunroll,
+              BY_QTYPE(wtype, e = launch_pdl(m, mq_gemv_kernel<QT, QU>, grid, MOE_THREADS, 0, y,
+                                             x, wb, rb, T, K, N, (int)(beta != 0.f))));
     rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "mq_gemv_kernel");
     leave(m, saved);
     return rc;
@@ -723,11 +813,11 @@ int cuda_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *
 }
 
 /* Loads this file's kernels at open(), every type's, as preload in cuda/ops.cu does its own. */
-template <int T>
+template <int T, int U>
 static int quant_preload_type(moe_cuda *m) {
-  const void *k[] = {(const void *)gq_gate_up_kernel<T>, (const void *)gq_down_kernel<T>,
+  const void *k[] = {(const void *)gq_gate_up_kernel<T, U>, (const void *)gq_down_kernel<T, U>,
                      (const void *)widen_rows_kernel<T>, (const void *)qgemm_kernel<T>,
-                     (const void *)mq_gemv_kernel<T>, (const void *)mq_widen_kernel<T>};
+                     (const void *)mq_gemv_kernel<T, U>, (const void *)mq_widen_kernel<T>};
   for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
@@ -735,11 +825,18 @@ static int quant_preload_type(moe_cuda *m) {
   return 0;
 }
 
+template <int U>
+static int quant_preload_unroll(moe_cuda *m) {
+  int rc = quant_preload_type<TDM_MOE_W_Q8_0, U>(m);
+  if (!rc) rc = quant_preload_type<TDM_MOE_W_Q4_K, U>(m);
+  if (!rc) rc = quant_preload_type<TDM_MOE_W_Q6_K, U>(m);
+  if (!rc) rc = quant_preload_type<TDM_MOE_W_MXFP4, U>(m);
+  if (!rc) rc = quant_preload_type<TDM_MOE_W_F16, U>(m);
+  return rc;
+}
+
 int cuda_quant_preload(moe_cuda *m) {
-  int rc = quant_preload_type<TDM_MOE_W_Q8_0>(m);
-  if (!rc) rc = quant_preload_type<TDM_MOE_W_Q4_K>(m);
-  if (!rc) rc = quant_preload_type<TDM_MOE_W_Q6_K>(m);
-  if (!rc) rc = quant_preload_type<TDM_MOE_W_MXFP4>(m);
-  if (!rc) rc = quant_preload_type<TDM_MOE_W_F16>(m);
+  int rc;
+  BY_UNROLL(m->qunroll, rc = quant_preload_unroll<QU>(m));
   return rc;
 }
