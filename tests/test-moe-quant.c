@@ -122,13 +122,17 @@ typedef struct qcase {
 
 static const float SENTINEL = 12345.0f;
 
+/* Bytes added to the stride between experts (0: each starts on 16 bytes; 2: every other one
+ * starts 2 bytes past, as an expert may, on an even byte). */
+static size_t skew;
+
 static qcase qcase_setup(fixture *f, tdm_moe_wfmt fmt, int H, int I, const int *counts, int G) {
   qcase c = {.H = H, .I = I, .G = G, .fmt = fmt};
   CHECK(G > 0 && G <= MAX_G);
   for (int g = 0; g < G; g++) c.n += counts[g];
   c.ebytes = tdm_moe_expert_size(fmt, H, I);
   CHECK(c.ebytes > 0);
-  c.stride = (c.ebytes + 15) / 16 * 16;
+  c.stride = (c.ebytes + 15) / 16 * 16 + skew;
   c.wbytes = c.stride * (size_t)G;
   c.x = alloc(f, TDM_MEM_PINNED, (size_t)T * H * sizeof *c.x);
   for (size_t i = 0; i < (size_t)T * H; i++)
@@ -278,9 +282,11 @@ TEST_CASE(experts_q_ref) {
 }
 
 /* Rows longer than a decode kernel's unrolled run of 256-value chunks, and (the types of
- * 32-value blocks) rows that end in part of a chunk: H 1312 = 5 chunks and 32 values, I 288. */
+ * 32-value blocks) rows that end in part of a chunk: H 1312 = 5 chunks and 32 values, I 288;
+ * every other expert 2 bytes off a 16-byte boundary. */
 TEST_CASE(experts_q_long_rows) {
   fixture f0 = setup_q(1), *f = &f0;
+  skew = 2;
   static const tdm_moe_wfmt fmts[] = {{TDM_MOE_W_Q8_0, TDM_MOE_W_Q8_0},
                                       {TDM_MOE_W_MXFP4, TDM_MOE_W_MXFP4},
                                       {TDM_MOE_W_F16, TDM_MOE_W_F16},
@@ -298,6 +304,7 @@ TEST_CASE(experts_q_long_rows) {
     check_entries(f, &c, 0, c.G, what);
     qcase_teardown(&c);
   }
+  skew = 0;
   teardown(f);
 }
 

@@ -6,6 +6,7 @@
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -72,6 +73,7 @@ typedef struct moe_cuda {
   int gx_shape;        /* experts()'s kernels: GX_SHAPE_NARROW unless forced at open() */
   bool pdl;            /* launch_pdl() launches as programmatic dependents (open() decides) */
   int qunroll;         /* chunks the quantized decode kernels unroll (quant.cu): 1, 2 or 4 */
+  bool q16;            /* Q4_K gate/up decode on 16-bit activations (q16.cu); open() decides */
   pthread_mutex_t plan_mu;            /* the plan cache: ops from several threads are allowed */
   gemm_plan *plans[PLAN_BUCKETS];
   const char *failed;  /* the last CUDA or cuBLAS call that failed */
@@ -163,6 +165,30 @@ static __device__ __forceinline__ uint16_t f32_to_bf16(float f) {
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* Weights in a file's format, read where they lie (quant.cu, q16.cu). */
+static __device__ __forceinline__ uint16_t ld16(const uint8_t *p) { /* p even */
+  return __ldg((const unsigned short *)p);
+}
+
+static __device__ __forceinline__ float f16_at(const uint8_t *p) {
+  return __half2float(__ushort_as_half(ld16(p)));
+}
+
+/* Four bytes at p, an even address (an expert starts at an even byte; most start at a multiple
+ * of 16, and are read four bytes a load). */
+static __device__ __forceinline__ uint32_t ld32(const uint8_t *p) {
+  if (((uintptr_t)p & 3) == 0) return __ldg((const unsigned int *)p);
+  return (uint32_t)ld16(p) | (uint32_t)ld16(p + 2) << 16;
+}
+
+/* An entry of experts_q's table whose rows leave [0, n) or whose expert (ebytes from byte 2w)
+ * leaves the weights' allocation (wlimit bytes from wbase) is skipped. */
+static __device__ __forceinline__ bool qentry_ok(const tdm_moe_group &g, int n, long long wlimit,
+                                                 long long ebytes) {
+  return g.count > 0 && g.first >= 0 && (long long)g.first + g.count <= n && g.w >= 0 &&
+         2 * g.w <= wlimit - ebytes;
+}
+
 /* Fixed-order warp sum: lane 0 holds the result. */
 static __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
@@ -221,7 +247,14 @@ int cuda_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
 /* The transformer's operations (cuda/xfmr.cu), entries of tdm_moe__cuda_ops; and the loading
  * of their kernels at open() (see preload in cuda/ops.cu). */
 int cuda_xfmr_preload(moe_cuda *m);
-int cuda_quant_preload(moe_cuda *m); /* cuda/quant.cu's kernels */
+int cuda_quant_preload(moe_cuda *m); /* cuda/quant.cu's kernels (and q16.cu's) */
+/* cuda/q16.cu: experts_q's gate/up on Q4_K rows with 16-bit activations, and its scratch. */
+size_t cuda_q16_scratch(int n, int H);
+cudaError_t cuda_gate_up_q4k16(moe_cuda *m, const float *x, uint32_t xlimit,
+                               const int32_t *rows, int n, const uint8_t *wbase,
+                               long long wlimit, long long ebytes, const tdm_moe_group *groups,
+                               int G, int H, int I, size_t rb, float *h, void *scratch);
+int cuda_q16_preload(moe_cuda *m);
 int cuda_get_rows(void *st, tdm_queue *q, float *y, const float *table, const int32_t *ids,
                   int T, int H, int V);
 int cuda_get_rows_h(void *st, tdm_queue *q, float *y, const uint16_t *table, int wtype,

@@ -43,13 +43,6 @@ extern "C" {
 
 /* ---- units of 32 values ---- */
 
-static __device__ __forceinline__ uint16_t ld16(const uint8_t *p) { /* p even */
-  return __ldg((const unsigned short *)p);
-}
-
-static __device__ __forceinline__ float f16_at(const uint8_t *p) {
-  return __half2float(__ushort_as_half(ld16(p)));
-}
 
 /* Sub-block j's scale d sc and offset dmin m of the Q4_K block at b (its 6-bit sc and m from
  * the 12 packed bytes, as moe/quant.h's tdm_moe__scale_min_k4). */
@@ -132,13 +125,6 @@ static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v
 
 /* ---- experts_q: the grouped kernels ---- */
 
-/* An entry whose rows leave [0, n) or whose expert (ebytes from byte 2w) leaves the weights'
- * allocation (wlimit bytes from wbase) is skipped. */
-static __device__ __forceinline__ bool qentry_ok(const tdm_moe_group &g, int n, long long wlimit,
-                                                 long long ebytes) {
-  return g.count > 0 && g.first >= 0 && (long long)g.first + g.count <= n && g.w >= 0 &&
-         2 * g.w <= wlimit - ebytes;
-}
 
 #define GQ_NT 2 /* tokens a pass over a row dots with its widened values */
 
@@ -151,12 +137,6 @@ template <> struct qlay<TDM_MOE_W_Q4_K> { enum { R = 2, L = 4, S = 32 }; };
 template <> struct qlay<TDM_MOE_W_MXFP4> { enum { R = 2, L = 4, S = 16 }; };
 template <> struct qlay<TDM_MOE_W_Q6_K> { enum { R = 4, L = 2, S = 32 }; };
 
-/* Four bytes at p, an even address (an expert starts at an even byte; most start at a multiple
- * of 16, and are read four bytes a load). */
-static __device__ __forceinline__ uint32_t ld32(const uint8_t *p) {
-  if (((uintptr_t)p & 3) == 0) return __ldg((const unsigned int *)p);
-  return (uint32_t)ld16(p) | (uint32_t)ld16(p + 2) << 16;
-}
 
 /* Lane `lane`'s 8 values of chunk c of a row of K values of type T, in moe/quant.h's f32
  * operations: v[L r + e] is the value at p0 + S r + e. Returns p0, or -1 where the lane's
@@ -274,7 +254,7 @@ static __device__ __forceinline__ float dot8(const float *xr, int p0, const floa
  * so that the loads of U chunks are in flight together: one chunk a warp leaves the kernel
  * waiting on memory at one token), then the row's last, partial chunk with its test. The
  * order of every lane's sums is the chunk order either way. U is m->qunroll (open() reads
- * TANDEM_MOE_CUDA_QUNROLL: 1, 2 or 4, to measure it). */
+ * TANDEM_MOE_CUDA_QUNROLL: 1, 2 or 4, to measure it; 2 unless set). */
 
 /* One chunk c of a gate row wg and an up row wu, dotted with NT tokens' activations xr. */
 template <int T, int NT, bool Check>
@@ -445,7 +425,7 @@ static __global__ void __launch_bounds__(MOE_THREADS)
   }
 
 /* BODY compiled for each chunk unroll the decode kernels take, with QU the unroll, and run for
- * u (m->qunroll: 1, 2 or 4). */
+ * u (m->qunroll: 1, 2 (the default: bench/results/h100-qdecode-9d9222d/) or 4). */
 #define UNROLL_CASE(U, ...) \
   case U: {                 \
     constexpr int QU = U;   \
@@ -454,9 +434,9 @@ static __global__ void __launch_bounds__(MOE_THREADS)
 #define BY_UNROLL(u, ...)        \
   switch (u) {                   \
     UNROLL_CASE(1, __VA_ARGS__)  \
-    UNROLL_CASE(2, __VA_ARGS__)  \
+    UNROLL_CASE(4, __VA_ARGS__)  \
   default: {                     \
-    constexpr int QU = 4;        \
+    constexpr int QU = 2;        \
     __VA_ARGS__;                 \
   } break;                       \
   }
@@ -623,10 +603,16 @@ int cuda_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
   int saved;
   if ((rc = enter(m, &saved))) return rc;
   cudaError_t e;
-  BY_UNROLL(m->qunroll,
-            BY_QTYPE(fmt.gu, e = launch_pdl(m, gq_gate_up_kernel<QT, QU>, gu_grid, MOE_THREADS,
-                                            0, x, xlimit, rows, n, wb, wlimit, ebytes, groups, H,
-                                            I, gu_rb, h)));
+  /* Q4_K gate/up rows on 16-bit activations (q16.cu), their scratch after h */
+  const size_t q16_at = ((size_t)n * I * sizeof(float) + 255) / 256 * 256;
+  if (fmt.gu == TDM_MOE_W_Q4_K && m->q16 && q16_at + cuda_q16_scratch(n, H) <= workspace_bytes)
+    e = cuda_gate_up_q4k16(m, x, xlimit, rows, n, wb, wlimit, ebytes, groups, G, H, I, gu_rb, h,
+                           (unsigned char *)workspace + q16_at);
+  else
+    BY_UNROLL(m->qunroll,
+              BY_QTYPE(fmt.gu, e = launch_pdl(m, gq_gate_up_kernel<QT, QU>, gu_grid,
+                                              MOE_THREADS, 0, x, xlimit, rows, n, wb, wlimit,
+                                              ebytes, groups, H, I, gu_rb, h)));
   if (e == cudaSuccess)
     BY_UNROLL(m->qunroll,
               BY_QTYPE(fmt.d, e = launch_pdl(m, gq_down_kernel<QT, QU>, down_grid, MOE_THREADS,
@@ -838,5 +824,5 @@ static int quant_preload_unroll(moe_cuda *m) {
 int cuda_quant_preload(moe_cuda *m) {
   int rc;
   BY_UNROLL(m->qunroll, rc = quant_preload_unroll<QU>(m));
-  return rc;
+  return rc ? rc : cuda_q16_preload(m);
 }

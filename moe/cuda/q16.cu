@@ -1,0 +1,201 @@
+/* cuda/q16.cu: experts_q's decode gate/up on Q4_K rows, on 16-bit activations.
+ *
+ * quant.cu's decode kernels widen every weight to f32 and spend about sixteen instructions a
+ * weight: at one token they issue instructions, not bytes (ncu on an H100: issue slots half
+ * busy, DRAM 15% busy, bench/results/h100-qdecode-9d9222d/). Here a Q4_K row is dotted in
+ * integers, as GGUF's blocks are built for: each entry's activations are first rounded to
+ * 16-bit integers in blocks of 32 with an f32 scale d (xq16_kernel: d = max |x| / 32767,
+ * q = rint(x / d)), and the row's 4-bit q are dotted with them two at a time (dp2a: two
+ * products of a 16-bit and an 8-bit integer and their sum in one instruction), sixteen values
+ * a lane; a sub-block's integer sum is then scaled once: d sc dx sum(q xq) - dmin m dx
+ * sum(xq). About one instruction a weight; the activations' rounding is 2^-16 of a block's
+ * largest value, far under bf16's.
+ *
+ * One warp per gate/up row pair, as quant.cu's: lane l reads 16 bytes of q (32 values: 16 of
+ * sub-block 2j and the same 16 places of 2j + 1) of superblock 4p + l / 8 in pass p, and the
+ * superblock's 16-byte head (d, dmin, the packed scales). Rows are read 16 bytes a load where
+ * the expert starts on 16 bytes (the model's arenas do), else four bytes at a time. The sums
+ * of a lane are in pass order, then the fixed warp tree: deterministic, and a token's result
+ * depends on its expert and its own activations only. */
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cuda/cuda_ops.h"
+
+extern "C" {
+#include "tandem/moe_ops.h"
+}
+
+#define Q16_NT 2 /* tokens a pass over a row pair dots */
+
+/* Sixteen bytes at p (an even address; 16-byte aligned when a16). */
+static __device__ __forceinline__ uint4 ld128(const uint8_t *p, bool a16) {
+  if (a16) return __ldg((const uint4 *)p);
+  return make_uint4(ld32(p), ld32(p + 4), ld32(p + 8), ld32(p + 12));
+}
+
+/* ---- activations: blocks of 32 values to 16-bit integers, one entry a block ---- */
+
+static __global__ void __launch_bounds__(MOE_THREADS)
+    xq16_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int H, int16_t *xq,
+                float2 *xd) {
+  wait_prior_grid();
+  const int e = blockIdx.x, lane = threadIdx.x & 31;
+  const uint32_t row = (uint32_t)rows[e];
+  const float *xr = row < xlimit ? x + (size_t)row * H : NULL; /* outside: zeros, not read */
+  for (int b = threadIdx.x >> 5; b < H / 32; b += MOE_WARPS) {
+    const float v = xr ? xr[32 * b + lane] : 0.f;
+    float amax = fabsf(v);
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 32767.f;
+    const int q = d > 0.f ? __float2int_rn(v / d) : 0;
+    int s = q;
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    xq[(size_t)e * H + 32 * b + lane] = (int16_t)q;
+    if (lane == 0) xd[(size_t)e * (H / 32) + b] = make_float2(d, d * (float)s);
+  }
+}
+
+/* ---- Q4_K rows dotted with them ---- */
+
+/* Sub-blocks 2jp and 2jp + 1's 6-bit scales and mins from a Q4_K head h (moe/quant.h's
+ * tdm_moe__scale_min_k4 for j = 2jp, 2jp + 1), without a branch. */
+static __device__ __forceinline__ void q4k_scales2(uint4 h, int jp, int s[2], int m[2]) {
+  const int sh = 16 * (jp & 1);
+  const uint32_t y = h.y >> sh, z = h.z >> sh, w = h.w >> sh;
+  const bool lo = jp < 2;
+#pragma unroll
+  for (int k = 0; k < 2; k++) {
+    const uint32_t yk = y >> (8 * k), zk = z >> (8 * k), wk = w >> (8 * k);
+    s[k] = lo ? (int)(yk & 63) : (int)((wk & 0xF) | ((yk >> 6) & 3) << 4);
+    m[k] = lo ? (int)(zk & 63) : (int)(((wk >> 4) & 0xF) | ((zk >> 6) & 3) << 4);
+  }
+}
+
+/* The lane's part of a Q4_K row's superblock against one token: head h, 16 bytes of q at
+ * place o (pair jp = o / 2, half o % 2), the token's 16-bit values of the two sub-blocks at
+ * the same places (a, b: 16 each) and their blocks' (d, d sum). The mins' term of a sub-block
+ * is added by its half-0 lane only. */
+static __device__ __forceinline__ float q4k_dot16(uint4 h, uint4 q, int o, const uint4 a[2],
+                                                  const uint4 b[2], float2 da, float2 db) {
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+  const uint32_t xa[8] = {a[0].x, a[0].y, a[0].z, a[0].w, a[1].x, a[1].y, a[1].z, a[1].w};
+  const uint32_t xb[8] = {b[0].x, b[0].y, b[0].z, b[0].w, b[1].x, b[1].y, b[1].z, b[1].w};
+  int ia = 0, ib = 0;
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const int lo = (int)(w[i] & 0x0F0F0F0Fu), hi = (int)((w[i] >> 4) & 0x0F0F0F0Fu);
+    ia = __dp2a_lo((int)xa[2 * i], lo, ia);
+    ia = __dp2a_hi((int)xa[2 * i + 1], lo, ia);
+    ib = __dp2a_lo((int)xb[2 * i], hi, ib);
+    ib = __dp2a_hi((int)xb[2 * i + 1], hi, ib);
+  }
+  int s[2], m[2];
+  q4k_scales2(h, o >> 1, s, m);
+  const float d = __half2float(__ushort_as_half((unsigned short)(h.x & 0xffff)));
+  const float dmin = __half2float(__ushort_as_half((unsigned short)(h.x >> 16)));
+  float r = d * (float)s[0] * da.x * (float)ia + d * (float)s[1] * db.x * (float)ib;
+  if (!(o & 1)) r -= dmin * ((float)m[0] * da.y + (float)m[1] * db.y);
+  return r;
+}
+
+/* Pass p of a gate row wg and an up row wu (a16: both on 16 bytes) for NT tokens' blocks
+ * (xq, xd: each token's row). */
+template <int NT>
+static __device__ __forceinline__ void gu16_pass(const uint8_t *wg, const uint8_t *wu, bool a16,
+                                                 int sb, int o, const int16_t *const *xq,
+                                                 const float2 *const *xd, float *ag, float *au) {
+  const size_t at = 144 * (size_t)sb;
+  const uint4 hg = ld128(wg + at, a16), qg = ld128(wg + at + 16 + 16 * o, a16);
+  const uint4 hu = ld128(wu + at, a16), qu = ld128(wu + at + 16 + 16 * o, a16);
+  const int jp = o >> 1, half = o & 1;
+#pragma unroll
+  for (int t = 0; t < NT; t++) {
+    const uint4 *xa = (const uint4 *)(xq[t] + 256 * sb + 64 * jp + 16 * half);
+    const uint4 a[2] = {xa[0], xa[1]}, b[2] = {xa[4], xa[5]}; /* b: 32 values on */
+    const float2 da = xd[t][8 * sb + 2 * jp], db = xd[t][8 * sb + 2 * jp + 1];
+    ag[t] += q4k_dot16(hg, qg, o, a, b, da, db);
+    au[t] += q4k_dot16(hu, qu, o, a, b, da, db);
+  }
+}
+
+template <int NT>
+static __device__ __forceinline__ void gu16_rows(const uint8_t *wg, const uint8_t *wu, int H,
+                                                 const int16_t *const *xq,
+                                                 const float2 *const *xd, float *ag, float *au) {
+  const int lane = threadIdx.x & 31, o = lane & 7, nsb = H / 256;
+  const bool a16 = (((uintptr_t)wg | (uintptr_t)wu) & 15) == 0;
+#pragma unroll 2
+  for (int p = 0; p < (nsb + 3) / 4; p++) {
+    const int sb = 4 * p + (lane >> 3);
+    if (sb < nsb) gu16_pass<NT>(wg, wu, a16, sb, o, xq, xd, ag, au);
+  }
+}
+
+/* Gate/up row r of an entry's Q4_K expert for its tokens: h[entry][r] = SiLU(g) u, as
+ * quant.cu's gq_gate_up_kernel, on xq16_kernel's blocks of each entry (xq [n x H],
+ * xd [n x H / 32]). */
+static __global__ void __launch_bounds__(MOE_THREADS)
+    gq16_gate_up_kernel(const int16_t *xq, const float2 *xd, uint32_t xlimit,
+                        const int32_t *rows, int n, const uint8_t *wbase, long long wlimit,
+                        long long ebytes, const tdm_moe_group *groups, int H, int I, size_t rb,
+                        float *h) {
+  wait_prior_grid();
+  const tdm_moe_group g = groups[blockIdx.y];
+  const int r = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (r >= I || !qentry_ok(g, n, wlimit, ebytes)) return; /* whole warps leave */
+  const uint8_t *wg = wbase + 2 * g.w + (size_t)r * rb, *wu = wg + (size_t)I * rb;
+  for (int t0 = 0; t0 < g.count; t0 += Q16_NT) {
+    const int nt = min(Q16_NT, g.count - t0);
+    const int16_t *xr[Q16_NT];
+    const float2 *dr[Q16_NT];
+    float ag[Q16_NT], au[Q16_NT];
+#pragma unroll
+    for (int t = 0; t < Q16_NT; t++) {
+      const size_t e = (size_t)g.first + t0 + min(t, nt - 1);
+      xr[t] = xq + e * H;
+      dr[t] = xd + e * (H / 32);
+      ag[t] = au[t] = 0.f;
+    }
+    if (nt == 1)
+      gu16_rows<1>(wg, wu, H, xr, dr, ag, au);
+    else
+      gu16_rows<Q16_NT>(wg, wu, H, xr, dr, ag, au);
+#pragma unroll
+    for (int t = 0; t < Q16_NT; t++) {
+      if (t >= nt) break;
+      const bool ok = (uint32_t)rows[g.first + t0 + t] < xlimit;
+      const float gs = warp_sum(ag[t]), us = warp_sum(au[t]);
+      if (lane == 0 && ok) h[((size_t)g.first + t0 + t) * I + r] = gs / (1.f + expf(-gs)) * us;
+    }
+  }
+}
+
+/* Bytes of the scratch cuda_gate_up_q4k16 takes for n entries of H values. */
+size_t cuda_q16_scratch(int n, int H) {
+  return (size_t)n * H * sizeof(int16_t) + (size_t)n * (H / 32) * sizeof(float2);
+}
+
+cudaError_t cuda_gate_up_q4k16(moe_cuda *m, const float *x, uint32_t xlimit,
+                               const int32_t *rows, int n, const uint8_t *wbase,
+                               long long wlimit, long long ebytes, const tdm_moe_group *groups,
+                               int G, int H, int I, size_t rb, float *h, void *scratch) {
+  int16_t *xq = (int16_t *)scratch;
+  float2 *xd = (float2 *)(xq + (size_t)n * H);
+  cudaError_t e = launch_pdl(m, xq16_kernel, (unsigned)n, MOE_THREADS, 0, x, xlimit, rows, H,
+                             xq, xd);
+  if (e != cudaSuccess) return e;
+  const dim3 grid((unsigned)((I + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G);
+  return launch_pdl(m, gq16_gate_up_kernel, grid, MOE_THREADS, 0, (const int16_t *)xq,
+                    (const float2 *)xd, xlimit, rows, n, wbase, wlimit, ebytes, groups, H, I, rb,
+                    h);
+}
+
+int cuda_q16_preload(moe_cuda *m) {
+  const void *k[] = {(const void *)xq16_kernel, (const void *)gq16_gate_up_kernel};
+  for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
+    cudaFuncAttributes a;
+    CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
+  }
+  return 0;
+}
