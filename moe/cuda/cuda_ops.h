@@ -248,8 +248,16 @@ int cuda_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
  * of their kernels at open() (see preload in cuda/ops.cu). */
 int cuda_xfmr_preload(moe_cuda *m);
 int cuda_quant_preload(moe_cuda *m); /* cuda/quant.cu's kernels (and q16.cu's) */
-/* cuda/q16.cu: experts_q's gate/up on Q4_K rows with 16-bit activations, and its scratch. */
+/* cuda/q16.cu: experts_q's gate/up on Q4_K rows and down on Q4_K or Q6_K rows (td) with
+ * 16-bit activations, and the scratch each takes (256-byte multiples). */
 size_t cuda_q16_scratch(int n, int H);
+bool cuda_q16_down_takes(int td);
+size_t cuda_q16_down_scratch(int n, int I);
+cudaError_t cuda_down_q16(moe_cuda *m, const float *h, const int32_t *rows, uint32_t xlimit,
+                          const int32_t *slot, uint32_t olimit, int n, const uint8_t *wbase,
+                          long long wlimit, long long ebytes, int td,
+                          const tdm_moe_group *groups, int G, int H, int I, size_t gu_rb,
+                          size_t rb, float *out, void *scratch);
 cudaError_t cuda_gate_up_q4k16(moe_cuda *m, const float *x, uint32_t xlimit,
                                const int32_t *rows, int n, const uint8_t *wbase,
                                long long wlimit, long long ebytes, const tdm_moe_group *groups,

@@ -1,4 +1,5 @@
-/* cuda/q16.cu: experts_q's decode gate/up on Q4_K rows, on 16-bit activations.
+/* cuda/q16.cu: experts_q's decode on Q4_K (gate, up, down) and Q6_K (down) rows, on 16-bit
+ * activations.
  *
  * quant.cu's decode kernels widen every weight to f32 and spend about sixteen instructions a
  * weight: at one token they issue instructions, not bytes (ncu on an H100: issue slots half
@@ -9,11 +10,15 @@
  * products of a 16-bit and an 8-bit integer and their sum in one instruction), sixteen values
  * a lane; a sub-block's integer sum is then scaled once: d sc dx sum(q xq) - dmin m dx
  * sum(xq). About one instruction a weight; the activations' rounding is 2^-16 of a block's
- * largest value, far under bf16's.
+ * largest value, far under bf16's. The down rows take the gate/up kernel's f32 output rounded
+ * the same way. Q6_K's 6-bit q - 32 are built as signed bytes (four at a time) and scaled
+ * each 16 values by its int8 scale.
  *
- * One warp per gate/up row pair, as quant.cu's: lane l reads 16 bytes of q (32 values: 16 of
- * sub-block 2j and the same 16 places of 2j + 1) of superblock 4p + l / 8 in pass p, and the
- * superblock's 16-byte head (d, dmin, the packed scales). Rows are read 16 bytes a load where
+ * One warp per gate/up row pair or down row, as quant.cu's; lanes 8s .. 8s + 7 take 32 values
+ * each of superblock 4p + s in pass p. Q4_K: lane o of them reads 16 bytes of q (16 values of
+ * sub-block 2j and the same 16 places of 2j + 1, j = o / 2) and the superblock's 16-byte head
+ * (d, dmin, the packed scales). Q6_K: lane o takes places 8(o % 4) .. + 7 of each quarter of
+ * half o / 4 (eight bytes of ql twice and of qh once). Rows are read 16 bytes a load where
  * the expert starts on 16 bytes (the model's arenas do), else four bytes at a time. The sums
  * of a lane are in pass order, then the fixed warp tree: deterministic, and a token's result
  * depends on its expert and its own activations only. */
@@ -34,14 +39,15 @@ static __device__ __forceinline__ uint4 ld128(const uint8_t *p, bool a16) {
   return make_uint4(ld32(p), ld32(p + 4), ld32(p + 8), ld32(p + 12));
 }
 
-/* ---- activations: blocks of 32 values to 16-bit integers, one entry a block ---- */
+/* ---- activations: blocks of 32 values to 16-bit integers, one entry a block: entry e's row
+ * rows[e] of x (zeros where that lies past xlimit rows), or row e when rows is NULL ---- */
 
 static __global__ void __launch_bounds__(MOE_THREADS)
     xq16_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int H, int16_t *xq,
                 float2 *xd) {
   wait_prior_grid();
   const int e = blockIdx.x, lane = threadIdx.x & 31;
-  const uint32_t row = (uint32_t)rows[e];
+  const uint32_t row = rows ? (uint32_t)rows[e] : (uint32_t)e; /* NULL: entry e's own row */
   const float *xr = row < xlimit ? x + (size_t)row * H : NULL; /* outside: zeros, not read */
   for (int b = threadIdx.x >> 5; b < H / 32; b += MOE_WARPS) {
     const float v = xr ? xr[32 * b + lane] : 0.f;
@@ -171,9 +177,142 @@ static __global__ void __launch_bounds__(MOE_THREADS)
   }
 }
 
-/* Bytes of the scratch cuda_gate_up_q4k16 takes for n entries of H values. */
-size_t cuda_q16_scratch(int n, int H) {
-  return (size_t)n * H * sizeof(int16_t) + (size_t)n * (H / 32) * sizeof(float2);
+/* ---- down rows ---- */
+
+/* The lane's part of a Q6_K superblock b against one token: place o (half o / 4, places
+ * 8(o % 4) .. + 7 of each quarter), the token's 16-bit values at xs (the half's 128) and its
+ * four blocks' scales xd4. Rows start on 2 bytes, so loads are four bytes at most. */
+static __device__ __forceinline__ float q6k_dot16(const uint8_t *b, int o, const int16_t *xs,
+                                                  const float2 *xd4) {
+  const int n = o >> 2, l = 8 * (o & 3);
+  const uint32_t ql[2][2] = {{ld32(b + 64 * n + l), ld32(b + 64 * n + l + 4)},
+                             {ld32(b + 64 * n + 32 + l), ld32(b + 64 * n + 32 + l + 4)}};
+  const uint32_t qh[2] = {ld32(b + 128 + 32 * n + l), ld32(b + 128 + 32 * n + l + 4)};
+  const uint32_t sc0 = ld32(b + 192 + 8 * n), sc1 = ld32(b + 196 + 8 * n);
+  const float d = f16_at(b + 208);
+  float r = 0.f;
+#pragma unroll
+  for (int k = 0; k < 4; k++) { /* quarter k: values 32k + l .. + 7 of the half */
+    const uint4 x = *(const uint4 *)(xs + 32 * k + l);
+    const int sl = 4 * (k >> 1), sh = 2 * k;
+    int v[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+      v[i] = (int)__vsub4(((ql[k & 1][i] >> sl) & 0x0F0F0F0Fu) |
+                              (((qh[i] >> sh) & 0x03030303u) << 4),
+                          0x20202020u);
+    int acc = __dp2a_lo((int)x.x, v[0], 0);
+    acc = __dp2a_hi((int)x.y, v[0], acc);
+    acc = __dp2a_lo((int)x.z, v[1], acc);
+    acc = __dp2a_hi((int)x.w, v[1], acc);
+    const int j = 2 * k + (l >= 16); /* the sub-block's scale, of the half's eight */
+    const int sc = (int)(int8_t)((j < 4 ? sc0 : sc1) >> (8 * (j & 3)));
+    r += d * (float)sc * xd4[k].x * (float)acc;
+  }
+  return r;
+}
+
+/* Pass p of a down row wd of type TD for NT tokens' blocks of h. */
+template <int TD, int NT>
+static __device__ __forceinline__ void d16_pass(const uint8_t *wd, bool a16, int sb, int o,
+                                                const int16_t *const *xq,
+                                                const float2 *const *xd, float *acc) {
+  if (TD == TDM_MOE_W_Q4_K) {
+    const size_t at = 144 * (size_t)sb;
+    const uint4 h = ld128(wd + at, a16), q = ld128(wd + at + 16 + 16 * o, a16);
+    const int jp = o >> 1, half = o & 1;
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+      const uint4 *xa = (const uint4 *)(xq[t] + 256 * sb + 64 * jp + 16 * half);
+      const uint4 a[2] = {xa[0], xa[1]}, b[2] = {xa[4], xa[5]};
+      acc[t] += q4k_dot16(h, q, o, a, b, xd[t][8 * sb + 2 * jp], xd[t][8 * sb + 2 * jp + 1]);
+    }
+  } else { /* Q6_K */
+    const uint8_t *b = wd + 210 * (size_t)sb;
+    const int n = o >> 2;
+#pragma unroll
+    for (int t = 0; t < NT; t++)
+      acc[t] += q6k_dot16(b, o, xq[t] + 256 * sb + 128 * n, xd[t] + 8 * sb + 4 * n);
+  }
+}
+
+/* Down row c of an entry's expert for its tokens: out[slot][c] = h . Wd[c], as quant.cu's
+ * gq_down_kernel, on xq16_kernel's blocks of h (hq [n x I], hd [n x I / 32]). */
+template <int TD>
+static __global__ void __launch_bounds__(MOE_THREADS)
+    gq16_down_kernel(const int16_t *hq, const float2 *hd, const int32_t *rows, uint32_t xlimit,
+                     const int32_t *slot, uint32_t olimit, int n, const uint8_t *wbase,
+                     long long wlimit, long long ebytes, const tdm_moe_group *groups, int H,
+                     int I, size_t gu_rb, size_t rb, float *out) {
+  wait_prior_grid();
+  const tdm_moe_group g = groups[blockIdx.y];
+  const int c = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (c >= H || !qentry_ok(g, n, wlimit, ebytes)) return;
+  const uint8_t *wd = wbase + 2 * g.w + 2 * (size_t)I * gu_rb + (size_t)c * rb;
+  const bool a16 = ((uintptr_t)wd & 15) == 0;
+  const int o = lane & 7, nsb = I / 256;
+  for (int t0 = 0; t0 < g.count; t0 += Q16_NT) {
+    const int nt = min(Q16_NT, g.count - t0);
+    const int16_t *xr[Q16_NT];
+    const float2 *dr[Q16_NT];
+    float acc[Q16_NT];
+#pragma unroll
+    for (int t = 0; t < Q16_NT; t++) {
+      const size_t e = (size_t)g.first + t0 + min(t, nt - 1);
+      xr[t] = hq + e * I;
+      dr[t] = hd + e * (I / 32);
+      acc[t] = 0.f;
+    }
+#pragma unroll 2
+    for (int p = 0; p < (nsb + 3) / 4; p++) {
+      const int sb = 4 * p + (lane >> 3);
+      if (sb >= nsb) continue;
+      if (nt == 1)
+        d16_pass<TD, 1>(wd, a16, sb, o, xr, dr, acc);
+      else
+        d16_pass<TD, Q16_NT>(wd, a16, sb, o, xr, dr, acc);
+    }
+#pragma unroll
+    for (int t = 0; t < Q16_NT; t++) {
+      if (t >= nt) break;
+      const uint32_t s = (uint32_t)slot[g.first + t0 + t];
+      const bool ok = s < olimit && (uint32_t)rows[g.first + t0 + t] < xlimit;
+      const float v = warp_sum(acc[t]);
+      if (lane == 0 && ok) out[(size_t)s * H + c] = v;
+    }
+  }
+}
+
+/* Bytes of the scratch of n entries' blocks of K values. */
+static size_t blocks16_bytes(int n, int K) {
+  return ((size_t)n * K * sizeof(int16_t) + (size_t)n * (K / 32) * sizeof(float2) + 255) / 256 *
+         256;
+}
+
+size_t cuda_q16_scratch(int n, int H) { return blocks16_bytes(n, H); }
+
+bool cuda_q16_down_takes(int td) { return td == TDM_MOE_W_Q4_K || td == TDM_MOE_W_Q6_K; }
+
+size_t cuda_q16_down_scratch(int n, int I) { return blocks16_bytes(n, I); }
+
+cudaError_t cuda_down_q16(moe_cuda *m, const float *h, const int32_t *rows, uint32_t xlimit,
+                          const int32_t *slot, uint32_t olimit, int n, const uint8_t *wbase,
+                          long long wlimit, long long ebytes, int td,
+                          const tdm_moe_group *groups, int G, int H, int I, size_t gu_rb,
+                          size_t rb, float *out, void *scratch) {
+  int16_t *hq = (int16_t *)scratch;
+  float2 *hd = (float2 *)(hq + (size_t)n * I);
+  cudaError_t e = launch_pdl(m, xq16_kernel, (unsigned)n, MOE_THREADS, 0, h, (uint32_t)n,
+                             (const int32_t *)NULL, I, hq, hd);
+  if (e != cudaSuccess) return e;
+  const dim3 grid((unsigned)((H + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G);
+  if (td == TDM_MOE_W_Q4_K)
+    return launch_pdl(m, gq16_down_kernel<TDM_MOE_W_Q4_K>, grid, MOE_THREADS, 0,
+                      (const int16_t *)hq, (const float2 *)hd, rows, xlimit, slot, olimit, n,
+                      wbase, wlimit, ebytes, groups, H, I, gu_rb, rb, out);
+  return launch_pdl(m, gq16_down_kernel<TDM_MOE_W_Q6_K>, grid, MOE_THREADS, 0,
+                    (const int16_t *)hq, (const float2 *)hd, rows, xlimit, slot, olimit, n,
+                    wbase, wlimit, ebytes, groups, H, I, gu_rb, rb, out);
 }
 
 cudaError_t cuda_gate_up_q4k16(moe_cuda *m, const float *x, uint32_t xlimit,
@@ -192,7 +331,9 @@ cudaError_t cuda_gate_up_q4k16(moe_cuda *m, const float *x, uint32_t xlimit,
 }
 
 int cuda_q16_preload(moe_cuda *m) {
-  const void *k[] = {(const void *)xq16_kernel, (const void *)gq16_gate_up_kernel};
+  const void *k[] = {(const void *)xq16_kernel, (const void *)gq16_gate_up_kernel,
+                     (const void *)gq16_down_kernel<TDM_MOE_W_Q4_K>,
+                     (const void *)gq16_down_kernel<TDM_MOE_W_Q6_K>};
   for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
