@@ -14,8 +14,8 @@
  * the same way. Q6_K's 6-bit q - 32 are built as signed bytes (four at a time) and scaled
  * each 16 values by its int8 scale.
  *
- * One warp per gate/up row pair or down row, as quant.cu's; lanes 8s .. 8s + 7 take 32 values
- * each of superblock 4p + s in pass p. Q4_K: lane o of them reads 16 bytes of q (16 values of
+ * One warp per gate/up row pair, as quant.cu's, or per D16_ROWS down rows; lanes 8s .. 8s + 7
+ * take 32 values each of superblock 4p + s (of the warp's rows, back to back) in pass p. Q4_K: lane o of them reads 16 bytes of q (16 values of
  * sub-block 2j and the same 16 places of 2j + 1, j = o / 2) and the superblock's 16-byte head
  * (d, dmin, the packed scales). Q6_K: lane o takes places 8(o % 4) .. + 7 of each quarter of
  * half o / 4 (eight bytes of ql twice and of qh once). Rows are read 16 bytes a load where
@@ -39,17 +39,20 @@ static __device__ __forceinline__ uint4 ld128(const uint8_t *p, bool a16) {
   return make_uint4(ld32(p), ld32(p + 4), ld32(p + 8), ld32(p + 12));
 }
 
-/* ---- activations: blocks of 32 values to 16-bit integers, one entry a block: entry e's row
- * rows[e] of x (zeros where that lies past xlimit rows), or row e when rows is NULL ---- */
+/* ---- activations: blocks of 32 values to 16-bit integers, one warp a block (blockIdx.x the
+ * entry e, the warps of blockIdx.y side by side along its row): entry e's row rows[e] of x
+ * (zeros where that lies past xlimit rows), or row e when rows is NULL ---- */
 
 static __global__ void __launch_bounds__(MOE_THREADS)
     xq16_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int H, int16_t *xq,
                 float2 *xd) {
   wait_prior_grid();
   const int e = blockIdx.x, lane = threadIdx.x & 31;
+  const int b = blockIdx.y * MOE_WARPS + (threadIdx.x >> 5);
+  if (b >= H / 32) return;
   const uint32_t row = rows ? (uint32_t)rows[e] : (uint32_t)e; /* NULL: entry e's own row */
   const float *xr = row < xlimit ? x + (size_t)row * H : NULL; /* outside: zeros, not read */
-  for (int b = threadIdx.x >> 5; b < H / 32; b += MOE_WARPS) {
+  {
     const float v = xr ? xr[32 * b + lane] : 0.f;
     float amax = fabsf(v);
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -212,9 +215,9 @@ static __device__ __forceinline__ float q6k_dot16(const uint8_t *b, int o, const
   return r;
 }
 
-/* Pass p of a down row wd of type TD for NT tokens' blocks of h. */
+/* Superblock sb of a down row wd of type TD for NT tokens' blocks of h, added to acc. */
 template <int TD, int NT>
-static __device__ __forceinline__ void d16_pass(const uint8_t *wd, bool a16, int sb, int o,
+static __device__ __forceinline__ void d16_unit(const uint8_t *wd, bool a16, int sb, int o,
                                                 const int16_t *const *xq,
                                                 const float2 *const *xd, float *acc) {
   if (TD == TDM_MOE_W_Q4_K) {
@@ -236,8 +239,38 @@ static __device__ __forceinline__ void d16_pass(const uint8_t *wd, bool a16, int
   }
 }
 
-/* Down row c of an entry's expert for its tokens: out[slot][c] = h . Wd[c], as quant.cu's
- * gq_down_kernel, on xq16_kernel's blocks of h (hq [n x I], hd [n x I / 32]). */
+/* A down row has few superblocks (an expert's FFN width I = 768 is three), so a warp takes
+ * D16_ROWS rows, back to back in memory: its R nsb superblocks are units, lanes 8s .. 8s + 7
+ * taking unit 4p + s in pass p, each added to its row's sums; then one warp tree a row. */
+#define D16_ROWS 4
+
+template <int TD, int NT>
+static __device__ __forceinline__ void d16_rows(const uint8_t *wd, size_t rb, int nrows,
+                                                int nsb, const int16_t *const *xq,
+                                                const float2 *const *xd,
+                                                float acc[D16_ROWS][Q16_NT]) {
+  const int lane = threadIdx.x & 31, o = lane & 7, units = nrows * nsb;
+  const bool a16 = (((uintptr_t)wd | rb) & 15) == 0;
+#pragma unroll 3
+  for (int p = 0; p < (units + 3) / 4; p++) {
+    const int u = 4 * p + (lane >> 3);
+    if (u >= units) continue;
+    const int r = u / nsb;
+    float part[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) part[t] = 0.f;
+    d16_unit<TD, NT>(wd + (size_t)r * rb, a16, u - r * nsb, o, xq, xd, part);
+#pragma unroll
+    for (int k = 0; k < D16_ROWS; k++)
+#pragma unroll
+      for (int t = 0; t < NT; t++)
+        if (k == r) acc[k][t] += part[t];
+  }
+}
+
+/* Down rows c0 .. c0 + D16_ROWS - 1 of an entry's expert for its tokens: out[slot][c] =
+ * h . Wd[c], as quant.cu's gq_down_kernel, on xq16_kernel's blocks of h (hq [n x I],
+ * hd [n x I / 32]). */
 template <int TD>
 static __global__ void __launch_bounds__(MOE_THREADS)
     gq16_down_kernel(const int16_t *hq, const float2 *hd, const int32_t *rows, uint32_t xlimit,
@@ -246,41 +279,44 @@ static __global__ void __launch_bounds__(MOE_THREADS)
                      int I, size_t gu_rb, size_t rb, float *out) {
   wait_prior_grid();
   const tdm_moe_group g = groups[blockIdx.y];
-  const int c = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (c >= H || !qentry_ok(g, n, wlimit, ebytes)) return;
-  const uint8_t *wd = wbase + 2 * g.w + 2 * (size_t)I * gu_rb + (size_t)c * rb;
-  const bool a16 = ((uintptr_t)wd & 15) == 0;
-  const int o = lane & 7, nsb = I / 256;
+  const int c0 = D16_ROWS * (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5));
+  const int lane = threadIdx.x & 31;
+  if (c0 >= H || !qentry_ok(g, n, wlimit, ebytes)) return;
+  const int nrows = min(D16_ROWS, H - c0), nsb = I / 256;
+  const uint8_t *wd = wbase + 2 * g.w + 2 * (size_t)I * gu_rb + (size_t)c0 * rb;
   for (int t0 = 0; t0 < g.count; t0 += Q16_NT) {
     const int nt = min(Q16_NT, g.count - t0);
     const int16_t *xr[Q16_NT];
     const float2 *dr[Q16_NT];
-    float acc[Q16_NT];
+    float acc[D16_ROWS][Q16_NT];
 #pragma unroll
     for (int t = 0; t < Q16_NT; t++) {
       const size_t e = (size_t)g.first + t0 + min(t, nt - 1);
       xr[t] = hq + e * I;
       dr[t] = hd + e * (I / 32);
-      acc[t] = 0.f;
+#pragma unroll
+      for (int k = 0; k < D16_ROWS; k++) acc[k][t] = 0.f;
     }
-#pragma unroll 2
-    for (int p = 0; p < (nsb + 3) / 4; p++) {
-      const int sb = 4 * p + (lane >> 3);
-      if (sb >= nsb) continue;
-      if (nt == 1)
-        d16_pass<TD, 1>(wd, a16, sb, o, xr, dr, acc);
-      else
-        d16_pass<TD, Q16_NT>(wd, a16, sb, o, xr, dr, acc);
-    }
+    if (nt == 1)
+      d16_rows<TD, 1>(wd, rb, nrows, nsb, xr, dr, acc);
+    else
+      d16_rows<TD, Q16_NT>(wd, rb, nrows, nsb, xr, dr, acc);
 #pragma unroll
     for (int t = 0; t < Q16_NT; t++) {
       if (t >= nt) break;
       const uint32_t s = (uint32_t)slot[g.first + t0 + t];
       const bool ok = s < olimit && (uint32_t)rows[g.first + t0 + t] < xlimit;
-      const float v = warp_sum(acc[t]);
-      if (lane == 0 && ok) out[(size_t)s * H + c] = v;
+#pragma unroll
+      for (int k = 0; k < D16_ROWS; k++) {
+        const float v = warp_sum(acc[k][t]);
+        if (lane == 0 && ok && k < nrows) out[(size_t)s * H + c0 + k] = v;
+      }
     }
   }
+}
+
+static dim3 xq16_grid(int n, int K) {
+  return dim3((unsigned)n, (unsigned)((K / 32 + MOE_WARPS - 1) / MOE_WARPS));
 }
 
 /* Bytes of the scratch of n entries' blocks of K values. */
@@ -302,10 +338,11 @@ cudaError_t cuda_down_q16(moe_cuda *m, const float *h, const int32_t *rows, uint
                           size_t rb, float *out, void *scratch) {
   int16_t *hq = (int16_t *)scratch;
   float2 *hd = (float2 *)(hq + (size_t)n * I);
-  cudaError_t e = launch_pdl(m, xq16_kernel, (unsigned)n, MOE_THREADS, 0, h, (uint32_t)n,
+  cudaError_t e = launch_pdl(m, xq16_kernel, xq16_grid(n, I), MOE_THREADS, 0, h, (uint32_t)n,
                              (const int32_t *)NULL, I, hq, hd);
   if (e != cudaSuccess) return e;
-  const dim3 grid((unsigned)((H + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G);
+  const int warps = (H + D16_ROWS - 1) / D16_ROWS;
+  const dim3 grid((unsigned)((warps + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G);
   if (td == TDM_MOE_W_Q4_K)
     return launch_pdl(m, gq16_down_kernel<TDM_MOE_W_Q4_K>, grid, MOE_THREADS, 0,
                       (const int16_t *)hq, (const float2 *)hd, rows, xlimit, slot, olimit, n,
@@ -321,7 +358,7 @@ cudaError_t cuda_gate_up_q4k16(moe_cuda *m, const float *x, uint32_t xlimit,
                                int G, int H, int I, size_t rb, float *h, void *scratch) {
   int16_t *xq = (int16_t *)scratch;
   float2 *xd = (float2 *)(xq + (size_t)n * H);
-  cudaError_t e = launch_pdl(m, xq16_kernel, (unsigned)n, MOE_THREADS, 0, x, xlimit, rows, H,
+  cudaError_t e = launch_pdl(m, xq16_kernel, xq16_grid(n, H), MOE_THREADS, 0, x, xlimit, rows, H,
                              xq, xd);
   if (e != cudaSuccess) return e;
   const dim3 grid((unsigned)((I + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G);
