@@ -454,6 +454,17 @@ static INLINE void dot_any(float *restrict row, const uint8_t *restrict src, siz
   tdm_moe__qdot(src, type, K, x, res, n);
 }
 
+/* A block row dotted with n tokens' 16-bit activations (qdot.h), its lines prefetched as
+ * dot_any's. */
+static INLINE void dot_16(const uint8_t *restrict src, size_t K, int type, size_t rb,
+                          const uint8_t *end, size_t ahead, const void *const *x16, float *res,
+                          size_t n) {
+  if (ahead)
+    for (size_t o = 0; o < rb; o += 64)
+      if ((size_t)(end - (src + o)) > ahead) PREFETCH(src + o + ahead);
+  tdm_moe__qdot16(src, type, K, x16, res, n);
+}
+
 /* The expert for n <= GEMV_MAX_N tokens, its rows split between the pool's workers (pool.h)
  * in chunks of `chunk` rows: first the 2I rows of [Wg; Wu] into gu (token t's [gate | up] at
  * gu + t*2I), then, once all are done and the caller has applied SiLU, the H rows of Wd into
@@ -469,6 +480,8 @@ typedef struct gemv_job {
   tdm_moe_wfmt fmt;
   size_t gu_rb, d_rb;       /* bytes of a gate or up row, and of a down row */
   bool qdot_gu, qdot_d;     /* rows dotted on their blocks (qdot.h), not widened first */
+  bool q16_gu, q16_d;       /* ... in integers, on 16-bit activations (x16, h16) */
+  const void *x16[GEMV_MAX_N], *h16[GEMV_MAX_N]; /* the tokens' xs and hs prepared so */
   size_t ahead;             /* prefetch distance in bytes (prefetch_bytes) */
   float *gu, *rows;
   size_t row_stride;
@@ -483,8 +496,11 @@ static void gemv_gate_up(void *arg, size_t c, int worker) {
   const uint8_t *end = j->w + r1 * j->gu_rb;
   if (j->ahead) prefetch_start(j->w + c * j->chunk * j->gu_rb, end, j->ahead);
   for (size_t r = c * j->chunk; r < r1; r++) {
-    dot_any(row, j->w + r * j->gu_rb, j->H, j->fmt.gu, j->gu_rb, j->qdot_gu, end, j->ahead,
-            j->xs, res, j->n);
+    if (j->q16_gu)
+      dot_16(j->w + r * j->gu_rb, j->H, j->fmt.gu, j->gu_rb, end, j->ahead, j->x16, res, j->n);
+    else
+      dot_any(row, j->w + r * j->gu_rb, j->H, j->fmt.gu, j->gu_rb, j->qdot_gu, end, j->ahead,
+              j->xs, res, j->n);
     for (size_t t = 0; t < j->n; t++) j->gu[t * 2 * j->I + r] = res[t];
   }
 }
@@ -499,8 +515,11 @@ static void gemv_down(void *arg, size_t c, int worker) {
   const uint8_t *end = wd + c1 * j->d_rb;
   if (j->ahead) prefetch_start(wd + c * j->chunk * j->d_rb, end, j->ahead);
   for (size_t r = c * j->chunk; r < c1; r++) {
-    dot_any(row, wd + r * j->d_rb, j->I, j->fmt.d, j->d_rb, j->qdot_d, end, j->ahead, j->hs,
-            res, j->n);
+    if (j->q16_d)
+      dot_16(wd + r * j->d_rb, j->I, j->fmt.d, j->d_rb, end, j->ahead, j->h16, res, j->n);
+    else
+      dot_any(row, wd + r * j->d_rb, j->I, j->fmt.d, j->d_rb, j->qdot_d, end, j->ahead, j->hs,
+              res, j->n);
     for (size_t t = 0; t < j->n; t++) j->out[t][r] = res[t];
   }
 }
@@ -552,21 +571,54 @@ static gemv_job gemv_job_of(const uint8_t *w, tdm_moe_wfmt fmt, size_t H, size_t
   return (gemv_job){.H = H, .I = I, .w = w, .fmt = fmt,
                     .gu_rb = tdm_moe_row_bytes(fmt.gu, (int64_t)H),
                     .d_rb = tdm_moe_row_bytes(fmt.d, (int64_t)I), .ahead = prefetch_bytes,
-                    .qdot_gu = q && is_block(fmt.gu), .qdot_d = q && is_block(fmt.d)};
+                    .qdot_gu = q && is_block(fmt.gu), .qdot_d = q && is_block(fmt.d),
+                    .q16_gu = tdm_moe__qdot16_takes(fmt.gu),
+                    .q16_d = tdm_moe__qdot16_takes(fmt.d)};
 }
 
-/* xs, out as in gemv_job; rows: `slots` row buffers of row_stride floats; gu: n x 2I floats. */
+/* Bytes of a job's 16-bit activations for n tokens (qdot.h), 256-byte multiples. */
+static size_t x16_need(size_t n, size_t H, size_t I) {
+  return round256(n * tdm_moe__x16_bytes(H)) + round256(n * tdm_moe__x16_bytes(I));
+}
+
+/* Tokens up to which rows run on 16-bit activations: one thread dotted a Q4_K expert 1.4x
+ * faster so at one token, and 1.2x slower at four, whose f32 path widens each weight once for
+ * all of them (bench/results/cpu-qdot16-*). */
+enum { Q16_MAX_N = 2 };
+
+/* The job's tokens' xs prepared for its gate/up rows into mem (x16_need's bytes; its hs after
+ * SwiGLU by prepare_h16 into the rest): without room, or with more than Q16_MAX_N tokens, its
+ * rows stay on f32 activations. */
+static void prepare_x16(gemv_job *j, unsigned char *mem) {
+  if (!mem || j->n > Q16_MAX_N) j->q16_gu = j->q16_d = false;
+  for (size_t t = 0; j->q16_gu && t < j->n; t++) {
+    j->x16[t] = mem + t * tdm_moe__x16_bytes(j->H);
+    tdm_moe__x16(j->xs[t], j->H, j->fmt.gu, (void *)j->x16[t]);
+  }
+  mem += round256(j->n * tdm_moe__x16_bytes(j->H));
+  for (size_t t = 0; j->q16_d && t < j->n; t++) j->h16[t] = mem + t * tdm_moe__x16_bytes(j->I);
+}
+
+static void prepare_h16(gemv_job *j) {
+  for (size_t t = 0; j->q16_d && t < j->n; t++)
+    tdm_moe__x16(j->hs[t], j->I, j->fmt.d, (void *)j->h16[t]);
+}
+
+/* xs, out as in gemv_job; rows: `slots` row buffers of row_stride floats; gu: n x 2I floats;
+ * mem: x16_need(n, H, I) bytes for 16-bit activations (NULL: none). */
 static void expert_gemv(const float *const *xs, float *const *out, size_t n, const uint8_t *w,
                         tdm_moe_wfmt fmt, size_t H, size_t I, float *rows, size_t row_stride,
-                        size_t slots, float *gu) {
+                        size_t slots, float *gu, unsigned char *mem) {
   int workers = pool_workers();
   if ((size_t)workers > slots || 3 * H * I < GEMV_POOL_MIN_WEIGHTS) workers = 1;
   const float *hs[GEMV_MAX_N];
   for (size_t t = 0; t < n; t++) hs[t] = gu + t * 2 * I;
   gemv_job j = gemv_job_of(w, fmt, H, I);
   j.xs = xs, j.hs = hs, j.out = out, j.n = n, j.gu = gu, j.rows = rows, j.row_stride = row_stride;
+  prepare_x16(&j, mem);
   gemv_pass(workers, 2 * I, gemv_gate_up, &j, &j.chunk);
   swiglu_rows(gu, n, I);
+  prepare_h16(&j);
   gemv_pass(workers, H, gemv_down, &j, &j.chunk);
 }
 
@@ -579,6 +631,8 @@ typedef struct gemvw_job {
   size_t n, K, N, rb, chunk, ahead;
   int wtype, beta;
   bool qdot;              /* block rows dotted on their blocks (qdot.h) */
+  bool q16;               /* ... in integers, on the tokens' 16-bit activations x16 */
+  const void *x16[GEMV_MAX_N];
   float *rows;            /* a row buffer of K floats per worker */
 } gemvw_job;
 
@@ -591,8 +645,11 @@ static void gemvw_rows(void *arg, size_t c, int worker) {
   const uint8_t *end = j->w + r1 * j->rb;
   if (j->ahead) prefetch_start(j->w + c * j->chunk * j->rb, end, j->ahead);
   for (size_t r = c * j->chunk; r < r1; r++) {
-    dot_any(row, j->w + r * j->rb, j->K, j->wtype, j->rb, j->qdot, end, j->ahead, j->xs, res,
-            j->n);
+    if (j->q16)
+      dot_16(j->w + r * j->rb, j->K, j->wtype, j->rb, end, j->ahead, j->x16, res, j->n);
+    else
+      dot_any(row, j->w + r * j->rb, j->K, j->wtype, j->rb, j->qdot, end, j->ahead, j->xs, res,
+              j->n);
     for (size_t t = 0; t < j->n; t++) {
       float *yo = j->y + t * j->N + r;
       *yo = j->beta ? *yo + res[t] : res[t];
@@ -604,7 +661,9 @@ int tdm_moe__cpu_gemvw(float *y, const float *x, const void *w, int wtype, size_
                        size_t N, int beta) {
   int workers = pool_workers();
   if (N * K < GEMV_POOL_MIN_WEIGHTS) workers = 1;
-  float *rows = malloc((size_t)workers * K * sizeof *rows);
+  const bool q16 = T <= Q16_MAX_N && tdm_moe__qdot16_takes(wtype);
+  const size_t x16b = q16 ? tdm_moe__x16_bytes(K) : 0;
+  float *rows = malloc((size_t)workers * K * sizeof *rows + T * x16b);
   if (!rows) return tdm_set_error(TDM_ENOMEM, 0, "moe matmul: no memory for row buffers");
   const float *xs[GEMV_MAX_N];
   for (size_t t = 0; t < T && t < GEMV_MAX_N; t++) xs[t] = x + t * K;
@@ -613,7 +672,11 @@ int tdm_moe__cpu_gemvw(float *y, const float *x, const void *w, int wtype, size_
   gemvw_job j = {.xs = xs, .y = y, .w = w, .n = T, .K = K, .N = N,
                  .rb = tdm_moe_row_bytes(wtype, (int64_t)K), .ahead = prefetch_bytes,
                  .wtype = wtype, .beta = beta, .qdot = is_block(wtype) && qdot_on(),
-                 .rows = rows};
+                 .q16 = q16, .rows = rows};
+  for (size_t t = 0; q16 && t < T; t++) {
+    j.x16[t] = (unsigned char *)(rows + (size_t)workers * K) + t * x16b;
+    tdm_moe__x16(x + t * K, K, wtype, (void *)j.x16[t]);
+  }
   gemv_pass(workers, N, gemvw_rows, &j, &j.chunk);
   free(rows);
   return 0;
@@ -658,7 +721,10 @@ static void fused_pass(gemv_fused *f, size_t rows, pool_fn fn, int workers) {
 static void experts_gemv_fused(gemv_job *jobs, int njobs, size_t H, size_t I, int workers) {
   gemv_fused f = {.jobs = jobs, .njobs = njobs};
   fused_pass(&f, 2 * I, gemv_gate_up, workers);
-  for (int g = 0; g < njobs; g++) swiglu_rows(jobs[g].gu, jobs[g].n, I);
+  for (int g = 0; g < njobs; g++) {
+    swiglu_rows(jobs[g].gu, jobs[g].n, I);
+    prepare_h16(&jobs[g]);
+  }
   fused_pass(&f, H, gemv_down, workers);
 }
 
@@ -701,7 +767,11 @@ static void expert_compute(const float *x, const int32_t *rows, const int32_t *s
     size_t stride = round256((H > I ? H : I) * sizeof(float)) / sizeof(float);
     size_t region = round256(3 * H * I * sizeof(float)) / sizeof(float);
     float *gu = ws + region + round256(n * H * sizeof(float)) / sizeof(float);
-    expert_gemv(xs, outs, n, wts, fmt, H, I, ws, stride, region / stride, gu);
+    /* 16-bit activations at the region's end, the row buffers before them */
+    size_t need = x16_need(n, H, I) / sizeof(float);
+    unsigned char *mem = need + stride <= region ? (unsigned char *)(ws + region - need) : NULL;
+    size_t slots = (mem ? region - need : region) / stride;
+    expert_gemv(xs, outs, n, wts, fmt, H, I, ws, stride, slots, gu, mem);
     return;
   }
   float *w = ws;
@@ -837,9 +907,17 @@ static bool experts_fusable(const experts_args *a, int workers, size_t slots) {
   return total <= (size_t)a->n;
 }
 
+/* Bytes at the row-buffer region's end that a fused batch's 16-bit activations take at most
+ * (x16_need of each of up to GEMV_FUSE experts on n tokens in all). */
+static size_t fused_x16_reserve(size_t n, size_t H, size_t I) {
+  return x16_need(n, H, I) + 2 * GEMV_FUSE * 256;
+}
+
 /* The table's experts in batches of up to GEMV_FUSE, each batch fused: the workspace's row
- * buffers serve every batch, and each expert's [gate | up] gets its own rows after them. */
-static void experts_fused(const experts_args *a, int workers, size_t stride, size_t region) {
+ * buffers serve every batch, each expert's [gate | up] gets its own rows after them, and its
+ * 16-bit activations (mem: fused_x16_reserve's bytes, or NULL) its own part of mem. */
+static void experts_fused(const experts_args *a, int workers, size_t stride, size_t region,
+                          unsigned char *mem) {
   size_t H = (size_t)a->H, I = (size_t)a->I;
   const float *xs[GEMV_FUSE][GEMV_MAX_N], *hs[GEMV_FUSE][GEMV_MAX_N];
   float *outs[GEMV_FUSE][GEMV_MAX_N];
@@ -848,6 +926,7 @@ static void experts_fused(const experts_args *a, int workers, size_t stride, siz
   while (g < a->G) {
     int nj = 0;
     float *gu = a->ws + region;
+    unsigned char *m16 = mem;
     for (; g < a->G && nj < GEMV_FUSE; g++) {
       const tdm_moe_group e = a->groups[g];
       if (e.count == 0) continue;
@@ -860,6 +939,8 @@ static void experts_fused(const experts_args *a, int workers, size_t stride, siz
       jobs[nj].xs = xs[nj], jobs[nj].hs = hs[nj], jobs[nj].out = outs[nj];
       jobs[nj].n = (size_t)e.count, jobs[nj].gu = gu, jobs[nj].rows = a->ws;
       jobs[nj].row_stride = stride;
+      prepare_x16(&jobs[nj], m16);
+      if (m16) m16 += x16_need((size_t)e.count, H, I);
       gu += (size_t)e.count * 2 * I;
       nj++;
     }
@@ -876,8 +957,10 @@ static int experts_body(const task *t) {
   size_t stride = round256((H > I ? H : I) * sizeof(float)) / sizeof(float);
   size_t region = round256(3 * H * I * sizeof(float)) / sizeof(float);
   int workers = pool_workers();
-  if (experts_fusable(a, workers, region / stride)) {
-    experts_fused(a, workers, stride, region);
+  size_t need = fused_x16_reserve((size_t)a->n, H, I) / sizeof(float);
+  unsigned char *mem = need + stride <= region ? (unsigned char *)(a->ws + region - need) : NULL;
+  if (experts_fusable(a, workers, (mem ? region - need : region) / stride)) {
+    experts_fused(a, workers, stride, region, mem);
     return 0;
   }
   for (int g = 0; g < a->G; g++) {

@@ -12,21 +12,28 @@
 #define QDOT_TARGET __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
 
 /* What runs: TANDEM_MOE_CPU_QDOT (read once) 0 none (ops.c widens the rows first), 1 AVX2,
- * 2 (the default) AVX-512 where the CPU has it; each only where the CPU has it. */
-static bool ok, ok512;
+ * 2 AVX-512 where the CPU has it, 3 (the default) as 2 with Q8_0, Q4_K and Q6_K rows on
+ * 16-bit activations (qdot16.c); each only where the CPU has it. */
+static bool ok, ok512, ok16;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static void check_cpu(void) {
   __builtin_cpu_init();
-  long want = tdm_moe__env_long("TANDEM_MOE_CPU_QDOT", 0, 2, 2);
+  long want = tdm_moe__env_long("TANDEM_MOE_CPU_QDOT", 0, 3, 3);
   ok = want >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
        __builtin_cpu_supports("f16c");
   ok512 = ok && want >= 2 && __builtin_cpu_supports("avx512f") &&
           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  ok16 = ok && want >= 3;
 }
 
 bool tdm_moe__qdot_ready(void) {
   pthread_once(&once, check_cpu);
   return ok;
+}
+
+bool tdm_moe__qdot16_takes(int type) {
+  pthread_once(&once, check_cpu);
+  return ok16 && (type == TDM_MOE_W_Q8_0 || type == TDM_MOE_W_Q4_K || type == TDM_MOE_W_Q6_K);
 }
 
 /* A unit of 32 values: q[4] (values 8i .. 8i + 7 as f32 integers), their scales (s[0] for
@@ -319,6 +326,11 @@ __attribute__((target("avx2,fma,f16c"))) void tdm_moe__qdot(const uint8_t *src, 
 #else /* not x86-64: ops.c widens the rows */
 
 bool tdm_moe__qdot_ready(void) { return false; }
+
+bool tdm_moe__qdot16_takes(int type) {
+  (void)type;
+  return false;
+}
 
 void tdm_moe__qdot(const uint8_t *src, int type, size_t K, const float *const *x, float *res,
                    size_t n) {

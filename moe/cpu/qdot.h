@@ -26,4 +26,25 @@ bool tdm_moe__qdot_ready(void);
 void tdm_moe__qdot(const uint8_t *src, int type, size_t K, const float *const *x, float *res,
                    size_t n);
 
+/* ---- 16-bit activations (qdot16.c) ----
+ * Q8_0, Q4_K and Q6_K rows dotted in integers with each token's activations rounded to 16-bit
+ * integers in blocks of 32 (tdm_moe__x16, once a token and call): within about 1e-5 of the
+ * f32 dot, not within f32 rounding; bitwise repeatable, and a token's result does not depend
+ * on the other tokens. Where the CPU has AVX2 and TANDEM_MOE_CPU_QDOT is 3 (the default). */
+
+/* Whether tdm_moe__qdot16 takes rows of this type on this CPU. */
+bool tdm_moe__qdot16_takes(int type);
+
+/* Bytes of one token's prepared activations of K values (K a multiple of 32). */
+size_t tdm_moe__x16_bytes(size_t K);
+
+/* Token x (K values) prepared for rows of `type` into dst (tdm_moe__x16_bytes(K) bytes, 32-byte
+ * aligned not required). */
+void tdm_moe__x16(const float *x, size_t K, int type, void *dst);
+
+/* res[t] = (row of K values of `type` at src) . token t, for t < n, each token prepared by
+ * tdm_moe__x16 for this type; K whole blocks. */
+void tdm_moe__qdot16(const uint8_t *src, int type, size_t K, const void *const *x, float *res,
+                     size_t n);
+
 #endif
