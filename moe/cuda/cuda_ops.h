@@ -248,9 +248,10 @@ int cuda_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
  * of their kernels at open() (see preload in cuda/ops.cu). */
 int cuda_xfmr_preload(moe_cuda *m);
 int cuda_quant_preload(moe_cuda *m); /* cuda/quant.cu's kernels (and q16.cu's) */
-/* cuda/q16.cu: experts_q's gate/up on Q4_K rows and down on Q4_K or Q6_K rows (td) with
- * 16-bit activations, and the scratch each takes (256-byte multiples). */
+/* cuda/q16.cu: experts_q's gate/up on Q4_K or Q8_0 rows (tg) and down on Q4_K, Q6_K or Q8_0
+ * rows (td) with 16-bit activations, and the scratch each takes (256-byte multiples). */
 size_t cuda_q16_scratch(int n, int H);
+bool cuda_q16_gate_up_takes(int tg);
 bool cuda_q16_down_takes(int td);
 size_t cuda_q16_down_scratch(int n, int I);
 cudaError_t cuda_down_q16(moe_cuda *m, const float *h, const int32_t *rows, uint32_t xlimit,
@@ -258,10 +259,10 @@ cudaError_t cuda_down_q16(moe_cuda *m, const float *h, const int32_t *rows, uint
                           long long wlimit, long long ebytes, int td,
                           const tdm_moe_group *groups, int G, int H, int I, size_t gu_rb,
                           size_t rb, float *out, void *scratch);
-cudaError_t cuda_gate_up_q4k16(moe_cuda *m, const float *x, uint32_t xlimit,
-                               const int32_t *rows, int n, const uint8_t *wbase,
-                               long long wlimit, long long ebytes, const tdm_moe_group *groups,
-                               int G, int H, int I, size_t rb, float *h, void *scratch);
+cudaError_t cuda_gate_up_q16(moe_cuda *m, const float *x, uint32_t xlimit, const int32_t *rows,
+                             int n, const uint8_t *wbase, long long wlimit, long long ebytes,
+                             int tg, const tdm_moe_group *groups, int G, int H, int I, size_t rb,
+                             float *h, void *scratch);
 int cuda_q16_preload(moe_cuda *m);
 int cuda_get_rows(void *st, tdm_queue *q, float *y, const float *table, const int32_t *ids,
                   int T, int H, int V);

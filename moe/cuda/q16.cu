@@ -1,27 +1,28 @@
-/* cuda/q16.cu: experts_q's decode on Q4_K (gate, up, down) and Q6_K (down) rows, on 16-bit
- * activations.
+/* cuda/q16.cu: experts_q's decode on Q4_K and Q8_0 (gate, up, down) and Q6_K (down) rows, on
+ * 16-bit activations.
  *
  * quant.cu's decode kernels widen every weight to f32 and spend about sixteen instructions a
  * weight: at one token they issue instructions, not bytes (ncu on an H100: issue slots half
- * busy, DRAM 15% busy, bench/results/h100-qdecode-9d9222d/). Here a Q4_K row is dotted in
+ * busy, DRAM 15% busy, bench/results/h100-qdecode-8dc3b50/). Here rows are dotted in
  * integers, as GGUF's blocks are built for: each entry's activations are first rounded to
  * 16-bit integers in blocks of 32 with an f32 scale d (xq16_kernel: d = max |x| / 32767,
- * q = rint(x / d)), and the row's 4-bit q are dotted with them two at a time (dp2a: two
- * products of a 16-bit and an 8-bit integer and their sum in one instruction), sixteen values
- * a lane; a sub-block's integer sum is then scaled once: d sc dx sum(q xq) - dmin m dx
- * sum(xq). About one instruction a weight; the activations' rounding is 2^-16 of a block's
- * largest value, far under bf16's. The down rows take the gate/up kernel's f32 output rounded
- * the same way. Q6_K's 6-bit q - 32 are built as signed bytes (four at a time) and scaled
- * each 16 values by its int8 scale.
+ * q = rint(x / d)), and a row's q are dotted with them two at a time (dp2a: two products of a
+ * 16-bit and an 8-bit integer and their sum in one instruction); a block's integer sum is then
+ * scaled once (Q4_K: d sc dx sum(q xq) - dmin m dx sum(xq)). About one instruction a weight;
+ * the activations' rounding is 2^-16 of a block's largest value, far under bf16's. The down
+ * rows take the gate/up kernel's f32 output rounded the same way. Q6_K's 6-bit q - 32 are
+ * built as signed bytes, four at a time, and scaled each 16 values by its int8 scale.
  *
- * One warp per gate/up row pair, as quant.cu's, or per D16_ROWS down rows; lanes 8s .. 8s + 7
- * take 32 values each of superblock 4p + s (of the warp's rows, back to back) in pass p. Q4_K: lane o of them reads 16 bytes of q (16 values of
- * sub-block 2j and the same 16 places of 2j + 1, j = o / 2) and the superblock's 16-byte head
- * (d, dmin, the packed scales). Q6_K: lane o takes places 8(o % 4) .. + 7 of each quarter of
- * half o / 4 (eight bytes of ql twice and of qh once). Rows are read 16 bytes a load where
- * the expert starts on 16 bytes (the model's arenas do), else four bytes at a time. The sums
- * of a lane are in pass order, then the fixed warp tree: deterministic, and a token's result
- * depends on its expert and its own activations only. */
+ * One warp per gate/up row pair, as quant.cu's, or per D16_ROWS down rows, over units of the
+ * rows spread across the lanes: a Q4_K or Q6_K superblock takes eight lanes (lanes 8s .. 8s +
+ * 7 take superblock 4p + s of pass p, 32 values each), a Q8_0 half block one. Q4_K: lane o
+ * of the eight reads 16 bytes of q (16 values of sub-block 2j and the same 16 places of
+ * 2j + 1, j = o / 2) and the superblock's 16-byte head (d, dmin, the packed scales). Q6_K:
+ * lane o takes places 8(o % 4) .. + 7 of each quarter of half o / 4 (eight bytes of ql twice
+ * and of qh once). Q4_K rows are read 16 bytes a load where the expert starts on 16 bytes (the
+ * model's arenas do), else four bytes at a time; Q8_0 and Q6_K rows, on 2 bytes, as aligned
+ * words. The sums of a lane are in pass order, then the fixed warp tree: deterministic, and a
+ * token's result depends on its expert and its own activations only. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -37,6 +38,17 @@ extern "C" {
 static __device__ __forceinline__ uint4 ld128(const uint8_t *p, bool a16) {
   if (a16) return __ldg((const uint4 *)p);
   return make_uint4(ld32(p), ld32(p + 4), ld32(p + 8), ld32(p + 12));
+}
+
+/* Sixteen bytes at p, an even address, with no branch between lanes: five aligned words
+ * (the fifth only where p is not on four bytes, so nothing past p + 16 is read) shifted. */
+static __device__ __forceinline__ uint4 ld128_even(const uint8_t *p) {
+  const unsigned int *a = (const unsigned int *)((uintptr_t)p & ~(uintptr_t)3);
+  const unsigned sh = (unsigned)((uintptr_t)p & 2) * 8; /* 0 or 16 */
+  const uint32_t w0 = __ldg(a), w1 = __ldg(a + 1), w2 = __ldg(a + 2), w3 = __ldg(a + 3);
+  const uint32_t w4 = sh ? __ldg(a + 4) : 0u;
+  return make_uint4(__funnelshift_r(w0, w1, sh), __funnelshift_r(w1, w2, sh),
+                    __funnelshift_r(w2, w3, sh), __funnelshift_r(w3, w4, sh));
 }
 
 /* ---- activations: blocks of 32 values to 16-bit integers, one warp a block (blockIdx.x the
@@ -108,6 +120,30 @@ static __device__ __forceinline__ float q4k_dot16(uint4 h, uint4 q, int o, const
   return r;
 }
 
+/* Q8_0: a unit is half a block (16 values), one lane's: its scale d and 16 int8 q. */
+static __device__ __forceinline__ void q80_load(const uint8_t *row, int u, float *d, uint4 *w) {
+  const uint8_t *b = row + 34 * (size_t)(u >> 1);
+  *d = f16_at(b);
+  *w = ld128_even(b + 2 + 16 * (u & 1));
+}
+
+/* The unit's q against one token's 16-bit values there (xs: the token's row) and its
+ * block's scales. */
+static __device__ __forceinline__ float q80_dot16(float d, uint4 w, int u, const int16_t *xs,
+                                                  const float2 *xd) {
+  const uint4 *x = (const uint4 *)(xs + 16 * u);
+  const uint4 x0 = x[0], x1 = x[1];
+  int acc = __dp2a_lo((int)x0.x, (int)w.x, 0);
+  acc = __dp2a_hi((int)x0.y, (int)w.x, acc);
+  acc = __dp2a_lo((int)x0.z, (int)w.y, acc);
+  acc = __dp2a_hi((int)x0.w, (int)w.y, acc);
+  acc = __dp2a_lo((int)x1.x, (int)w.z, acc);
+  acc = __dp2a_hi((int)x1.y, (int)w.z, acc);
+  acc = __dp2a_lo((int)x1.z, (int)w.w, acc);
+  acc = __dp2a_hi((int)x1.w, (int)w.w, acc);
+  return d * xd[u >> 1].x * (float)acc;
+}
+
 /* Pass p of a gate row wg and an up row wu (a16: both on 16 bytes) for NT tokens' blocks
  * (xq, xd: each token's row). */
 template <int NT>
@@ -128,11 +164,30 @@ static __device__ __forceinline__ void gu16_pass(const uint8_t *wg, const uint8_
   }
 }
 
-template <int NT>
+template <int TG, int NT>
 static __device__ __forceinline__ void gu16_rows(const uint8_t *wg, const uint8_t *wu, int H,
                                                  const int16_t *const *xq,
                                                  const float2 *const *xd, float *ag, float *au) {
-  const int lane = threadIdx.x & 31, o = lane & 7, nsb = H / 256;
+  const int lane = threadIdx.x & 31;
+  if (TG == TDM_MOE_W_Q8_0) { /* a lane a unit */
+    const int units = H / 16;
+#pragma unroll 2
+    for (int p = 0; p < (units + 31) / 32; p++) {
+      const int u = 32 * p + lane;
+      if (u >= units) continue;
+      float dg, du;
+      uint4 qg, qu;
+      q80_load(wg, u, &dg, &qg);
+      q80_load(wu, u, &du, &qu);
+#pragma unroll
+      for (int t = 0; t < NT; t++) {
+        ag[t] += q80_dot16(dg, qg, u, xq[t], xd[t]);
+        au[t] += q80_dot16(du, qu, u, xq[t], xd[t]);
+      }
+    }
+    return;
+  }
+  const int o = lane & 7, nsb = H / 256;
   const bool a16 = (((uintptr_t)wg | (uintptr_t)wu) & 15) == 0;
 #pragma unroll 2
   for (int p = 0; p < (nsb + 3) / 4; p++) {
@@ -141,9 +196,10 @@ static __device__ __forceinline__ void gu16_rows(const uint8_t *wg, const uint8_
   }
 }
 
-/* Gate/up row r of an entry's Q4_K expert for its tokens: h[entry][r] = SiLU(g) u, as
- * quant.cu's gq_gate_up_kernel, on xq16_kernel's blocks of each entry (xq [n x H],
- * xd [n x H / 32]). */
+/* Gate/up row r of an entry's Q4_K or Q8_0 (TG) expert for its tokens: h[entry][r] =
+ * SiLU(g) u, as quant.cu's gq_gate_up_kernel, on xq16_kernel's blocks of each entry
+ * (xq [n x H], xd [n x H / 32]). */
+template <int TG>
 static __global__ void __launch_bounds__(MOE_THREADS)
     gq16_gate_up_kernel(const int16_t *xq, const float2 *xd, uint32_t xlimit,
                         const int32_t *rows, int n, const uint8_t *wbase, long long wlimit,
@@ -167,9 +223,9 @@ static __global__ void __launch_bounds__(MOE_THREADS)
       ag[t] = au[t] = 0.f;
     }
     if (nt == 1)
-      gu16_rows<1>(wg, wu, H, xr, dr, ag, au);
+      gu16_rows<TG, 1>(wg, wu, H, xr, dr, ag, au);
     else
-      gu16_rows<Q16_NT>(wg, wu, H, xr, dr, ag, au);
+      gu16_rows<TG, Q16_NT>(wg, wu, H, xr, dr, ag, au);
 #pragma unroll
     for (int t = 0; t < Q16_NT; t++) {
       if (t >= nt) break;
@@ -230,6 +286,12 @@ static __device__ __forceinline__ void d16_unit(const uint8_t *wd, bool a16, int
       const uint4 a[2] = {xa[0], xa[1]}, b[2] = {xa[4], xa[5]};
       acc[t] += q4k_dot16(h, q, o, a, b, xd[t][8 * sb + 2 * jp], xd[t][8 * sb + 2 * jp + 1]);
     }
+  } else if (TD == TDM_MOE_W_Q8_0) { /* sb: the unit (half a block) */
+    float d;
+    uint4 w;
+    q80_load(wd, sb, &d, &w);
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] += q80_dot16(d, w, sb, xq[t], xd[t]);
   } else { /* Q6_K */
     const uint8_t *b = wd + 210 * (size_t)sb;
     const int n = o >> 2;
@@ -240,8 +302,9 @@ static __device__ __forceinline__ void d16_unit(const uint8_t *wd, bool a16, int
 }
 
 /* A down row has few superblocks (an expert's FFN width I = 768 is three), so a warp takes
- * D16_ROWS rows, back to back in memory: its R nsb superblocks are units, lanes 8s .. 8s + 7
- * taking unit 4p + s in pass p, each added to its row's sums; then one warp tree a row. */
+ * D16_ROWS rows, back to back in memory: its rows' units (superblocks, eight lanes each; for
+ * Q8_0 half blocks, a lane each; nsb a row) are spread over the lanes pass by pass, each
+ * added to its row's sums; then one warp tree a row. */
 #define D16_ROWS 4
 
 template <int TD, int NT>
@@ -249,11 +312,12 @@ static __device__ __forceinline__ void d16_rows(const uint8_t *wd, size_t rb, in
                                                 int nsb, const int16_t *const *xq,
                                                 const float2 *const *xd,
                                                 float acc[D16_ROWS][Q16_NT]) {
-  const int lane = threadIdx.x & 31, o = lane & 7, units = nrows * nsb;
+  constexpr int LPU = TD == TDM_MOE_W_Q8_0 ? 1 : 8, UPP = 32 / LPU; /* lanes a unit, units a pass */
+  const int lane = threadIdx.x & 31, o = lane % LPU, units = nrows * nsb;
   const bool a16 = (((uintptr_t)wd | rb) & 15) == 0;
 #pragma unroll 3
-  for (int p = 0; p < (units + 3) / 4; p++) {
-    const int u = 4 * p + (lane >> 3);
+  for (int p = 0; p < (units + UPP - 1) / UPP; p++) {
+    const int u = UPP * p + lane / LPU;
     if (u >= units) continue;
     const int r = u / nsb;
     float part[NT];
@@ -282,7 +346,7 @@ static __global__ void __launch_bounds__(MOE_THREADS)
   const int c0 = D16_ROWS * (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5));
   const int lane = threadIdx.x & 31;
   if (c0 >= H || !qentry_ok(g, n, wlimit, ebytes)) return;
-  const int nrows = min(D16_ROWS, H - c0), nsb = I / 256;
+  const int nrows = min(D16_ROWS, H - c0), nsb = TD == TDM_MOE_W_Q8_0 ? I / 16 : I / 256;
   const uint8_t *wd = wbase + 2 * g.w + 2 * (size_t)I * gu_rb + (size_t)c0 * rb;
   for (int t0 = 0; t0 < g.count; t0 += Q16_NT) {
     const int nt = min(Q16_NT, g.count - t0);
@@ -327,7 +391,11 @@ static size_t blocks16_bytes(int n, int K) {
 
 size_t cuda_q16_scratch(int n, int H) { return blocks16_bytes(n, H); }
 
-bool cuda_q16_down_takes(int td) { return td == TDM_MOE_W_Q4_K || td == TDM_MOE_W_Q6_K; }
+bool cuda_q16_down_takes(int td) {
+  return td == TDM_MOE_W_Q4_K || td == TDM_MOE_W_Q6_K || td == TDM_MOE_W_Q8_0;
+}
+
+bool cuda_q16_gate_up_takes(int tg) { return tg == TDM_MOE_W_Q4_K || tg == TDM_MOE_W_Q8_0; }
 
 size_t cuda_q16_down_scratch(int n, int I) { return blocks16_bytes(n, I); }
 
@@ -347,30 +415,41 @@ cudaError_t cuda_down_q16(moe_cuda *m, const float *h, const int32_t *rows, uint
     return launch_pdl(m, gq16_down_kernel<TDM_MOE_W_Q4_K>, grid, MOE_THREADS, 0,
                       (const int16_t *)hq, (const float2 *)hd, rows, xlimit, slot, olimit, n,
                       wbase, wlimit, ebytes, groups, H, I, gu_rb, rb, out);
+  if (td == TDM_MOE_W_Q8_0)
+    return launch_pdl(m, gq16_down_kernel<TDM_MOE_W_Q8_0>, grid, MOE_THREADS, 0,
+                      (const int16_t *)hq, (const float2 *)hd, rows, xlimit, slot, olimit, n,
+                      wbase, wlimit, ebytes, groups, H, I, gu_rb, rb, out);
   return launch_pdl(m, gq16_down_kernel<TDM_MOE_W_Q6_K>, grid, MOE_THREADS, 0,
                     (const int16_t *)hq, (const float2 *)hd, rows, xlimit, slot, olimit, n,
                     wbase, wlimit, ebytes, groups, H, I, gu_rb, rb, out);
 }
 
-cudaError_t cuda_gate_up_q4k16(moe_cuda *m, const float *x, uint32_t xlimit,
-                               const int32_t *rows, int n, const uint8_t *wbase,
-                               long long wlimit, long long ebytes, const tdm_moe_group *groups,
-                               int G, int H, int I, size_t rb, float *h, void *scratch) {
+cudaError_t cuda_gate_up_q16(moe_cuda *m, const float *x, uint32_t xlimit, const int32_t *rows,
+                             int n, const uint8_t *wbase, long long wlimit, long long ebytes,
+                             int tg, const tdm_moe_group *groups, int G, int H, int I, size_t rb,
+                             float *h, void *scratch) {
   int16_t *xq = (int16_t *)scratch;
   float2 *xd = (float2 *)(xq + (size_t)n * H);
   cudaError_t e = launch_pdl(m, xq16_kernel, xq16_grid(n, H), MOE_THREADS, 0, x, xlimit, rows, H,
                              xq, xd);
   if (e != cudaSuccess) return e;
   const dim3 grid((unsigned)((I + MOE_WARPS - 1) / MOE_WARPS), (unsigned)G);
-  return launch_pdl(m, gq16_gate_up_kernel, grid, MOE_THREADS, 0, (const int16_t *)xq,
-                    (const float2 *)xd, xlimit, rows, n, wbase, wlimit, ebytes, groups, H, I, rb,
-                    h);
+  if (tg == TDM_MOE_W_Q8_0)
+    return launch_pdl(m, gq16_gate_up_kernel<TDM_MOE_W_Q8_0>, grid, MOE_THREADS, 0,
+                      (const int16_t *)xq, (const float2 *)xd, xlimit, rows, n, wbase, wlimit,
+                      ebytes, groups, H, I, rb, h);
+  return launch_pdl(m, gq16_gate_up_kernel<TDM_MOE_W_Q4_K>, grid, MOE_THREADS, 0,
+                    (const int16_t *)xq, (const float2 *)xd, xlimit, rows, n, wbase, wlimit,
+                    ebytes, groups, H, I, rb, h);
 }
 
 int cuda_q16_preload(moe_cuda *m) {
-  const void *k[] = {(const void *)xq16_kernel, (const void *)gq16_gate_up_kernel,
+  const void *k[] = {(const void *)xq16_kernel,
+                     (const void *)gq16_gate_up_kernel<TDM_MOE_W_Q4_K>,
+                     (const void *)gq16_gate_up_kernel<TDM_MOE_W_Q8_0>,
                      (const void *)gq16_down_kernel<TDM_MOE_W_Q4_K>,
-                     (const void *)gq16_down_kernel<TDM_MOE_W_Q6_K>};
+                     (const void *)gq16_down_kernel<TDM_MOE_W_Q6_K>,
+                     (const void *)gq16_down_kernel<TDM_MOE_W_Q8_0>};
   for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));

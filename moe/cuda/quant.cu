@@ -603,15 +603,16 @@ int cuda_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
   int saved;
   if ((rc = enter(m, &saved))) return rc;
   cudaError_t e;
-  /* Q4_K gate/up rows and Q4_K or Q6_K down rows on 16-bit activations (q16.cu): their
-   * scratch after h (the workspace's contract leaves far more room than these take) */
+  /* Q4_K or Q8_0 gate/up rows and Q4_K, Q6_K or Q8_0 down rows on 16-bit activations
+   * (q16.cu): their scratch after h (the workspace's contract leaves far more room than these
+   * take) */
   unsigned char *ws = (unsigned char *)workspace;
   const size_t q16_at = ((size_t)n * I * sizeof(float) + 255) / 256 * 256,
                d16_at = q16_at + cuda_q16_scratch(n, H);
   const bool fits = d16_at + cuda_q16_down_scratch(n, I) <= workspace_bytes;
-  if (fmt.gu == TDM_MOE_W_Q4_K && m->q16 && fits)
-    e = cuda_gate_up_q4k16(m, x, xlimit, rows, n, wb, wlimit, ebytes, groups, G, H, I, gu_rb, h,
-                           ws + q16_at);
+  if (cuda_q16_gate_up_takes(fmt.gu) && m->q16 && fits)
+    e = cuda_gate_up_q16(m, x, xlimit, rows, n, wb, wlimit, ebytes, fmt.gu, groups, G, H, I,
+                         gu_rb, h, ws + q16_at);
   else
     BY_UNROLL(m->qunroll,
               BY_QTYPE(fmt.gu, e = launch_pdl(m, gq_gate_up_kernel<QT, QU>, gu_grid,
