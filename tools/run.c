@@ -422,6 +422,8 @@ typedef struct bench_row {
   double graph_share;   /* of the timed ubatches, those run as one recorded graph */
   double wait_share;    /* of the timed evals' time, the host waiting for the device at the
                            passes' ends (the rest: submitting, copies and the host's own work) */
+  tdm_moe_placement_info place; /* the placement's calibration at this budget (all 0 where
+                                   nothing was calibrated) */
 } bench_row;
 
 /* What bench_once adds up over a run's evals. */
@@ -525,6 +527,8 @@ int tool_cmd_model_bench(int argc, char **argv) {
       if (!n) continue;
       bench_row *r = &rows[nrows];
       r->budget_share = share > 1 ? 1 : share;
+      tdm_moe_model *mm = tdm_model_moe(m);
+      if (!mm || tdm_moe_placement_get(mm, &r->place)) memset(&r->place, 0, sizeof r->place);
       if ((rc = bench_test(m, &o, pp, n, info.vocab, r))) {
         code = tool_fail(pp ? "prefill" : "decode", rc);
         break;
@@ -567,6 +571,14 @@ int tool_cmd_model_bench(int argc, char **argv) {
       bu_json_double(&j, "host_experts_per_token", rows[i].host_experts, 2);
       bu_json_double(&j, "graph_share", rows[i].graph_share, 3);
       bu_json_double(&j, "wait_share", rows[i].wait_share, 3);
+      /* the host's and the link's calibrated GB/s of expert bytes (the host's: the blocks
+       * read), alone and at once, and the share of non-resident experts put on the host */
+      bu_json_double(&j, "host_gbs", rows[i].place.host_gbs, 2);
+      bu_json_double(&j, "host_gbs_shared", rows[i].place.host_gbs_shared, 2);
+      bu_json_double(&j, "link_gbs_alone", rows[i].place.link_gbs, 2);
+      bu_json_double(&j, "link_gbs_shared", rows[i].place.link_gbs_shared, 2);
+      bu_json_double(&j, "host_share", rows[i].place.host_share, 3);
+      bu_json_int(&j, "host_threads", rows[i].place.host_threads);
       bu_json_end(&j);
     }
     bu_json_end(&j);
