@@ -72,7 +72,6 @@ typedef struct moe_cuda {
   float *logits;       /* the small-ubatch router's logits: ROUTER_SPLIT_LOGITS floats */
   int gx_shape;        /* experts()'s kernels: GX_SHAPE_NARROW unless forced at open() */
   bool pdl;            /* launch_pdl() launches as programmatic dependents (open() decides) */
-  int qunroll;         /* chunks the quantized decode kernels unroll (quant.cu): 1, 2 or 4 */
   bool q16;            /* Q4_K gate/up decode on 16-bit activations (q16.cu); open() decides */
   pthread_mutex_t plan_mu;            /* the plan cache: ops from several threads are allowed */
   gemm_plan *plans[PLAN_BUCKETS];

@@ -715,8 +715,6 @@ static int cuda_open(tdm_queue *q, void **state) {
            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, m->dev) ==
                cudaSuccess && major >= 9;
   cudaGetLastError(); /* a failed query only means no programmatic launches */
-  const char *qu = getenv("TANDEM_MOE_CUDA_QUNROLL");
-  m->qunroll = qu && (strcmp(qu, "1") == 0 || strcmp(qu, "4") == 0) ? atoi(qu) : 2;
   const char *q16 = getenv("TANDEM_MOE_CUDA_Q16");
   m->q16 = !(q16 && strcmp(q16, "0") == 0);
   if ((rc = enter(m, &saved))) {

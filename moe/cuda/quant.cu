@@ -253,8 +253,10 @@ static __device__ __forceinline__ float dot8(const float *xr, int p0, const floa
 /* The chunk loops below run a row's whole chunks unrolled U at a time (no test between them,
  * so that the loads of U chunks are in flight together: one chunk a warp leaves the kernel
  * waiting on memory at one token), then the row's last, partial chunk with its test. The
- * order of every lane's sums is the chunk order either way. U is m->qunroll (open() reads
- * TANDEM_MOE_CUDA_QUNROLL: 1, 2 or 4, to measure it; 2 unless set). */
+ * order of every lane's sums is the chunk order either way. Two at a time: on an H100, 1, 2
+ * and 4 were within 10% of each other, 2 the fastest for four of five formats
+ * (bench/results/h100-qdecode-8dc3b50/unroll*-9d9222d.json). */
+static constexpr int GQ_UNROLL = 2;
 
 /* One chunk c of a gate row wg and an up row wu, dotted with NT tokens' activations xr. */
 template <int T, int NT, bool Check>
@@ -272,12 +274,12 @@ static __device__ __forceinline__ void gu_chunk(const uint8_t *wg, const uint8_t
   }
 }
 
-template <int T, int NT, int U>
+template <int T, int NT>
 static __device__ __forceinline__ void gu_rows(const uint8_t *wg, const uint8_t *wu, int lane,
                                                int H, const float *const *xr, float *ag,
                                                float *au) {
   const int whole = H / 256;
-#pragma unroll U
+#pragma unroll GQ_UNROLL
   for (int c = 0; c < whole; c++) gu_chunk<T, NT, false>(wg, wu, c, lane, H, xr, ag, au);
   if (whole * 256 < H) gu_chunk<T, NT, true>(wg, wu, whole, lane, H, xr, ag, au);
 }
@@ -293,11 +295,11 @@ static __device__ __forceinline__ void d_chunk(const uint8_t *wd, int k, int lan
   for (int t = 0; t < NT; t++) acc[t] = dot8<T>(hr[t], p0, wv, acc[t]);
 }
 
-template <int T, int NT, int U>
+template <int T, int NT>
 static __device__ __forceinline__ void d_row(const uint8_t *wd, int lane, int I,
                                              const float *const *hr, float *acc) {
   const int whole = I / 256;
-#pragma unroll U
+#pragma unroll GQ_UNROLL
   for (int k = 0; k < whole; k++) d_chunk<T, NT, false>(wd, k, lane, I, hr, acc);
   if (whole * 256 < I) d_chunk<T, NT, true>(wd, whole, lane, I, hr, acc);
 }
@@ -305,7 +307,7 @@ static __device__ __forceinline__ void d_row(const uint8_t *wd, int lane, int I,
 /* Gate/up row r of an entry's expert for its tokens, GQ_NT at a time: h[entry][r] = SiLU(g) u.
  * A token whose row lies outside x's allocation is not written; it is dotted with row 0
  * instead (at least one of the pair's rows is in x then), so the chunk loop has no test. */
-template <int T, int U>
+template <int T>
 static __global__ void __launch_bounds__(MOE_THREADS)
     gq_gate_up_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int n,
                       const uint8_t *wbase, long long wlimit, long long ebytes,
@@ -330,9 +332,9 @@ static __global__ void __launch_bounds__(MOE_THREADS)
     }
     if (!any) continue;
     if (nt == 1)
-      gu_rows<T, 1, U>(wg, wu, lane, H, xr, ag, au);
+      gu_rows<T, 1>(wg, wu, lane, H, xr, ag, au);
     else
-      gu_rows<T, GQ_NT, U>(wg, wu, lane, H, xr, ag, au);
+      gu_rows<T, GQ_NT>(wg, wu, lane, H, xr, ag, au);
 #pragma unroll
     for (int t = 0; t < GQ_NT; t++) {
       if (t >= nt) break;
@@ -344,7 +346,7 @@ static __global__ void __launch_bounds__(MOE_THREADS)
 
 /* Down row c of an entry's expert: out[slot][c] = h . Wd[c], for its tokens (a slot outside
  * out's allocation, or a token whose row lies outside x's, is not written). */
-template <int T, int U>
+template <int T>
 static __global__ void __launch_bounds__(MOE_THREADS)
     gq_down_kernel(const float *h, const int32_t *rows, uint32_t xlimit, const int32_t *slot,
                    uint32_t olimit, int n, const uint8_t *wbase, long long wlimit,
@@ -365,9 +367,9 @@ static __global__ void __launch_bounds__(MOE_THREADS)
       acc[t] = 0.f;
     }
     if (nt == 1)
-      d_row<T, 1, U>(wd, lane, I, hr, acc);
+      d_row<T, 1>(wd, lane, I, hr, acc);
     else
-      d_row<T, GQ_NT, U>(wd, lane, I, hr, acc);
+      d_row<T, GQ_NT>(wd, lane, I, hr, acc);
 #pragma unroll
     for (int t = 0; t < GQ_NT; t++) {
       if (t >= nt) break;
@@ -422,23 +424,6 @@ static __global__ void __launch_bounds__(MOE_THREADS)
     constexpr int QT = TDM_MOE_W_F16;                    \
     __VA_ARGS__;                                         \
   } break;                                               \
-  }
-
-/* BODY compiled for each chunk unroll the decode kernels take, with QU the unroll, and run for
- * u (m->qunroll: 1, 2 (the default: bench/results/h100-qdecode-9d9222d/) or 4). */
-#define UNROLL_CASE(U, ...) \
-  case U: {                 \
-    constexpr int QU = U;   \
-    __VA_ARGS__;            \
-  } break;
-#define BY_UNROLL(u, ...)        \
-  switch (u) {                   \
-    UNROLL_CASE(1, __VA_ARGS__)  \
-    UNROLL_CASE(4, __VA_ARGS__)  \
-  default: {                     \
-    constexpr int QU = 2;        \
-    __VA_ARGS__;                 \
-  } break;                       \
   }
 
 /* ---- expert_q's fused GEMM ---- */
@@ -614,19 +599,16 @@ int cuda_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
     e = cuda_gate_up_q16(m, x, xlimit, rows, n, wb, wlimit, ebytes, fmt.gu, groups, G, H, I,
                          gu_rb, h, ws + q16_at);
   else
-    BY_UNROLL(m->qunroll,
-              BY_QTYPE(fmt.gu, e = launch_pdl(m, gq_gate_up_kernel<QT, QU>, gu_grid,
-                                              MOE_THREADS, 0, x, xlimit, rows, n, wb, wlimit,
-                                              ebytes, groups, H, I, gu_rb, h)));
+    BY_QTYPE(fmt.gu, e = launch_pdl(m, gq_gate_up_kernel<QT>, gu_grid, MOE_THREADS, 0, x,
+                                    xlimit, rows, n, wb, wlimit, ebytes, groups, H, I, gu_rb,
+                                    h));
   if (e == cudaSuccess && cuda_q16_down_takes(fmt.d) && m->q16 && fits)
     e = cuda_down_q16(m, h, rows, xlimit, slot, olimit, n, wb, wlimit, ebytes, fmt.d, groups, G,
                       H, I, gu_rb, d_rb, out, ws + d16_at);
   else if (e == cudaSuccess)
-    BY_UNROLL(m->qunroll,
-              BY_QTYPE(fmt.d, e = launch_pdl(m, gq_down_kernel<QT, QU>, down_grid, MOE_THREADS,
-                                             0, (const float *)h, rows, xlimit, slot, olimit, n,
-                                             wb, wlimit, ebytes, groups, H, I, gu_rb, d_rb,
-                                             out)));
+    BY_QTYPE(fmt.d, e = launch_pdl(m, gq_down_kernel<QT>, down_grid, MOE_THREADS, 0,
+                                   (const float *)h, rows, xlimit, slot, olimit, n, wb, wlimit,
+                                   ebytes, groups, H, I, gu_rb, d_rb, out));
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "the quantized grouped expert kernels");
   leave(m, saved);
   return rc;
@@ -703,14 +685,14 @@ static __device__ __forceinline__ void mq_chunk(const uint8_t *row, int c, int l
   for (int t = 0; t < NT; t++) acc[t] = dot8<T>(x + (size_t)min(t, nt - 1) * K, p0, v, acc[t]);
 }
 
-template <int T, int NT, int U>
+template <int T, int NT>
 static __device__ __forceinline__ void mq_row(float *y, const float *x, const uint8_t *row,
                                               int nt, int K, int N, int n, int beta) {
   const int lane = threadIdx.x & 31, whole = K / 256;
   float acc[NT];
 #pragma unroll
   for (int t = 0; t < NT; t++) acc[t] = 0.f;
-#pragma unroll U
+#pragma unroll GQ_UNROLL
   for (int c = 0; c < whole; c++) mq_chunk<T, NT, false>(row, c, lane, K, x, nt, acc);
   if (whole * 256 < K) mq_chunk<T, NT, true>(row, whole, lane, K, x, nt, acc);
 #pragma unroll
@@ -724,7 +706,7 @@ static __device__ __forceinline__ void mq_row(float *y, const float *x, const ui
   }
 }
 
-template <int T, int U>
+template <int T>
 static __global__ void __launch_bounds__(MOE_THREADS)
     mq_gemv_kernel(float *y, const float *x, const uint8_t *w, size_t rb, int nt, int K, int N,
                    int beta) {
@@ -733,13 +715,13 @@ static __global__ void __launch_bounds__(MOE_THREADS)
   if (n >= N) return;
   const uint8_t *row = w + (size_t)n * rb;
   if (nt == 1)
-    mq_row<T, 1, U>(y, x, row, nt, K, N, n, beta);
+    mq_row<T, 1>(y, x, row, nt, K, N, n, beta);
   else if (nt == 2)
-    mq_row<T, 2, U>(y, x, row, nt, K, N, n, beta);
+    mq_row<T, 2>(y, x, row, nt, K, N, n, beta);
   else if (nt <= 4)
-    mq_row<T, 4, U>(y, x, row, nt, K, N, n, beta);
+    mq_row<T, 4>(y, x, row, nt, K, N, n, beta);
   else
-    mq_row<T, MQ_MAX_T, U>(y, x, row, nt, K, N, n, beta);
+    mq_row<T, MQ_MAX_T>(y, x, row, nt, K, N, n, beta);
 }
 
 template <int T>
@@ -776,9 +758,8 @@ int cuda_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *
   if (T <= MQ_MAX_T) {
     const dim3 grid((unsigned)((N + MOE_WARPS - 1) / MOE_WARPS));
     cudaError_t e;
-    BY_UNROLL(m->qunroll,
-              BY_QTYPE(wtype, e = launch_pdl(m, mq_gemv_kernel<QT, QU>, grid, MOE_THREADS, 0, y,
-                                             x, wb, rb, T, K, N, (int)(beta != 0.f))));
+    BY_QTYPE(wtype, e = launch_pdl(m, mq_gemv_kernel<QT>, grid, MOE_THREADS, 0, y, x, wb, rb, T,
+                                   K, N, (int)(beta != 0.f)));
     rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "mq_gemv_kernel");
     leave(m, saved);
     return rc;
@@ -807,11 +788,11 @@ int cuda_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *
 }
 
 /* Loads this file's kernels at open(), every type's, as preload in cuda/ops.cu does its own. */
-template <int T, int U>
+template <int T>
 static int quant_preload_type(moe_cuda *m) {
-  const void *k[] = {(const void *)gq_gate_up_kernel<T, U>, (const void *)gq_down_kernel<T, U>,
+  const void *k[] = {(const void *)gq_gate_up_kernel<T>, (const void *)gq_down_kernel<T>,
                      (const void *)widen_rows_kernel<T>, (const void *)qgemm_kernel<T>,
-                     (const void *)mq_gemv_kernel<T, U>, (const void *)mq_widen_kernel<T>};
+                     (const void *)mq_gemv_kernel<T>, (const void *)mq_widen_kernel<T>};
   for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
@@ -819,18 +800,11 @@ static int quant_preload_type(moe_cuda *m) {
   return 0;
 }
 
-template <int U>
-static int quant_preload_unroll(moe_cuda *m) {
-  int rc = quant_preload_type<TDM_MOE_W_Q8_0, U>(m);
-  if (!rc) rc = quant_preload_type<TDM_MOE_W_Q4_K, U>(m);
-  if (!rc) rc = quant_preload_type<TDM_MOE_W_Q6_K, U>(m);
-  if (!rc) rc = quant_preload_type<TDM_MOE_W_MXFP4, U>(m);
-  if (!rc) rc = quant_preload_type<TDM_MOE_W_F16, U>(m);
-  return rc;
-}
-
 int cuda_quant_preload(moe_cuda *m) {
-  int rc;
-  BY_UNROLL(m->qunroll, rc = quant_preload_unroll<QU>(m));
+  int rc = quant_preload_type<TDM_MOE_W_Q8_0>(m);
+  if (!rc) rc = quant_preload_type<TDM_MOE_W_Q4_K>(m);
+  if (!rc) rc = quant_preload_type<TDM_MOE_W_Q6_K>(m);
+  if (!rc) rc = quant_preload_type<TDM_MOE_W_MXFP4>(m);
+  if (!rc) rc = quant_preload_type<TDM_MOE_W_F16>(m);
   return rc ? rc : cuda_q16_preload(m);
 }
