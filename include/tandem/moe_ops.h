@@ -269,7 +269,12 @@ typedef struct tdm_moe_ops {
    *   counting 2-byte units from wbase as before: an expert starts at an even byte;
    * - fmt {BF16, BF16} computing what expert() and experts() compute, bitwise;
    * - the quantized types computing on the values tdm_moe_dequant_row() gives, within f32
-   *   rounding (a backend's kernels may fuse the widening's multiply and add);
+   *   rounding (a backend's kernels may fuse the widening's multiply and add), except that a
+   *   few-token kernel may round the activations to 16-bit integers in blocks of 32 (each
+   *   block's largest value 32767) and dot them with the blocks in integers, as CUDA's
+   *   experts_q() does for Q4_K, Q6_K and Q8_0 rows and the CPU's for one or two tokens: a
+   *   result is then within about 1e-4 (relative) of the f32 one, and still bitwise
+   *   repeatable;
    * - a format the backend lacks, or one whose rows are not whole blocks (H a multiple of
    *   fmt.gu's block, I of fmt.d's), TDM_EINVAL at the call.
    * Workspace: tdm_moe_ops_workspace(n, H, I) bytes, as before. ---- */
@@ -284,7 +289,8 @@ typedef struct tdm_moe_ops {
   /* matmul_h() with w [N x K] in a block type (TDM_MOE_W_Q8_0, _Q4_K, _Q6_K or _MXFP4: each
    * row tdm_moe_row_bytes(wtype, K) bytes, back to back, K whole blocks), so that a file's
    * quantized projections and LM head are read in their blocks: computing on the values
-   * tdm_moe_dequant_row() gives, within f32 rounding. A few tokens read each row once; more
+   * tdm_moe_dequant_row() gives, within f32 rounding (the CPU's, on one or two tokens, on
+   * 16-bit activations as experts_q() may: within about 1e-4). A few tokens read each row once; more
    * widen pieces of w into the workspace (at least K floats), as matmul_h() does. Optional:
    * NULL where a backend has none (OpenCL for now), and a model widens such weights
    * to f32 when it loads them. Another type, or K not whole blocks: TDM_EINVAL. */
