@@ -261,6 +261,16 @@ enum { NCOUNTS = sizeof COUNTS / sizeof COUNTS[0] };
 static const int FEW[] = {1, 2, 0, 8, 1, 3};
 enum { NFEW = sizeof FEW / sizeof FEW[0] };
 
+/* experts_q() on the case's table, every slot it names against fp64; the case is freed. */
+static void experts_q_case(fixture *f, qcase *c, const char *what) {
+  sentinel(f, c);
+  CHECK_OK(f->ops->experts_q(f->st, f->q, c->dx, c->drows, c->dslot, c->n, c->dw, c->fmt,
+                             c->dgroups, c->G, c->H, c->I, c->dout, c->ws, c->ws_bytes));
+  read_back(f, c);
+  check_entries(f, c, 0, c->G, what);
+  qcase_teardown(c);
+}
+
 TEST_CASE(experts_q_ref) {
   fixture f0 = setup_q(1), *f = &f0;
   for (int i = 0; i < 2 * NFORMATS; i++) {
@@ -271,12 +281,7 @@ TEST_CASE(experts_q_ref) {
              few ? " few" : "");
     qcase c = few ? qcase_setup(f, fmt, 256, 512, FEW, NFEW)
                   : qcase_setup(f, fmt, 256, 512, COUNTS, NCOUNTS);
-    sentinel(f, &c);
-    CHECK_OK(f->ops->experts_q(f->st, f->q, c.dx, c.drows, c.dslot, c.n, c.dw, c.fmt, c.dgroups,
-                               c.G, c.H, c.I, c.dout, c.ws, c.ws_bytes));
-    read_back(f, &c);
-    check_entries(f, &c, 0, c.G, what);
-    qcase_teardown(&c);
+    experts_q_case(f, &c, what);
   }
   teardown(f);
 }
@@ -290,19 +295,15 @@ TEST_CASE(experts_q_long_rows) {
   static const tdm_moe_wfmt fmts[] = {{TDM_MOE_W_Q8_0, TDM_MOE_W_Q8_0},
                                       {TDM_MOE_W_MXFP4, TDM_MOE_W_MXFP4},
                                       {TDM_MOE_W_F16, TDM_MOE_W_F16},
-                                      {TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K}};
+                                      {TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K},
+                                      {TDM_MOE_W_Q4_K, TDM_MOE_W_Q4_K}};
   for (size_t i = 0; i < sizeof fmts / sizeof fmts[0]; i++) {
     const int k = fmts[i].gu == TDM_MOE_W_Q4_K; /* 256-value blocks: whole chunks */
     char what[64];
     snprintf(what, sizeof what, "experts_q {%s, %s} long rows", type_name(fmts[i].gu),
              type_name(fmts[i].d));
     qcase c = qcase_setup(f, fmts[i], k ? 1280 : 1312, k ? 512 : 288, FEW, NFEW);
-    sentinel(f, &c);
-    CHECK_OK(f->ops->experts_q(f->st, f->q, c.dx, c.drows, c.dslot, c.n, c.dw, c.fmt, c.dgroups,
-                               c.G, c.H, c.I, c.dout, c.ws, c.ws_bytes));
-    read_back(f, &c);
-    check_entries(f, &c, 0, c.G, what);
-    qcase_teardown(&c);
+    experts_q_case(f, &c, what);
   }
   skew = 0;
   teardown(f);

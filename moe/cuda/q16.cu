@@ -196,6 +196,19 @@ static __device__ __forceinline__ void gu16_rows(const uint8_t *wg, const uint8_
   }
 }
 
+/* The blocks (q: K values a row, d: their scales) of entry g.first + t0 + t for t < Q16_NT,
+ * the last of the nt there repeated past them (computed, not written). */
+static __device__ __forceinline__ void entry_blocks(const tdm_moe_group &g, int t0, int nt,
+                                                    int K, const int16_t *q, const float2 *d,
+                                                    const int16_t **xr, const float2 **dr) {
+#pragma unroll
+  for (int t = 0; t < Q16_NT; t++) {
+    const size_t e = (size_t)g.first + t0 + min(t, nt - 1);
+    xr[t] = q + e * K;
+    dr[t] = d + e * (K / 32);
+  }
+}
+
 /* Gate/up row r of an entry's Q4_K or Q8_0 (TG) expert for its tokens: h[entry][r] =
  * SiLU(g) u, as quant.cu's gq_gate_up_kernel, on xq16_kernel's blocks of each entry
  * (xq [n x H], xd [n x H / 32]). */
@@ -215,13 +228,9 @@ static __global__ void __launch_bounds__(MOE_THREADS)
     const int16_t *xr[Q16_NT];
     const float2 *dr[Q16_NT];
     float ag[Q16_NT], au[Q16_NT];
+    entry_blocks(g, t0, nt, H, xq, xd, xr, dr);
 #pragma unroll
-    for (int t = 0; t < Q16_NT; t++) {
-      const size_t e = (size_t)g.first + t0 + min(t, nt - 1);
-      xr[t] = xq + e * H;
-      dr[t] = xd + e * (H / 32);
-      ag[t] = au[t] = 0.f;
-    }
+    for (int t = 0; t < Q16_NT; t++) ag[t] = au[t] = 0.f;
     if (nt == 1)
       gu16_rows<TG, 1>(wg, wu, H, xr, dr, ag, au);
     else
@@ -353,14 +362,11 @@ static __global__ void __launch_bounds__(MOE_THREADS)
     const int16_t *xr[Q16_NT];
     const float2 *dr[Q16_NT];
     float acc[D16_ROWS][Q16_NT];
+    entry_blocks(g, t0, nt, I, hq, hd, xr, dr);
 #pragma unroll
-    for (int t = 0; t < Q16_NT; t++) {
-      const size_t e = (size_t)g.first + t0 + min(t, nt - 1);
-      xr[t] = hq + e * I;
-      dr[t] = hd + e * (I / 32);
+    for (int t = 0; t < Q16_NT; t++)
 #pragma unroll
       for (int k = 0; k < D16_ROWS; k++) acc[k][t] = 0.f;
-    }
     if (nt == 1)
       d16_rows<TD, 1>(wd, rb, nrows, nsb, xr, dr, acc);
     else
