@@ -590,7 +590,10 @@ enum { Q16_MAX_N = 2 };
  * SwiGLU by prepare_h16 into the rest): without room, or with more than Q16_MAX_N tokens, its
  * rows stay on f32 activations. */
 static void prepare_x16(gemv_job *j, unsigned char *mem) {
-  if (!mem || j->n > Q16_MAX_N) j->q16_gu = j->q16_d = false;
+  if (!mem || j->n > Q16_MAX_N) {
+    j->q16_gu = j->q16_d = false;
+    return;
+  }
   for (size_t t = 0; j->q16_gu && t < j->n; t++) {
     j->x16[t] = mem + t * tdm_moe__x16_bytes(j->H);
     tdm_moe__x16(j->xs[t], j->H, j->fmt.gu, (void *)j->x16[t]);
