@@ -64,17 +64,15 @@ static __global__ void __launch_bounds__(MOE_THREADS)
   if (b >= H / 32) return;
   const uint32_t row = rows ? (uint32_t)rows[e] : (uint32_t)e; /* NULL: entry e's own row */
   const float *xr = row < xlimit ? x + (size_t)row * H : NULL; /* outside: zeros, not read */
-  {
-    const float v = xr ? xr[32 * b + lane] : 0.f;
-    float amax = fabsf(v);
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 32767.f;
-    const int q = d > 0.f ? __float2int_rn(v / d) : 0;
-    int s = q;
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    xq[(size_t)e * H + 32 * b + lane] = (int16_t)q;
-    if (lane == 0) xd[(size_t)e * (H / 32) + b] = make_float2(d, d * (float)s);
-  }
+  const float v = xr ? xr[32 * b + lane] : 0.f;
+  float amax = fabsf(v);
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float d = amax / 32767.f;
+  const int q = d > 0.f ? __float2int_rn(v / d) : 0;
+  int s = q;
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  xq[(size_t)e * H + 32 * b + lane] = (int16_t)q;
+  if (lane == 0) xd[(size_t)e * (H / 32) + b] = make_float2(d, d * (float)s);
 }
 
 /* ---- Q4_K rows dotted with them ---- */
