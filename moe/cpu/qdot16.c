@@ -106,8 +106,10 @@ Q16_TARGET void group16(const uint8_t *src, int t, size_t K, const void *const *
 #pragma GCC unroll 4
       for (int p = 0; p < 4; p++) {
         const __m256i r = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * p));
-        const __m256i a0 = _mm256_and_si256(r, m4), a1 = _mm256_and_si256(_mm256_srli_epi16(r, 8), m4);
-        const __m256i a2 = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4), a3 = _mm256_srli_epi16(r, 12);
+        const __m256i a0 = _mm256_and_si256(r, m4);
+        const __m256i a1 = _mm256_and_si256(_mm256_srli_epi16(r, 8), m4);
+        const __m256i a2 = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4);
+        const __m256i a3 = _mm256_srli_epi16(r, 12);
         const size_t u = 8 * blk + 2 * (size_t)p; /* sub-blocks u (low nibbles), u + 1 (high) */
 #pragma GCC unroll 4
         for (int i = 0; i < T; i++) {
@@ -119,8 +121,8 @@ Q16_TARGET void group16(const uint8_t *src, int t, size_t K, const void *const *
               _mm256_madd_epi16(a2, _mm256_loadu_si256((const __m256i *)(xa + 32))),
               _mm256_madd_epi16(a3, _mm256_loadu_si256((const __m256i *)(xa + 48))));
           const float *da = xd[i] + 2 * u;
-          acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ma), _mm256_set1_ps(d * sc[2 * p] * da[0]),
-                                      acc[i][0]);
+          acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ma),
+                                      _mm256_set1_ps(d * sc[2 * p] * da[0]), acc[i][0]);
           acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mb),
                                       _mm256_set1_ps(d * sc[2 * p + 1] * da[2]), acc[i][1]);
           off[i] += dmin * ((float)mn[2 * p] * da[1] + (float)mn[2 * p + 1] * da[3]);
