@@ -521,14 +521,16 @@ int tool_cmd_model_bench(int argc, char **argv) {
     tdm_model_info_get(m, &info);
     double share = o.budget_pct[b] >= 0 ? o.budget_pct[b] / 100.0
                    : info.host_bytes ? (double)o.budget_bytes[b] / info.host_bytes : 0;
+    tdm_moe_placement_info place = {0}; /* all 0 where nothing was calibrated */
+    tdm_moe_model *mm = tdm_model_moe(m);
+    if (!mm || tdm_moe_placement_get(mm, &place)) memset(&place, 0, sizeof place);
     for (int t = 0; code == TOOL_OK && t < o.nprompt + o.ndecode; t++) {
       bool pp = t < o.nprompt;
       int n = (int)(pp ? o.prompt[t] : o.decode[t - o.nprompt]);
       if (!n) continue;
       bench_row *r = &rows[nrows];
       r->budget_share = share > 1 ? 1 : share;
-      tdm_moe_model *mm = tdm_model_moe(m);
-      if (!mm || tdm_moe_placement_get(mm, &r->place)) memset(&r->place, 0, sizeof r->place);
+      r->place = place;
       if ((rc = bench_test(m, &o, pp, n, info.vocab, r))) {
         code = tool_fail(pp ? "prefill" : "decode", rc);
         break;

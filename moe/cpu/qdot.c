@@ -7,9 +7,7 @@
 #include "quant.h" /* moe/quant.h */
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-
-#define QDOT_TARGET __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+#include "qdot_x86.h"
 
 /* What runs: TANDEM_MOE_CPU_QDOT (read once) 0 none (ops.c widens the rows first), 1 AVX2,
  * 2 AVX-512 where the CPU has it, 3 (the default) as 2 with Q8_0, Q4_K and Q6_K rows on
@@ -43,13 +41,6 @@ typedef struct unit {
   float s[2], m;
 } unit;
 
-/* The binary16 at p (any alignment), exactly. */
-QDOT_TARGET float f16(const uint8_t *p) {
-  uint16_t h;
-  memcpy(&h, p, sizeof h);
-  return _cvtsh_ss(h);
-}
-
 /* The 32 bytes at v (signed when sign) as four vectors of 8 f32. */
 QDOT_TARGET void bytes_to_f32(__m256i v, int sign, __m256 q[4]) {
   __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
@@ -80,18 +71,12 @@ QDOT_TARGET void load_unit(const uint8_t *src, int t, size_t u, unit *un) {
     bytes_to_f32(_mm256_and_si256(raw, nib), 0, un->q);
   } else if (t == TDM_MOE_W_Q6_K) {
     const uint8_t *b = src + 210 * (u >> 3);
-    const int c = (int)(u & 7), half = c >> 2, quarter = c & 3;
-    const int8_t *sc = (const int8_t *)(b + 192) + 8 * half + 2 * quarter;
+    const int c = (int)(u & 7);
+    const int8_t *sc = (const int8_t *)(b + 192) + 8 * (c >> 2) + 2 * (c & 3);
     const float d = f16(b + 208);
     un->s[0] = d * sc[0];
     un->s[1] = d * sc[1];
-    __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + 32 * (quarter & 1)));
-    __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
-    ql = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128((quarter >> 1) * 4)), nib);
-    qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * quarter)),
-                          _mm256_set1_epi8(3));
-    __m256i q = _mm256_or_si256(ql, _mm256_slli_epi16(qh, 4));
-    bytes_to_f32(_mm256_sub_epi8(q, _mm256_set1_epi8(32)), 1, un->q);
+    bytes_to_f32(q6k_quarter(b, c), 1, un->q);
   } else { /* TDM_MOE_W_MXFP4 */
     const uint8_t *b = src + 17 * u;
     const uint32_t e = b[0], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
@@ -112,13 +97,6 @@ QDOT_TARGET void load_unit(const uint8_t *src, int t, size_t u, unit *un) {
       un->q[i] = _mm256_xor_ps(v, _mm256_castsi256_ps(sign));
     }
   }
-}
-
-QDOT_TARGET float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 /* Pair p (sub-blocks 2p, 2p + 1: 64 values) of the Q4_K block at b, whose d and dmin are given:

@@ -15,7 +15,6 @@
 #include "qdot.h"
 
 #include <math.h>
-#include <string.h>
 
 #include "quant.h" /* moe/quant.h */
 
@@ -44,47 +43,20 @@ void tdm_moe__x16(const float *x, size_t K, int type, void *dst) {
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-
-#define Q16_TARGET __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
-
-Q16_TARGET float f16v(const uint8_t *p) {
-  uint16_t h;
-  memcpy(&h, p, sizeof h);
-  return _cvtsh_ss(h);
-}
-
-Q16_TARGET float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+#include "qdot_x86.h"
 
 /* 32 signed bytes at w against 32 int16 at x: eight 32-bit partial sums of the first 16
  * values (m[0]) and of the last 16 (m[1]). */
-Q16_TARGET void dot_s8(__m256i w, const int16_t *x, __m256i m[2]) {
+QDOT_TARGET void dot_s8(__m256i w, const int16_t *x, __m256i m[2]) {
   const __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
   const __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
   m[0] = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x));
   m[1] = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
 }
 
-/* Q6_K quarter c (of 8) of block b as 32 signed bytes q - 32 (moe/quant.h's layout). */
-Q16_TARGET __m256i q6k_quarter(const uint8_t *b, int c) {
-  const int half = c >> 2, quarter = c & 3;
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + 32 * (quarter & 1)));
-  __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
-  ql = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128((quarter >> 1) * 4)), nib);
-  qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * quarter)),
-                        _mm256_set1_epi8(3));
-  return _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)), _mm256_set1_epi8(32));
-}
-
 /* T tokens (a constant after inlining): acc[i][0..1] token i's f32 sums, off[i] its Q4_K
  * mins' part (subtracted last). */
-Q16_TARGET void group16(const uint8_t *src, int t, size_t K, const void *const *xv, float *res,
+QDOT_TARGET void group16(const uint8_t *src, int t, size_t K, const void *const *xv, float *res,
                         int T) {
   __m256 acc[4][2];
   float off[4];
@@ -100,7 +72,7 @@ Q16_TARGET void group16(const uint8_t *src, int t, size_t K, const void *const *
     const __m256i m4 = _mm256_set1_epi16(0x000F);
     for (size_t blk = 0; blk < K / 256; blk++) {
       const uint8_t *b = src + 144 * blk;
-      const float d = f16v(b), dmin = f16v(b + 2);
+      const float d = f16(b), dmin = f16(b + 2);
       uint8_t sc[8], mn[8];
       for (int j = 0; j < 8; j++) tdm_moe__scale_min_k4(j, b + 4, &sc[j], &mn[j]);
 #pragma GCC unroll 4
@@ -132,7 +104,7 @@ Q16_TARGET void group16(const uint8_t *src, int t, size_t K, const void *const *
   } else if (t == TDM_MOE_W_Q8_0) {
     for (size_t u = 0; u < K / 32; u++) {
       const uint8_t *b = src + 34 * u;
-      const float d = f16v(b);
+      const float d = f16(b);
       const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
 #pragma GCC unroll 4
       for (int i = 0; i < T; i++) {
@@ -146,7 +118,7 @@ Q16_TARGET void group16(const uint8_t *src, int t, size_t K, const void *const *
     for (size_t blk = 0; blk < K / 256; blk++) {
       const uint8_t *b = src + 210 * blk;
       const int8_t *sc = (const int8_t *)(b + 192);
-      const float d = f16v(b + 208);
+      const float d = f16(b + 208);
 #pragma GCC unroll 2
       for (int c = 0; c < 8; c++) {
         const __m256i w = q6k_quarter(b, c);
@@ -164,7 +136,7 @@ Q16_TARGET void group16(const uint8_t *src, int t, size_t K, const void *const *
       }
     }
   }
-  for (int i = 0; i < T; i++) res[i] = hsum8(_mm256_add_ps(acc[i][0], acc[i][1])) - off[i];
+  for (int i = 0; i < T; i++) res[i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1])) - off[i];
 }
 
 #define G16(TY, N) group16(src, TY, K, x + i, res + i, N)
