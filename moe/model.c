@@ -7,7 +7,9 @@
  * all-resident reference and a streamed run always take the same one, and their outputs stay
  * bitwise equal):
  * - a large ubatch (more than GROUPED_MAX_T tokens) runs expert() per routed expert, a GEMM
- *   each, in the streamer's order, each as its weights land;
+ *   each, in the streamer's order, each as its weights land; or, where the table runs that
+ *   many rows as GEMMs (experts_gemm_rows: CUDA), experts() as decode does below, the ready
+ *   experts a group (never on the host, and routed by the host);
  * - a small one (decode) runs experts(): a group of experts per submission, so the host's cost
  *   no longer grows with the experts routed. When every expert is resident the routing never
  *   comes back to the host (group() on the device, then one group of the whole layer), and
@@ -355,14 +357,22 @@ static int setup_small_weights(tdm_moe_model *m) {
   return rc;
 }
 
+/* Whether a ubatch of T tokens runs its experts in groups (experts()), not one by one: a
+ * small one always; a large one where the table computes many rows as GEMMs. */
+static bool grouped(const tdm_moe_model *m, int T) {
+  int from = m->ops->experts_gemm_rows;
+  return T <= GROUPED_MAX_T || (from > 0 && (long)T * m->k >= from);
+}
+
 static int setup_buffers(tdm_moe_model *m) {
   int T = m->maxT, Imax = m->I > m->p.shared_ffn ? m->I : m->p.shared_ffn;
   size_t th = (size_t)T * m->H * sizeof(float), tk = (size_t)T * m->k;
-  int Tg = T < GROUPED_MAX_T ? T : GROUPED_MAX_T; /* the largest grouped ubatch */
+  int Tg = T < GROUPED_MAX_T ? T : GROUPED_MAX_T; /* the largest device-routed ubatch */
   size_t tgk = (size_t)Tg * m->k;
-  /* One workspace serves both ways: expert() on up to T tokens, experts() on Tg * k rows. */
+  /* One workspace serves both ways: expert() on up to T tokens, experts() on the largest
+   * grouped ubatch's rows. */
   size_t ws1 = tdm_moe_ops_workspace(T, m->H, Imax);
-  size_t ws2 = tdm_moe_ops_workspace((int)tgk, m->H, m->I);
+  size_t ws2 = tdm_moe_ops_workspace(grouped(m, T) ? (int)tk : (int)tgk, m->H, m->I);
   m->ws_bytes = ws1 > ws2 ? ws1 : ws2;
   int rc = ws1 && ws2 ? 0 : tdm_set_error(TDM_EINVAL, 0, "a ubatch of %d tokens is too large", T);
   if (!rc) rc = dev_alloc(m, th, &m->x);
@@ -1467,7 +1477,7 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
   if ((rc = tdm_streamer_schedule(m->streamer, l, order, n))) return rc;
   /* Host experts first, so the host works while the device's copies and compute go on; the
    * device's list (order) no longer names them, so nothing prefetches or acquires them. */
-  if (m->place.placement != TDM_MOE_PLACE_DEVICE) {
+  if (m->place.placement != TDM_MOE_PLACE_DEVICE && T <= GROUPED_MAX_T) {
     if ((rc = place(m, l, order, &n, host, &nh, &candidates, false))) return rc;
     st->host_candidates += (uint64_t)candidates;
     double h0 = now_s();
@@ -1642,7 +1652,7 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
       m->lead_n = n;
       m->lead_T = T;
     }
-    rc = T <= GROUPED_MAX_T
+    rc = grouped(m, T)
              ? layer_experts_grouped(m, l, T, overlap, st, count, offset, order, n)
              : layer_experts(m, l, overlap, st, count, offset, order, n);
   }

@@ -101,7 +101,9 @@ static void rnd_row(fixture *f, int t, int K, uint8_t *dst) {
 
 /* ---- Problems ---------------------------------------------------------------------------- */
 
-enum { MAX_G = 8, T = 24, TOPK = 4 };
+enum { MAX_G = 8, TOPK = 4 };
+/* Tokens of a case's x (24; more for the cases of many rows). */
+static int T = 24;
 
 /* G experts in format fmt, back to back at 16-byte steps in one allocation; entry g computes
  * counts[g] distinct tokens of x [T x H] into distinct slots of out [T*TOPK x H]. */
@@ -206,8 +208,8 @@ static void check_entries(fixture *f, const qcase *c, int g0, int g1, const char
   const int H = c->H, I = c->I;
   const size_t hi = (size_t)H * I;
   double *h = malloc((size_t)I * sizeof *h), diff2 = 0.0, ref2 = 0.0;
-  char written[T * TOPK] = {0};
-  CHECK(h != NULL);
+  char *written = calloc((size_t)T * TOPK, 1);
+  CHECK(h != NULL && written != NULL);
   for (int g = g0; g < g1; g++) {
     const float *w = c->wide + (size_t)g * 3 * hi;
     for (int i = c->groups[g].first; i < c->groups[g].first + c->groups[g].count; i++) {
@@ -240,6 +242,7 @@ static void check_entries(fixture *f, const qcase *c, int g0, int g1, const char
     if (!written[s])
       for (int r = 0; r < H; r++)
         CHECK_MSG(c->got[(size_t)s * H + r] == SENTINEL, "%s: out[%d][%d] written", what, s, r);
+  free(written);
 }
 
 static const char *type_name(int t) {
@@ -285,6 +288,25 @@ TEST_CASE(experts_q_ref) {
                   : qcase_setup(f, fmt, 256, 512, COUNTS, NCOUNTS);
     experts_q_case(f, &c, what);
   }
+  teardown(f);
+}
+
+/* Many rows in all (more than a GPU's experts_gemm_rows, where CUDA runs the table as
+ * tensor-core GEMMs in tiles of 64 tokens): entries of 0, 1, 63, 64, 65 and up to 96 tokens
+ * (one tile, one and a bit, a tile and a half), 384 rows, every format, against fp64. */
+TEST_CASE(experts_q_many) {
+  fixture f0 = setup_q(1), *f = &f0;
+  static const int many[] = {65, 0, 96, 1, 63, 64, 45, 50};
+  T = 96;
+  for (int i = 0; i < NFORMATS; i++) {
+    const tdm_moe_wfmt fmt = FORMATS[i];
+    char what[64];
+    snprintf(what, sizeof what, "experts_q {%s, %s} many", type_name(fmt.gu), type_name(fmt.d));
+    qcase c = qcase_setup(f, fmt, 256, 256, many, (int)(sizeof many / sizeof many[0]));
+    CHECK(f->ops->experts_gemm_rows == 0 || c.n >= f->ops->experts_gemm_rows);
+    experts_q_case(f, &c, what);
+  }
+  T = 24;
   teardown(f);
 }
 

@@ -1006,6 +1006,15 @@ int cuda_experts(void *st, tdm_queue *q, const float *x, const int32_t *rows,
   const dim3 down_grid((unsigned)((H + down_rows - 1) / down_rows), (unsigned)G);
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
+  if (cuda_gmm_takes(n, H, I, x) && !((uintptr_t)wbase & 1)) { /* many tokens: gmm.cu */
+    const long long wbytes = wlimit > LLONG_MAX / 2 ? LLONG_MAX : 2 * wlimit;
+    cudaError_t e = cuda_gmm(m, x, xlimit, rows, slot, olimit, n, (const uint8_t *)wbase, wbytes,
+                             6 * (long long)H * I, TDM_MOE_W_BF16, TDM_MOE_W_BF16, groups, G, H,
+                             I, 2 * (size_t)H, 2 * (size_t)I, h, out);
+    rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "the grouped expert GEMMs");
+    leave(m, saved);
+    return rc;
+  }
   const uint16_t *wb = (const uint16_t *)wbase;
   cudaError_t e = launch_pdl(m, narrow ? gx_gate_up_kernel<GX_NARROW_NT, GX_NARROW_BLOCKS>
                                        : gx_gate_up_kernel<GX_WIDE_NT, GX_WIDE_BLOCKS>,
@@ -1205,6 +1214,7 @@ extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .matmul_q = */ cuda_matmul_q,
     /* .attn_prep_at = */ cuda_attn_prep_at,
     /* .attention_at = */ cuda_attention_at,
+    /* .experts_gemm_rows = */ CUDA_GMM_MIN_N,
 };
 
 /* The entry libtandem_moe looks up when it loads this module (libtandem_moe-cuda.so). */

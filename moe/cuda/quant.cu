@@ -36,91 +36,10 @@
 #include <string.h>
 
 #include "cuda/cuda_ops.h"
+#include "cuda/unit32.h"
 
 extern "C" {
 #include "tandem/moe_ops.h"
-}
-
-/* ---- units of 32 values ---- */
-
-
-/* Sub-block j's scale d sc and offset dmin m of the Q4_K block at b (its 6-bit sc and m from
- * the 12 packed bytes, as moe/quant.h's tdm_moe__scale_min_k4). */
-static __device__ __forceinline__ void q4k_scale(const uint8_t *b, int j, float *d1, float *m1) {
-  const uint8_t *sc = b + 4;
-  int s, m;
-  if (j < 4) {
-    s = __ldg(sc + j) & 63;
-    m = __ldg(sc + j + 4) & 63;
-  } else {
-    s = (__ldg(sc + j + 4) & 0xF) | ((__ldg(sc + j - 4) >> 6) << 4);
-    m = (__ldg(sc + j + 4) >> 4) | ((__ldg(sc + j) >> 6) << 4);
-  }
-  *d1 = f16_at(b) * (float)s;
-  *m1 = f16_at(b + 2) * (float)m;
-}
-
-/* Unit u (values 32u .. 32u + 31) of a row of type T at row (an even address) into v. */
-template <int T>
-static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v[32]) {
-  if (T == TDM_MOE_W_Q8_0) {
-    const uint8_t *b = row + 34 * (size_t)u;
-    const float d = f16_at(b);
-#pragma unroll
-    for (int j = 0; j < 32; j += 2) {
-      uint16_t q = ld16(b + 2 + j);
-      v[j] = (float)(int8_t)(q & 0xff) * d;
-      v[j + 1] = (float)(int8_t)(q >> 8) * d;
-    }
-  } else if (T == TDM_MOE_W_Q4_K) {
-    const uint8_t *b = row + 144 * (size_t)(u >> 3);
-    const int j = u & 7;
-    float d1, m1;
-    q4k_scale(b, j, &d1, &m1);
-    const uint8_t *q = b + 16 + 32 * (j >> 1);
-    const int shift = (j & 1) * 4;
-#pragma unroll
-    for (int l = 0; l < 32; l += 2) {
-      const uint16_t w = ld16(q + l);
-      v[l] = d1 * (float)((w >> shift) & 0xF) - m1;
-      v[l + 1] = d1 * (float)((w >> (8 + shift)) & 0xF) - m1;
-    }
-  } else if (T == TDM_MOE_W_Q6_K) {
-    const uint8_t *b = row + 210 * (size_t)(u >> 3);
-    const int j = u & 7, h = j >> 2, qq = j & 3;
-    const uint8_t *ql = b + 64 * h + 32 * (qq & 1), *qh = b + 128 + 32 * h;
-    const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * qq;
-    const float d = f16_at(b + 208);
-    const float d0 = d * (float)__ldg(sc), d1 = d * (float)__ldg(sc + 1);
-    const int sl = (qq >> 1) * 4, sh = 2 * qq;
-#pragma unroll
-    for (int l = 0; l < 32; l += 2) {
-      uint16_t lo = ld16(ql + l), hi = ld16(qh + l);
-#pragma unroll
-      for (int k = 0; k < 2; k++) {
-        int q = (((lo >> (8 * k)) >> sl) & 0xF) | ((((hi >> (8 * k)) >> sh) & 3) << 4);
-        v[l + k] = (l + k < 16 ? d0 : d1) * (float)(int8_t)(q - 32);
-      }
-    }
-  } else if (T == TDM_MOE_W_MXFP4) {
-    const uint8_t *b = row + 17 * (size_t)u;
-    const uint32_t e = __ldg(b);
-    const float d = __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
-    /* E2M1 doubled, by the code's low 3 bits: 0 1 2 3 4 6 8 12 (a nibble each); bit 3 is the
-     * sign */
-    const uint32_t kv = 0xC8643210u;
-#pragma unroll
-    for (int j = 0; j < 16; j++) {
-      const uint32_t q = __ldg(b + 1 + j);
-      const float lo = (float)((kv >> (4 * (q & 7))) & 15), hi = (float)((kv >> (4 * ((q >> 4) & 7))) & 15);
-      v[j] = ((q & 8) ? -lo : lo) * d;
-      v[j + 16] = ((q & 0x80) ? -hi : hi) * d;
-    }
-  } else { /* TDM_MOE_W_F16 */
-    const uint8_t *p = row + 64 * (size_t)u;
-#pragma unroll
-    for (int j = 0; j < 32; j++) v[j] = f16_at(p + 2 * j);
-  }
 }
 
 /* ---- experts_q: the grouped kernels ---- */
@@ -407,25 +326,6 @@ static __global__ void __launch_bounds__(MOE_THREADS)
   }
 }
 
-/* BODY compiled for each type the kernels take, with QT the type, and run for t (the callers
- * checked it: anything else is F16). */
-#define QTYPE_CASE(T, ...)  \
-  case T: {                 \
-    constexpr int QT = T;   \
-    __VA_ARGS__;            \
-  } break;
-#define BY_QTYPE(t, ...)                                 \
-  switch (t) {                                           \
-    QTYPE_CASE(TDM_MOE_W_Q8_0, __VA_ARGS__)              \
-    QTYPE_CASE(TDM_MOE_W_Q4_K, __VA_ARGS__)              \
-    QTYPE_CASE(TDM_MOE_W_Q6_K, __VA_ARGS__)              \
-    QTYPE_CASE(TDM_MOE_W_MXFP4, __VA_ARGS__)             \
-  default: {                                             \
-    constexpr int QT = TDM_MOE_W_F16;                    \
-    __VA_ARGS__;                                         \
-  } break;                                               \
-  }
-
 /* ---- expert_q's fused GEMM ---- */
 
 #define QG_BM 64 /* tokens a block */
@@ -588,6 +488,13 @@ int cuda_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
   int saved;
   if ((rc = enter(m, &saved))) return rc;
   cudaError_t e;
+  if (cuda_gmm_takes(n, H, I, x)) { /* many tokens (prefill): gmm.cu */
+    e = cuda_gmm(m, x, xlimit, rows, slot, olimit, n, wb, wlimit, ebytes, fmt.gu, fmt.d, groups,
+                 G, H, I, gu_rb, d_rb, h, out);
+    rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "the grouped quantized expert GEMMs");
+    leave(m, saved);
+    return rc;
+  }
   /* Q4_K or Q8_0 gate/up rows and Q4_K, Q6_K or Q8_0 down rows on 16-bit activations
    * (q16.cu): their scratch after h (the workspace's contract leaves far more room than these
    * take) */
@@ -806,5 +713,6 @@ int cuda_quant_preload(moe_cuda *m) {
   if (!rc) rc = quant_preload_type<TDM_MOE_W_Q6_K>(m);
   if (!rc) rc = quant_preload_type<TDM_MOE_W_MXFP4>(m);
   if (!rc) rc = quant_preload_type<TDM_MOE_W_F16>(m);
-  return rc ? rc : cuda_q16_preload(m);
+  if (!rc) rc = cuda_q16_preload(m);
+  return rc ? rc : cuda_gmm_preload(m);
 }
