@@ -67,6 +67,7 @@ size_t tdm_moe_host_bytes(const tdm_moe_preset *p, int layers) {
  * ones run a GEMM per expert. At 32 tokens and top-8 of 128 experts an expert averages two
  * tokens: matrix-vector work, which the grouped kernels do at the weights' bandwidth. */
 #define GROUPED_MAX_T 32
+#define PREFILL_GROUP 4 /* experts a large ubatch's group waits for, where one is landing */
 
 /* time_chain's markers in a layer, in the order the compute queue passes them. */
 enum { CHAIN_ROUTED, CHAIN_STARTED, CHAIN_DEVICE, CHAIN_JOINED, CHAIN_COMBINED, CHAIN_MARKS };
@@ -1489,8 +1490,11 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
   for (int i = 0; !rc && i < n; i++) {
     int e = order[i];
     /* Serialized, every expert is a group of its own, so each copy follows the compute
-     * before it, as in the ungrouped baseline. */
-    if (nb > 0 && (!overlap || tdm_streamer_ready(m->streamer, l, e) != 1)) {
+     * before it, as in the ungrouped baseline. A large ubatch's group that an expert still
+     * landing would end holds PREFILL_GROUP experts at least: a group of one fills a few of
+     * the GPU's multiprocessors, and a few experts' copies take longer than their compute. */
+    if (nb > 0 && (!overlap || (tdm_streamer_ready(m->streamer, l, e) != 1 &&
+                                (T <= GROUPED_MAX_T || nb >= PREFILL_GROUP)))) {
       if ((rc = group_flush(m, l, T, overlap, st, batch, nb, at))) return rc;
       at += nb;
       nb = 0;

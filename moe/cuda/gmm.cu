@@ -33,15 +33,24 @@
 #define GM_BR 128 /* weight rows a tile */
 #define GM_LD 40  /* bf16 a shared row: 32 values and 8 of padding (80 bytes, off the banks) */
 #define GM_CLD (GM_BR + 4) /* floats a row of the epilogue's tile */
+#define GM_MIN_BLOCKS 4    /* blocks an SM should hold: 128 registers a thread at most */
 
-struct gm_stage {
-  __nv_bfloat16 a[GM_BM][GM_LD];
-  __nv_bfloat16 b[GM_BR][GM_LD];
+/* A step of K for type T: KS values (a superblock of the K-quants, 8 blocks of Q8_0 or MXFP4,
+ * 128 F16 or BF16), staged RB bytes a row (UB a 32-value unit where the units are separate),
+ * RBP apart in shared memory (4-byte multiples of an odd count: off the banks). */
+template <int T> struct gm_t {
+  static constexpr bool kq = T == TDM_MOE_W_Q4_K || T == TDM_MOE_W_Q6_K;
+  static constexpr int KS = T == TDM_MOE_W_F16 || T == TDM_MOE_W_BF16 ? 128 : 256;
+  static constexpr int UB = T == TDM_MOE_W_Q8_0 ? 34 : T == TDM_MOE_W_MXFP4 ? 17 : 64;
+  static constexpr int RB = T == TDM_MOE_W_Q4_K ? 144 : T == TDM_MOE_W_Q6_K ? 210 : KS / 32 * UB;
+  static constexpr int W = (RB + 3) / 4;
+  static constexpr int RBP = 4 * (W % 2 ? W : W + 1);
+  static constexpr int TILES = (GM_BM + GM_BR) * GM_LD * 2; /* the bf16 tiles' bytes */
+  static constexpr int C = GM_BM * GM_CLD * 4;              /* the epilogue's */
+  static constexpr int SMEM = GM_BR * RBP + TILES > C ? GM_BR * RBP + TILES : C;
 };
-union gm_smem {
-  gm_stage st[2];
-  float c[GM_BM][GM_CLD];
-};
+
+extern __shared__ __align__(128) uint8_t gm_smem[];
 
 /* The tile `tile` of the table's tiles (entries in order, ceil(count / GM_BM) each; bad
  * entries none): its entry and first token, by warp 0's scan, 32 entries a round; false past
@@ -86,97 +95,112 @@ static __device__ bool gm_find(const tdm_moe_group *groups, int G, int n, long l
   return true;
 }
 
-/* Step k0's operands into registers: this thread's 16 activations (token tid / 2, values
- * k0 + 16 (tid % 2) ..; zeros for a token past the tile or a bad row) and its weight row's 32
- * values (zeros past the rows). */
-template <int T>
-static __device__ __forceinline__ void gm_load(const float *arow, const uint8_t *wrow, int k0,
-                                               float a[16], float v[32]) {
-  const int c = k0 + (threadIdx.x & 1) * 16;
-  if (arow) {
-#pragma unroll
-    for (int j = 0; j < 16; j += 4) {
-      const float4 q = *(const float4 *)(arow + c + j);
-      a[j] = q.x, a[j + 1] = q.y, a[j + 2] = q.z, a[j + 3] = q.w;
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < 16; j++) a[j] = 0.f;
-  }
-  if (wrow)
-    unit32<T>(wrow, k0 >> 5, v);
-  else
-#pragma unroll
-    for (int j = 0; j < 32; j++) v[j] = 0.f;
-}
-
 static __device__ __forceinline__ uint32_t bf16x2(float lo, float hi) {
   return (uint32_t)f32_to_bf16(lo) | (uint32_t)f32_to_bf16(hi) << 16;
 }
 
-/* The registers of gm_load into a stage, as bf16. */
-static __device__ __forceinline__ void gm_store(gm_stage *s, const float a[16], const float v[32]) {
-  uint4 *ad = (uint4 *)&s->a[threadIdx.x >> 1][(threadIdx.x & 1) * 16];
-#pragma unroll
-  for (int j = 0; j < 2; j++)
-    ad[j] = make_uint4(bf16x2(a[8 * j], a[8 * j + 1]), bf16x2(a[8 * j + 2], a[8 * j + 3]),
-                       bf16x2(a[8 * j + 4], a[8 * j + 5]), bf16x2(a[8 * j + 6], a[8 * j + 7]));
-  uint4 *bd = (uint4 *)&s->b[threadIdx.x][0];
-#pragma unroll
-  for (int j = 0; j < 4; j++)
-    bd[j] = make_uint4(bf16x2(v[8 * j], v[8 * j + 1]), bf16x2(v[8 * j + 2], v[8 * j + 3]),
-                       bf16x2(v[8 * j + 4], v[8 * j + 5]), bf16x2(v[8 * j + 6], v[8 * j + 7]));
+/* The step at k0 (su units) of the tile's weight rows (rowp, NULL: a row past the weights),
+ * staged as they lie, a warp a row at a time, its lanes on consecutive words. */
+template <int T>
+static __device__ __forceinline__ void gm_stage(uint8_t *raw, const uint8_t *const *rowp, int k0,
+                                                int su) {
+  typedef gm_t<T> t;
+  const size_t off = t::kq ? (size_t)(k0 / 256) * t::RB : (size_t)(k0 / 32) * t::UB;
+  const int sb = t::kq ? t::RB : su * t::UB, nw = sb >> 2, lane = threadIdx.x & 31;
+  for (int r = threadIdx.x >> 5; r < GM_BR; r += 4) {
+    const uint8_t *src = rowp[r];
+    if (!src) continue;
+    src += off;
+    uint8_t *dst = raw + r * t::RBP;
+    for (int w = lane; w < nw; w += 32) *(uint32_t *)(dst + 4 * w) = ld32(src + 4 * w);
+    if ((sb & 2) && lane == 0) *(uint16_t *)(dst + 4 * nw) = ld16(src + 4 * nw);
+  }
 }
 
 typedef nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> gm_acc;
 
 /* The main loop over K: acc[i][j] += A's rows wm + 16 i (i < 2) times the weight rows
  * brow[j] .. + 16 (j < 4) of the block's 128, both 16 wide. arow: this thread's activation row
- * (NULL: zeros); wrow: its weight row (NULL: zeros). */
+ * (token tid / 2, its values 16 (tid % 2) .. of each 32; NULL: zeros); rowp: the block's weight
+ * rows (this thread's is rowp[tid]), visible to the block. Each step of KS values stages the
+ * rows' bytes in shared memory (coalesced), then widens them 32 values at a time, a thread a
+ * row, into the bf16 tile the tensor cores read. */
 template <int T>
-static __device__ __forceinline__ void gm_mainloop(gm_smem &sm, const float *arow,
-                                                   const uint8_t *wrow, int K, int wm,
-                                                   const int brow[4], gm_acc acc[2][4]) {
+static __device__ __forceinline__ void gm_mainloop(const float *arow, const uint8_t *const *rowp,
+                                                   int K, int wm, const int brow[4],
+                                                   gm_acc acc[2][4]) {
   using namespace nvcuda;
+  typedef gm_t<T> t;
+  uint8_t *raw = gm_smem;
+  __nv_bfloat16(*ta)[GM_LD] = (__nv_bfloat16(*)[GM_LD])(gm_smem + GM_BR * t::RBP);
+  __nv_bfloat16(*tb)[GM_LD] = ta + GM_BM;
+  const int tid = threadIdx.x;
+  const bool wvalid = rowp[tid] != NULL;
 #pragma unroll
   for (int i = 0; i < 2; i++)
 #pragma unroll
     for (int j = 0; j < 4; j++) wmma::fill_fragment(acc[i][j], 0.f);
-  float a[16], v[32];
-  gm_load<T>(arow, wrow, 0, a, v);
-  gm_store(&sm.st[0], a, v);
-  __syncthreads();
-  for (int k0 = 0, s = 0; k0 < K; k0 += 32, s ^= 1) {
-    const bool more = k0 + 32 < K;
-    if (more) gm_load<T>(arow, wrow, k0 + 32, a, v);
-    const gm_stage &cur = sm.st[s];
+  for (int k0 = 0; k0 < K; k0 += t::KS) {
+    const int su = min(t::KS, K - k0) >> 5;
+    gm_stage<T>(raw, rowp, k0, su);
+    __syncthreads();
+    for (int s = 0; s < su; s++) {
+      float a[16], v[32];
+      if (arow) {
+        const float *src = arow + k0 + 32 * s + (tid & 1) * 16;
 #pragma unroll
-    for (int kk = 0; kk < 32; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
+        for (int j = 0; j < 16; j += 4) {
+          const float4 q = *(const float4 *)(src + j);
+          a[j] = q.x, a[j + 1] = q.y, a[j + 2] = q.z, a[j + 3] = q.w;
+        }
+      } else {
 #pragma unroll
-      for (int i = 0; i < 2; i++) wmma::load_matrix_sync(fa[i], &cur.a[wm + 16 * i][kk], GM_LD);
+        for (int j = 0; j < 16; j++) a[j] = 0.f;
+      }
+      if (wvalid)
+        unit32<T, false>(raw + tid * t::RBP, s, v);
+      else
 #pragma unroll
-      for (int j = 0; j < 4; j++) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
-        wmma::load_matrix_sync(fb, &cur.b[brow[j]][kk], GM_LD);
+        for (int j = 0; j < 32; j++) v[j] = 0.f;
+      __syncthreads(); /* the tiles are free */
+      uint4 *ad = (uint4 *)&ta[tid >> 1][(tid & 1) * 16];
 #pragma unroll
-        for (int i = 0; i < 2; i++) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
+      for (int j = 0; j < 2; j++)
+        ad[j] = make_uint4(bf16x2(a[8 * j], a[8 * j + 1]), bf16x2(a[8 * j + 2], a[8 * j + 3]),
+                           bf16x2(a[8 * j + 4], a[8 * j + 5]), bf16x2(a[8 * j + 6], a[8 * j + 7]));
+      uint4 *bd = (uint4 *)&tb[tid][0];
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+        bd[j] = make_uint4(bf16x2(v[8 * j], v[8 * j + 1]), bf16x2(v[8 * j + 2], v[8 * j + 3]),
+                           bf16x2(v[8 * j + 4], v[8 * j + 5]), bf16x2(v[8 * j + 6], v[8 * j + 7]));
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < 32; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) wmma::load_matrix_sync(fa[i], &ta[wm + 16 * i][kk], GM_LD);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+          wmma::load_matrix_sync(fb, &tb[brow[j]][kk], GM_LD);
+#pragma unroll
+          for (int i = 0; i < 2; i++) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
+        }
       }
     }
-    if (more) gm_store(&sm.st[s ^ 1], a, v);
-    __syncthreads();
   }
+  __syncthreads(); /* the epilogue's tile overlays the staging */
 }
 
 /* h[first + m0 + r][n0 + c] = SwiGLU of the tile's gate and up sums: block (tile, n0 / 64);
  * warp w takes tokens 32 (w / 2) .. and outputs 32 (w % 2) .. of both halves. */
 template <int T>
-static __global__ void __launch_bounds__(128, 4)
+static __global__ void __launch_bounds__(128, GM_MIN_BLOCKS)
     gm_gate_up_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int n,
                       const uint8_t *wbase, long long wlimit, long long ebytes,
                       const tdm_moe_group *groups, int G, int H, int I, size_t rb, float *h) {
   using namespace nvcuda;
-  __shared__ __align__(128) gm_smem sm;
+  __shared__ const uint8_t *rowp[GM_BR];
   wait_prior_grid();
   tdm_moe_group e;
   int m0;
@@ -188,13 +212,14 @@ static __global__ void __launch_bounds__(128, 4)
     const uint32_t r = (uint32_t)rows[e.first + m0 + (tid >> 1)];
     if (r < xlimit) arow = x + (size_t)r * H;
   }
-  const uint8_t *w = wbase + 2 * e.w;
   const int o = n0 + (tid & 63); /* gate row o (tid < 64), up row I + o */
-  const uint8_t *wrow = o < I ? w + (size_t)(o + (tid >= 64 ? I : 0)) * rb : NULL;
+  rowp[tid] = o < I ? wbase + 2 * e.w + (size_t)(o + (tid >= 64 ? I : 0)) * rb : NULL;
+  __syncthreads();
   const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
   const int brow[4] = {wn, wn + 16, 64 + wn, 64 + wn + 16};
   gm_acc acc[2][4];
-  gm_mainloop<T>(sm, arow, wrow, H, wm, brow, acc);
+  gm_mainloop<T>(arow, rowp, H, wm, brow, acc);
+  float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
 #pragma unroll
   for (int i = 0; i < 2; i++)
 #pragma unroll
@@ -204,26 +229,26 @@ static __global__ void __launch_bounds__(128, 4)
         const float g = acc[i][j].x[t];
         acc[i][j].x[t] = g / (1.f + expf(-g)) * acc[i][j + 2].x[t];
       }
-      wmma::store_matrix_sync(&sm.c[wm + 16 * i][wn + 16 * j], acc[i][j], GM_CLD,
+      wmma::store_matrix_sync(&c[wm + 16 * i][wn + 16 * j], acc[i][j], GM_CLD,
                               wmma::mem_row_major);
     }
   __syncthreads();
   for (int q = tid; q < GM_BM * 64; q += 128) {
-    const int r = q >> 6, c = q & 63;
-    if (r < mt && n0 + c < I) h[(size_t)(e.first + m0 + r) * I + n0 + c] = sm.c[r][c];
+    const int r = q >> 6, col = q & 63;
+    if (r < mt && n0 + col < I) h[(size_t)(e.first + m0 + r) * I + n0 + col] = c[r][col];
   }
 }
 
 /* out[slot] row, outputs n0 .. n0 + 127, of the tile's tokens = h Wd^T: block (tile,
  * n0 / 128); warp w takes tokens 32 (w / 2) .. and outputs 64 (w % 2) .. */
 template <int T>
-static __global__ void __launch_bounds__(128, 4)
+static __global__ void __launch_bounds__(128, GM_MIN_BLOCKS)
     gm_down_kernel(const float *h, const int32_t *rows, uint32_t xlimit, const int32_t *slot,
                    uint32_t olimit, int n, const uint8_t *wbase, long long wlimit,
                    long long ebytes, const tdm_moe_group *groups, int G, int H, int I,
                    size_t gu_rb, size_t rb, float *out) {
   using namespace nvcuda;
-  __shared__ __align__(128) gm_smem sm;
+  __shared__ const uint8_t *rowp[GM_BR];
   wait_prior_grid();
   tdm_moe_group e;
   int m0;
@@ -232,24 +257,26 @@ static __global__ void __launch_bounds__(128, 4)
   const int mt = min(GM_BM, e.count - m0);
   const float *arow = (tid >> 1) < mt ? h + (size_t)(e.first + m0 + (tid >> 1)) * I : NULL;
   const uint8_t *w = wbase + 2 * e.w + 2 * (size_t)I * gu_rb;
-  const uint8_t *wrow = n0 + tid < H ? w + (size_t)(n0 + tid) * rb : NULL;
+  rowp[tid] = n0 + tid < H ? w + (size_t)(n0 + tid) * rb : NULL;
+  __syncthreads();
   const int wm = (warp >> 1) * 32, wn = (warp & 1) * 64;
   const int brow[4] = {wn, wn + 16, wn + 32, wn + 48};
   gm_acc acc[2][4];
-  gm_mainloop<T>(sm, arow, wrow, I, wm, brow, acc);
+  gm_mainloop<T>(arow, rowp, I, wm, brow, acc);
+  float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
 #pragma unroll
   for (int i = 0; i < 2; i++)
 #pragma unroll
     for (int j = 0; j < 4; j++)
-      wmma::store_matrix_sync(&sm.c[wm + 16 * i][wn + 16 * j], acc[i][j], GM_CLD,
+      wmma::store_matrix_sync(&c[wm + 16 * i][wn + 16 * j], acc[i][j], GM_CLD,
                               wmma::mem_row_major);
   __syncthreads();
   for (int r = warp; r < mt; r += 4) {
     const int at = e.first + m0 + r;
-    const uint32_t s = (uint32_t)slot[at];
-    if (s >= olimit || (uint32_t)rows[at] >= xlimit) continue;
-    float *dst = out + (size_t)s * H + n0;
-    for (int c = tid & 31; c < GM_BR && n0 + c < H; c += 32) dst[c] = sm.c[r][c];
+    const uint32_t sl = (uint32_t)slot[at];
+    if (sl >= olimit || (uint32_t)rows[at] >= xlimit) continue;
+    float *dst = out + (size_t)sl * H + n0;
+    for (int col = tid & 31; col < GM_BR && n0 + col < H; col += 32) dst[col] = c[r][col];
   }
 }
 
@@ -285,10 +312,10 @@ cudaError_t cuda_gmm(moe_cuda *m, const float *x, uint32_t xlimit, const int32_t
   const unsigned tiles = (unsigned)((n + GM_BM - 1) / GM_BM + G);
   const dim3 gu_grid(tiles, (unsigned)((I + 63) / 64)), d_grid(tiles, (unsigned)((H + 127) / 128));
   cudaError_t e;
-  BY_GM_TYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT>, gu_grid, 128, 0, x, xlimit, rows, n,
-                                wbase, wlimit, ebytes, groups, G, H, I, gu_rb, h));
+  BY_GM_TYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT>, gu_grid, 128, gm_t<QT>::SMEM, x, xlimit,
+                                rows, n, wbase, wlimit, ebytes, groups, G, H, I, gu_rb, h));
   if (e != cudaSuccess) return e;
-  BY_GM_TYPE(td, e = launch_pdl(m, gm_down_kernel<QT>, d_grid, 128, 0, (const float *)h, rows,
+  BY_GM_TYPE(td, e = launch_pdl(m, gm_down_kernel<QT>, d_grid, 128, gm_t<QT>::SMEM, (const float *)h, rows,
                                 xlimit, slot, olimit, n, wbase, wlimit, ebytes, groups, G, H, I,
                                 gu_rb, d_rb, out));
   return e;
@@ -298,9 +325,12 @@ int cuda_gmm_preload(moe_cuda *m) {
   static const int types[] = {TDM_MOE_W_Q8_0, TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K,
                               TDM_MOE_W_MXFP4, TDM_MOE_W_BF16, TDM_MOE_W_F16};
   for (int t : types) {
-    cudaFuncAttributes a;
-    BY_GM_TYPE(t, CK_CUDA(cudaFuncGetAttributes(&a, gm_gate_up_kernel<QT>));
-               CK_CUDA(cudaFuncGetAttributes(&a, gm_down_kernel<QT>)));
+    BY_GM_TYPE(t, CK_CUDA(cudaFuncSetAttribute(gm_gate_up_kernel<QT>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               gm_t<QT>::SMEM));
+               CK_CUDA(cudaFuncSetAttribute(gm_down_kernel<QT>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            gm_t<QT>::SMEM)));
   }
   return 0;
 }

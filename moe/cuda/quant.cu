@@ -69,7 +69,7 @@ static __device__ __forceinline__ int lane8(const uint8_t *row, int c, int lane,
     const int pr = lane >> 3, i = 4 * (lane & 7);
     float d1[2], m1[2];
 #pragma unroll
-    for (int h = 0; h < 2; h++) q4k_scale(b, 2 * pr + h, &d1[h], &m1[h]);
+    for (int h = 0; h < 2; h++) q4k_scale<true>(b, 2 * pr + h, &d1[h], &m1[h]);
     const uint32_t q = ld32(b + 16 + 32 * pr + i);
 #pragma unroll
     for (int e = 0; e < 4; e++) {

@@ -12,31 +12,51 @@ extern "C" {
 #include "tandem/moe_ops.h"
 }
 
+/* The loads of unit32 from global memory (G: read-only path, rows at even addresses) or from
+ * shared memory (rows staged at 4-byte multiples). */
+template <bool G> static __device__ __forceinline__ uint32_t u_b(const uint8_t *p) {
+  if (G) return __ldg(p);
+  return *p;
+}
+template <bool G> static __device__ __forceinline__ uint32_t u_h(const uint8_t *p) {
+  if (G) return ld16(p);
+  return *(const uint16_t *)p;
+}
+template <bool G> static __device__ __forceinline__ uint32_t u_w(const uint8_t *p) {
+  if (G) return ld32(p);
+  return u_h<false>(p) | u_h<false>(p + 2) << 16;
+}
+template <bool G> static __device__ __forceinline__ float u_f16(const uint8_t *p) {
+  return __half2float(__ushort_as_half((unsigned short)u_h<G>(p)));
+}
+
 /* Sub-block j's scale d sc and offset dmin m of the Q4_K block at b (its 6-bit sc and m from
  * the 12 packed bytes, as moe/quant.h's tdm_moe__scale_min_k4). */
+template <bool G>
 static __device__ __forceinline__ void q4k_scale(const uint8_t *b, int j, float *d1, float *m1) {
   const uint8_t *sc = b + 4;
   int s, m;
   if (j < 4) {
-    s = __ldg(sc + j) & 63;
-    m = __ldg(sc + j + 4) & 63;
+    s = u_b<G>(sc + j) & 63;
+    m = u_b<G>(sc + j + 4) & 63;
   } else {
-    s = (__ldg(sc + j + 4) & 0xF) | ((__ldg(sc + j - 4) >> 6) << 4);
-    m = (__ldg(sc + j + 4) >> 4) | ((__ldg(sc + j) >> 6) << 4);
+    s = (u_b<G>(sc + j + 4) & 0xF) | ((u_b<G>(sc + j - 4) >> 6) << 4);
+    m = (u_b<G>(sc + j + 4) >> 4) | ((u_b<G>(sc + j) >> 6) << 4);
   }
-  *d1 = f16_at(b) * (float)s;
-  *m1 = f16_at(b + 2) * (float)m;
+  *d1 = u_f16<G>(b) * (float)s;
+  *m1 = u_f16<G>(b + 2) * (float)m;
 }
 
-/* Unit u (values 32u .. 32u + 31) of a row of type T at row (an even address) into v. */
-template <int T>
+/* Unit u (values 32u .. 32u + 31) of a row of type T at row (an even address; in shared memory
+ * where G is false) into v. */
+template <int T, bool G = true>
 static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v[32]) {
   if (T == TDM_MOE_W_Q8_0) {
     const uint8_t *b = row + 34 * (size_t)u;
-    const float d = f16_at(b);
+    const float d = u_f16<G>(b);
 #pragma unroll
     for (int j = 0; j < 32; j += 2) {
-      uint16_t q = ld16(b + 2 + j);
+      const uint32_t q = u_h<G>(b + 2 + j);
       v[j] = (float)(int8_t)(q & 0xff) * d;
       v[j + 1] = (float)(int8_t)(q >> 8) * d;
     }
@@ -44,12 +64,12 @@ static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v
     const uint8_t *b = row + 144 * (size_t)(u >> 3);
     const int j = u & 7;
     float d1, m1;
-    q4k_scale(b, j, &d1, &m1);
+    q4k_scale<G>(b, j, &d1, &m1);
     const uint8_t *q = b + 16 + 32 * (j >> 1);
     const int shift = (j & 1) * 4;
 #pragma unroll
     for (int l = 0; l < 32; l += 2) {
-      const uint16_t w = ld16(q + l);
+      const uint32_t w = u_h<G>(q + l);
       v[l] = d1 * (float)((w >> shift) & 0xF) - m1;
       v[l + 1] = d1 * (float)((w >> (8 + shift)) & 0xF) - m1;
     }
@@ -58,12 +78,13 @@ static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v
     const int j = u & 7, h = j >> 2, qq = j & 3;
     const uint8_t *ql = b + 64 * h + 32 * (qq & 1), *qh = b + 128 + 32 * h;
     const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * qq;
-    const float d = f16_at(b + 208);
-    const float d0 = d * (float)__ldg(sc), d1 = d * (float)__ldg(sc + 1);
+    const float d = u_f16<G>(b + 208);
+    const float d0 = d * (float)(int8_t)u_b<G>((const uint8_t *)sc),
+              d1 = d * (float)(int8_t)u_b<G>((const uint8_t *)sc + 1);
     const int sl = (qq >> 1) * 4, sh = 2 * qq;
 #pragma unroll
     for (int l = 0; l < 32; l += 2) {
-      uint16_t lo = ld16(ql + l), hi = ld16(qh + l);
+      const uint32_t lo = u_h<G>(ql + l), hi = u_h<G>(qh + l);
 #pragma unroll
       for (int k = 0; k < 2; k++) {
         int q = (((lo >> (8 * k)) >> sl) & 0xF) | ((((hi >> (8 * k)) >> sh) & 3) << 4);
@@ -72,14 +93,14 @@ static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v
     }
   } else if (T == TDM_MOE_W_MXFP4) {
     const uint8_t *b = row + 17 * (size_t)u;
-    const uint32_t e = __ldg(b);
+    const uint32_t e = u_b<G>(b);
     const float d = __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
     /* E2M1 doubled, by the code's low 3 bits: 0 1 2 3 4 6 8 12 (a nibble each); bit 3 is the
      * sign */
     const uint32_t kv = 0xC8643210u;
 #pragma unroll
     for (int j = 0; j < 16; j++) {
-      const uint32_t q = __ldg(b + 1 + j);
+      const uint32_t q = u_b<G>(b + 1 + j);
       const float lo = (float)((kv >> (4 * (q & 7))) & 15), hi = (float)((kv >> (4 * ((q >> 4) & 7))) & 15);
       v[j] = ((q & 8) ? -lo : lo) * d;
       v[j + 16] = ((q & 0x80) ? -hi : hi) * d;
@@ -88,14 +109,14 @@ static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v
     const uint8_t *p = row + 64 * (size_t)u;
 #pragma unroll
     for (int j = 0; j < 32; j += 2) {
-      const uint32_t w = ld32(p + 2 * j);
+      const uint32_t w = u_w<G>(p + 2 * j);
       v[j] = __uint_as_float(w << 16);
       v[j + 1] = __uint_as_float(w & 0xffff0000u);
     }
   } else { /* TDM_MOE_W_F16 */
     const uint8_t *p = row + 64 * (size_t)u;
 #pragma unroll
-    for (int j = 0; j < 32; j++) v[j] = f16_at(p + 2 * j);
+    for (int j = 0; j < 32; j++) v[j] = u_f16<G>(p + 2 * j);
   }
 }
 
