@@ -202,6 +202,10 @@ static void read_back(fixture *f, qcase *c) {
 
 static double silu(double g) { return g / (1.0 + exp(-g)); }
 
+/* Token positions check_entries leaves out (nonzero: a bad token, whose slot keeps the
+ * sentinel), or NULL. */
+static const unsigned char *skip_pos;
+
 /* Entries [g0, g1) of c's table against the fp64 reference on the widened weights; every slot
  * no entry of them names keeps the sentinel. */
 static void check_entries(fixture *f, const qcase *c, int g0, int g1, const char *what) {
@@ -213,6 +217,7 @@ static void check_entries(fixture *f, const qcase *c, int g0, int g1, const char
   for (int g = g0; g < g1; g++) {
     const float *w = c->wide + (size_t)g * 3 * hi;
     for (int i = c->groups[g].first; i < c->groups[g].first + c->groups[g].count; i++) {
+      if (skip_pos && skip_pos[i]) continue;
       const float *x = c->x + (size_t)c->rows[i] * H;
       for (int r = 0; r < I; r++) {
         double gate = 0.0, up = 0.0;
@@ -306,6 +311,55 @@ TEST_CASE(experts_q_many) {
     CHECK(f->ops->experts_gemm_rows == 0 || c.n >= f->ops->experts_gemm_rows);
     experts_q_case(f, &c, what);
   }
+  T = 24;
+  teardown(f);
+}
+
+/* Bad device data among many rows (moe_ops.h): after the case's good entries, one whose
+ * weights end past the allocation, one with first + count = n + 1 and one with count -1; a
+ * good entry's token whose row is x's last row + 1, another's whose slot is out's last + 1.
+ * On a GPU the good tokens are right and nothing else is written; the CPU fails the sync with
+ * TDM_ERANGE. */
+TEST_CASE(experts_q_many_bad_data) {
+  fixture f0 = setup_q(1), *f = &f0;
+  static const int many[] = {65, 0, 96, 1, 63, 64, 45, 50};
+  enum { NG = sizeof many / sizeof many[0], NB = 3 };
+  T = 96;
+  const tdm_moe_wfmt fmt = {TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K};
+  qcase c = qcase_setup(f, fmt, 256, 256, many, NG);
+  unsigned char *skip = calloc((size_t)c.n, 1);
+  CHECK(skip != NULL);
+  const int bad_row = c.groups[2].first + 70, bad_slot = c.groups[0].first + 3;
+  c.rows[bad_row] = T;
+  c.slot[bad_slot] = T * TOPK;
+  skip[bad_row] = skip[bad_slot] = 1;
+  CHECK_OK(tdm_memcpy(f->q, c.drows, c.rows, (size_t)c.n * sizeof *c.rows, TDM_COPY_H2D, 0,
+                      NULL, NULL));
+  CHECK_OK(tdm_memcpy(f->q, c.dslot, c.slot, (size_t)c.n * sizeof *c.slot, TDM_COPY_H2D, 0,
+                      NULL, NULL));
+  tdm_moe_group *table = alloc(f, TDM_MEM_PINNED, (NG + NB) * sizeof *table);
+  memcpy(table, c.groups, NG * sizeof *table);
+  table[NG] = (tdm_moe_group){.w = (int64_t)(c.wbytes / 2), .first = 0, .count = 2};
+  table[NG + 1] = (tdm_moe_group){.w = 0, .first = c.n - 1, .count = 2};
+  table[NG + 2] = (tdm_moe_group){.w = 0, .first = 0, .count = -1};
+  tdm_moe_group *dtable = upload(f, table, (NG + NB) * sizeof *table);
+  sentinel(f, &c);
+  CHECK_OK(f->ops->experts_q(f->st, f->q, c.dx, c.drows, c.dslot, c.n, c.dw, c.fmt, dtable,
+                             NG + NB, c.H, c.I, c.dout, c.ws, c.ws_bytes));
+  int rc = TH_CALL(tdm_queue_sync(f->q));
+  if (strcmp(f->ops->name, "cpu") == 0) {
+    CHECK_MSG(rc == TDM_ERANGE, "the CPU's sync gave %d, not TDM_ERANGE", rc);
+  } else {
+    CHECK_OK(rc);
+    read_back(f, &c);
+    skip_pos = skip;
+    check_entries(f, &c, 0, NG, "experts_q many, among bad data");
+    skip_pos = NULL;
+  }
+  free(skip);
+  tdm_free(table);
+  tdm_free(dtable);
+  qcase_teardown(&c);
   T = 24;
   teardown(f);
 }

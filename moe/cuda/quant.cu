@@ -2,11 +2,10 @@
  * tandem/moe_ops.h): GGUF's Q8_0, Q4_K, Q6_K and MXFP4 blocks, and F16, read as they crossed
  * the link and widened inside the kernels ({BF16, BF16} is experts()'s and expert()'s own).
  *
- * The prefill kernels read every type in units of 32 values (unit32): a Q8_0 or MXFP4 block;
- * a Q4_K sub-block (its 6-bit scale and min, and one nibble of 32 bytes); a quarter of a Q6_K
- * half-block; 32 F16 values. Every value, there and in the decode kernels, is computed in
- * moe/quant.h's f32 operations and order (the compiler may fuse Q4_K's d sc q - dmin m into
- * one rounding), so a weight is the value tdm_moe_dequant_row gives within that rounding.
+ * The prefill kernels read every type in units of 32 values (unit32.h). Every value, there and
+ * in the decode kernels, is computed in moe/quant.h's f32 operations and order (the compiler
+ * may fuse Q4_K's d sc q - dmin m into one rounding), so a weight is the value
+ * tdm_moe_dequant_row gives within that rounding.
  *
  * experts_q (decode, small ubatches): as experts() on bf16, one warp per weight row of an
  * entry's expert (blockIdx.y the entry). The row is read 256 values at a time with the lanes
@@ -16,6 +15,9 @@
  * token's result depends on its expert and its own activations only. (Reading a unit of 32
  * values a lane, two bytes a load, made these kernels slower than the bf16 ones on 2-3x the
  * bytes: bench/results/h200-quant-9854c0c/.)
+ *
+ * experts_q on CUDA_GMM_MIN_N rows or more (a prefill's table) is gmm.cu's: the whole table in
+ * two tensor-core launches that read the blocks themselves.
  *
  * expert_q (prefill, many tokens an expert) runs expert()'s path (gather to bf16, gate|up,
  * SwiGLU, down, scatter) with one of two GEMMs, both on bf16 operands with f32 sums:
