@@ -67,7 +67,7 @@ size_t tdm_moe_host_bytes(const tdm_moe_preset *p, int layers) {
  * ones run a GEMM per expert. At 32 tokens and top-8 of 128 experts an expert averages two
  * tokens: matrix-vector work, which the grouped kernels do at the weights' bandwidth. */
 #define GROUPED_MAX_T 32
-#define PREFILL_GROUP 4 /* experts a large ubatch's group waits for, where one is landing */
+#define PREFILL_GROUP 8 /* experts a large ubatch's group waits for, where one is landing */
 
 /* time_chain's markers in a layer, in the order the compute queue passes them. */
 enum { CHAIN_ROUTED, CHAIN_STARTED, CHAIN_DEVICE, CHAIN_JOINED, CHAIN_COMBINED, CHAIN_MARKS };

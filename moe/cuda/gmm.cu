@@ -29,15 +29,16 @@
 #include "cuda/cuda_ops.h"
 #include "cuda/unit32.h"
 
-#define GM_BM 64  /* tokens a tile */
-#define GM_BR 128 /* weight rows a tile */
-#define GM_LD 40  /* bf16 a shared row: 32 values and 8 of padding (80 bytes, off the banks) */
+#define GM_BM 64       /* tokens a tile */
+#define GM_BR 128      /* weight rows a tile */
+#define GM_THREADS 256 /* 8 warps: 2 along the tokens, 4 along the rows */
+#define GM_LD 40       /* bf16 a shared row: 32 values and 8 of padding (80 bytes, off the banks) */
 #define GM_CLD (GM_BR + 4) /* floats a row of the epilogue's tile */
-#define GM_MIN_BLOCKS 4    /* blocks an SM should hold: 128 registers a thread at most */
 
 /* A step of K for type T: KS values (a superblock of the K-quants, 8 blocks of Q8_0 or MXFP4,
  * 128 F16 or BF16), staged RB bytes a row (UB a 32-value unit where the units are separate),
- * RBP apart in shared memory (4-byte multiples of an odd count: off the banks). */
+ * RBP apart in shared memory (4-byte multiples of an odd count: off the banks); then the two
+ * bf16 tiles (tokens, rows), twice. */
 template <int T> struct gm_t {
   static constexpr bool kq = T == TDM_MOE_W_Q4_K || T == TDM_MOE_W_Q6_K;
   static constexpr int KS = T == TDM_MOE_W_F16 || T == TDM_MOE_W_BF16 ? 128 : 256;
@@ -45,9 +46,10 @@ template <int T> struct gm_t {
   static constexpr int RB = T == TDM_MOE_W_Q4_K ? 144 : T == TDM_MOE_W_Q6_K ? 210 : KS / 32 * UB;
   static constexpr int W = (RB + 3) / 4;
   static constexpr int RBP = 4 * (W % 2 ? W : W + 1);
-  static constexpr int TILES = (GM_BM + GM_BR) * GM_LD * 2; /* the bf16 tiles' bytes */
-  static constexpr int C = GM_BM * GM_CLD * 4;              /* the epilogue's */
-  static constexpr int SMEM = GM_BR * RBP + TILES > C ? GM_BR * RBP + TILES : C;
+  static constexpr int TILE = (GM_BM + GM_BR) * GM_LD; /* bf16 of one pair of tiles */
+  static constexpr int MAIN = GM_BR * RBP + 2 * TILE * 2;
+  static constexpr int C = GM_BM * GM_CLD * 4; /* the epilogue's */
+  static constexpr int SMEM = MAIN > C ? MAIN : C;
 };
 
 extern __shared__ __align__(128) uint8_t gm_smem[];
@@ -95,8 +97,15 @@ static __device__ bool gm_find(const tdm_moe_group *groups, int G, int n, long l
   return true;
 }
 
-static __device__ __forceinline__ uint32_t bf16x2(float lo, float hi) {
-  return (uint32_t)f32_to_bf16(lo) | (uint32_t)f32_to_bf16(hi) << 16;
+/* Eight floats as bf16 (rounded to nearest even), 16 bytes. */
+static __device__ __forceinline__ uint4 bf16x8(const float *f) {
+  uint32_t p[4];
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    p[i] = *(const uint32_t *)&b;
+  }
+  return make_uint4(p[0], p[1], p[2], p[3]);
 }
 
 /* The step at k0 (su units) of the tile's weight rows (rowp, NULL: a row past the weights),
@@ -107,7 +116,7 @@ static __device__ __forceinline__ void gm_stage(uint8_t *raw, const uint8_t *con
   typedef gm_t<T> t;
   const size_t off = t::kq ? (size_t)(k0 / 256) * t::RB : (size_t)(k0 / 32) * t::UB;
   const int sb = t::kq ? t::RB : su * t::UB, nw = sb >> 2, lane = threadIdx.x & 31;
-  for (int r = threadIdx.x >> 5; r < GM_BR; r += 4) {
+  for (int r = threadIdx.x >> 5; r < GM_BR; r += GM_THREADS / 32) {
     const uint8_t *src = rowp[r];
     if (!src) continue;
     src += off;
@@ -117,85 +126,93 @@ static __device__ __forceinline__ void gm_stage(uint8_t *raw, const uint8_t *con
   }
 }
 
+/* The 32 values at k0 (unit s of the staged step) into a pair of tiles: this thread's 8
+ * activations (token tid / 4, values 8 (tid % 4) ..; arow NULL: zeros) and half of its weight
+ * row's unit (row tid / 2, half tid % 2; invalid: zeros), as bf16. The activations' loads go
+ * first, so that they travel while the weights are widened. */
+template <int T>
+static __device__ __forceinline__ void gm_fill(__nv_bfloat16 *tile, const uint8_t *raw,
+                                               const float *arow, bool wvalid, int k0, int s) {
+  typedef gm_t<T> t;
+  const int tid = threadIdx.x;
+  float a[8], v[16];
+  if (arow) {
+    const float4 *src = (const float4 *)(arow + k0 + (tid & 3) * 8);
+    const float4 q0 = src[0], q1 = src[1];
+    a[0] = q0.x, a[1] = q0.y, a[2] = q0.z, a[3] = q0.w;
+    a[4] = q1.x, a[5] = q1.y, a[6] = q1.z, a[7] = q1.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; j++) a[j] = 0.f;
+  }
+  if (wvalid)
+    unit16<T, false>(raw + (tid >> 1) * t::RBP, s, tid & 1, v);
+  else
+#pragma unroll
+    for (int j = 0; j < 16; j++) v[j] = 0.f;
+  *(uint4 *)(tile + (tid >> 2) * GM_LD + (tid & 3) * 8) = bf16x8(a);
+  uint4 *bd = (uint4 *)(tile + (GM_BM + (tid >> 1)) * GM_LD + (tid & 1) * 16);
+  bd[0] = bf16x8(v);
+  bd[1] = bf16x8(v + 8);
+}
+
 typedef nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> gm_acc;
 
-/* The main loop over K: acc[i][j] += A's rows wm + 16 i (i < 2) times the weight rows
- * brow[j] .. + 16 (j < 4) of the block's 128, both 16 wide. arow: this thread's activation row
- * (token tid / 2, its values 16 (tid % 2) .. of each 32; NULL: zeros); rowp: the block's weight
- * rows (this thread's is rowp[tid]), visible to the block. Each step of KS values stages the
- * rows' bytes in shared memory (coalesced), then widens them 32 values at a time, a thread a
- * row, into the bf16 tile the tensor cores read. */
+/* The main loop over K: acc[i][j] += A's rows wm + 16 i times the weight rows brow[j] .. + 16
+ * of the block's 128 (i, j < 2). arow: this thread's activation row (token tid / 4; NULL:
+ * zeros); rowp: the block's weight rows, visible to the block. Each step of KS values stages
+ * the rows' bytes in shared memory (coalesced); each 32 values are widened from there into one
+ * of two pairs of bf16 tiles while the tensor cores work on the other: one barrier a 32. */
 template <int T>
 static __device__ __forceinline__ void gm_mainloop(const float *arow, const uint8_t *const *rowp,
-                                                   int K, int wm, const int brow[4],
-                                                   gm_acc acc[2][4]) {
+                                                   int K, int wm, const int brow[2],
+                                                   gm_acc acc[2][2]) {
   using namespace nvcuda;
   typedef gm_t<T> t;
   uint8_t *raw = gm_smem;
-  __nv_bfloat16(*ta)[GM_LD] = (__nv_bfloat16(*)[GM_LD])(gm_smem + GM_BR * t::RBP);
-  __nv_bfloat16(*tb)[GM_LD] = ta + GM_BM;
-  const int tid = threadIdx.x;
-  const bool wvalid = rowp[tid] != NULL;
+  __nv_bfloat16 *tiles = (__nv_bfloat16 *)(gm_smem + GM_BR * t::RBP);
+  const bool wvalid = rowp[threadIdx.x >> 1] != NULL;
 #pragma unroll
   for (int i = 0; i < 2; i++)
 #pragma unroll
-    for (int j = 0; j < 4; j++) wmma::fill_fragment(acc[i][j], 0.f);
-  for (int k0 = 0; k0 < K; k0 += t::KS) {
-    const int su = min(t::KS, K - k0) >> 5;
-    gm_stage<T>(raw, rowp, k0, su);
-    __syncthreads();
-    for (int s = 0; s < su; s++) {
-      float a[16], v[32];
-      if (arow) {
-        const float *src = arow + k0 + 32 * s + (tid & 1) * 16;
-#pragma unroll
-        for (int j = 0; j < 16; j += 4) {
-          const float4 q = *(const float4 *)(src + j);
-          a[j] = q.x, a[j + 1] = q.y, a[j + 2] = q.z, a[j + 3] = q.w;
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < 16; j++) a[j] = 0.f;
+    for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.f);
+  const int nsub = K >> 5;
+  gm_stage<T>(raw, rowp, 0, min(t::KS, K) >> 5);
+  __syncthreads();
+  gm_fill<T>(tiles, raw, arow, wvalid, 0, 0);
+  __syncthreads();
+  for (int g = 0; g < nsub; g++) {
+    const int kx = (g + 1) * 32;
+    if (g + 1 < nsub) {
+      if (kx % t::KS == 0) { /* every thread has widened its last unit of the step */
+        gm_stage<T>(raw, rowp, kx, min(t::KS, K - kx) >> 5);
+        __syncthreads();
       }
-      if (wvalid)
-        unit32<T, false>(raw + tid * t::RBP, s, v);
-      else
+      gm_fill<T>(tiles + ((g + 1) & 1) * t::TILE, raw, arow, wvalid, kx, (kx % t::KS) >> 5);
+    }
+    const __nv_bfloat16 *ta = tiles + (g & 1) * t::TILE, *tb = ta + GM_BM * GM_LD;
 #pragma unroll
-        for (int j = 0; j < 32; j++) v[j] = 0.f;
-      __syncthreads(); /* the tiles are free */
-      uint4 *ad = (uint4 *)&ta[tid >> 1][(tid & 1) * 16];
+    for (int kk = 0; kk < 32; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
 #pragma unroll
-      for (int j = 0; j < 2; j++)
-        ad[j] = make_uint4(bf16x2(a[8 * j], a[8 * j + 1]), bf16x2(a[8 * j + 2], a[8 * j + 3]),
-                           bf16x2(a[8 * j + 4], a[8 * j + 5]), bf16x2(a[8 * j + 6], a[8 * j + 7]));
-      uint4 *bd = (uint4 *)&tb[tid][0];
+      for (int i = 0; i < 2; i++)
+        wmma::load_matrix_sync(fa[i], ta + (wm + 16 * i) * GM_LD + kk, GM_LD);
 #pragma unroll
-      for (int j = 0; j < 4; j++)
-        bd[j] = make_uint4(bf16x2(v[8 * j], v[8 * j + 1]), bf16x2(v[8 * j + 2], v[8 * j + 3]),
-                           bf16x2(v[8 * j + 4], v[8 * j + 5]), bf16x2(v[8 * j + 6], v[8 * j + 7]));
-      __syncthreads();
+      for (int j = 0; j < 2; j++) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+        wmma::load_matrix_sync(fb, tb + brow[j] * GM_LD + kk, GM_LD);
 #pragma unroll
-      for (int kk = 0; kk < 32; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
-#pragma unroll
-        for (int i = 0; i < 2; i++) wmma::load_matrix_sync(fa[i], &ta[wm + 16 * i][kk], GM_LD);
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
-          wmma::load_matrix_sync(fb, &tb[brow[j]][kk], GM_LD);
-#pragma unroll
-          for (int i = 0; i < 2; i++) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
-        }
+        for (int i = 0; i < 2; i++) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
       }
     }
+    __syncthreads(); /* this pair of tiles is free; the other is written */
   }
-  __syncthreads(); /* the epilogue's tile overlays the staging */
 }
 
 /* h[first + m0 + r][n0 + c] = SwiGLU of the tile's gate and up sums: block (tile, n0 / 64);
- * warp w takes tokens 32 (w / 2) .. and outputs 32 (w % 2) .. of both halves. */
+ * warp w takes tokens 32 (w % 2) .. and outputs 16 (w / 2) .. of both halves. */
 template <int T>
-static __global__ void __launch_bounds__(128, GM_MIN_BLOCKS)
+static __global__ void __launch_bounds__(GM_THREADS, 3)
     gm_gate_up_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int n,
                       const uint8_t *wbase, long long wlimit, long long ebytes,
                       const tdm_moe_group *groups, int G, int H, int I, size_t rb, float *h) {
@@ -208,41 +225,40 @@ static __global__ void __launch_bounds__(128, GM_MIN_BLOCKS)
   const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * 64;
   const int mt = min(GM_BM, e.count - m0); /* tokens of this tile */
   const float *arow = NULL;
-  if ((tid >> 1) < mt) {
-    const uint32_t r = (uint32_t)rows[e.first + m0 + (tid >> 1)];
+  if ((tid >> 2) < mt) {
+    const uint32_t r = (uint32_t)rows[e.first + m0 + (tid >> 2)];
     if (r < xlimit) arow = x + (size_t)r * H;
   }
-  const int o = n0 + (tid & 63); /* gate row o (tid < 64), up row I + o */
-  rowp[tid] = o < I ? wbase + 2 * e.w + (size_t)(o + (tid >= 64 ? I : 0)) * rb : NULL;
+  if (tid < GM_BR) {
+    const int o = n0 + (tid & 63); /* gate row o (tid < 64), up row I + o */
+    rowp[tid] = o < I ? wbase + 2 * e.w + (size_t)(o + (tid >= 64 ? I : 0)) * rb : NULL;
+  }
   __syncthreads();
-  const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
-  const int brow[4] = {wn, wn + 16, 64 + wn, 64 + wn + 16};
-  gm_acc acc[2][4];
+  const int wm = (warp & 1) * 32, wn = (warp >> 1) * 16;
+  const int brow[2] = {wn, 64 + wn};
+  gm_acc acc[2][2];
   gm_mainloop<T>(arow, rowp, H, wm, brow, acc);
   float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
 #pragma unroll
-  for (int i = 0; i < 2; i++)
+  for (int i = 0; i < 2; i++) {
 #pragma unroll
-    for (int j = 0; j < 2; j++) {
-#pragma unroll
-      for (int t = 0; t < acc[i][j].num_elements; t++) {
-        const float g = acc[i][j].x[t];
-        acc[i][j].x[t] = g / (1.f + expf(-g)) * acc[i][j + 2].x[t];
-      }
-      wmma::store_matrix_sync(&c[wm + 16 * i][wn + 16 * j], acc[i][j], GM_CLD,
-                              wmma::mem_row_major);
+    for (int t = 0; t < acc[i][0].num_elements; t++) {
+      const float g = acc[i][0].x[t];
+      acc[i][0].x[t] = g / (1.f + expf(-g)) * acc[i][1].x[t];
     }
+    wmma::store_matrix_sync(&c[wm + 16 * i][wn], acc[i][0], GM_CLD, wmma::mem_row_major);
+  }
   __syncthreads();
-  for (int q = tid; q < GM_BM * 64; q += 128) {
+  for (int q = tid; q < GM_BM * 64; q += GM_THREADS) {
     const int r = q >> 6, col = q & 63;
     if (r < mt && n0 + col < I) h[(size_t)(e.first + m0 + r) * I + n0 + col] = c[r][col];
   }
 }
 
 /* out[slot] row, outputs n0 .. n0 + 127, of the tile's tokens = h Wd^T: block (tile,
- * n0 / 128); warp w takes tokens 32 (w / 2) .. and outputs 64 (w % 2) .. */
+ * n0 / 128); warp w takes tokens 32 (w % 2) .. and outputs 32 (w / 2) .. */
 template <int T>
-static __global__ void __launch_bounds__(128, GM_MIN_BLOCKS)
+static __global__ void __launch_bounds__(GM_THREADS, 3)
     gm_down_kernel(const float *h, const int32_t *rows, uint32_t xlimit, const int32_t *slot,
                    uint32_t olimit, int n, const uint8_t *wbase, long long wlimit,
                    long long ebytes, const tdm_moe_group *groups, int G, int H, int I,
@@ -255,23 +271,25 @@ static __global__ void __launch_bounds__(128, GM_MIN_BLOCKS)
   if (!gm_find(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) return;
   const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * GM_BR;
   const int mt = min(GM_BM, e.count - m0);
-  const float *arow = (tid >> 1) < mt ? h + (size_t)(e.first + m0 + (tid >> 1)) * I : NULL;
-  const uint8_t *w = wbase + 2 * e.w + 2 * (size_t)I * gu_rb;
-  rowp[tid] = n0 + tid < H ? w + (size_t)(n0 + tid) * rb : NULL;
+  const float *arow = (tid >> 2) < mt ? h + (size_t)(e.first + m0 + (tid >> 2)) * I : NULL;
+  if (tid < GM_BR) {
+    const uint8_t *w = wbase + 2 * e.w + 2 * (size_t)I * gu_rb;
+    rowp[tid] = n0 + tid < H ? w + (size_t)(n0 + tid) * rb : NULL;
+  }
   __syncthreads();
-  const int wm = (warp >> 1) * 32, wn = (warp & 1) * 64;
-  const int brow[4] = {wn, wn + 16, wn + 32, wn + 48};
-  gm_acc acc[2][4];
+  const int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;
+  const int brow[2] = {wn, wn + 16};
+  gm_acc acc[2][2];
   gm_mainloop<T>(arow, rowp, I, wm, brow, acc);
   float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
 #pragma unroll
   for (int i = 0; i < 2; i++)
 #pragma unroll
-    for (int j = 0; j < 4; j++)
+    for (int j = 0; j < 2; j++)
       wmma::store_matrix_sync(&c[wm + 16 * i][wn + 16 * j], acc[i][j], GM_CLD,
                               wmma::mem_row_major);
   __syncthreads();
-  for (int r = warp; r < mt; r += 4) {
+  for (int r = warp; r < mt; r += GM_THREADS / 32) {
     const int at = e.first + m0 + r;
     const uint32_t sl = (uint32_t)slot[at];
     if (sl >= olimit || (uint32_t)rows[at] >= xlimit) continue;
@@ -312,10 +330,12 @@ cudaError_t cuda_gmm(moe_cuda *m, const float *x, uint32_t xlimit, const int32_t
   const unsigned tiles = (unsigned)((n + GM_BM - 1) / GM_BM + G);
   const dim3 gu_grid(tiles, (unsigned)((I + 63) / 64)), d_grid(tiles, (unsigned)((H + 127) / 128));
   cudaError_t e;
-  BY_GM_TYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT>, gu_grid, 128, gm_t<QT>::SMEM, x, xlimit,
-                                rows, n, wbase, wlimit, ebytes, groups, G, H, I, gu_rb, h));
+  BY_GM_TYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT>, gu_grid, GM_THREADS, gm_t<QT>::SMEM,
+                                x, xlimit, rows, n, wbase, wlimit, ebytes, groups, G, H, I, gu_rb,
+                                h));
   if (e != cudaSuccess) return e;
-  BY_GM_TYPE(td, e = launch_pdl(m, gm_down_kernel<QT>, d_grid, 128, gm_t<QT>::SMEM, (const float *)h, rows,
+  BY_GM_TYPE(td, e = launch_pdl(m, gm_down_kernel<QT>, d_grid, GM_THREADS, gm_t<QT>::SMEM,
+                                (const float *)h, rows,
                                 xlimit, slot, olimit, n, wbase, wlimit, ebytes, groups, G, H, I,
                                 gu_rb, d_rb, out));
   return e;

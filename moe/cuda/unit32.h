@@ -47,16 +47,16 @@ static __device__ __forceinline__ void q4k_scale(const uint8_t *b, int j, float 
   *m1 = u_f16<G>(b + 2) * (float)m;
 }
 
-/* Unit u (values 32u .. 32u + 31) of a row of type T at row (an even address; in shared memory
- * where G is false) into v. */
+/* Half h (values 32u + 16h .. + 15) of unit u of a row of type T at row (an even address; in
+ * shared memory where G is false) into v. */
 template <int T, bool G = true>
-static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v[32]) {
+static __device__ __forceinline__ void unit16(const uint8_t *row, int u, int h, float v[16]) {
   if (T == TDM_MOE_W_Q8_0) {
     const uint8_t *b = row + 34 * (size_t)u;
     const float d = u_f16<G>(b);
 #pragma unroll
-    for (int j = 0; j < 32; j += 2) {
-      const uint32_t q = u_h<G>(b + 2 + j);
+    for (int j = 0; j < 16; j += 2) {
+      const uint32_t q = u_h<G>(b + 2 + 16 * h + j);
       v[j] = (float)(int8_t)(q & 0xff) * d;
       v[j + 1] = (float)(int8_t)(q >> 8) * d;
     }
@@ -65,30 +65,28 @@ static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v
     const int j = u & 7;
     float d1, m1;
     q4k_scale<G>(b, j, &d1, &m1);
-    const uint8_t *q = b + 16 + 32 * (j >> 1);
+    const uint8_t *q = b + 16 + 32 * (j >> 1) + 16 * h;
     const int shift = (j & 1) * 4;
 #pragma unroll
-    for (int l = 0; l < 32; l += 2) {
+    for (int l = 0; l < 16; l += 2) {
       const uint32_t w = u_h<G>(q + l);
       v[l] = d1 * (float)((w >> shift) & 0xF) - m1;
       v[l + 1] = d1 * (float)((w >> (8 + shift)) & 0xF) - m1;
     }
   } else if (T == TDM_MOE_W_Q6_K) {
     const uint8_t *b = row + 210 * (size_t)(u >> 3);
-    const int j = u & 7, h = j >> 2, qq = j & 3;
-    const uint8_t *ql = b + 64 * h + 32 * (qq & 1), *qh = b + 128 + 32 * h;
-    const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * qq;
-    const float d = u_f16<G>(b + 208);
-    const float d0 = d * (float)(int8_t)u_b<G>((const uint8_t *)sc),
-              d1 = d * (float)(int8_t)u_b<G>((const uint8_t *)sc + 1);
+    const int j = u & 7, hh = j >> 2, qq = j & 3;
+    const uint8_t *ql = b + 64 * hh + 32 * (qq & 1) + 16 * h, *qh = b + 128 + 32 * hh + 16 * h;
+    const uint8_t *sc = b + 192 + 8 * hh + 2 * qq + h;
+    const float d = u_f16<G>(b + 208) * (float)(int8_t)u_b<G>(sc);
     const int sl = (qq >> 1) * 4, sh = 2 * qq;
 #pragma unroll
-    for (int l = 0; l < 32; l += 2) {
+    for (int l = 0; l < 16; l += 2) {
       const uint32_t lo = u_h<G>(ql + l), hi = u_h<G>(qh + l);
 #pragma unroll
       for (int k = 0; k < 2; k++) {
         int q = (((lo >> (8 * k)) >> sl) & 0xF) | ((((hi >> (8 * k)) >> sh) & 3) << 4);
-        v[l + k] = (l + k < 16 ? d0 : d1) * (float)(int8_t)(q - 32);
+        v[l + k] = d * (float)(int8_t)(q - 32);
       }
     }
   } else if (T == TDM_MOE_W_MXFP4) {
@@ -96,28 +94,34 @@ static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v
     const uint32_t e = u_b<G>(b);
     const float d = __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
     /* E2M1 doubled, by the code's low 3 bits: 0 1 2 3 4 6 8 12 (a nibble each); bit 3 is the
-     * sign */
+     * sign. Half 0 is the 16 bytes' low nibbles, half 1 their high ones. */
     const uint32_t kv = 0xC8643210u;
 #pragma unroll
     for (int j = 0; j < 16; j++) {
-      const uint32_t q = u_b<G>(b + 1 + j);
-      const float lo = (float)((kv >> (4 * (q & 7))) & 15), hi = (float)((kv >> (4 * ((q >> 4) & 7))) & 15);
-      v[j] = ((q & 8) ? -lo : lo) * d;
-      v[j + 16] = ((q & 0x80) ? -hi : hi) * d;
+      const uint32_t q = u_b<G>(b + 1 + j) >> (4 * h);
+      const float m = (float)((kv >> (4 * (q & 7))) & 15);
+      v[j] = ((q & 8) ? -m : m) * d;
     }
   } else if (T == TDM_MOE_W_BF16) {
-    const uint8_t *p = row + 64 * (size_t)u;
+    const uint8_t *p = row + 64 * (size_t)u + 32 * h;
 #pragma unroll
-    for (int j = 0; j < 32; j += 2) {
+    for (int j = 0; j < 16; j += 2) {
       const uint32_t w = u_w<G>(p + 2 * j);
       v[j] = __uint_as_float(w << 16);
       v[j + 1] = __uint_as_float(w & 0xffff0000u);
     }
   } else { /* TDM_MOE_W_F16 */
-    const uint8_t *p = row + 64 * (size_t)u;
+    const uint8_t *p = row + 64 * (size_t)u + 32 * h;
 #pragma unroll
-    for (int j = 0; j < 32; j++) v[j] = u_f16<G>(p + 2 * j);
+    for (int j = 0; j < 16; j++) v[j] = u_f16<G>(p + 2 * j);
   }
+}
+
+/* Unit u (values 32u .. 32u + 31) of a row of type T into v: its two halves. */
+template <int T, bool G = true>
+static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v[32]) {
+  unit16<T, G>(row, u, 0, v);
+  unit16<T, G>(row, u, 1, v + 16);
 }
 
 /* BODY compiled for each type the kernels take, with QT the type, and run for t (the callers
