@@ -358,6 +358,11 @@ static int setup_small_weights(tdm_moe_model *m) {
   return rc;
 }
 
+/* The streamer's staging slots: the configuration's, else 16. */
+static int staging_slots(const tdm_moe_model *m) {
+  return m->cfg.staging_slots > 0 ? m->cfg.staging_slots : 16;
+}
+
 /* Whether a ubatch of T tokens runs its experts in groups (experts()), not one by one: a
  * small one always; a large one where the table computes many rows as GEMMs. */
 static bool grouped(const tdm_moe_model *m, int T) {
@@ -499,7 +504,7 @@ static int setup_streamer(tdm_moe_model *m) {
       .expert_bytes = m->ebytes,
       .host = m->host_ptrs,
       .budget_bytes = all ? (size_t)keys * m->ebytes : m->cfg.budget_bytes,
-      .staging_slots = m->cfg.staging_slots > 0 ? m->cfg.staging_slots : 16,
+      .staging_slots = staging_slots(m),
       .policy = all ? TDM_CACHE_STATIC : m->cfg.policy,
       .resident = resident,
       .nresident = (int)n,
@@ -1474,6 +1479,9 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
                                  tdm_moe_pass_stats *st, const int *count, const int *offset,
                                  int *order, int n) {
   int rc, at = 0, nb = 0, *batch = m->fill; /* group()'s cursors are free again */
+  /* at most half the staging slots: the copies go on into the others while a group computes */
+  int slots = staging_slots(m);
+  int prefill_group = PREFILL_GROUP < slots / 2 ? PREFILL_GROUP : (slots > 2 ? slots / 2 : 1);
   int nh = 0, *host = m->hsel, candidates = 0;
   if ((rc = tdm_streamer_schedule(m->streamer, l, order, n))) return rc;
   /* Host experts first, so the host works while the device's copies and compute go on; the
@@ -1491,10 +1499,10 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
     int e = order[i];
     /* Serialized, every expert is a group of its own, so each copy follows the compute
      * before it, as in the ungrouped baseline. A large ubatch's group that an expert still
-     * landing would end holds PREFILL_GROUP experts at least: a group of one fills a few of
+     * landing would end holds prefill_group experts at least: a group of one fills a few of
      * the GPU's multiprocessors, and a few experts' copies take longer than their compute. */
     if (nb > 0 && (!overlap || (tdm_streamer_ready(m->streamer, l, e) != 1 &&
-                                (T <= GROUPED_MAX_T || nb >= PREFILL_GROUP)))) {
+                                (T <= GROUPED_MAX_T || nb >= prefill_group)))) {
       if ((rc = group_flush(m, l, T, overlap, st, batch, nb, at))) return rc;
       at += nb;
       nb = 0;
