@@ -298,19 +298,31 @@ TEST_CASE(experts_q_ref) {
 
 /* Many rows in all (more than a GPU's experts_gemm_rows, where CUDA runs the table as
  * tensor-core GEMMs in tiles of 64 tokens): entries of 0, 1, 63, 64, 65 and up to 96 tokens
- * (one tile, one and a bit, a tile and a half), 384 rows, every format, against fp64. */
+ * (one tile, one and a bit, a tile and a half), 384 rows, every format, against fp64; then the
+ * types of 32-value blocks with rows that end in part of a 256-value step (H 1312, I 288) and
+ * every other expert 2 bytes off 16. */
 TEST_CASE(experts_q_many) {
   fixture f0 = setup_q(1), *f = &f0;
   static const int many[] = {65, 0, 96, 1, 63, 64, 45, 50};
+  static const tdm_moe_wfmt partial[] = {{TDM_MOE_W_Q8_0, TDM_MOE_W_Q8_0},
+                                         {TDM_MOE_W_MXFP4, TDM_MOE_W_MXFP4},
+                                         {TDM_MOE_W_F16, TDM_MOE_W_F16},
+                                         {TDM_MOE_W_BF16, TDM_MOE_W_BF16}};
+  enum { NP = sizeof partial / sizeof partial[0] };
   T = 96;
-  for (int i = 0; i < NFORMATS; i++) {
-    const tdm_moe_wfmt fmt = FORMATS[i];
+  for (int i = 0; i < NFORMATS + NP; i++) {
+    const int odd = i >= NFORMATS;
+    const tdm_moe_wfmt fmt = odd ? partial[i - NFORMATS] : FORMATS[i];
     char what[64];
-    snprintf(what, sizeof what, "experts_q {%s, %s} many", type_name(fmt.gu), type_name(fmt.d));
-    qcase c = qcase_setup(f, fmt, 256, 256, many, (int)(sizeof many / sizeof many[0]));
+    snprintf(what, sizeof what, "experts_q {%s, %s} many%s", type_name(fmt.gu),
+             type_name(fmt.d), odd ? ", partial steps" : "");
+    skew = odd ? 2 : 0;
+    qcase c = qcase_setup(f, fmt, odd ? 1312 : 256, odd ? 288 : 256, many,
+                          (int)(sizeof many / sizeof many[0]));
     CHECK(f->ops->experts_gemm_rows == 0 || c.n >= f->ops->experts_gemm_rows);
     experts_q_case(f, &c, what);
   }
+  skew = 0;
   T = 24;
   teardown(f);
 }
