@@ -109,6 +109,8 @@ struct tdm_moe_model {
   tdm_moe_group *groups, *groups_h; /* E entries each: one layer's groups */
   const tdm_moe_bf16 *wbase;  /* the streamer's slots (one allocation), once seen */
   bool device_routed;         /* every expert resident: small ubatches route on the device */
+  bool prefill_grouped;       /* large ubatches in groups where the table allows it (TANDEM_MOE_
+                               * PREFILL_GROUPED=0: expert() one by one, to measure) */
   int64_t *wofs;              /* device [L x E]: each expert's weights from wbase */
   int32_t *idx_all, *idx_all_h; /* device-routed passes: [L x min(maxT, GROUPED_MAX_T) x k] */
   void *graphs[GROUPED_MAX_T + 1]; /* device-routed passes recorded once per ubatch size, where
@@ -367,7 +369,7 @@ static int staging_slots(const tdm_moe_model *m) {
  * small one always; a large one where the table computes many rows as GEMMs. */
 static bool grouped(const tdm_moe_model *m, int T) {
   int from = m->ops->experts_gemm_rows;
-  return T <= GROUPED_MAX_T || (from > 0 && (long)T * m->k >= from);
+  return T <= GROUPED_MAX_T || (m->prefill_grouped && from > 0 && (long)T * m->k >= from);
 }
 
 static int setup_buffers(tdm_moe_model *m) {
@@ -1069,6 +1071,8 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
                host / 1073741824.0);
   if (!rc) rc = fill_parallel(m);
   if (!rc) rc = setup_small_weights(m);
+  const char *pg = getenv("TANDEM_MOE_PREFILL_GROUPED");
+  m->prefill_grouped = !(pg && strcmp(pg, "0") == 0);
   if (!rc) rc = setup_buffers(m);
   if (!rc) rc = setup_streamer(m);
   if (!rc && cfg->placement != TDM_MOE_PLACE_DEVICE) rc = setup_host(m);
