@@ -109,7 +109,8 @@ static __device__ __forceinline__ uint4 bf16x8(const float *f) {
 }
 
 /* The step at k0 (su units) of the tile's weight rows (rowp, NULL: a row past the weights),
- * staged as they lie, a warp a row at a time, its lanes on consecutive words. */
+ * staged as they lie, a warp a row at a time, its lanes on consecutive words; MXFP4's rows
+ * (17-byte blocks: a row may start at an odd byte, and a step end on one) a byte a lane. */
 template <int T>
 static __device__ __forceinline__ void gm_stage(uint8_t *raw, const uint8_t *const *rowp, int k0,
                                                 int su) {
@@ -121,8 +122,12 @@ static __device__ __forceinline__ void gm_stage(uint8_t *raw, const uint8_t *con
     if (!src) continue;
     src += off;
     uint8_t *dst = raw + r * t::RBP;
-    for (int w = lane; w < nw; w += 32) *(uint32_t *)(dst + 4 * w) = ld32(src + 4 * w);
-    if ((sb & 2) && lane == 0) *(uint16_t *)(dst + 4 * nw) = ld16(src + 4 * nw);
+    if constexpr (t::UB & 1) {
+      for (int b = lane; b < sb; b += 32) dst[b] = __ldg(src + b);
+    } else {
+      for (int w = lane; w < nw; w += 32) *(uint32_t *)(dst + 4 * w) = ld32(src + 4 * w);
+      if ((sb & 2) && lane == 0) *(uint16_t *)(dst + 4 * nw) = ld16(src + 4 * nw);
+    }
   }
 }
 
