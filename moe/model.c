@@ -1504,8 +1504,9 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
     int e = order[i];
     /* Serialized, every expert is a group of its own, so each copy follows the compute
      * before it, as in the ungrouped baseline. A large ubatch's group that an expert still
-     * landing would end holds prefill_group experts at least: a group of one fills a few of
-     * the GPU's multiprocessors, and a few experts' copies take longer than their compute. */
+     * landing would end goes on until it holds prefill_group experts: a group of one fills
+     * few of the GPU's multiprocessors, and a few experts' copies take longer than computing
+     * them together. */
     if (nb > 0 && (!overlap || (tdm_streamer_ready(m->streamer, l, e) != 1 &&
                                 (T <= GROUPED_MAX_T || nb >= prefill_group)))) {
       if ((rc = group_flush(m, l, T, overlap, st, batch, nb, at))) return rc;

@@ -161,10 +161,9 @@ typedef struct tdm_moe_ops {
    * - G == 0 or n == 0: nothing to do (0, and the table is not read).
    * - Made for few tokens per expert (decode, small batches): the kernels read each expert's
    *   weights once per few tokens, at the memory's bandwidth; for many tokens per expert
-   *   expert() (a GEMM per expert) is faster, except from experts_gemm_rows rows in all
-   *   (below), where a backend runs the table as GEMMs. Backends may compute in more
-   *   precision than expert(): the two agree within the tolerance of the fp64 reference, not
-   *   bitwise.
+   *   expert() (a GEMM per expert) is faster, unless the table runs that many rows as GEMMs
+   *   itself (experts_gemm_rows below). Backends may compute in more precision than
+   *   expert(): the two agree within the tolerance of the fp64 reference, not bitwise.
    * Workspace: tdm_moe_ops_workspace(n, H, I) bytes at least. */
   int (*experts)(void *st, tdm_queue *q, const float *x, const int32_t *rows, const int32_t *slot,
                  int n, const tdm_moe_bf16 *wbase, const tdm_moe_group *groups, int G, int H,
@@ -320,12 +319,12 @@ typedef struct tdm_moe_ops {
                       const float *vc, int T, const int32_t *pos, int ctx, int nh, int nkv,
                       int hd, float scale);
 
-  /* Rows in all (n) from which experts() and experts_q() compute as GEMMs, the whole table in
-   * a few launches, as fast per token as expert() or faster (CUDA: tensor cores, activations
-   * and h rounded to bf16 as expert() rounds them); 0 where they stay made for few tokens. A
-   * model groups a large ubatch's experts as it groups decode's from there. The choice
-   * depends on n alone, so an expert's output still depends on its weights, its own tokens
-   * and n, never on the other entries or G. */
+  /* Rows in all (n) from which experts() and experts_q() run the table as GEMMs in a few
+   * launches (CUDA: two, on tensor cores, the activations and h rounded to bf16 as expert()
+   * rounds them); 0 where they stay made for few tokens. From there a model may group a large
+   * ubatch's experts as it groups decode's (TANDEM_MOE_PREFILL_GROUPED=1). The choice depends
+   * on n alone, so an expert's output still depends on its weights, its own tokens and n,
+   * never on the other entries or G. */
   int experts_gemm_rows;
 } tdm_moe_ops;
 
