@@ -442,8 +442,9 @@ int bench_grouped(bc_ctx *c, bu_json *json) {
   };
   int rc = -1;
   double copy_gbs = 0;
-  printf("\ngrouped: a decode layer's routed experts (hidden %d, FFN %d, top-%d; bf16, then "
-         "block formats), grouped against one by one (bf16, and block formats from 256 tokens), median of %ld reps x %d layers\n",
+  printf("\ngrouped: a layer's routed experts (hidden %d, FFN %d, top-%d; bf16, then "
+         "block formats), grouped against one by one (bf16, and block formats from 256 "
+         "tokens), median of %ld reps x %d layers\n",
          HID, FFN, TOPK, c->opt->reps, CALLS);
   {
     gx g = {.c = c, .T = 1, .fmt = {TDM_MOE_W_BF16, TDM_MOE_W_BF16}};
