@@ -1485,8 +1485,8 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
                                  int *order, int n) {
   int rc, at = 0, nb = 0, *batch = m->fill; /* group()'s cursors are free again */
   /* at most half the staging slots: the copies go on into the others while a group computes */
-  int slots = staging_slots(m);
-  int prefill_group = PREFILL_GROUP < slots / 2 ? PREFILL_GROUP : (slots > 2 ? slots / 2 : 1);
+  int half = staging_slots(m) / 2 > 1 ? staging_slots(m) / 2 : 1;
+  int prefill_group = PREFILL_GROUP < half ? PREFILL_GROUP : half;
   int nh = 0, *host = m->hsel, candidates = 0;
   if ((rc = tdm_streamer_schedule(m->streamer, l, order, n))) return rc;
   /* Host experts first, so the host works while the device's copies and compute go on; the

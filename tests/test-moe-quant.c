@@ -301,9 +301,13 @@ TEST_CASE(experts_q_ref) {
  * (one tile, one and a bit, a tile and a half), 384 rows, every format, against fp64; then the
  * types of 32-value blocks with rows that end in part of a 256-value step (H 1312, I 288) and
  * every other expert 2 bytes off 16. */
+/* Entries of many rows: none, one, a tile less one, a tile, a tile and one, and more; 384 in
+ * all, one per slot of T = 96 tokens of top-4. */
+static const int MANY[] = {65, 0, 96, 1, 63, 64, 45, 50};
+enum { NMANY = sizeof MANY / sizeof MANY[0] };
+
 TEST_CASE(experts_q_many) {
   fixture f0 = setup_q(1), *f = &f0;
-  static const int many[] = {65, 0, 96, 1, 63, 64, 45, 50};
   static const tdm_moe_wfmt partial[] = {{TDM_MOE_W_Q8_0, TDM_MOE_W_Q8_0},
                                          {TDM_MOE_W_MXFP4, TDM_MOE_W_MXFP4},
                                          {TDM_MOE_W_F16, TDM_MOE_W_F16},
@@ -317,8 +321,7 @@ TEST_CASE(experts_q_many) {
     snprintf(what, sizeof what, "experts_q {%s, %s} many%s", type_name(fmt.gu),
              type_name(fmt.d), odd ? ", partial steps" : "");
     skew = odd ? 2 : 0;
-    qcase c = qcase_setup(f, fmt, odd ? 1312 : 256, odd ? 288 : 256, many,
-                          (int)(sizeof many / sizeof many[0]));
+    qcase c = qcase_setup(f, fmt, odd ? 1312 : 256, odd ? 288 : 256, MANY, NMANY);
     CHECK(f->ops->experts_gemm_rows == 0 || c.n >= f->ops->experts_gemm_rows);
     experts_q_case(f, &c, what);
   }
@@ -334,11 +337,10 @@ TEST_CASE(experts_q_many) {
  * TDM_ERANGE. */
 TEST_CASE(experts_q_many_bad_data) {
   fixture f0 = setup_q(1), *f = &f0;
-  static const int many[] = {65, 0, 96, 1, 63, 64, 45, 50};
-  enum { NG = sizeof many / sizeof many[0], NB = 3 };
+  enum { NG = NMANY, NB = 3 };
   T = 96;
   const tdm_moe_wfmt fmt = {TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K};
-  qcase c = qcase_setup(f, fmt, 256, 256, many, NG);
+  qcase c = qcase_setup(f, fmt, 256, 256, MANY, NG);
   unsigned char *skip = calloc((size_t)c.n, 1);
   CHECK(skip != NULL);
   const int bad_row = c.groups[2].first + 70, bad_slot = c.groups[0].first + 3;

@@ -303,25 +303,6 @@ static __global__ void __launch_bounds__(GM_THREADS, 3)
   }
 }
 
-/* BODY compiled for every type the kernels take (a type of moe_ops.h; the caller checked). */
-#define GM_CASE(T, ...)   \
-  case T: {               \
-    constexpr int QT = T; \
-    __VA_ARGS__;          \
-  } break;
-#define BY_GM_TYPE(t, ...)                 \
-  switch (t) {                             \
-    GM_CASE(TDM_MOE_W_Q8_0, __VA_ARGS__)   \
-    GM_CASE(TDM_MOE_W_Q4_K, __VA_ARGS__)   \
-    GM_CASE(TDM_MOE_W_Q6_K, __VA_ARGS__)   \
-    GM_CASE(TDM_MOE_W_MXFP4, __VA_ARGS__)  \
-    GM_CASE(TDM_MOE_W_BF16, __VA_ARGS__)   \
-  default: {                               \
-    constexpr int QT = TDM_MOE_W_F16;      \
-    __VA_ARGS__;                           \
-  } break;                                 \
-  }
-
 bool cuda_gmm_takes(int n, int H, int I, const float *x) {
   return n >= CUDA_GMM_MIN_N && H % 32 == 0 && I % 32 == 0 && !((uintptr_t)x & 15) &&
          (long long)n / GM_BM + 1 < INT_MAX / 2;
@@ -335,11 +316,11 @@ cudaError_t cuda_gmm(moe_cuda *m, const float *x, uint32_t xlimit, const int32_t
   const unsigned tiles = (unsigned)((n + GM_BM - 1) / GM_BM + G);
   const dim3 gu_grid(tiles, (unsigned)((I + 63) / 64)), d_grid(tiles, (unsigned)((H + 127) / 128));
   cudaError_t e;
-  BY_GM_TYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT>, gu_grid, GM_THREADS, gm_t<QT>::SMEM,
+  BY_WTYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT>, gu_grid, GM_THREADS, gm_t<QT>::SMEM,
                                 x, xlimit, rows, n, wbase, wlimit, ebytes, groups, G, H, I, gu_rb,
                                 h));
   if (e != cudaSuccess) return e;
-  BY_GM_TYPE(td, e = launch_pdl(m, gm_down_kernel<QT>, d_grid, GM_THREADS, gm_t<QT>::SMEM,
+  BY_WTYPE(td, e = launch_pdl(m, gm_down_kernel<QT>, d_grid, GM_THREADS, gm_t<QT>::SMEM,
                                 (const float *)h, rows,
                                 xlimit, slot, olimit, n, wbase, wlimit, ebytes, groups, G, H, I,
                                 gu_rb, d_rb, out));
@@ -350,7 +331,7 @@ int cuda_gmm_preload(moe_cuda *m) {
   static const int types[] = {TDM_MOE_W_Q8_0, TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K,
                               TDM_MOE_W_MXFP4, TDM_MOE_W_BF16, TDM_MOE_W_F16};
   for (int t : types) {
-    BY_GM_TYPE(t, CK_CUDA(cudaFuncSetAttribute(gm_gate_up_kernel<QT>,
+    BY_WTYPE(t, CK_CUDA(cudaFuncSetAttribute(gm_gate_up_kernel<QT>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                gm_t<QT>::SMEM));
                CK_CUDA(cudaFuncSetAttribute(gm_down_kernel<QT>,

@@ -125,22 +125,28 @@ static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v
 }
 
 /* BODY compiled for each type the kernels take, with QT the type, and run for t (the callers
- * checked it: anything else is F16). */
+ * checked it: anything else is F16): BY_QTYPE the block types and F16; BY_WTYPE BF16 too. */
 #define QTYPE_CASE(T, ...)  \
   case T: {                 \
     constexpr int QT = T;   \
     __VA_ARGS__;            \
   } break;
-#define BY_QTYPE(t, ...)                                 \
-  switch (t) {                                           \
-    QTYPE_CASE(TDM_MOE_W_Q8_0, __VA_ARGS__)              \
-    QTYPE_CASE(TDM_MOE_W_Q4_K, __VA_ARGS__)              \
-    QTYPE_CASE(TDM_MOE_W_Q6_K, __VA_ARGS__)              \
-    QTYPE_CASE(TDM_MOE_W_MXFP4, __VA_ARGS__)             \
-  default: {                                             \
-    constexpr int QT = TDM_MOE_W_F16;                    \
-    __VA_ARGS__;                                         \
-  } break;                                               \
+#define QTYPE_BLOCKS(...)                      \
+  QTYPE_CASE(TDM_MOE_W_Q8_0, __VA_ARGS__)      \
+  QTYPE_CASE(TDM_MOE_W_Q4_K, __VA_ARGS__)      \
+  QTYPE_CASE(TDM_MOE_W_Q6_K, __VA_ARGS__)      \
+  QTYPE_CASE(TDM_MOE_W_MXFP4, __VA_ARGS__)
+#define QTYPE_ELSE_F16(...)               \
+  default: {                              \
+    constexpr int QT = TDM_MOE_W_F16;     \
+    __VA_ARGS__;                          \
+  } break;
+#define BY_QTYPE(t, ...)                                                 \
+  switch (t) { QTYPE_BLOCKS(__VA_ARGS__) QTYPE_ELSE_F16(__VA_ARGS__) }
+#define BY_WTYPE(t, ...)                                                                 \
+  switch (t) {                                                                           \
+    QTYPE_BLOCKS(__VA_ARGS__) QTYPE_CASE(TDM_MOE_W_BF16, __VA_ARGS__)                   \
+    QTYPE_ELSE_F16(__VA_ARGS__)                                                          \
   }
 
 #endif
