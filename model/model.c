@@ -19,7 +19,8 @@
 
 /* Dense weights cross to the device through a pinned buffer of this size, a piece at a time. */
 #define STAGE_BYTES ((size_t)32 << 20)
-/* The most device memory 16-bit weights are widened into for a prefill's projections. */
+/* The most device memory 16-bit weights are widened into for a prefill's projections (the
+ * workspace holds a ubatch's x twice besides: a backend may split it for its GEMMs). */
 #define WIDEN_BYTES ((size_t)64 << 20)
 
 /* A dense weight on the device: f32, or in 16 bits as the file keeps it (wtype
@@ -361,8 +362,10 @@ static int load_dense(tdm_model *m) {
   }
   if (m->stage) tdm_free(m->stage);
   m->stage = NULL;
-  if (!rc && m->dense16) { /* matmul_h's workspace for prefill's pieces */
+  if (!rc && m->dense16) { /* matmul_h's workspace for prefill's pieces, and x's two parts */
+    size_t qd = (size_t)hp->nh * hp->hd, kmax = qd > (size_t)hp->H ? qd : (size_t)hp->H;
     m->widen_bytes = m->widen_need < WIDEN_BYTES ? m->widen_need : WIDEN_BYTES;
+    m->widen_bytes += 2 * (size_t)m->U * kmax * sizeof(float);
     rc = dev_alloc(m, m->widen_bytes, &m->widen);
   }
   return rc;

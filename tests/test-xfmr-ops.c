@@ -349,10 +349,14 @@ static void check_matmul_h(fixture *f, int wtype, int T, int K, int N, float bet
 
 TEST_CASE(matmul_h_ref) {
   /* Decode's one pass (T <= 8: K a multiple of 8 for 16-byte loads, and not), and prefill's
-   * pieces: the workspace holds all of w, or 7 or 1 of its rows (the last piece short). */
+   * pieces: the workspace holds all of w, or 7 or 1 of its rows (the last piece short), with
+   * room for x's two parts or without. */
   static const int shapes[][4] = {{1, 64, 70, 70},  {1, 37, 33, 33},  {8, 256, 129, 129},
                                   {3, 300, 20, 20}, {13, 64, 33, 33}, {13, 64, 33, 7},
-                                  {40, 96, 50, 1},  {130, 128, 140, 16}};
+                                  {40, 96, 50, 1},  {130, 128, 140, 16},
+                                  /* room for x's two parts besides w's rows: CUDA's TF32 */
+                                  {130, 128, 140, 2 * 130 + 140}, {130, 128, 140, 2 * 130 + 7},
+                                  {40, 37, 33, 2 * 40 + 5}};
   fixture f = setup_w16();
   for (int wtype = TDM_MOE_W_F16; wtype <= TDM_MOE_W_BF16; wtype++)
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)

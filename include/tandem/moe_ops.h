@@ -257,7 +257,10 @@ typedef struct tdm_moe_ops {
    * weight once and sums each output in a fixed order; more tokens widen w a piece at a time
    * into the workspace (device memory: workspace_bytes, at least 4K; the larger, the fewer
    * pieces) and multiply each piece as matmul() does. Both agree with matmul() on the widened
-   * w within f32 rounding. */
+   * w within f32 rounding. CUDA multiplies the pieces on TF32 tensor cores where the workspace
+   * also holds 2 T K floats: x goes in two parts that TF32 holds exactly (22 of f32's 24
+   * bits), so the result stays within a few f32 roundings (TANDEM_MOE_CUDA_TF32=0, read at
+   * open(), keeps SGEMMs). */
   int (*matmul_h)(void *st, tdm_queue *q, float *y, const float *x, const uint16_t *w,
                   int wtype, int T, int K, int N, float beta, void *workspace,
                   size_t workspace_bytes);
@@ -292,7 +295,8 @@ typedef struct tdm_moe_ops {
    * quantized projections and LM head are read in their blocks: computing on the values
    * tdm_moe_dequant_row() gives, within f32 rounding (the CPU's, on one or two tokens, on
    * 16-bit activations as experts_q() may: within about 1e-4). A few tokens read each row
-   * once; more widen pieces of w into the workspace (at least K floats), as matmul_h() does.
+   * once; more widen pieces of w into the workspace (at least K floats), as matmul_h() does
+   * (CUDA: on TF32 tensor cores, w's widened values split in two parts as well as x's).
    * Optional: NULL where a backend has none (OpenCL for now), and a model widens such
    * weights to f32 when it loads them. Another type, or K not whole blocks: TDM_EINVAL. */
   int (*matmul_q)(void *st, tdm_queue *q, float *y, const float *x, const void *w, int wtype,

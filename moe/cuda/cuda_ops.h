@@ -73,6 +73,7 @@ typedef struct moe_cuda {
   int gx_shape;        /* experts()'s kernels: GX_SHAPE_NARROW unless forced at open() */
   bool pdl;            /* launch_pdl() launches as programmatic dependents (open() decides) */
   bool q16;            /* Q4_K gate/up decode on 16-bit activations (q16.cu); open() decides */
+  bool tf32;           /* prefill's projections on TF32 tensor cores, x and w split (xfmr.cu) */
   pthread_mutex_t plan_mu;            /* the plan cache: ops from several threads are allowed */
   gemm_plan *plans[PLAN_BUCKETS];
   const char *failed;  /* the last CUDA or cuBLAS call that failed */
@@ -278,6 +279,16 @@ int cuda_get_rows(void *st, tdm_queue *q, float *y, const float *table, const in
                   int T, int H, int V);
 int cuda_get_rows_h(void *st, tdm_queue *q, float *y, const uint16_t *table, int wtype,
                     const int32_t *ids, int T, int H, int V);
+/* Prefill's projections (matmul_h, matmul_q on many tokens): y [T x N] = x [T x K] w^T + beta
+ * y with w widened to f32 a piece of rows at a time into the workspace by widen (rows
+ * [n0, n0 + c) into dst, on m->s), each piece multiplied on TF32 tensor cores with x and w
+ * split for f32's precision (exact: w's widened values are TF32 already), or as SGEMMs where
+ * m->tf32 is off or the workspace cannot hold x's parts. Inside enter() / leave(). */
+typedef cudaError_t (*widen_rows_fn)(moe_cuda *m, const void *w, int wtype, size_t n0, size_t c,
+                                     int K, float *dst);
+int cuda_widened_gemm(moe_cuda *m, widen_rows_fn widen, const void *w, int wtype, bool exact,
+                      float *y, const float *x, int T, int K, int N, float beta, void *ws,
+                      size_t ws_bytes);
 int cuda_matmul_h(void *st, tdm_queue *q, float *y, const float *x, const uint16_t *w, int wtype,
                   int T, int K, int N, float beta, void *ws, size_t ws_bytes);
 int cuda_matmul(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T, int K,

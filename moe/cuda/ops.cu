@@ -711,12 +711,14 @@ static int cuda_open(tdm_queue *q, void **state) {
   m->gx_shape = gx_shape_configured();
   int saved, major = 0;
   const char *pdl = getenv("TANDEM_MOE_CUDA_PDL");
-  m->pdl = !(pdl && strcmp(pdl, "0") == 0) &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, m->dev) ==
-               cudaSuccess && major >= 9;
-  cudaGetLastError(); /* a failed query only means no programmatic launches */
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, m->dev) != cudaSuccess)
+    major = 0;
+  cudaGetLastError(); /* a failed query only means no programmatic launches, no TF32 */
+  m->pdl = !(pdl && strcmp(pdl, "0") == 0) && major >= 9;
   const char *q16 = getenv("TANDEM_MOE_CUDA_Q16");
   m->q16 = !(q16 && strcmp(q16, "0") == 0);
+  const char *tf32 = getenv("TANDEM_MOE_CUDA_TF32"); /* TF32 from Ampere (8.0) on */
+  m->tf32 = !(tf32 && strcmp(tf32, "0") == 0) && major >= 8;
   if ((rc = enter(m, &saved))) {
     free(m);
     return rc;

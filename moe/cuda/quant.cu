@@ -649,6 +649,15 @@ static __global__ void __launch_bounds__(MOE_THREADS)
   }
 }
 
+static cudaError_t widen_q(moe_cuda *m, const void *w, int wtype, size_t n0, size_t c, int K,
+                           float *dst) {
+  const size_t rb = tdm_moe_row_bytes(wtype, K);
+  const uint8_t *wb = (const uint8_t *)w + n0 * rb;
+  const dim3 grid((unsigned)((c + MOE_WARPS - 1) / MOE_WARPS));
+  BY_QTYPE(wtype, mq_widen_kernel<QT><<<grid, MOE_THREADS, 0, m->s>>>(wb, rb, (int)c, K, dst));
+  return cudaGetLastError();
+}
+
 int cuda_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *w, int wtype,
                   int T, int K, int N, float beta, void *ws, size_t ws_bytes) {
   moe_cuda *m = (moe_cuda *)st;
@@ -673,25 +682,7 @@ int cuda_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *
     leave(m, saved);
     return rc;
   }
-  /* pieces of R rows widened into the workspace, each an SGEMM into y's columns [n0, n0 + c) */
-  size_t R = ws_bytes / sizeof(float) / (size_t)K;
-  if (R > (size_t)N) R = (size_t)N;
-  float *wf = (float *)ws;
-  const float one = 1.f;
-  for (size_t n0 = 0; !rc && n0 < (size_t)N; n0 += R) {
-    const size_t c = (size_t)N - n0 < R ? (size_t)N - n0 : R;
-    const dim3 grid((unsigned)((c + MOE_WARPS - 1) / MOE_WARPS));
-    BY_QTYPE(wtype, mq_widen_kernel<QT><<<grid, MOE_THREADS, 0, m->s>>>(wb + n0 * rb, rb, (int)c,
-                                                                        K, wf));
-    cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) {
-      rc = cuda_fail(m, e, "mq_widen_kernel");
-      break;
-    }
-    cublasStatus_t s = cublasSgemm(m->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)c, T, K, &one, wf, K,
-                                   x, K, &beta, y + n0, N);
-    if (s != CUBLAS_STATUS_SUCCESS) rc = blas_fail(m, s, "cublasSgemm");
-  }
+  rc = cuda_widened_gemm(m, widen_q, w, wtype, false, y, x, T, K, N, beta, ws, ws_bytes);
   leave(m, saved);
   return rc;
 }

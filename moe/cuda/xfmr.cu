@@ -486,6 +486,91 @@ static __global__ void widen_kernel(float *dst, const uint16_t *src, size_t n, i
     dst[i] = widen(src[i], wtype);
 }
 
+static cudaError_t widen_h(moe_cuda *m, const void *w, int wtype, size_t n0, size_t c, int K,
+                           float *dst) {
+  size_t n = c * (size_t)K;
+  unsigned blocks = (unsigned)((n + MOE_THREADS - 1) / MOE_THREADS);
+  widen_kernel<<<blocks < 4096 ? blocks : 4096, MOE_THREADS, 0, m->s>>>(
+      dst, (const uint16_t *)w + n0 * (size_t)K, n, wtype);
+  return cudaGetLastError();
+}
+
+/* ---- prefill's projections: widened pieces of w, times x on tensor cores ----
+ * TF32 keeps 11 of an f32's 24 significant bits. So that the product keeps f32's precision,
+ * x is split once into two parts that TF32 holds exactly, hi = x rounded to 11 bits and lo =
+ * the rest rounded the same (22 bits together), and w likewise where its widened values are
+ * not TF32 already (a block type's; 16-bit values are: 11 or 8 bits, with f32's range). A piece
+ * of y is then w_hi x_lo + w_lo x_hi + w_hi x_hi (smallest first, each a GEMM with f32 sums,
+ * w_lo x_lo left out): within a few f32 roundings of an SGEMM, at tensor-core speed, where
+ * SGEMM on the CUDA cores took most of a prefill pass's dense time. */
+
+static __device__ __forceinline__ float tf32_round(float v) {
+  uint32_t u = __float_as_uint(v);
+  if ((u & 0x7f800000u) == 0x7f800000u) return v; /* inf, NaN */
+  uint32_t r = (u + 0x1000u) & 0xffffe000u;        /* the 13 low bits, to nearest */
+  return __uint_as_float((r & 0x7f800000u) == 0x7f800000u ? u & 0xffffe000u : r);
+}
+
+/* hi may be x itself (a widened piece split in place). A value that is not finite goes to hi
+ * whole, so that it reaches y as in an SGEMM. */
+static __global__ void tf32_split_kernel(float *hi, float *lo, const float *x, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    float v = x[i], h = tf32_round(v);
+    hi[i] = h;
+    lo[i] = isfinite(v) ? tf32_round(v - h) : 0.f;
+  }
+}
+
+static cudaError_t tf32_split(moe_cuda *m, float *hi, float *lo, const float *x, size_t n) {
+  unsigned blocks = (unsigned)((n + MOE_THREADS - 1) / MOE_THREADS);
+  tf32_split_kernel<<<blocks < 4096 ? blocks : 4096, MOE_THREADS, 0, m->s>>>(hi, lo, x, n);
+  return cudaGetLastError();
+}
+
+/* y [T x c] (row stride ldy) = x [T x K] w^T + beta y, w [c x K], in cuBLAS's column-major
+ * terms as cuda_matmul's; TF32 tensor cores where tf32, else SGEMM. */
+static int gemm32(moe_cuda *m, bool tf32, const float *w, const float *x, float *y, int c, int T,
+                  int K, int ldy, float beta) {
+  const float one = 1.f;
+  cublasStatus_t s = cublasGemmEx(m->blas, CUBLAS_OP_T, CUBLAS_OP_N, c, T, K, &one, w,
+                                  CUDA_R_32F, K, x, CUDA_R_32F, K, &beta, y, CUDA_R_32F, ldy,
+                                  tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F,
+                                  CUBLAS_GEMM_DEFAULT);
+  return s == CUBLAS_STATUS_SUCCESS ? 0 : blas_fail(m, s, "cublasGemmEx");
+}
+
+int cuda_widened_gemm(moe_cuda *m, widen_rows_fn widen, const void *w, int wtype, bool exact,
+                      float *y, const float *x, int T, int K, int N, float beta, void *ws,
+                      size_t ws_bytes) {
+  const size_t wsf = ws_bytes / sizeof(float), tk = (size_t)T * K, wrow = exact ? 1 : 2;
+  /* The workspace: x's two parts [T x K] each, then R rows of w (and as many of w_lo). With
+   * too little room for both parts and a row, or TF32 off, pieces of w are SGEMMs on x. */
+  const bool split = m->tf32 && wsf >= 2 * tk + wrow * (size_t)K;
+  float *xhi = (float *)ws, *xlo = xhi + (split ? tk : 0), *wf = xlo + (split ? tk : 0);
+  size_t R = (wsf - (split ? 2 * tk : 0)) / (split ? wrow : 1) / (size_t)K;
+  if (R > (size_t)N) R = (size_t)N;
+  float *wlo = wf + R * (size_t)K;
+  cudaError_t e = split ? tf32_split(m, xhi, xlo, x, tk) : cudaSuccess;
+  if (e != cudaSuccess) return cuda_fail(m, e, "tf32_split_kernel");
+  int rc = 0;
+  for (size_t n0 = 0; !rc && n0 < (size_t)N; n0 += R) {
+    const int c = (int)((size_t)N - n0 < R ? (size_t)N - n0 : R);
+    if ((e = widen(m, w, wtype, n0, (size_t)c, K, wf)) != cudaSuccess)
+      return cuda_fail(m, e, "widening a piece of weights");
+    if (!split) {
+      rc = gemm32(m, false, wf, x, y + n0, c, T, K, N, beta);
+      continue;
+    }
+    if (!exact && (e = tf32_split(m, wf, wlo, wf, (size_t)c * K)) != cudaSuccess)
+      return cuda_fail(m, e, "tf32_split_kernel");
+    rc = gemm32(m, true, wf, xlo, y + n0, c, T, K, N, beta);
+    if (!rc && !exact) rc = gemm32(m, true, wlo, xhi, y + n0, c, T, K, N, 1.f);
+    if (!rc) rc = gemm32(m, true, wf, xhi, y + n0, c, T, K, N, 1.f);
+  }
+  return rc;
+}
+
 static cudaError_t gemv_h(moe_cuda *m, float *y, const float *x, const uint16_t *w, int wtype,
                           int T, int K, int N, int beta) {
   int vec = K % 8 == 0 && ((uintptr_t)x | (uintptr_t)w) % 16 == 0;
@@ -517,26 +602,7 @@ int cuda_matmul_h(void *st, tdm_queue *q, float *y, const float *x, const uint16
     leave(m, saved);
     return rc;
   }
-  /* Pieces of R rows of w, widened into the workspace, each an SGEMM into y's columns
-   * [n0, n0 + c) (ldc N); the stream orders each piece's widening after the last one's GEMM. */
-  size_t R = ws_bytes / sizeof(float) / (size_t)K;
-  if (R > (size_t)N) R = (size_t)N;
-  float *wf = (float *)ws;
-  const float one = 1.f;
-  for (size_t n0 = 0; !rc && n0 < (size_t)N; n0 += R) {
-    size_t c = (size_t)N - n0 < R ? (size_t)N - n0 : R, n = c * (size_t)K;
-    unsigned blocks = (unsigned)((n + MOE_THREADS - 1) / MOE_THREADS);
-    widen_kernel<<<blocks < 4096 ? blocks : 4096, MOE_THREADS, 0, m->s>>>(
-        wf, w + n0 * (size_t)K, n, wtype);
-    cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) {
-      rc = cuda_fail(m, e, "widen_kernel");
-      break;
-    }
-    cublasStatus_t s = cublasSgemm(m->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)c, T, K, &one, wf, K,
-                                   x, K, &beta, y + n0, N);
-    if (s != CUBLAS_STATUS_SUCCESS) rc = blas_fail(m, s, "cublasSgemm");
-  }
+  rc = cuda_widened_gemm(m, widen_h, w, wtype, true, y, x, T, K, N, beta, ws, ws_bytes);
   leave(m, saved);
   return rc;
 }
@@ -549,7 +615,8 @@ int cuda_xfmr_preload(moe_cuda *m) {
                      (const void *)gemv_h_kernel<4>, (const void *)gemv_h_kernel<5>,
                      (const void *)gemv_h_kernel<6>, (const void *)gemv_h_kernel<7>,
                      (const void *)gemv_h_kernel<8>, (const void *)attention_tiled_kernel<64>,
-                     (const void *)attention_tiled_kernel<128>, (const void *)attn_prep_kernel};
+                     (const void *)attention_tiled_kernel<128>, (const void *)attn_prep_kernel,
+                     (const void *)tf32_split_kernel};
   for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
