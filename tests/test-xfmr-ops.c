@@ -39,6 +39,8 @@
 
 #define REL_TOL 1e-5
 #define PAD 7                  /* sentinel floats on each side of a buffer */
+#define PAD_ALIGNED 8          /* ... where the buffer should start 16 bytes aligned */
+static size_t pad = PAD;       /* the padded buffers' sentinels now */
 #define SENTINEL 1234.5f
 
 /* ---- Fixture ----------------------------------------------------------------------------- */
@@ -62,32 +64,32 @@ static fixture setup_xfmr(void) {
 /* n floats of host data into device memory, between PAD sentinels on each side: the pointer
  * to the first of the n. */
 static float *upload_padded(fixture *f, const float *host, size_t n) {
-  float *tmp = alloc(f, TDM_MEM_PINNED, (n + 2 * PAD) * sizeof *tmp);
-  for (size_t i = 0; i < PAD; i++) tmp[i] = tmp[PAD + n + i] = SENTINEL;
-  memcpy(tmp + PAD, host, n * sizeof *host);
-  float *d = alloc(f, TDM_MEM_DEVICE, (n + 2 * PAD) * sizeof *d);
-  CHECK_OK(tdm_memcpy(f->q, d, tmp, (n + 2 * PAD) * sizeof *d, TDM_COPY_H2D, 0, NULL, NULL));
+  float *tmp = alloc(f, TDM_MEM_PINNED, (n + 2 * pad) * sizeof *tmp);
+  for (size_t i = 0; i < pad; i++) tmp[i] = tmp[pad + n + i] = SENTINEL;
+  memcpy(tmp + pad, host, n * sizeof *host);
+  float *d = alloc(f, TDM_MEM_DEVICE, (n + 2 * pad) * sizeof *d);
+  CHECK_OK(tdm_memcpy(f->q, d, tmp, (n + 2 * pad) * sizeof *d, TDM_COPY_H2D, 0, NULL, NULL));
   CHECK_OK(tdm_queue_sync(f->q));
   tdm_free(tmp);
-  return d + PAD;
+  return d + pad;
 }
 
 /* The n floats at d (from upload_padded) into host, once the queue is done; the sentinels
  * around them must be intact. */
 static void download_padded(fixture *f, float *host, const float *d, size_t n, const char *what) {
-  float *tmp = alloc(f, TDM_MEM_PINNED, (n + 2 * PAD) * sizeof *tmp);
-  CHECK_OK(tdm_memcpy(f->q, tmp, d - PAD, (n + 2 * PAD) * sizeof *tmp, TDM_COPY_D2H, 0, NULL,
+  float *tmp = alloc(f, TDM_MEM_PINNED, (n + 2 * pad) * sizeof *tmp);
+  CHECK_OK(tdm_memcpy(f->q, tmp, d - pad, (n + 2 * pad) * sizeof *tmp, TDM_COPY_D2H, 0, NULL,
                       NULL));
   CHECK_OK(tdm_queue_sync(f->q));
-  for (size_t i = 0; i < PAD; i++) {
-    CHECK_MSG(tmp[i] == SENTINEL, "%s: written %zu floats before its start", what, PAD - i);
-    CHECK_MSG(tmp[PAD + n + i] == SENTINEL, "%s: written %zu floats past its end", what, i + 1);
+  for (size_t i = 0; i < pad; i++) {
+    CHECK_MSG(tmp[i] == SENTINEL, "%s: written %zu floats before its start", what, pad - i);
+    CHECK_MSG(tmp[pad + n + i] == SENTINEL, "%s: written %zu floats past its end", what, i + 1);
   }
-  memcpy(host, tmp + PAD, n * sizeof *host);
+  memcpy(host, tmp + pad, n * sizeof *host);
   tdm_free(tmp);
 }
 
-static void free_padded(float *d) { tdm_free(d - PAD); }
+static void free_padded(float *d) { tdm_free(d - pad); }
 
 /* ---- Random data and comparison ---------------------------------------------------------- */
 
@@ -471,9 +473,11 @@ static void ref_attention_row(const float *q, const float *kc, const float *vc, 
     for (int i = 0; i < hd; i++) out[i] += s[p] / sum * vc[(size_t)p * kvrow + i];
 }
 
-static void check_attention(fixture *f, int T, int pos0, int nh, int nkv, int hd) {
+static void check_attention(fixture *f, int T, int pos0, int nh, int nkv, int hd, bool aligned) {
   /* The cache has rows past pos0 + T, random too: a query that reads past its own position
-   * shows. Queries and keys scaled so that the scores spread over a few units. */
+   * shows. Queries and keys scaled so that the scores spread over a few units. Buffers 16
+   * bytes aligned or not (a GPU kernel may load them 16 bytes at a time only where they are). */
+  pad = aligned ? PAD_ALIGNED : PAD;
   int ctx = pos0 + T + 5, kvrow = nkv * hd;
   size_t nq = (size_t)T * nh * hd, nc = (size_t)ctx * kvrow;
   float *qv = rnd_host(f, nq, 1.5f), *kc = rnd_host(f, nc, 1.5f), *vc = rnd_host(f, nc, 1.0f);
@@ -501,6 +505,7 @@ static void check_attention(fixture *f, int T, int pos0, int nh, int nkv, int hd
   free(s); free(ref);
   free_padded(dq); free_padded(dk); free_padded(dv); free_padded(dout);
   free(qv); free(kc); free(vc); free(out);
+  pad = PAD;
 }
 
 TEST_CASE(attention_ref) {
@@ -517,10 +522,17 @@ TEST_CASE(attention_ref) {
       {37, 0, 8, 2, 128},
       {50, 23, 4, 1, 64},
       {33, 40, 4, 4, 128},
+      /* and on tensor cores (CUDA, aligned buffers): blocks of 64 queries, 16 a warp; a last
+       * block with warps past the queries, positions past a warp's last query */
+      {130, 0, 8, 2, 128},
+      {70, 45, 4, 2, 64},
+      {17, 300, 2, 1, 128},
   };
   fixture f = setup_xfmr();
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-    check_attention(&f, cases[i].T, cases[i].pos0, cases[i].nh, cases[i].nkv, cases[i].hd);
+    for (int aligned = 0; aligned < 2; aligned++)
+      check_attention(&f, cases[i].T, cases[i].pos0, cases[i].nh, cases[i].nkv, cases[i].hd,
+                      aligned);
   teardown(&f);
 }
 

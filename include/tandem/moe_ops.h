@@ -239,7 +239,9 @@ typedef struct tdm_moe_ops {
    * vc the KV cache [ctx x nkv x hd], holding positions 0 .. pos0 + T - 1 (the caller writes
    * this ubatch's keys and values first); query head h reads KV head h / (nh / nkv) (nh a
    * multiple of nkv). out [T x nh x hd] = softmax(q k^T scale) v over the positions up to its
-   * own. out must not overlap qv, kc or vc. */
+   * own. out must not overlap qv, kc or vc. Sums are f32; CUDA runs 16 queries or more (heads
+   * of 64 or 128, buffers 16-byte aligned) on TF32 tensor cores with every operand split in two
+   * exact parts, which keeps f32's precision within a few roundings. */
   int (*attention)(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
                    const float *vc, int T, int pos0, int nh, int nkv, int hd, float scale);
 

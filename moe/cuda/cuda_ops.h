@@ -74,6 +74,7 @@ typedef struct moe_cuda {
   bool pdl;            /* launch_pdl() launches as programmatic dependents (open() decides) */
   bool q16;            /* Q4_K gate/up decode on 16-bit activations (q16.cu); open() decides */
   bool tf32;           /* prefill's projections on TF32 tensor cores, x and w split (xfmr.cu) */
+  bool tc_attention;   /* prefill's attention on TF32 tensor cores, operands split (xfmr.cu) */
   pthread_mutex_t plan_mu;            /* the plan cache: ops from several threads are allowed */
   gemm_plan *plans[PLAN_BUCKETS];
   const char *failed;  /* the last CUDA or cuBLAS call that failed */
@@ -163,6 +164,16 @@ static __device__ __forceinline__ uint16_t f32_to_bf16(float f) {
   uint32_t u = __float_as_uint(f);
   if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return (uint16_t)((u >> 16) | 0x40);
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* v rounded to TF32 (11 significant bits, f32's range: the 13 low bits to nearest, ties away;
+ * one that would round to infinity is cut instead), as a float whose low bits are zero, so that
+ * a tensor core takes it exactly. Infinities and NaN stay as they are. */
+static __device__ __forceinline__ float tf32_round(float v) {
+  uint32_t u = __float_as_uint(v);
+  if ((u & 0x7f800000u) == 0x7f800000u) return v;
+  uint32_t r = (u + 0x1000u) & 0xffffe000u;
+  return __uint_as_float((r & 0x7f800000u) == 0x7f800000u ? u & 0xffffe000u : r);
 }
 
 /* Weights in a file's format, read where they lie (quant.cu, q16.cu). */

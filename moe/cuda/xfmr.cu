@@ -353,6 +353,194 @@ static cudaError_t attention_tiled(moe_cuda *m, float *out, const float *qv, con
                     vc, T, nh, nkv, pos0, dpos, ctx, scale);
 }
 
+/* ---- prefill attention on TF32 tensor cores ----
+ * attention_tiled's online softmax over tiles of the cache, with both products (scores, and
+ * probabilities times values) as mma.sync m16n8k8 on TF32. Each operand goes in two parts that
+ * TF32 holds exactly (hi, and lo = the rest: 22 bits together, as the projections' split) and
+ * each product as three (lo hi + hi lo + hi hi), so that the result keeps f32's precision
+ * within a few roundings. A block takes MA_Q queries of one head, a warp 16 of them; the cache
+ * goes MA_K positions a step through shared memory, each row padded by 4 floats, so that a
+ * fragment's 32 loads meet 32 banks. A warp's scores stay in its registers, in the layout of
+ * PTX's accumulators (thread (g, t) = (lane / 4, lane % 4) holds rows g and g + 8, columns 2t
+ * and 2t + 1 of each 8), and are the left operand of the product with the values where they
+ * lie: a step's 8 positions are taken in the order 0, 2, 4, 6, 1, 3, 5, 7, the order in which
+ * the values' rows are read. One order of operations for every run: the same bits each time. */
+#define MA_Q 64
+#define MA_K 32
+#define MA_WARPS (MA_Q / 16)
+
+template <int HD> static constexpr size_t ma_smem() {
+  return (size_t)(MA_Q + 2 * MA_K) * (HD + 4) * sizeof(float);
+}
+
+/* c += a b, a 16 x 8 (row), b 8 x 8 (column), f32 sums */
+static __device__ __forceinline__ void mma_tf32(float c[4], const uint32_t a[4],
+                                                const uint32_t b[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, "
+               "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+static __device__ __forceinline__ void split2(float v, uint32_t *hi, uint32_t *lo) {
+  const float h = tf32_round(v);
+  *hi = __float_as_uint(h);
+  *lo = __float_as_uint(tf32_round(v - h));
+}
+
+/* c += a b with a and b in two parts each: the small products first. */
+static __device__ __forceinline__ void mma3(float c[4], const uint32_t ah[4], const uint32_t al[4],
+                                            const uint32_t bh[2], const uint32_t bl[2]) {
+  mma_tf32(c, al, bh);
+  mma_tf32(c, ah, bl);
+  mma_tf32(c, ah, bh);
+}
+
+template <int HD>
+static __global__ void __launch_bounds__(MA_WARPS * 32)
+    attention_mma_kernel(float *out, const float *qv, const float *kc, const float *vc, int T,
+                         int nh, int nkv, int pos0, const int32_t *dpos, int ctx, float scale) {
+  wait_prior_grid();
+  pos0 = pos_at(dpos, pos0, ctx, T);
+  constexpr int LD = HD + 4, NT = HD / 8, V4 = HD / 4;
+  extern __shared__ float4 ma_smem_f4[];
+  float *Qs = (float *)ma_smem_f4, *Ks = Qs + MA_Q * LD, *Vs = Ks + MA_K * LD;
+  const int h = blockIdx.y, kvh = h / (nh / nkv), t0 = blockIdx.x * MA_Q;
+  const int nq = T - t0 < MA_Q ? T - t0 : MA_Q;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const size_t qrow = (size_t)nh * HD, kvrow = (size_t)nkv * HD;
+  for (int i = threadIdx.x; i < MA_Q * V4; i += MA_WARPS * 32) {
+    const int r = i / V4, d = (i % V4) * 4;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (r < nq) {
+      v = *(const float4 *)(qv + (size_t)(t0 + r) * qrow + (size_t)h * HD + d);
+      v.x *= scale, v.y *= scale, v.z *= scale, v.w *= scale;
+    }
+    *(float4 *)(Qs + r * LD + d) = v;
+  }
+  const int r0 = warp * 16, last = pos0 + t0 + nq - 1;
+  const bool va = r0 + g < nq, vb = r0 + g + 8 < nq; /* rows g and g + 8 are queries */
+  const int pa = pos0 + t0 + r0 + g, pb = pa + 8;    /* ... at these positions */
+  const int wlast = r0 < nq ? pos0 + t0 + (r0 + 15 < nq ? r0 + 15 : nq - 1) : -1;
+  float o[NT][4], ma = -INFINITY, mb = -INFINITY, la = 0.f, lb = 0.f;
+#pragma unroll
+  for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  for (int p0 = 0; p0 <= last; p0 += MA_K) {
+    __syncthreads(); /* the last tile's readers are done (and Qs is written, the first time) */
+    for (int i = threadIdx.x; i < MA_K * V4; i += MA_WARPS * 32) {
+      const int j = i / V4, d = (i % V4) * 4, p = p0 + j;
+      float4 k = make_float4(0.f, 0.f, 0.f, 0.f), v = k;
+      if (p <= last) {
+        const size_t at = (size_t)p * kvrow + (size_t)kvh * HD + d;
+        k = *(const float4 *)(kc + at);
+        v = *(const float4 *)(vc + at);
+      }
+      *(float4 *)(Ks + j * LD + d) = k;
+      *(float4 *)(Vs + j * LD + d) = v;
+    }
+    __syncthreads();
+    if (p0 > wlast) continue; /* every position of the tile is after the warp's queries */
+    float sc[MA_K / 8][4];
+#pragma unroll
+    for (int j = 0; j < MA_K / 8; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll 4
+    for (int k0 = 0; k0 < HD; k0 += 8) {
+      uint32_t ah[4], al[4];
+      const float *qa = Qs + (r0 + g) * LD + k0 + t, *qb = qa + 8 * LD;
+      split2(qa[0], &ah[0], &al[0]);
+      split2(qb[0], &ah[1], &al[1]);
+      split2(qa[4], &ah[2], &al[2]);
+      split2(qb[4], &ah[3], &al[3]);
+#pragma unroll
+      for (int j = 0; j < MA_K / 8; j++) {
+        uint32_t bh[2], bl[2];
+        const float *kr = Ks + (8 * j + g) * LD + k0 + t;
+        split2(kr[0], &bh[0], &bl[0]);
+        split2(kr[4], &bh[1], &bl[1]);
+        mma3(sc[j], ah, al, bh, bl);
+      }
+    }
+    /* the causal mask, then the online softmax of rows g (a) and g + 8 (b) across the quad */
+    float xa = -INFINITY, xb = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < MA_K / 8; j++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int p = p0 + 8 * j + 2 * t + e;
+        if (!va || p > pa) sc[j][e] = -INFINITY;
+        if (!vb || p > pb) sc[j][2 + e] = -INFINITY;
+        xa = fmaxf(xa, sc[j][e]);
+        xb = fmaxf(xb, sc[j][2 + e]);
+      }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      xa = fmaxf(xa, __shfl_xor_sync(0xffffffffu, xa, off));
+      xb = fmaxf(xb, __shfl_xor_sync(0xffffffffu, xb, off));
+    }
+    const float na = fmaxf(ma, xa), nb = fmaxf(mb, xb);
+    const float ca = na == -INFINITY ? 1.f : expf(ma - na);
+    const float cb = nb == -INFINITY ? 1.f : expf(mb - nb);
+    float sa = 0.f, sb = 0.f;
+#pragma unroll
+    for (int j = 0; j < MA_K / 8; j++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        sc[j][e] = sc[j][e] == -INFINITY ? 0.f : expf(sc[j][e] - na);
+        sc[j][2 + e] = sc[j][2 + e] == -INFINITY ? 0.f : expf(sc[j][2 + e] - nb);
+        sa += sc[j][e];
+        sb += sc[j][2 + e];
+      }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      sa += __shfl_xor_sync(0xffffffffu, sa, off);
+      sb += __shfl_xor_sync(0xffffffffu, sb, off);
+    }
+    la = la * ca + sa;
+    lb = lb * cb + sb;
+    ma = na;
+    mb = nb;
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+      o[n][0] *= ca, o[n][1] *= ca;
+      o[n][2] *= cb, o[n][3] *= cb;
+    }
+    /* o += P V: P's fragment is the scores' registers (columns 2t, 2t + 1 as t, t + 4) */
+#pragma unroll
+    for (int j = 0; j < MA_K / 8; j++) {
+      uint32_t ah[4], al[4];
+      split2(sc[j][0], &ah[0], &al[0]);
+      split2(sc[j][2], &ah[1], &al[1]);
+      split2(sc[j][1], &ah[2], &al[2]);
+      split2(sc[j][3], &ah[3], &al[3]);
+      const float *v0 = Vs + (8 * j + 2 * t) * LD + g, *v1 = v0 + LD;
+#pragma unroll
+      for (int n = 0; n < NT; n++) {
+        uint32_t bh[2], bl[2];
+        split2(v0[8 * n], &bh[0], &bl[0]);
+        split2(v1[8 * n], &bh[1], &bl[1]);
+        mma3(o[n], ah, al, bh, bl);
+      }
+    }
+  }
+  float *oa = out + (size_t)(t0 + r0 + g) * qrow + (size_t)h * HD + 2 * t, *ob = oa + 8 * qrow;
+#pragma unroll
+  for (int n = 0; n < NT; n++) {
+    if (va) *(float2 *)(oa + 8 * n) = make_float2(o[n][0] / la, o[n][1] / la);
+    if (vb) *(float2 *)(ob + 8 * n) = make_float2(o[n][2] / lb, o[n][3] / lb);
+  }
+}
+
+template <int HD>
+static cudaError_t attention_mma(moe_cuda *m, float *out, const float *qv, const float *kc,
+                                 const float *vc, int T, int pos0, const int32_t *dpos, int ctx,
+                                 int nh, int nkv, float scale) {
+  dim3 grid((unsigned)((T + MA_Q - 1) / MA_Q), (unsigned)nh);
+  return launch_pdl(m, attention_mma_kernel<HD>, grid, MA_WARPS * 32, ma_smem<HD>(), out, qv,
+                    kc, vc, T, nh, nkv, pos0, dpos, ctx, scale);
+}
+
 static int attention_launch(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
                             const float *vc, int T, int pos0, const int32_t *dpos, int ctx,
                             int nh, int nkv, int hd, float scale, const char *op) {
@@ -368,7 +556,13 @@ static int attention_launch(void *st, tdm_queue *q, float *out, const float *qv,
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
   cudaError_t e;
-  if (T >= FA_MIN_T && hd == 128)
+  const bool mma = m->tc_attention && T >= FA_MIN_T &&
+                   !(((uintptr_t)out | (uintptr_t)qv | (uintptr_t)kc | (uintptr_t)vc) & 15);
+  if (mma && hd == 128)
+    e = attention_mma<128>(m, out, qv, kc, vc, T, pos0, dpos, ctx, nh, nkv, scale);
+  else if (mma && hd == 64)
+    e = attention_mma<64>(m, out, qv, kc, vc, T, pos0, dpos, ctx, nh, nkv, scale);
+  else if (T >= FA_MIN_T && hd == 128)
     e = attention_tiled<128>(m, out, qv, kc, vc, T, pos0, dpos, ctx, nh, nkv, scale);
   else if (T >= FA_MIN_T && hd == 64)
     e = attention_tiled<64>(m, out, qv, kc, vc, T, pos0, dpos, ctx, nh, nkv, scale);
@@ -504,13 +698,6 @@ static cudaError_t widen_h(moe_cuda *m, const void *w, int wtype, size_t n0, siz
  * w_lo x_lo left out): within a few f32 roundings of an SGEMM, at tensor-core speed, where
  * SGEMM on the CUDA cores took most of a prefill pass's dense time. */
 
-static __device__ __forceinline__ float tf32_round(float v) {
-  uint32_t u = __float_as_uint(v);
-  if ((u & 0x7f800000u) == 0x7f800000u) return v; /* inf, NaN */
-  uint32_t r = (u + 0x1000u) & 0xffffe000u;        /* the 13 low bits, to nearest */
-  return __uint_as_float((r & 0x7f800000u) == 0x7f800000u ? u & 0xffffe000u : r);
-}
-
 /* hi may be x itself (a widened piece split in place). A value that is not finite goes to hi
  * whole, so that it reaches y as in an SGEMM. */
 static __global__ void tf32_split_kernel(float *hi, float *lo, const float *x, size_t n) {
@@ -616,7 +803,8 @@ int cuda_xfmr_preload(moe_cuda *m) {
                      (const void *)gemv_h_kernel<6>, (const void *)gemv_h_kernel<7>,
                      (const void *)gemv_h_kernel<8>, (const void *)attention_tiled_kernel<64>,
                      (const void *)attention_tiled_kernel<128>, (const void *)attn_prep_kernel,
-                     (const void *)tf32_split_kernel};
+                     (const void *)tf32_split_kernel, (const void *)attention_mma_kernel<64>,
+                     (const void *)attention_mma_kernel<128>};
   for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
@@ -626,5 +814,9 @@ int cuda_xfmr_preload(moe_cuda *m) {
                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fa_smem(128)));
   CK_CUDA(cudaFuncSetAttribute(attention_tiled_kernel<64>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fa_smem(64)));
+  CK_CUDA(cudaFuncSetAttribute(attention_mma_kernel<128>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ma_smem<128>()));
+  CK_CUDA(cudaFuncSetAttribute(attention_mma_kernel<64>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ma_smem<64>()));
   return 0;
 }
