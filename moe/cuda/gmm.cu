@@ -18,8 +18,10 @@
  * activations and the type only: the tile it falls in, its neighbours and G do not change a bit
  * (each output element is one fragment's sum over K in a fixed order).
  *
- * Each step stages the next 32 values while the tensor cores work on the current ones (two
- * shared buffers, one barrier a step). */
+ * Each step of KS values (a superblock) of the weight rows is copied into shared memory as it
+ * lies, asynchronously (cp.async), a step ahead of the one the tensor cores work on; each 32
+ * values of it are widened from there to bf16 while the tensor cores work on the 32 before
+ * (two shared buffers of each, one barrier a 32, one more a step). */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <limits.h>
@@ -37,19 +39,21 @@
 
 /* A step of K for type T: KS values (a superblock of the K-quants, 8 blocks of Q8_0 or MXFP4,
  * 128 F16 or BF16), staged RB bytes a row (UB a 32-value unit where the units are separate),
- * RBP apart in shared memory (4-byte multiples of an odd count: off the banks); then the two
- * bf16 tiles (tokens, rows), twice. */
+ * RBP apart in shared memory (4-byte multiples of an odd count: off the banks; room for the
+ * 1-3 bytes before a row that does not start at a multiple of 4, copied with it), twice; then
+ * the two bf16 tiles (tokens, rows), twice. */
 template <int T> struct gm_t {
   static constexpr bool kq = T == TDM_MOE_W_Q4_K || T == TDM_MOE_W_Q6_K;
   static constexpr int KS = T == TDM_MOE_W_F16 || T == TDM_MOE_W_BF16 ? 128 : 256;
   static constexpr int UB = T == TDM_MOE_W_Q8_0 ? 34 : T == TDM_MOE_W_MXFP4 ? 17 : 64;
   static constexpr int RB = T == TDM_MOE_W_Q4_K ? 144 : T == TDM_MOE_W_Q6_K ? 210 : KS / 32 * UB;
-  static constexpr int W = (RB + 3) / 4;
+  static constexpr int W = (RB + 3 + 3) / 4;
   static constexpr int RBP = 4 * (W % 2 ? W : W + 1);
   static constexpr int TILE = (GM_BM + GM_BR) * GM_LD; /* bf16 of one pair of tiles */
-  static constexpr int MAIN = GM_BR * RBP + 2 * TILE * 2;
+  static constexpr int MAIN = 2 * GM_BR * RBP + 2 * TILE * 2;
   static constexpr int C = GM_BM * GM_CLD * 4; /* the epilogue's */
   static constexpr int SMEM = MAIN > C ? MAIN : C;
+  static constexpr int BLOCKS = SMEM <= 74 * 1024 ? 3 : 2; /* an SM's (228 KiB) */
 };
 
 extern __shared__ __align__(128) uint8_t gm_smem[];
@@ -108,41 +112,56 @@ static __device__ __forceinline__ uint4 bf16x8(const float *f) {
   return make_uint4(p[0], p[1], p[2], p[3]);
 }
 
-/* The step at k0 (su units) of the tile's weight rows (rowp, NULL: a row past the weights),
- * staged as they lie, a warp a row at a time, its lanes on consecutive words; MXFP4's rows
- * (17-byte blocks: a row may start at an odd byte, and a step end on one) a byte a lane. */
+static __device__ __forceinline__ void cp_async4(void *dst, const void *src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+#endif
+}
+
+static __device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+/* Starts copying the step at k0 (su units) of the tile's weight rows (rowp, NULL: a row past
+ * the weights) into raw, a warp a row at a time, its lanes on consecutive 4-byte words: the
+ * words that hold the step's bytes, which start sh = 0..3 bytes into the first (sh[r]: MXFP4's
+ * 17-byte blocks may start at any byte, the others' at even ones). The words around a row's
+ * bytes lie in its allocation: an allocation starts at a multiple of 4, and a word holding one
+ * of its bytes is in the page that holds that byte. cp_async_wait_all() and a barrier make
+ * them visible. */
 template <int T>
-static __device__ __forceinline__ void gm_stage(uint8_t *raw, const uint8_t *const *rowp, int k0,
-                                                int su) {
+static __device__ __forceinline__ void gm_stage(uint8_t *raw, uint8_t *sh,
+                                                const uint8_t *const *rowp, int k0, int su) {
   typedef gm_t<T> t;
   const size_t off = t::kq ? (size_t)(k0 / 256) * t::RB : (size_t)(k0 / 32) * t::UB;
-  const int sb = t::kq ? t::RB : su * t::UB, nw = sb >> 2, lane = threadIdx.x & 31;
+  const int sb = t::kq ? t::RB : su * t::UB, lane = threadIdx.x & 31;
   for (int r = threadIdx.x >> 5; r < GM_BR; r += GM_THREADS / 32) {
     const uint8_t *src = rowp[r];
     if (!src) continue;
     src += off;
+    const int s = (int)((uintptr_t)src & 3), nw = (s + sb + 3) >> 2;
+    const uint8_t *from = src - s;
     uint8_t *dst = raw + r * t::RBP;
-    if constexpr (t::UB & 1) {
-      for (int b = lane; b < sb; b += 32) dst[b] = __ldg(src + b);
-    } else {
-      for (int w = lane; w < nw; w += 32) *(uint32_t *)(dst + 4 * w) = ld32(src + 4 * w);
-      if ((sb & 2) && lane == 0) *(uint16_t *)(dst + 4 * nw) = ld16(src + 4 * nw);
-    }
+    for (int w = lane; w < nw; w += 32) cp_async4(dst + 4 * w, from + 4 * w);
+    if (lane == 0) sh[r] = (uint8_t)s;
   }
+  cp_async_commit();
 }
 
-/* The 32 values at k0 (unit s of the staged step) into a pair of tiles: this thread's 8
- * activations (token tid / 4, values 8 (tid % 4) ..; arow NULL: zeros) and half of its weight
- * row's unit (row tid / 2, half tid % 2; invalid: zeros), as bf16. The activations' loads go
- * first, so that they travel while the weights are widened. */
-template <int T>
-static __device__ __forceinline__ void gm_fill(__nv_bfloat16 *tile, const uint8_t *raw,
-                                               const float *arow, bool wvalid, int k0, int s) {
-  typedef gm_t<T> t;
-  const int tid = threadIdx.x;
-  float a[8], v[16];
+/* This thread's 8 activations of the 32 at k0 (token tid / 4, values 8 (tid % 4) ..; arow
+ * NULL: zeros), loaded ahead of the tensor cores' step so that they travel meanwhile. */
+static __device__ __forceinline__ void gm_load_a(const float *arow, int k0, float a[8]) {
   if (arow) {
-    const float4 *src = (const float4 *)(arow + k0 + (tid & 3) * 8);
+    const float4 *src = (const float4 *)(arow + k0 + (threadIdx.x & 3) * 8);
     const float4 q0 = src[0], q1 = src[1];
     a[0] = q0.x, a[1] = q0.y, a[2] = q0.z, a[3] = q0.w;
     a[4] = q1.x, a[5] = q1.y, a[6] = q1.z, a[7] = q1.w;
@@ -150,8 +169,20 @@ static __device__ __forceinline__ void gm_fill(__nv_bfloat16 *tile, const uint8_
 #pragma unroll
     for (int j = 0; j < 8; j++) a[j] = 0.f;
   }
+}
+
+/* The 32 values of unit s of the staged step into a pair of tiles: this thread's activations
+ * a and half of its weight row's unit (row tid / 2, half tid % 2, staged sh[row] bytes into
+ * its place; invalid: zeros), as bf16. */
+template <int T>
+static __device__ __forceinline__ void gm_fill(__nv_bfloat16 *tile, const uint8_t *raw,
+                                               const uint8_t *sh, const float a[8], bool wvalid,
+                                               int s) {
+  typedef gm_t<T> t;
+  const int tid = threadIdx.x;
+  float v[16];
   if (wvalid)
-    unit16<T, false>(raw + (tid >> 1) * t::RBP, s, tid & 1, v);
+    unit16<T, false>(raw + (tid >> 1) * t::RBP + sh[tid >> 1], s, tid & 1, v);
   else
 #pragma unroll
     for (int j = 0; j < 16; j++) v[j] = 0.f;
@@ -163,38 +194,50 @@ static __device__ __forceinline__ void gm_fill(__nv_bfloat16 *tile, const uint8_
 
 typedef nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> gm_acc;
 
+/* Buffer b of the staged steps. */
+template <int T> static __device__ __forceinline__ uint8_t *gm_raw(int b) {
+  return gm_smem + b * GM_BR * gm_t<T>::RBP;
+}
+
 /* The main loop over K: acc[i][j] += A's rows wm + 16 i times the weight rows brow[j] .. + 16
  * of the block's 128 (i, j < 2). arow: this thread's activation row (token tid / 4; NULL:
- * zeros); rowp: the block's weight rows, visible to the block. Each step of KS values stages
- * the rows' bytes in shared memory (coalesced); each 32 values are widened from there into one
- * of two pairs of bf16 tiles while the tensor cores work on the other: one barrier a 32. */
+ * zeros); rowp: the block's weight rows, visible to the block. Step st + 1 of the rows (KS
+ * values) is copied into shared memory while step st is widened, 32 values at a time, into one
+ * of two pairs of bf16 tiles while the tensor cores work on the other: a barrier a 32, and one
+ * where a step begins (its copy has landed; the buffer of the step before is free). */
 template <int T>
 static __device__ __forceinline__ void gm_mainloop(const float *arow, const uint8_t *const *rowp,
                                                    int K, int wm, const int brow[2],
                                                    gm_acc acc[2][2]) {
   using namespace nvcuda;
   typedef gm_t<T> t;
-  uint8_t *raw = gm_smem;
-  __nv_bfloat16 *tiles = (__nv_bfloat16 *)(gm_smem + GM_BR * t::RBP);
+  __shared__ uint8_t sh[2][GM_BR];
+  __nv_bfloat16 *tiles = (__nv_bfloat16 *)(gm_smem + 2 * GM_BR * t::RBP);
   const bool wvalid = rowp[threadIdx.x >> 1] != NULL;
 #pragma unroll
   for (int i = 0; i < 2; i++)
 #pragma unroll
     for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.f);
   const int nsub = K >> 5;
-  gm_stage<T>(raw, rowp, 0, min(t::KS, K) >> 5);
+  float a[8];
+  gm_stage<T>(gm_raw<T>(0), sh[0], rowp, 0, min(t::KS, K) >> 5);
+  gm_load_a(arow, 0, a);
+  cp_async_wait_all();
   __syncthreads();
-  gm_fill<T>(tiles, raw, arow, wvalid, 0, 0);
+  if (t::KS < K) gm_stage<T>(gm_raw<T>(1), sh[1], rowp, t::KS, min(t::KS, K - t::KS) >> 5);
+  gm_fill<T>(tiles, gm_raw<T>(0), sh[0], a, wvalid, 0);
   __syncthreads();
   for (int g = 0; g < nsub; g++) {
-    const int kx = (g + 1) * 32;
-    if (g + 1 < nsub) {
-      if (kx % t::KS == 0) { /* every thread has widened its last unit of the step */
-        gm_stage<T>(raw, rowp, kx, min(t::KS, K - kx) >> 5);
-        __syncthreads();
-      }
-      gm_fill<T>(tiles + ((g + 1) & 1) * t::TILE, raw, arow, wvalid, kx, (kx % t::KS) >> 5);
+    const int kx = (g + 1) * 32, st = kx / t::KS;
+    const bool more = g + 1 < nsub;
+    if (more && kx % t::KS == 0) {
+      cp_async_wait_all(); /* step st has landed, and the barrier shows it to every thread */
+      __syncthreads();
+      if (kx + t::KS < K) /* into the buffer of step st - 1, whose last unit was widened */
+        gm_stage<T>(gm_raw<T>((st + 1) & 1), sh[(st + 1) & 1], rowp, kx + t::KS,
+                    min(t::KS, K - kx - t::KS) >> 5);
     }
+    if (more) gm_load_a(arow, kx, a);
     const __nv_bfloat16 *ta = tiles + (g & 1) * t::TILE, *tb = ta + GM_BM * GM_LD;
 #pragma unroll
     for (int kk = 0; kk < 32; kk += 16) {
@@ -210,6 +253,9 @@ static __device__ __forceinline__ void gm_mainloop(const float *arow, const uint
         for (int i = 0; i < 2; i++) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
       }
     }
+    if (more)
+      gm_fill<T>(tiles + ((g + 1) & 1) * t::TILE, gm_raw<T>(st & 1), sh[st & 1], a, wvalid,
+                 (kx % t::KS) >> 5);
     __syncthreads(); /* this pair of tiles is free; the other is written */
   }
 }
@@ -217,7 +263,7 @@ static __device__ __forceinline__ void gm_mainloop(const float *arow, const uint
 /* h[first + m0 + r][n0 + c] = SwiGLU of the tile's gate and up sums: block (tile, n0 / 64);
  * warp w takes tokens 32 (w % 2) .. and outputs 16 (w / 2) .. of both halves. */
 template <int T>
-static __global__ void __launch_bounds__(GM_THREADS, 3)
+static __global__ void __launch_bounds__(GM_THREADS, gm_t<T>::BLOCKS)
     gm_gate_up_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int n,
                       const uint8_t *wbase, long long wlimit, long long ebytes,
                       const tdm_moe_group *groups, int G, int H, int I, size_t rb, float *h) {
@@ -263,7 +309,7 @@ static __global__ void __launch_bounds__(GM_THREADS, 3)
 /* out[slot] row, outputs n0 .. n0 + 127, of the tile's tokens = h Wd^T: block (tile,
  * n0 / 128); warp w takes tokens 32 (w % 2) .. and outputs 32 (w / 2) .. */
 template <int T>
-static __global__ void __launch_bounds__(GM_THREADS, 3)
+static __global__ void __launch_bounds__(GM_THREADS, gm_t<T>::BLOCKS)
     gm_down_kernel(const float *h, const int32_t *rows, uint32_t xlimit, const int32_t *slot,
                    uint32_t olimit, int n, const uint8_t *wbase, long long wlimit,
                    long long ebytes, const tdm_moe_group *groups, int G, int H, int I,
