@@ -36,6 +36,13 @@ static void module_load(module *mod) {
   int dir = slash ? (int)(slash - self.dli_fname) : 1;
   snprintf(path, sizeof path, "%.*s/libtandem_moe-%s.so", dir, slash ? self.dli_fname : ".",
            mod->backend);
+  /* The module takes some of this library's functions from the process's global scope; where
+   * the library was loaded local (a Python extension's dependency is), it is made global, once
+   * (the reference stays: the library is not unloaded under its modules). */
+  if (!dlopen(self.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_GLOBAL)) {
+    snprintf(mod->why, sizeof mod->why, "%.380s", dlerror());
+    return;
+  }
   void *dl = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
   if (!dl) {
     snprintf(mod->why, sizeof mod->why, "%.380s", dlerror());

@@ -391,6 +391,7 @@ static int module_exec(PyObject *m) {
   ADD_TYPE(event_type, tdmpy_event_spec, "Event");
   ADD_TYPE(buffer_type, tdmpy_buffer_spec, "Buffer");
   ADD_TYPE(streamer_type, tdmpy_streamer_spec, "Streamer");
+  ADD_TYPE(moeops_type, tdmpy_moeops_spec, "MoeOps");
 #undef ADD_TYPE
   if (!(st->defaults = PyDict_New()) || !(st->installed = PyDict_New()) ||
       !(st->imports = PyDict_New()) || !(st->dpctl_devices = PyDict_New()) ||
@@ -421,6 +422,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
   Py_VISIT(st->event_type);
   Py_VISIT(st->buffer_type);
   Py_VISIT(st->streamer_type);
+  Py_VISIT(st->moeops_type);
   Py_VISIT(st->error);
   for (int i = 1; i <= TDMPY_NERRORS; i++) Py_VISIT(st->errors[i]);
   Py_VISIT(st->devices);
@@ -442,6 +444,7 @@ static int module_clear(PyObject *m) {
   for (int i = 1; i <= TDMPY_NERRORS; i++) Py_CLEAR(st->errors[i]);
   Py_CLEAR(st->error);
   Py_CLEAR(st->streamer_type);
+  Py_CLEAR(st->moeops_type);
   Py_CLEAR(st->buffer_type);
   Py_CLEAR(st->event_type);
   Py_CLEAR(st->queue_type);

@@ -148,8 +148,8 @@ static PyObject *queue_destroy(QueueObject *self, PyObject *unused) {
     return NULL;
   }
   if (self->users > 0) {
-    PyErr_Format(st->errors[-TDM_EBUSY], "%zd Streamers compute on the queue: close them first",
-                 self->users);
+    PyErr_Format(st->errors[-TDM_EBUSY], "%zd Streamers or MoeOps use the queue: close them "
+                 "first", self->users);
     return NULL;
   }
   char why[512];

@@ -22,6 +22,7 @@ typedef struct {
   PyTypeObject *event_type;
   PyTypeObject *buffer_type;
   PyTypeObject *streamer_type;
+  PyTypeObject *moeops_type;
   PyObject *error;                      /* tandem.TandemError */
   PyObject *errors[TDMPY_NERRORS + 1];  /* [-code]: its subclass; [0] unused */
   PyObject *devices;    /* tuple of Device, by tandem's device index */
@@ -163,6 +164,9 @@ static inline const char *tdmpy_buffer_gone(BufferObject *b) {
 
 /* streamer.c */
 extern PyType_Spec tdmpy_streamer_spec;
+
+/* moeops.c */
+extern PyType_Spec tdmpy_moeops_spec;
 
 /* operand.c: what a copy or fill can take, resolved to a pointer, and kept alive */
 typedef struct tdmpy_hold tdmpy_hold;

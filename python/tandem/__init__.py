@@ -21,6 +21,7 @@ from ._tandem import (
     Buffer,
     Device,
     Event,
+    MoeOps,
     Queue,
     Streamer,
     TandemError,
@@ -59,7 +60,8 @@ from ._order import SequentialOrderManager
 __version__ = "0.1.0"
 
 __all__ = [
-    "Buffer", "Device", "Event", "Queue", "SequentialOrderManager", "Streamer", "TandemError",
+    "Buffer", "Device", "Event", "Queue", "SequentialOrderManager", "MoeOps",
+    "Streamer", "TandemError",
     "backends",
     "devices", "get_current_queue", "get_default_queue", "malloc", "set_default_queue",
     "BackendError", "BusyError", "CrossDeviceError", "DeadlockError", "DependencyError",

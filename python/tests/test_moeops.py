@@ -1,0 +1,137 @@
+"""tandem.MoeOps: libtandem_moe's operation table from Python, on pointers. A whole MoE layer
+(router, grouping on the device, grouped experts, combine) on random data against a float64
+reference written here; a recorded graph where the table records them; the errors (a closed
+table, bad arguments, a queue in use)."""
+import numpy as np
+import pytest
+
+import tandem
+
+T, H, I, E, K = 7, 64, 32, 6, 2
+EXPERT = 3 * H * I  # bf16 values an expert: Wg (I x H), Wu (I x H), Wd (H x I)
+GROUP = 16  # bytes of a tdm_moe_group
+
+
+def bf16(x):
+    """float32 -> (bf16 bits as uint16, the float32 values they hold), rounded to nearest even."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return r, (r.astype(np.uint32) << 16).view(np.float32)
+
+
+class Dev:
+    """Device buffers on one queue, filled from and read into numpy arrays."""
+
+    def __init__(self, q):
+        self.q, self.bufs = q, []
+
+    def put(self, a):
+        b = tandem.malloc(max(a.nbytes, 16), "device", self.q.device, self.q)
+        self.q.copy(b, np.ascontiguousarray(a))
+        self.bufs.append(b)
+        return b.ptr
+
+    def zeros(self, nbytes):
+        return self.put(np.zeros(nbytes, np.uint8))
+
+    def get(self, ptr, dtype, n):
+        out = np.empty(n, dtype)
+        buf = next(b for b in self.bufs if b.ptr == ptr)
+        self.q.copy(out, buf, out.nbytes)
+        self.q.synchronize()
+        return out
+
+
+def reference(x, wr, w):
+    """float64: routing (softmax, top-k with ties to the lower index, renormalized) and the
+    layer's output sum_j p_j SwiGLU_e(x)."""
+    x64 = x.astype(np.float64)
+    logits = x64 @ wr.astype(np.float64).T
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    idx = np.argsort(-p, axis=1, kind="stable")[:, :K]
+    pk = np.take_along_axis(p, idx, 1)
+    pk /= pk.sum(1, keepdims=True)
+    y = np.zeros((T, H))
+    for t in range(T):
+        for j in range(K):
+            e = w[idx[t, j]].astype(np.float64)
+            g, u, d = e[:I * H].reshape(I, H), e[I * H:2 * I * H].reshape(I, H), e[2 * I * H:]
+            a, b = g @ x64[t], u @ x64[t]
+            y[t] += pk[t, j] * (d.reshape(H, I) @ (a / (1 + np.exp(-a)) * b))
+    return idx, pk, y
+
+
+def test_layer_matches_float64(device, rng):
+    q = tandem.Queue(device)
+    ops = tandem.MoeOps(q)
+    assert ops.name == device.backend and ops.queue is q
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    wr_bits, wr = bf16(rng.standard_normal((E, H)) * 0.5)
+    w_bits, w = bf16(rng.standard_normal((E, EXPERT)) * 0.2)
+    d = Dev(q)
+    px, pwr, pw = d.put(x), d.put(wr_bits), d.put(w_bits)
+    pidx, pwt = d.zeros(T * K * 4), d.zeros(T * K * 4)
+    ops.router(px, pwr, 0, T, H, E, K, True, pidx, pwt)
+    pwofs = d.put(np.arange(E, dtype=np.int64) * EXPERT)
+    G = min(E, T * K)
+    prows, pslot, pgroups = d.zeros(T * K * 4), d.zeros(T * K * 4), d.zeros(G * GROUP)
+    ops.group(pidx, T, K, E, pwofs, prows, pslot, pgroups)
+    pout = d.zeros(T * K * H * 4)
+    ws = tandem.MoeOps.workspace_bytes(T * K, H, I)
+    pws = d.zeros(ws)
+    ops.experts(px, prows, pslot, T * K, pw, pgroups, G, H, I, pout, pws, ws)
+    py = d.put(np.zeros((T, H), np.float32))
+    ops.combine(py, pout, pwt, T, H, K)
+    ridx, rw, ry = reference(x, wr, w)
+    assert (d.get(pidx, np.int32, T * K).reshape(T, K) == ridx).all()
+    np.testing.assert_allclose(d.get(pwt, np.float32, T * K).reshape(T, K), rw, rtol=1e-5)
+    y = d.get(py, np.float32, T * H).reshape(T, H)
+    err = np.abs(y - ry).max() / np.abs(ry).max()
+    assert err < 1e-3, err
+    ops.close()
+    ops.close()  # closing twice is allowed
+    assert ops.queue is None
+    with pytest.raises(tandem.StateError):
+        ops.combine(py, pout, pwt, T, H, K)
+
+
+def test_graphs_where_recorded(device):
+    q = tandem.Queue(device)
+    ops = tandem.MoeOps(q)
+    if not ops.has_graphs:
+        with pytest.raises(tandem.NotSupportedError):
+            ops.graph_begin()
+        return
+    d = Dev(q)  # a recorded combine, launched twice: y = 2 * (w out)
+    py, pout = d.put(np.zeros(H, np.float32)), d.put(np.ones(H, np.float32))
+    pw = d.put(np.full(1, 0.5, np.float32))
+    ops.graph_begin()
+    ops.combine(py, pout, pw, 1, H, 1)
+    g = ops.graph_end()
+    ops.graph_launch(g)
+    ops.graph_launch(g)
+    assert (d.get(py, np.float32, H) == 1.0).all()
+    ops.graph_free(g)
+    with pytest.raises(tandem.InvalidArgumentError):
+        ops.graph_launch(g)
+
+
+def test_errors(device):
+    q = tandem.Queue(device)
+    ops = tandem.MoeOps(q)
+    d = Dev(q)
+    p = d.zeros(4096)
+    with pytest.raises(tandem.InvalidArgumentError):  # a NULL operand
+        ops.combine(0, p, p, 1, 16, 1)
+    with pytest.raises(tandem.InvalidArgumentError):  # negative sizes
+        ops.router(p, p, 0, -1, 16, 4, 2, True, p, p)
+    with pytest.raises(OverflowError):
+        ops.combine(-1, p, p, 1, 16, 1)
+    with pytest.raises(tandem.BusyError):  # the queue is in use
+        q.destroy()
+    ops.close()
+    q.destroy()
+    with pytest.raises(tandem.TandemError):
+        tandem.MoeOps(q)
+    assert tandem.MoeOps.workspace_bytes(0, H, I) == 0
