@@ -344,7 +344,8 @@ static PyType_Slot moeops_slots[] = {
     {Py_tp_methods, moeops_methods},
     {Py_tp_getset, moeops_getset},
     {Py_tp_doc, "MoeOps(queue)\n--\n\n"
-                "libtandem_moe's operations for queue's device, opened on queue (tandem/moe_ops.h)."},
+                "libtandem_moe's operations for queue's device, opened on queue\n"
+                "(tandem/moe_ops.h)."},
     {0, NULL},
 };
 
