@@ -15,6 +15,11 @@ Configurations (--configs):
               whole module (every expert) to the GPU before each forward of that layer
   tandem0     tandem.torch.offload_experts(model, budget=0): every routed expert streams
   tandem50    tandem.torch.offload_experts(model, budget="50%")
+  tandem100   tandem.torch.offload_experts(model, budget="100%"): every expert resident, the
+              routing grouped on the device
+  tandem0-torchops, tandem50-torchops
+              as tandem0 and tandem50 with grouped=False: the experts computed by PyTorch's
+              operators one expert at a time instead of libtandem_moe's grouped operations
 
 Measured per configuration: prefill of 1 x T random tokens for each T in --prefill (one
 forward, no cache, after a warm-up forward; median of --reps), and decode of --decode tokens
@@ -56,7 +61,11 @@ import traceback
 from benchinfo import commit, utc_now, write_json
 
 SKIP = 77
-CONFIGS = ("resident", "accelerate", "tandem0", "tandem50")
+CONFIGS = ("resident", "accelerate", "tandem0", "tandem50", "tandem100", "tandem0-torchops",
+           "tandem50-torchops")
+# tandem's configurations: (budget, grouped)
+TANDEM = {"tandem0": (0, None), "tandem50": ("50%", None), "tandem100": ("100%", None),
+          "tandem0-torchops": (0, False), "tandem50-torchops": ("50%", False)}
 PEAK_BYTES = 1 << 30
 GOALS = {"prefill_link_fraction": 0.85, "prefill_vs_accelerate": 8.0, "decode_vs_accelerate": 20.0}
 
@@ -211,7 +220,7 @@ def setup_accelerate(torch, transformers, cfg, a):
                  note=f"accelerate {accelerate.__version__}, dispatch_model, experts on cpu"), None
 
 
-def setup_tandem(torch, transformers, cfg, a, budget):
+def setup_tandem(torch, transformers, cfg, a, budget, grouped):
     try:
         import tandem
         import tandem.torch as tt
@@ -220,10 +229,12 @@ def setup_tandem(torch, transformers, cfg, a, budget):
     if getattr(tandem._tandem, "Streamer", None) is None:
         return None, "this tandem build has no Streamer"
     model = build_model(torch, transformers, cfg, a.seed, a.device)
-    handle = tt.offload_experts(model, budget=budget, slots=a.slots, device=a.device)
+    handle = tt.offload_experts(model, budget=budget, slots=a.slots, device=a.device,
+                                grouped=grouped)
     free(torch)
-    return Setup(model, handle=handle,
-                 note=f"budget {budget!r} = {handle.budget_bytes} bytes, {a.slots} slots"), None
+    path = "grouped operations" if handle.stats().get("grouped") else "PyTorch per expert"
+    return Setup(model, handle=handle, note=f"budget {budget!r} = {handle.budget_bytes} bytes, "
+                 f"{a.slots} slots, {path}"), None
 
 
 def expert_bytes(cfg):
@@ -459,7 +470,7 @@ def measure_config(name, torch, transformers, cfg, a, peak, doc):
     elif name == "accelerate":
         s, why = setup_accelerate(torch, transformers, cfg, a)
     else:
-        s, why = setup_tandem(torch, transformers, cfg, a, 0 if name == "tandem0" else "50%")
+        s, why = setup_tandem(torch, transformers, cfg, a, *TANDEM[name])
     if s is None:
         print(f"{name}: skipped ({why})")
         return {"config": name, "skipped": why}
@@ -490,15 +501,25 @@ def derive(results):
     by = {r["config"]: r for r in results if "prefill" in r}
     d = {}
     acc = by.get("accelerate")
-    for name in ("tandem0", "tandem50"):
+    def ratios(t, u):
+        return {"prefill": {str(p["tokens"]): p["tokens_per_s"] / q["tokens_per_s"]
+                            for p, q in zip(t["prefill"], u["prefill"])},
+                "decode": t["decode"]["tokens_per_s"] / u["decode"]["tokens_per_s"]}
+
+    for name in ("tandem0", "tandem50", "tandem100"):
         t = by.get(name)
-        if t is None or acc is None:
+        if t is None:
             continue
-        d[name] = {
-            "prefill_vs_accelerate": {str(p["tokens"]): p["tokens_per_s"] / q["tokens_per_s"]
-                                      for p, q in zip(t["prefill"], acc["prefill"])},
-            "decode_vs_accelerate": t["decode"]["tokens_per_s"] / acc["decode"]["tokens_per_s"],
-        }
+        d[name] = {}
+        if acc is not None:
+            r = ratios(t, acc)
+            d[name]["prefill_vs_accelerate"] = r["prefill"]
+            d[name]["decode_vs_accelerate"] = r["decode"]
+        if "resident" in by:          # against transformers' own all-resident model
+            d[name]["decode_vs_resident"] = ratios(t, by["resident"])["decode"]
+        ops = by.get(name + "-torchops")
+        if ops is not None:           # libtandem_moe's grouped operations, over PyTorch's
+            d[name]["grouped_vs_torchops"] = ratios(t, ops)
     return d
 
 
@@ -509,23 +530,23 @@ def fmt(v, spec=".2f"):
 def report(results, derived, peak, trace, ptrace=None):
     lines = [f"link peak (one {PEAK_BYTES >> 30} GiB pinned H2D copy, best of 3): "
              f"{peak / 1e9:.1f} GB/s", ""]
-    lines.append(f"{'config':<11} {'phase':<13} {'tok/s':>10} {'ms':>9} {'GB copied':>10} "
+    lines.append(f"{'config':<17} {'phase':<13} {'tok/s':>10} {'ms':>9} {'GB copied':>10} "
                  f"{'link frac':>9} {'hit rate':>8} {'link bound':>10} {'x accel':>8}")
     for r in results:
         if "prefill" not in r:
             what = "skipped" if "skipped" in r else "FAILED"
-            lines.append(f"{r['config']:<11} {what}: {r.get('skipped') or r.get('error')}")
+            lines.append(f"{r['config']:<17} {what}: {r.get('skipped') or r.get('error')}")
             continue
         dv = derived.get(r["config"], {})
         for p in r["prefill"]:
             x = dv.get("prefill_vs_accelerate", {}).get(str(p["tokens"]))
-            lines.append(f"{r['config']:<11} {'prefill ' + str(p['tokens']):<13} "
+            lines.append(f"{r['config']:<17} {'prefill ' + str(p['tokens']):<13} "
                          f"{p['tokens_per_s']:>10.1f} {p['wall_s'] * 1e3:>9.1f} "
                          f"{p['expert_bytes_copied'] / 1e9:>10.2f} "
                          f"{fmt(p.get('link_fraction')):>9} "
                          f"{fmt(p.get('stats', {}).get('hit_rate')):>8} {'':>10} {fmt(x):>8}")
         q = r["decode"]
-        lines.append(f"{r['config']:<11} {'decode ' + str(q['tokens']):<13} "
+        lines.append(f"{r['config']:<17} {'decode ' + str(q['tokens']):<13} "
                      f"{q['tokens_per_s']:>10.2f} {q['ms_per_token_median']:>9.2f} "
                      f"{q['expert_bytes_copied_per_token'] / 1e9:>10.3f} "
                      f"{fmt(q.get('link_fraction')):>9} {fmt(q.get('hit_rate')):>8} "
@@ -533,6 +554,15 @@ def report(results, derived, peak, trace, ptrace=None):
                      f"{fmt(dv.get('decode_vs_accelerate')):>8}")
     lines.append("(decode: tok/s after the first token, ms = median per token, GB per token; "
                  "link bound = peak / (routed expert bytes per token x (1 - hit rate)) tok/s)")
+    for name, dv in derived.items():
+        g = dv.get("grouped_vs_torchops")
+        if g:
+            pre = ", ".join(f"{t}: {fmt(v)}x" for t, v in g["prefill"].items())
+            lines.append(f"{name}: grouped operations over PyTorch's per expert: prefill {pre}; "
+                         f"decode {fmt(g['decode'])}x")
+        if "decode_vs_resident" in dv:
+            lines.append(f"{name}: decode over transformers' all-resident model: "
+                         f"{fmt(dv['decode_vs_resident'])}x")
     if trace and "wall_us" in trace:
         w = trace["wall_us"] or 1.0
         lines.append("")
@@ -581,6 +611,9 @@ def summary(results, derived):
                      f"(goal >= {GOALS['decode_vs_accelerate']:g}x), hit rate "
                      f"{fmt(q.get('hit_rate'))}, link bound "
                      f"{fmt(q.get('link_bound_tokens_per_s'), '.1f')} tok/s")
+        g = derived.get("tandem50", {}).get("grouped_vs_torchops")
+        if g:
+            parts.append(f"grouped over per-expert decode at 50%: {fmt(g['decode'])}x")
     return "; ".join(parts) or "no tandem figures"
 
 

@@ -268,6 +268,21 @@ static PyObject *moeops_workspace_bytes(PyObject *cls, PyObject *args) {
   return PyLong_FromSize_t(tdm_moe_ops_workspace(n, H, I));
 }
 
+/* allocation(ptr) -> (base, nbytes): the tandem allocation that holds ptr (a Streamer's slot,
+ * say: experts() takes its experts' weights as offsets from one allocation's base). */
+static PyObject *moeops_allocation(PyObject *cls, PyObject *arg) {
+  tdmpy_state *st = tdmpy_state_of_type((PyTypeObject *)cls);
+  unsigned long long ptr;
+  if (!ptr_arg(arg, &ptr) || tdmpy_check_live(st) < 0) return NULL;
+  tdm_mem_info mi;
+  int rc = tdm_mem_query(P(ptr), &mi);
+  if (rc < 0) return tdmpy_raise(st, rc);
+  if (!mi.base)
+    return PyErr_Format(st->errors[-TDM_ENOENT], "allocation: %p is in no allocation tandem "
+                        "knows", P(ptr));
+  return Py_BuildValue("(Kn)", (unsigned long long)(uintptr_t)mi.base, (Py_ssize_t)mi.size);
+}
+
 static PyObject *get_name(MoeOpsObject *self, void *c) {
   (void)c;
   return PyUnicode_FromString(self->ops->name);
@@ -322,6 +337,9 @@ static PyMethodDef moeops_methods[] = {
      "graph_free(handle)\n--\n\nFrees a recorded graph."},
     {"close", (PyCFunction)moeops_close, METH_NOARGS,
      "close()\n--\n\nFrees the graphs and closes the state, after the queue's work."},
+    {"allocation", (PyCFunction)moeops_allocation, METH_O | METH_CLASS,
+     "allocation(ptr) -> (int, int)\n--\n\n"
+     "The base and size of the tandem allocation that holds ptr."},
     {"workspace_bytes", (PyCFunction)moeops_workspace_bytes, METH_VARARGS | METH_STATIC,
      "workspace_bytes(n, H, I) -> int\n--\n\n"
      "The workspace experts() needs for n rows (tdm_moe_ops_workspace)."},

@@ -37,6 +37,19 @@ of the pass (tandem's compute queue is a torch stream the handle owns, adopted b
 caller's stream and it wait for each other device-side around the block) and is released right
 after its last kernel, so its slot is reused only once that work completes.
 
+The grouped path (the default where the experts allow it: bf16, SwiGLU with SiLU, no biases;
+grouped=False turns it off) computes a layer's routed experts with libtandem_moe's operations
+(tandem.MoeOps on the handle's queue) instead of PyTorch's operators per expert: the block's
+router still runs in PyTorch, then group() sorts the (token, k) pairs by expert on the device,
+experts() computes every routed expert's gate/up and down in one launch each (on the streamer's
+slots, as the C engine does) and combine() sums over k in f32, in a fixed order. With every
+expert resident (budget "100%") the experts' places are on the device and nothing comes back to
+the host: a layer is a handful of launches. Otherwise the counts come back as on the per-expert
+path, the routed experts are acquired in index order a window of staging slots at a time, and
+each window is one experts() call on its slice of the grouped table. An expert's rows are the
+same whatever the windows, so the results are bitwise the same at every budget and policy (and
+differ from the per-expert path's within rounding: other kernels).
+
 Results are bitwise independent of the policy, the budget and the order experts are computed
 in: an expert's weighted output goes to its own rows of an expert-sorted buffer (inputs and
 routing weights are gathered in that order once, so an expert's are slices), the buffer goes
@@ -82,6 +95,8 @@ from ._offload import OffloadError, UnsupportedBlockError
 
 __all__ = ["offload_experts", "OffloadHandle", "OffloadError", "UnsupportedBlockError"]
 
+_GROUP_BYTES = 16  # a tdm_moe_group: int64 w, int32 first, int32 count
+
 _COUNTERS = ("acquires", "hits", "resident_hits", "inflight_hits", "misses", "prefetches",
              "prefetch_hits", "prefetch_dropped", "bytes_copied")
 
@@ -99,14 +114,18 @@ class _DeviceBytes:
 
 def offload_experts(model: Any, budget: Union[str, int] = "8GiB", policy: str = "auto",
                     slots: int = 16, device: str = "cuda:0", *,
-                    prefetch_depth: int = 0, lookahead: bool = True) -> "OffloadHandle":
+                    prefetch_depth: int = 0, lookahead: bool = True,
+                    grouped: Optional[bool] = None) -> "OffloadHandle":
     """Moves the expert weights of `model`'s MoE blocks into pinned host memory and streams
     them to `device` on demand (see the module's docstring). `budget`: device bytes for
     resident experts ("8GiB", "500MB", an int, or "25%" of the experts' bytes); `policy`:
     "auto", "static" or "lru"; `slots`: staging slots (one expert each) besides the budget;
     `prefetch_depth`: prefetch copies in flight at most (0: as many as staging slots);
     `lookahead`: prefetch the next block's experts as its router, applied to this block's
-    input, predicts them.
+    input, predicts them; `grouped`: compute a layer's experts with libtandem_moe's grouped
+    operations (tandem.MoeOps: one launch per projection) rather than PyTorch's operators per
+    expert; None (the default) where the experts allow it (bf16, SwiGLU with SiLU, no biases),
+    True insists (an OffloadError where they do not).
     Returns an OffloadHandle. Raises OffloadError (UnsupportedBlockError for a block type it
     does not know) or a tandem/torch error, with the model unchanged."""
     plan.policy_for(policy, 1, 1)          # reject a bad policy before anything else
@@ -143,8 +162,29 @@ def offload_experts(model: Any, budget: Union[str, int] = "8GiB", policy: str = 
                  if p.device == dev)
     cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     plan.check_device_room(budget_bytes, staging, free, on_dev + max(0, cached))
+    why = _why_not_grouped(blocks, dtype)
+    if grouped and why:
+        raise OffloadError(f"grouped=True: {why}")
     return OffloadHandle(blocks, layout, dtype, dev, budget_bytes, slots, policy,
-                         prefetch_depth, lookahead)
+                         prefetch_depth, lookahead, grouped is not False and not why)
+
+
+def _why_not_grouped(blocks: List[plan.BlockInfo], dtype: torch.dtype) -> str:
+    """Why libtandem_moe's grouped experts cannot compute these blocks ('' where they can):
+    they take bf16 weights and compute SwiGLU with SiLU, without biases."""
+    if dtype != torch.bfloat16:
+        return f"the experts are {dtype}, and the grouped operations take bfloat16"
+    for b in blocks:
+        ex = b.module.experts
+        act = getattr(ex, "act_fn", None)
+        silu = act is F.silu or type(act).__name__ in ("SiLU", "SiLUActivation")
+        if getattr(ex, "_apply_gate", None) is not None or not silu:
+            return f"{b.name}: its experts' activation is not SwiGLU with SiLU"
+        if any(getattr(ex, a, None) is not None for a in ("gate_up_proj_bias", "down_proj_bias")):
+            return f"{b.name}: its experts have biases"
+    if not hasattr(tandem, "MoeOps"):
+        return "this tandem build has no MoeOps"
+    return ""
 
 
 class OffloadHandle:
@@ -153,7 +193,8 @@ class OffloadHandle:
 
     def __init__(self, blocks: List[plan.BlockInfo], layout: plan.ExpertLayout,
                  dtype: torch.dtype, device: torch.device, budget_bytes: int, slots: int,
-                 policy: str, prefetch_depth: int, lookahead: bool = True) -> None:
+                 policy: str, prefetch_depth: int, lookahead: bool = True,
+                 grouped: bool = False) -> None:
         self._blocks = blocks
         self._layout = layout
         self._dtype = dtype
@@ -172,6 +213,12 @@ class OffloadHandle:
         self._peak: Optional[float] = None
         self._key_counts = [0] * (layout.layers * layout.experts)
         self._restored = False
+        self._all_resident = budget_bytes >= layout.total_bytes
+        self._ops: Any = None          # tandem.MoeOps on the queue, for the grouped path
+        self._ws: Optional[torch.Tensor] = None
+        self._wbase: Optional[int] = None     # the streamer's slots' allocation
+        self._wofs: Optional[torch.Tensor] = None   # every expert resident: their places
+        self._device_routed = 0        # layers grouped on the device, routing never on the host
         tdev = tandem.Device(f"cuda:{device.index}")
 
         # Allocate and fill everything before the model changes.
@@ -179,6 +226,8 @@ class OffloadHandle:
         # of a process may wait for the whole device with the GIL held).
         self._stream = torch.cuda.Stream(device)
         self._queue = _adopt(self._stream)
+        if grouped:
+            self._ops = tandem.MoeOps(self._queue)
         # This block's routed counts, then the next block's predicted ones: one copy a layer.
         self._counts = torch.empty(2 * layout.experts, dtype=torch.int64, pin_memory=True)
         self._counts_ready = torch.cuda.Event()
@@ -211,6 +260,8 @@ class OffloadHandle:
             with torch.no_grad():
                 for p, d in self._originals:
                     p.data = _copy_to(p.data, d)
+            self._close_streamer()
+            self._close_ops()
             self._release_host()
             raise
         self._saved_forwards: List[Tuple[Any, Optional[Any]]] = []
@@ -232,7 +283,9 @@ class OffloadHandle:
 
     def stats(self) -> Dict[str, Any]:
         """The streamer's counters since offload or reset_stats(), and: hit_rate (experts
-        already resident when routed, over acquires; copies in flight are not hits),
+        already resident when routed, over acquires; copies in flight are not hits; 1.0 where
+        every layer was grouped on the device, which acquires nothing), device_routed_layers
+        (those layers), grouped (whether the grouped path computes the experts),
         link_utilization (bytes copied / time spent in the offloaded blocks' forwards, over
         the peak of one large pinned host-to-device copy measured once in this process) and
         busy_s (that time)."""
@@ -244,7 +297,9 @@ class OffloadHandle:
                     st[k] = st.get(k, 0) + v if k in _COUNTERS else v
             acq = st.get("acquires", 0)
             res = st.get("resident_hits", st.get("hits", 0) - st.get("inflight_hits", 0))
-            st["hit_rate"] = res / acq if acq else 0.0
+            st["hit_rate"] = res / acq if acq else 1.0 if self._device_routed else 0.0
+            st["device_routed_layers"] = self._device_routed
+            st["grouped"] = self._ops is not None
             st["busy_s"] = self._busy_s
             st["budget_bytes"] = self.budget_bytes
             st["policy"] = self._streamer_policy
@@ -260,6 +315,7 @@ class OffloadHandle:
                 self._streamer.reset_stats()
             self._carry = dict.fromkeys(_COUNTERS, 0)
             self._busy_s = 0.0
+            self._device_routed = 0
 
     def restore(self) -> None:
         """Original parameters (same objects, on their devices of offload time) and forwards
@@ -281,6 +337,7 @@ class OffloadHandle:
                     module.forward = fwd
                 module.__dict__.pop("_tandem_offload", None)
             self._close_streamer()
+            self._close_ops()
             self._release_host()
             self._restored = True
 
@@ -300,6 +357,8 @@ class OffloadHandle:
     # -- the streamer ---------------------------------------------------------------------
 
     def _ensure_policy(self, policy: str) -> None:
+        if self._all_resident:
+            policy = "static"    # nothing to decide: every expert stays where it was loaded
         if policy == self._streamer_policy:
             return
         self._close_streamer()
@@ -312,6 +371,8 @@ class OffloadHandle:
         self._streamer = _streamer_type()(self._queue, lay.layers, lay.experts,
                                           lay.expert_bytes, self._host, **kw)
         self._streamer_policy = policy
+        if self._ops is not None and self._all_resident:
+            self._learn_places()
 
     def _close_streamer(self) -> None:
         if self._streamer is None:
@@ -324,6 +385,13 @@ class OffloadHandle:
         self._streamer = None
         self._streamer_policy = None
         self._views.clear()   # the slots' addresses die with the streamer
+        self._wbase = self._wofs = None
+
+    def _close_ops(self) -> None:
+        if self._ops is not None:
+            self._ops.close()      # after the queue's work
+            self._ops = None
+        self._ws = None
 
     def _slot(self, ptr: int) -> Tuple[torch.Tensor, torch.Tensor]:
         v = self._views.get(ptr)
@@ -380,17 +448,21 @@ class OffloadHandle:
         stream = self._stream
         stream.wait_stream(caller)
         with torch.cuda.stream(stream), torch.no_grad():
-            out = self._experts(layer, block.experts, x, weights, index, ntok, topk)
+            if self._ops is not None:
+                out = self._experts_grouped(layer, x, weights, index, ntok, topk)
+            else:
+                out = self._experts(layer, block.experts, x, weights, index, ntok, topk)
         caller.wait_stream(stream)
         out.record_stream(caller)
         return out.reshape(bsz, seq, hdim)
 
-    def _experts(self, layer: int, experts: Any, x: torch.Tensor, weights: torch.Tensor,
-                 index: torch.Tensor, ntok: int, topk: int) -> torch.Tensor:
-        lay, s = self._layout, self._streamer
+    def _route(self, layer: int, x: torch.Tensor, index: torch.Tensor,
+               topk: int) -> Tuple[List[int], List[int]]:
+        """The layer's per-expert token counts, and the next block's experts as its router
+        predicts them from this block's input (most tokens first), in the layer's one
+        device-to-host copy and wait."""
+        lay = self._layout
         flat = index.reshape(-1)
-        rows = torch.argsort(flat, stable=True)        # (token, k) positions, by expert
-        tokens = torch.div(rows, topk, rounding_mode="floor")
         # scatter_add_, not bincount: bincount on CUDA waits for the device to size its output.
         both = torch.zeros(2 * lay.experts, dtype=torch.int64, device=x.device)
         both[:lay.experts].scatter_add_(0, flat, torch.ones_like(flat))
@@ -412,6 +484,15 @@ class OffloadHandle:
         base = layer * lay.experts
         for e, n in enumerate(counts):
             self._key_counts[base + e] += n
+        return counts, predicted
+
+    def _experts(self, layer: int, experts: Any, x: torch.Tensor, weights: torch.Tensor,
+                 index: torch.Tensor, ntok: int, topk: int) -> torch.Tensor:
+        s = self._streamer
+        flat = index.reshape(-1)
+        rows = torch.argsort(flat, stable=True)        # (token, k) positions, by expert
+        tokens = torch.div(rows, topk, rounding_mode="floor")
+        counts, predicted = self._route(layer, x, index, topk)
         segs = {e: (start, n) for e, start, n in plan.segments(counts)}
         order = list(s.schedule(layer, list(segs)))
         if self._streamer_policy == "static":
@@ -469,6 +550,98 @@ class OffloadHandle:
         ys = torch.empty_like(ys_sorted).index_copy_(0, rows, ys_sorted)
         del ys_sorted
         return ys.view(ntok, topk, -1).sum(dim=1).to(x.dtype)
+
+
+    # -- the grouped path: libtandem_moe's operations ------------------------------------------
+
+    def _workspace(self, nbytes: int) -> torch.Tensor:
+        if self._ws is None or self._ws.numel() < nbytes:
+            self._ws = None
+            self._ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=self._device)
+        return self._ws
+
+    def _learn_places(self) -> None:
+        """With every expert resident, each one's place (bf16 elements from the slots' base)
+        goes to the device once, so that a layer's routing is grouped there and never comes
+        back to the host. Acquiring each expert once tells where it lies."""
+        lay, s = self._layout, self._streamer
+        wofs = torch.empty(lay.layers, lay.experts, dtype=torch.int64)
+        for layer in range(lay.layers):
+            for e in range(lay.experts):
+                ptr = s.acquire(layer, e)[0]
+                s.release(layer, e)
+                if self._wbase is None:
+                    self._wbase = tandem.MoeOps.allocation(ptr)[0]
+                wofs[layer, e] = (ptr - self._wbase) // 2
+        self._wofs = wofs.to(self._device)
+
+    def _experts_grouped(self, layer: int, x: torch.Tensor, weights: torch.Tensor,
+                         index: torch.Tensor, ntok: int, topk: int) -> torch.Tensor:
+        """The block's routed experts as libtandem_moe computes a layer (MoeOps, on the
+        handle's stream): the routing grouped by expert on the device (group), every routed
+        expert's gate/up and down in one launch each (experts, on the streamer's slots), and the
+        weighted sum over k (combine), in f32. With every expert resident nothing comes back to
+        the host. Otherwise the layer's counts do (one copy, as on the per-expert path), the
+        routed experts are acquired in index order, a window of staging slots at a time, and
+        each window is one experts() call on its slice of the table (the table lists routed
+        experts in index order), its places uploaded first. An expert's rows, and so the
+        result, do not depend on the windows: results are bitwise the same at every budget."""
+        lay, ops, s = self._layout, self._ops, self._streamer
+        H, I, E, n = lay.hidden, lay.intermediate, lay.experts, ntok * topk
+        dev = x.device
+        x32 = x.to(torch.float32).contiguous()
+        idx = index.to(torch.int32).contiguous()
+        wts = weights.to(torch.float32).contiguous()
+        rows = torch.empty(n, dtype=torch.int32, device=dev)
+        slot = torch.empty(n, dtype=torch.int32, device=dev)
+        entries = min(E, n)
+        groups = torch.empty(entries * _GROUP_BYTES, dtype=torch.uint8, device=dev)
+        out = torch.empty(n, H, dtype=torch.float32, device=dev)
+        wsb = tandem.MoeOps.workspace_bytes(n, H, I)
+        ws = self._workspace(wsb)
+        args = (x32.data_ptr(), rows.data_ptr(), slot.data_ptr(), n)
+        if self._wofs is not None:
+            ops.group(idx.data_ptr(), ntok, topk, E, self._wofs[layer].data_ptr(),
+                      rows.data_ptr(), slot.data_ptr(), groups.data_ptr())
+            ops.experts(*args, self._wbase, groups.data_ptr(), entries, H, I, out.data_ptr(),
+                        ws.data_ptr(), wsb)
+            self._device_routed += 1
+        else:
+            counts, predicted = self._route(layer, x, index, topk)
+            routed = [e for e in range(E) if counts[e]]
+            if self._streamer_policy == "static":
+                s.prefetch(layer, routed)    # see _experts: copies start now, in this order
+            window, first, at = max(1, self.slots - 1), 0, 0
+            while at < len(routed):
+                held: List[int] = []
+                try:
+                    wofs = torch.zeros(E, dtype=torch.int64, pin_memory=True)
+                    while at < len(routed) and len(held) < window:
+                        try:
+                            ptr = s.acquire(layer, routed[at])[0]
+                        except tandem.BusyError:
+                            if not held:
+                                raise
+                            break    # every slot pinned: compute the ones held first
+                        held.append(routed[at])
+                        at += 1
+                        if self._wbase is None:
+                            self._wbase = tandem.MoeOps.allocation(ptr)[0]
+                        wofs[held[-1]] = (ptr - self._wbase) // 2
+                    wdev = wofs.to(dev, non_blocking=True)
+                    ops.group(idx.data_ptr(), ntok, topk, E, wdev.data_ptr(), rows.data_ptr(),
+                              slot.data_ptr(), groups.data_ptr())
+                    ops.experts(*args, self._wbase, groups.data_ptr() + first * _GROUP_BYTES,
+                                len(held), H, I, out.data_ptr(), ws.data_ptr(), wsb)
+                    first += len(held)
+                finally:
+                    for e in held:
+                        s.release(layer, e)    # after the window's kernels
+            if predicted:
+                s.prefetch(layer + 1, predicted)
+        y = torch.zeros(ntok, H, dtype=torch.float32, device=dev)
+        ops.combine(y.data_ptr(), out.data_ptr(), wts.data_ptr(), ntok, H, topk)
+        return y.to(x.dtype)
 
 
 def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

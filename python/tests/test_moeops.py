@@ -135,3 +135,7 @@ def test_errors(device):
     with pytest.raises(tandem.TandemError):
         tandem.MoeOps(q)
     assert tandem.MoeOps.workspace_bytes(0, H, I) == 0
+    b = tandem.malloc(1000, "device", device)
+    assert tandem.MoeOps.allocation(b.ptr + 100) == (b.ptr, 1000)
+    with pytest.raises(tandem.NotFoundError):
+        tandem.MoeOps.allocation(12345)

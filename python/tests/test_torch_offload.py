@@ -1,7 +1,8 @@
 """tandem.torch.offload_experts on transformers' real Qwen3-MoE and Mixtral classes (run by
 scripts/gpu-check; skipped without PyTorch, transformers, a GPU or tandem.Streamer): tiny
 random-weight models, whose offloaded logits must be bitwise equal to the all-resident run for
-every budget and policy and close to transformers' own forward; greedy generation token for
+every budget and policy and close to transformers' own forward, on both paths (libtandem_moe's
+grouped operations, and PyTorch's operators per expert); greedy generation token for
 token; stats; and errors (unsupported block, too little device memory) that leave the model
 unchanged. The torch-free parts are tested everywhere by test_offload_plan.py."""
 import pytest
@@ -68,9 +69,10 @@ def snapshot(model):
             [n for n, m in model.named_modules() if "forward" in m.__dict__])
 
 
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("layers", [1, 3])
-def test_close_to_transformers(env, arch, layers, record_property):
+def test_close_to_transformers(env, arch, layers, grouped, record_property):
     # Other GEMM kernels and summation order than transformers' own experts: equal within
     # bf16 rounding. With one MoE layer the routing is transformers' exactly; past the first,
     # a router input that differs in its last bit may flip a near tie in top-k, so the
@@ -79,47 +81,54 @@ def test_close_to_transformers(env, arch, layers, record_property):
     model = tiny(transformers, torch, arch, layers=layers)
     ids = tokens(torch)
     ref = logits(torch, model, ids)                          # transformers' own forward
-    with tt.offload_experts(model, budget="100%", policy="static"):
+    with tt.offload_experts(model, budget="100%", policy="static", grouped=grouped) as h:
         got = logits(torch, model, ids)
+        assert h.stats()["grouped"] == grouped
     diff = (got.float() - ref.float()).abs().max().item()
     scale = ref.float().abs().max().item()
-    record_property(f"max_abs_diff_{arch}_{layers}_layers", diff)
-    record_property(f"max_abs_logit_{arch}_{layers}_layers", scale)
-    print(f"{arch}, {layers} layers: largest |offloaded - transformers| = {diff:.3g} "
-          f"(logits up to {scale:.3g})")
+    tag = f"{arch}_{layers}_layers{'_grouped' if grouped else ''}"
+    record_property(f"max_abs_diff_{tag}", diff)
+    record_property(f"max_abs_logit_{tag}", scale)
+    print(f"{tag}: largest |offloaded - transformers| = {diff:.3g} (logits up to {scale:.3g})")
     assert diff == diff and diff < float("inf")
     if layers == 1:
         assert diff <= 2 ** -6 * scale, f"{arch}: {diff} off transformers' forward"
     assert torch.equal(logits(torch, model, ids), ref), "restore() changed the model"
 
 
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_logits_bitwise_for_every_budget_and_policy(env, arch):
+def test_logits_bitwise_for_every_budget_and_policy(env, arch, grouped):
+    # Each path against its own all-resident run (the grouped operations and PyTorch's
+    # per-expert operators are other kernels: equal within rounding, not bitwise).
     torch, transformers, tt = env
     model = tiny(transformers, torch, arch)
     ids = tokens(torch)
     ref = logits(torch, model, ids)
-    with tt.offload_experts(model, budget="100%", policy="static") as h:
+    with tt.offload_experts(model, budget="100%", policy="static", grouped=grouped) as h:
         resident = logits(torch, model, ids)                 # the all-resident run
         h.reset_stats()
         assert torch.equal(logits(torch, model, ids), resident)
         st = h.stats()
-        assert st["acquires"] > 0 and st["hit_rate"] == 1.0, st
+        # grouped: every layer's routing stays on the device, and nothing is acquired
+        assert (st["device_routed_layers"] > 0) == grouped, st
+        assert (st["acquires"] > 0 or grouped) and st["hit_rate"] == 1.0, st
     for budget in BUDGETS:
         for policy in POLICIES:
-            h = tt.offload_experts(model, budget=budget, policy=policy, slots=3)
+            h = tt.offload_experts(model, budget=budget, policy=policy, slots=3,
+                                   grouped=grouped)
             try:
                 for _ in range(2):                           # cold, then with a warm cache
                     got = logits(torch, model, ids)
                     assert torch.equal(got, resident), f"{arch} budget {budget} {policy}"
                 st = h.stats()
-                assert st["acquires"] > 0
+                assert st["acquires"] > 0 or (grouped and budget == "100%")
                 if budget == 0:                              # everything streams
                     assert st["bytes_copied"] > 0 and st["hit_rate"] < 1.0, st
             finally:
                 h.restore()
     for kw in (dict(slots=1), dict(lookahead=False), dict(prefetch_depth=1)):
-        with tt.offload_experts(model, budget="25%", **kw):
+        with tt.offload_experts(model, budget="25%", grouped=grouped, **kw):
             assert torch.equal(logits(torch, model, ids), resident), f"{arch} {kw}"
     assert torch.equal(logits(torch, model, ids), ref), "restore() changed the model"
 
@@ -143,7 +152,7 @@ def test_greedy_generation_token_for_token(env, arch):
             st = h.stats()
         assert torch.equal(got, want), f"{arch} budget {budget}: {got} != {want}"
         assert got.shape[1] == ids.shape[1] + 32
-        assert st["acquires"] > 0
+        assert st["acquires"] > 0 or st["device_routed_layers"] > 0
 
 
 def test_restore_gives_back_the_same_parameters(env):
@@ -204,3 +213,18 @@ def test_too_little_device_memory_raises_and_leaves_the_model(env):
         tt.offload_experts(model, slots=0)
     assert snapshot(model) == snap
     assert torch.equal(logits(torch, model, ids), ref)
+
+
+def test_grouped_needs_bf16_experts(env):
+    torch, transformers, tt = env
+    model = tiny(transformers, torch, "mixtral").float()
+    ids = tokens(torch)
+    ref = logits(torch, model, ids)
+    snap = snapshot(model)
+    with pytest.raises(tt.OffloadError, match="grouped=True"):
+        tt.offload_experts(model, grouped=True)
+    assert snapshot(model) == snap
+    with tt.offload_experts(model, budget="50%") as h:  # grouped=None: the per-expert path
+        got = logits(torch, model, ids)
+        assert not h.stats()["grouped"]
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
