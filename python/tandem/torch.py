@@ -615,7 +615,7 @@ class OffloadHandle:
             while at < len(routed):
                 held: List[int] = []
                 try:
-                    wofs = torch.zeros(E, dtype=torch.int64, pin_memory=True)
+                    places = [0] * E
                     while at < len(routed) and len(held) < window:
                         try:
                             ptr = s.acquire(layer, routed[at])[0]
@@ -627,7 +627,8 @@ class OffloadHandle:
                         at += 1
                         if self._wbase is None:
                             self._wbase = tandem.MoeOps.allocation(ptr)[0]
-                        wofs[held[-1]] = (ptr - self._wbase) // 2
+                        places[held[-1]] = (ptr - self._wbase) // 2
+                    wofs = torch.tensor(places, dtype=torch.int64, pin_memory=True)
                     wdev = wofs.to(dev, non_blocking=True)
                     ops.group(idx.data_ptr(), ntok, topk, E, wdev.data_ptr(), rows.data_ptr(),
                               slot.data_ptr(), groups.data_ptr())
