@@ -17,6 +17,9 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 SUPPORTED_BLOCKS = {
     "Qwen3MoeSparseMoeBlock": "qwen3_moe",
     "MixtralSparseMoeBlock": "mixtral",
+    # sigmoid routing over groups of experts (its router is kept as it is); its shared experts
+    # stay on the device and are added to the routed experts' output, as the block does
+    "DeepseekV3MoE": "deepseek_v3",
 }
 
 # A module is taken for an MoE block (supported or not) when it holds a child called `experts`

@@ -1,5 +1,5 @@
-"""tandem.torch: expert offload for PyTorch Mixture-of-Experts models (transformers' Qwen3-MoE
-and Mixtral blocks), with tandem's expert streamer under them.
+"""tandem.torch: expert offload for PyTorch Mixture-of-Experts models (transformers' Qwen3-MoE,
+Mixtral and DeepSeek-V3 blocks), with tandem's expert streamer under them.
 
     handle = tandem.torch.offload_experts(model, budget="25%", device="cuda:0")
     out = model.generate(...)          # experts stream from pinned host memory
@@ -454,7 +454,11 @@ class OffloadHandle:
                 out = self._experts(layer, block.experts, x, weights, index, ntok, topk)
         caller.wait_stream(stream)
         out.record_stream(caller)
-        return out.reshape(bsz, seq, hdim)
+        out = out.reshape(bsz, seq, hdim)
+        shared = getattr(block, "shared_experts", None)
+        if shared is not None:   # DeepSeek-V3: on the caller's stream, added as the block does
+            out = out + shared(hidden_states)
+        return out
 
     def _route(self, layer: int, x: torch.Tensor, index: torch.Tensor,
                topk: int) -> Tuple[List[int], List[int]]:

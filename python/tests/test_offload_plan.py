@@ -49,6 +49,10 @@ class Qwen2MoeSparseMoeBlock(Qwen3MoeSparseMoeBlock):
     """Supported shape, unsupported type (it also has a shared expert)."""
 
 
+class DeepseekV3MoE(Qwen3MoeSparseMoeBlock):
+    """Supported: its shared experts are added to the routed output by the offloaded forward."""
+
+
 def named(blocks, dense=2):
     """named_modules() of a small model: a root, some dense layers, the blocks and their
     children (which discovery must not take for blocks of their own)."""
@@ -119,6 +123,8 @@ def test_finds_supported_blocks_in_order():
     assert {f.kind for f in found} == {"qwen3_moe"}
     found = plan.find_moe_blocks(named([MixtralSparseMoeBlock()]))
     assert found[0].kind == "mixtral"
+    found = plan.find_moe_blocks(named([DeepseekV3MoE(), DeepseekV3MoE()]))
+    assert [f.kind for f in found] == ["deepseek_v3"] * 2
 
 
 def test_unsupported_block_names_its_type():

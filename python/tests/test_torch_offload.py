@@ -27,7 +27,8 @@ def env():
 
 def tiny(transformers, torch, arch, layers=3, seed=0):
     """A random-weight model small enough to run in well under a second, in bf16 on cuda:0.
-    Qwen3-MoE with top-4 routing, so the fixed-order combine adds more than two outputs."""
+    Qwen3-MoE with top-4 routing, so the fixed-order combine adds more than two outputs.
+    `layers` MoE layers (DeepSeek-V3 has a dense one before them)."""
     common = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
                   attn_implementation="eager")
@@ -36,16 +37,26 @@ def tiny(transformers, torch, arch, layers=3, seed=0):
                                           num_experts=8, num_experts_per_tok=4,
                                           norm_topk_prob=True, head_dim=16, **common)
         cls = transformers.Qwen3MoeForCausalLM
-    else:
+    elif arch == "mixtral":
         cfg = transformers.MixtralConfig(intermediate_size=32, num_local_experts=8,
                                          num_experts_per_tok=2, **common)
         cls = transformers.MixtralForCausalLM
+    else:  # DeepSeek-V3: a dense first layer, then `layers` MoE layers with a shared expert,
+        # sigmoid routing over 2 groups of 4 experts (1 group chosen), MLA attention
+        common.update(num_hidden_layers=layers + 1, num_key_value_heads=4)
+        cfg = transformers.DeepseekV3Config(intermediate_size=64, moe_intermediate_size=32,
+                                            n_routed_experts=8, num_experts_per_tok=2,
+                                            n_shared_experts=1, n_group=2, topk_group=1,
+                                            first_k_dense_replace=1, kv_lora_rank=16,
+                                            q_lora_rank=None, qk_rope_head_dim=8,
+                                            qk_nope_head_dim=8, v_head_dim=16, **common)
+        cls = transformers.DeepseekV3ForCausalLM
     torch.manual_seed(seed)
     model = cls(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
     # Larger expert weights than the default init, so routing and outputs are not all alike.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "experts" in name or ".gate." in name:
+            if ("experts" in name or ".gate." in name) and p.dtype.is_floating_point:
                 p.normal_(0.0, 0.2)
     return model
 
@@ -70,7 +81,7 @@ def snapshot(model):
 
 
 @pytest.mark.parametrize("grouped", [True, False])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
 @pytest.mark.parametrize("layers", [1, 3])
 def test_close_to_transformers(env, arch, layers, grouped, record_property):
     # Other GEMM kernels and summation order than transformers' own experts: equal within
@@ -97,7 +108,7 @@ def test_close_to_transformers(env, arch, layers, grouped, record_property):
 
 
 @pytest.mark.parametrize("grouped", [True, False])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_logits_bitwise_for_every_budget_and_policy(env, arch, grouped):
     # Each path against its own all-resident run (the grouped operations and PyTorch's
     # per-expert operators are other kernels: equal within rounding, not bitwise).
@@ -133,7 +144,7 @@ def test_logits_bitwise_for_every_budget_and_policy(env, arch, grouped):
     assert torch.equal(logits(torch, model, ids), ref), "restore() changed the model"
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_greedy_generation_token_for_token(env, arch):
     torch, transformers, tt = env
     model = tiny(transformers, torch, arch)
