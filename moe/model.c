@@ -6,11 +6,11 @@
  * Two ways through a layer's routed experts, chosen by the ubatch's size only (so the
  * all-resident reference and a streamed run always take the same one, and their outputs stay
  * bitwise equal):
- * - a large ubatch (more than GROUPED_MAX_T tokens) runs expert() per routed expert, a GEMM
- *   each, in the streamer's order, each as its weights land; or, with
- *   TANDEM_MOE_PREFILL_GROUPED=1 where the table runs that many rows as GEMMs
- *   (experts_gemm_rows: CUDA), experts() as decode does below, the ready experts a group
- *   (never on the host, and routed by the host);
+ * - a large ubatch (more than GROUPED_MAX_T tokens), where the table runs that many rows as
+ *   GEMMs (experts_gemm_rows: CUDA), runs experts() as decode does below, the ready experts a
+ *   group (never on the host, and routed by the host); elsewhere, or with
+ *   TANDEM_MOE_PREFILL_GROUPED=0, expert() per routed expert, a GEMM each, in the streamer's
+ *   order, each as its weights land;
  * - a small one (decode) runs experts(): a group of experts per submission, so the host's cost
  *   no longer grows with the experts routed. When every expert is resident the routing never
  *   comes back to the host (group() on the device, then one group of the whole layer), and
@@ -110,8 +110,8 @@ struct tdm_moe_model {
   tdm_moe_group *groups, *groups_h; /* E entries each: one layer's groups */
   const tdm_moe_bf16 *wbase;  /* the streamer's slots (one allocation), once seen */
   bool device_routed;         /* every expert resident: small ubatches route on the device */
-  bool prefill_grouped;       /* TANDEM_MOE_PREFILL_GROUPED=1: large ubatches in groups where
-                               * the table runs many rows as GEMMs (not yet the default) */
+  bool prefill_grouped;       /* large ubatches in groups where the table runs many rows as
+                               * GEMMs (unless TANDEM_MOE_PREFILL_GROUPED=0) */
   int64_t *wofs;              /* device [L x E]: each expert's weights from wbase */
   int32_t *idx_all, *idx_all_h; /* device-routed passes: [L x min(maxT, GROUPED_MAX_T) x k] */
   void *graphs[GROUPED_MAX_T + 1]; /* device-routed passes recorded once per ubatch size, where
@@ -1073,7 +1073,7 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   if (!rc) rc = fill_parallel(m);
   if (!rc) rc = setup_small_weights(m);
   const char *pg = getenv("TANDEM_MOE_PREFILL_GROUPED");
-  m->prefill_grouped = pg && strcmp(pg, "1") == 0;
+  m->prefill_grouped = !(pg && strcmp(pg, "0") == 0);
   if (!rc) rc = setup_buffers(m);
   if (!rc) rc = setup_streamer(m);
   if (!rc && cfg->placement != TDM_MOE_PLACE_DEVICE) rc = setup_host(m);

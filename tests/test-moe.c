@@ -503,7 +503,7 @@ TEST_CASE(streamed_equals_resident) {
   th_close();
 }
 
-/* A large ubatch's experts in groups (TANDEM_MOE_PREFILL_GROUPED=1), where the table runs
+/* A large ubatch's experts in groups (the default), where the table runs
  * many rows as GEMMs (experts_gemm_rows; skipped elsewhere): 80 tokens of top-4 (320 rows),
  * streamed at budgets of nothing, one expert and half, overlapped and serialized, bitwise
  * equal to the all-resident model's output; the groups differ from run to run (experts join a
@@ -519,7 +519,7 @@ TEST_CASE(streamed_equals_resident_grouped) {
   CHECK(p != NULL);
   enum { T = 80 };
   CHECK(T * p->topk >= ops->experts_gemm_rows);
-  CHECK(setenv("TANDEM_MOE_PREFILL_GROUPED", "1", 1) == 0);
+  CHECK(unsetenv("TANDEM_MOE_PREFILL_GROUPED") == 0);
   tdm_moe_config base = {.preset = p, .device = dev, .seed = th_seed(), .skew = 1.2,
                          .locality = 0.7, .max_tokens = T};
   size_t H = (size_t)p->hidden, eb = tdm_moe_expert_bytes(p);
@@ -546,7 +546,6 @@ TEST_CASE(streamed_equals_resident_grouped) {
     }
     tdm_moe_model_destroy(m);
   }
-  CHECK(unsetenv("TANDEM_MOE_PREFILL_GROUPED") == 0);
   free(x);
   free(ref);
   free(y);

@@ -328,7 +328,8 @@ typedef struct tdm_moe_ops {
   /* Rows in all (n) from which experts() and experts_q() run the table as GEMMs in a few
    * launches (CUDA: two, on tensor cores, the activations and h rounded to bf16 as expert()
    * rounds them); 0 where they stay made for few tokens. From there a model may group a large
-   * ubatch's experts as it groups decode's (TANDEM_MOE_PREFILL_GROUPED=1). The choice depends
+   * ubatch's experts as it groups decode's (tandem/moe.h's does; TANDEM_MOE_PREFILL_GROUPED=0
+   * turns that off). The choice depends
    * on n alone, so an expert's output still depends on its weights, its own tokens and n,
    * never on the other entries or G. */
   int experts_gemm_rows;
