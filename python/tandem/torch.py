@@ -177,8 +177,13 @@ def _why_not_grouped(blocks: List[plan.BlockInfo], dtype: torch.dtype) -> str:
     for b in blocks:
         ex = b.module.experts
         act = getattr(ex, "act_fn", None)
-        silu = act is F.silu or type(act).__name__ in ("SiLU", "SiLUActivation")
-        if getattr(ex, "_apply_gate", None) is not None or not silu:
+        silu = act is F.silu or isinstance(act, torch.nn.SiLU) or \
+            type(act).__name__ in ("SiLU", "SiLUActivation")
+        # transformers gives every experts class a _apply_gate: its default (act(gate) * up on
+        # the halves) is SwiGLU; a class's own (gpt-oss's clamped one) is not
+        gate = getattr(type(ex), "_apply_gate", None)
+        custom = gate is not None and getattr(gate, "__name__", "") != "_default_apply_gate"
+        if custom or not silu:
             return f"{b.name}: its experts' activation is not SwiGLU with SiLU"
         if any(getattr(ex, a, None) is not None for a in ("gate_up_proj_bias", "down_proj_bias")):
             return f"{b.name}: its experts have biases"

@@ -42,6 +42,15 @@ class Dev:
         return out
 
 
+def open_ops(q):
+    """The table for q's device, or a skip where this build has none (a GPU machine without
+    CLBlast has no OpenCL table)."""
+    try:
+        return tandem.MoeOps(q)
+    except tandem.NotSupportedError as e:
+        pytest.skip(str(e))
+
+
 def reference(x, wr, w):
     """float64: routing (softmax, top-k with ties to the lower index, renormalized) and the
     layer's output sum_j p_j SwiGLU_e(x)."""
@@ -64,7 +73,7 @@ def reference(x, wr, w):
 
 def test_layer_matches_float64(device, rng):
     q = tandem.Queue(device)
-    ops = tandem.MoeOps(q)
+    ops = open_ops(q)
     assert ops.name == device.backend and ops.queue is q
     x = rng.standard_normal((T, H)).astype(np.float32)
     wr_bits, wr = bf16(rng.standard_normal((E, H)) * 0.5)
@@ -98,7 +107,7 @@ def test_layer_matches_float64(device, rng):
 
 def test_graphs_where_recorded(device):
     q = tandem.Queue(device)
-    ops = tandem.MoeOps(q)
+    ops = open_ops(q)
     if not ops.has_graphs:
         with pytest.raises(tandem.NotSupportedError):
             ops.graph_begin()
@@ -119,7 +128,7 @@ def test_graphs_where_recorded(device):
 
 def test_errors(device):
     q = tandem.Queue(device)
-    ops = tandem.MoeOps(q)
+    ops = open_ops(q)
     d = Dev(q)
     p = d.zeros(4096)
     with pytest.raises(tandem.InvalidArgumentError):  # a NULL operand
