@@ -269,3 +269,31 @@ TEST_CASE(free_async) {
   th_gate_destroy(&g2);
   th_close();
 }
+
+/* Memory freed in stream order and allocated again at once, over and over: a backend may free
+ * natively (cudaFreeAsync) before the free command's completion reaches the registry, and
+ * hand the same range to the next allocation; that allocation must succeed, be usable, and the
+ * late completion must not take its entry. Live allocations balance at the end. */
+TEST_CASE(free_async_then_allocate) {
+  enum { ROUNDS = 200 };
+  const size_t n = 1 << 20;
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  long live = live_allocations();
+  unsigned char *d = dev_alloc(dev, TDM_MEM_DEVICE, n);
+  for (int i = 0; i < ROUNDS; i++) {
+    CHECK_OK(tdm_memset(q, d, (int)(i & 0xff), n, 0, NULL, NULL));
+    CHECK_OK(tdm_free_async(q, d, 0, NULL, NULL));
+    d = dev_alloc(dev, TDM_MEM_DEVICE, n);
+    unsigned char b = 0;
+    CHECK_OK(tdm_memset(q, d, 7, n, 0, NULL, NULL));
+    CHECK_OK(tdm_memcpy(q, &b, d + n - 1, 1, TDM_COPY_D2H, 0, NULL, NULL));
+    CHECK_OK(tdm_queue_sync(q));
+    CHECK_EQ(b, 7);
+  }
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_OK(tdm_free(d)); /* its entry survived every late completion */
+  CHECK_EQ(live_allocations(), live);
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}

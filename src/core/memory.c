@@ -43,6 +43,19 @@ static int reg_insert(const tdm__alloc *a) {
     reg = n;
     reg_cap = cap;
   }
+  /* An allocation freed in stream order leaves the registry when its free command completes,
+   * after the backend has freed it natively (cudaFreeAsync): in between, the driver may hand
+   * its range out again, to this allocation. Such an entry is gone already; it goes now (its
+   * free command then finds nothing to remove). Any other overlap is an error. */
+  for (size_t j = 0; j < reg_n;) {
+    if (reg[j].freeing && reg[j].base < a->base + a->size && a->base < reg[j].base + reg[j].size) {
+      memmove(&reg[j], &reg[j + 1], (reg_n - j - 1) * sizeof *reg);
+      reg_n--;
+      atomic_fetch_sub(&tdm__g.n_allocs, 1);
+    } else {
+      j++;
+    }
+  }
   size_t i = 0;
   while (i < reg_n && reg[i].base < a->base) i++;
   if ((i < reg_n && reg[i].base < a->base + a->size) ||
@@ -59,11 +72,11 @@ static int reg_insert(const tdm__alloc *a) {
   return 0;
 }
 
-/* Removes the entry starting exactly at p; returns it in *out. */
-static int reg_remove(uintptr_t p, tdm__alloc *out, bool allow_freeing) {
+/* Removes the live entry starting exactly at p; returns it in *out. */
+static int reg_remove(uintptr_t p, tdm__alloc *out) {
   pthread_rwlock_wrlock(&reg_lock);
   long i = find(p);
-  if (i < 0 || reg[i].base != p || (reg[i].freeing && !allow_freeing)) {
+  if (i < 0 || reg[i].base != p || reg[i].freeing) {
     pthread_rwlock_unlock(&reg_lock);
     return tdm__error(TDM_EINVAL, 0, "%p is not the start of a live tandem allocation",
                       (void *)p);
@@ -125,7 +138,7 @@ int tdm_free(void *ptr) {
   TDM__ENTER();
   if (!ptr) return tdm__error(TDM_EINVAL, 0, "tdm_free: ptr is NULL");
   tdm__alloc a;
-  int rc = reg_remove((uintptr_t)ptr, &a, false);
+  int rc = reg_remove((uintptr_t)ptr, &a);
   if (rc) return rc;
   if (a.kind == TDM_MEM_REGISTERED) {
     reg_insert(&a); /* cannot fail: the slot was just freed */
@@ -164,7 +177,20 @@ void tdm__mem_cancel_free(void *ptr) {
 
 void tdm__mem_finish_free(void *ptr, bool freed) {
   tdm__alloc a;
-  if (reg_remove((uintptr_t)ptr, &a, true) == 0 && !freed) release_entry(&a);
+  bool found = false;
+  pthread_rwlock_wrlock(&reg_lock);
+  long i = find((uintptr_t)ptr);
+  /* Not there: reg_insert dropped it (its range was handed out again, so it was freed). */
+  if (i >= 0 && reg[i].base == (uintptr_t)ptr && reg[i].freeing) {
+    a = reg[i];
+    memmove(&reg[i], &reg[i + 1], (reg_n - (size_t)i - 1) * sizeof *reg);
+    reg_n--;
+    found = true;
+  }
+  pthread_rwlock_unlock(&reg_lock);
+  if (!found) return;
+  atomic_fetch_sub(&tdm__g.n_allocs, 1);
+  if (!freed) release_entry(&a);
 }
 
 void tdm__mem_free_all(void) {
@@ -197,7 +223,7 @@ int tdm_host_unregister(void *ptr) {
   TDM__ENTER();
   if (!ptr) return tdm__error(TDM_EINVAL, 0, "tdm_host_unregister: ptr is NULL");
   tdm__alloc a;
-  int rc = reg_remove((uintptr_t)ptr, &a, false);
+  int rc = reg_remove((uintptr_t)ptr, &a);
   if (rc) return rc;
   if (a.kind != TDM_MEM_REGISTERED) {
     reg_insert(&a);
