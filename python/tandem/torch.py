@@ -38,8 +38,10 @@ caller's stream and it wait for each other device-side around the block) and is 
 after its last kernel, so its slot is reused only once that work completes.
 
 The grouped path (the default where the experts allow it: bf16, SwiGLU with SiLU, no biases;
-grouped=False turns it off) computes a layer's routed experts with libtandem_moe's operations
-(tandem.MoeOps on the handle's queue) instead of PyTorch's operators per expert: the block's
+grouped=False turns it off; a pass of more than 64 rows an expert, a long prefill, takes the
+per-expert path, whose GEMMs are the faster there) computes a layer's routed experts with
+libtandem_moe's operations (tandem.MoeOps on the handle's queue) instead of PyTorch's
+operators per expert: the block's
 router still runs in PyTorch, then group() sorts the (token, k) pairs by expert on the device,
 experts() computes every routed expert's gate/up and down in one launch each (on the streamer's
 slots, as the C engine does) and combine() sums over k in f32, in a fixed order. With every
@@ -96,6 +98,11 @@ from ._offload import OffloadError, UnsupportedBlockError
 __all__ = ["offload_experts", "OffloadHandle", "OffloadError", "UnsupportedBlockError"]
 
 _GROUP_BYTES = 16  # a tdm_moe_group: int64 w, int32 first, int32 count
+# The grouped path takes a pass of at most this many (token, k) rows an expert on average;
+# more go through PyTorch's operators per expert, whose GEMMs are the faster there: on an H100
+# (bench/results/h100-torch-offload-6c41590/) grouped was 1.27x at 32 rows an expert (a 512-
+# token prefill of 128 experts, top 8) and 0.51x at 128.
+_GROUPED_ROWS = 64
 
 _COUNTERS = ("acquires", "hits", "resident_hits", "inflight_hits", "misses", "prefetches",
              "prefetch_hits", "prefetch_dropped", "bytes_copied")
@@ -453,7 +460,7 @@ class OffloadHandle:
         stream = self._stream
         stream.wait_stream(caller)
         with torch.cuda.stream(stream), torch.no_grad():
-            if self._ops is not None:
+            if self._ops is not None and ntok * topk <= _GROUPED_ROWS * self._layout.experts:
                 out = self._experts_grouped(layer, x, weights, index, ntok, topk)
             else:
                 out = self._experts(layer, block.experts, x, weights, index, ntok, topk)
