@@ -143,8 +143,22 @@ static PyObject *moeops_group(MoeOpsObject *self, PyObject *args) {
                                    P(slot), P(groups)));
 }
 
+/* A weight type: moe_ops.h's TDM_MOE_W_* number, or its name ("q4_k"); -1 with an error set. */
+static const char *const wtype_names[] = {NULL, "f16", "bf16", "q8_0", "q4_k", "q6_k", "mxfp4"};
+
+static int wtype_arg(tdmpy_state *st, PyObject *obj) {
+  if (PyLong_Check(obj)) return (int)PyLong_AsLong(obj);
+  const char *name = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
+  for (int t = 1; name && t < (int)(sizeof wtype_names / sizeof wtype_names[0]); t++)
+    if (strcmp(name, wtype_names[t]) == 0) return t;
+  if (!PyErr_Occurred())
+    PyErr_Format(st->errors[-TDM_EINVAL], "fmt: %R is not a weight type (f16, bf16, q8_0, q4_k, "
+                 "q6_k, mxfp4, or its number)", obj);
+  return -1;
+}
+
 /* experts(x, rows, slot, n, wbase, groups, G, H, I, out, workspace, workspace_bytes, fmt=None):
- * fmt None (bf16) or (gate_up_type, down_type), tdm_moe_wfmt's. */
+ * fmt None (bf16) or (gate_up_type, down_type), tdm_moe_wfmt's, as numbers or names. */
 static PyObject *moeops_experts(MoeOpsObject *self, PyObject *args, PyObject *kwargs) {
   tdmpy_state *st = mstate(self);
   static char *kwlist[] = {"x", "rows", "slot", "n", "wbase", "groups", "G", "H", "I", "out",
@@ -164,8 +178,11 @@ static PyObject *moeops_experts(MoeOpsObject *self, PyObject *args, PyObject *kw
     return done(st, self->ops->experts(self->st, mqueue(self), P(x), P(rows), P(slot), n,
                                        P(wbase), P(groups), G, H, I, P(out), P(ws),
                                        (size_t)ws_bytes));
-  tdm_moe_wfmt f;
-  if (!PyArg_ParseTuple(fmt, "ii:fmt", &f.gu, &f.d)) return NULL;
+  PyObject *gu, *d;
+  if (!PyArg_ParseTuple(fmt, "OO:fmt", &gu, &d)) return NULL;
+  tdm_moe_wfmt f = {wtype_arg(st, gu), 0};
+  if (f.gu == -1 && PyErr_Occurred()) return NULL;
+  if ((f.d = wtype_arg(st, d)) == -1 && PyErr_Occurred()) return NULL;
   if (!self->ops->experts_q) return tdmpy_raise_msg(st, TDM_ENOTSUP, "this backend's table "
                                                     "has no experts_q()");
   return done(st, self->ops->experts_q(self->st, mqueue(self), P(x), P(rows), P(slot), n,
@@ -261,6 +278,19 @@ static PyObject *moeops_graph_free(MoeOpsObject *self, PyObject *arg) {
 
 /* ---- attributes ---------------------------------------------------------------------------- */
 
+/* expert_bytes(fmt, H, I): one expert's bytes in fmt (tdm_moe_expert_size), 0 for rows that
+ * are not whole blocks. */
+static PyObject *moeops_expert_bytes(PyObject *cls, PyObject *args) {
+  tdmpy_state *st = tdmpy_state_of_type((PyTypeObject *)cls);
+  PyObject *gu, *d;
+  int H, I;
+  if (!PyArg_ParseTuple(args, "(OO)ii:expert_bytes", &gu, &d, &H, &I)) return NULL;
+  tdm_moe_wfmt f = {wtype_arg(st, gu), 0};
+  if (f.gu == -1 && PyErr_Occurred()) return NULL;
+  if ((f.d = wtype_arg(st, d)) == -1 && PyErr_Occurred()) return NULL;
+  return PyLong_FromSize_t(tdm_moe_expert_size(f, H, I));
+}
+
 static PyObject *moeops_workspace_bytes(PyObject *cls, PyObject *args) {
   (void)cls;
   int n, H, I;
@@ -319,7 +349,9 @@ static PyMethodDef moeops_methods[] = {
      "experts(x, rows, slot, n, wbase, groups, G, H, I, out, workspace, workspace_bytes,\n"
      "        fmt=None)\n--\n\n"
      "The G entries of groups in one submission: out[slot] = SwiGLU expert of x[row]. fmt:\n"
-     "None for bf16 experts, or (gate_up_type, down_type) for a file's blocks."},
+     "None for bf16 experts, or (gate_up_type, down_type) for a file's blocks, each a name\n"
+     "('f16', 'bf16', 'q8_0', 'q4_k', 'q6_k', 'mxfp4') or moe_ops.h's number; groups' w then\n"
+     "counts 2-byte units from wbase (an expert starts at an even byte)."},
     {"combine", (PyCFunction)moeops_combine, METH_VARARGS,
      "combine(y, out, weights, T, H, k)\n--\n\n"
      "y[t] += sum over j < k of weights[t*k + j] * out[t*k + j], j ascending."},
@@ -340,6 +372,10 @@ static PyMethodDef moeops_methods[] = {
     {"allocation", (PyCFunction)moeops_allocation, METH_O | METH_CLASS,
      "allocation(ptr) -> (int, int)\n--\n\n"
      "The base and size of the tandem allocation that holds ptr."},
+    {"expert_bytes", (PyCFunction)moeops_expert_bytes, METH_VARARGS | METH_CLASS,
+     "expert_bytes(fmt, H, I) -> int\n--\n\n"
+     "One expert's bytes in fmt ((gate_up_type, down_type)), laid out [Wg | Wu | Wd] by rows;\n"
+     "0 where the rows are not whole blocks."},
     {"workspace_bytes", (PyCFunction)moeops_workspace_bytes, METH_VARARGS | METH_STATIC,
      "workspace_bytes(n, H, I) -> int\n--\n\n"
      "The workspace experts() needs for n rows (tdm_moe_ops_workspace)."},

@@ -1,6 +1,7 @@
 """tandem.MoeOps: libtandem_moe's operation table from Python, on pointers. A whole MoE layer
 (router, grouping on the device, grouped experts, combine) on random data against a float64
-reference written here; a recorded graph where the table records them; the errors (a closed
+reference written here; experts in GGUF blocks made by the gguf package, against float64 on
+its own dequantization; a recorded graph where the table records them; the errors (a closed
 table, bad arguments, a queue in use)."""
 import numpy as np
 import pytest
@@ -105,6 +106,66 @@ def test_layer_matches_float64(device, rng):
         ops.combine(py, pout, pwt, T, H, K)
 
 
+@pytest.mark.parametrize("fmt", [("q8_0", "q8_0"), ("q4_k", "q6_k")])
+def test_experts_in_blocks(device, rng, fmt):
+    # Q4_K and Q6_K rows are superblocks of 256 values: H and I of 256 here
+    quants = pytest.importorskip("gguf.quants")
+    gguf = pytest.importorskip("gguf")
+    q = tandem.Queue(device)
+    ops = open_ops(q)
+    if not ops.has_experts_q:
+        pytest.skip(f"the {ops.name} table has no experts in blocks")
+    h, i, e, n = 256, 256, 3, 5
+    kind = {t: getattr(gguf.GGMLQuantizationType, t.upper()) for t in fmt}
+
+    def blocks(rows, cols, t):
+        """rows x cols values in type t: the gguf package's quantization (Q8_0), or random
+        blocks with sane f16 scales (it has no K-quant quantizer)."""
+        if t == "q8_0":
+            return quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.2,
+                                   kind[t])
+        size, scales = {"q4_k": (144, (0, 2)), "q6_k": (210, (208,))}[t]
+        raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+        for at in scales:
+            d = (rng.uniform(0.002, 0.01, raw.shape[:2])).astype(np.float16)
+            raw[:, :, at:at + 2] = d.view(np.uint8).reshape(rows, cols // 256, 2)
+        return raw.reshape(rows, -1)
+    size = tandem.MoeOps.expert_bytes(fmt, h, i)
+    stride = -(-size // 16) * 16
+    blob = np.zeros(e * stride, np.uint8)
+    wide = []
+    for x in range(e):
+        gu, dn = blocks(2 * i, h, fmt[0]), blocks(h, i, fmt[1])
+        raw = np.concatenate([gu.reshape(-1), dn.reshape(-1)]).view(np.uint8)
+        assert raw.size == size
+        blob[x * stride:x * stride + size] = raw
+        wide.append((quants.dequantize(gu, kind[fmt[0]]), quants.dequantize(dn, kind[fmt[1]])))
+    xs = rng.standard_normal((n, h)).astype(np.float32)
+    # token t to expert t % e: rows sorted by expert, each its own slot
+    order = sorted(range(n), key=lambda t: t % e)
+    table = np.zeros(e, dtype=[("w", "<i8"), ("first", "<i4"), ("count", "<i4")])
+    at = 0
+    for x in range(e):
+        cnt = sum(1 for t in order if t % e == x)
+        table[x] = (x * stride // 2, at, cnt)
+        at += cnt
+    d = Dev(q)
+    px, pw = d.put(xs), d.put(blob)
+    prows, pslot = d.put(np.array(order, np.int32)), d.put(np.array(order, np.int32))
+    pgroups, pout = d.put(table), d.zeros(n * h * 4)
+    ws = tandem.MoeOps.workspace_bytes(n, h, i)
+    ops.experts(px, prows, pslot, n, pw, pgroups, e, h, i, pout, d.zeros(ws), ws, fmt=fmt)
+    got = d.get(pout, np.float32, n * h).reshape(n, h)
+    for t in range(n):
+        gu, dn = (w.astype(np.float64) for w in wide[t % e])
+        a, b = gu[:i] @ xs[t], gu[i:] @ xs[t]
+        ref = dn @ (a / (1 + np.exp(-a)) * b)
+        err = np.abs(got[t] - ref).max() / np.abs(ref).max()
+        assert err < 1e-3, (fmt, t, err)
+    with pytest.raises(tandem.InvalidArgumentError):
+        ops.experts(px, prows, pslot, n, pw, pgroups, e, h, i, pout, 0, 0, fmt=("q9", "q8_0"))
+
+
 def test_graphs_where_recorded(device):
     q = tandem.Queue(device)
     ops = open_ops(q)
@@ -144,6 +205,8 @@ def test_errors(device):
     with pytest.raises(tandem.TandemError):
         tandem.MoeOps(q)
     assert tandem.MoeOps.workspace_bytes(0, H, I) == 0
+    assert tandem.MoeOps.expert_bytes(("bf16", "bf16"), H, I) == EXPERT * 2
+    assert tandem.MoeOps.expert_bytes((4, 4), 100, I) == 0  # rows not whole blocks
     b = tandem.malloc(1000, "device", device)
     assert tandem.MoeOps.allocation(b.ptr + 100) == (b.ptr, 1000)
     with pytest.raises(tandem.NotFoundError):
