@@ -157,6 +157,15 @@ static int wtype_arg(tdmpy_state *st, PyObject *obj) {
   return -1;
 }
 
+/* fmt, a (gate_up_type, down_type) pair, into *f; -1 with an error set. */
+static int fmt_arg(tdmpy_state *st, PyObject *fmt, tdm_moe_wfmt *f) {
+  PyObject *gu, *d;
+  if (!PyArg_Parse(fmt, "(OO);fmt: a (gate_up_type, down_type) pair", &gu, &d)) return -1;
+  if ((f->gu = wtype_arg(st, gu)) == -1 && PyErr_Occurred()) return -1;
+  if ((f->d = wtype_arg(st, d)) == -1 && PyErr_Occurred()) return -1;
+  return 0;
+}
+
 /* experts(x, rows, slot, n, wbase, groups, G, H, I, out, workspace, workspace_bytes, fmt=None):
  * fmt None (bf16) or (gate_up_type, down_type), tdm_moe_wfmt's, as numbers or names. */
 static PyObject *moeops_experts(MoeOpsObject *self, PyObject *args, PyObject *kwargs) {
@@ -178,11 +187,8 @@ static PyObject *moeops_experts(MoeOpsObject *self, PyObject *args, PyObject *kw
     return done(st, self->ops->experts(self->st, mqueue(self), P(x), P(rows), P(slot), n,
                                        P(wbase), P(groups), G, H, I, P(out), P(ws),
                                        (size_t)ws_bytes));
-  PyObject *gu, *d;
-  if (!PyArg_ParseTuple(fmt, "OO:fmt", &gu, &d)) return NULL;
-  tdm_moe_wfmt f = {wtype_arg(st, gu), 0};
-  if (f.gu == -1 && PyErr_Occurred()) return NULL;
-  if ((f.d = wtype_arg(st, d)) == -1 && PyErr_Occurred()) return NULL;
+  tdm_moe_wfmt f;
+  if (fmt_arg(st, fmt, &f) < 0) return NULL;
   if (!self->ops->experts_q) return tdmpy_raise_msg(st, TDM_ENOTSUP, "this backend's table "
                                                     "has no experts_q()");
   return done(st, self->ops->experts_q(self->st, mqueue(self), P(x), P(rows), P(slot), n,
@@ -282,12 +288,11 @@ static PyObject *moeops_graph_free(MoeOpsObject *self, PyObject *arg) {
  * are not whole blocks. */
 static PyObject *moeops_expert_bytes(PyObject *cls, PyObject *args) {
   tdmpy_state *st = tdmpy_state_of_type((PyTypeObject *)cls);
-  PyObject *gu, *d;
+  PyObject *fmt;
   int H, I;
-  if (!PyArg_ParseTuple(args, "(OO)ii:expert_bytes", &gu, &d, &H, &I)) return NULL;
-  tdm_moe_wfmt f = {wtype_arg(st, gu), 0};
-  if (f.gu == -1 && PyErr_Occurred()) return NULL;
-  if ((f.d = wtype_arg(st, d)) == -1 && PyErr_Occurred()) return NULL;
+  tdm_moe_wfmt f;
+  if (!PyArg_ParseTuple(args, "Oii:expert_bytes", &fmt, &H, &I) || fmt_arg(st, fmt, &f) < 0)
+    return NULL;
   return PyLong_FromSize_t(tdm_moe_expert_size(f, H, I));
 }
 

@@ -29,6 +29,13 @@ static long find(uintptr_t p) {
   return -1;
 }
 
+/* Erases entry i. Caller holds reg_lock for writing. */
+static void reg_erase(size_t i) {
+  memmove(&reg[i], &reg[i + 1], (reg_n - i - 1) * sizeof *reg);
+  reg_n--;
+  atomic_fetch_sub(&tdm__g.n_allocs, 1);
+}
+
 static int reg_insert(const tdm__alloc *a) {
   pthread_rwlock_wrlock(&reg_lock);
   if (reg_n == reg_cap) {
@@ -47,17 +54,10 @@ static int reg_insert(const tdm__alloc *a) {
    * after the backend has freed it natively (cudaFreeAsync): in between, the driver may hand
    * its range out again, to this allocation. Such an entry is gone already; it goes now (its
    * free command then finds nothing to remove). Any other overlap is an error. */
-  for (size_t j = 0; j < reg_n;) {
-    if (reg[j].freeing && reg[j].base < a->base + a->size && a->base < reg[j].base + reg[j].size) {
-      memmove(&reg[j], &reg[j + 1], (reg_n - j - 1) * sizeof *reg);
-      reg_n--;
-      atomic_fetch_sub(&tdm__g.n_allocs, 1);
-    } else {
-      j++;
-    }
-  }
   size_t i = 0;
   while (i < reg_n && reg[i].base < a->base) i++;
+  if (i > 0 && reg[i - 1].freeing && reg[i - 1].base + reg[i - 1].size > a->base) reg_erase(--i);
+  while (i < reg_n && reg[i].freeing && reg[i].base < a->base + a->size) reg_erase(i);
   if ((i < reg_n && reg[i].base < a->base + a->size) ||
       (i > 0 && reg[i - 1].base + reg[i - 1].size > a->base)) {
     pthread_rwlock_unlock(&reg_lock);
@@ -82,10 +82,8 @@ static int reg_remove(uintptr_t p, tdm__alloc *out) {
                       (void *)p);
   }
   *out = reg[i];
-  memmove(&reg[i], &reg[i + 1], (reg_n - (size_t)i - 1) * sizeof *reg);
-  reg_n--;
+  reg_erase((size_t)i);
   pthread_rwlock_unlock(&reg_lock);
-  atomic_fetch_sub(&tdm__g.n_allocs, 1);
   return 0;
 }
 
@@ -183,14 +181,11 @@ void tdm__mem_finish_free(void *ptr, bool freed) {
   /* Not there: reg_insert dropped it (its range was handed out again, so it was freed). */
   if (i >= 0 && reg[i].base == (uintptr_t)ptr && reg[i].freeing) {
     a = reg[i];
-    memmove(&reg[i], &reg[i + 1], (reg_n - (size_t)i - 1) * sizeof *reg);
-    reg_n--;
+    reg_erase((size_t)i);
     found = true;
   }
   pthread_rwlock_unlock(&reg_lock);
-  if (!found) return;
-  atomic_fetch_sub(&tdm__g.n_allocs, 1);
-  if (!freed) release_entry(&a);
+  if (found && !freed) release_entry(&a);
 }
 
 void tdm__mem_free_all(void) {
