@@ -20,6 +20,14 @@ Configurations (--configs):
   tandem0-torchops, tandem50-torchops
               as tandem0 and tandem50 with grouped=False: the experts computed by PyTorch's
               operators one expert at a time instead of libtandem_moe's grouped operations
+  tandem0-mapped, tandem50-mapped
+              as tandem0 and tandem50 with policy="mapped": a fixed resident set (the most
+              routed experts of the prefills), and decode reads the other experts where they
+              lie in pinned host memory, routing on the device (no copy, no host round trip)
+  tandem100-graph, tandem50-graph, tandem0-graph
+              decode only (no prefill rows): tandem100, tandem50-mapped and tandem0-mapped
+              with transformers' StaticCache, a decode step captured once in a CUDA graph
+              (torch.cuda.graph, after one eager step) and replayed for every token
 
 Measured per configuration: prefill of 1 x T random tokens for each T in --prefill (one
 forward, no cache, after a warm-up forward; median of --reps), and decode of --decode tokens
@@ -62,10 +70,18 @@ from benchinfo import commit, utc_now, write_json
 
 SKIP = 77
 CONFIGS = ("resident", "accelerate", "tandem0", "tandem50", "tandem100", "tandem0-torchops",
-           "tandem50-torchops")
-# tandem's configurations: (budget, grouped)
-TANDEM = {"tandem0": (0, None), "tandem50": ("50%", None), "tandem100": ("100%", None),
-          "tandem0-torchops": (0, False), "tandem50-torchops": ("50%", False)}
+           "tandem50-torchops", "tandem0-mapped", "tandem50-mapped", "tandem100-graph",
+           "tandem50-graph", "tandem0-graph")
+# tandem's configurations: (budget, grouped, policy, decode in a CUDA graph)
+TANDEM = {"tandem0": (0, None, "auto", False), "tandem50": ("50%", None, "auto", False),
+          "tandem100": ("100%", None, "auto", False),
+          "tandem0-torchops": (0, False, "auto", False),
+          "tandem50-torchops": ("50%", False, "auto", False),
+          "tandem0-mapped": (0, None, "mapped", False),
+          "tandem50-mapped": ("50%", None, "mapped", False),
+          "tandem100-graph": ("100%", None, "auto", True),
+          "tandem50-graph": ("50%", None, "mapped", True),
+          "tandem0-graph": (0, None, "mapped", True)}
 PEAK_BYTES = 1 << 30
 GOALS = {"prefill_link_fraction": 0.85, "prefill_vs_accelerate": 8.0, "decode_vs_accelerate": 20.0}
 
@@ -177,9 +193,10 @@ class Setup:
     """A configuration's model plus what it knows about its copies: `handle` (tandem's) or
     `bytes_per_forward` (accelerate copies every expert of every layer each forward)."""
 
-    def __init__(self, model, handle=None, bytes_per_forward=0, note=""):
+    def __init__(self, model, handle=None, bytes_per_forward=0, note="", graph=False):
         self.model, self.handle, self.bytes_per_forward, self.note = \
             model, handle, bytes_per_forward, note
+        self.graph = graph
 
     def reset(self):
         if self.handle is not None:
@@ -220,7 +237,7 @@ def setup_accelerate(torch, transformers, cfg, a):
                  note=f"accelerate {accelerate.__version__}, dispatch_model, experts on cpu"), None
 
 
-def setup_tandem(torch, transformers, cfg, a, budget, grouped):
+def setup_tandem(torch, transformers, cfg, a, budget, grouped, policy, graph):
     try:
         import tandem
         import tandem.torch as tt
@@ -230,11 +247,12 @@ def setup_tandem(torch, transformers, cfg, a, budget, grouped):
         return None, "this tandem build has no Streamer"
     model = build_model(torch, transformers, cfg, a.seed, a.device)
     handle = tt.offload_experts(model, budget=budget, slots=a.slots, device=a.device,
-                                grouped=grouped)
+                                grouped=grouped, policy=policy)
     free(torch)
     path = "grouped operations" if handle.stats().get("grouped") else "PyTorch per expert"
     return Setup(model, handle=handle, note=f"budget {budget!r} = {handle.budget_bytes} bytes, "
-                 f"{a.slots} slots, {path}"), None
+                 f"{a.slots} slots, {path}, policy {policy!r}"
+                 + (", decode in a CUDA graph" if graph else ""), graph=graph), None
 
 
 def expert_bytes(cfg):
@@ -332,13 +350,56 @@ def decode_steps(torch, s, cfg, a, trace=None):
     return walls, st
 
 
-def measure_decode(torch, s, cfg, a, peak, trace=None):
-    walls, st = decode_steps(torch, s, cfg, a, trace)
+def decode_steps_graph(torch, transformers, s, cfg, a):
+    """As decode_steps, with transformers' StaticCache and one CUDA graph of a decode step:
+    after the prefix, one eager step on a side stream (which settles the offload's resident
+    set), then the capture; every timed step is a replay, the argmax and the position's
+    increment. The first replay recomputes the eager step's position."""
+    dev = torch.device(a.device)
+    ids = tokens(torch, cfg, a.decode_prefix, a.seed + 1, a.device)
+    cache = transformers.StaticCache(config=cfg, max_cache_len=a.decode_prefix + a.decode + 2)
+    walls = []
+    with torch.no_grad():
+        out = s.model(ids, past_key_values=cache, use_cache=True,
+                      cache_position=torch.arange(a.decode_prefix, device=dev))
+        sid = out.logits[:, -1:].argmax(-1)
+        pos = torch.tensor([a.decode_prefix], device=dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            s.model(sid, past_key_values=cache, cache_position=pos, use_cache=True)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = s.model(sid, past_key_values=cache, cache_position=pos,
+                             use_cache=True).logits
+
+        def step():
+            graph.replay()
+            sid.copy_(logits[:, -1:].argmax(-1))
+            pos.add_(1)
+        for i in range(a.decode):
+            if i == 1:
+                s.reset()
+            w, _ = timed(torch, step)
+            if i >= 1:
+                walls.append(w)
+        st = s.handle.stats() if s.handle is not None else None
+    return walls, st
+
+
+def measure_decode(torch, s, cfg, a, peak, trace=None, transformers=None):
+    if s.graph:
+        walls, st = decode_steps_graph(torch, transformers, s, cfg, a)
+    else:
+        walls, st = decode_steps(torch, s, cfg, a, trace)
     n = len(walls)
+    moved = st["bytes_copied"] + st.get("bytes_read_in_place", 0) if st else 0
     r = {"tokens": a.decode, "timed_tokens": n, "prefix": a.decode_prefix,
          "tokens_per_s": n / sum(walls), "ms_per_token_median": statistics.median(walls) * 1e3,
-         "expert_bytes_copied_per_token": (st["bytes_copied"] / n if st else
-                                           s.bytes_per_forward)}
+         "expert_bytes_copied_per_token": (moved / n if st else s.bytes_per_forward)}
+    if st:
+        r["expert_bytes_read_in_place_per_token"] = st.get("bytes_read_in_place", 0) / n
     if st:
         routed = cfg.num_hidden_layers * cfg.num_experts_per_tok * expert_bytes(cfg)
         miss = 1.0 - st["hit_rate"]
@@ -481,8 +542,9 @@ def measure_config(name, torch, transformers, cfg, a, peak, doc):
         # A trace of one prefill of tandem0 and of one decode step of tandem50, when asked.
         ptrace = {"file": a.trace_prefill} if a.trace_prefill and name == "tandem0" else None
         dtrace = {"file": a.trace_decode} if a.trace_decode and name == "tandem50" else None
-        res["prefill"] = measure_prefill(torch, s, cfg, a, peak, ptrace)
-        res["decode"] = measure_decode(torch, s, cfg, a, peak, dtrace)
+        # A graph configuration's prefill is its eager twin's: not measured again.
+        res["prefill"] = [] if s.graph else measure_prefill(torch, s, cfg, a, peak, ptrace)
+        res["decode"] = measure_decode(torch, s, cfg, a, peak, dtrace, transformers)
         for key, t in (("trace_prefill", ptrace), ("trace_decode", dtrace)):
             if t is not None:
                 doc[key] = t["breakdown"]
@@ -506,12 +568,12 @@ def derive(results):
                             for p, q in zip(t["prefill"], u["prefill"])},
                 "decode": t["decode"]["tokens_per_s"] / u["decode"]["tokens_per_s"]}
 
-    for name in ("tandem0", "tandem50", "tandem100"):
+    for name in TANDEM:
         t = by.get(name)
-        if t is None:
+        if t is None or name.endswith("-torchops"):
             continue
         d[name] = {}
-        if acc is not None:
+        if acc is not None and t["prefill"]:
             r = ratios(t, acc)
             d[name]["prefill_vs_accelerate"] = r["prefill"]
             d[name]["decode_vs_accelerate"] = r["decode"]
@@ -520,6 +582,13 @@ def derive(results):
         ops = by.get(name + "-torchops")
         if ops is not None:           # libtandem_moe's grouped operations, over PyTorch's
             d[name]["grouped_vs_torchops"] = ratios(t, ops)
+        base = name.rsplit("-", 1)[0]
+        if name.endswith("-mapped") and base in by:   # in place over copies into the cache
+            d[name]["decode_vs_" + base] = ratios(t, by[base])["decode"]
+        if name.endswith("-graph"):   # the graph over the same handle decoding eagerly
+            eager = base if base == "tandem100" else base + "-mapped"
+            if eager in by:
+                d[name]["decode_vs_" + eager] = ratios(t, by[eager])["decode"]
     return d
 
 
@@ -530,7 +599,7 @@ def fmt(v, spec=".2f"):
 def report(results, derived, peak, trace, ptrace=None):
     lines = [f"link peak (one {PEAK_BYTES >> 30} GiB pinned H2D copy, best of 3): "
              f"{peak / 1e9:.1f} GB/s", ""]
-    lines.append(f"{'config':<17} {'phase':<13} {'tok/s':>10} {'ms':>9} {'GB copied':>10} "
+    lines.append(f"{'config':<17} {'phase':<13} {'tok/s':>10} {'ms':>9} {'GB moved':>10} "
                  f"{'link frac':>9} {'hit rate':>8} {'link bound':>10} {'x accel':>8}")
     for r in results:
         if "prefill" not in r:
@@ -552,7 +621,8 @@ def report(results, derived, peak, trace, ptrace=None):
                      f"{fmt(q.get('link_fraction')):>9} {fmt(q.get('hit_rate')):>8} "
                      f"{fmt(q.get('link_bound_tokens_per_s'), '.1f'):>10} "
                      f"{fmt(dv.get('decode_vs_accelerate')):>8}")
-    lines.append("(decode: tok/s after the first token, ms = median per token, GB per token; "
+    lines.append("(decode: tok/s after the first token, ms = median per token, GB per token "
+                 "copied or read in place; "
                  "link bound = peak / (routed expert bytes per token x (1 - hit rate)) tok/s)")
     for name, dv in derived.items():
         g = dv.get("grouped_vs_torchops")
@@ -563,6 +633,9 @@ def report(results, derived, peak, trace, ptrace=None):
         if "decode_vs_resident" in dv:
             lines.append(f"{name}: decode over transformers' all-resident model: "
                          f"{fmt(dv['decode_vs_resident'])}x")
+        for k, v in dv.items():
+            if k.startswith("decode_vs_tandem"):
+                lines.append(f"{name}: decode over {k[len('decode_vs_'):]}: {fmt(v)}x")
     if trace and "wall_us" in trace:
         w = trace["wall_us"] or 1.0
         lines.append("")

@@ -146,6 +146,11 @@ typedef struct tdm_moe_ops {
    * slot have n entries (device memory); entries must not name the same slot twice.
    * - Every expert's weights lie in the tandem allocation that holds wbase (the streamer's
    *   slots are one allocation), so one table serves resident and streamed experts alike.
+   *   A wbase that lies in no tandem allocation (a small aligned address such as 16) makes
+   *   the offsets addresses, unchecked: an entry may then name any memory the device reads,
+   *   the caller vouching for it. CUDA reads pinned host memory so, in place, across the
+   *   link (decode with host-placed experts and no copy); the CPU reads host memory; OpenCL
+   *   names memory by buffer and takes no such table.
    * - An expert's output depends only on its weights and its own tokens, never on the other
    *   entries or G: splitting a layer's experts into groups differently (as they land, say)
    *   gives the same bits.

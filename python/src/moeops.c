@@ -356,7 +356,9 @@ static PyMethodDef moeops_methods[] = {
      "The G entries of groups in one submission: out[slot] = SwiGLU expert of x[row]. fmt:\n"
      "None for bf16 experts, or (gate_up_type, down_type) for a file's blocks, each a name\n"
      "('f16', 'bf16', 'q8_0', 'q4_k', 'q6_k', 'mxfp4') or moe_ops.h's number; groups' w then\n"
-     "counts 2-byte units from wbase (an expert starts at an even byte)."},
+     "counts 2-byte units from wbase (an expert starts at an even byte). Weights lie in\n"
+     "wbase's tandem allocation; a wbase in none (16, say) lets the offsets name any memory\n"
+     "the device reads, unchecked (on CUDA, pinned host memory is read in place)."},
     {"combine", (PyCFunction)moeops_combine, METH_VARARGS,
      "combine(y, out, weights, T, H, k)\n--\n\n"
      "y[t] += sum over j < k of weights[t*k + j] * out[t*k + j], j ascending."},

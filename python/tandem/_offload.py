@@ -276,14 +276,29 @@ def combine(per_slot: Sequence[Sequence[Any]], zero: Any) -> List[Any]:
 
 
 def policy_for(policy: str, tokens: int, batch: int) -> str:
-    """The streamer policy of one pass: "static" or "lru" as asked, or under "auto" LRU for
-    decode (one new token per sequence) and the static set for prefill (cyclic scans over
-    every expert, where LRU evicts what the next layer pass needs)."""
-    if policy in ("static", "lru"):
+    """The streamer policy of one pass: "static", "lru" or "mapped" as asked, or under "auto"
+    LRU for decode (one new token per sequence) and the static set for prefill (cyclic scans
+    over every expert, where LRU evicts what the next layer pass needs). "mapped" is the static
+    set for every pass (its decode reads the other experts in place, see tandem.torch)."""
+    if policy in ("static", "lru", "mapped"):
         return policy
     if policy == "auto":
         return "lru" if tokens <= batch else "static"
-    raise OffloadError(f"policy={policy!r}: expected 'auto', 'static' or 'lru'")
+    raise OffloadError(f"policy={policy!r}: expected 'auto', 'static', 'lru' or 'mapped'")
+
+
+def is_decode(tokens: int, batch: int) -> bool:
+    """A pass of one new token per sequence."""
+    return tokens <= batch
+
+
+def resident_drift(current: Sequence[int], wanted: Sequence[int]) -> float:
+    """The share of `wanted` (a resident set chosen afresh) that `current` lacks: 0.0 when the
+    sets agree, 1.0 when they share nothing (or `current` is empty and `wanted` is not)."""
+    if not wanted:
+        return 0.0
+    have = set(current)
+    return sum(1 for k in wanted if k not in have) / len(wanted)
 
 
 def resident_keys(counts: Sequence[int], n: int) -> List[int]:

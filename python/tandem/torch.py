@@ -29,8 +29,8 @@ computes those already on the device while the others land (Streamer.schedule); 
 static policy every copy the layer needs starts at once on the prefetch queue, as soon as the
 routing is known, and under LRU (where a prefetch could evict a cached expert the layer still
 needs) the acquires run ahead of compute, a window of slots - 1 experts, so demand copies
-overlap the experts before them. Once a layer's experts are queued, the next block's experts as its router
-predicts them from this block's input (the predictor rides in the same count copy) are
+overlap the experts before them. Once a layer's experts are queued, the next block's experts
+as its router predicts them from this block's input (the predictor rides in the same count copy) are
 prefetched, so their copies run while this layer computes. Each expert comes as a device
 pointer plus a device-side wait on the compute stream, is computed on PyTorch's current stream
 of the pass (tandem's compute queue is a torch stream the handle owns, adopted by tandem; the
@@ -55,19 +55,34 @@ differ from the per-expert path's within rounding: other kernels).
 Results are bitwise independent of the policy, the budget and the order experts are computed
 in: an expert's weighted output goes to its own rows of an expert-sorted buffer (inputs and
 routing weights are gathered in that order once, so an expert's are slices), the buffer goes
-back to (token, k) order in one copy, and the block output is summed from it afterwards, in an order fixed by the buffer's shape, never
-accumulated in compute order. An expert always computes the same rows, in the same order, with
-the same kernels, wherever its weights came from. The all-resident reference is this same code
-path with a budget of "100%". The combine is one sum over k of the weighted outputs, kept in
-the dtype the weighting gives (float32 under Mixtral's float32 routing weights), rounded to the
-hidden dtype once, as transformers' grouped_mm experts do; against transformers' own forward
-the difference is within bf16 rounding (other GEMM kernels, other summation order).
+back to (token, k) order in one copy, and the block output is summed from it afterwards, in an
+order fixed by the buffer's shape, never accumulated in compute order. An expert always
+computes the same rows, in the same order, with the same kernels, wherever its weights came
+from. The all-resident reference is this same code path with a budget of "100%". The combine
+is one sum over k of the weighted outputs, kept in the dtype the weighting gives (float32 under
+Mixtral's float32 routing weights), rounded to the hidden dtype once, as transformers'
+grouped_mm experts do; against transformers' own forward the difference is within bf16
+rounding (other GEMM kernels, other summation order).
 
 Policies: "static" keeps a fixed set resident (the most routed experts seen so far, else key
 order), which suits prefill's scans over every expert; "lru" makes every slot one LRU cache,
 which suits decode. "auto" (the default) uses LRU for decode passes (one token per sequence)
 and the static set for prefill. The streamer's policy is fixed at creation, so switching
-recreates the streamer (resident experts are loaded again); results never change.
+recreates the streamer (resident experts are loaded again); results never change. "mapped"
+(grouped path only) keeps the static set for every pass; prefill streams the other experts
+through the staging slots, and a decode pass reads them where they lie in the pinned host
+buffer, inside the expert kernels, across the link: nothing is copied, acquired or sent back
+to the host, so decode is a handful of launches a layer, as with every expert resident. The
+first decode pass after a prefill chooses the set again from the counts seen so far when more
+than a tenth of it has changed (the resident experts are loaded again, once).
+
+CUDA graphs: where every block takes the device table (budget "100%", or policy "mapped"
+decoding), a pass only submits work on PyTorch's current stream and never waits for the
+device, so a decode step can be captured (torch.cuda.graph, with transformers' StaticCache;
+run one eager step first, which settles the resident set) and replayed for each token. The
+graph reads the handle's table, which is rewritten in place whenever the set changes, so it
+stays valid until restore(). Replays count in stats() (device_routed_pairs and hits), not in
+busy_s or device_routed_layers.
 
 restore() puts the original parameter objects back on the devices they were on at offload time
 (new device memory, the same Parameter objects, so references held elsewhere stay valid), puts
@@ -104,6 +119,14 @@ _GROUP_BYTES = 16  # a tdm_moe_group: int64 w, int32 first, int32 count
 # token prefill of 128 experts, top 8) and 0.51x at 128.
 _GROUPED_ROWS = 64
 
+# experts() takes each expert's weights as 2-byte offsets from a base; a base that lies in no
+# tandem allocation lets the offsets name any memory the device reads (the streamer's slots,
+# pinned host memory), unchecked: the device table below names every expert this way.
+_ANYWHERE = 16
+# Under policy "mapped", a decode pass after a prefill chooses the resident set again when more
+# than this share of the set the counts now ask for is not resident.
+_DRIFT = 0.1
+
 _COUNTERS = ("acquires", "hits", "resident_hits", "inflight_hits", "misses", "prefetches",
              "prefetch_hits", "prefetch_dropped", "bytes_copied")
 
@@ -126,13 +149,14 @@ def offload_experts(model: Any, budget: Union[str, int] = "8GiB", policy: str = 
     """Moves the expert weights of `model`'s MoE blocks into pinned host memory and streams
     them to `device` on demand (see the module's docstring). `budget`: device bytes for
     resident experts ("8GiB", "500MB", an int, or "25%" of the experts' bytes); `policy`:
-    "auto", "static" or "lru"; `slots`: staging slots (one expert each) besides the budget;
-    `prefetch_depth`: prefetch copies in flight at most (0: as many as staging slots);
-    `lookahead`: prefetch the next block's experts as its router, applied to this block's
-    input, predicts them; `grouped`: compute a layer's experts with libtandem_moe's grouped
-    operations (tandem.MoeOps: one launch per projection) rather than PyTorch's operators per
-    expert; None (the default) where the experts allow it (bf16, SwiGLU with SiLU, no biases),
-    True insists (an OffloadError where they do not).
+    "auto", "static", "lru" or "mapped" (see the module's docstring); `slots`: staging slots
+    (one expert each) besides the budget; `prefetch_depth`: prefetch copies in flight at most
+    (0: as many as staging slots); `lookahead`: prefetch the next block's experts as its
+    router, applied to this block's input, predicts them; `grouped`: compute a layer's
+    experts with libtandem_moe's grouped operations (tandem.MoeOps: one launch per
+    projection) rather than PyTorch's operators per expert; None (the default) where the
+    experts allow it (bf16, SwiGLU with SiLU, no biases), True insists (an OffloadError where
+    they do not).
     Returns an OffloadHandle. Raises OffloadError (UnsupportedBlockError for a block type it
     does not know) or a tandem/torch error, with the model unchanged."""
     plan.policy_for(policy, 1, 1)          # reject a bad policy before anything else
@@ -172,6 +196,9 @@ def offload_experts(model: Any, budget: Union[str, int] = "8GiB", policy: str = 
     why = _why_not_grouped(blocks, dtype)
     if grouped and why:
         raise OffloadError(f"grouped=True: {why}")
+    if policy == "mapped" and (why or grouped is False):
+        raise OffloadError("policy='mapped' reads experts in place with libtandem_moe's grouped "
+                           f"operations: {why or 'grouped=False'}")
     return OffloadHandle(blocks, layout, dtype, dev, budget_bytes, slots, policy,
                          prefetch_depth, lookahead, grouped is not False and not why)
 
@@ -229,8 +256,19 @@ class OffloadHandle:
         self._ops: Any = None          # tandem.MoeOps on the queue, for the grouped path
         self._ws: Optional[torch.Tensor] = None
         self._wbase: Optional[int] = None     # the streamer's slots' allocation
-        self._wofs: Optional[torch.Tensor] = None   # every expert resident: their places
+        # The device table (every expert resident, or policy "mapped"): each expert's place
+        # from _ANYWHERE, [layers, experts] on the device. One tensor for the handle's life,
+        # rewritten in place, so a CUDA graph that reads it stays valid.
+        self._wofs: Optional[torch.Tensor] = None
+        self._table_ok = False         # _wofs names this streamer's places
+        self._residents: List[int] = []       # the static set, keys
+        self._prefilled = False        # counts came in since the set was chosen
         self._device_routed = 0        # layers grouped on the device, routing never on the host
+        # Routed (token, k) pairs by key in device-routed passes, and the resident mask they
+        # are scored against; folded into _dev_pairs/_dev_hits (and _key_counts) on the host.
+        self._dev_counts: Optional[torch.Tensor] = None
+        self._resident_mask: Optional[torch.Tensor] = None
+        self._dev_pairs = self._dev_hits = 0
         tdev = tandem.Device(f"cuda:{device.index}")
 
         # Allocate and fill everything before the model changes.
@@ -240,6 +278,8 @@ class OffloadHandle:
         self._queue = _adopt(self._stream)
         if grouped:
             self._ops = tandem.MoeOps(self._queue)
+            self._dev_counts = torch.zeros(layout.layers, layout.experts, dtype=torch.int64,
+                                           device=device)
         # This block's routed counts, then the next block's predicted ones: one copy a layer.
         self._counts = torch.empty(2 * layout.experts, dtype=torch.int64, pin_memory=True)
         self._counts_ready = torch.cuda.Event()
@@ -294,32 +334,62 @@ class OffloadHandle:
         return self._layout.expert_bytes
 
     def stats(self) -> Dict[str, Any]:
-        """The streamer's counters since offload or reset_stats(), and: hit_rate (experts
-        already resident when routed, over acquires; copies in flight are not hits; 1.0 where
-        every layer was grouped on the device, which acquires nothing), device_routed_layers
-        (those layers), grouped (whether the grouped path computes the experts),
-        link_utilization (bytes copied / time spent in the offloaded blocks' forwards, over
-        the peak of one large pinned host-to-device copy measured once in this process) and
-        busy_s (that time)."""
+        """The streamer's counters since offload or reset_stats(), and:
+        - device_routed_layers: layer passes grouped on the device (every expert resident, or
+          policy "mapped" decoding), whose routing never reached the host; their routed
+          (token, k) pairs, device_routed_pairs, of which device_routed_hits named a resident
+          expert; bytes_read_in_place: an expert's bytes for each other pair (read across the
+          link where it lies; exact for one sequence, an upper bound for a batch, where an
+          expert is read once for several tokens). Replays of a CUDA graph count too;
+        - hit_rate: experts already resident when routed, over acquires plus device-routed
+          pairs (copies in flight are not hits);
+        - grouped: whether the grouped path computes the experts;
+        - link_utilization: bytes copied and read in place / time spent in the offloaded
+          blocks' forwards (busy_s; not counting graph replays), over the peak of one large
+          pinned host-to-device copy measured once in this process."""
         with self._lock:
             st: Dict[str, Any] = dict(self._carry)
             if self._streamer is not None:
                 cur = self._streamer.stats()
                 for k, v in cur.items():
                     st[k] = st.get(k, 0) + v if k in _COUNTERS else v
-            acq = st.get("acquires", 0)
-            res = st.get("resident_hits", st.get("hits", 0) - st.get("inflight_hits", 0))
+            pairs, hits = self._device_pairs()
+            acq = st.get("acquires", 0) + pairs
+            res = st.get("resident_hits", st.get("hits", 0) - st.get("inflight_hits", 0)) + hits
             st["hit_rate"] = res / acq if acq else 1.0 if self._device_routed else 0.0
             st["device_routed_layers"] = self._device_routed
+            st["device_routed_pairs"] = pairs
+            st["device_routed_hits"] = hits
+            st["bytes_read_in_place"] = (pairs - hits) * self._layout.expert_bytes
             st["grouped"] = self._ops is not None
             st["busy_s"] = self._busy_s
             st["budget_bytes"] = self.budget_bytes
             st["policy"] = self._streamer_policy
             util = 0.0
-            if st.get("bytes_copied", 0) and self._busy_s > 0:
-                util = st["bytes_copied"] / self._busy_s / self._link_peak()
+            moved = st.get("bytes_copied", 0) + st["bytes_read_in_place"]
+            if moved and self._busy_s > 0:
+                util = moved / self._busy_s / self._link_peak()
             st["link_utilization"] = util
             return st
+
+    def _device_pairs(self) -> Tuple[int, int]:
+        """Device-routed (token, k) pairs and resident hits among them, folded and current."""
+        pairs, hits = self._dev_pairs, self._dev_hits
+        if self._dev_counts is not None and self._resident_mask is not None:
+            pairs += int(self._dev_counts.sum())
+            hits += int((self._dev_counts * self._resident_mask).sum())
+        return pairs, hits
+
+    def _fold_device_counts(self) -> None:
+        """Device-routed counts into the host's totals (and the per-key counts that choose a
+        static set), before the resident mask changes."""
+        if self._dev_counts is None or self._resident_mask is None:
+            return
+        self._dev_pairs, self._dev_hits = self._device_pairs()
+        per_key = self._dev_counts.reshape(-1).tolist()
+        for key, n in enumerate(per_key):
+            self._key_counts[key] += n
+        self._dev_counts.zero_()
 
     def reset_stats(self) -> None:
         with self._lock:
@@ -328,6 +398,8 @@ class OffloadHandle:
             self._carry = dict.fromkeys(_COUNTERS, 0)
             self._busy_s = 0.0
             self._device_routed = 0
+            self._fold_device_counts()       # the per-key counts stay: they choose sets
+            self._dev_pairs = self._dev_hits = 0
 
     def restore(self) -> None:
         """Original parameters (same objects, on their devices of offload time) and forwards
@@ -368,23 +440,46 @@ class OffloadHandle:
 
     # -- the streamer ---------------------------------------------------------------------
 
-    def _ensure_policy(self, policy: str) -> None:
+    def _ensure_policy(self, policy: str, decode: bool = False) -> None:
         if self._all_resident:
             policy = "static"    # nothing to decide: every expert stays where it was loaded
         if policy == self._streamer_policy:
+            if policy == "mapped" and decode and self._prefilled:
+                self._rechoose()
             return
+        self._open_streamer(policy)
+
+    def _open_streamer(self, policy: str) -> None:
         self._close_streamer()
         kw: Dict[str, Any] = dict(budget_bytes=self.budget_bytes, staging_slots=self.slots,
-                                  policy=policy, prefetch_depth=self._prefetch_depth)
-        if policy == "static":
-            kw["resident"] = plan.resident_keys(self._key_counts,
-                                                self.budget_bytes // self._layout.expert_bytes)
+                                  policy="static" if policy == "mapped" else policy,
+                                  prefetch_depth=self._prefetch_depth)
+        self._residents = []
+        if policy in ("static", "mapped"):
+            self._fold_device_counts()
+            self._residents = plan.resident_keys(self._key_counts,
+                                                 self.budget_bytes // self._layout.expert_bytes)
+            kw["resident"] = self._residents
         lay = self._layout
         self._streamer = _streamer_type()(self._queue, lay.layers, lay.experts,
                                           lay.expert_bytes, self._host, **kw)
         self._streamer_policy = policy
-        if self._ops is not None and self._all_resident:
+        self._prefilled = False
+        if self._ops is not None and (self._all_resident or policy == "mapped"):
             self._learn_places()
+
+    def _rechoose(self) -> None:
+        """Policy "mapped", a decode pass after a prefill: the static set again from the counts
+        seen so far, where it has drifted more than _DRIFT (the streamer is made again, its
+        resident experts loaded again)."""
+        self._prefilled = False
+        self._fold_device_counts()
+        wanted = plan.resident_keys(self._key_counts,
+                                    self.budget_bytes // self._layout.expert_bytes)
+        if plan.resident_drift(self._residents, wanted) > _DRIFT:
+            # A CUDA graph replayed on any stream may still read the old places.
+            torch.cuda.synchronize(self._device)
+            self._open_streamer("mapped")
 
     def _close_streamer(self) -> None:
         if self._streamer is None:
@@ -397,7 +492,8 @@ class OffloadHandle:
         self._streamer = None
         self._streamer_policy = None
         self._views.clear()   # the slots' addresses die with the streamer
-        self._wbase = self._wofs = None
+        self._wbase = None
+        self._table_ok = False
 
     def _close_ops(self) -> None:
         if self._ops is not None:
@@ -455,12 +551,16 @@ class OffloadHandle:
         x = hidden_states.reshape(-1, hdim)
         _, weights, index = block.gate(x)
         ntok, topk = index.shape
-        self._ensure_policy(plan.policy_for(self.policy, ntok, bsz))
+        decode = plan.is_decode(ntok, bsz)
+        self._ensure_policy(plan.policy_for(self.policy, ntok, bsz), decode)
         caller = torch.cuda.current_stream(self._device)
         stream = self._stream
         stream.wait_stream(caller)
         with torch.cuda.stream(stream), torch.no_grad():
-            if self._ops is not None and ntok * topk <= _GROUPED_ROWS * self._layout.experts:
+            grouped = self._ops is not None and ntok * topk <= _GROUPED_ROWS * self._layout.experts
+            if grouped and self._table_ok and (self._all_resident or decode):
+                out = self._experts_device(layer, x, weights, index)
+            elif grouped:
                 out = self._experts_grouped(layer, x, weights, index, ntok, topk)
             else:
                 out = self._experts(layer, block.experts, x, weights, index, ntok, topk)
@@ -500,6 +600,7 @@ class OffloadHandle:
         base = layer * lay.experts
         for e, n in enumerate(counts):
             self._key_counts[base + e] += n
+        self._prefilled = True
         return counts, predicted
 
     def _experts(self, layer: int, experts: Any, x: torch.Tensor, weights: torch.Tensor,
@@ -511,7 +612,7 @@ class OffloadHandle:
         counts, predicted = self._route(layer, x, index, topk)
         segs = {e: (start, n) for e, start, n in plan.segments(counts)}
         order = list(s.schedule(layer, list(segs)))
-        if self._streamer_policy == "static":
+        if self._streamer_policy in ("static", "mapped"):
             # Every copy this layer needs starts now, on the prefetch queue (up to its depth):
             # under the static policy they land in staging slots and never evict a resident
             # expert. Under LRU a prefetch could evict a cached expert this layer still needs,
@@ -577,88 +678,133 @@ class OffloadHandle:
         return self._ws
 
     def _learn_places(self) -> None:
-        """With every expert resident, each one's place (bf16 elements from the slots' base)
-        goes to the device once, so that a layer's routing is grouped there and never comes
-        back to the host. Acquiring each expert once tells where it lies."""
+        """The device table: each expert's place as experts() takes it from _ANYWHERE, the
+        resident ones in the streamer's slots (acquiring a resident expert tells where it
+        lies; those acquires are not counted) and the others in the pinned host buffer, which
+        the kernels read across the link. Written to the device once per streamer, so that a
+        layer's routing is grouped there and never comes back to the host."""
         lay, s = self._layout, self._streamer
-        wofs = torch.empty(lay.layers, lay.experts, dtype=torch.int64)
-        for layer in range(lay.layers):
-            for e in range(lay.experts):
-                ptr = s.acquire(layer, e)[0]
-                s.release(layer, e)
-                if self._wbase is None:
-                    self._wbase = tandem.MoeOps.allocation(ptr)[0]
-                wofs[layer, e] = (ptr - self._wbase) // 2
-        self._wofs = wofs.to(self._device)
+        keys = lay.layers * lay.experts
+        resident = range(keys) if self._all_resident else self._residents
+        host = self._host.ptr
+        places = [(host + key * lay.expert_bytes - _ANYWHERE) // 2 for key in range(keys)]
+        mask = torch.zeros(keys, dtype=torch.int64)
+        before = s.stats()
+        for key in resident:
+            layer, e = divmod(key, lay.experts)
+            ptr = s.acquire(layer, e)[0]
+            s.release(layer, e)
+            places[key] = (ptr - _ANYWHERE) // 2
+            mask[key] = 1
+        for k, v in s.stats().items():
+            if k in _COUNTERS:
+                self._carry[k] = self._carry.get(k, 0) - (v - before.get(k, 0))
+        table = torch.tensor(places, dtype=torch.int64).view(lay.layers, lay.experts)
+        self._fold_device_counts()
+        if self._wofs is None:
+            self._wofs = table.to(self._device)
+        else:
+            self._wofs.copy_(table)
+        self._resident_mask = mask.view(lay.layers, lay.experts).to(self._device)
+        self._table_ok = True
+
+    def _grouped_buffers(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
+                         ) -> Tuple[torch.Tensor, ...]:
+        """What the grouped operations take for a pass: x, idx and weights in f32/int32, and
+        empty rows, slot, the group table and the expert-sorted output [T*k, H] in f32."""
+        ntok, topk = index.shape
+        n, dev = ntok * topk, x.device
+        return (x.to(torch.float32).contiguous(), index.to(torch.int32).contiguous(),
+                weights.to(torch.float32).contiguous(),
+                torch.empty(n, dtype=torch.int32, device=dev),
+                torch.empty(n, dtype=torch.int32, device=dev),
+                torch.empty(min(self._layout.experts, n) * _GROUP_BYTES, dtype=torch.uint8,
+                            device=dev),
+                torch.empty(n, self._layout.hidden, dtype=torch.float32, device=dev))
+
+    def _combine(self, out: torch.Tensor, wts: torch.Tensor, ntok: int, topk: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+        y = torch.zeros(ntok, self._layout.hidden, dtype=torch.float32, device=out.device)
+        self._ops.combine(y.data_ptr(), out.data_ptr(), wts.data_ptr(), ntok,
+                          self._layout.hidden, topk)
+        return y.to(dtype)
+
+    def _experts_device(self, layer: int, x: torch.Tensor, weights: torch.Tensor,
+                        index: torch.Tensor) -> torch.Tensor:
+        """The block's routed experts from the device table (every expert resident, or
+        policy "mapped" decoding: the resident ones in the slots, the others read where they
+        lie in pinned host memory): group() on the device, experts() for the whole table in
+        one launch a projection, combine() in f32. Nothing comes back to the host and nothing
+        waits for it, so a CUDA graph can hold the pass: its buffers come from PyTorch's
+        allocator for the pass (a graph's private pool while capturing), never from a cache
+        that a later pass could replace."""
+        lay, ops = self._layout, self._ops
+        H, I, E = lay.hidden, lay.intermediate, lay.experts
+        ntok, topk = index.shape
+        n = ntok * topk
+        x32, idx, wts, rows, slot, groups, out = self._grouped_buffers(x, weights, index)
+        wsb = tandem.MoeOps.workspace_bytes(n, H, I)
+        ws = torch.empty(max(wsb, 256), dtype=torch.uint8, device=x.device)
+        ops.group(idx.data_ptr(), ntok, topk, E, self._wofs[layer].data_ptr(), rows.data_ptr(),
+                  slot.data_ptr(), groups.data_ptr())
+        ops.experts(x32.data_ptr(), rows.data_ptr(), slot.data_ptr(), n, _ANYWHERE,
+                    groups.data_ptr(), min(E, n), H, I, out.data_ptr(), ws.data_ptr(), wsb)
+        flat = index.reshape(-1).to(torch.int64)
+        self._dev_counts[layer].scatter_add_(0, flat, torch.ones_like(flat))
+        self._device_routed += 1
+        return self._combine(out, wts, ntok, topk, x.dtype)
 
     def _experts_grouped(self, layer: int, x: torch.Tensor, weights: torch.Tensor,
                          index: torch.Tensor, ntok: int, topk: int) -> torch.Tensor:
         """The block's routed experts as libtandem_moe computes a layer (MoeOps, on the
-        handle's stream): the routing grouped by expert on the device (group), every routed
-        expert's gate/up and down in one launch each (experts, on the streamer's slots), and the
-        weighted sum over k (combine), in f32. With every expert resident nothing comes back to
-        the host. Otherwise the layer's counts do (one copy, as on the per-expert path), the
-        routed experts are acquired in index order, a window of staging slots at a time, and
-        each window is one experts() call on its slice of the table (the table lists routed
-        experts in index order), its places uploaded first. An expert's rows, and so the
-        result, do not depend on the windows: results are bitwise the same at every budget."""
+        handle's stream) while they stream: the layer's counts come back (one copy, as on the
+        per-expert path), the routed experts are acquired in index order, a window of staging
+        slots at a time, and each window is one experts() call on its slice of the table that
+        group() writes on the device (routed experts in index order), its places uploaded
+        first; then the weighted sum over k (combine), in f32. An expert's rows, and so the
+        result, do not depend on the windows: results are bitwise the same at every budget,
+        and as _experts_device's."""
         lay, ops, s = self._layout, self._ops, self._streamer
         H, I, E, n = lay.hidden, lay.intermediate, lay.experts, ntok * topk
         dev = x.device
-        x32 = x.to(torch.float32).contiguous()
-        idx = index.to(torch.int32).contiguous()
-        wts = weights.to(torch.float32).contiguous()
-        rows = torch.empty(n, dtype=torch.int32, device=dev)
-        slot = torch.empty(n, dtype=torch.int32, device=dev)
-        entries = min(E, n)
-        groups = torch.empty(entries * _GROUP_BYTES, dtype=torch.uint8, device=dev)
-        out = torch.empty(n, H, dtype=torch.float32, device=dev)
+        x32, idx, wts, rows, slot, groups, out = self._grouped_buffers(x, weights, index)
         wsb = tandem.MoeOps.workspace_bytes(n, H, I)
         ws = self._workspace(wsb)
         args = (x32.data_ptr(), rows.data_ptr(), slot.data_ptr(), n)
-        if self._wofs is not None:
-            ops.group(idx.data_ptr(), ntok, topk, E, self._wofs[layer].data_ptr(),
-                      rows.data_ptr(), slot.data_ptr(), groups.data_ptr())
-            ops.experts(*args, self._wbase, groups.data_ptr(), entries, H, I, out.data_ptr(),
-                        ws.data_ptr(), wsb)
-            self._device_routed += 1
-        else:
-            counts, predicted = self._route(layer, x, index, topk)
-            routed = [e for e in range(E) if counts[e]]
-            if self._streamer_policy == "static":
-                s.prefetch(layer, routed)    # see _experts: copies start now, in this order
-            window, first, at = max(1, self.slots - 1), 0, 0
-            while at < len(routed):
-                held: List[int] = []
-                try:
-                    places = [0] * E
-                    while at < len(routed) and len(held) < window:
-                        try:
-                            ptr = s.acquire(layer, routed[at])[0]
-                        except tandem.BusyError:
-                            if not held:
-                                raise
-                            break    # every slot pinned: compute the ones held first
-                        held.append(routed[at])
-                        at += 1
-                        if self._wbase is None:
-                            self._wbase = tandem.MoeOps.allocation(ptr)[0]
-                        places[held[-1]] = (ptr - self._wbase) // 2
-                    wofs = torch.tensor(places, dtype=torch.int64, pin_memory=True)
-                    wdev = wofs.to(dev, non_blocking=True)
-                    ops.group(idx.data_ptr(), ntok, topk, E, wdev.data_ptr(), rows.data_ptr(),
-                              slot.data_ptr(), groups.data_ptr())
-                    ops.experts(*args, self._wbase, groups.data_ptr() + first * _GROUP_BYTES,
-                                len(held), H, I, out.data_ptr(), ws.data_ptr(), wsb)
-                    first += len(held)
-                finally:
-                    for e in held:
-                        s.release(layer, e)    # after the window's kernels
-            if predicted:
-                s.prefetch(layer + 1, predicted)
-        y = torch.zeros(ntok, H, dtype=torch.float32, device=dev)
-        ops.combine(y.data_ptr(), out.data_ptr(), wts.data_ptr(), ntok, H, topk)
-        return y.to(x.dtype)
+        counts, predicted = self._route(layer, x, index, topk)
+        routed = [e for e in range(E) if counts[e]]
+        if self._streamer_policy in ("static", "mapped"):
+            s.prefetch(layer, routed)    # see _experts: copies start now, in this order
+        window, first, at = max(1, self.slots - 1), 0, 0
+        while at < len(routed):
+            held: List[int] = []
+            try:
+                places = [0] * E
+                while at < len(routed) and len(held) < window:
+                    try:
+                        ptr = s.acquire(layer, routed[at])[0]
+                    except tandem.BusyError:
+                        if not held:
+                            raise
+                        break    # every slot pinned: compute the ones held first
+                    held.append(routed[at])
+                    at += 1
+                    if self._wbase is None:
+                        self._wbase = tandem.MoeOps.allocation(ptr)[0]
+                    places[held[-1]] = (ptr - self._wbase) // 2
+                wofs = torch.tensor(places, dtype=torch.int64, pin_memory=True)
+                wdev = wofs.to(dev, non_blocking=True)
+                ops.group(idx.data_ptr(), ntok, topk, E, wdev.data_ptr(), rows.data_ptr(),
+                          slot.data_ptr(), groups.data_ptr())
+                ops.experts(*args, self._wbase, groups.data_ptr() + first * _GROUP_BYTES,
+                            len(held), H, I, out.data_ptr(), ws.data_ptr(), wsb)
+                first += len(held)
+            finally:
+                for e in held:
+                    s.release(layer, e)    # after the window's kernels
+        if predicted:
+            s.prefetch(layer + 1, predicted)
+        return self._combine(out, wts, ntok, topk, x.dtype)
 
 
 def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -166,6 +166,40 @@ def test_experts_in_blocks(device, rng, fmt):
         ops.experts(px, prows, pslot, n, pw, pgroups, e, h, i, pout, 0, 0, fmt=("q9", "q8_0"))
 
 
+def test_experts_read_anywhere(device, rng):
+    # A base in no tandem allocation (16): the offsets then name any memory the device reads.
+    # Half the experts in device memory and half in pinned host memory (which a GPU's
+    # kernels read in place, across the link) give the bits of one allocation's table.
+    if device.backend not in ("cpu", "cuda"):
+        pytest.skip(f"{device.backend}: the table names weights by allocation, not address")
+    q = tandem.Queue(device)
+    ops = open_ops(q)
+    d = Dev(q)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w_bits, _ = bf16(rng.standard_normal((E, EXPERT)) * 0.2)
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+    host = tandem.malloc(w_bits.nbytes, "pinned", device)
+    np.frombuffer(host, np.uint16)[:] = w_bits.ravel()
+    px, pidx, pw = d.put(x), d.put(idx), d.put(w_bits)
+    n, G = T * K, min(E, T * K)
+    ws = tandem.MoeOps.workspace_bytes(n, H, I)
+    pws = d.zeros(ws)
+    anywhere = 16
+    outs = []
+    for wbase, wofs in ((pw, np.arange(E, dtype=np.int64) * EXPERT),
+                        (anywhere, np.array([((pw if e % 2 else host.ptr) + 2 * e * EXPERT
+                                              - anywhere) // 2 for e in range(E)], np.int64))):
+        prows, pslot, pgroups = d.zeros(n * 4), d.zeros(n * 4), d.zeros(G * GROUP)
+        ops.group(pidx, T, K, E, d.put(wofs), prows, pslot, pgroups)
+        pout = d.put(np.full(n * H, np.nan, np.float32))
+        ops.experts(px, prows, pslot, n, wbase, pgroups, G, H, I, pout, pws, ws)
+        outs.append(d.get(pout, np.float32, n * H))
+    assert np.isfinite(outs[0]).all()
+    assert np.array_equal(outs[0], outs[1])
+    ops.close()
+    host.free()
+
+
 def test_graphs_where_recorded(device):
     q = tandem.Queue(device)
     ops = open_ops(q)

@@ -255,8 +255,17 @@ def test_policy_for():
     assert plan.policy_for("auto", tokens=64, batch=4) == "static"    # prefill
     assert plan.policy_for("static", 1, 1) == "static"
     assert plan.policy_for("lru", 64, 1) == "lru"
+    assert plan.policy_for("mapped", 1, 1) == plan.policy_for("mapped", 64, 1) == "mapped"
     with pytest.raises(OffloadError, match="policy"):
         plan.policy_for("lfu", 1, 1)
+    assert plan.is_decode(tokens=4, batch=4) and not plan.is_decode(tokens=5, batch=4)
+
+
+def test_resident_drift():
+    assert plan.resident_drift([1, 2, 3, 4], [4, 3, 2, 1]) == 0.0
+    assert plan.resident_drift([1, 2, 3, 4], [1, 2, 5, 6]) == 0.5
+    assert plan.resident_drift([], [7]) == 1.0
+    assert plan.resident_drift([7], []) == 0.0
 
 
 def test_resident_keys():

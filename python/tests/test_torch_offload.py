@@ -3,8 +3,10 @@ scripts/gpu-check; skipped without PyTorch, transformers, a GPU or tandem.Stream
 random-weight models, whose offloaded logits must be bitwise equal to the all-resident run for
 every budget and policy and close to transformers' own forward, on both paths (libtandem_moe's
 grouped operations, and PyTorch's operators per expert); greedy generation token for
-token; stats; and errors (unsupported block, too little device memory) that leave the model
-unchanged. The torch-free parts are tested everywhere by test_offload_plan.py."""
+token, policy "mapped" (decode reading host-placed experts in place) included; a decode step
+captured in a CUDA graph and replayed, equal to the eager steps; stats; and errors
+(unsupported block, too little device memory) that leave the model unchanged. The torch-free
+parts are tested everywhere by test_offload_plan.py."""
 import pytest
 
 import tandem
@@ -125,7 +127,7 @@ def test_logits_bitwise_for_every_budget_and_policy(env, arch, grouped):
         assert (st["device_routed_layers"] > 0) == grouped, st
         assert (st["acquires"] > 0 or grouped) and st["hit_rate"] == 1.0, st
     for budget in BUDGETS:
-        for policy in POLICIES:
+        for policy in POLICIES + ["mapped"] * grouped:
             h = tt.offload_experts(model, budget=budget, policy=policy, slots=3,
                                    grouped=grouped)
             try:
@@ -158,12 +160,77 @@ def test_greedy_generation_token_for_token(env, arch):
     with tt.offload_experts(model, budget="100%", policy="static"):
         want = generate()
     for budget in BUDGETS:
-        with tt.offload_experts(model, budget=budget, slots=2) as h:  # auto: static, then LRU
-            got = generate()
-            st = h.stats()
-        assert torch.equal(got, want), f"{arch} budget {budget}: {got} != {want}"
-        assert got.shape[1] == ids.shape[1] + 32
-        assert st["acquires"] > 0 or st["device_routed_layers"] > 0
+        for policy in ("auto", "mapped"):  # auto: static, then LRU; mapped: read in place
+            with tt.offload_experts(model, budget=budget, slots=2, policy=policy) as h:
+                got = generate()
+                st, blocks = h.stats(), len(h.blocks)
+            assert torch.equal(got, want), f"{arch} budget {budget} {policy}: {got} != {want}"
+            assert got.shape[1] == ids.shape[1] + 32
+            assert st["acquires"] > 0 or st["device_routed_layers"] > 0
+            if policy == "mapped":           # 31 decode steps grouped on the device
+                k = model.config.num_experts_per_tok
+                rows = 31 + (ids.shape[1] if budget == "100%" else 0)   # and the prompt's
+                assert st["device_routed_layers"] == (31 + (budget == "100%")) * blocks, st
+                assert st["device_routed_pairs"] == rows * blocks * k, st
+                if budget == 0:
+                    assert st["device_routed_hits"] == 0 and st["bytes_read_in_place"] > 0, st
+
+
+@pytest.mark.parametrize("budget,policy", [("100%", "auto"), ("50%", "mapped"), (0, "mapped")])
+def test_decode_step_in_a_cuda_graph(env, budget, policy):
+    # Where every block takes the device table, a decode step submits work and never waits:
+    # it is captured once (after an eager step, with transformers' StaticCache) and replayed;
+    # the replays give the eager steps' logits bitwise and count in the stats.
+    torch, transformers, tt = env
+    model = tiny(transformers, torch, "qwen3_moe")
+    ids = tokens(torch, batch=1, seq=8)
+    steps, dev = 6, torch.device("cuda")
+
+    def decode(h, graphed):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+        out = []
+        with torch.no_grad():
+            lg = model(ids, past_key_values=cache, use_cache=True,
+                       cache_position=torch.arange(ids.shape[1], device=dev)).logits
+            sid = lg[:, -1:].argmax(-1)
+            pos = torch.tensor([ids.shape[1]], device=dev)
+            if not graphed:
+                for _ in range(steps):
+                    lg = model(sid, past_key_values=cache, cache_position=pos,
+                               use_cache=True).logits
+                    out.append(lg.clone())
+                    sid, pos = lg[:, -1:].argmax(-1), pos + 1
+                return out
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                model(sid, past_key_values=cache, cache_position=pos, use_cache=True)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                glg = model(sid, past_key_values=cache, cache_position=pos,
+                            use_cache=True).logits
+            h.reset_stats()
+            for _ in range(steps):
+                graph.replay()
+                out.append(glg.clone())
+                sid.copy_(glg[:, -1:].argmax(-1))
+                pos.add_(1)
+            torch.cuda.synchronize()
+            return out
+
+    with tt.offload_experts(model, budget=budget, policy=policy, slots=2) as h:
+        want = decode(h, False)
+        got = decode(h, True)
+        st = h.stats()
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"budget {budget}: step {i} differs from the eager step"
+    layers, k = model.config.num_hidden_layers, model.config.num_experts_per_tok
+    assert st["device_routed_pairs"] == steps * layers * k, st
+    if budget == 0:
+        assert st["device_routed_hits"] == 0 and st["bytes_read_in_place"] > 0, st
+    elif budget == "100%":
+        assert st["device_routed_hits"] == st["device_routed_pairs"], st
 
 
 def test_restore_gives_back_the_same_parameters(env):
