@@ -370,7 +370,7 @@ def decode_steps_graph(torch, transformers, s, cfg, a):
             s.model(sid, past_key_values=cache, cache_position=pos, use_cache=True)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = s.model(sid, past_key_values=cache, cache_position=pos,
                              use_cache=True).logits
 

@@ -30,8 +30,8 @@ static policy every copy the layer needs starts at once on the prefetch queue, a
 routing is known, and under LRU (where a prefetch could evict a cached expert the layer still
 needs) the acquires run ahead of compute, a window of slots - 1 experts, so demand copies
 overlap the experts before them. Once a layer's experts are queued, the next block's experts
-as its router predicts them from this block's input (the predictor rides in the same count copy) are
-prefetched, so their copies run while this layer computes. Each expert comes as a device
+as its router predicts them from this block's input (the predictor rides in the same count
+copy) are prefetched, so their copies run while this layer computes. Each expert comes as a device
 pointer plus a device-side wait on the compute stream, is computed on PyTorch's current stream
 of the pass (tandem's compute queue is a torch stream the handle owns, adopted by tandem; the
 caller's stream and it wait for each other device-side around the block) and is released right
@@ -78,11 +78,12 @@ than a tenth of it has changed (the resident experts are loaded again, once).
 
 CUDA graphs: where every block takes the device table (budget "100%", or policy "mapped"
 decoding), a pass only submits work on PyTorch's current stream and never waits for the
-device, so a decode step can be captured (torch.cuda.graph, with transformers' StaticCache;
-run one eager step first, which settles the resident set) and replayed for each token. The
-graph reads the handle's table, which is rewritten in place whenever the set changes, so it
-stays valid until restore(). Replays count in stats() (device_routed_pairs and hits), not in
-busy_s or device_routed_layers.
+device, so a decode step can be captured (torch.cuda.graph with capture_error_mode=
+"thread_local", since tandem's own threads may query the device meanwhile, and transformers'
+StaticCache; run one eager step first, which settles the resident set) and replayed for each
+token. The graph reads the handle's table, which is rewritten in place whenever the set
+changes, so it stays valid until restore(). Replays count in stats() (device_routed_pairs and
+hits), not in busy_s or device_routed_layers.
 
 restore() puts the original parameter objects back on the devices they were on at offload time
 (new device memory, the same Parameter objects, so references held elsewhere stay valid), puts

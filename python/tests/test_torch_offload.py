@@ -207,7 +207,7 @@ def test_decode_step_in_a_cuda_graph(env, budget, policy):
                 model(sid, past_key_values=cache, cache_position=pos, use_cache=True)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 glg = model(sid, past_key_values=cache, cache_position=pos,
                             use_cache=True).logits
             h.reset_stats()
