@@ -11,16 +11,23 @@ from dataclasses import dataclass
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 # Block classes whose forward offload_experts knows how to replace: the router is the block's
-# `gate` (returning logits, weights, indices) and the experts are one module with fused 3-D
-# parameters. A block with more than that (Qwen2-MoE's shared expert, say) would lose the extra
-# part, so support is by class name as well as by structure.
+# `gate` (gpt-oss: `router`), returning logits, weights [T, k] and indices [T, k], and the
+# experts are one module with fused 3-D parameters. A block with more than that (Qwen2-MoE's
+# shared expert, say) would lose the extra part, so support is by class name as well as by
+# structure.
 SUPPORTED_BLOCKS = {
     "Qwen3MoeSparseMoeBlock": "qwen3_moe",
     "MixtralSparseMoeBlock": "mixtral",
     # sigmoid routing over groups of experts (its router is kept as it is); its shared experts
     # stay on the device and are added to the routed experts' output, as the block does
     "DeepseekV3MoE": "deepseek_v3",
+    # transposed experts (x @ W: gate_up [E, H, 2I] with gate and up interleaved, down
+    # [E, I, H]), biases (which stay on the device), its own clamped gate; the block returns
+    # (output, router weights)
+    "GptOssMLP": "gpt_oss",
 }
+# Kinds whose experts are transposed, biased and gated by the experts module's own _apply_gate.
+TRANSPOSED_KINDS = frozenset({"gpt_oss"})
 
 # A module is taken for an MoE block (supported or not) when it holds a child called `experts`
 # (true of every MoE block in transformers); the first such module on a path is the block, and
@@ -114,7 +121,7 @@ def find_moe_blocks(named_modules: Iterable[Tuple[str, Any]]) -> List[BlockInfo]
             raise UnsupportedBlockError(
                 f"{name or 'the model'}: MoE block type {tname} is not supported by "
                 f"offload_experts (supported: {', '.join(sorted(SUPPORTED_BLOCKS))})")
-        problem = structure_problem(module)
+        problem = structure_problem(module, kind)
         if problem:
             raise UnsupportedBlockError(f"{name}: {tname} is not shaped as expected: {problem}")
         blocks.append(BlockInfo(name, module, kind))
@@ -124,27 +131,52 @@ def find_moe_blocks(named_modules: Iterable[Tuple[str, Any]]) -> List[BlockInfo]
     return blocks
 
 
-def structure_problem(block: Any) -> str:
+def router_of(block: Any) -> Any:
+    """The block's router module: `gate`, or gpt-oss's `router`."""
+    gate = getattr(block, "gate", None)
+    return gate if gate is not None else getattr(block, "router", None)
+
+
+def structure_problem(block: Any, kind: str = "") -> str:
     """What keeps the block's fused expert parameters from being offloaded, or "" when
-    nothing: a router `gate` with a [E, H] weight, and `experts` with gate_up_proj
-    [E, 2I, H], down_proj [E, H, I], gated, unbiased, not transposed, concatenated."""
-    gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+    nothing: a router (`gate`, or `router` for gpt-oss) with a [E, H] weight, and `experts`
+    with gate_up_proj [E, 2I, H], down_proj [E, H, I], gated, unbiased, not transposed,
+    concatenated, with an act_fn; or, for the transposed kinds, gate_up_proj [E, H, 2I] and
+    down_proj [E, I, H] (interleaved, with biases [E, 2I] and [E, H] and an _apply_gate)."""
+    gate, experts = router_of(block), getattr(block, "experts", None)
+    transposed = kind in TRANSPOSED_KINDS
     if gate is None or experts is None:
-        return "expected a router `gate` and an `experts` module"
+        return (f"expected a router `{'router' if transposed else 'gate'}` and an `experts` "
+                "module")
     gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if gu is None or dn is None:
         return "experts have no fused gate_up_proj / down_proj parameters"
     gs, ds = tuple(gu.shape), tuple(dn.shape)
     if len(gs) != 3 or len(ds) != 3:
         return f"expected 3-D expert parameters, got gate_up_proj {gs}, down_proj {ds}"
-    e, two_i, h = gs
-    if two_i % 2 or ds != (e, h, two_i // 2):
-        return f"gate_up_proj {gs} and down_proj {ds} do not form [E, 2I, H] / [E, H, I]"
-    for attr, want in (("has_gate", True), ("has_bias", False), ("is_transposed", False),
-                       ("is_concatenated", True)):
+    if transposed:
+        e, h, two_i = gs
+        if two_i % 2 or ds != (e, two_i // 2, h):
+            return f"gate_up_proj {gs} and down_proj {ds} do not form [E, H, 2I] / [E, I, H]"
+        flags = (("has_gate", True), ("has_bias", True), ("is_transposed", True),
+                 ("is_concatenated", False))
+    else:
+        e, two_i, h = gs
+        if two_i % 2 or ds != (e, h, two_i // 2):
+            return f"gate_up_proj {gs} and down_proj {ds} do not form [E, 2I, H] / [E, H, I]"
+        flags = (("has_gate", True), ("has_bias", False), ("is_transposed", False),
+                 ("is_concatenated", True))
+    for attr, want in flags:
         if getattr(experts, attr, want) != want:
             return f"experts.{attr} is {getattr(experts, attr)!r}, expected {want!r}"
-    if getattr(experts, "act_fn", None) is None:
+    if transposed:
+        for attr, want in (("gate_up_proj_bias", (e, two_i)), ("down_proj_bias", (e, h))):
+            got = tuple(getattr(getattr(experts, attr, None), "shape", ()))
+            if got != want:
+                return f"experts.{attr} {got}, expected {want}"
+        if getattr(experts, "_apply_gate", None) is None:
+            return "experts have no _apply_gate"
+    elif getattr(experts, "act_fn", None) is None:
         return "experts have no act_fn"
     ws = tuple(getattr(getattr(gate, "weight", None), "shape", ()))
     if ws != (e, h):
@@ -152,17 +184,28 @@ def structure_problem(block: Any) -> str:
     return ""
 
 
+def canonical_shapes(kind: str, gs: Tuple[int, ...], ds: Tuple[int, ...]
+                     ) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """A block's (gate_up, down) shapes as [E, 2I, H] / [E, H, I], whichever way its kind
+    stores them."""
+    if kind in TRANSPOSED_KINDS:
+        return (gs[0], gs[2], gs[1]), (ds[0], ds[2], ds[1])
+    return gs, ds
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
     """Where the experts live in the one pinned host buffer: key = layer * experts + e, expert
-    `key` at element key * expert_elems, each one blob [gate_up (2I x H) | down (H x I)] in
-    the parameters' dtype, row-major: the shapes F.linear takes, so the device copy is used as
-    it lands."""
+    `key` at element key * expert_elems, each one blob [gate_up | down] in the parameters'
+    dtype and layout, row-major: (2I x H | H x I), the shapes F.linear takes, or, transposed,
+    (H x 2I | I x H), the shapes x @ W takes; either way the device copy is used as it
+    lands."""
     layers: int
     experts: int
     hidden: int
     intermediate: int
     itemsize: int
+    transposed: bool = False
 
     @property
     def gate_up_elems(self) -> int:
@@ -184,23 +227,37 @@ class ExpertLayout:
     def total_bytes(self) -> int:
         return self.layers * self.experts * self.expert_bytes
 
+    @property
+    def gate_up_shape(self) -> Tuple[int, int]:
+        """One expert's gate_up matrix as stored."""
+        two_i, h = 2 * self.intermediate, self.hidden
+        return (h, two_i) if self.transposed else (two_i, h)
+
+    @property
+    def down_shape(self) -> Tuple[int, int]:
+        """One expert's down matrix as stored."""
+        i, h = self.intermediate, self.hidden
+        return (i, h) if self.transposed else (h, i)
+
     def key(self, layer: int, e: int) -> int:
         if not (0 <= layer < self.layers and 0 <= e < self.experts):
             raise IndexError(f"expert ({layer}, {e}) out of range")
         return layer * self.experts + e
 
     def gate_up_view(self, layer: int) -> Tuple[int, Tuple[int, int, int], Tuple[int, int, int]]:
-        """(offset, shape, strides) in elements of layer's gate_up_proj [E, 2I, H] inside the
-        buffer: a strided view, so the parameter can point at the host copy without another."""
-        return (self.key(layer, 0) * self.expert_elems,
-                (self.experts, 2 * self.intermediate, self.hidden),
-                (self.expert_elems, self.hidden, 1))
+        """(offset, shape, strides) in elements of layer's gate_up_proj ([E, 2I, H], or
+        [E, H, 2I] transposed) inside the buffer: a strided view, so the parameter can point
+        at the host copy without another."""
+        rows, cols = self.gate_up_shape
+        return (self.key(layer, 0) * self.expert_elems, (self.experts, rows, cols),
+                (self.expert_elems, cols, 1))
 
     def down_view(self, layer: int) -> Tuple[int, Tuple[int, int, int], Tuple[int, int, int]]:
-        """(offset, shape, strides) in elements of layer's down_proj [E, H, I]."""
+        """(offset, shape, strides) in elements of layer's down_proj ([E, H, I], or [E, I, H]
+        transposed)."""
+        rows, cols = self.down_shape
         return (self.key(layer, 0) * self.expert_elems + self.gate_up_elems,
-                (self.experts, self.hidden, self.intermediate),
-                (self.expert_elems, self.intermediate, 1))
+                (self.experts, rows, cols), (self.expert_elems, cols, 1))
 
 
 def uniform_shape(shapes: Sequence[Tuple[str, Tuple[int, ...], Tuple[int, ...]]]

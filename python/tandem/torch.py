@@ -1,5 +1,5 @@
 """tandem.torch: expert offload for PyTorch Mixture-of-Experts models (transformers' Qwen3-MoE,
-Mixtral and DeepSeek-V3 blocks), with tandem's expert streamer under them.
+Mixtral, DeepSeek-V3 and gpt-oss blocks), with tandem's expert streamer under them.
 
     handle = tandem.torch.offload_experts(model, budget="25%", device="cuda:0")
     out = model.generate(...)          # experts stream from pinned host memory
@@ -8,16 +8,18 @@ Mixtral and DeepSeek-V3 blocks), with tandem's expert streamer under them.
 What offload_experts does, in order, so that an error at any step leaves the model as it was
 (it checks everything, then allocates, then swaps):
 1. finds the MoE blocks (modules with an ``experts`` child) and checks each is a supported type
-   with the fused 3-D parameters ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], all
-   blocks with the same E, H, I and dtype; any other block type is an error naming it;
+   with the fused 3-D parameters ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]
+   (gpt-oss: [E, H, 2I] and [E, I, H], with biases, which stay on the device), all blocks
+   with the same E, H, I and dtype; any other block type is an error naming it;
 2. sizes the device side: the budget (``"8GiB"``-style sizes, plain bytes, or ``"N%"`` of the
    experts' total bytes, rounded down to whole experts) is device memory for experts that may
    stay resident; ``slots`` staging slots of one expert each come on top of it and always
    exist, so a budget of 0 streams every expert through them. The device must hold the budget
    plus the staging slots, counting the expert memory the offload gives back, else an error;
 3. copies every expert into one pinned host buffer, one contiguous blob per expert in the
-   parameters' dtype, laid out [gate_up (2I x H) | down (H x I)] (what F.linear takes, so a
-   slot is used as it lands), keyed layer * E + e over the offloaded blocks in module order;
+   parameters' dtype, laid out [gate_up (2I x H) | down (H x I)] (what F.linear takes;
+   gpt-oss's transposed [H x 2I | I x H], what x @ W takes), so a slot is used as it lands,
+   keyed layer * E + e over the offloaded blocks in module order;
 4. points each expert parameter at its strided view of that buffer (so it now lives on the
    CPU, in pinned memory, without a second host copy), creates one streamer for all blocks and
    replaces each block's forward. If the streamer cannot be created, the parameters go back.
@@ -171,8 +173,12 @@ def offload_experts(model: Any, budget: Union[str, int] = "8GiB", policy: str = 
     blocks = plan.find_moe_blocks(model.named_modules())
     if any(getattr(b.module, "_tandem_offload", None) is not None for b in blocks):
         raise OffloadError("the model's experts are offloaded already; restore() first")
-    shapes = [(b.name, tuple(b.module.experts.gate_up_proj.shape),
-               tuple(b.module.experts.down_proj.shape)) for b in blocks]
+    transposed = {b.kind in plan.TRANSPOSED_KINDS for b in blocks}
+    if len(transposed) != 1:
+        raise OffloadError("the model mixes transposed (gpt-oss) and other MoE blocks")
+    shapes = [(b.name,) + plan.canonical_shapes(b.kind, tuple(b.module.experts.gate_up_proj.shape),
+                                                tuple(b.module.experts.down_proj.shape))
+              for b in blocks]
     e, h, i = plan.uniform_shape(shapes)
     dtypes = {(b.module.experts.gate_up_proj.dtype, b.module.experts.down_proj.dtype)
               for b in blocks}
@@ -181,11 +187,12 @@ def offload_experts(model: Any, budget: Union[str, int] = "8GiB", policy: str = 
                            f"{sorted(map(str, dtypes))}")
     dtype = next(iter(dtypes))[0]
     for b in blocks:
-        rdev = b.module.gate.weight.device
+        rdev = plan.router_of(b.module).weight.device
         if rdev != dev:
             raise OffloadError(f"{b.name}: the router is on {rdev}, not on {dev}; the rest of "
                                f"the model must be on the device that computes the experts")
-    layout = plan.ExpertLayout(len(blocks), e, h, i, torch.empty((), dtype=dtype).element_size())
+    layout = plan.ExpertLayout(len(blocks), e, h, i, torch.empty((), dtype=dtype).element_size(),
+                               transposed=transposed.pop())
     budget_bytes = plan.parse_budget(budget, layout.total_bytes, layout.expert_bytes)
     staging = plan.staging_bytes(slots, layout.expert_bytes)
     free, _ = torch.cuda.mem_get_info(dev)
@@ -210,6 +217,9 @@ def _why_not_grouped(blocks: List[plan.BlockInfo], dtype: torch.dtype) -> str:
     if dtype != torch.bfloat16:
         return f"the experts are {dtype}, and the grouped operations take bfloat16"
     for b in blocks:
+        if b.kind in plan.TRANSPOSED_KINDS:
+            return (f"{b.name}: its experts are transposed, biased and gated by their own "
+                    f"clamped _apply_gate, which the grouped operations do not compute")
         ex = b.module.experts
         act = getattr(ex, "act_fn", None)
         silu = act is F.silu or isinstance(act, torch.nn.SiLU) or \
@@ -508,8 +518,8 @@ class OffloadHandle:
             lay = self._layout
             raw = torch.as_tensor(_DeviceBytes(ptr, lay.expert_bytes), device=self._device)
             w = raw.view(self._dtype)
-            v = (w[:lay.gate_up_elems].view(2 * lay.intermediate, lay.hidden),
-                 w[lay.gate_up_elems:].view(lay.hidden, lay.intermediate))
+            v = (w[:lay.gate_up_elems].view(*lay.gate_up_shape),
+                 w[lay.gate_up_elems:].view(*lay.down_shape))
             self._views[ptr] = v
         return v
 
@@ -550,7 +560,7 @@ class OffloadHandle:
         if block.training and jitter > 0:      # as MixtralSparseMoeBlock does
             hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - jitter, 1.0 + jitter)
         x = hidden_states.reshape(-1, hdim)
-        _, weights, index = block.gate(x)
+        _, weights, index = plan.router_of(block)(x)
         ntok, topk = index.shape
         decode = plan.is_decode(ntok, bsz)
         self._ensure_policy(plan.policy_for(self.policy, ntok, bsz), decode)
@@ -571,6 +581,8 @@ class OffloadHandle:
         shared = getattr(block, "shared_experts", None)
         if shared is not None:   # DeepSeek-V3: on the caller's stream, added as the block does
             out = out + shared(hidden_states)
+        if self._blocks[layer].kind == "gpt_oss":
+            return out, weights    # as GptOssMLP: (output, router weights)
         return out
 
     def _route(self, layer: int, x: torch.Tensor, index: torch.Tensor,
@@ -583,13 +595,15 @@ class OffloadHandle:
         # scatter_add_, not bincount: bincount on CUDA waits for the device to size its output.
         both = torch.zeros(2 * lay.experts, dtype=torch.int64, device=x.device)
         both[:lay.experts].scatter_add_(0, flat, torch.ones_like(flat))
-        nxt_gate = self._blocks[layer + 1].module.gate \
+        nxt_gate = plan.router_of(self._blocks[layer + 1].module) \
             if self._lookahead and layer + 1 < lay.layers else None
         if nxt_gate is not None:
-            # The predictor: the next block's router weights applied to this block's input
-            # (top-k of the logits is top-k of the softmax). A wrong guess costs copies, never
-            # results; the router module is not called, so no hook sees the guess.
-            guess = torch.topk(F.linear(x, nxt_gate.weight), topk, dim=-1).indices.reshape(-1)
+            # The predictor: the next block's router weights (and bias, gpt-oss's) applied to
+            # this block's input (top-k of the logits is top-k of the softmax). A wrong guess
+            # costs copies, never results; the router module is not called, so no hook sees it.
+            bias = getattr(nxt_gate, "bias", None)
+            logits = F.linear(x, nxt_gate.weight, bias if isinstance(bias, torch.Tensor) else None)
+            guess = torch.topk(logits, topk, dim=-1).indices.reshape(-1)
             both[lay.experts:].scatter_add_(0, guess, torch.ones_like(guess))
         self._counts.copy_(both, non_blocking=True)
         self._counts_ready.record()
@@ -628,7 +642,11 @@ class OffloadHandle:
         ys_sorted = torch.empty(ntok * topk, x.shape[1], device=x.device,
                                 dtype=torch.promote_types(x.dtype, weights.dtype))
         gate = getattr(experts, "_apply_gate", None)
-        act = experts.act_fn
+        act = getattr(experts, "act_fn", None)
+        # Transposed experts (gpt-oss) multiply as x @ W and add their biases (on the device).
+        tr = self._layout.transposed
+        gu_bias = getattr(experts, "gate_up_proj_bias", None) if tr else None
+        dn_bias = getattr(experts, "down_proj_bias", None) if tr else None
         # Acquires run ahead of compute (so demand copies overlap the experts before them),
         # at most `window` held at once, fewer than the staging slots.
         window = max(1, self.slots - 1)
@@ -649,13 +667,17 @@ class OffloadHandle:
                 gu, dn = self._slot(ptr)
                 start, n = segs[e]
                 end = start + n
-                h = F.linear(xs[start:end], gu)
+                if tr:                  # as transformers' GptOssExperts: x @ W + b
+                    h = xs[start:end] @ gu + gu_bias[e]
+                else:
+                    h = F.linear(xs[start:end], gu)
                 if gate is not None:
                     h = gate(h)
                 else:
                     g, u = h.chunk(2, dim=-1)
                     h = act(g) * u
-                torch.mul(F.linear(h, dn), ws[start:end], out=ys_sorted[start:end])
+                y = h @ dn + dn_bias[e] if tr else F.linear(h, dn)
+                torch.mul(y, ws[start:end], out=ys_sorted[start:end])
                 s.release(layer, e)              # after the expert's last kernel
                 busy = -1
         finally:

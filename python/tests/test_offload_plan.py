@@ -53,6 +53,23 @@ class DeepseekV3MoE(Qwen3MoeSparseMoeBlock):
     """Supported: its shared experts are added to the routed output by the offloaded forward."""
 
 
+class GptOssExperts(Module):
+    def __init__(self, e=8, h=64, i=32, **extra):
+        kw = dict(gate_up_proj=Shaped(e, h, 2 * i), down_proj=Shaped(e, i, h),
+                  gate_up_proj_bias=Shaped(e, 2 * i), down_proj_bias=Shaped(e, h),
+                  _apply_gate=lambda v: v, is_transposed=True, is_concatenated=False,
+                  has_bias=True)
+        kw.update(extra)
+        super().__init__(**kw)
+
+
+class GptOssMLP(Module):
+    """Transposed, biased experts; the router is called `router`."""
+
+    def __init__(self, e=8, h=64, i=32, experts=None):
+        super().__init__(router=Router(e, h), experts=experts or GptOssExperts(e, h, i))
+
+
 def named(blocks, dense=2):
     """named_modules() of a small model: a root, some dense layers, the blocks and their
     children (which discovery must not take for blocks of their own)."""
@@ -60,7 +77,8 @@ def named(blocks, dense=2):
     for n, b in enumerate(blocks):
         out.append((f"model.layers.{n}", Module()))
         out.append((f"model.layers.{n}.mlp", b))
-        out.append((f"model.layers.{n}.mlp.gate", b.gate))
+        out.append((f"model.layers.{n}.mlp.{'router' if hasattr(b, 'router') else 'gate'}",
+                    plan.router_of(b)))
         out.append((f"model.layers.{n}.mlp.experts", b.experts))
     out += [(f"model.dense.{n}", Module()) for n in range(dense)]
     return out
@@ -154,6 +172,29 @@ def test_misshapen_supported_block(experts, why):
         plan.find_moe_blocks(named([b]))
 
 
+def test_gpt_oss_blocks():
+    bs = [GptOssMLP(), GptOssMLP()]
+    found = plan.find_moe_blocks(named(bs))
+    assert [b.kind for b in found] == ["gpt_oss"] * 2
+    assert plan.router_of(bs[0]) is bs[0].router
+    assert plan.router_of(Qwen3MoeSparseMoeBlock()).weight.shape == (8, 64)
+    gs, ds = plan.canonical_shapes("gpt_oss", (8, 64, 64), (8, 32, 64))
+    assert gs == (8, 64, 64) and ds == (8, 64, 32)
+    assert plan.canonical_shapes("mixtral", (8, 64, 64), (8, 64, 32)) == ((8, 64, 64),
+                                                                          (8, 64, 32))
+
+
+@pytest.mark.parametrize("experts,why", [
+    (GptOssExperts(down_proj=Shaped(8, 64, 32)), "do not form"),       # not transposed
+    (GptOssExperts(is_concatenated=True), "is_concatenated"),
+    (GptOssExperts(down_proj_bias=Shaped(8, 32)), "down_proj_bias"),
+    (GptOssExperts(_apply_gate=None), "_apply_gate"),
+])
+def test_misshapen_gpt_oss_block(experts, why):
+    with pytest.raises(UnsupportedBlockError, match=why):
+        plan.find_moe_blocks(named([GptOssMLP(experts=experts)]))
+
+
 def test_router_shape_checked():
     b = Qwen3MoeSparseMoeBlock()
     b.gate = Router(e=4)
@@ -193,6 +234,26 @@ def test_layout_views_tile_the_buffer_exactly():
                     assert pos == base + idx[1] * 5 + idx[2]
                 else:
                     assert pos == base + lay.gate_up_elems + idx[1] * 3 + idx[2]
+    assert sorted(owner) == list(range(lay.total_bytes // 2))
+
+
+def test_transposed_layout_views_tile_the_buffer_exactly():
+    lay = plan.ExpertLayout(layers=2, experts=3, hidden=5, intermediate=3, itemsize=2,
+                            transposed=True)
+    assert lay.gate_up_shape == (5, 6) and lay.down_shape == (3, 5)
+    owner = {}
+    for layer in range(2):
+        for name, (off, shape, strides) in (("gu", lay.gate_up_view(layer)),
+                                            ("dn", lay.down_view(layer))):
+            assert shape[1:] == (lay.gate_up_shape if name == "gu" else lay.down_shape)
+            for idx in itertools.product(*map(range, shape)):
+                pos = strided_index(off, shape, strides, idx)
+                assert pos not in owner
+                owner[pos] = (layer, name, idx)
+                base = lay.key(layer, idx[0]) * lay.expert_elems   # [H x 2I | I x H]
+                want = (base + idx[1] * 6 + idx[2] if name == "gu"
+                        else base + lay.gate_up_elems + idx[1] * 5 + idx[2])
+                assert pos == want
     assert sorted(owner) == list(range(lay.total_bytes // 2))
 
 

@@ -13,6 +13,7 @@ import tandem
 from gpu import need_torch
 
 BUDGETS = [0, "25%", "50%", "100%"]
+ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
 POLICIES = ["static", "lru", "auto"]
 
 
@@ -43,6 +44,10 @@ def tiny(transformers, torch, arch, layers=3, seed=0):
         cfg = transformers.MixtralConfig(intermediate_size=32, num_local_experts=8,
                                          num_experts_per_tok=2, **common)
         cls = transformers.MixtralForCausalLM
+    elif arch == "gpt_oss":  # transposed, biased experts; sliding and full attention layers
+        cfg = transformers.GptOssConfig(intermediate_size=32, num_local_experts=8,
+                                        num_experts_per_tok=2, head_dim=16, **common)
+        cls = transformers.GptOssForCausalLM
     else:  # DeepSeek-V3: a dense first layer, then `layers` MoE layers with a shared expert,
         # sigmoid routing over 2 groups of 4 experts (1 group chosen), MLA attention
         common.update(num_hidden_layers=layers + 1, num_key_value_heads=4)
@@ -58,9 +63,24 @@ def tiny(transformers, torch, arch, layers=3, seed=0):
     # Larger expert weights than the default init, so routing and outputs are not all alike.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if ("experts" in name or ".gate." in name) and p.dtype.is_floating_point:
+            if ("experts" in name or ".gate." in name or ".router." in name) and \
+                    p.dtype.is_floating_point:
                 p.normal_(0.0, 0.2)
     return model
+
+
+def per_expert_only(tt, model, arch, grouped):
+    """gpt-oss's experts (transposed, biased, a clamped gate) take PyTorch's operators per
+    expert: grouped=True and policy "mapped" are clear errors that leave the model as it was.
+    True where the caller asked for the grouped path there (nothing more to test)."""
+    if arch != "gpt_oss":
+        return False
+    before = snapshot(model)
+    for kw in (dict(grouped=True), dict(policy="mapped")):
+        with pytest.raises(tt.OffloadError, match="transposed"):
+            tt.offload_experts(model, budget="100%", **kw)
+        assert snapshot(model) == before
+    return bool(grouped)
 
 
 def tokens(torch, batch=2, seq=24, seed=1):
@@ -83,7 +103,7 @@ def snapshot(model):
 
 
 @pytest.mark.parametrize("grouped", [True, False])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("layers", [1, 3])
 def test_close_to_transformers(env, arch, layers, grouped, record_property):
     # Other GEMM kernels and summation order than transformers' own experts: equal within
@@ -92,6 +112,8 @@ def test_close_to_transformers(env, arch, layers, grouped, record_property):
     # largest difference is reported (in the JUnit XML) and asserted on the first only.
     torch, transformers, tt = env
     model = tiny(transformers, torch, arch, layers=layers)
+    if per_expert_only(tt, model, arch, grouped):
+        return
     ids = tokens(torch)
     ref = logits(torch, model, ids)                          # transformers' own forward
     with tt.offload_experts(model, budget="100%", policy="static", grouped=grouped) as h:
@@ -110,12 +132,14 @@ def test_close_to_transformers(env, arch, layers, grouped, record_property):
 
 
 @pytest.mark.parametrize("grouped", [True, False])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_logits_bitwise_for_every_budget_and_policy(env, arch, grouped):
     # Each path against its own all-resident run (the grouped operations and PyTorch's
     # per-expert operators are other kernels: equal within rounding, not bitwise).
     torch, transformers, tt = env
     model = tiny(transformers, torch, arch)
+    if per_expert_only(tt, model, arch, grouped):
+        return
     ids = tokens(torch)
     ref = logits(torch, model, ids)
     with tt.offload_experts(model, budget="100%", policy="static", grouped=grouped) as h:
@@ -146,7 +170,7 @@ def test_logits_bitwise_for_every_budget_and_policy(env, arch, grouped):
     assert torch.equal(logits(torch, model, ids), ref), "restore() changed the model"
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_generation_token_for_token(env, arch):
     torch, transformers, tt = env
     model = tiny(transformers, torch, arch)
@@ -160,7 +184,8 @@ def test_greedy_generation_token_for_token(env, arch):
     with tt.offload_experts(model, budget="100%", policy="static"):
         want = generate()
     for budget in BUDGETS:
-        for policy in ("auto", "mapped"):  # auto: static, then LRU; mapped: read in place
+        for policy in ("auto", "mapped")[:1 + (arch != "gpt_oss")]:
+            # auto: static, then LRU; mapped (grouped experts only): read in place
             with tt.offload_experts(model, budget=budget, slots=2, policy=policy) as h:
                 got = generate()
                 st, blocks = h.stats(), len(h.blocks)
