@@ -85,7 +85,11 @@ device, so a decode step can be captured (torch.cuda.graph with capture_error_mo
 StaticCache; run one eager step first, which settles the resident set) and replayed for each
 token. The graph reads the handle's table, which is rewritten in place whenever the set
 changes, so it stays valid until restore(). Replays count in stats() (device_routed_pairs and
-hits), not in busy_s or device_routed_layers.
+hits), not in busy_s or device_routed_layers. Under torch.compile (transformers' generate()
+with a static cache compiles the decode step in mode "reduce-overhead", which records CUDA
+graphs) a block's routed experts are one custom op, tandem::offloaded_experts, so the compiled
+step holds them whole. A pass that would copy experts or choose the set again while a graph is
+captured raises OffloadError instead (policy "mapped" or budget "100%" decode in graphs).
 
 restore() puts the original parameter objects back on the devices they were on at offload time
 (new device memory, the same Parameter objects, so references held elsewhere stay valid), puts
@@ -100,9 +104,11 @@ never imports it.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 import types
+import weakref
 from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -327,6 +333,10 @@ class OffloadHandle:
             self._close_ops()
             self._release_host()
             raise
+        self._id = next(_IDS)
+        _LIVE[self._id] = self
+        if hasattr(torch, "library") and hasattr(torch.library, "custom_op"):
+            _experts_op()      # registered now, not while torch.compile traces a forward
         self._saved_forwards: List[Tuple[Any, Optional[Any]]] = []
         for layer, b in enumerate(blocks):
             self._saved_forwards.append((b.module, b.module.__dict__.get("forward")))
@@ -431,6 +441,7 @@ class OffloadHandle:
                 else:
                     module.forward = fwd
                 module.__dict__.pop("_tandem_offload", None)
+            _LIVE.pop(self._id, None)
             self._close_streamer()
             self._close_ops()
             self._release_host()
@@ -543,40 +554,21 @@ class OffloadHandle:
 
     # -- the forward ----------------------------------------------------------------------
 
-    def _block_forward(self, layer: int, block: Any, hidden_states: torch.Tensor) -> torch.Tensor:
-        with self._lock:
-            if self._restored:
-                raise OffloadError("this offload handle was restored")
-            t0 = time.perf_counter()
-            try:
-                return self._block_forward_locked(layer, block, hidden_states)
-            finally:
-                self._busy_s += time.perf_counter() - t0
-
-    def _block_forward_locked(self, layer: int, block: Any,
-                              hidden_states: torch.Tensor) -> torch.Tensor:
+    def _block_forward(self, layer: int, block: Any, hidden_states: torch.Tensor) -> Any:
+        """The replaced forward: the block's own router, the routed experts (_experts_pass),
+        then what the block adds (DeepSeek-V3's shared experts, gpt-oss's tuple). Under
+        torch.compile the routed experts are one custom op (tandem::offloaded_experts), so
+        a compiled step, and a CUDA graph of it, holds them whole."""
         bsz, seq, hdim = hidden_states.shape
         jitter = getattr(block, "jitter_noise", 0)
         if block.training and jitter > 0:      # as MixtralSparseMoeBlock does
             hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - jitter, 1.0 + jitter)
         x = hidden_states.reshape(-1, hdim)
         _, weights, index = plan.router_of(block)(x)
-        ntok, topk = index.shape
-        decode = plan.is_decode(ntok, bsz)
-        self._ensure_policy(plan.policy_for(self.policy, ntok, bsz), decode)
-        caller = torch.cuda.current_stream(self._device)
-        stream = self._stream
-        stream.wait_stream(caller)
-        with torch.cuda.stream(stream), torch.no_grad():
-            grouped = self._ops is not None and ntok * topk <= _GROUPED_ROWS * self._layout.experts
-            if grouped and self._table_ok and (self._all_resident or decode):
-                out = self._experts_device(layer, x, weights, index)
-            elif grouped:
-                out = self._experts_grouped(layer, x, weights, index, ntok, topk)
-            else:
-                out = self._experts(layer, block.experts, x, weights, index, ntok, topk)
-        caller.wait_stream(stream)
-        out.record_stream(caller)
+        if _compiling():
+            out = _experts_op()(x, weights, index, self._id, layer, bsz)
+        else:
+            out = self._experts_pass(layer, x, weights, index, bsz)
         out = out.reshape(bsz, seq, hdim)
         shared = getattr(block, "shared_experts", None)
         if shared is not None:   # DeepSeek-V3: on the caller's stream, added as the block does
@@ -584,6 +576,55 @@ class OffloadHandle:
         if self._blocks[layer].kind == "gpt_oss":
             return out, weights    # as GptOssMLP: (output, router weights)
         return out
+
+    def _experts_pass(self, layer: int, x: torch.Tensor, weights: torch.Tensor,
+                      index: torch.Tensor, bsz: int) -> torch.Tensor:
+        """The block's routed experts, [tokens, H] in x's dtype, under the handle's lock."""
+        with self._lock:
+            if self._restored:
+                raise OffloadError("this offload handle was restored")
+            t0 = time.perf_counter()
+            try:
+                return self._experts_locked(layer, x, weights, index, bsz)
+            finally:
+                self._busy_s += time.perf_counter() - t0
+
+    def _experts_locked(self, layer: int, x: torch.Tensor, weights: torch.Tensor,
+                        index: torch.Tensor, bsz: int) -> torch.Tensor:
+        ntok, topk = index.shape
+        decode = plan.is_decode(ntok, bsz)
+        policy = plan.policy_for(self.policy, ntok, bsz)
+        grouped = self._ops is not None and ntok * topk <= _GROUPED_ROWS * self._layout.experts
+        if torch.cuda.is_current_stream_capturing():
+            why = self._not_capturable(policy, decode, grouped)
+            if why:
+                raise OffloadError(f"a CUDA graph cannot hold this offloaded pass: {why}")
+        self._ensure_policy(policy, decode)
+        caller = torch.cuda.current_stream(self._device)
+        stream = self._stream
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream), torch.no_grad():
+            if grouped and self._table_ok and (self._all_resident or decode):
+                out = self._experts_device(layer, x, weights, index)
+            elif grouped:
+                out = self._experts_grouped(layer, x, weights, index, ntok, topk)
+            else:
+                out = self._experts(layer, self._blocks[layer].module.experts, x, weights,
+                                    index, ntok, topk)
+        caller.wait_stream(stream)
+        out.record_stream(caller)
+        return out
+
+    def _not_capturable(self, policy: str, decode: bool, grouped: bool) -> str:
+        """Why a pass would not only submit work (so a CUDA graph being captured cannot hold
+        it), or "": it must take the device table, with no streamer to make again first."""
+        if not (grouped and (self._all_resident or (policy == "mapped" and decode))):
+            return ("only the grouped experts with every expert resident, or policy 'mapped' "
+                    "decoding, run without waiting for the host; this pass copies experts")
+        if not self._all_resident and (policy != self._streamer_policy or self._prefilled):
+            return ("the resident set is chosen again at the first decode pass after a "
+                    "prefill; run one decode step eagerly before capturing")
+        return ""
 
     def _route(self, layer: int, x: torch.Tensor, index: torch.Tensor,
                topk: int) -> Tuple[List[int], List[int]]:
@@ -839,9 +880,44 @@ def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _make_forward(handle: OffloadHandle, layer: int) -> Any:
-    def forward(block: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(block: Any, hidden_states: torch.Tensor) -> Any:
         return handle._block_forward(layer, block, hidden_states)
     return forward
+
+
+# Live handles by id, for the custom op (which takes plain ints): weak, so a handle that is
+# never restored is still collected.
+_LIVE: "weakref.WeakValueDictionary[int, OffloadHandle]" = weakref.WeakValueDictionary()
+_IDS = itertools.count(1)
+_OP: Any = None
+
+
+def _compiling() -> bool:
+    comp = getattr(torch, "compiler", None)
+    return bool(comp is not None and hasattr(comp, "is_compiling") and comp.is_compiling())
+
+
+def _experts_op() -> Any:
+    """tandem::offloaded_experts(x, weights, index, handle, layer, batch) -> [tokens, H]: a
+    block's routed experts as one opaque operator for torch.compile, registered at first use.
+    Its fake tensor is x's shape and dtype."""
+    global _OP
+    if _OP is None:
+        @torch.library.custom_op("tandem::offloaded_experts", mutates_args=())
+        def offloaded_experts(x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor,
+                              handle: int, layer: int, batch: int) -> torch.Tensor:
+            h = _LIVE.get(handle)
+            if h is None:
+                raise OffloadError("the offload handle of this compiled model was restored")
+            return h._experts_pass(layer, x, weights, index, batch)
+
+        @offloaded_experts.register_fake
+        def _(x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, handle: int,
+              layer: int, batch: int) -> torch.Tensor:
+            return torch.empty_like(x)
+
+        _OP = offloaded_experts
+    return _OP
 
 
 def _adopt(stream: "torch.cuda.Stream") -> Any:

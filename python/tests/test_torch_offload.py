@@ -258,6 +258,27 @@ def test_decode_step_in_a_cuda_graph(env, budget, policy):
         assert st["device_routed_hits"] == st["device_routed_pairs"], st
 
 
+def test_generate_with_a_static_cache_compiles_the_step(env):
+    # transformers compiles the decode step (torch.compile, mode "reduce-overhead": CUDA
+    # graphs) when generate() runs with a static cache; the offloaded experts are one custom
+    # op there, which a graph holds under policy "mapped". Same tokens as the eager run.
+    torch, transformers, tt = env
+    pytest.importorskip("triton")
+    model = tiny(transformers, torch, "qwen3_moe")
+    ids = tokens(torch, batch=1, seq=8)
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    with tt.offload_experts(model, budget="50%", policy="mapped", slots=2) as h:
+        with torch.no_grad():
+            want = model.generate(ids, disable_compile=True, **kw)
+            h.reset_stats()
+            got = model.generate(ids, **kw)
+            again = model.generate(ids, **kw)      # replays
+        st = h.stats()
+    assert torch.equal(got, want) and torch.equal(again, want), (got, want)
+    assert st["device_routed_pairs"] >= 2 * 11 * len(h.blocks), st
+
+
 def test_restore_gives_back_the_same_parameters(env):
     torch, transformers, tt = env
     model = tiny(transformers, torch, "mixtral")
