@@ -164,3 +164,8 @@ def eventually(cond, timeout=10.0):
     while not cond() and time.monotonic() < end:
         time.sleep(0.005)
     return cond()
+
+
+def pytest_configure(config):
+    # pytest-timeout's marker, named here too so that a run without that plugin knows it
+    config.addinivalue_line("markers", "timeout(seconds): the test's own time limit")

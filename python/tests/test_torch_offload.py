@@ -258,6 +258,7 @@ def test_decode_step_in_a_cuda_graph(env, budget, policy):
         assert st["device_routed_hits"] == st["device_routed_pairs"], st
 
 
+@pytest.mark.timeout(300)    # compiling the step takes longer than the suite's per-test limit
 def test_generate_with_a_static_cache_compiles_the_step(env):
     # transformers compiles the decode step (torch.compile, mode "reduce-overhead": CUDA
     # graphs) when generate() runs with a static cache; the offloaded experts are one custom
