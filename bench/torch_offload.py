@@ -353,28 +353,38 @@ def decode_steps(torch, s, cfg, a, trace=None):
 def decode_steps_graph(torch, transformers, s, cfg, a):
     """As decode_steps, with transformers' StaticCache and one CUDA graph of a decode step:
     after the prefix, one eager step on a side stream (which settles the offload's resident
-    set), then the capture; every timed step is a replay, the argmax and the position's
-    increment. The first replay recomputes the eager step's position."""
+    set), then the capture; every timed step is the mask's update, a replay, the argmax and
+    the position's increment. The first replay recomputes the eager step's position. The
+    attention mask is as long as the cache (ones where a token is, updated in place), so SDPA
+    never attends to the cache's empty slots and the graph reads each step's."""
     dev = torch.device(a.device)
     ids = tokens(torch, cfg, a.decode_prefix, a.seed + 1, a.device)
-    cache = transformers.StaticCache(config=cfg, max_cache_len=a.decode_prefix + a.decode + 2)
+    length = a.decode_prefix + a.decode + 2
+    cache = transformers.StaticCache(config=cfg, max_cache_len=length)
+    mask = torch.zeros(1, length, dtype=torch.long, device=dev)
+    mask[:, :a.decode_prefix] = 1
     walls = []
     with torch.no_grad():
-        out = s.model(ids, past_key_values=cache, use_cache=True,
+        out = s.model(ids, attention_mask=mask, past_key_values=cache, use_cache=True,
                       cache_position=torch.arange(a.decode_prefix, device=dev))
         sid = out.logits[:, -1:].argmax(-1)
         pos = torch.tensor([a.decode_prefix], device=dev)
+        mask.index_fill_(1, pos, 1)
+
+        def forward():
+            return s.model(sid, attention_mask=mask, past_key_values=cache, cache_position=pos,
+                           use_cache=True).logits
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            s.model(sid, past_key_values=cache, cache_position=pos, use_cache=True)
+            forward()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            logits = s.model(sid, past_key_values=cache, cache_position=pos,
-                             use_cache=True).logits
+            logits = forward()
 
         def step():
+            mask.index_fill_(1, pos, 1)
             graph.replay()
             sid.copy_(logits[:, -1:].argmax(-1))
             pos.add_(1)

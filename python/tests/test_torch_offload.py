@@ -28,13 +28,13 @@ def env():
     return torch, transformers, tt
 
 
-def tiny(transformers, torch, arch, layers=3, seed=0):
+def tiny(transformers, torch, arch, layers=3, seed=0, attn="eager"):
     """A random-weight model small enough to run in well under a second, in bf16 on cuda:0.
     Qwen3-MoE with top-4 routing, so the fixed-order combine adds more than two outputs.
     `layers` MoE layers (DeepSeek-V3 has a dense one before them)."""
     common = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
-                  attn_implementation="eager")
+                  attn_implementation=attn)
     if arch == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32,
                                           num_experts=8, num_experts_per_tok=4,
@@ -207,36 +207,47 @@ def test_decode_step_in_a_cuda_graph(env, budget, policy):
     # it is captured once (after an eager step, with transformers' StaticCache) and replayed;
     # the replays give the eager steps' logits bitwise and count in the stats.
     torch, transformers, tt = env
-    model = tiny(transformers, torch, "qwen3_moe")
+    # SDPA: transformers' eager attention builds its mask from a host scalar, which a capture
+    # refuses
+    model = tiny(transformers, torch, "qwen3_moe", attn="sdpa")
     ids = tokens(torch, batch=1, seq=8)
     steps, dev = 6, torch.device("cuda")
 
     def decode(h, graphed):
+        # A static cache wants a mask as long as the cache (ones where a token is), else SDPA
+        # decodes over its empty slots too; updated in place, so a graph reads each step's.
         cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+        mask = torch.zeros(1, 32, dtype=torch.long, device=dev)
+        mask[:, :ids.shape[1]] = 1
         out = []
         with torch.no_grad():
-            lg = model(ids, past_key_values=cache, use_cache=True,
+            lg = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True,
                        cache_position=torch.arange(ids.shape[1], device=dev)).logits
             sid = lg[:, -1:].argmax(-1)
             pos = torch.tensor([ids.shape[1]], device=dev)
+
+            def step():
+                return model(sid, attention_mask=mask, past_key_values=cache,
+                             cache_position=pos, use_cache=True).logits
             if not graphed:
                 for _ in range(steps):
-                    lg = model(sid, past_key_values=cache, cache_position=pos,
-                               use_cache=True).logits
+                    mask.index_fill_(1, pos, 1)
+                    lg = step()
                     out.append(lg.clone())
                     sid, pos = lg[:, -1:].argmax(-1), pos + 1
                 return out
+            mask.index_fill_(1, pos, 1)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                model(sid, past_key_values=cache, cache_position=pos, use_cache=True)
+                step()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                glg = model(sid, past_key_values=cache, cache_position=pos,
-                            use_cache=True).logits
+                glg = step()
             h.reset_stats()
             for _ in range(steps):
+                mask.index_fill_(1, pos, 1)
                 graph.replay()
                 out.append(glg.clone())
                 sid.copy_(glg[:, -1:].argmax(-1))
@@ -265,7 +276,7 @@ def test_generate_with_a_static_cache_compiles_the_step(env):
     # op there, which a graph holds under policy "mapped". Same tokens as the eager run.
     torch, transformers, tt = env
     pytest.importorskip("triton")
-    model = tiny(transformers, torch, "qwen3_moe")
+    model = tiny(transformers, torch, "qwen3_moe", attn="sdpa")
     ids = tokens(torch, batch=1, seq=8)
     kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
               cache_implementation="static")
