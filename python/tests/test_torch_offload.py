@@ -184,8 +184,9 @@ def test_greedy_generation_token_for_token(env, arch):
     with tt.offload_experts(model, budget="100%", policy="static"):
         want = generate()
     for budget in BUDGETS:
-        for policy in ("auto", "mapped")[:1 + (arch != "gpt_oss")]:
-            # auto: static, then LRU; mapped (grouped experts only): read in place
+        for policy in ("auto", "lru", "mapped")[:2 + (arch != "gpt_oss")]:
+            # auto: mapped where the experts are grouped, else static then LRU; mapped
+            # (grouped experts only): decode reads host experts in place
             with tt.offload_experts(model, budget=budget, slots=2, policy=policy) as h:
                 got = generate()
                 st, blocks = h.stats(), len(h.blocks)
