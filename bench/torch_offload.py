@@ -21,9 +21,12 @@ Configurations (--configs):
               as tandem0 and tandem50 with grouped=False: the experts computed by PyTorch's
               operators one expert at a time instead of libtandem_moe's grouped operations
   tandem0-mapped, tandem50-mapped
-              as tandem0 and tandem50 with policy="mapped": a fixed resident set (the most
-              routed experts of the prefills), and decode reads the other experts where they
-              lie in pinned host memory, routing on the device (no copy, no host round trip)
+              as tandem0 and tandem50 with policy="mapped" (what "auto" now is where the
+              experts are grouped): a fixed resident set (the most routed experts of the
+              prefills), and decode reads the other experts where they lie in pinned host
+              memory, routing on the device (no copy, no host round trip)
+  tandem50-lru
+              as tandem50 with policy="lru": decode copies missing experts into an LRU cache
   tandem100-graph, tandem50-graph, tandem0-graph
               decode only (no prefill rows): tandem100, tandem50-mapped and tandem0-mapped
               with transformers' StaticCache, a decode step captured once in a CUDA graph
@@ -70,7 +73,8 @@ from benchinfo import commit, utc_now, write_json
 
 SKIP = 77
 CONFIGS = ("resident", "accelerate", "tandem0", "tandem50", "tandem100", "tandem0-torchops",
-           "tandem50-torchops", "tandem0-mapped", "tandem50-mapped", "tandem100-graph",
+           "tandem50-torchops", "tandem0-mapped", "tandem50-mapped", "tandem50-lru",
+           "tandem100-graph",
            "tandem50-graph", "tandem0-graph")
 # tandem's configurations: (budget, grouped, policy, decode in a CUDA graph)
 TANDEM = {"tandem0": (0, None, "auto", False), "tandem50": ("50%", None, "auto", False),
@@ -79,6 +83,7 @@ TANDEM = {"tandem0": (0, None, "auto", False), "tandem50": ("50%", None, "auto",
           "tandem50-torchops": ("50%", False, "auto", False),
           "tandem0-mapped": (0, None, "mapped", False),
           "tandem50-mapped": ("50%", None, "mapped", False),
+          "tandem50-lru": ("50%", None, "lru", False),
           "tandem100-graph": ("100%", None, "auto", True),
           "tandem50-graph": ("50%", None, "mapped", True),
           "tandem0-graph": (0, None, "mapped", True)}
@@ -593,8 +598,8 @@ def derive(results):
         if ops is not None:           # libtandem_moe's grouped operations, over PyTorch's
             d[name]["grouped_vs_torchops"] = ratios(t, ops)
         base = name.rsplit("-", 1)[0]
-        if name.endswith("-mapped") and base in by:   # in place over copies into the cache
-            d[name]["decode_vs_" + base] = ratios(t, by[base])["decode"]
+        if name.endswith("-mapped") and base + "-lru" in by:   # in place over LRU's copies
+            d[name]["decode_vs_" + base + "-lru"] = ratios(t, by[base + "-lru"])["decode"]
         if name.endswith("-graph"):   # the graph over the same handle decoding eagerly
             eager = base if base == "tandem100" else base + "-mapped"
             if eager in by:
