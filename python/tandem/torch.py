@@ -79,7 +79,7 @@ to the host, so decode is a handful of launches a layer, as with every expert re
 first decode pass after a prefill chooses the set again from the counts seen so far when more
 than a tenth of it has changed (the resident experts are loaded again, once). In-place reads
 suit a few sequences: the grouped kernels read an expert's weights again for every few
-tokens (bench/moe_inplace.py: 0.91 of a copy's rate at one token on an H100).
+tokens (bench/moe_inplace.py measures them against a copy).
 
 CUDA graphs: where every block takes the device table (budget "100%", or policy "mapped"
 decoding), a pass only submits work on PyTorch's current stream and never waits for the
