@@ -91,8 +91,9 @@ changes, so it stays valid until restore(). Replays count in stats() (device_rou
 hits), not in busy_s or device_routed_layers. Under torch.compile (transformers' generate()
 with a static cache compiles the decode step in mode "reduce-overhead", which records CUDA
 graphs) a block's routed experts are one custom op, tandem::offloaded_experts, so the compiled
-step holds them whole. A pass that would copy experts or choose the set again while a graph is
-captured raises OffloadError instead (policy "mapped" or budget "100%" decode in graphs).
+step holds them whole. A pass that would copy experts while a graph is captured raises
+OffloadError instead (policy "mapped" or budget "100%" decode in graphs); one that would
+choose the resident set again keeps it, and the next eager decode pass chooses it.
 
 restore() puts the original parameter objects back on the devices they were on at offload time
 (new device memory, the same Parameter objects, so references held elsewhere stay valid), puts
@@ -600,11 +601,14 @@ class OffloadHandle:
         decode = plan.is_decode(ntok, bsz)
         policy = plan.policy_for(self.policy, ntok, bsz)
         grouped = self._ops is not None and ntok * topk <= _GROUPED_ROWS * self._layout.experts
-        if torch.cuda.is_current_stream_capturing():
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing:
             why = self._not_capturable(policy, decode, grouped)
             if why:
                 raise OffloadError(f"a CUDA graph cannot hold this offloaded pass: {why}")
-        self._ensure_policy(policy, decode)
+        # While a graph is captured the resident set stays as it is (choosing it again makes
+        # the streamer again, which waits for the device); the next eager decode pass does it.
+        self._ensure_policy(policy, decode and not capturing)
         caller = torch.cuda.current_stream(self._device)
         stream = self._stream
         stream.wait_stream(caller)
@@ -622,13 +626,12 @@ class OffloadHandle:
 
     def _not_capturable(self, policy: str, decode: bool, grouped: bool) -> str:
         """Why a pass would not only submit work (so a CUDA graph being captured cannot hold
-        it), or "": it must take the device table, with no streamer to make again first."""
+        it), or "": it must take the device table, with no streamer to make first."""
         if not (grouped and (self._all_resident or (policy == "mapped" and decode))):
             return ("only the grouped experts with every expert resident, or policy 'mapped' "
                     "decoding, run without waiting for the host; this pass copies experts")
-        if not self._all_resident and (policy != self._streamer_policy or self._prefilled):
-            return ("the resident set is chosen again at the first decode pass after a "
-                    "prefill; run one decode step eagerly before capturing")
+        if not self._all_resident and policy != self._streamer_policy:
+            return "the streamer must be made for this policy first; run one pass eagerly"
         return ""
 
     def _route(self, layer: int, x: torch.Tensor, index: torch.Tensor,
