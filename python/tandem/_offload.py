@@ -336,7 +336,8 @@ def policy_for(policy: str, tokens: int, batch: int) -> str:
     """The streamer policy of one pass: "static", "lru" or "mapped" as asked, or under "auto"
     LRU for decode (one new token per sequence) and the static set for prefill (cyclic scans
     over every expert, where LRU evicts what the next layer pass needs). "mapped" is the static
-    set for every pass (its decode reads the other experts in place, see tandem.torch)."""
+    set for every pass (its decode reads the other experts in place, see tandem.torch, which
+    takes "auto" for "mapped" where the experts are grouped, before it asks here)."""
     if policy in ("static", "lru", "mapped"):
         return policy
     if policy == "auto":
