@@ -327,23 +327,32 @@ def measure_prefill(torch, s, cfg, a, peak, trace=None):
     return rows
 
 
+def timed_steps(torch, s, n, step):
+    """The walls of n calls of step() (a decode step and its argmax), the first left out and
+    the stats reset after it (it also moves the offload from the prefill set to decode)."""
+    walls = []
+    for i in range(n):
+        if i == 1:
+            s.reset()
+        w, _ = timed(torch, step)
+        if i >= 1:
+            walls.append(w)
+    return walls
+
+
 def decode_steps(torch, s, cfg, a, trace=None):
     """Greedy decode of a.decode tokens after a prefix; returns the per-step walls (first
     step excluded) and the stats over those steps."""
     ids = tokens(torch, cfg, a.decode_prefix, a.seed + 1, a.device)
-    walls = []
     with torch.no_grad():
         out = s.model(ids, use_cache=True)
-        past = out.past_key_values
-        nxt = out.logits[:, -1:].argmax(-1)
-        for step in range(a.decode):
-            if step == 1:
-                s.reset()
-            w, out = timed(torch, lambda: s.model(nxt, past_key_values=past, use_cache=True))
-            past = out.past_key_values
-            nxt = out.logits[:, -1:].argmax(-1)
-            if step >= 1:
-                walls.append(w)
+        state = {"past": out.past_key_values, "nxt": out.logits[:, -1:].argmax(-1)}
+
+        def step():
+            o = s.model(state["nxt"], past_key_values=state["past"], use_cache=True)
+            state["past"], state["nxt"] = o.past_key_values, o.logits[:, -1:].argmax(-1)
+        walls = timed_steps(torch, s, a.decode, step)
+        nxt, past = state["nxt"], state["past"]
         st = s.handle.stats() if s.handle is not None else None
         if trace is not None:
             # A profiler that cannot start (no CUPTI, say) costs the breakdown, not the figures.
@@ -368,7 +377,6 @@ def decode_steps_graph(torch, transformers, s, cfg, a):
     cache = transformers.StaticCache(config=cfg, max_cache_len=length)
     mask = torch.zeros(1, length, dtype=torch.long, device=dev)
     mask[:, :a.decode_prefix] = 1
-    walls = []
     with torch.no_grad():
         out = s.model(ids, attention_mask=mask, past_key_values=cache, use_cache=True,
                       cache_position=torch.arange(a.decode_prefix, device=dev))
@@ -393,12 +401,7 @@ def decode_steps_graph(torch, transformers, s, cfg, a):
             graph.replay()
             sid.copy_(logits[:, -1:].argmax(-1))
             pos.add_(1)
-        for i in range(a.decode):
-            if i == 1:
-                s.reset()
-            w, _ = timed(torch, step)
-            if i >= 1:
-                walls.append(w)
+        walls = timed_steps(torch, s, a.decode, step)
         st = s.handle.stats() if s.handle is not None else None
     return walls, st
 

@@ -484,9 +484,7 @@ class OffloadHandle:
                                   prefetch_depth=self._prefetch_depth)
         self._residents = []
         if policy in ("static", "mapped"):
-            self._fold_device_counts()
-            self._residents = plan.resident_keys(self._key_counts,
-                                                 self.budget_bytes // self._layout.expert_bytes)
+            self._residents = self._wanted_residents()
             kw["resident"] = self._residents
         lay = self._layout
         self._streamer = _streamer_type()(self._queue, lay.layers, lay.experts,
@@ -501,13 +499,16 @@ class OffloadHandle:
         seen so far, where it has drifted more than _DRIFT (the streamer is made again, its
         resident experts loaded again)."""
         self._prefilled = False
-        self._fold_device_counts()
-        wanted = plan.resident_keys(self._key_counts,
-                                    self.budget_bytes // self._layout.expert_bytes)
-        if plan.resident_drift(self._residents, wanted) > _DRIFT:
+        if plan.resident_drift(self._residents, self._wanted_residents()) > _DRIFT:
             # A CUDA graph replayed on any stream may still read the old places.
             torch.cuda.synchronize(self._device)
             self._open_streamer("mapped")
+
+    def _wanted_residents(self) -> List[int]:
+        """The static set the counts seen so far (device-routed ones folded in) ask for."""
+        self._fold_device_counts()
+        return plan.resident_keys(self._key_counts,
+                                  self.budget_bytes // self._layout.expert_bytes)
 
     def _close_streamer(self) -> None:
         if self._streamer is None:
@@ -772,7 +773,8 @@ class OffloadHandle:
             if k in _COUNTERS:
                 self._carry[k] = self._carry.get(k, 0) - (v - before.get(k, 0))
         table = torch.tensor(places, dtype=torch.int64).view(lay.layers, lay.experts)
-        self._fold_device_counts()
+        # The mask changes below: the counts scored against the old one were folded when
+        # _open_streamer (the only caller) chose this set.
         if self._wofs is None:
             self._wofs = table.to(self._device)
         else:
