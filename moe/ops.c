@@ -1,6 +1,7 @@
 /* ops.c: picks a device's MoE op table by its backend (built in for the CPU, a module of this
- * library for each GPU backend, loaded once, at first use), and sizes the workspace expert()
- * needs. Only the public API: a device's backend is what tdm_device_info_get() says. */
+ * library for each GPU backend, loaded once, at first use), sizes the workspace expert()
+ * needs, and runs a host pass (a layer's host-placed experts, called from a device's stream).
+ * Only the public API: a device's backend is what tdm_device_info_get() says. */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdbool.h>
@@ -89,3 +90,28 @@ const tdm_moe_ops *tdm_moe_ops_for(tdm_device *dev) {
 }
 
 size_t tdm_moe_ops_workspace(int n, int H, int I) { return tdm_moe__workspace(n, H, I); }
+
+void tdm_moe_host_pass_run(void *pass) {
+  tdm_moe_host_pass *p = (tdm_moe_host_pass *)pass;
+  if (!p) return;
+  int rc, n = p->T > 0 && p->k > 0 && p->T <= INT32_MAX / p->k ? p->T * p->k : -1;
+  if (!p->ops || !p->ops->name || strcmp(p->ops->name, "cpu") != 0) {
+    rc = tdm_set_error(TDM_EINVAL, 0, "moe host pass: the table is not a CPU device's");
+  } else if (n < 0 || p->E <= 0) {
+    rc = tdm_set_error(TDM_EINVAL, 0, "moe host pass: T %d, k %d, E %d", p->T, p->k, p->E);
+  } else {
+    int G = p->E < n ? p->E : n;
+    rc = p->ops->group(p->st, p->q, p->idx, p->T, p->k, p->E, p->wofs, p->rows, p->slot,
+                       p->groups);
+    if (!rc)
+      rc = p->ops->experts(p->st, p->q, p->x, p->rows, p->slot, n, p->wbase, p->groups, G, p->H,
+                           p->I, p->out, p->workspace, p->workspace_bytes);
+    int synced = tdm_queue_sync(p->q); /* the host's work is done when this returns */
+    if (!rc) rc = synced;
+  }
+  p->runs++;
+  if (rc && !p->status) {
+    p->status = rc;
+    snprintf(p->failure, sizeof p->failure, "%s", tdm_last_error());
+  }
+}

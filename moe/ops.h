@@ -17,7 +17,7 @@ extern "C" {
 
 /* The version of tdm_moe_ops a module is built against: a module returns its table only when
  * asked for this version (the table's layout changes with it). */
-#define TDM_MOE__OPS_ABI 8
+#define TDM_MOE__OPS_ABI 9
 
 /* What a module exports: its table, or NULL when abi is not TDM_MOE__OPS_ABI. */
 typedef const tdm_moe_ops *(*tdm_moe__module_fn)(int abi);

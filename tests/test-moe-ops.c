@@ -26,7 +26,9 @@
  * host task, bitwise the same; `experts_shapes_agree` checks that the CUDA grouped kernels' two
  * shapes give the same bits; `grouped_bad_args` and `experts_device_data` check argument
  * errors and bad table entries, rows and slots (skipped on a GPU, TDM_ERANGE from the sync on
- * the CPU). A table that lacks experts() or group() (the op
+ * the CPU). `host_pass` runs a layer's host-placed experts (tdm_moe_host_pass) as the device
+ * queue's host_call(), between the device's copies, against the same reference. A table that
+ * lacks experts() or group() (the op
  * tables gain them one backend at a time) skips these cases visibly (77), so the suite stays
  * green until every table has them.
  */
@@ -977,6 +979,125 @@ TEST_CASE(group_then_experts) {
   }
   free(h); free(ref);
   tdm_free(w); tdm_free(dw); tdm_free(wofs); tdm_free(dwofs);
+  teardown(&f);
+}
+
+/* ---- host_call: a layer's host-placed experts in the device's stream order --------------- */
+
+typedef struct after_pass {
+  const tdm_moe_host_pass *p;
+  long runs_seen;
+} after_pass;
+
+static int note_runs(void *arg) {
+  after_pass *a = arg;
+  a->runs_seen = a->p->runs;
+  return 0;
+}
+
+/* As a device would run a layer whose experts e % 3 == 0 the host computes: x goes to pinned
+ * memory (a copy on the device's queue), the pass runs as the queue's host call behind a slow
+ * host task, the host's slots come back to the device and are read from there. Those slots
+ * hold their expert's output by the fp64 reference, every other slot keeps the sentinel; a
+ * second call gives the same bits, work after a call sees it done, and a pass that fails
+ * (T = 0) records its error without failing the queue. Tables without host_call skip. */
+TEST_CASE(host_pass) {
+  enum { E = 12, K = 4, H = 96, I = 64, T = 3, N = T * K, G = N < E ? N : E };
+  fixture f = setup();
+  if (!f.ops->host_call) TH_SKIP("the %s table has no host_call()", f.ops->name);
+  tdm_device *cpu;
+  CHECK_OK(tdm_device_find("cpu:0", &cpu));
+  const tdm_moe_ops *hops = tdm_moe_ops_for(cpu);
+  if (!hops) TH_SKIP("no CPU MoE op table: %s", tdm_last_error());
+  tdm_queue *hq;
+  void *hst;
+  CHECK_OK(tdm_queue_create(cpu, TDM_QUEUE_IN_ORDER, &hq));
+  CHECK_OK(hops->open(hq, &hst));
+
+  int64_t *wofs = alloc(&f, TDM_MEM_PINNED, E * sizeof *wofs);
+  size_t w_elems = 0;
+  tdm_moe_bf16 *w = place_experts(&f, E, H, I, 0, wofs, &w_elems);
+  float *x = rnd_f32(&f, (size_t)T * H, 1.0f);
+  int32_t *idx = alloc(&f, TDM_MEM_PINNED, N * sizeof *idx);
+  int32_t *hidx = alloc(&f, TDM_MEM_PINNED, N * sizeof *hidx);
+  rnd_routing(&f, T, K, E, idx);
+  idx[0] = 0; /* at least one host expert */
+  int host_slots = 0;
+  for (int s = 0; s < N; s++) {
+    hidx[s] = idx[s] % 3 == 0 ? idx[s] : -1;
+    host_slots += hidx[s] >= 0;
+  }
+  CHECK(host_slots > 0 && host_slots < N);
+  float *dx = upload(&f, x, (size_t)T * H * sizeof *x);
+  float *dout = alloc(&f, TDM_MEM_DEVICE, (size_t)N * H * sizeof *dout);
+  float *xh = alloc(&f, TDM_MEM_PINNED, (size_t)T * H * sizeof *xh);
+  float *outh = alloc(&f, TDM_MEM_PINNED, (size_t)N * H * sizeof *outh);
+  float *got = alloc(&f, TDM_MEM_PINNED, (size_t)N * H * sizeof *got);
+  float *again = alloc(&f, TDM_MEM_PINNED, (size_t)N * H * sizeof *again);
+  size_t ws_bytes = tdm_moe_ops_workspace(N, H, I);
+  tdm_moe_host_pass p = {.ops = hops, .st = hst, .q = hq, .x = xh, .idx = hidx, .T = T,
+                         .k = K, .E = E, .H = H, .I = I, .wofs = wofs, .wbase = w,
+                         .rows = malloc(N * sizeof(int32_t)), .slot = malloc(N * sizeof(int32_t)),
+                         .groups = malloc(G * sizeof(tdm_moe_group)), .out = outh,
+                         .workspace = malloc(ws_bytes), .workspace_bytes = ws_bytes};
+  CHECK(p.rows && p.slot && p.groups && p.workspace);
+
+  for (int round = 0; round < 2; round++) {
+    float *result = round ? again : got;
+    for (size_t i = 0; i < (size_t)N * H; i++) outh[i] = SENTINEL;
+    CHECK_OK(tdm_memset(f.q, xh, 0, (size_t)T * H * sizeof *xh, 0, NULL, NULL));
+    CHECK_OK(tdm_queue_sync(f.q));
+    after_pass seen = {.p = &p, .runs_seen = -1};
+    CHECK_OK(tdm_host_task(f.q, slow_task, NULL, 0, NULL, NULL));
+    CHECK_OK(tdm_memcpy(f.q, xh, dx, (size_t)T * H * sizeof *xh, TDM_COPY_D2H, 0, NULL, NULL));
+    CHECK_OK(f.ops->host_call(f.st, f.q, tdm_moe_host_pass_run, &p));
+    CHECK_OK(tdm_host_task(f.q, note_runs, &seen, 0, NULL, NULL));
+    CHECK_OK(tdm_memcpy(f.q, dout, outh, (size_t)N * H * sizeof *outh, TDM_COPY_H2D, 0, NULL,
+                        NULL));
+    download(&f, result, dout, (size_t)N * H * sizeof *result);
+    CHECK_MSG(p.status == 0, "the pass failed: %s", p.failure);
+    CHECK(p.runs == round + 1 && seen.runs_seen == round + 1);
+  }
+  errsum e = {0};
+  double *h = malloc(I * sizeof *h), *ref = malloc(H * sizeof *ref);
+  CHECK(h && ref);
+  for (int s = 0; s < N; s++) {
+    const float *o = got + (size_t)s * H;
+    if (hidx[s] < 0) {
+      for (int j = 0; j < H; j++)
+        CHECK_MSG(o[j] == SENTINEL, "slot %d (the device's expert %d): out[%d] written", s,
+                  idx[s], j);
+      continue;
+    }
+    ref_expert(x + (size_t)(s / K) * H, w + wofs[hidx[s]], H, I, h, ref);
+    for (int j = 0; j < H; j++) err_add(&e, "host out", (size_t)s * H + j, o[j], ref[j]);
+  }
+  double rel = err_check(&e, "host pass");
+  CHECK_MSG(rel < 1e-4, "host pass: relative error %.3e over the CPU's 1e-4", rel);
+  CHECK_MEM_EQ(again, got, (size_t)N * H * sizeof *got);
+  printf("host pass: %d of %d slots on the host\n", host_slots, N);
+
+  /* A pass that cannot run records why; the queue goes on. */
+  tdm_moe_host_pass bad = p;
+  bad.T = 0, bad.runs = 0, bad.status = 0;
+  CHECK_OK(f.ops->host_call(f.st, f.q, tdm_moe_host_pass_run, &bad));
+  CHECK_OK(tdm_queue_sync(f.q));
+  CHECK(bad.runs == 1 && bad.status == TDM_EINVAL && strstr(bad.failure, "T 0") != NULL);
+  bad = p;
+  bad.ops = f.ops, bad.runs = 0, bad.status = 0;
+  if (strcmp(f.ops->name, "cpu") != 0) {
+    CHECK_OK(f.ops->host_call(f.st, f.q, tdm_moe_host_pass_run, &bad));
+    CHECK_OK(tdm_queue_sync(f.q));
+    CHECK(bad.runs == 1 && bad.status == TDM_EINVAL);
+  }
+  CHECK_RC(f.ops->host_call(f.st, f.q, NULL, &p), TDM_EINVAL);
+  CHECK_RC(f.ops->host_call(f.st, hq, tdm_moe_host_pass_run, &p), TDM_EINVAL);
+
+  free(h); free(ref); free(p.rows); free(p.slot); free(p.groups); free(p.workspace);
+  tdm_free(wofs); tdm_free(w); tdm_free(x); tdm_free(idx); tdm_free(hidx); tdm_free(dx);
+  tdm_free(dout); tdm_free(xh); tdm_free(outh); tdm_free(got); tdm_free(again);
+  hops->close(hst);
+  CHECK_OK(tdm_queue_destroy(hq));
   teardown(&f);
 }
 

@@ -338,7 +338,54 @@ typedef struct tdm_moe_ops {
    * on n alone, so an expert's output still depends on its weights, its own tokens and n,
    * never on the other entries or G. */
   int experts_gemm_rows;
+
+  /* Optional (NULL where a backend has none; the CPU and CUDA tables have it): calls fn(arg)
+   * on a host thread in q's stream order: once the work submitted to q before it has
+   * completed, with the work submitted after it waiting until it returns. On CUDA it is a host
+   * function of the stream (cudaLaunchHostFunc), so a stream being captured into a CUDA graph
+   * (graph_begin()'s recording, or a capture of q's stream by other code) records it, and each
+   * launch of that graph calls it again; fn must then not call CUDA. On the CPU it is a host
+   * task of q. fn cannot fail the queue: it reports through arg (tdm_moe_host_pass does). */
+  int (*host_call)(void *st, tdm_queue *q, void (*fn)(void *arg), void *arg);
 } tdm_moe_ops;
+
+/* A layer's host-placed experts, as one call of a device queue's host_call(): fn
+ * tdm_moe_host_pass_run, arg the pass. The device computes the experts it holds or reads in
+ * place while the host computes the others from host memory, both in the device's stream
+ * order, and on CUDA inside a graph. A run groups idx [T x k] with wofs [E] on the host
+ * table's queue (group(): an index outside [0, E), such as the -1 a device writes for the
+ * experts it computes itself, is not the host's, and its slot of out is left as it was), runs
+ * experts() on x [T x H] from wbase into out [T*k x H], and waits for that queue. Every buffer
+ * is host memory: pinned where the device copies x and idx in before the call and out back
+ * after it; rows and slot hold T*k entries, groups min(E, T*k), workspace
+ * tdm_moe_ops_workspace(T*k, H, I) bytes at least. The pass is read, never changed, by a run
+ * but for its last three fields; it must outlive every call that names it (the graphs that
+ * hold one included). */
+typedef struct tdm_moe_host_pass {
+  const tdm_moe_ops *ops; /* the host's table (a CPU device's), opened as st on q */
+  void *st;
+  tdm_queue *q;
+  const float *x;
+  const int32_t *idx;
+  int T, k, E, H, I;
+  const int64_t *wofs;
+  const tdm_moe_bf16 *wbase;
+  int32_t *rows, *slot;
+  tdm_moe_group *groups;
+  float *out;
+  void *workspace;
+  size_t workspace_bytes;
+  /* Written by each run, read once the device's queue has completed it: the runs so far, and
+   * the first failure (0: none; else a negative TDM_E* code, its message in failure). A run
+   * that fails leaves out's host slots as they are, or part written. */
+  long runs;
+  int status;
+  char failure[256];
+} tdm_moe_host_pass;
+
+/* Runs the tdm_moe_host_pass that pass points at (the signature host_call() takes). A table
+ * other than a CPU device's fails the run with TDM_EINVAL: a device's would wait for itself. */
+TDM_API void tdm_moe_host_pass_run(void *pass);
 
 /* The table for the device's backend, or NULL (with tdm_last_error() set) when this build of
  * the library has none for it. Static storage. */

@@ -1192,6 +1192,18 @@ static void cuda_graph_free(void *st, void *graph) {
   leave(m, saved);
 }
 
+/* A host function of the stream: recorded, not run, while the stream is captured. */
+static int cuda_host_call(void *st, tdm_queue *q, void (*fn)(void *), void *arg) {
+  moe_cuda *m = (moe_cuda *)st;
+  if (check_queue(m, q) || !fn) return bad_args("host_call");
+  int saved, rc = enter(m, &saved);
+  if (rc) return rc;
+  cudaError_t e = cudaLaunchHostFunc(m->s, fn, arg);
+  rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "cudaLaunchHostFunc");
+  leave(m, saved);
+  return rc;
+}
+
 extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .name = */ "cuda",
     /* .open = */ cuda_open,
@@ -1219,6 +1231,7 @@ extern "C" const tdm_moe_ops tdm_moe__cuda_ops = {
     /* .attn_prep_at = */ cuda_attn_prep_at,
     /* .attention_at = */ cuda_attention_at,
     /* .experts_gemm_rows = */ CUDA_GMM_MIN_N,
+    /* .host_call = */ cuda_host_call,
 };
 
 /* The entry libtandem_moe looks up when it loads this module (libtandem_moe-cuda.so). */
