@@ -1,7 +1,8 @@
 /* moeops.c: tandem.MoeOps, libtandem_moe's operation table (tandem/moe_ops.h) opened on a
  * Queue, for Python code that keeps its tensors elsewhere (PyTorch, CuPy, numpy over tandem
  * Buffers): the router, the grouping of a layer's routing on the device, the grouped experts
- * in bf16 or a file's blocks, the combine, and recorded graphs of them.
+ * in bf16 or a file's blocks, the combine, recorded graphs of them, and host passes (a layer's
+ * host-placed experts, made on a CPU table and called from a device queue's stream).
  *
  * Every operand is a device pointer given as an integer (tensor.data_ptr(), Buffer.ptr), in
  * the layouts moe_ops.h documents; an op is submitted to the queue in stream order and checked
@@ -20,6 +21,7 @@
 #include <tandem/moe_ops.h>
 
 #define MAX_GRAPHS 256 /* graphs recorded and not freed, at most */
+#define MAX_PASSES 1024 /* host passes made, at most */
 
 typedef struct {
   PyObject_HEAD
@@ -27,6 +29,9 @@ typedef struct {
   void *st;             /* the opened state; NULL once closed */
   PyObject *queue;      /* Queue; NULL once closed */
   void *graphs[MAX_GRAPHS]; /* recorded, by handle - 1; NULL: free */
+  tdm_moe_host_pass **passes; /* host passes made on this (CPU) state, by handle - 1 */
+  int npasses;
+  PyObject *hosts;          /* list of the MoeOps whose passes host_call() named, kept */
 } MoeOpsObject;
 
 static tdmpy_state *mstate(MoeOpsObject *self) { return tdmpy_state_of_type(Py_TYPE(self)); }
@@ -100,8 +105,13 @@ static void close_now(tdmpy_state *st, MoeOpsObject *self) {
     Py_END_ALLOW_THREADS
   }
   memset(self->graphs, 0, sizeof self->graphs);
+  for (int i = 0; i < self->npasses; i++) PyMem_Free(self->passes[i]);
+  PyMem_Free(self->passes);
+  self->passes = NULL;
+  self->npasses = 0;
   ((QueueObject *)self->queue)->users--;
   Py_CLEAR(self->queue);
+  Py_CLEAR(self->hosts);
 }
 
 static void moeops_dealloc(MoeOpsObject *self) {
@@ -224,6 +234,84 @@ static PyObject *moeops_upload(MoeOpsObject *self, PyObject *args) {
   return done(st, self->ops->upload(self->st, mqueue(self), P(dst), P(src), (size_t)n));
 }
 
+/* ---- host passes: a layer's host-placed experts, called from a device's stream ------------- */
+
+/* host_pass(x, idx, T, k, E, wofs, wbase, H, I, rows, slot, groups, out, workspace,
+ * workspace_bytes) -> int, on a CPU table: a tdm_moe_host_pass over those host buffers, kept
+ * until close(); its handle. */
+static PyObject *moeops_host_pass(MoeOpsObject *self, PyObject *args) {
+  tdmpy_state *st = mstate(self);
+  unsigned long long x, idx, wofs, wbase, rows, slot, groups, out, ws;
+  int T, k, E, H, I;
+  Py_ssize_t ws_bytes;
+  if (!PyArg_ParseTuple(args, "O&O&iiiO&O&iiO&O&O&O&O&n:host_pass", ptr_arg, &x, ptr_arg, &idx,
+                        &T, &k, &E, ptr_arg, &wofs, ptr_arg, &wbase, &H, &I, ptr_arg, &rows,
+                        ptr_arg, &slot, ptr_arg, &groups, ptr_arg, &out, ptr_arg, &ws,
+                        &ws_bytes) ||
+      usable(st, self) < 0)
+    return NULL;
+  if (strcmp(self->ops->name, "cpu") != 0)
+    return tdmpy_raise_msg(st, TDM_EINVAL, "host_pass: the host's table is a CPU device's; "
+                           "this one is a device's");
+  if (T <= 0 || k <= 0 || E <= 0 || H <= 0 || I <= 0 || T > INT32_MAX / k || ws_bytes < 0 ||
+      !x || !idx || !wofs || !rows || !slot || !groups || !out || !ws)
+    return tdmpy_raise_msg(st, TDM_EINVAL, "host_pass: a size out of range or a NULL buffer");
+  if ((size_t)ws_bytes < tdm_moe_ops_workspace(T * k, H, I))
+    return tdmpy_raise_msg(st, TDM_EINVAL, "host_pass: workspace_bytes is under "
+                           "workspace_bytes(T * k, H, I)");
+  if (self->npasses == MAX_PASSES)
+    return tdmpy_raise_msg(st, TDM_ENOMEM, "host_pass: 1024 passes are made already");
+  if (!self->passes && !(self->passes = PyMem_Calloc(MAX_PASSES, sizeof *self->passes)))
+    return PyErr_NoMemory();
+  tdm_moe_host_pass *p = PyMem_Calloc(1, sizeof *p);
+  if (!p) return PyErr_NoMemory();
+  *p = (tdm_moe_host_pass){.ops = self->ops, .st = self->st, .q = mqueue(self), .x = P(x),
+                           .idx = P(idx), .T = T, .k = k, .E = E, .H = H, .I = I,
+                           .wofs = P(wofs), .wbase = P(wbase), .rows = P(rows), .slot = P(slot),
+                           .groups = P(groups), .out = P(out), .workspace = P(ws),
+                           .workspace_bytes = (size_t)ws_bytes};
+  self->passes[self->npasses++] = p;
+  return PyLong_FromLong(self->npasses);
+}
+
+static tdm_moe_host_pass *pass_of(tdmpy_state *st, MoeOpsObject *self, long h) {
+  if (h < 1 || h > self->npasses) {
+    PyErr_Format(st->errors[-TDM_EINVAL], "no host pass %ld on this MoeOps", h);
+    return NULL;
+  }
+  return self->passes[h - 1];
+}
+
+/* host_call(host, handle): the pass runs as this queue's host call (moe_ops.h's host_call). */
+static PyObject *moeops_host_call(MoeOpsObject *self, PyObject *args) {
+  tdmpy_state *st = mstate(self);
+  PyObject *host;
+  long h;
+  if (!PyArg_ParseTuple(args, "O!l:host_call", Py_TYPE(self), &host, &h) ||
+      usable(st, self) < 0 || usable(st, (MoeOpsObject *)host) < 0)
+    return NULL;
+  tdm_moe_host_pass *p = pass_of(st, (MoeOpsObject *)host, h);
+  if (!p) return NULL;
+  if (!self->ops->host_call)
+    return tdmpy_raise_msg(st, TDM_ENOTSUP, "this backend's table has no host_call()");
+  if (!self->hosts && !(self->hosts = PyList_New(0))) return NULL;
+  int kept = PySequence_Contains(self->hosts, host);
+  if (kept < 0 || (!kept && PyList_Append(self->hosts, host) < 0)) return NULL;
+  return done(st, self->ops->host_call(self->st, mqueue(self), tdm_moe_host_pass_run, p));
+}
+
+/* host_pass_status(handle) -> int: the pass's runs so far, once the calls have completed; its
+ * first failure, if any, raised as the error it was. */
+static PyObject *moeops_host_pass_status(MoeOpsObject *self, PyObject *arg) {
+  tdmpy_state *st = mstate(self);
+  long h = PyLong_AsLong(arg);
+  if ((h == -1 && PyErr_Occurred()) || usable(st, self) < 0) return NULL;
+  tdm_moe_host_pass *p = pass_of(st, self, h);
+  if (!p) return NULL;
+  if (p->status) return tdmpy_raise_msg(st, p->status, p->failure);
+  return PyLong_FromLong(p->runs);
+}
+
 /* ---- graphs: handles are small integers ---------------------------------------------------- */
 
 static PyObject *moeops_graph_begin(MoeOpsObject *self, PyObject *unused) {
@@ -331,7 +419,9 @@ static PyObject *get_gemm_rows(MoeOpsObject *self, void *c) {
 static PyObject *get_has(MoeOpsObject *self, void *c) {
   const tdm_moe_ops *o = self->ops;
   int which = (int)(intptr_t)c;
-  return PyBool_FromLong(which == 1 ? o->experts_q != NULL : o->graph_begin != NULL);
+  return PyBool_FromLong(which == 1   ? o->experts_q != NULL
+                         : which == 2 ? o->graph_begin != NULL
+                                      : o->host_call != NULL);
 }
 
 static PyObject *get_queue(MoeOpsObject *self, void *c) {
@@ -366,6 +456,24 @@ static PyMethodDef moeops_methods[] = {
      "upload(dst, src, nbytes)\n--\n\n"
      "nbytes of pinned host memory at src into device memory at dst, in stream order, read by\n"
      "the device's cores when the op runs (keep src unchanged until then)."},
+    {"host_pass", (PyCFunction)moeops_host_pass, METH_VARARGS,
+     "host_pass(x, idx, T, k, E, wofs, wbase, H, I, rows, slot, groups, out, workspace,\n"
+     "          workspace_bytes) -> int\n--\n\n"
+     "On a CPU table: a layer's host-placed experts over host buffers (tdm_moe_host_pass):\n"
+     "group() of idx (int32 [T x k]; an index outside [0, E) is not the host's, its slot of\n"
+     "out left as it was) with wofs (int64 [E], from wbase), then experts() of x (f32 [T x H])\n"
+     "into out (f32 [T*k x H]). Kept until close(), which must wait until no device queue\n"
+     "can still call it (nor a graph that holds a call). Returns its handle."},
+    {"host_call", (PyCFunction)moeops_host_call, METH_VARARGS,
+     "host_call(host, handle)\n--\n\n"
+     "Runs host's pass `handle` on a host thread in this queue's stream order: after the\n"
+     "work before it, with the work after it waiting. On CUDA a host function of the\n"
+     "stream, so a CUDA graph captured from the stream calls it on every replay. host is\n"
+     "kept alive as long as this MoeOps."},
+    {"host_pass_status", (PyCFunction)moeops_host_pass_status, METH_O,
+     "host_pass_status(handle) -> int\n--\n\n"
+     "The pass's runs so far (read once its calls have completed); raises the first failure\n"
+     "of a run, as the error it was."},
     {"graph_begin", (PyCFunction)moeops_graph_begin, METH_NOARGS,
      "graph_begin()\n--\n\nRecords the ops called from now on instead of running them."},
     {"graph_end", (PyCFunction)moeops_graph_end, METH_NOARGS,
@@ -395,6 +503,7 @@ static PyGetSetDef moeops_getset[] = {
      "From how many rows experts() runs the table as GEMMs (0: never).", NULL},
     {"has_experts_q", (getter)get_has, NULL, "True where experts() takes fmt.", (void *)1},
     {"has_graphs", (getter)get_has, NULL, "True where graph_begin() records.", (void *)2},
+    {"has_host_call", (getter)get_has, NULL, "True where host_call() runs.", (void *)3},
     {"queue", (getter)get_queue, NULL, "The Queue it was opened on (None once closed).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

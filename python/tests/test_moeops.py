@@ -200,6 +200,73 @@ def test_experts_read_anywhere(device, rng):
     host.free()
 
 
+def test_host_pass(device, rng):
+    # A layer's host-placed experts (every third expert), as a device runs them: x comes to
+    # pinned memory by a copy on the device's queue, the CPU table's pass runs as that queue's
+    # host call, its slots go back to the device. They hold float64's expert outputs; the
+    # device's slots are untouched; a failing run is recorded and raised once, by status.
+    q = tandem.Queue(device)
+    ops = open_ops(q)
+    if not ops.has_host_call:
+        pytest.skip(f"the {ops.name} table has no host_call()")
+    hq = tandem.Queue(tandem.Device("cpu:0"))
+    hops = tandem.MoeOps(hq)
+    d = Dev(q)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w_bits, w = bf16(rng.standard_normal((E, EXPERT)) * 0.2)
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+    idx[0, 0] = 0
+    mine = np.where(idx % 3 == 0, idx, -1).astype(np.int32)
+    n, G = T * K, min(E, T * K)
+    wsb = tandem.MoeOps.workspace_bytes(n, H, I)
+
+    def pinned(a):
+        b = tandem.malloc(max(a.nbytes, 16), "pinned", device)
+        np.frombuffer(b, np.uint8)[:a.nbytes] = np.ascontiguousarray(a).view(np.uint8).ravel()
+        return b
+
+    bufs = [pinned(a) for a in (np.zeros((T, H), np.float32), mine, w_bits,
+                                np.arange(E, dtype=np.int64) * EXPERT, np.zeros(n, np.int32),
+                                np.zeros(n, np.int32), np.zeros(G * GROUP, np.uint8),
+                                np.full((n, H), np.nan, np.float32), np.zeros(wsb, np.uint8))]
+    xh, ih, wh, oh, rh, sh, gh, outh, wsh = bufs
+    h = hops.host_pass(xh.ptr, ih.ptr, T, K, E, oh.ptr, wh.ptr, H, I, rh.ptr, sh.ptr, gh.ptr,
+                       outh.ptr, wsh.ptr, wsb)
+    px, pout = d.put(x), d.put(np.zeros((n, H), np.float32))
+    dev_x = next(b for b in d.bufs if b.ptr == px)
+    dev_out = next(b for b in d.bufs if b.ptr == pout)
+    q.copy(xh, dev_x, x.nbytes)
+    ops.host_call(hops, h)
+    q.copy(dev_out, outh, n * H * 4)
+    got = d.get(pout, np.float32, n * H).reshape(n, H)
+    assert hops.host_pass_status(h) == 1
+    for s in range(n):
+        e = mine.ravel()[s]
+        if e < 0:
+            assert np.isnan(got[s]).all()
+            continue
+        ex = w[e].astype(np.float64)
+        g, u = ex[:I * H].reshape(I, H) @ x[s // K], ex[I * H:2 * I * H].reshape(I, H) @ x[s // K]
+        want = ex[2 * I * H:].reshape(H, I) @ (g / (1 + np.exp(-g)) * u)
+        assert np.linalg.norm(got[s] - want) <= 1e-4 * np.linalg.norm(want)
+    with pytest.raises(tandem.InvalidArgumentError):
+        ops.host_call(hops, h + 1)
+    if ops.name != "cpu":
+        with pytest.raises(tandem.InvalidArgumentError):
+            ops.host_pass(xh.ptr, ih.ptr, T, K, E, oh.ptr, wh.ptr, H, I, rh.ptr, sh.ptr, gh.ptr,
+                          outh.ptr, wsh.ptr, wsb)
+    # An expert whose weights leave wbase's allocation: the run fails, the queue goes on.
+    np.frombuffer(oh, np.int64)[:E] = 1 << 40
+    ops.host_call(hops, h)
+    q.synchronize()
+    with pytest.raises(tandem.RangeError):
+        hops.host_pass_status(h)
+    ops.close()
+    hops.close()
+    for b in bufs:
+        b.free()
+
+
 def test_graphs_where_recorded(device):
     q = tandem.Queue(device)
     ops = open_ops(q)
