@@ -31,6 +31,10 @@ Configurations (--configs):
               decode only (no prefill rows): tandem100, tandem50-mapped and tandem0-mapped
               with transformers' StaticCache, a decode step captured once in a CUDA graph
               (torch.cuda.graph, after one eager step) and replayed for every token
+  tandem0-host, tandem0-host-graph, tandem50-host-graph
+              as tandem0-mapped, tandem0-graph and tandem50-graph with host_share
+              (--host-share, 0.5): that share of the experts not resident computed by the
+              host CPU in decode while the GPU reads the others in place
 
 Measured per configuration: prefill of 1 x T random tokens for each T in --prefill (one
 forward, no cache, after a warm-up forward; median of --reps), and decode of --decode tokens
@@ -75,7 +79,8 @@ SKIP = 77
 CONFIGS = ("resident", "accelerate", "tandem0", "tandem50", "tandem100", "tandem0-torchops",
            "tandem50-torchops", "tandem0-mapped", "tandem50-mapped", "tandem50-lru",
            "tandem100-graph",
-           "tandem50-graph", "tandem0-graph")
+           "tandem50-graph", "tandem0-graph", "tandem0-host", "tandem0-host-graph",
+           "tandem50-host-graph")
 # tandem's configurations: (budget, grouped, policy, decode in a CUDA graph)
 TANDEM = {"tandem0": (0, None, "auto", False), "tandem50": ("50%", None, "auto", False),
           "tandem100": ("100%", None, "auto", False),
@@ -86,7 +91,10 @@ TANDEM = {"tandem0": (0, None, "auto", False), "tandem50": ("50%", None, "auto",
           "tandem50-lru": ("50%", None, "lru", False),
           "tandem100-graph": ("100%", None, "auto", True),
           "tandem50-graph": ("50%", None, "mapped", True),
-          "tandem0-graph": (0, None, "mapped", True)}
+          "tandem0-graph": (0, None, "mapped", True),
+          "tandem0-host": (0, None, "mapped", False, True),
+          "tandem0-host-graph": (0, None, "mapped", True, True),
+          "tandem50-host-graph": ("50%", None, "mapped", True, True)}
 PEAK_BYTES = 1 << 30
 GOALS = {"prefill_link_fraction": 0.85, "prefill_vs_accelerate": 8.0, "decode_vs_accelerate": 20.0}
 
@@ -110,6 +118,9 @@ def parse_args(argv=None):
     ap.add_argument("--configs", default=",".join(CONFIGS), help="any of " + ",".join(CONFIGS))
     ap.add_argument("--reps", type=int, default=3, help="timed prefill forwards (median)")
     ap.add_argument("--slots", type=int, default=16, help="tandem's staging slots")
+    ap.add_argument("--host-share", type=float, default=0.5,
+                    help="the -host configurations' host_share: the share of the experts not "
+                         "resident that the host CPU computes in decode")
     ap.add_argument("--quick", action="store_true",
                     help="a small model and few tokens (a smoke run; overrides the sizes)")
     ap.add_argument("--seed", type=int, default=0)
@@ -242,7 +253,7 @@ def setup_accelerate(torch, transformers, cfg, a):
                  note=f"accelerate {accelerate.__version__}, dispatch_model, experts on cpu"), None
 
 
-def setup_tandem(torch, transformers, cfg, a, budget, grouped, policy, graph):
+def setup_tandem(torch, transformers, cfg, a, budget, grouped, policy, graph, host=False):
     try:
         import tandem
         import tandem.torch as tt
@@ -251,12 +262,14 @@ def setup_tandem(torch, transformers, cfg, a, budget, grouped, policy, graph):
     if getattr(tandem._tandem, "Streamer", None) is None:
         return None, "this tandem build has no Streamer"
     model = build_model(torch, transformers, cfg, a.seed, a.device)
+    share = a.host_share if host else 0.0
     handle = tt.offload_experts(model, budget=budget, slots=a.slots, device=a.device,
-                                grouped=grouped, policy=policy)
+                                grouped=grouped, policy=policy, host_share=share)
     free(torch)
     path = "grouped operations" if handle.stats().get("grouped") else "PyTorch per expert"
     return Setup(model, handle=handle, note=f"budget {budget!r} = {handle.budget_bytes} bytes, "
                  f"{a.slots} slots, {path}, policy {policy!r}"
+                 + (f", host_share {share}" if host else "")
                  + (", decode in a CUDA graph" if graph else ""), graph=graph), None
 
 
@@ -418,6 +431,9 @@ def measure_decode(torch, s, cfg, a, peak, trace=None, transformers=None):
          "expert_bytes_copied_per_token": (moved / n if st else s.bytes_per_forward)}
     if st:
         r["expert_bytes_read_in_place_per_token"] = st.get("bytes_read_in_place", 0) / n
+        # host placement: the experts' bytes the host CPU read a token (one read a pair)
+        r["expert_bytes_on_host_per_token"] = st.get("host_computed_pairs", 0) * \
+            expert_bytes(cfg) / n
     if st:
         routed = cfg.num_hidden_layers * cfg.num_experts_per_tok * expert_bytes(cfg)
         miss = 1.0 - st["hit_rate"]
@@ -604,9 +620,13 @@ def derive(results):
         if name.endswith("-mapped") and base + "-lru" in by:   # in place over LRU's copies
             d[name]["decode_vs_" + base + "-lru"] = ratios(t, by[base + "-lru"])["decode"]
         if name.endswith("-graph"):   # the graph over the same handle decoding eagerly
-            eager = base if base == "tandem100" else base + "-mapped"
+            eager = base if base in ("tandem100", "tandem0-host") else base + "-mapped"
             if eager in by:
                 d[name]["decode_vs_" + eager] = ratios(t, by[eager])["decode"]
+        if "-host" in name:           # host placement over the link alone
+            twin = name.replace("-host", "") if name.endswith("-graph") else base + "-mapped"
+            if twin in by:
+                d[name]["decode_vs_" + twin] = ratios(t, by[twin])["decode"]
     return d
 
 

@@ -95,6 +95,14 @@ step holds them whole. A pass that would copy experts while a graph is captured 
 OffloadError instead (policy "mapped" or budget "100%" decode in graphs); one that would
 choose the resident set again keeps it, and the next eager decode pass chooses it.
 
+Host placement (host_share > 0, policy "mapped"): a decode pass computes that share of each
+layer's experts that are not resident on the host CPU, from the pinned buffer, with
+libtandem_moe's CPU kernels, while the GPU reads the others in place, so the host's memory
+bandwidth adds to the link's. The host's work is a host function of a second stream, joined
+device-side, so a CUDA graph holds it too (tandem/_host_experts.py). Its results differ from
+the all-resident run within f32 rounding (other kernels); host_computed_pairs in stats()
+counts its pairs.
+
 restore() puts the original parameter objects back on the devices they were on at offload time
 (new device memory, the same Parameter objects, so references held elsewhere stay valid), puts
 the original forwards back and frees the streamer and the pinned buffer. If the device cannot
@@ -121,6 +129,7 @@ import torch.nn.functional as F
 import tandem
 
 from . import _offload as plan
+from ._host_experts import HostExperts
 from ._offload import OffloadError, UnsupportedBlockError
 
 __all__ = ["offload_experts", "OffloadHandle", "OffloadError", "UnsupportedBlockError"]
@@ -158,7 +167,8 @@ class _DeviceBytes:
 def offload_experts(model: Any, budget: Union[str, int] = "8GiB", policy: str = "auto",
                     slots: int = 16, device: str = "cuda:0", *,
                     prefetch_depth: int = 0, lookahead: bool = True,
-                    grouped: Optional[bool] = None) -> "OffloadHandle":
+                    grouped: Optional[bool] = None, host_share: float = 0.0
+                    ) -> "OffloadHandle":
     """Moves the expert weights of `model`'s MoE blocks into pinned host memory and streams
     them to `device` on demand (see the module's docstring). `budget`: device bytes for
     resident experts ("8GiB", "500MB", an int, or "25%" of the experts' bytes); `policy`:
@@ -169,7 +179,9 @@ def offload_experts(model: Any, budget: Union[str, int] = "8GiB", policy: str = 
     experts with libtandem_moe's grouped operations (tandem.MoeOps: one launch per
     projection) rather than PyTorch's operators per expert; None (the default) where the
     experts allow it (bf16, SwiGLU with SiLU, no biases), True insists (an OffloadError where
-    they do not).
+    they do not); `host_share`: under policy "mapped", the share of each layer's experts that
+    are not resident that decode passes compute on the host CPU while the GPU reads the
+    others in place (0, the default: none; see "Host placement" in the module's docstring).
     Returns an OffloadHandle. Raises OffloadError (UnsupportedBlockError for a block type it
     does not know) or a tandem/torch error, with the model unchanged."""
     plan.policy_for(policy, 1, 1)          # reject a bad policy before anything else
@@ -219,8 +231,14 @@ def offload_experts(model: Any, budget: Union[str, int] = "8GiB", policy: str = 
                            f"operations: {why or 'grouped=False'}")
     if policy == "auto" and grouped is not False and not why:
         policy = "mapped"   # decode without copies or host round trips, and graph-capturable
+    if not 0.0 <= host_share <= 1.0:
+        raise OffloadError(f"host_share={host_share!r}: a share of the experts, in [0, 1]")
+    if host_share and policy != "mapped":
+        raise OffloadError(f"host_share needs policy 'mapped' (decode passes on the device "
+                           f"table); the policy is {policy!r}")
     return OffloadHandle(blocks, layout, dtype, dev, budget_bytes, slots, policy,
-                         prefetch_depth, lookahead, grouped is not False and not why)
+                         prefetch_depth, lookahead, grouped is not False and not why,
+                         host_share)
 
 
 def _why_not_grouped(blocks: List[plan.BlockInfo], dtype: torch.dtype) -> str:
@@ -256,7 +274,7 @@ class OffloadHandle:
     def __init__(self, blocks: List[plan.BlockInfo], layout: plan.ExpertLayout,
                  dtype: torch.dtype, device: torch.device, budget_bytes: int, slots: int,
                  policy: str, prefetch_depth: int, lookahead: bool = True,
-                 grouped: bool = False) -> None:
+                 grouped: bool = False, host_share: float = 0.0) -> None:
         self._blocks = blocks
         self._layout = layout
         self._dtype = dtype
@@ -292,6 +310,7 @@ class OffloadHandle:
         self._dev_counts: Optional[torch.Tensor] = None
         self._resident_mask: Optional[torch.Tensor] = None
         self._dev_pairs = self._dev_hits = 0
+        self._hostx: Optional[HostExperts] = None   # host placement (host_share)
         tdev = tandem.Device(f"cuda:{device.index}")
 
         # Allocate and fill everything before the model changes.
@@ -303,10 +322,18 @@ class OffloadHandle:
             self._ops = tandem.MoeOps(self._queue)
             self._dev_counts = torch.zeros(layout.layers, layout.experts, dtype=torch.int64,
                                            device=device)
+        if host_share and not self._all_resident:
+            try:
+                self._hostx = HostExperts(layout, device, host_share)
+            except tandem.TandemError as e:
+                self._close_ops()
+                raise OffloadError(f"host_share: the host cannot compute experts: {e}") from e
         # This block's routed counts, then the next block's predicted ones: one copy a layer.
         self._counts = torch.empty(2 * layout.experts, dtype=torch.int64, pin_memory=True)
         self._counts_ready = torch.cuda.Event()
         self._host = tandem.malloc(layout.total_bytes, "pinned", tdev)
+        if self._hostx is not None:
+            self._hostx.bind(self._host.ptr)
         flat = torch.frombuffer(self._host, dtype=torch.uint8).view(dtype)
         views = []
         for layer, b in enumerate(blocks):
@@ -367,7 +394,8 @@ class OffloadHandle:
           (token, k) pairs, device_routed_pairs, of which device_routed_hits named a resident
           expert; bytes_read_in_place: an expert's bytes for each other pair (read across the
           link where it lies; exact for one sequence, an upper bound for a batch, where an
-          expert is read once for several tokens). Replays of a CUDA graph count too;
+          expert is read once for several tokens), but for host_computed_pairs, those the
+          host computed (host_share). Replays of a CUDA graph count too;
         - hit_rate: experts already resident when routed, over acquires plus device-routed
           pairs (copies in flight are not hits);
         - grouped: whether the grouped path computes the experts;
@@ -387,7 +415,9 @@ class OffloadHandle:
             st["device_routed_layers"] = self._device_routed
             st["device_routed_pairs"] = pairs
             st["device_routed_hits"] = hits
-            st["bytes_read_in_place"] = (pairs - hits) * self._layout.expert_bytes
+            on_host = self._hostx.host_pairs() if self._hostx is not None else 0
+            st["host_computed_pairs"] = on_host
+            st["bytes_read_in_place"] = (pairs - hits - on_host) * self._layout.expert_bytes
             st["grouped"] = self._ops is not None
             st["busy_s"] = self._busy_s
             st["budget_bytes"] = self.budget_bytes
@@ -427,6 +457,8 @@ class OffloadHandle:
             self._device_routed = 0
             self._fold_device_counts()       # the per-key counts stay: they choose sets
             self._dev_pairs = self._dev_hits = 0
+            if self._hostx is not None:
+                self._hostx.reset()
 
     def restore(self) -> None:
         """Original parameters (same objects, on their devices of offload time) and forwards
@@ -525,6 +557,9 @@ class OffloadHandle:
         self._table_ok = False
 
     def _close_ops(self) -> None:
+        if self._hostx is not None:
+            self._hostx.close()      # after the second stream's work
+            self._hostx = None
         if self._ops is not None:
             self._ops.close()      # after the queue's work
             self._ops = None
@@ -610,6 +645,11 @@ class OffloadHandle:
         # While a graph is captured the resident set stays as it is (choosing it again makes
         # the streamer again, which waits for the device); the next eager decode pass does it.
         self._ensure_policy(policy, decode and not capturing)
+        if self._hostx is not None and layer == 0 and not capturing:
+            try:
+                self._hostx.check()    # a host pass of an earlier step that failed
+            except tandem.TandemError as e:
+                raise OffloadError(f"a host pass of the experts failed: {e}") from e
         caller = torch.cuda.current_stream(self._device)
         stream = self._stream
         stream.wait_stream(caller)
@@ -780,6 +820,8 @@ class OffloadHandle:
         else:
             self._wofs.copy_(table)
         self._resident_mask = mask.view(lay.layers, lay.experts).to(self._device)
+        if self._hostx is not None:
+            self._hostx.choose(self._key_counts, list(resident))
         self._table_ok = True
 
     def _grouped_buffers(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
@@ -819,10 +861,16 @@ class OffloadHandle:
         x32, idx, wts, rows, slot, groups, out = self._grouped_buffers(x, weights, index)
         wsb = tandem.MoeOps.workspace_bytes(n, H, I)
         ws = torch.empty(max(wsb, 256), dtype=torch.uint8, device=x.device)
+        hx = self._hostx if not self._all_resident else None
+        pending = None
+        if hx is not None:    # the host's share on the second stream, meanwhile
+            idx, pending = hx.split(layer, x32, idx)
         ops.group(idx.data_ptr(), ntok, topk, E, self._wofs[layer].data_ptr(), rows.data_ptr(),
                   slot.data_ptr(), groups.data_ptr())
         ops.experts(x32.data_ptr(), rows.data_ptr(), slot.data_ptr(), n, _ANYWHERE,
                     groups.data_ptr(), min(E, n), H, I, out.data_ptr(), ws.data_ptr(), wsb)
+        if pending is not None:
+            out = hx.join(out, pending)
         flat = index.reshape(-1).to(torch.int64)
         self._dev_counts[layer].scatter_add_(0, flat, torch.ones_like(flat))
         self._device_routed += 1

@@ -202,11 +202,14 @@ def test_greedy_generation_token_for_token(env, arch):
                     assert st["device_routed_hits"] == 0 and st["bytes_read_in_place"] > 0, st
 
 
-@pytest.mark.parametrize("budget,policy", [("100%", "auto"), ("50%", "mapped"), (0, "mapped")])
-def test_decode_step_in_a_cuda_graph(env, budget, policy):
+@pytest.mark.parametrize("budget,policy,share", [("100%", "auto", 0), ("50%", "mapped", 0),
+                                                 (0, "mapped", 0), (0, "mapped", 0.5),
+                                                 ("50%", "mapped", 1.0)])
+def test_decode_step_in_a_cuda_graph(env, budget, policy, share):
     # Where every block takes the device table, a decode step submits work and never waits:
     # it is captured once (after an eager step, with transformers' StaticCache) and replayed;
-    # the replays give the eager steps' logits bitwise and count in the stats.
+    # the replays give the eager steps' logits bitwise and count in the stats. With host
+    # placement the graph holds the host's experts too (a host function of a second stream).
     torch, transformers, tt = env
     # SDPA: transformers' eager attention builds its mask from a host scalar, which a capture
     # refuses
@@ -256,7 +259,8 @@ def test_decode_step_in_a_cuda_graph(env, budget, policy):
             torch.cuda.synchronize()
             return out
 
-    with tt.offload_experts(model, budget=budget, policy=policy, slots=2) as h:
+    with tt.offload_experts(model, budget=budget, policy=policy, slots=2,
+                            host_share=share) as h:
         want = decode(h, False)
         got = decode(h, True)
         st = h.stats()
@@ -268,6 +272,47 @@ def test_decode_step_in_a_cuda_graph(env, budget, policy):
         assert st["device_routed_hits"] == 0 and st["bytes_read_in_place"] > 0, st
     elif budget == "100%":
         assert st["device_routed_hits"] == st["device_routed_pairs"], st
+    assert (st["host_computed_pairs"] > 0) == bool(share), st
+    if share == 1.0:    # every expert not resident is the host's: nothing read in place
+        assert st["bytes_read_in_place"] == 0, st
+
+
+@pytest.mark.parametrize("budget", [0, "50%"])
+def test_host_share_close_to_resident(env, budget):
+    # Decode passes (one token a sequence) with a share of the experts computed by the host:
+    # f32 on the CPU against the GPU's kernels, so close to the all-resident run, not bitwise;
+    # the host's pairs are counted and are not read in place. Prefill stays on the GPU.
+    torch, transformers, tt = env
+    model = tiny(transformers, torch, "qwen3_moe")
+    ids = tokens(torch)
+    one = ids[:, :1]
+    with tt.offload_experts(model, budget="100%", policy="static"):
+        want, want_pre = logits(torch, model, one), logits(torch, model, ids)
+    for share in (0.5, 1.0):
+        with tt.offload_experts(model, budget=budget, slots=2, host_share=share) as h:
+            h.reset_stats()
+            got = logits(torch, model, one)
+            st = h.stats()
+            assert torch.equal(logits(torch, model, ids), want_pre), "prefill changed"
+        err = (got.float() - want.float()).norm() / want.float().norm()
+        assert err < 2e-2, f"budget {budget} share {share}: relative error {err}"
+        assert st["host_computed_pairs"] > 0, st
+        moved = st["device_routed_pairs"] - st["device_routed_hits"] - st["host_computed_pairs"]
+        assert st["bytes_read_in_place"] == moved * h.expert_bytes, st
+        if share == 1.0:
+            assert st["bytes_read_in_place"] == 0, st
+
+
+def test_host_share_errors_leave_the_model(env):
+    torch, transformers, tt = env
+    model = tiny(transformers, torch, "qwen3_moe")
+    before = snapshot(model)
+    for kw, why in ((dict(host_share=1.5), "in \\[0, 1\\]"),
+                    (dict(host_share=0.5, policy="lru"), "policy 'mapped'"),
+                    (dict(host_share=0.5, grouped=False), "policy 'mapped'")):
+        with pytest.raises(tt.OffloadError, match=why):
+            tt.offload_experts(model, budget=0, **kw)
+        assert snapshot(model) == before
 
 
 @pytest.mark.timeout(300)    # compiling the step takes longer than the suite's per-test limit
