@@ -9,6 +9,11 @@ norms 1), filled on the GPU from --seed, so every configuration computes with th
 
 Configurations (--configs):
   resident    the whole model on the GPU
+  attention-graph
+              decode only: the whole model on the GPU with every MoE block's forward
+              returning zeros, a decode step in a CUDA graph as the *-graph configurations:
+              the step without its routed experts (the attention, norms, embedding and
+              head), which the *-graph rows' times are set against
   accelerate  each layer's experts module on "cpu" through accelerate.dispatch_model with a
               device_map (what transformers' from_pretrained(device_map=...) calls): the
               experts' weights stay in pageable host memory and accelerate's hook copies the
@@ -72,11 +77,12 @@ import statistics
 import sys
 import time
 import traceback
+import types
 
 from benchinfo import commit, utc_now, write_json
 
 SKIP = 77
-CONFIGS = ("resident", "accelerate", "tandem0", "tandem50", "tandem100", "tandem0-torchops",
+CONFIGS = ("resident", "attention-graph", "accelerate", "tandem0", "tandem50", "tandem100", "tandem0-torchops",
            "tandem50-torchops", "tandem0-mapped", "tandem50-mapped", "tandem50-lru",
            "tandem100-graph",
            "tandem50-graph", "tandem0-graph", "tandem0-host", "tandem0-host-graph",
@@ -226,6 +232,14 @@ class Setup:
 
 def setup_resident(torch, transformers, cfg, a):
     return Setup(build_model(torch, transformers, cfg, a.seed, a.device))
+
+
+def setup_attention(torch, transformers, cfg, a):
+    model = build_model(torch, transformers, cfg, a.seed, a.device)
+    for layer in model.model.layers:
+        layer.mlp.forward = types.MethodType(lambda block, h: torch.zeros_like(h), layer.mlp)
+    return Setup(model, note="every MoE block's forward returns zeros; decode in a CUDA graph",
+                 graph=True)
 
 
 def setup_accelerate(torch, transformers, cfg, a):
@@ -562,6 +576,8 @@ def measure_config(name, torch, transformers, cfg, a, peak, doc):
     t0 = time.perf_counter()
     if name == "resident":
         s, why = setup_resident(torch, transformers, cfg, a), None
+    elif name == "attention-graph":
+        s, why = setup_attention(torch, transformers, cfg, a), None
     elif name == "accelerate":
         s, why = setup_accelerate(torch, transformers, cfg, a)
     else:
@@ -623,6 +639,10 @@ def derive(results):
             eager = base if base in ("tandem100", "tandem0-host") else base + "-mapped"
             if eager in by:
                 d[name]["decode_vs_" + eager] = ratios(t, by[eager])["decode"]
+        att = by.get("attention-graph")
+        if name.endswith("-graph") and att is not None:   # the experts' share of a step
+            d[name]["ms_over_attention_graph"] = t["decode"]["ms_per_token_median"] - \
+                att["decode"]["ms_per_token_median"]
         if "-host" in name:           # host placement over the link alone
             twin = name.replace("-host", "") if name.endswith("-graph") else base + "-mapped"
             if twin in by:
