@@ -14,7 +14,8 @@ again.
 
 The host's experts: in each layer, the experts that are not resident, ranked by the routed
 counts seen so far (most first, then by index), every one whose rank r has floor((r + 1) *
-share) > floor(r * share), so that the host gets about `share` of the routed load. The set is
+share) > floor(r * share), so that the host gets about `share` of the routed load
+(_offload.host_keys). The set is
 chosen again with the resident set, written into one mask tensor in place (a graph stays
 valid). The host computes in f32 from the bf16 weights, with other kernels than the GPU's:
 results differ from the all-resident run within rounding, where every other setting of the
@@ -111,18 +112,14 @@ class HostExperts:
         self._wofs = torch.tensor(places, dtype=torch.int64).view(lay.layers, lay.experts)
 
     def choose(self, key_counts: List[int], resident: List[int]) -> None:
-        """The host's experts among those not resident (keys), written into mask in place."""
-        lay, share = self._lay, self.share
-        mask = torch.zeros(lay.layers, lay.experts, dtype=torch.bool)
-        kept = set(resident)
-        for layer in range(lay.layers):
-            base = layer * lay.experts
-            others = sorted((e for e in range(lay.experts) if base + e not in kept),
-                            key=lambda e: (-key_counts[base + e], e))
-            for r, e in enumerate(others):
-                if int((r + 1) * share) > int(r * share):
-                    mask[layer, e] = True
-        self.mask.copy_(mask)
+        """The host's experts among those not resident (plan.host_keys), written into mask
+        in place."""
+        lay = self._lay
+        mask = torch.zeros(lay.layers * lay.experts, dtype=torch.bool)
+        keys = plan.host_keys(key_counts, resident, lay.layers, lay.experts, self.share)
+        if keys:
+            mask[torch.tensor(keys)] = True
+        self.mask.copy_(mask.view(lay.layers, lay.experts))
 
     def host_pairs(self) -> int:
         return int(self._pairs)

@@ -364,3 +364,19 @@ def resident_keys(counts: Sequence[int], n: int) -> List[int]:
     from per-key routing counts seen so far; with no counts yet, key order."""
     order = sorted(range(len(counts)), key=lambda k: (-counts[k], k))
     return order[:max(0, min(n, len(counts)))]
+
+
+def host_keys(counts: Sequence[int], resident: Iterable[int], layers: int, experts: int,
+              share: float) -> List[int]:
+    """The keys the host computes under host placement: in each layer, the experts that are
+    not resident, ranked by routing count (most first, ties by index), every one whose rank r
+    has floor((r + 1) * share) > floor(r * share), so the host gets about `share` of them,
+    spread over the ranking (and so about that share of the routed load)."""
+    kept = set(resident)
+    out: List[int] = []
+    for layer in range(layers):
+        base = layer * experts
+        others = sorted((k for k in range(base, base + experts) if k not in kept),
+                        key=lambda k: (-counts[k], k))
+        out += [k for r, k in enumerate(others) if int((r + 1) * share) > int(r * share)]
+    return sorted(out)

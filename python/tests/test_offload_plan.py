@@ -336,6 +336,19 @@ def test_resident_keys():
     assert plan.resident_keys([1, 2], 9) == [1, 0]
 
 
+def test_host_keys():
+    # 2 layers of 4 experts; key 0 and 5 resident. Layer 0's others by count: 3 (9), 1 (5),
+    # 2 (0); layer 1's: 7 (4), 4 (1), 6 (1, a tie broken by index).
+    counts = [7, 5, 0, 9, 1, 8, 1, 4]
+    assert plan.host_keys(counts, [0, 5], 2, 4, 1.0) == [1, 2, 3, 4, 6, 7]
+    assert plan.host_keys(counts, [0, 5], 2, 4, 0.0) == []
+    assert plan.host_keys(counts, [0, 5], 2, 4, 0.5) == [1, 4]       # ranks 1 of each layer
+    assert plan.host_keys(counts, [0, 5], 2, 4, 0.7) == [1, 2, 4, 6]  # ranks 1 and 2
+    assert plan.host_keys(counts, range(8), 2, 4, 1.0) == []          # all resident
+    many = plan.host_keys([0] * 128, [], 1, 128, 0.3)                 # the share holds
+    assert len(many) == int(128 * 0.3)
+
+
 def test_import_tandem_does_not_import_torch():
     import subprocess
     code = "import sys, tandem, tandem._offload; print('torch' in sys.modules)"
