@@ -27,6 +27,7 @@ output, a host workspace, the device's copy of the host's output, and one host p
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -83,6 +84,21 @@ class _Buffers:
                 pass    # a view is still alive: freed with the last one
 
 
+def _cpu_ops(queue: Any) -> Any:
+    """The CPU table (NotSupportedError in a build without it). Its pool of threads, one a
+    process, is sized by the first state opened: here the cores this process may run on less
+    4, left to the threads that feed the GPU (a pool thread preempted in the middle of an
+    expert holds the whole expert up), unless TANDEM_MOE_CPU_THREADS sets it."""
+    key = "TANDEM_MOE_CPU_THREADS"
+    if key in os.environ:
+        return tandem.MoeOps(queue)
+    os.environ[key] = str(max(1, len(os.sched_getaffinity(0)) - 4))
+    try:
+        return tandem.MoeOps(queue)
+    finally:
+        del os.environ[key]
+
+
 class HostExperts:
     """The host's share of a handle's decode passes (see the module's docstring)."""
 
@@ -91,7 +107,7 @@ class HostExperts:
         self._lay = lay
         self._device = device
         self._queue = tandem.Queue(tandem.Device("cpu:0"))
-        self._ops = tandem.MoeOps(self._queue)     # the CPU table: NotSupportedError without
+        self._ops = _cpu_ops(self._queue)
         self._side = torch.cuda.Stream(device)
         try:
             side_queue = tandem.Queue.adopt(self._side)
