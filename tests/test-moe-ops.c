@@ -1615,8 +1615,11 @@ TEST_CASE(bad_args) {
 /* Fails the nth host allocation, for n = 0, 1, ... until a run goes through untouched: each
  * failure is TDM_ENOMEM, from the call or from the sync, and the run after it still computes
  * the right answer (a leak shows in the sanitizer builds). */
+static void count_call(void *arg) { ++*(int *)arg; }
+
 TEST_CASE(alloc_faults) {
   enum { T = 12, H = 32, I = 48, E = 6, K = 2 };
+  int calls = 0; /* host_call()s that ran */
   /* The CPU table allocates through tandem's fault hook; GPU tables allocate once, at open. */
   if (strcmp(th_backend_of_current(), "cpu") != 0)
     TH_SKIP("%s's MoE operations make no host allocations per call", th_device_id);
@@ -1650,6 +1653,7 @@ TEST_CASE(alloc_faults) {
     if (rc == 0 && grouped)
       rc = f.ops->experts(f.st, f.q, c.dx, drows, dslot, T * K, c.dw, dgroups, G, H, I, dout,
                           ws, ws_bytes);
+    if (rc == 0) rc = f.ops->host_call(f.st, f.q, count_call, &calls);
     int sync = tdm_queue_sync(f.q);
     int fired = tdm_fault_fired();
     CHECK_OK(tdm_fault_inject(TDM_FAULT_ALLOC, -1, 0));
@@ -1663,8 +1667,8 @@ TEST_CASE(alloc_faults) {
               "fault %ld: call %s, sync %s", nth, tdm_err_name(rc), tdm_err_name(sync));
     CHECK(nth < 1000);
   }
-  printf("%d allocation failures injected\n", failures);
-  CHECK(failures > 0);
+  printf("%d allocation failures injected, %d host calls ran\n", failures, calls);
+  CHECK(failures > 0 && calls > 0);
   expert_run(&f, f.q, f.st, &c, c.ws, got);
   CHECK_MEM_EQ(got, want, bytes);
 
