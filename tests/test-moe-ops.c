@@ -442,18 +442,37 @@ TEST_CASE(expert_threads_agree) {
  * writes pinned output that the device's queue then copies in; the two queues are joined by
  * device-side waits both ways. Every token's row against the fp64 reference, at the CPU's
  * tolerance (the CPU computes it whichever device is under test). */
+/* The CPU's table opened on a queue of its own: the host of host placement. Skips without. */
+typedef struct host_side {
+  tdm_device *dev;
+  const tdm_moe_ops *ops;
+  tdm_queue *q;
+  void *st;
+} host_side;
+
+static host_side host_open(void) {
+  host_side h = {0};
+  CHECK_OK(tdm_device_find("cpu:0", &h.dev));
+  h.ops = tdm_moe_ops_for(h.dev);
+  if (!h.ops) TH_SKIP("no CPU MoE op table: %s", tdm_last_error());
+  CHECK_OK(tdm_queue_create(h.dev, TDM_QUEUE_IN_ORDER, &h.q));
+  CHECK_OK(h.ops->open(h.q, &h.st));
+  return h;
+}
+
+static void host_close(host_side *h) {
+  h->ops->close(h->st);
+  CHECK_OK(tdm_queue_destroy(h->q));
+}
+
 TEST_CASE(expert_on_host) {
   enum { T = 12, H = 300, I = 200, K = 2 };
   const int ns[] = {1, 3, CPU_GEMV_MAX_N + 1};
   fixture f = setup();
-  tdm_device *cpu;
-  CHECK_OK(tdm_device_find("cpu:0", &cpu));
-  const tdm_moe_ops *hops = tdm_moe_ops_for(cpu);
-  if (!hops) TH_SKIP("no CPU MoE op table: %s", tdm_last_error());
-  tdm_queue *hq;
-  void *hst;
-  CHECK_OK(tdm_queue_create(cpu, TDM_QUEUE_IN_ORDER, &hq));
-  CHECK_OK(hops->open(hq, &hst));
+  host_side hs = host_open();
+  const tdm_moe_ops *hops = hs.ops;
+  tdm_queue *hq = hs.q;
+  void *hst = hs.st;
   for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
     int n = ns[i];
     expert_case c = expert_setup(&f, T, H, I, n, K);
@@ -462,7 +481,7 @@ TEST_CASE(expert_on_host) {
     float *outh = alloc(&f, TDM_MEM_PINNED, out_floats * sizeof *outh);
     float *got = alloc(&f, TDM_MEM_PINNED, out_floats * sizeof *got);
     void *hws;
-    CHECK_OK(tdm_malloc(cpu, TDM_MEM_DEVICE, c.ws_bytes, &hws));
+    CHECK_OK(tdm_malloc(hs.dev, TDM_MEM_DEVICE, c.ws_bytes, &hws));
     for (size_t j = 0; j < out_floats; j++) outh[j] = SENTINEL;
     /* The device's whole buffer goes back and forth, so unwritten rows keep the sentinel. */
     CHECK_OK(tdm_memcpy(f.q, c.dout, outh, out_floats * sizeof *outh, TDM_COPY_H2D, 0, NULL,
@@ -491,8 +510,7 @@ TEST_CASE(expert_on_host) {
     tdm_free(got);
     expert_teardown(&c);
   }
-  hops->close(hst);
-  CHECK_OK(tdm_queue_destroy(hq));
+  host_close(&hs);
   teardown(&f);
 }
 
@@ -1005,14 +1023,10 @@ TEST_CASE(host_pass) {
   enum { E = 12, K = 4, H = 96, I = 64, T = 3, N = T * K, G = N < E ? N : E };
   fixture f = setup();
   if (!f.ops->host_call) TH_SKIP("the %s table has no host_call()", f.ops->name);
-  tdm_device *cpu;
-  CHECK_OK(tdm_device_find("cpu:0", &cpu));
-  const tdm_moe_ops *hops = tdm_moe_ops_for(cpu);
-  if (!hops) TH_SKIP("no CPU MoE op table: %s", tdm_last_error());
-  tdm_queue *hq;
-  void *hst;
-  CHECK_OK(tdm_queue_create(cpu, TDM_QUEUE_IN_ORDER, &hq));
-  CHECK_OK(hops->open(hq, &hst));
+  host_side hs = host_open();
+  const tdm_moe_ops *hops = hs.ops;
+  tdm_queue *hq = hs.q;
+  void *hst = hs.st;
 
   int64_t *wofs = alloc(&f, TDM_MEM_PINNED, E * sizeof *wofs);
   size_t w_elems = 0;
@@ -1116,8 +1130,7 @@ TEST_CASE(host_pass) {
   free(h); free(ref); free(p.rows); free(p.slot); free(p.groups); free(p.workspace);
   tdm_free(wofs); tdm_free(w); tdm_free(x); tdm_free(idx); tdm_free(hidx); tdm_free(dx);
   tdm_free(dout); tdm_free(xh); tdm_free(outh); tdm_free(got); tdm_free(again);
-  hops->close(hst);
-  CHECK_OK(tdm_queue_destroy(hq));
+  host_close(&hs);
   teardown(&f);
 }
 
