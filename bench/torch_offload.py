@@ -82,7 +82,8 @@ import types
 from benchinfo import commit, utc_now, write_json
 
 SKIP = 77
-CONFIGS = ("resident", "attention-graph", "accelerate", "tandem0", "tandem50", "tandem100", "tandem0-torchops",
+CONFIGS = ("resident", "attention-graph", "accelerate", "tandem0", "tandem50", "tandem100",
+           "tandem0-torchops",
            "tandem50-torchops", "tandem0-mapped", "tandem50-mapped", "tandem50-lru",
            "tandem100-graph",
            "tandem50-graph", "tandem0-graph", "tandem0-host", "tandem0-host-graph",

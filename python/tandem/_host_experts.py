@@ -36,8 +36,7 @@ import tandem
 
 from . import _offload as plan
 
-GROUP_BYTES = 16  # a tdm_moe_group
-ANYWHERE = 16     # experts() takes offsets from a base in no allocation as addresses
+GROUP_BYTES, ANYWHERE = plan.GROUP_BYTES, plan.ANYWHERE
 
 
 class _Buffers:

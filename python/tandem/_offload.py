@@ -50,6 +50,17 @@ class UnsupportedBlockError(OffloadError):
     """The model has an MoE block whose type offload_experts does not support."""
 
 
+# A tdm_moe_group's bytes: int64 w, int32 first, int32 count.
+GROUP_BYTES = 16
+# experts() takes each expert's weights as 2-byte offsets from a base; a base that lies in no
+# tandem allocation lets the offsets name any memory the device reads (the streamer's slots,
+# pinned host memory), unchecked: tandem.torch's device table names every expert this way.
+ANYWHERE = 16
+# The streamer's counters that add up over the streamers a handle makes.
+COUNTERS = ("acquires", "hits", "resident_hits", "inflight_hits", "misses", "prefetches",
+            "prefetch_hits", "prefetch_dropped", "bytes_copied")
+
+
 def parse_size(text: str) -> int:
     """Bytes from "8GiB", "512 MiB", "1.5GB", "4096" (KB/MB/GB are powers of 1000,
     KiB/MiB/GiB powers of 1024)."""

@@ -129,28 +129,23 @@ import torch.nn.functional as F
 import tandem
 
 from . import _offload as plan
+from ._grouped import GroupedPath
 from ._host_experts import HostExperts
 from ._offload import OffloadError, UnsupportedBlockError
 
 __all__ = ["offload_experts", "OffloadHandle", "OffloadError", "UnsupportedBlockError"]
 
-_GROUP_BYTES = 16  # a tdm_moe_group: int64 w, int32 first, int32 count
 # The grouped path takes a pass of at most this many (token, k) rows an expert on average;
 # more go through PyTorch's operators per expert, whose GEMMs are the faster there: on an H100
 # (bench/results/h100-torch-offload-6c41590/) grouped was 1.27x at 32 rows an expert (a 512-
 # token prefill of 128 experts, top 8) and 0.51x at 128.
 _GROUPED_ROWS = 64
 
-# experts() takes each expert's weights as 2-byte offsets from a base; a base that lies in no
-# tandem allocation lets the offsets name any memory the device reads (the streamer's slots,
-# pinned host memory), unchecked: the device table below names every expert this way.
-_ANYWHERE = 16
 # Under policy "mapped", a decode pass after a prefill chooses the resident set again when more
 # than this share of the set the counts now ask for is not resident.
 _DRIFT = 0.1
 
-_COUNTERS = ("acquires", "hits", "resident_hits", "inflight_hits", "misses", "prefetches",
-             "prefetch_hits", "prefetch_dropped", "bytes_copied")
+_COUNTERS = plan.COUNTERS
 
 
 class _DeviceBytes:
@@ -267,7 +262,7 @@ def _why_not_grouped(blocks: List[plan.BlockInfo], dtype: torch.dtype) -> str:
     return ""
 
 
-class OffloadHandle:
+class OffloadHandle(GroupedPath):
     """What offload_experts returns: stats(), reset_stats(), restore(); a context manager
     that restores on exit."""
 
@@ -298,7 +293,7 @@ class OffloadHandle:
         self._ws: Optional[torch.Tensor] = None
         self._wbase: Optional[int] = None     # the streamer's slots' allocation
         # The device table (every expert resident, or policy "mapped"): each expert's place
-        # from _ANYWHERE, [layers, experts] on the device. One tensor for the handle's life,
+        # from plan.ANYWHERE, [layers, experts] on the device. One tensor for the handle's life,
         # rewritten in place, so a CUDA graph that reads it stays valid.
         self._wofs: Optional[torch.Tensor] = None
         self._table_ok = False         # _wofs names this streamer's places
@@ -780,153 +775,6 @@ class OffloadHandle:
         ys = torch.empty_like(ys_sorted).index_copy_(0, rows, ys_sorted)
         del ys_sorted
         return ys.view(ntok, topk, -1).sum(dim=1).to(x.dtype)
-
-
-    # -- the grouped path: libtandem_moe's operations ------------------------------------------
-
-    def _workspace(self, nbytes: int) -> torch.Tensor:
-        if self._ws is None or self._ws.numel() < nbytes:
-            self._ws = None
-            self._ws = torch.empty(max(nbytes, 256), dtype=torch.uint8, device=self._device)
-        return self._ws
-
-    def _learn_places(self) -> None:
-        """The device table: each expert's place as experts() takes it from _ANYWHERE, the
-        resident ones in the streamer's slots (acquiring a resident expert tells where it
-        lies; those acquires are not counted) and the others in the pinned host buffer, which
-        the kernels read across the link. Written to the device once per streamer, so that a
-        layer's routing is grouped there and never comes back to the host."""
-        lay, s = self._layout, self._streamer
-        keys = lay.layers * lay.experts
-        resident = range(keys) if self._all_resident else self._residents
-        host = self._host.ptr
-        places = [(host + key * lay.expert_bytes - _ANYWHERE) // 2 for key in range(keys)]
-        mask = torch.zeros(keys, dtype=torch.int64)
-        before = s.stats()
-        for key in resident:
-            layer, e = divmod(key, lay.experts)
-            ptr = s.acquire(layer, e)[0]
-            s.release(layer, e)
-            places[key] = (ptr - _ANYWHERE) // 2
-            mask[key] = 1
-        for k, v in s.stats().items():
-            if k in _COUNTERS:
-                self._carry[k] = self._carry.get(k, 0) - (v - before.get(k, 0))
-        table = torch.tensor(places, dtype=torch.int64).view(lay.layers, lay.experts)
-        # The mask changes below: the counts scored against the old one were folded when
-        # _open_streamer (the only caller) chose this set.
-        if self._wofs is None:
-            self._wofs = table.to(self._device)
-        else:
-            self._wofs.copy_(table)
-        self._resident_mask = mask.view(lay.layers, lay.experts).to(self._device)
-        if self._hostx is not None:
-            self._hostx.choose(self._key_counts, list(resident))
-        self._table_ok = True
-
-    def _grouped_buffers(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
-                         ) -> Tuple[torch.Tensor, ...]:
-        """What the grouped operations take for a pass: x, idx and weights in f32/int32, and
-        empty rows, slot, the group table and the expert-sorted output [T*k, H] in f32."""
-        ntok, topk = index.shape
-        n, dev = ntok * topk, x.device
-        return (x.to(torch.float32).contiguous(), index.to(torch.int32).contiguous(),
-                weights.to(torch.float32).contiguous(),
-                torch.empty(n, dtype=torch.int32, device=dev),
-                torch.empty(n, dtype=torch.int32, device=dev),
-                torch.empty(min(self._layout.experts, n) * _GROUP_BYTES, dtype=torch.uint8,
-                            device=dev),
-                torch.empty(n, self._layout.hidden, dtype=torch.float32, device=dev))
-
-    def _combine(self, out: torch.Tensor, wts: torch.Tensor, ntok: int, topk: int,
-                 dtype: torch.dtype) -> torch.Tensor:
-        y = torch.zeros(ntok, self._layout.hidden, dtype=torch.float32, device=out.device)
-        self._ops.combine(y.data_ptr(), out.data_ptr(), wts.data_ptr(), ntok,
-                          self._layout.hidden, topk)
-        return y.to(dtype)
-
-    def _experts_device(self, layer: int, x: torch.Tensor, weights: torch.Tensor,
-                        index: torch.Tensor) -> torch.Tensor:
-        """The block's routed experts from the device table (every expert resident, or
-        policy "mapped" decoding: the resident ones in the slots, the others read where they
-        lie in pinned host memory): group() on the device, experts() for the whole table in
-        one launch a projection, combine() in f32. Nothing comes back to the host and nothing
-        waits for it, so a CUDA graph can hold the pass: its buffers come from PyTorch's
-        allocator for the pass (a graph's private pool while capturing), never from a cache
-        that a later pass could replace."""
-        lay, ops = self._layout, self._ops
-        H, I, E = lay.hidden, lay.intermediate, lay.experts
-        ntok, topk = index.shape
-        n = ntok * topk
-        x32, idx, wts, rows, slot, groups, out = self._grouped_buffers(x, weights, index)
-        wsb = tandem.MoeOps.workspace_bytes(n, H, I)
-        ws = torch.empty(max(wsb, 256), dtype=torch.uint8, device=x.device)
-        hx = self._hostx if not self._all_resident else None
-        pending = None
-        if hx is not None:    # the host's share on the second stream, meanwhile
-            idx, pending = hx.split(layer, x32, idx)
-        ops.group(idx.data_ptr(), ntok, topk, E, self._wofs[layer].data_ptr(), rows.data_ptr(),
-                  slot.data_ptr(), groups.data_ptr())
-        ops.experts(x32.data_ptr(), rows.data_ptr(), slot.data_ptr(), n, _ANYWHERE,
-                    groups.data_ptr(), min(E, n), H, I, out.data_ptr(), ws.data_ptr(), wsb)
-        if pending is not None:
-            out = hx.join(out, pending)
-        flat = index.reshape(-1).to(torch.int64)
-        self._dev_counts[layer].scatter_add_(0, flat, torch.ones_like(flat))
-        self._device_routed += 1
-        return self._combine(out, wts, ntok, topk, x.dtype)
-
-    def _experts_grouped(self, layer: int, x: torch.Tensor, weights: torch.Tensor,
-                         index: torch.Tensor, ntok: int, topk: int) -> torch.Tensor:
-        """The block's routed experts as libtandem_moe computes a layer (MoeOps, on the
-        handle's stream) while they stream: the layer's counts come back (one copy, as on the
-        per-expert path), the routed experts are acquired in index order, a window of staging
-        slots at a time, and each window is one experts() call on its slice of the table that
-        group() writes on the device (routed experts in index order), its places uploaded
-        first; then the weighted sum over k (combine), in f32. An expert's rows, and so the
-        result, do not depend on the windows: results are bitwise the same at every budget,
-        and as _experts_device's."""
-        lay, ops, s = self._layout, self._ops, self._streamer
-        H, I, E, n = lay.hidden, lay.intermediate, lay.experts, ntok * topk
-        dev = x.device
-        x32, idx, wts, rows, slot, groups, out = self._grouped_buffers(x, weights, index)
-        wsb = tandem.MoeOps.workspace_bytes(n, H, I)
-        ws = self._workspace(wsb)
-        args = (x32.data_ptr(), rows.data_ptr(), slot.data_ptr(), n)
-        counts, predicted = self._route(layer, x, index, topk)
-        routed = [e for e in range(E) if counts[e]]
-        if self._streamer_policy in ("static", "mapped"):
-            s.prefetch(layer, routed)    # see _experts: copies start now, in this order
-        window, first, at = max(1, self.slots - 1), 0, 0
-        while at < len(routed):
-            held: List[int] = []
-            try:
-                places = [0] * E
-                while at < len(routed) and len(held) < window:
-                    try:
-                        ptr = s.acquire(layer, routed[at])[0]
-                    except tandem.BusyError:
-                        if not held:
-                            raise
-                        break    # every slot pinned: compute the ones held first
-                    held.append(routed[at])
-                    at += 1
-                    if self._wbase is None:
-                        self._wbase = tandem.MoeOps.allocation(ptr)[0]
-                    places[held[-1]] = (ptr - self._wbase) // 2
-                wofs = torch.tensor(places, dtype=torch.int64, pin_memory=True)
-                wdev = wofs.to(dev, non_blocking=True)
-                ops.group(idx.data_ptr(), ntok, topk, E, wdev.data_ptr(), rows.data_ptr(),
-                          slot.data_ptr(), groups.data_ptr())
-                ops.experts(*args, self._wbase, groups.data_ptr() + first * _GROUP_BYTES,
-                            len(held), H, I, out.data_ptr(), ws.data_ptr(), wsb)
-                first += len(held)
-            finally:
-                for e in held:
-                    s.release(layer, e)    # after the window's kernels
-        if predicted:
-            s.prefetch(layer + 1, predicted)
-        return self._combine(out, wts, ntok, topk, x.dtype)
 
 
 def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
