@@ -83,12 +83,10 @@ from benchinfo import commit, utc_now, write_json
 
 SKIP = 77
 CONFIGS = ("resident", "attention-graph", "accelerate", "tandem0", "tandem50", "tandem100",
-           "tandem0-torchops",
-           "tandem50-torchops", "tandem0-mapped", "tandem50-mapped", "tandem50-lru",
-           "tandem100-graph",
-           "tandem50-graph", "tandem0-graph", "tandem0-host", "tandem0-host-graph",
-           "tandem50-host-graph")
-# tandem's configurations: (budget, grouped, policy, decode in a CUDA graph)
+           "tandem0-torchops", "tandem50-torchops", "tandem0-mapped", "tandem50-mapped",
+           "tandem50-lru", "tandem100-graph", "tandem50-graph", "tandem0-graph", "tandem0-host",
+           "tandem0-host-graph", "tandem50-host-graph")
+# tandem's configurations: (budget, grouped, policy, decode in a CUDA graph[, host placement])
 TANDEM = {"tandem0": (0, None, "auto", False), "tandem50": ("50%", None, "auto", False),
           "tandem100": ("100%", None, "auto", False),
           "tandem0-torchops": (0, False, "auto", False),
