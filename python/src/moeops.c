@@ -251,8 +251,8 @@ static PyObject *moeops_host_pass(MoeOpsObject *self, PyObject *args) {
       usable(st, self) < 0)
     return NULL;
   if (strcmp(self->ops->name, "cpu") != 0)
-    return tdmpy_raise_msg(st, TDM_EINVAL, "host_pass: the host's table is a CPU device's; "
-                           "this one is a device's");
+    return PyErr_Format(st->errors[-TDM_EINVAL], "host_pass: host passes are made on a CPU "
+                        "device's MoeOps, not on %s's", self->ops->name);
   if (T <= 0 || k <= 0 || E <= 0 || H <= 0 || I <= 0 || T > INT32_MAX / k || ws_bytes < 0 ||
       !x || !idx || !wofs || !rows || !slot || !groups || !out || !ws)
     return tdmpy_raise_msg(st, TDM_EINVAL, "host_pass: a size out of range or a NULL buffer");
