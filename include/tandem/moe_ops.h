@@ -339,13 +339,14 @@ typedef struct tdm_moe_ops {
    * never on the other entries or G. */
   int experts_gemm_rows;
 
-  /* Optional (NULL where a backend has none; the CPU and CUDA tables have it): calls fn(arg)
+  /* Optional (NULL where a backend has none; every table has it): calls fn(arg)
    * on a host thread in q's stream order: once the work submitted to q before it has
    * completed, with the work submitted after it waiting until it returns. On CUDA it is a host
    * function of the stream (cudaLaunchHostFunc), so a stream being captured into a CUDA graph
    * (graph_begin()'s recording, or a capture of q's stream by other code) records it, and each
-   * launch of that graph calls it again; fn must then not call CUDA. On the CPU it is a host
-   * task of q. fn cannot fail the queue: it reports through arg (tdm_moe_host_pass does). */
+   * launch of that graph calls it again; fn must then not call CUDA. On the CPU and OpenCL it
+   * is a host task of q. fn cannot fail the queue: it reports through arg (tdm_moe_host_pass
+   * does). */
   int (*host_call)(void *st, tdm_queue *q, void (*fn)(void *arg), void *arg);
 } tdm_moe_ops;
 

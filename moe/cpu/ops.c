@@ -1115,26 +1115,9 @@ static int cpu_combine(void *st, tdm_queue *q, float *y, const float *out, const
   return tdm_moe__task_submit(q, &a->t);
 }
 
-typedef struct host_call_args {
-  task t;
-  void (*fn)(void *);
-  void *arg;
-} host_call_args;
-
-static int host_call_body(const task *t) {
-  const host_call_args *a = (const host_call_args *)t;
-  a->fn(a->arg);
-  return 0;
-}
-
 static int cpu_host_call(void *st, tdm_queue *q, void (*fn)(void *), void *arg) {
   int rc = tdm_moe__check_state(st, q, "host_call");
-  if (rc) return rc;
-  if (!fn) return tdm_moe__bad_args("host_call");
-  host_call_args *a = tdm_moe__task_alloc(sizeof *a, "host_call");
-  if (!a) return TDM_ENOMEM;
-  *a = (host_call_args){.t.body = host_call_body, .fn = fn, .arg = arg};
-  return tdm_moe__task_submit(q, &a->t);
+  return rc ? rc : tdm_moe__host_call_task(q, fn, arg);
 }
 
 const tdm_moe_ops tdm_moe__cpu_ops = {

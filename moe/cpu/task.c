@@ -38,6 +38,26 @@ int tdm_moe__task_submit(tdm_queue *q, task *t) {
   return 0;
 }
 
+typedef struct host_call_args {
+  task t;
+  void (*fn)(void *);
+  void *arg;
+} host_call_args;
+
+static int host_call_body(const task *t) {
+  const host_call_args *a = (const host_call_args *)t;
+  a->fn(a->arg);
+  return 0;
+}
+
+int tdm_moe__host_call_task(tdm_queue *q, void (*fn)(void *), void *arg) {
+  if (!fn) return tdm_moe__bad_args("host_call");
+  host_call_args *a = tdm_moe__task_alloc(sizeof *a, "host_call");
+  if (!a) return TDM_ENOMEM;
+  *a = (host_call_args){.t.body = host_call_body, .fn = fn, .arg = arg};
+  return tdm_moe__task_submit(q, &a->t);
+}
+
 int tdm_moe__check_state(void *st, tdm_queue *q, const char *op) {
   if (st && q && ((cpu_state *)st)->q == q) return 0;
   return tdm_set_error(TDM_EINVAL, 0, "moe %s: the state was not opened on this queue", op);

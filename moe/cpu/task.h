@@ -27,6 +27,9 @@ typedef struct task {
 
 /* Queues t (allocated by tdm_moe__task_alloc, body set) on q; frees it on failure. */
 int tdm_moe__task_submit(tdm_queue *q, task *t);
+/* host_call()'s body for the tables whose host calls are host tasks (the CPU's, OpenCL's):
+ * fn(arg) as a host task of q, its block freed as an op's. */
+int tdm_moe__host_call_task(tdm_queue *q, void (*fn)(void *), void *arg);
 /* 0 when st was opened on q, else TDM_EINVAL naming op. */
 int tdm_moe__check_state(void *st, tdm_queue *q, const char *op);
 /* TDM_EINVAL: "moe <op>: NULL pointer or size out of range". */

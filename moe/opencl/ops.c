@@ -46,6 +46,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../cpu/task.h" /* host calls are host tasks, as on the CPU */
 #include "ocl_ops.h" /* the state, kernels and helpers xfmr.c shares */
 #include "tandem/opencl.h"
 
@@ -1158,6 +1159,11 @@ static void ocl_moe_close(void *state) {
   state_drop(m);
 }
 
+static int ocl_moe_host_call(void *st, tdm_queue *q, void (*fn)(void *), void *arg) {
+  int rc = tdm_moe__ocl_check_state(st, q, "host_call");
+  return rc ? rc : tdm_moe__host_call_task(q, fn, arg);
+}
+
 const tdm_moe_ops tdm_moe__opencl_ops = {
     .name = "opencl",
     .open = ocl_moe_open,
@@ -1174,6 +1180,7 @@ const tdm_moe_ops tdm_moe__opencl_ops = {
     .matmul = tdm_moe__ocl_matmul,
     .rope = tdm_moe__ocl_rope,
     .attention = tdm_moe__ocl_attention,
+    .host_call = ocl_moe_host_call,
 };
 
 /* The entry libtandem_moe looks up when it loads this module (libtandem_moe-opencl.so). */
