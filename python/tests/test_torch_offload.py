@@ -208,8 +208,9 @@ def test_greedy_generation_token_for_token(env, arch):
 def test_decode_step_in_a_cuda_graph(env, budget, policy, share):
     # Where every block takes the device table, a decode step submits work and never waits:
     # it is captured once (after an eager step, with transformers' StaticCache) and replayed;
-    # the replays give the eager steps' logits bitwise and count in the stats. With host
-    # placement the graph holds the host's experts too (a host function of a second stream).
+    # the replays give the all-resident graph's logits bitwise, the eager steps' within
+    # rounding, and count in the stats. With host placement the graph holds the host's
+    # experts too (a host function of a second stream).
     torch, transformers, tt = env
     # SDPA: transformers' eager attention builds its mask from a host scalar, which a capture
     # refuses
@@ -259,13 +260,26 @@ def test_decode_step_in_a_cuda_graph(env, budget, policy, share):
             torch.cuda.synchronize()
             return out
 
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    with tt.offload_experts(model, budget="100%", policy="auto", slots=2) as h:
+        resident = decode(h, True)
     with tt.offload_experts(model, budget=budget, policy=policy, slots=2,
                             host_share=share) as h:
-        want = decode(h, False)
+        eager = decode(h, False)
         got = decode(h, True)
         st = h.stats()
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert torch.equal(g, w), f"budget {budget}: step {i} differs from the eager step"
+    for i, (g, r, e) in enumerate(zip(got, resident, eager)):
+        # The experts are bitwise the all-resident graph's (within rounding where the host
+        # computes some); against the eager step only close: transformers builds the
+        # attention mask another way while a stream is captured, so SDPA may take another
+        # kernel there.
+        if share:
+            assert rel(g, r) < 2e-2, f"budget {budget}: step {i}: {rel(g, r)}"
+        else:
+            assert torch.equal(g, r), f"budget {budget}: step {i} differs from all resident"
+        assert rel(g, e) < 2e-2, f"budget {budget}: step {i} against eager: {rel(g, e)}"
     layers, k = model.config.num_hidden_layers, model.config.num_experts_per_tok
     assert st["device_routed_pairs"] == steps * layers * k, st
     if budget == 0:
