@@ -100,6 +100,12 @@ void tdm_moe_host_pass_run(void *pass) {
   } else if (n < 0 || p->E <= 0) {
     rc = tdm_set_error(TDM_EINVAL, 0, "moe host pass: T %d, k %d, E %d", p->T, p->k, p->E);
   } else {
+    int mine = 0; /* a layer whose routing gives the host nothing costs no round trip */
+    for (int i = 0; i < n && !mine; i++) mine = p->idx[i] >= 0 && p->idx[i] < p->E;
+    if (!mine) {
+      p->runs++;
+      return;
+    }
     int G = p->E < n ? p->E : n;
     rc = p->ops->group(p->st, p->q, p->idx, p->T, p->k, p->E, p->wofs, p->rows, p->slot,
                        p->groups);

@@ -1111,6 +1111,15 @@ TEST_CASE(host_pass) {
     f.ops->graph_free(f.st, g);
   }
 
+  /* A routing that gives the host nothing: counted, nothing written. */
+  for (int s = 0; s < N; s++) hidx[s] = -1;
+  for (size_t i = 0; i < (size_t)N * H; i++) outh[i] = SENTINEL;
+  long before = p.runs;
+  CHECK_OK(f.ops->host_call(f.st, f.q, tdm_moe_host_pass_run, &p));
+  CHECK_OK(tdm_queue_sync(f.q));
+  CHECK(p.runs == before + 1 && p.status == 0);
+  for (size_t i = 0; i < (size_t)N * H; i++) CHECK_MSG(outh[i] == SENTINEL, "out[%zu]", i);
+
   /* A pass that cannot run records why; the queue goes on. */
   tdm_moe_host_pass bad = p;
   bad.T = 0, bad.runs = 0, bad.status = 0;

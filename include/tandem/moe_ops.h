@@ -385,7 +385,8 @@ typedef struct tdm_moe_host_pass {
 } tdm_moe_host_pass;
 
 /* Runs the tdm_moe_host_pass that pass points at (the signature host_call() takes). A table
- * other than a CPU device's fails the run with TDM_EINVAL: a device's would wait for itself. */
+ * other than a CPU device's fails the run with TDM_EINVAL: a device's would wait for itself.
+ * A routing with no index in [0, E) returns at once, touching nothing. */
 TDM_API void tdm_moe_host_pass_run(void *pass);
 
 /* The table for the device's backend, or NULL (with tdm_last_error() set) when this build of
