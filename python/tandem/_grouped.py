@@ -40,7 +40,7 @@ class GroupedPath:
         keys = lay.layers * lay.experts
         resident = range(keys) if self._all_resident else self._residents
         host = self._host.ptr
-        places = [(host + key * lay.expert_bytes - plan.ANYWHERE) // 2 for key in range(keys)]
+        places = plan.host_places(host, keys, lay.expert_bytes)
         mask = torch.zeros(keys, dtype=torch.int64)
         before = s.stats()
         for key in resident:

@@ -36,7 +36,6 @@ import tandem
 
 from . import _offload as plan
 
-GROUP_BYTES, ANYWHERE = plan.GROUP_BYTES, plan.ANYWHERE
 
 
 class _Buffers:
@@ -63,12 +62,12 @@ class _Buffers:
         self.out = pinned(torch.float32, n, H)
         self.rows = torch.empty(n, dtype=torch.int32)
         self.slot = torch.empty(n, dtype=torch.int32)
-        self.groups = torch.empty(min(E, n) * GROUP_BYTES, dtype=torch.uint8)
+        self.groups = torch.empty(min(E, n) * plan.GROUP_BYTES, dtype=torch.uint8)
         wsb = tandem.MoeOps.workspace_bytes(n, H, I)
         self.ws = torch.empty(wsb, dtype=torch.uint8)
         self.out_dev = torch.empty(n, H, dtype=torch.float32, device=device)
         self.passes = [hops.host_pass(self.x.data_ptr(), self.idx.data_ptr(), ntok, topk, E,
-                                      wofs[layer].data_ptr(), ANYWHERE, H, I,
+                                      wofs[layer].data_ptr(), plan.ANYWHERE, H, I,
                                       self.rows.data_ptr(), self.slot.data_ptr(),
                                       self.groups.data_ptr(), self.out.data_ptr(),
                                       self.ws.data_ptr(), wsb)
@@ -81,6 +80,15 @@ class _Buffers:
                 buf.free()
             except (BufferError, tandem.TandemError):
                 pass    # a view is still alive: freed with the last one
+
+
+def adopt(stream: "torch.cuda.Stream") -> Any:
+    """A torch stream as a tandem Queue (through __cuda_stream__, else its handle)."""
+    try:
+        return tandem.Queue.adopt(stream)
+    except TypeError:      # a torch without __cuda_stream__
+        return tandem.Queue.adopt(stream.cuda_stream,
+                                  device=tandem.Device(f"cuda:{stream.device.index}"))
 
 
 def _cpu_ops(queue: Any) -> Any:
@@ -108,12 +116,7 @@ class HostExperts:
         self._queue = tandem.Queue(tandem.Device("cpu:0"))
         self._ops = _cpu_ops(self._queue)
         self._side = torch.cuda.Stream(device)
-        try:
-            side_queue = tandem.Queue.adopt(self._side)
-        except TypeError:      # a torch without __cuda_stream__
-            side_queue = tandem.Queue.adopt(self._side.cuda_stream,
-                                            device=tandem.Device(f"cuda:{device.index}"))
-        self._side_ops = tandem.MoeOps(side_queue)
+        self._side_ops = tandem.MoeOps(adopt(self._side))
         self.mask = torch.zeros(lay.layers, lay.experts, dtype=torch.bool, device=device)
         self._pairs = torch.zeros((), dtype=torch.int64, device=device)
         self._wofs: Any = None
@@ -122,8 +125,7 @@ class HostExperts:
     def bind(self, host_ptr: int) -> None:
         """Every expert's place in the pinned host buffer, as the host's experts() takes it."""
         lay = self._lay
-        places = [(host_ptr + key * lay.expert_bytes - ANYWHERE) // 2
-                  for key in range(lay.layers * lay.experts)]
+        places = plan.host_places(host_ptr, lay.layers * lay.experts, lay.expert_bytes)
         self._wofs = torch.tensor(places, dtype=torch.int64).view(lay.layers, lay.experts)
 
     def choose(self, key_counts: List[int], resident: List[int]) -> None:

@@ -56,6 +56,14 @@ GROUP_BYTES = 16
 # tandem allocation lets the offsets name any memory the device reads (the streamer's slots,
 # pinned host memory), unchecked: tandem.torch's device table names every expert this way.
 ANYWHERE = 16
+
+
+def host_places(host_ptr: int, keys: int, expert_bytes: int) -> List[int]:
+    """Each key's place in the pinned host buffer at host_ptr (one blob of expert_bytes a key,
+    in key order), as experts() takes it from ANYWHERE: in 2-byte units."""
+    return [(host_ptr + key * expert_bytes - ANYWHERE) // 2 for key in range(keys)]
+
+
 # The streamer's counters that add up over the streamers a handle makes.
 COUNTERS = ("acquires", "hits", "resident_hits", "inflight_hits", "misses", "prefetches",
             "prefetch_hits", "prefetch_dropped", "bytes_copied")

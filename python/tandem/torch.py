@@ -130,7 +130,7 @@ import tandem
 
 from . import _offload as plan
 from ._grouped import GroupedPath
-from ._host_experts import HostExperts
+from ._host_experts import HostExperts, adopt
 from ._offload import OffloadError, UnsupportedBlockError
 
 __all__ = ["offload_experts", "OffloadHandle", "OffloadError", "UnsupportedBlockError"]
@@ -145,7 +145,6 @@ _GROUPED_ROWS = 64
 # than this share of the set the counts now ask for is not resident.
 _DRIFT = 0.1
 
-_COUNTERS = plan.COUNTERS
 
 
 class _DeviceBytes:
@@ -283,7 +282,7 @@ class OffloadHandle(GroupedPath):
         self._streamer: Any = None
         self._streamer_policy: Optional[str] = None
         self._views: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
-        self._carry = dict.fromkeys(_COUNTERS, 0)
+        self._carry = dict.fromkeys(plan.COUNTERS, 0)
         self._busy_s = 0.0
         self._peak: Optional[float] = None
         self._key_counts = [0] * (layout.layers * layout.experts)
@@ -312,7 +311,7 @@ class OffloadHandle(GroupedPath):
         # The stream is made before any tandem work is queued (README: PyTorch's first stream
         # of a process may wait for the whole device with the GIL held).
         self._stream = torch.cuda.Stream(device)
-        self._queue = _adopt(self._stream)
+        self._queue = adopt(self._stream)
         if grouped:
             self._ops = tandem.MoeOps(self._queue)
             self._dev_counts = torch.zeros(layout.layers, layout.experts, dtype=torch.int64,
@@ -402,7 +401,7 @@ class OffloadHandle(GroupedPath):
             if self._streamer is not None:
                 cur = self._streamer.stats()
                 for k, v in cur.items():
-                    st[k] = st.get(k, 0) + v if k in _COUNTERS else v
+                    st[k] = st.get(k, 0) + v if k in plan.COUNTERS else v
             pairs, hits = self._device_pairs()
             acq = st.get("acquires", 0) + pairs
             res = st.get("resident_hits", st.get("hits", 0) - st.get("inflight_hits", 0)) + hits
@@ -447,7 +446,7 @@ class OffloadHandle(GroupedPath):
         with self._lock:
             if self._streamer is not None:
                 self._streamer.reset_stats()
-            self._carry = dict.fromkeys(_COUNTERS, 0)
+            self._carry = dict.fromkeys(plan.COUNTERS, 0)
             self._busy_s = 0.0
             self._device_routed = 0
             self._fold_device_counts()       # the per-key counts stay: they choose sets
@@ -541,7 +540,7 @@ class OffloadHandle(GroupedPath):
         if self._streamer is None:
             return
         for k, v in self._streamer.stats().items():
-            if k in _COUNTERS:
+            if k in plan.COUNTERS:
                 self._carry[k] = self._carry.get(k, 0) + v
         self._stream.synchronize()
         self._streamer.close()
@@ -824,13 +823,6 @@ def _experts_op() -> Any:
 
         _OP = offloaded_experts
     return _OP
-
-
-def _adopt(stream: "torch.cuda.Stream") -> Any:
-    try:
-        return tandem.Queue.adopt(stream)
-    except TypeError:
-        return tandem.Queue.adopt(stream.cuda_stream)
 
 
 def _streamer_type() -> Any:

@@ -336,6 +336,12 @@ def test_resident_keys():
     assert plan.resident_keys([1, 2], 9) == [1, 0]
 
 
+def test_host_places():
+    # experts() adds 2 * place to ANYWHERE: every key's blob start, in key order
+    places = plan.host_places(1 << 20, 3, 96)
+    assert [plan.ANYWHERE + 2 * p for p in places] == [(1 << 20) + 96 * k for k in range(3)]
+
+
 def test_host_keys():
     # 2 layers of 4 experts; key 0 and 5 resident. Layer 0's others by count: 3 (9), 1 (5),
     # 2 (0); layer 1's: 7 (4), 4 (1), 6 (1, a tie broken by index).
