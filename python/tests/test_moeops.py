@@ -261,8 +261,12 @@ def test_host_pass(device, rng):
     q.synchronize()
     with pytest.raises(tandem.RangeError):
         hops.host_pass_status(h)
+    hops.close()                       # a closed host: refused, nothing runs
+    with pytest.raises(tandem.StateError):
+        ops.host_call(hops, h)
+    with pytest.raises(tandem.StateError):
+        hops.host_pass_status(h)
     ops.close()
-    hops.close()
     for b in bufs:
         b.free()
 
