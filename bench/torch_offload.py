@@ -39,7 +39,10 @@ Configurations (--configs):
   tandem0-host, tandem0-host-graph, tandem50-host-graph
               as tandem0-mapped, tandem0-graph and tandem50-graph with host_share
               (--host-share, 0.5): that share of the experts not resident computed by the
-              host CPU in decode while the GPU reads the others in place
+              host CPU in decode while the GPU reads the others in place. --host-share and
+              --host-threads take lists: each -host configuration then runs once for every
+              share and pool size (TANDEM_MOE_CPU_THREADS; 0 keeps tandem's default), as
+              rows named "<config> s<share> t<threads>"
 
 Measured per configuration: prefill of 1 x T random tokens for each T in --prefill (one
 forward, no cache, after a warm-up forward; median of --reps), and decode of --decode tokens
@@ -108,6 +111,10 @@ def int_list(text):
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def float_list(text):
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -123,9 +130,12 @@ def parse_args(argv=None):
     ap.add_argument("--configs", default=",".join(CONFIGS), help="any of " + ",".join(CONFIGS))
     ap.add_argument("--reps", type=int, default=3, help="timed prefill forwards (median)")
     ap.add_argument("--slots", type=int, default=16, help="tandem's staging slots")
-    ap.add_argument("--host-share", type=float, default=0.5,
+    ap.add_argument("--host-share", type=float_list, default=[0.5],
                     help="the -host configurations' host_share: the share of the experts not "
-                         "resident that the host CPU computes in decode")
+                         "resident that the host CPU computes in decode (a list sweeps it)")
+    ap.add_argument("--host-threads", type=int_list, default=[0],
+                    help="the -host configurations' CPU pool size (TANDEM_MOE_CPU_THREADS; 0: "
+                         "tandem's default, the cores less 4; a list sweeps it)")
     ap.add_argument("--quick", action="store_true",
                     help="a small model and few tokens (a smoke run; overrides the sizes)")
     ap.add_argument("--seed", type=int, default=0)
@@ -150,7 +160,27 @@ def parse_args(argv=None):
         ap.error(f"unknown configs {bad}; known: {', '.join(CONFIGS)}")
     if args.decode < 2:
         ap.error("--decode must be at least 2 (the first step is not timed)")
+    if not args.host_share or any(not 0 <= x <= 1 for x in args.host_share):
+        ap.error("--host-share: shares in [0, 1]")
+    if not args.host_threads or any(x < 0 for x in args.host_threads):
+        ap.error("--host-threads: counts of at least 0")
     return args
+
+
+def runs(a):
+    """(row name, configuration, host share, CPU pool size) for every row, in order: a -host
+    configuration once for each share and pool size (its own name when there is one of each)."""
+    out = []
+    for name in a.configs:
+        if "-host" not in name:
+            out.append((name, name, 0.0, 0))
+            continue
+        one = len(a.host_share) == 1 and len(a.host_threads) == 1
+        for share in a.host_share:
+            for threads in a.host_threads:
+                label = name if one else f"{name} s{share:g} t{threads}"
+                out.append((label, name, share, threads))
+    return out
 
 
 def skip(msg):
@@ -266,7 +296,8 @@ def setup_accelerate(torch, transformers, cfg, a):
                  note=f"accelerate {accelerate.__version__}, dispatch_model, experts on cpu"), None
 
 
-def setup_tandem(torch, transformers, cfg, a, budget, grouped, policy, graph, host=False):
+def setup_tandem(torch, transformers, cfg, a, budget, grouped, policy, graph, host=False,
+                 share=0.0):
     try:
         import tandem
         import tandem.torch as tt
@@ -275,7 +306,7 @@ def setup_tandem(torch, transformers, cfg, a, budget, grouped, policy, graph, ho
     if getattr(tandem._tandem, "Streamer", None) is None:
         return None, "this tandem build has no Streamer"
     model = build_model(torch, transformers, cfg, a.seed, a.device)
-    share = a.host_share if host else 0.0
+    share = share if host else 0.0
     handle = tt.offload_experts(model, budget=budget, slots=a.slots, device=a.device,
                                 grouped=grouped, policy=policy, host_share=share)
     free(torch)
@@ -559,19 +590,32 @@ def breakdown(doc, path, label="decode_step"):
 
 # ---- the run -----------------------------------------------------------------------------
 
-def run_config(name, torch, transformers, cfg, a, peak, doc):
-    """One configuration's figures; an error in it is reported (with its traceback) and the
-    other configurations still run."""
+def run_config(row, torch, transformers, cfg, a, peak, doc):
+    """One row's figures (row: an entry of runs()); an error in it is reported (with its
+    traceback) and the other rows still run."""
+    label, name, share, threads = row
+    key, before = "TANDEM_MOE_CPU_THREADS", os.environ.get("TANDEM_MOE_CPU_THREADS")
+    if threads:                       # read when the process's CPU pool starts (a -host setup)
+        os.environ[key] = str(threads)
     try:
-        return measure_config(name, torch, transformers, cfg, a, peak, doc)
+        r = measure_config(name, torch, transformers, cfg, a, peak, doc, share)
     except Exception as e:                          # noqa: BLE001 - reported, not hidden
         traceback.print_exc()
-        print(f"{name}: FAILED ({type(e).__name__}: {e})")
+        print(f"{label}: FAILED ({type(e).__name__}: {e})")
         free(torch)
-        return {"config": name, "error": f"{type(e).__name__}: {e}"}
+        r = {"config": name, "error": f"{type(e).__name__}: {e}"}
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+    r.update(config=label, base=name)
+    if "-host" in name:
+        r.update(host_share=share, cpu_threads=threads or None)
+    return r
 
 
-def measure_config(name, torch, transformers, cfg, a, peak, doc):
+def measure_config(name, torch, transformers, cfg, a, peak, doc, share=0.0):
     t0 = time.perf_counter()
     if name == "resident":
         s, why = setup_resident(torch, transformers, cfg, a), None
@@ -580,7 +624,7 @@ def measure_config(name, torch, transformers, cfg, a, peak, doc):
     elif name == "accelerate":
         s, why = setup_accelerate(torch, transformers, cfg, a)
     else:
-        s, why = setup_tandem(torch, transformers, cfg, a, *TANDEM[name])
+        s, why = setup_tandem(torch, transformers, cfg, a, *TANDEM[name], share=share)
     if s is None:
         print(f"{name}: skipped ({why})")
         return {"config": name, "skipped": why}
@@ -617,35 +661,37 @@ def derive(results):
                             for p, q in zip(t["prefill"], u["prefill"])},
                 "decode": t["decode"]["tokens_per_s"] / u["decode"]["tokens_per_s"]}
 
-    for name in TANDEM:
-        t = by.get(name)
-        if t is None or name.endswith("-torchops"):
+    for label, t in by.items():
+        name = t.get("base", label)            # the configuration; label its row
+        if name not in TANDEM or name.endswith("-torchops"):
             continue
-        d[name] = {}
+        tail = label[len(name):]               # a -host row's " s<share> t<threads>"
+        d[label] = dv = {}
         if acc is not None and t["prefill"]:
             r = ratios(t, acc)
-            d[name]["prefill_vs_accelerate"] = r["prefill"]
-            d[name]["decode_vs_accelerate"] = r["decode"]
+            dv["prefill_vs_accelerate"] = r["prefill"]
+            dv["decode_vs_accelerate"] = r["decode"]
         if "resident" in by:          # against transformers' own all-resident model
-            d[name]["decode_vs_resident"] = ratios(t, by["resident"])["decode"]
+            dv["decode_vs_resident"] = ratios(t, by["resident"])["decode"]
         ops = by.get(name + "-torchops")
         if ops is not None:           # libtandem_moe's grouped operations, over PyTorch's
-            d[name]["grouped_vs_torchops"] = ratios(t, ops)
+            dv["grouped_vs_torchops"] = ratios(t, ops)
         base = name.rsplit("-", 1)[0]
         if name.endswith("-mapped") and base + "-lru" in by:   # in place over LRU's copies
-            d[name]["decode_vs_" + base + "-lru"] = ratios(t, by[base + "-lru"])["decode"]
+            dv["decode_vs_" + base + "-lru"] = ratios(t, by[base + "-lru"])["decode"]
         if name.endswith("-graph"):   # the graph over the same handle decoding eagerly
             eager = base if base in ("tandem100", "tandem0-host") else base + "-mapped"
+            eager += tail if "-host" in eager else ""
             if eager in by:
-                d[name]["decode_vs_" + eager] = ratios(t, by[eager])["decode"]
+                dv["decode_vs_" + eager] = ratios(t, by[eager])["decode"]
         att = by.get("attention-graph")
         if name.endswith("-graph") and att is not None:   # the experts' share of a step
-            d[name]["ms_over_attention_graph"] = t["decode"]["ms_per_token_median"] - \
+            dv["ms_over_attention_graph"] = t["decode"]["ms_per_token_median"] - \
                 att["decode"]["ms_per_token_median"]
         if "-host" in name:           # host placement over the link alone
             twin = name.replace("-host", "") if name.endswith("-graph") else base + "-mapped"
             if twin in by:
-                d[name]["decode_vs_" + twin] = ratios(t, by[twin])["decode"]
+                dv["decode_vs_" + twin] = ratios(t, by[twin])["decode"]
     return d
 
 
@@ -656,23 +702,24 @@ def fmt(v, spec=".2f"):
 def report(results, derived, peak, trace, ptrace=None):
     lines = [f"link peak (one {PEAK_BYTES >> 30} GiB pinned H2D copy, best of 3): "
              f"{peak / 1e9:.1f} GB/s", ""]
-    lines.append(f"{'config':<17} {'phase':<13} {'tok/s':>10} {'ms':>9} {'GB moved':>10} "
+    w = max([17] + [len(r["config"]) for r in results])       # the config column
+    lines.append(f"{'config':<{w}} {'phase':<13} {'tok/s':>10} {'ms':>9} {'GB moved':>10} "
                  f"{'link frac':>9} {'hit rate':>8} {'link bound':>10} {'x accel':>8}")
     for r in results:
         if "prefill" not in r:
             what = "skipped" if "skipped" in r else "FAILED"
-            lines.append(f"{r['config']:<17} {what}: {r.get('skipped') or r.get('error')}")
+            lines.append(f"{r['config']:<{w}} {what}: {r.get('skipped') or r.get('error')}")
             continue
         dv = derived.get(r["config"], {})
         for p in r["prefill"]:
             x = dv.get("prefill_vs_accelerate", {}).get(str(p["tokens"]))
-            lines.append(f"{r['config']:<17} {'prefill ' + str(p['tokens']):<13} "
+            lines.append(f"{r['config']:<{w}} {'prefill ' + str(p['tokens']):<13} "
                          f"{p['tokens_per_s']:>10.1f} {p['wall_s'] * 1e3:>9.1f} "
                          f"{p['expert_bytes_copied'] / 1e9:>10.2f} "
                          f"{fmt(p.get('link_fraction')):>9} "
                          f"{fmt(p.get('stats', {}).get('hit_rate')):>8} {'':>10} {fmt(x):>8}")
         q = r["decode"]
-        lines.append(f"{r['config']:<17} {'decode ' + str(q['tokens']):<13} "
+        lines.append(f"{r['config']:<{w}} {'decode ' + str(q['tokens']):<13} "
                      f"{q['tokens_per_s']:>10.2f} {q['ms_per_token_median']:>9.2f} "
                      f"{q['expert_bytes_copied_per_token'] / 1e9:>10.3f} "
                      f"{fmt(q.get('link_fraction')):>9} {fmt(q.get('hit_rate')):>8} "
@@ -784,9 +831,9 @@ def main(argv=None):
     peak = link_peak(torch, a.device)
     doc = {}
     results = []
-    for name in a.configs:
-        print(f"-- {name}", flush=True)
-        results.append(run_config(name, torch, transformers, cfg, a, peak, doc))
+    for row in runs(a):
+        print(f"-- {row[0]}", flush=True)
+        results.append(run_config(row, torch, transformers, cfg, a, peak, doc))
     derived = derive(results)
     print()
     print(report(results, derived, peak, doc.get("trace_decode"), doc.get("trace_prefill")))

@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 
 
@@ -63,3 +65,27 @@ def test_trace_breakdown_finds_link_gaps():
     assert by_at[900]["host"] == ["cudaEventSynchronize (90 us)"]
     assert b.breakdown({"traceEvents": ev}, "t.json", "decode_step") == \
         {"error": "no decode_step annotation in the trace"}
+
+
+def test_torch_offload_host_sweep_rows():
+    """--host-share and --host-threads lists: every -host configuration once for each pair,
+    named apart, and each compared with its own eager twin and with the link alone."""
+    b = load_bench()
+    a = b.parse_args(["--configs", "tandem0-graph,tandem0-host,tandem0-host-graph",
+                      "--host-share", "0.3,0.5", "--host-threads", "8,0"])
+    rows = b.runs(a)
+    assert [r[0] for r in rows[:3]] == ["tandem0-graph", "tandem0-host s0.3 t8",
+                                        "tandem0-host s0.3 t0"]
+    assert len(rows) == 9 and ("tandem0-host-graph s0.5 t0", "tandem0-host-graph", 0.5, 0) in rows
+    res = [{"config": lab, "base": name, "prefill": [],
+            "decode": {"tokens_per_s": 10.0 + i, "ms_per_token_median": 1.0}}
+           for i, (lab, name, _, _) in enumerate(rows)]
+    d = b.derive(res)
+    g = d["tandem0-host-graph s0.5 t8"]
+    assert g["decode_vs_tandem0-host s0.5 t8"] == 17.0 / 13.0
+    assert g["decode_vs_tandem0-graph"] == 17.0 / 10.0
+    one = b.runs(b.parse_args(["--configs", "tandem0-host-graph"]))
+    assert one == [("tandem0-host-graph", "tandem0-host-graph", 0.5, 0)]
+    for bad in (["--host-share", "1.5"], ["--host-threads", "-1"]):
+        with pytest.raises(SystemExit):
+            b.parse_args(bad)
