@@ -489,6 +489,68 @@ def measure_decode(torch, s, cfg, a, peak, trace=None, transformers=None):
     return r
 
 
+# ---- the host pass alone ------------------------------------------------------------------
+
+PROBE_EXPERTS = (4, 8)        # host experts a layer, one token
+
+
+def host_probe(torch, s, cfg, device, reps=3):
+    """The host's side of a -host row alone, in this process, after its decode: every layer's
+    host pass on n distinct experts of one token (n in PROBE_EXPERTS, other experts each rep),
+    run two ways with the GPU otherwise idle: "direct", group() and experts() of the CPU table
+    called from Python and its queue synced, a layer at a time; and "host_call", the layer's
+    pass queued on the second stream after a copy of its routing, as decode queues it, the
+    stream synced once after all layers. Figures: expert weights read per second (best of
+    reps). Tells the host's own rate from what the pass's place in decode costs it."""
+    hx = getattr(s.handle, "_hostx", None)
+    k, L, E = cfg.num_experts_per_tok, cfg.num_hidden_layers, cfg.num_experts
+    b = hx._bufs.get((1, k)) if hx is not None else None
+    if b is None:
+        return {"error": "no host pass of one token was made"}
+    import tandem
+    from tandem import _offload as plan
+    H, I, eb = cfg.hidden_size, cfg.moe_intermediate_size, expert_bytes(cfg)
+    G, wsb = min(E, k), tandem.MoeOps.workspace_bytes(k, H, I)
+    b.x.copy_(torch.randn(1, H))
+    out = {"expert_bytes": eb, "reps": reps}
+    for n in PROBE_EXPERTS:
+        if n > k:
+            continue
+        def routing(rep, layer):
+            first = ((rep * L + layer) * n) % max(1, E - n + 1)
+            return list(range(first, first + n)) + [-1] * (k - n)
+        best_d = best_c = None
+        for rep in range(reps):
+            t0 = time.perf_counter()
+            for layer in range(L):
+                b.idx.view(-1).copy_(torch.tensor(routing(rep, layer), dtype=torch.int32))
+                hx._ops.group(b.idx.data_ptr(), 1, k, E, hx._wofs[layer].data_ptr(),
+                              b.rows.data_ptr(), b.slot.data_ptr(), b.groups.data_ptr())
+                hx._ops.experts(b.x.data_ptr(), b.rows.data_ptr(), b.slot.data_ptr(), k,
+                                plan.ANYWHERE, b.groups.data_ptr(), G, H, I, b.out.data_ptr(),
+                                b.ws.data_ptr(), wsb)
+                hx._queue.synchronize()
+            d = time.perf_counter() - t0
+            best_d = d if best_d is None else min(best_d, d)
+            dev = torch.tensor([routing(rep + reps, layer) for layer in range(L)],
+                               dtype=torch.int32, device=device)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.cuda.stream(hx._side):
+                for layer in range(L):
+                    b.idx.view(-1).copy_(dev[layer], non_blocking=True)
+                    hx._side_ops.host_call(hx._ops, b.passes[layer])
+            hx._side.synchronize()
+            c = time.perf_counter() - t0
+            best_c = c if best_c is None else min(best_c, c)
+        moved = L * n * eb
+        out[str(n)] = {"direct_gbs": moved / best_d / 1e9, "host_call_gbs": moved / best_c / 1e9,
+                       "direct_ms_per_layer": best_d / L * 1e3,
+                       "host_call_ms_per_layer": best_c / L * 1e3}
+    hx.check()
+    return out
+
+
 # ---- the trace of one decode step --------------------------------------------------------
 
 def union(intervals):
@@ -638,6 +700,8 @@ def measure_config(name, torch, transformers, cfg, a, peak, doc, share=0.0):
         # A graph configuration's prefill is its eager twin's: not measured again.
         res["prefill"] = [] if s.graph else measure_prefill(torch, s, cfg, a, peak, ptrace)
         res["decode"] = measure_decode(torch, s, cfg, a, peak, dtrace, transformers)
+        if "-host" in name:
+            res["host_probe"] = host_probe(torch, s, cfg, a.device)
         for key, t in (("trace_prefill", ptrace), ("trace_decode", dtrace)):
             if t is not None:
                 doc[key] = t["breakdown"]
@@ -725,6 +789,17 @@ def report(results, derived, peak, trace, ptrace=None):
                      f"{fmt(q.get('link_fraction')):>9} {fmt(q.get('hit_rate')):>8} "
                      f"{fmt(q.get('link_bound_tokens_per_s'), '.1f'):>10} "
                      f"{fmt(dv.get('decode_vs_accelerate')):>8}")
+    for r in results:
+        hp = r.get("host_probe") or {}
+        for n in PROBE_EXPERTS:
+            q = hp.get(str(n))
+            if q:
+                lines.append(f"{r['config']:<{w}} host pass alone, {n} experts a layer: direct "
+                             f"{q['direct_gbs']:.1f} GB/s ({q['direct_ms_per_layer']:.2f} ms a "
+                             f"layer), host_call {q['host_call_gbs']:.1f} GB/s "
+                             f"({q['host_call_ms_per_layer']:.2f} ms)")
+        if hp.get("error"):
+            lines.append(f"{r['config']:<{w}} host pass alone: {hp['error']}")
     lines.append("(decode: tok/s after the first token, ms = median per token, GB per token "
                  "copied or read in place; "
                  "link bound = peak / (routed expert bytes per token x (1 - hit rate)) tok/s)")

@@ -189,6 +189,37 @@ TEST_CASE(copy_256mib) {
   th_close();
 }
 
+/* A large pinned allocation of a size that is no multiple of any page (CUDA makes those of
+ * 64 MiB or more from 2 MiB pages: src/cuda/cumem.c): reported whole by tdm_mem_query from
+ * inside it, and its last bytes copied both ways. */
+TEST_CASE(pinned_large) {
+  const size_t n = ((size_t)64 << 20) + 4097, tail = 3 << 20;
+  uint64_t rng = th_seed();
+  tdm_device *dev = th_open();
+  tdm_queue *q = new_queue(dev, TDM_QUEUE_IN_ORDER);
+  unsigned char *pinned = dev_alloc(dev, TDM_MEM_PINNED, n), *want = malloc(tail);
+  void *d = dev_alloc(dev, TDM_MEM_DEVICE, tail);
+  CHECK(want != NULL);
+  tdm_mem_info info;
+  CHECK_OK(tdm_mem_query(pinned + n - 1, &info));
+  CHECK_EQ(info.kind, TDM_MEM_PINNED);
+  CHECK(info.base == pinned && info.size == n && info.device == dev);
+  th_fill_random(pinned + n - tail, tail, &rng);
+  memcpy(want, pinned + n - tail, tail);
+  CHECK_OK(tdm_memcpy(q, d, pinned + n - tail, tail, TDM_COPY_H2D, 0, NULL, NULL));
+  CHECK_OK(tdm_memset(q, pinned + n - tail, 0, tail, 0, NULL, NULL));
+  CHECK_OK(tdm_memcpy(q, pinned + n - tail, d, tail, TDM_COPY_D2H, 0, NULL, NULL));
+  CHECK_OK(tdm_queue_sync(q));
+  CHECK_MEM_EQ(pinned + n - tail, want, tail);
+  CHECK_RC(tdm_memcpy(q, d, pinned + n - tail + 1, tail, TDM_COPY_H2D, 0, NULL, NULL),
+           TDM_ERANGE);
+  CHECK_OK(tdm_free(d));
+  CHECK_OK(tdm_free(pinned));
+  free(want);
+  CHECK_OK(tdm_queue_destroy(q));
+  th_close();
+}
+
 /* Pageable memory is read and written in stream order, not at call time: a host task placed
  * before an H2D fills the source, and a host task placed after a D2H reads the destination. */
 struct pageable_io {

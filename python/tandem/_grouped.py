@@ -59,7 +59,10 @@ class GroupedPath:
             self._wofs = table.to(self._device)
         else:
             self._wofs.copy_(table)
-        self._resident_mask = mask.view(lay.layers, lay.experts).to(self._device)
+        if self._resident_mask is None:
+            self._resident_mask = mask.view(lay.layers, lay.experts).to(self._device)
+        else:       # in place: no allocation where torch.compile's graphs pool their memory
+            self._resident_mask.copy_(mask.view(lay.layers, lay.experts))
         if self._hostx is not None:
             self._hostx.choose(self._key_counts, list(resident))
         self._table_ok = True

@@ -636,9 +636,6 @@ class OffloadHandle(GroupedPath):
             why = self._not_capturable(policy, decode, grouped)
             if why:
                 raise OffloadError(f"a CUDA graph cannot hold this offloaded pass: {why}")
-        # While a graph is captured the resident set stays as it is (choosing it again makes
-        # the streamer again, which waits for the device); the next eager decode pass does it.
-        self._ensure_policy(policy, decode and not capturing)
         if self._hostx is not None and layer == 0 and not capturing:
             try:
                 self._hostx.check()    # a host pass of an earlier step that failed
@@ -648,6 +645,13 @@ class OffloadHandle(GroupedPath):
         stream = self._stream
         stream.wait_stream(caller)
         with torch.cuda.stream(stream), torch.no_grad():
+            # On the handle's stream: what it allocates to keep (tables, the host's buffers)
+            # comes from PyTorch's own pool, not from the private pool into which
+            # torch.compile's CUDA graphs route the caller's stream while they warm up (which
+            # refuses a tensor that outlives the step). While a graph is captured the resident
+            # set stays as it is (choosing it again makes the streamer again, which waits for
+            # the device); the next eager decode pass does it.
+            self._ensure_policy(policy, decode and not capturing)
             if grouped and self._table_ok and (self._all_resident or decode):
                 out = self._experts_device(layer, x, weights, index)
             elif grouped:
