@@ -427,7 +427,9 @@ def decode_steps_graph(torch, transformers, s, cfg, a):
     set), then the capture; every timed step is the mask's update, a replay, the argmax and
     the position's increment. The first replay recomputes the eager step's position. The
     attention mask is as long as the cache (ones where a token is, updated in place), so SDPA
-    never attends to the cache's empty slots and the graph reads each step's."""
+    never attends to the cache's empty slots and the graph reads each step's; a step's is 4-D
+    (one query against the cache), which transformers hands to SDPA as it is, where a 2-D one
+    is expanded by code that takes another path while a stream is captured."""
     dev = torch.device(a.device)
     ids = tokens(torch, cfg, a.decode_prefix, a.seed + 1, a.device)
     length = a.decode_prefix + a.decode + 2
@@ -439,7 +441,8 @@ def decode_steps_graph(torch, transformers, s, cfg, a):
                       cache_position=torch.arange(a.decode_prefix, device=dev))
         sid = out.logits[:, -1:].argmax(-1)
         pos = torch.tensor([a.decode_prefix], device=dev)
-        mask.index_fill_(1, pos, 1)
+        mask = mask.bool().view(1, 1, 1, length)
+        mask.index_fill_(3, pos, True)
 
         def forward():
             return s.model(sid, attention_mask=mask, past_key_values=cache, cache_position=pos,
@@ -454,7 +457,7 @@ def decode_steps_graph(torch, transformers, s, cfg, a):
             logits = forward()
 
         def step():
-            mask.index_fill_(1, pos, 1)
+            mask.index_fill_(3, pos, True)
             graph.replay()
             sid.copy_(logits[:, -1:].argmax(-1))
             pos.add_(1)

@@ -189,9 +189,9 @@ TEST_CASE(copy_256mib) {
   th_close();
 }
 
-/* A large pinned allocation of a size that is no multiple of any page (CUDA makes those of
- * 64 MiB or more from 2 MiB pages: src/cuda/cumem.c): reported whole by tdm_mem_query from
- * inside it, and its last bytes copied both ways. */
+/* A large pinned allocation of a size that is no multiple of any page: reported whole by
+ * tdm_mem_query from inside it, its last bytes copied both ways, and a copy that runs one byte
+ * past its end refused. */
 TEST_CASE(pinned_large) {
   const size_t n = ((size_t)64 << 20) + 4097, tail = 3 << 20;
   uint64_t rng = th_seed();

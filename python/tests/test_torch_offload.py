@@ -222,7 +222,10 @@ def test_decode_step_in_a_cuda_graph(env, budget, policy, share):
     def decode(h):
         """The logits of each replayed step, and the token each step was fed."""
         # A static cache wants a mask as long as the cache (ones where a token is), else SDPA
-        # may decode over its empty slots too; updated in place, so a graph reads each step's.
+        # may decode over its empty slots too. A step's is 4-D (its one query against the
+        # cache's slots), which transformers passes to SDPA as it is: a 2-D one is made into
+        # a 4-D one by code that takes another path while a stream is captured. Updated in
+        # place, so a graph reads each step's.
         cache = transformers.StaticCache(config=model.config, max_cache_len=32)
         mask = torch.zeros(1, 32, dtype=torch.long, device=dev)
         mask[:, :ids.shape[1]] = 1
@@ -232,11 +235,12 @@ def test_decode_step_in_a_cuda_graph(env, budget, policy, share):
                        cache_position=torch.arange(ids.shape[1], device=dev)).logits
             sid = lg[:, -1:].argmax(-1)
             pos = torch.tensor([ids.shape[1]], device=dev)
+            mask = mask.bool().view(1, 1, 1, 32)
 
             def step():
                 return model(sid, attention_mask=mask, past_key_values=cache,
                              cache_position=pos, use_cache=True).logits
-            mask.index_fill_(1, pos, 1)
+            mask.index_fill_(3, pos, True)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -247,7 +251,7 @@ def test_decode_step_in_a_cuda_graph(env, budget, policy, share):
                 glg = step()
             h.reset_stats()
             for _ in range(steps):
-                mask.index_fill_(1, pos, 1)
+                mask.index_fill_(3, pos, True)
                 fed.append(sid.clone())
                 graph.replay()
                 out.append(glg.clone())

@@ -81,7 +81,6 @@ typedef struct tdm__options {
   long tracker_capacity;  /* TANDEM_TRACKER_CAPACITY */
   long opencl_defer;      /* TANDEM_OPENCL_DEFER */
   long cuda_blocking_sync;/* TANDEM_CUDA_BLOCKING_SYNC */
-  long cuda_huge_pages;   /* TANDEM_CUDA_HUGE_PAGES */
   char backend_path[1024];/* TANDEM_BACKEND_PATH */
   char backends[128];     /* TANDEM_BACKENDS: comma-separated allow list, empty = all */
   char trace[4096];       /* TANDEM_TRACE: Chrome trace file written at the last shutdown */

@@ -38,8 +38,6 @@ static const opt_def opt_table[] = {
      "OpenCL host-task gates: 1 on the host, 0 with user events, -1 (default) by driver"},
     {"TANDEM_CUDA_BLOCKING_SYNC", OPT_LONG, 0, 0, 1, OFF(cuda_blocking_sync), 0,
      "1: tandem's threads wait for CUDA events asleep (cudaEventBlockingSync), not spinning"},
-    {"TANDEM_CUDA_HUGE_PAGES", OPT_LONG, 1, 0, 1, OFF(cuda_huge_pages), 0,
-     "0: pinned allocations of 64 MiB or more from cudaHostAlloc, not in 2 MiB pages"},
     {"TANDEM_TRACE", OPT_STRING, 0, 0, 0, OFF(trace), sizeof(((tdm__options *)0)->trace),
      "file to write a Chrome trace of every command to, at the last shutdown"},
     {"TANDEM_EXIT_WAIT_MS", OPT_LONG, 2000, 0, 600000, OFF(exit_wait_ms), 0,

@@ -53,7 +53,6 @@ typedef struct cu_device {
   char name[128];
   size_t memory;
   bool wait_value;         /* cuStreamWaitValue32 works on this device */
-  bool host_ptr_mapped;    /* kernels read registered host memory at its host address */
   cudaStream_t internal;   /* allocation, frees and staging: never gated */
   _Atomic(void *) ev_returned; /* event free list: a stack any thread pushes onto (lfstack.h) */
   pthread_mutex_t gate_mu; /* gate slots */

@@ -202,11 +202,6 @@ static int init_device(cu_device *d, int ordinal) {
   if (e != cudaSuccess) return cu_error(e, "cudaGetDeviceProperties");
   snprintf(d->name, sizeof d->name, "%.*s", (int)sizeof d->name - 1, p.name);
   d->memory = p.totalGlobalMem;
-  int same = 0; /* cumem.c's large pinned allocations want it */
-  if (cudaDeviceGetAttribute(&same, cudaDevAttrCanUseHostPointerForRegisteredMem, ordinal) !=
-      cudaSuccess)
-    cudaGetLastError(), same = 0;
-  d->host_ptr_mapped = same != 0;
   pthread_mutex_init(&d->gate_mu, NULL);
   pthread_cond_init(&d->gate_cv, NULL);
   pthread_mutex_init(&d->stage_mu, NULL);

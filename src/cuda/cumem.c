@@ -1,17 +1,11 @@
 /* cumem.c: CUDA memory. Device memory comes from the device's stream-ordered pool, so a
- * stream-ordered free is cudaFreeAsync; pinned memory from cudaHostAlloc, or for large sizes
- * a mapping in 2 MiB pages registered with CUDA (huge_pinned); registration with
+ * stream-ordered free is cudaFreeAsync; pinned memory from cudaHostAlloc; registration with
  * cudaHostRegister. Pageable copies are staged through two pinned buffers on the device's
  * internal stream, by the queue's executor, after earlier work on the queue: in stream order,
  * never at call time. The host side of a staged copy runs on up to eight threads. */
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE /* MADV_HUGEPAGE */
-#endif
 #include <stdatomic.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include "cu.h"
@@ -142,74 +136,6 @@ void cu_mem_fini(cu_device *d) {
   }
 }
 
-/* ---- large pinned allocations in 2 MiB pages ----
- * cudaHostAlloc gives 4 KiB pages. Host threads that stream through a large pinned buffer (the
- * experts a host CPU computes from their pinned copy, many threads at once) then stop at every
- * page, for a translation (two levels of them in a virtual machine) and for the hardware
- * prefetcher, which does not cross pages. So a pinned allocation of HUGE_MIN bytes or more is an
- * anonymous mapping aligned to 2 MiB with madvise(MADV_HUGEPAGE) (a hint: the kernel may still
- * give 4 KiB pages), registered portable and mapped. Only where kernels read registered memory
- * at its host address (cudaDevAttrCanUseHostPointerForRegisteredMem), so that the pointer is the
- * device's too, as cudaHostAlloc's is under unified addressing; else, when the mapping or its
- * registration fails, or with TANDEM_CUDA_HUGE_PAGES=0: cudaHostAlloc. The mapping is kept in
- * the registry entry's handle, for the free. */
-enum { HUGE_PAGE = 2 << 20, HUGE_MIN = 64 << 20 };
-
-typedef struct huge_map {
-  void *map;
-  size_t len;
-} huge_map;
-
-static bool huge_wanted(int bdev, size_t size) {
-#if defined(MADV_HUGEPAGE)
-  return size >= HUGE_MIN && size <= SIZE_MAX - 2 * HUGE_PAGE && cu_devs[bdev].host_ptr_mapped &&
-         cu_svc->option_long("TANDEM_CUDA_HUGE_PAGES", 1) != 0;
-#else
-  (void)bdev, (void)size;
-  return false;
-#endif
-}
-
-/* The pinned block, or NULL for cudaHostAlloc to try (the reason is not an error: the fallback
- * serves). Called inside cu_enter. */
-static void *huge_pinned(size_t size, tdm__bmem *bm) {
-#if defined(MADV_HUGEPAGE)
-  huge_map *h = malloc(sizeof *h);
-  if (!h) return NULL;
-  h->len = (size + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE + HUGE_PAGE;
-  h->map = mmap(NULL, h->len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (h->map == MAP_FAILED) {
-    free(h);
-    return NULL;
-  }
-  char *p = (char *)(((uintptr_t)h->map + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
-  (void)madvise(p, h->len - (size_t)(p - (char *)h->map), MADV_HUGEPAGE);
-  void *dp = NULL;
-  cudaError_t e = cudaHostRegister(p, size, cudaHostRegisterPortable | cudaHostRegisterMapped);
-  if (e == cudaSuccess && (cudaHostGetDevicePointer(&dp, p, 0) != cudaSuccess || dp != p)) {
-    cudaHostUnregister(p);
-    e = cudaErrorInvalidValue;
-  }
-  if (e != cudaSuccess) {
-    cudaGetLastError(); /* not sticky: the fallback runs */
-    munmap(h->map, h->len);
-    free(h);
-    return NULL;
-  }
-  bm->handle = h;
-  return p;
-#else
-  (void)size, (void)bm;
-  return NULL;
-#endif
-}
-
-static void huge_free(void *p, huge_map *h) {
-  cudaHostUnregister(p);
-  munmap(h->map, h->len);
-  free(h);
-}
-
 int cu_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr, tdm__bmem *bm) {
   if (kind == TDM_MEM_HOST) {
     void *p = malloc(size);
@@ -222,8 +148,7 @@ int cu_mem_alloc(int bdev, tdm_mem_kind kind, size_t size, void **ptr, tdm__bmem
   void *p = NULL;
   cudaError_t e;
   if (kind == TDM_MEM_PINNED) {
-    p = huge_wanted(bdev, size) ? huge_pinned(size, bm) : NULL;
-    e = p ? cudaSuccess : cudaHostAlloc(&p, size, cudaHostAllocPortable);
+    e = cudaHostAlloc(&p, size, cudaHostAllocPortable);
   } else {
     /* From the pool on the internal stream, made visible to every stream by the sync. */
     e = cudaMallocAsync(&p, size, cu_devs[bdev].internal);
@@ -245,9 +170,7 @@ void cu_mem_free(int bdev, tdm_mem_kind kind, void *ptr, const tdm__bmem *bm) {
   if (bm->flags & TDM__BMEM_IMPORTED) return;
   int saved;
   if (cu_enter(bdev, &saved)) return;
-  if (kind == TDM_MEM_PINNED && bm->handle)
-    huge_free(ptr, (huge_map *)bm->handle);
-  else if (kind == TDM_MEM_PINNED)
+  if (kind == TDM_MEM_PINNED)
     cudaFreeHost(ptr);
   else
     cudaFreeAsync(ptr, cu_devs[bdev].internal); /* the caller vouched nothing uses it */
