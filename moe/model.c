@@ -84,10 +84,19 @@ struct tdm_moe_model {
   const tdm_moe_ops *ops;
   void *ops_state;
   tdm_queue *q;
-  tdm_moe_bf16 *host_experts;     /* pinned: L * E experts */
+  tdm_moe_bf16 *host_experts;     /* pinned: L * E experts (a shard's: the first device's) */
   void *host_map;                 /* host_experts' mapping when registered (host_experts_alloc) */
   size_t host_map_bytes;
   const void **host_ptrs;     /* per key */
+  /* expert parallelism (cfg.ndevices > 1; shard.c's part below) */
+  int ndev, dev_index;        /* the devices, and this model's index among them (0: the first) */
+  tdm_moe_model **shards;     /* the first's: the other devices' models, [ndev - 1] */
+  tdm_moe_model *first;       /* a shard's: the first device's model, whose host copy it reads */
+  bool peer;                  /* a shard's: of the first's backend, so peer copies reach it */
+  float *part;                /* device [maxT x H]: a shard's partial sum; the first's landing */
+  float *part_h;              /* pinned: a shard's partial sum on its way (not peer) */
+  float *xw_h;                /* pinned, the first's: xn [maxT x H], then wts [maxT x k] */
+  tdm_event **part_ready;     /* the first's: [ndev - 1], each shard's partial of the layer */
   tdm_streamer *streamer;
   /* device side, per layer */
   tdm_moe_bf16 *router;           /* L x E x H */
@@ -366,6 +375,19 @@ static int staging_slots(const tdm_moe_model *m) {
   return m->cfg.staging_slots > 0 ? m->cfg.staging_slots : 16;
 }
 
+/* Expert parallelism: the routed experts this model's device computes (all, alone). */
+static bool owns(const tdm_moe_model *m, int e) {
+  return m->ndev <= 1 || e % m->ndev == m->dev_index;
+}
+
+/* order[0..n) with the experts of other devices left out, in order; their count. */
+static int owned_only(const tdm_moe_model *m, int *order, int n) {
+  int kept = 0;
+  for (int i = 0; i < n; i++)
+    if (owns(m, order[i])) order[kept++] = order[i];
+  return kept;
+}
+
 /* Whether a ubatch of T tokens runs its experts in groups (experts()), not one by one: a
  * small one always; a large one where the table computes many rows as GEMMs. */
 static bool grouped(const tdm_moe_model *m, int T) {
@@ -413,8 +435,15 @@ static int setup_buffers(tdm_moe_model *m) {
     if (!rc)
       rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, ptk * sizeof(int32_t), (void **)&m->pidx_h);
   }
-  if (!rc && m->p.shared) {
-    rc = dev_alloc(m, th, &m->out_shared);
+  if (!rc && m->ndev > 1) {
+    rc = dev_alloc(m, th, &m->part);
+    if (!rc && m->first && !m->peer)
+      rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, th, (void **)&m->part_h);
+    if (!rc && !m->first)
+      rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, th + tk * sizeof(float), (void **)&m->xw_h);
+  }
+  if (!rc && (m->p.shared || (m->ndev > 1 && !m->first))) { /* ones: a partial's weights */
+    if (m->p.shared) rc = dev_alloc(m, th, &m->out_shared);
     if (!rc) rc = dev_alloc(m, (size_t)T * sizeof(float), &m->ones);
     if (!rc) rc = dev_alloc(m, (size_t)T * sizeof(int32_t), &m->iota);
     float *ones = malloc((size_t)T * sizeof *ones);
@@ -491,22 +520,23 @@ static int setup_streamer(tdm_moe_model *m) {
   }
   size_t per = m->ebytes / sizeof(tdm_moe_bf16);
   for (long key = 0; key < keys; key++) m->host_ptrs[key] = m->host_experts + (size_t)key * per;
-  /* The static resident set: the most popular experts of every layer first. */
+  /* The static resident set: the most popular experts of every layer first (of this device's
+   * share of them, with several devices). */
   long n = 0;
   for (int r = 0; r < m->E; r++)
     for (int l = 0; l < m->L; l++)
       for (int e = 0; e < m->E; e++)
-        if (m->rank[(size_t)l * m->E + e] == r) resident[n++] = l * m->E + e;
-  /* A budget that holds every expert leaves a policy nothing to decide: all are loaded at
-   * creation and stay (the static policy), whatever policy was asked for. */
-  bool all = m->cfg.all_resident || m->cfg.budget_bytes / m->ebytes >= (size_t)keys;
+        if (m->rank[(size_t)l * m->E + e] == r && owns(m, e)) resident[n++] = l * m->E + e;
+  /* A budget that holds every expert (of its share) leaves a policy nothing to decide: all are
+   * loaded at creation and stay (the static policy), whatever policy was asked for. */
+  bool all = m->cfg.all_resident || m->cfg.budget_bytes / m->ebytes >= (size_t)n;
   tdm_streamer_config sc = {
       .compute = m->q,
       .layers = m->L,
       .experts = m->E,
       .expert_bytes = m->ebytes,
       .host = m->host_ptrs,
-      .budget_bytes = all ? (size_t)keys * m->ebytes : m->cfg.budget_bytes,
+      .budget_bytes = all ? (size_t)n * m->ebytes : m->cfg.budget_bytes,
       .staging_slots = staging_slots(m),
       .policy = all ? TDM_CACHE_STATIC : m->cfg.policy,
       .resident = resident,
@@ -522,7 +552,7 @@ static int setup_streamer(tdm_moe_model *m) {
    * landed, so no pass is timed with that load inside it. */
   tdm_queue *prefetch = NULL;
   if (!rc && !(rc = tdm_streamer_queues(m->streamer, NULL, &prefetch))) rc = tdm_queue_sync(prefetch);
-  if (!rc && all) rc = setup_device_routing(m);
+  if (!rc && all && m->ndev <= 1) rc = setup_device_routing(m);
   return rc;
 }
 
@@ -1015,14 +1045,16 @@ static int set_formats(tdm_moe_model *m, const tdm_moe_config *cfg) {
   return 0;
 }
 
-int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
-  if (!cfg || !cfg->preset || !cfg->device || !out || cfg->max_tokens < 1)
-    return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: bad configuration");
-  int shape_rc = check_shape(cfg);
-  if (shape_rc) return shape_rc;
+/* The model of one device: the first (first NULL, index 0), or device `index` of cfg->devices,
+ * which reads first's host copy of the experts. */
+static int model_create(const tdm_moe_config *cfg, tdm_moe_model *first, int index,
+                        tdm_moe_model **out) {
   tdm_moe_model *m = calloc(1, sizeof *m);
   if (!m) return tdm_set_error(TDM_ENOMEM, 0, "no memory");
   m->cfg = *cfg;
+  m->ndev = cfg->ndevices > 1 ? cfg->ndevices : 1;
+  m->dev_index = index;
+  m->first = first;
   m->p = *cfg->preset;
   m->L = cfg->layers > 0 ? cfg->layers : m->p.layers;
   m->H = m->p.hidden;
@@ -1032,7 +1064,7 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   int rc = set_formats(m, cfg);
   m->maxT = cfg->max_tokens;
   m->eps = cfg->norm_eps > 0 ? cfg->norm_eps : 1e-6f;
-  m->pdepth = !cfg->predict ? 0 : cfg->predict_depth > 0 ? cfg->predict_depth : 1;
+  m->pdepth = !cfg->predict || first ? 0 : cfg->predict_depth > 0 ? cfg->predict_depth : 1;
   if (cfg->predict_depth < 0 || cfg->predict_depth > TDM_MOE_PREDICT_DEPTH_MAX)
     rc = tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: a predict depth of %d (0 to %d)",
                        cfg->predict_depth, TDM_MOE_PREDICT_DEPTH_MAX);
@@ -1041,7 +1073,7 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
                        "expert of %s", cfg->budget_bytes, m->ebytes, m->p.name);
   size_t host = m->ebytes * (size_t)m->E * (size_t)m->L;
   uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
-  if (!rc && host > phys / 10 * 8)
+  if (!rc && !first && host > phys / 10 * 8)
     rc = tdm_set_error(TDM_ENOMEM, 0, "%s with %d layers needs %.1f GiB of pinned host memory "
                     "for its experts; this machine has %.1f GiB (at most 80%% of it is taken)%s",
                     m->p.name, m->L, host / 1073741824.0, phys / 1073741824.0,
@@ -1066,11 +1098,18 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
     rc = tdm_queue_create(cfg->device,
                           TDM_QUEUE_IN_ORDER | (cfg->time_chain ? TDM_QUEUE_TIMING : 0), &m->q);
   if (!rc) rc = m->ops->open(m->q, &m->ops_state);
-  if (!rc) rc = host_experts_alloc(m, host);
+  if (!rc && first) {
+    tdm_device_info a, b;
+    m->host_experts = first->host_experts;
+    rc = tdm_device_info_get(cfg->device, &a);
+    if (!rc) rc = tdm_device_info_get(first->cfg.device, &b);
+    m->peer = !rc && strcmp(a.backend, b.backend) == 0;
+  }
+  if (!rc && !first) rc = host_experts_alloc(m, host);
   if (rc == TDM_ENOMEM && !m->host_experts && m->q)
     tdm_set_error(TDM_ENOMEM, 0, "cannot pin %.1f GiB of host memory for the experts",
                host / 1073741824.0);
-  if (!rc) rc = fill_parallel(m);
+  if (!rc && !first) rc = fill_parallel(m);
   if (!rc) rc = setup_small_weights(m);
   const char *pg = getenv("TANDEM_MOE_PREFILL_GROUPED");
   m->prefill_grouped = !(pg && strcmp(pg, "0") == 0);
@@ -1086,8 +1125,60 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
   return 0;
 }
 
+/* cfg's devices (expert parallelism), checked: several, devices[0] the model's device, no
+ * device twice, placement DEVICE, no chain timing (it follows one queue). */
+static int check_devices(const tdm_moe_config *cfg) {
+  if (!cfg->devices && cfg->ndevices <= 1) return 0;
+  const char *why = NULL;
+  if (!cfg->devices || cfg->ndevices < 2 || cfg->ndevices > TDM_MOE_DEVICES_MAX)
+    why = "devices: NULL, or 2 to TDM_MOE_DEVICES_MAX of them";
+  else if (cfg->devices[0] != cfg->device)
+    why = "devices[0] must be the model's device";
+  else if (cfg->placement != TDM_MOE_PLACE_DEVICE)
+    why = "host placement with several devices";
+  else if (cfg->time_chain)
+    why = "time_chain with several devices";
+  for (int i = 0; !why && i < cfg->ndevices; i++)
+    for (int j = 0; !why && j < i; j++)
+      if (!cfg->devices[i] || cfg->devices[i] == cfg->devices[j])
+        why = "devices: each one once, none NULL";
+  return why ? tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: %s (%d given)", why,
+                             cfg->ndevices)
+             : 0;
+}
+
+int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
+  if (!cfg || !cfg->preset || !cfg->device || !out || cfg->max_tokens < 1)
+    return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_model_create: bad configuration");
+  int rc = check_shape(cfg);
+  if (!rc) rc = check_devices(cfg);
+  tdm_moe_model *m = NULL;
+  if (!rc) rc = model_create(cfg, NULL, 0, &m);
+  if (!rc && m->ndev > 1 &&
+      (!(m->shards = calloc((size_t)m->ndev - 1, sizeof *m->shards)) ||
+       !(m->part_ready = calloc((size_t)m->ndev - 1, sizeof *m->part_ready))))
+    rc = tdm_set_error(TDM_ENOMEM, 0, "no memory");
+  for (int d = 1; !rc && d < (m ? m->ndev : 0); d++) {
+    tdm_moe_config sc = *cfg;
+    sc.device = cfg->devices[d];
+    rc = model_create(&sc, m, d, &m->shards[d - 1]);
+  }
+  if (rc) {
+    tdm_moe_model_destroy(m);
+    return rc;
+  }
+  *out = m;
+  return 0;
+}
+
 void tdm_moe_model_destroy(tdm_moe_model *m) {
   if (!m) return;
+  for (int d = 0; m->shards && d < m->ndev - 1; d++) { /* they read the host copy */
+    tdm_moe_model_destroy(m->shards[d]);
+    if (m->part_ready && m->part_ready[d]) tdm_event_release(m->part_ready[d]);
+  }
+  free(m->shards);
+  free(m->part_ready);
   if (m->q) tdm_queue_sync(m->q);
   destroy_host(m);
   if (m->streamer) tdm_streamer_destroy(m->streamer);
@@ -1096,10 +1187,10 @@ void tdm_moe_model_destroy(tdm_moe_model *m) {
                  m->out,    m->wts,   m->idx,    m->rs,       m->ws,        m->out_shared,
                  m->ones,   m->iota,  m->idx_h,  m->rs_h,     m->pidx,
                  m->pwts,   m->pidx_h, m->x_h,   m->groups,   m->groups_h,  m->wofs,
-                 m->idx_all, m->idx_all_h};
+                 m->idx_all, m->idx_all_h, m->part, m->part_h, m->xw_h};
   for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
     if (dev[i]) tdm_free(dev[i]);
-  host_experts_free(m);
+  if (!m->first) host_experts_free(m);
   for (int t = 0; t <= GROUPED_MAX_T; t++)
     if (m->graphs[t]) m->ops->graph_free(m->ops_state, m->graphs[t]);
   if (m->ops_state) m->ops->close(m->ops_state);
@@ -1248,14 +1339,16 @@ static int layer_route(tdm_moe_model *m, int l, int T, tdm_moe_pass_stats *st, i
   return upload_small(m, m->rs, m->rs_h, 2 * (size_t)T * k * sizeof(int32_t));
 }
 
-/* Routed experts, most popular first: order[0..n) gets the experts with tokens, by rank. */
-static int layer_order(const tdm_moe_model *m, int l, const int *count, int *order) {
+/* Routed experts, most popular first: order[0..n) gets the experts with tokens that this
+ * model's device computes, by rank; *routed, how many experts have tokens in all. */
+static int layer_order(const tdm_moe_model *m, int l, const int *count, int *order, int *routed) {
   int E = m->E, n = 0;
   for (int e = 0; e < E; e++) order[e] = -1;
   for (int e = 0; e < E; e++) order[m->rank[(size_t)l * E + e]] = count[e] ? e : -1;
   for (int r = 0; r < E; r++)
     if (order[r] >= 0) order[n++] = order[r];
-  return n;
+  *routed = n;
+  return owned_only(m, order, n);
 }
 
 /* The routed experts order[0..n), in the streamer's order: what it staged ahead first, then
@@ -1549,6 +1642,7 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
  * what is known now), so that no copy is made for an expert the host will compute. */
 static int lookahead_prefetch(tdm_moe_model *m, int l, int T, int *order, int n) {
   int rc, nh, candidates;
+  n = owned_only(m, order, n);
   if (n && T <= GROUPED_MAX_T && m->place.placement != TDM_MOE_PLACE_DEVICE &&
       ((rc = tdm_streamer_schedule(m->streamer, l, order, n)) ||
        (rc = place(m, l, order, &n, m->hsel, &nh, &candidates, true))))
@@ -1659,15 +1753,98 @@ static void count_device_routed(tdm_moe_model *m, int T, tdm_moe_pass_stats *st)
   st->device_routed_layers = (uint64_t)m->L;
 }
 
+/* ---- expert parallelism: the other devices' share of a layer ----
+ * The first device routes; then each other device (a shard) gets the layer's normalized input
+ * and weights, by a peer copy or through the first's pinned xw_h, and the token lists the host
+ * grouped, computes its experts into its own out (zeroed first: the other devices' slots stay
+ * zero, so the weighted sum over k is its experts' part alone, in the same order) and sums
+ * them into part. The first device zeroes its own out likewise, combines its share into x,
+ * and adds each shard's part after a device-side wait, in device order. Every buffer a layer
+ * hands on is free again when the next layer's routing reaches the host: that routing follows
+ * the first device's combine, which follows every shard's part. */
+
+static int shard_layer(tdm_moe_model *s, tdm_moe_model *m, int l, int T, bool overlap,
+                       tdm_moe_pass_stats *st, const int *count, const int *offset,
+                       tdm_event *in, tdm_event **ready) {
+  size_t xb = (size_t)T * s->H * sizeof(float), tk = (size_t)T * s->k;
+  const float *wts_h = m->xw_h + (size_t)m->maxT * m->H;
+  int rc = tdm_queue_wait(s->q, in);
+  if (!rc)
+    rc = s->peer ? tdm_memcpy(s->q, s->xn, m->xn, xb, TDM_COPY_D2D, 0, NULL, NULL)
+                 : tdm_memcpy(s->q, s->xn, m->xw_h, xb, TDM_COPY_H2D, 0, NULL, NULL);
+  if (!rc)
+    rc = s->peer ? tdm_memcpy(s->q, s->wts, m->wts, tk * sizeof(float), TDM_COPY_D2D, 0, NULL, NULL)
+                 : tdm_memcpy(s->q, s->wts, wts_h, tk * sizeof(float), TDM_COPY_H2D, 0, NULL, NULL);
+  if (!rc) {
+    memcpy(s->rs_h, m->rs_h, 2 * tk * sizeof(int32_t));
+    rc = upload_small(s, s->rs, s->rs_h, 2 * tk * sizeof(int32_t));
+  }
+  if (!rc) rc = tdm_memset(s->q, s->out, 0, tk * s->H * sizeof(float), 0, NULL, NULL);
+  int *order = s->scratch + 2 * s->E, routed = 0, n = layer_order(s, l, count, order, &routed);
+  if (!rc)
+    rc = grouped(s, T) ? layer_experts_grouped(s, l, T, overlap, st, count, offset, order, n)
+                       : layer_experts(s, l, overlap, st, count, offset, order, n);
+  /* no predictor here: a prefill's next layer, by rank, as on the first device */
+  if (!rc) rc = layer_lookahead(s, l, T, overlap, st, NULL, routed, s->scratch, order);
+  if (!rc) rc = tdm_memset(s->q, s->part, 0, xb, 0, NULL, NULL);
+  if (!rc) rc = s->ops->combine(s->ops_state, s->q, s->part, s->out, s->wts, T, s->H, s->k);
+  if (!rc && !s->peer)
+    rc = tdm_memcpy(s->q, s->part_h, s->part, xb, TDM_COPY_D2H, 0, NULL, NULL);
+  if (!rc) rc = tdm_event_record(s->q, ready);
+  return rc;
+}
+
+/* Layer l's share of every shard, once the first device has routed it; then the first
+ * device's own out zeroed. */
+static int shards_layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stats *st,
+                        const int *count, const int *offset) {
+  size_t xb = (size_t)T * m->H * sizeof(float), tk = (size_t)T * m->k;
+  bool staged = false;
+  for (int d = 0; d < m->ndev - 1; d++) staged = staged || !m->shards[d]->peer;
+  int rc = 0;
+  if (staged) {
+    rc = tdm_memcpy(m->q, m->xw_h, m->xn, xb, TDM_COPY_D2H, 0, NULL, NULL);
+    if (!rc)
+      rc = tdm_memcpy(m->q, m->xw_h + (size_t)m->maxT * m->H, m->wts, tk * sizeof(float),
+                      TDM_COPY_D2H, 0, NULL, NULL);
+  }
+  tdm_event *in = NULL;
+  if (!rc) rc = tdm_event_record(m->q, &in);
+  for (int d = 0; !rc && d < m->ndev - 1; d++) {
+    if (m->part_ready[d]) tdm_event_release(m->part_ready[d]);
+    m->part_ready[d] = NULL;
+    rc = shard_layer(m->shards[d], m, l, T, overlap, st, count, offset, in, &m->part_ready[d]);
+  }
+  if (in) tdm_event_release(in);
+  if (!rc) rc = tdm_memset(m->q, m->out, 0, tk * m->H * sizeof(float), 0, NULL, NULL);
+  return rc;
+}
+
+/* The shards' parts added into x, in device order, each after a device-side wait. */
+static int shards_join(tdm_moe_model *m, int T) {
+  size_t xb = (size_t)T * m->H * sizeof(float);
+  int rc = 0;
+  for (int d = 0; !rc && d < m->ndev - 1; d++) {
+    tdm_moe_model *s = m->shards[d];
+    rc = tdm_queue_wait(m->q, m->part_ready[d]);
+    if (!rc)
+      rc = s->peer ? tdm_memcpy(m->q, m->part, s->part, xb, TDM_COPY_D2D, 0, NULL, NULL)
+                   : tdm_memcpy(m->q, m->part, s->part_h, xb, TDM_COPY_H2D, 0, NULL, NULL);
+    if (!rc) rc = m->ops->combine(m->ops_state, m->q, m->x, m->part, m->ones, T, m->H, 1);
+  }
+  return rc;
+}
+
 /* One layer, x += MoE(RMSNorm(x)), submitted on the compute queue. */
 static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stats *st, int *count,
                  int *offset, int *order) {
   tdm_event *predicted = NULL;
-  int rc = layer_route(m, l, T, st, count, offset, &predicted), n = 0;
+  int rc = layer_route(m, l, T, st, count, offset, &predicted), n = 0, routed = 0;
+  if (!rc && m->shards) rc = shards_layer(m, l, T, overlap, st, count, offset);
   if (!rc) {
-    n = layer_order(m, l, count, order);
+    n = layer_order(m, l, count, order, &routed);
     if (l == m->L - 1) {
-      m->lead_n = n;
+      m->lead_n = routed;
       m->lead_T = T;
     }
     rc = grouped(m, T)
@@ -1681,8 +1858,8 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
     if (predicted) tdm_event_release(predicted);
     return rc;
   }
-  if ((rc = layer_lookahead(m, l, T, overlap, st, predicted, n, count, order)) ||
-      (rc = layer_combine(m, l, T)))
+  if ((rc = layer_lookahead(m, l, T, overlap, st, predicted, routed, count, order)) ||
+      (rc = layer_combine(m, l, T)) || (m->shards && (rc = shards_join(m, T))))
     return rc;
   return chain_mark(m, l, CHAIN_COMBINED);
 }
@@ -1767,6 +1944,13 @@ static int pass_start(tdm_moe_model *m, int T, bool overlap, bool on_device, tdm
   int *count = m->scratch, rc = 0;
   if (!on_device) rc = pass_lead(m, T, overlap, count + 2 * m->E);
   if (!rc && !on_device) rc = chain_mark(m, -1, 0);
+  for (int d = 0; !rc && m->shards && d < m->ndev - 1; d++) {
+    tdm_moe_model *s = m->shards[d];
+    tdm_moe_pass_stats ss;
+    tdm_streamer_stats_get(s->streamer, &s->pass_s0);
+    s->pass_t0 = m->pass_t0;
+    rc = pass_start(s, T, overlap, false, &ss);
+  }
   return rc;
 }
 
@@ -1799,6 +1983,21 @@ static int pass_finish(tdm_moe_model *m, int rc, tdm_moe_pass_stats *st) {
   st->inflight_hits = s1.inflight_hits - s0->inflight_hits;
   st->demand_misses = st->misses;
   if (!rc && on_device) count_device_routed(m, T, st);
+  for (int d = 0; m->shards && d < m->ndev - 1; d++) { /* after the first: it waits for them */
+    tdm_moe_model *s = m->shards[d];
+    if (!s->in_pass) continue;
+    tdm_moe_pass_stats ss;
+    int src2 = pass_finish(s, rc, &ss);
+    if (!rc && src2) rc = src2;
+    st->bytes_copied += ss.bytes_copied;
+    st->link_busy_seconds += ss.link_busy_seconds;
+    st->acquires += ss.acquires;
+    st->hits += ss.hits;
+    st->misses += ss.misses;
+    st->resident_hits += ss.resident_hits;
+    st->inflight_hits += ss.inflight_hits;
+    st->demand_misses += ss.demand_misses;
+  }
   return rc;
 }
 

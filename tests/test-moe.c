@@ -882,6 +882,116 @@ TEST_CASE(auto_placement) {
   th_close();
 }
 
+/* The second device of expert_parallel: TANDEM_TEST_SECOND, else cuda:1 beside cuda:0, else
+ * opencl:0 beside cpu:0, else cpu:0 (another backend: copies through pinned memory). */
+static const char *second_device(void) {
+  const char *env = getenv("TANDEM_TEST_SECOND");
+  if (env && *env) return env;
+  if (strcmp(th_device_id, "cuda:0") == 0) return "cuda:1";
+  return strcmp(th_device_id, "cpu:0") == 0 ? "opencl:0" : "cpu:0";
+}
+
+/* Expert parallelism (tdm_moe_config.devices): the routed experts split between this device
+ * and a second one (second_device()), at budgets of nothing, one expert, half and every expert
+ * (each device's), static and LRU, overlapped and serialized; a prefill ubatch (a GEMM per
+ * expert), a small one and decode tokens (experts in groups). The output is the one-device
+ * model's within rounding (each device's part of the weighted sum is added on its own), each
+ * routed expert is computed once, and the second device computes its share: the first
+ * device's streamer sees fewer acquires than the pass. The configurations a split refuses,
+ * each with its reason. */
+TEST_CASE(expert_parallel) {
+  const char *second_id = second_device();
+  if (strncmp(second_id, "cpu:", 4) == 0 && strcmp(second_id, "cpu:0") != 0)
+    CHECK(setenv("TANDEM_CPU_DEVICES", "2", 1) == 0); /* before th_open's init */
+  tdm_device *dev = th_open(), *second = NULL;
+  if (tdm_device_find(second_id, &second) != 0) {
+    th_close();
+    TH_SKIP("no second device %s beside %s", second_id, th_device_id);
+  }
+  const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
+  CHECK(p != NULL);
+  enum { T = 48, SMALL = 5, DECODE = 3 };
+  tdm_moe_config base = {.preset = p, .device = dev, .seed = th_seed(), .skew = 1.2,
+                         .locality = 0.7, .max_tokens = T};
+  size_t H = (size_t)p->hidden, eb = tdm_moe_expert_bytes(p), n = (T + SMALL + DECODE) * H;
+  size_t all = tdm_moe_host_bytes(p, p->layers);
+  float *x = malloc(n * sizeof *x), *ref = malloc(n * sizeof *ref), *y = malloc(n * sizeof *y);
+  CHECK(x && ref && y);
+  int sizes[2 + DECODE] = {T, SMALL};
+  for (int i = 0; i < DECODE; i++) sizes[2 + i] = 1;
+  tdm_moe_pass_stats st;
+  int computed[2 + DECODE];
+  tdm_moe_model *m = make_model(dev, &base, false, 0, 2, TDM_CACHE_STATIC);
+  tdm_moe_make_input(m, x, T, 0, false);
+  tdm_moe_make_input(m, x + T * H, SMALL, 1, false);
+  tdm_moe_make_input(m, x + (T + SMALL) * H, DECODE, 0, true);
+  for (int i = 0, at = 0; i < 2 + DECODE; at += sizes[i++]) {
+    CHECK_OK(tdm_moe_forward(m, x + at * H, ref + at * H, sizes[i], true, &st));
+    computed[i] = st.experts_computed;
+  }
+  tdm_moe_model_destroy(m);
+  tdm_device *both[2] = {dev, second};
+  base.devices = both;
+  base.ndevices = 2;
+  const size_t budgets[] = {0, eb, all / 4, all};
+  double worst = 0;
+  for (int pol = 0; pol < 2; pol++)
+    for (size_t b = 0; b < sizeof budgets / sizeof budgets[0]; b++) {
+      m = make_model(dev, &base, false, budgets[b], 2, pol ? TDM_CACHE_LRU : TDM_CACHE_STATIC);
+      for (int ov = 0; ov < 2; ov++) {
+        memset(y, 0xff, n * sizeof *y);
+        for (int i = 0, at = 0; i < 2 + DECODE; at += sizes[i++]) {
+          tdm_streamer_stats s0, s1;
+          CHECK_OK(tdm_streamer_stats_get(tdm_moe_streamer(m), &s0));
+          CHECK_OK(tdm_moe_forward(m, x + at * H, y + at * H, sizes[i], ov, &st));
+          CHECK_OK(tdm_streamer_stats_get(tdm_moe_streamer(m), &s1));
+          CHECK_EQ((long)st.device_routed_layers, 0L);
+          CHECK_EQ(st.experts_computed, computed[i]);
+          CHECK_EQ((long)st.acquires, (long)st.experts_computed);
+          CHECK_MSG(s1.acquires - s0.acquires < st.acquires, "ubatch %d: the first device "
+                    "acquired all %llu experts", sizes[i], (unsigned long long)st.acquires);
+          if (budgets[b] == 0) CHECK(st.bytes_copied > 0);
+        }
+        for (size_t i = 0; i < n; i++) CHECK(isfinite(y[i]));
+        double err = rel_l2(y, ref, n);
+        worst = err > worst ? err : worst;
+        CHECK_MSG(err < 1e-5, "%s and %s, policy %s, budget %zu, overlap %d: rel l2 %g against "
+                  "one device", th_device_id, second_id, pol ? "lru" : "static", budgets[b], ov,
+                  err);
+      }
+      tdm_moe_model_destroy(m);
+    }
+  printf("%s and %s: at most %.3g (rel l2) from one device\n", th_device_id, second_id, worst);
+  /* What a split refuses. */
+  tdm_moe_config c = base;
+  c.budget_bytes = eb;
+  c.staging_slots = 2;
+  const struct {
+    int ndevices, first_other, twice, place, chain;
+    const char *why;
+  } bad[] = {{1, 0, 0, 0, 0, "2 to TDM_MOE_DEVICES_MAX"},
+             {TDM_MOE_DEVICES_MAX + 1, 0, 0, 0, 0, "2 to TDM_MOE_DEVICES_MAX"},
+             {2, 1, 0, 0, 0, "devices[0]"},
+             {2, 0, 1, 0, 0, "each one once"},
+             {2, 0, 0, 1, 0, "host placement"},
+             {2, 0, 0, 0, 1, "time_chain"}};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    tdm_device *list[2] = {bad[i].first_other ? second : dev, bad[i].twice ? dev : second};
+    c.devices = list;
+    c.ndevices = bad[i].ndevices;
+    c.placement = bad[i].place ? TDM_MOE_PLACE_HOST : TDM_MOE_PLACE_DEVICE;
+    c.time_chain = bad[i].chain;
+    m = NULL;
+    CHECK_RC(tdm_moe_model_create(&c, &m), TDM_EINVAL);
+    CHECK_MSG(strstr(tdm_last_error(), bad[i].why) != NULL, "case %zu: %s", i, tdm_last_error());
+    CHECK(m == NULL);
+  }
+  free(x);
+  free(ref);
+  free(y);
+  th_close();
+}
+
 TEST_CASE(moe_bad_input) {
   tdm_device *dev = th_open();
   CHECK(tdm_moe_preset_find("no-such-model") == NULL);

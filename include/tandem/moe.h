@@ -129,7 +129,23 @@ typedef struct tdm_moe_config {
                               (the layers' count of them), as a file may mix them (Q4_K_M's
                               down projections are Q6_K in some layers). An expert's slot
                               takes the largest layer's bytes */
+  /* Expert parallelism: NULL, or ndevices devices (2 to TDM_MOE_DEVICES_MAX, no repeats),
+   * devices[0] being `device`. Device d computes the routed experts e with e % ndevices == d
+   * of every layer, streamed from the one pinned host copy on its own copy queues into its
+   * own budget_bytes and staging slots (its resident set: its most popular experts). The
+   * first device keeps the rest: the dense weights, the activations, RMSNorm, the router,
+   * the shared experts. A layer's normalized input and routing go from it to the others,
+   * each of which sums its experts' weighted outputs into a partial sum that comes back to be
+   * added, in device order, after a device-side wait: by a peer copy between devices of one
+   * backend, else through pinned host memory. Results are those of one device within
+   * rounding (the sums group the k outputs by device). Routing stays on the host (no
+   * device-routed passes, no recorded graphs); placement DEVICE only; predict applies to
+   * the first device's experts. */
+  tdm_device *const *devices;
+  int ndevices;            /* 0 or 1: `device` alone */
 } tdm_moe_config;
+
+#define TDM_MOE_DEVICES_MAX 8
 
 #define TDM_MOE_PREDICT_DEPTH_MAX 16
 
