@@ -22,7 +22,8 @@
 #include "tool.h"
 
 static const char moe_help[] =
-    "usage: tandem moe [--preset P] [--device D] [--layers N] [--tokens T] [--ubatch U]\n"
+    "usage: tandem moe [--preset P] [--device D] [--devices D,D..] [--layers N] [--tokens T]\n"
+    "                  [--ubatch U]\n"
     "                  [--decode N] [--device-budget B] [--cache-policy static|lru] [--slots N]\n"
     "                  [--prefetch-depth N] [--skew S] [--locality R] [--seed N] [--predict]\n"
     "                  [--predict-depth D] [--experts-type T]\n"
@@ -48,6 +49,14 @@ static const char moe_help[] =
     "                     mixtral-8x7b. The large presets hold tens to hundreds of GiB of\n"
     "                     experts: use --layers to run fewer layers so they fit in host memory\n"
     "  --device D         cpu:0, cuda:0, ... (default: the default device)\n"
+    "  --devices LIST     expert parallelism: the routed experts of each layer split by index\n"
+    "                     between these devices (2 to 8, comma-separated, e.g. cuda:0,cuda:1),\n"
+    "                     each streaming its share on its own copy queues; the first (which\n"
+    "                     is --device, or replaces it) routes and adds the others' partial\n"
+    "                     sums. Placement device (its default then); the budget and slots are\n"
+    "                     each device's;\n"
+    "                     the link figures use the sum of the devices' peaks, and the check a\n"
+    "                     tolerance (the sums group the experts by device)\n"
     "  --layers N         layers to run (default: the preset's)\n"
     "  --tokens T         prefill tokens (default 256)\n"
     "  --ubatch U         tokens per forward pass, at most T (default: min(T, 2048))\n"
@@ -101,14 +110,14 @@ static const char moe_help[] =
     "  -h, --help         show this help\n";
 
 typedef struct moe_opts {
-  const char *preset, *device, *trace, *etype;
+  const char *preset, *device, *devices, *trace, *etype;
   tdm_moe_wfmt fmt;
   long layers, tokens, ubatch, decode, slots, depth, seed;
   double skew, locality, budget_pct, host_share;
   size_t budget_bytes;
   long host_queues, host_threads, predict_depth;
-  int policy, serialized_only, check, json, predict, placement, time_link, time_host,
-      time_chain;
+  int policy, serialized_only, check, json, predict, placement, placement_given, time_link,
+      time_host, time_chain;
 } moe_opts;
 
 static int parse_double(const char *s, double lo, double hi, double *out) {
@@ -162,12 +171,13 @@ enum {
   OPT_BUDGET, OPT_POLICY, OPT_SLOTS, OPT_DEPTH, OPT_SKEW, OPT_LOCALITY, OPT_SEED, OPT_PREDICT,
   OPT_NO_OVERLAP, OPT_NO_CHECK, OPT_JSON, OPT_TRACE, OPT_PLACEMENT, OPT_HOST_QUEUES,
   OPT_HOST_THREADS, OPT_HOST_SHARE, OPT_PREDICT_DEPTH, OPT_TIME_LINK,
-  OPT_TIME_HOST, OPT_TIME_CHAIN, OPT_EXPERTS_TYPE
+  OPT_TIME_HOST, OPT_TIME_CHAIN, OPT_EXPERTS_TYPE, OPT_DEVICES
 };
 
 static const struct option moe_options[] = {
     {"preset", required_argument, NULL, OPT_PRESET},
     {"device", required_argument, NULL, OPT_DEVICE},
+    {"devices", required_argument, NULL, OPT_DEVICES},
     {"layers", required_argument, NULL, OPT_LAYERS},
     {"tokens", required_argument, NULL, OPT_TOKENS},
     {"ubatch", required_argument, NULL, OPT_UBATCH},
@@ -203,6 +213,7 @@ static int parse_option(int c, const char *v, moe_opts *o) {
   switch (c) {
     case OPT_PRESET: o->preset = v; return 0;
     case OPT_DEVICE: o->device = v; return 0;
+    case OPT_DEVICES: o->devices = v; return 0;
     case OPT_TRACE: o->trace = v; return 0;
     case OPT_JSON: o->json = 1; return 0;
     case OPT_NO_OVERLAP: o->serialized_only = 1; return 0;
@@ -245,6 +256,7 @@ static int parse_option(int c, const char *v, moe_opts *o) {
         return USAGE("--host-share wants a number in (0, 1], not '%s'", v);
       return 0;
     case OPT_PLACEMENT:
+      o->placement_given = 1;
       if (strcmp(v, "auto") == 0) o->placement = TDM_MOE_PLACE_AUTO;
       else if (strcmp(v, "device") == 0) o->placement = TDM_MOE_PLACE_DEVICE;
       else if (strcmp(v, "host") == 0) o->placement = TDM_MOE_PLACE_HOST;
@@ -282,6 +294,9 @@ static int parse(int argc, char **argv, moe_opts *o) {
    * warm-up pass for rows the output buffers do not have. */
   if (!o->ubatch) o->ubatch = 2048;
   if (o->ubatch > o->tokens) o->ubatch = o->tokens;
+  if (o->devices && !o->placement_given) o->placement = TDM_MOE_PLACE_DEVICE;
+  if (o->devices && o->placement != TDM_MOE_PLACE_DEVICE)
+    return USAGE("--devices computes every routed expert on a device: --placement device only");
   if (o->host_share > 0 && o->placement != TDM_MOE_PLACE_AUTO)
     return USAGE("--host-share applies to --placement auto only");
   if (!tdm_moe_expert_stride(tdm_moe_preset_find(o->preset), o->fmt))
@@ -471,6 +486,8 @@ typedef struct session {
   moe_opts o;
   const tdm_moe_preset *p;
   tdm_device *dev;
+  tdm_device *devs[TDM_MOE_DEVICES_MAX]; /* --devices, devs[0] == dev */
+  int ndevs;
   tdm_device_info info;
   tdm_moe_config cfg;
   long layers;
@@ -491,6 +508,37 @@ typedef struct figures {
   bool all_ok;
 } figures;
 
+/* --device, and --devices' list (whose first replaces --device, or must be it). */
+static int find_devices(session *s) {
+  const moe_opts *o = &s->o;
+  if (!o->devices) return tool_find_device("moe", o->device, &s->dev);
+  char list[512], *save = NULL;
+  if (strlen(o->devices) >= sizeof list)
+    return tool_usage_error("moe", "--devices: a list of at most %zu characters",
+                            sizeof list - 1);
+  snprintf(list, sizeof list, "%s", o->devices);
+  for (char *id = strtok_r(list, ",", &save); id; id = strtok_r(NULL, ",", &save)) {
+    if (s->ndevs == TDM_MOE_DEVICES_MAX)
+      return tool_usage_error("moe", "--devices: at most %d devices", TDM_MOE_DEVICES_MAX);
+    int code = tool_find_device("moe", id, &s->devs[s->ndevs]);
+    if (code != TOOL_OK) return code;
+    s->ndevs++;
+  }
+  if (s->ndevs < 2)
+    return tool_usage_error("moe", "--devices wants 2 to %d devices, not '%s'",
+                            TDM_MOE_DEVICES_MAX, o->devices);
+  s->dev = s->devs[0];
+  if (o->device) {
+    tdm_device *d;
+    int code = tool_find_device("moe", o->device, &d);
+    if (code != TOOL_OK) return code;
+    if (d != s->dev)
+      return tool_usage_error("moe", "--device %s is not the first of --devices %s",
+                              o->device, o->devices);
+  }
+  return TOOL_OK;
+}
+
 /* The device, the budget, the link's peak, the model's configuration and the activations. */
 static int session_setup(session *s) {
   const moe_opts *o = &s->o;
@@ -502,9 +550,15 @@ static int session_setup(session *s) {
   s->budget = o->budget_pct >= 0 ? (size_t)(s->all * (o->budget_pct / 100.0)) : o->budget_bytes;
   /* A percentage rounds up to one expert; a byte count below one is the user's to fix. */
   if (o->budget_pct > 0 && s->budget < s->ebytes) s->budget = s->ebytes;
-  if ((code = tool_find_device("moe", o->device, &s->dev)) != TOOL_OK) return code;
+  if ((code = find_devices(s)) != TOOL_OK) return code;
   if ((rc = tdm_device_info_get(s->dev, &s->info))) return tool_fail("tdm_device_info_get", rc);
-  if ((rc = tool_measure_link(s->dev, &s->peak))) return tool_fail("measuring the link", rc);
+  s->peak = 0;
+  for (int d = 0; d < (s->ndevs ? s->ndevs : 1); d++) { /* several: both links together */
+    double peak;
+    if ((rc = tool_measure_link(s->ndevs ? s->devs[d] : s->dev, &peak)))
+      return tool_fail("measuring the link", rc);
+    s->peak += peak;
+  }
   s->cfg = (tdm_moe_config){.preset = s->p, .layers = (int)s->layers, .device = s->dev,
                             .seed = (uint64_t)o->seed, .skew = o->skew, .locality = o->locality,
                             .max_tokens = (int)o->ubatch, .budget_bytes = s->budget,
@@ -517,7 +571,8 @@ static int session_setup(session *s) {
                             .placement = (tdm_moe_placement)o->placement,
                             .host_queues = (int)o->host_queues,
                             .host_threads = (int)o->host_threads,
-                            .host_share = o->host_share, .expert_fmt = o->fmt};
+                            .host_share = o->host_share, .expert_fmt = o->fmt,
+                            .devices = s->ndevs ? s->devs : NULL, .ndevices = s->ndevs};
   s->H = (size_t)s->p->hidden;
   s->total = (size_t)(o->tokens + o->decode);
   s->x = malloc(((size_t)o->ubatch + o->decode) * s->H * sizeof *s->x);
@@ -536,6 +591,8 @@ static void run_reference(session *s) {
   tdm_moe_config cfg = s->cfg;
   tdm_moe_model *m = NULL;
   cfg.all_resident = true;
+  cfg.devices = NULL; /* the first device alone */
+  cfg.ndevices = 0;
   cfg.placement = TDM_MOE_PLACE_DEVICE; /* the reference computes everything on the device */
   cfg.host_share = 0;
   cfg.time_chain = false; /* its decode routes on the device: no chain to time */
@@ -579,7 +636,7 @@ static void check_run(const session *s, run *r) {
     ref += (double)s->yref[i] * s->yref[i];
   }
   r->rel_l2 = ref > 0 ? sqrt(d / ref) : sqrt(d);
-  if (r->all.host) {
+  if (r->all.host || s->ndevs) {
     r->check = "rel_l2";
     r->ok = r->rel_l2 <= HOST_TOL;
   } else {
@@ -803,6 +860,13 @@ static int print_json(const session *s, const figures *f) {
   bu_json_string(&j, "experts_type", o->etype);
   bu_json_uint(&j, "expert_bytes_bf16", tdm_moe_expert_bytes(s->p)); /* the bf16 link bound's */
   bu_json_double(&j, "peak_gbps", s->peak, 3);
+  bu_json_array(&j, "devices"); /* expert parallelism: the devices, or only the device */
+  for (int d = 0; d < (s->ndevs ? s->ndevs : 1); d++) {
+    tdm_device_info di;
+    if (tdm_device_info_get(s->ndevs ? s->devs[d] : s->dev, &di) == 0)
+      bu_json_string(&j, NULL, di.id);
+  }
+  bu_json_end(&j);
   bu_json_string(&j, "placement", placement_name(s->place.placement));
   bu_json_int(&j, "host_queues", s->place.host_queues);
   bu_json_int(&j, "host_threads", s->place.host_threads);
@@ -852,7 +916,9 @@ static void print_runs(const session *s) {
          o->policy == TDM_CACHE_LRU ? "lru" : "static");
   printf("  device     budget %s (%d resident slots) + %d staging slots = %s; prefetch "
          "depth %d\n", b1, s->ss.resident_slots, s->ss.staging_slots, b2, s->ss.prefetch_depth);
-  printf("  link       %.2f GB/s peak (one large pinned copy, this process)\n", s->peak);
+  printf("  link       %.2f GB/s peak (one large pinned copy, this process%s)\n", s->peak,
+         s->ndevs ? "; the devices' links together" : "");
+  if (s->ndevs) printf("  devices    %s: the routed experts split by index\n", o->devices);
   if (s->place.placement == TDM_MOE_PLACE_DEVICE)
     printf("  placement  device: every routed expert is computed on the device\n\n");
   else {
@@ -981,8 +1047,9 @@ static void print_figures(const session *s, const figures *f) {
     if (strcmp(r->check, "bitwise") == 0)
       printf(" %s the all-resident output bitwise\n", r->ok ? "equals" : "differs from");
     else
-      printf(" has ||y - yref|| / ||yref|| = %.2e %s %.0e (experts computed on the host)\n",
-             r->rel_l2, r->ok ? "<=" : ">", HOST_TOL);
+      printf(" has ||y - yref|| / ||yref|| = %.2e %s %.0e (%s)\n", r->rel_l2,
+             r->ok ? "<=" : ">", HOST_TOL,
+             s->ndevs ? "summed by device" : "experts computed on the host");
   }
 }
 
