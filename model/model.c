@@ -427,7 +427,8 @@ static int open_moe(tdm_model *m) {
                        .budget_bytes = c->budget_bytes, .all_resident = c->all_resident,
                        .policy = c->policy, .predict = c->predict,
                        .predict_depth = c->predict_depth, .staging_slots = c->staging_slots,
-                       .placement = c->placement, .threads = c->threads, .source = s,
+                       .placement = c->placement, .devices = c->devices,
+                       .ndevices = c->ndevices, .threads = c->threads, .source = s,
                        .norm_eps = (float)hp->eps, .layer_fmt = m->efmt};
   int rc = tdm_moe_model_create(&mc, &m->moe);
   free(s);

@@ -508,35 +508,12 @@ typedef struct figures {
   bool all_ok;
 } figures;
 
-/* --device, and --devices' list (whose first replaces --device, or must be it). */
+/* --device, or --devices' list (whose first is then the model's device). */
 static int find_devices(session *s) {
-  const moe_opts *o = &s->o;
-  if (!o->devices) return tool_find_device("moe", o->device, &s->dev);
-  char list[512], *save = NULL;
-  if (strlen(o->devices) >= sizeof list)
-    return tool_usage_error("moe", "--devices: a list of at most %zu characters",
-                            sizeof list - 1);
-  snprintf(list, sizeof list, "%s", o->devices);
-  for (char *id = strtok_r(list, ",", &save); id; id = strtok_r(NULL, ",", &save)) {
-    if (s->ndevs == TDM_MOE_DEVICES_MAX)
-      return tool_usage_error("moe", "--devices: at most %d devices", TDM_MOE_DEVICES_MAX);
-    int code = tool_find_device("moe", id, &s->devs[s->ndevs]);
-    if (code != TOOL_OK) return code;
-    s->ndevs++;
-  }
-  if (s->ndevs < 2)
-    return tool_usage_error("moe", "--devices wants 2 to %d devices, not '%s'",
-                            TDM_MOE_DEVICES_MAX, o->devices);
+  int code = tool_find_devices("moe", s->o.device, s->o.devices, s->devs, TDM_MOE_DEVICES_MAX,
+                               &s->ndevs);
   s->dev = s->devs[0];
-  if (o->device) {
-    tdm_device *d;
-    int code = tool_find_device("moe", o->device, &d);
-    if (code != TOOL_OK) return code;
-    if (d != s->dev)
-      return tool_usage_error("moe", "--device %s is not the first of --devices %s",
-                              o->device, o->devices);
-  }
-  return TOOL_OK;
+  return code;
 }
 
 /* The device, the budget, the link's peak, the model's configuration and the activations. */

@@ -29,6 +29,10 @@ static const char run_help[] =
     "  -p, --prompt N       a prompt of N pseudo-random ids instead (default 32)\n"
     "  -n, --decode N       tokens to generate (default 16)\n"
     "  --device D           the device (default: $TANDEM_DEVICE, else the first)\n"
+    "  --devices LIST       expert parallelism: each layer's routed experts split by index\n"
+    "                       between these devices (2 to 8, e.g. cuda:0,cuda:1), attention and\n"
+    "                       the dense weights on the first (which is --device, or replaces\n"
+    "                       it); placement device (its default then)\n"
     "  --device-budget B    device memory for resident experts: bytes (8GiB), or a share of\n"
     "                       all experts (50%); 0 streams every expert (default 0)\n"
     "  --ctx N              KV cache positions (default: prompt + decode)\n"
@@ -67,14 +71,17 @@ static const char bench_help[] =
     "  -n, --decode LIST      decode lengths (default 32; 0 for none)\n"
     "  --device-budget LIST   budgets, each bytes or a share of all experts (default 0)\n"
     "  -r, --repetitions N    timed runs of each test (default 3)\n"
-    "  --device D, --ubatch N, --placement P, --experts-bf16, --dense-f32, --json\n"
-    "                         as for 'tandem run'\n"
+    "  --device D, --devices LIST, --ubatch N, --placement P, --experts-bf16,\n"
+    "  --dense-f32, --json    as for 'tandem run'\n"
     "  -h, --help             show this help\n";
 
 enum { MAX_LIST = 16 };
 
 typedef struct run_opts {
-  const char *model, *device, *tokens, *logits;
+  const char *model, *device, *devices, *tokens, *logits;
+  tdm_device *devs[TDM_MOE_DEVICES_MAX]; /* --devices (ndevs of them), found at run time */
+  int ndevs;
+  bool placement_given;
   long prompt[MAX_LIST], decode[MAX_LIST];
   int nprompt, ndecode;
   double budget_pct[MAX_LIST]; /* < 0: budget_bytes[i] */
@@ -88,7 +95,7 @@ typedef struct run_opts {
 
 enum { OPT_DEVICE = TOOL_OPT_LONG, OPT_BUDGET, OPT_CTX, OPT_UBATCH, OPT_SEED, OPT_JSON,
        OPT_TOKENS, OPT_MODEL, OPT_PROMPT, OPT_DECODE, OPT_REPS, OPT_LOGITS, OPT_PLACEMENT,
-       OPT_EXPERTS_BF16, OPT_DENSE_F32 };
+       OPT_EXPERTS_BF16, OPT_DENSE_F32, OPT_DEVICES };
 
 static const struct option run_options[] = {
     {"model", required_argument, NULL, OPT_MODEL},
@@ -98,6 +105,7 @@ static const struct option run_options[] = {
     {"repetitions", required_argument, NULL, OPT_REPS},
     {"logits", required_argument, NULL, OPT_LOGITS},
     {"device", required_argument, NULL, OPT_DEVICE},
+    {"devices", required_argument, NULL, OPT_DEVICES},
     {"device-budget", required_argument, NULL, OPT_BUDGET},
     {"ctx", required_argument, NULL, OPT_CTX},
     {"ubatch", required_argument, NULL, OPT_UBATCH},
@@ -178,6 +186,7 @@ static int parse(const char *cmd, int argc, char **argv, run_opts *o) {
     case OPT_MODEL: o->model = v; break;
     case OPT_TOKENS: o->tokens = v; break;
     case OPT_DEVICE: o->device = v; break;
+    case OPT_DEVICES: o->devices = v; break;
     case OPT_JSON: o->json = 1; break;
     case OPT_LOGITS: o->logits = v; break;
     case OPT_PROMPT:
@@ -196,6 +205,7 @@ static int parse(const char *cmd, int argc, char **argv, run_opts *o) {
     case OPT_EXPERTS_BF16: o->experts_bf16 = true; break;
     case OPT_DENSE_F32: o->dense_f32 = true; break;
     case OPT_PLACEMENT:
+      o->placement_given = true;
       if (strcmp(v, "auto") == 0) o->placement = TDM_MOE_PLACE_AUTO;
       else if (strcmp(v, "device") == 0) o->placement = TDM_MOE_PLACE_DEVICE;
       else if (strcmp(v, "host") == 0) o->placement = TDM_MOE_PLACE_HOST;
@@ -205,6 +215,10 @@ static int parse(const char *cmd, int argc, char **argv, run_opts *o) {
     }
   }
   if (!o->model) return tool_usage_error(cmd, "-m FILE is required"), -1;
+  if (o->devices && !o->placement_given) o->placement = TDM_MOE_PLACE_DEVICE;
+  if (o->devices && o->placement != TDM_MOE_PLACE_DEVICE)
+    return tool_usage_error(cmd, "--devices computes every routed expert on a device: "
+                            "--placement device only"), -1;
   if (strcmp(cmd, "run") == 0 && (o->nprompt > 1 || o->ndecode > 1 || o->nbudget > 1))
     return tool_usage_error(cmd, "tandem run takes one prompt, decode and budget"), -1;
   if (o->tokens && o->nprompt) return tool_usage_error(cmd, "--tokens or -p, not both"), -1;
@@ -229,6 +243,7 @@ static int open_model(const run_opts *o, tdm_device *dev, int i, int ctx, tdm_mo
   tdm_model_config cfg = {.path = o->model, .device = dev, .ctx = ctx, .ubatch = (int)o->ubatch,
                           .predict = true, .placement = o->placement,
                           .experts_bf16 = o->experts_bf16, .dense_f32 = o->dense_f32,
+                          .devices = o->ndevs ? o->devs : NULL, .ndevices = o->ndevs,
                           .progress = show_progress};
   int rc = 0;
   if (o->nbudget && o->budget_pct[i] < 0) cfg.budget_bytes = o->budget_bytes[i];
@@ -332,8 +347,9 @@ int tool_cmd_run(int argc, char **argv) {
   }
   int rc = tdm_init();
   if (rc) return tool_fail("tdm_init", rc);
-  tdm_device *dev;
-  int code = tool_find_device("run", o.device, &dev);
+  int code = tool_find_devices("run", o.device, o.devices, o.devs, TDM_MOE_DEVICES_MAX,
+                               &o.ndevs);
+  tdm_device *dev = o.devs[0];
   tdm_model *m = NULL;
   if (code == TOOL_OK) code = open_model(&o, dev, 0, o.ctx ? (int)o.ctx : np + nd, &m);
   tdm_model_info info;
@@ -377,6 +393,7 @@ int tool_cmd_run(int argc, char **argv) {
       tool_json_header(&j);
       json_info(&j, &info);
       bu_json_string(&j, "device", o.device ? o.device : "");
+      bu_json_string(&j, "devices", o.devices); /* --devices as given, or null */
       bu_json_array(&j, "prompt");
       for (int i = 0; i < np; i++) bu_json_int(&j, NULL, prompt[i]);
       bu_json_end(&j);
@@ -390,6 +407,7 @@ int tool_cmd_run(int argc, char **argv) {
     } else {
       printf("model: %s (%s, %s), %d layers, %d experts (top %d), vocabulary %d\n", o.model,
              info.arch, info.format, info.layers, info.experts, info.topk, info.vocab);
+      if (o.devices) printf("devices: %s, the routed experts split by index\n", o.devices);
       printf("weights: experts %s (%.2f MiB each, in %s), dense %s on the device\n",
              info.weight_type, info.expert_bytes / 1048576.0, info.expert_type, info.dense_type);
       printf("prompt (%d): ", np);
@@ -499,8 +517,9 @@ int tool_cmd_model_bench(int argc, char **argv) {
   for (int i = 0; i < o.ndecode; i++) ctx = o.decode[i] > ctx ? o.decode[i] : ctx;
   int rc = tdm_init();
   if (rc) return tool_fail("tdm_init", rc);
-  tdm_device *dev;
-  int code = tool_find_device("bench", o.device, &dev);
+  int code = tool_find_devices("bench", o.device, o.devices, o.devs, TDM_MOE_DEVICES_MAX,
+                               &o.ndevs);
+  tdm_device *dev = o.devs[0];
   bench_row rows[MAX_LIST * 2 * MAX_LIST];
   int nrows = 0;
   tdm_model_info info = {0};
@@ -555,6 +574,7 @@ int tool_cmd_model_bench(int argc, char **argv) {
     tool_json_header(&j);
     json_info(&j, &info);
     bu_json_string(&j, "device", dinfo.name);
+    bu_json_string(&j, "devices", o.devices); /* --devices as given, or null */
     bu_json_int(&j, "repetitions", o.reps);
     bu_json_string(&j, "placement", o.placement == TDM_MOE_PLACE_AUTO     ? "auto"
                                     : o.placement == TDM_MOE_PLACE_HOST ? "host"

@@ -133,6 +133,31 @@ int tool_find_device(const char *cmd, const char *id, tdm_device **dev) {
   return tool_fail("finding the device", rc);
 }
 
+int tool_find_devices(const char *cmd, const char *id, const char *list, tdm_device **devs,
+                      int max, int *n) {
+  *n = 0;
+  if (!list) return tool_find_device(cmd, id, &devs[0]);
+  char buf[512], *save = NULL;
+  if (strlen(list) >= sizeof buf)
+    return tool_usage_error(cmd, "--devices: a list of at most %zu characters", sizeof buf - 1);
+  snprintf(buf, sizeof buf, "%s", list);
+  for (char *d = strtok_r(buf, ",", &save); d; d = strtok_r(NULL, ",", &save)) {
+    if (*n == max) return tool_usage_error(cmd, "--devices: at most %d devices", max);
+    int code = tool_find_device(cmd, d, &devs[*n]);
+    if (code != TOOL_OK) return code;
+    (*n)++;
+  }
+  if (*n < 2) return tool_usage_error(cmd, "--devices wants 2 to %d devices, not '%s'", max, list);
+  if (id) {
+    tdm_device *d;
+    int code = tool_find_device(cmd, id, &d);
+    if (code != TOOL_OK) return code;
+    if (d != devs[0])
+      return tool_usage_error(cmd, "--device %s is not the first of --devices %s", id, list);
+  }
+  return TOOL_OK;
+}
+
 int tool_trace_check(const char *path) {
   if (path && setenv("TANDEM_TRACE", path, 1) != 0) {
     fprintf(stderr, "tandem: cannot set TANDEM_TRACE: %s\n", strerror(errno));

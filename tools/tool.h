@@ -61,6 +61,12 @@ int tool_parse_size(const char *cmd, const char *name, const char *s, size_t *ou
  * TOOL_OK, or TOOL_USAGE or TOOL_FAILED after reporting; needs tdm_init. */
 int tool_find_device(const char *cmd, const char *id, tdm_device **dev);
 
+/* --devices LIST (comma-separated ids, 2 to max) into devs[0..*n), beside --device (id): the
+ * list's first replaces it, or must be it. list NULL: *n = 0 and devs[0] is --device's. Returns
+ * as tool_find_device. */
+int tool_find_devices(const char *cmd, const char *id, const char *list, tdm_device **devs,
+                      int max, int *n);
+
 /* Before tdm_init: --trace FILE (path; NULL when not given) becomes $TANDEM_TRACE, which the
  * runtime reads at init and writes at shutdown; then the file that $TANDEM_TRACE names, if
  * any, must be writable now, not only when the run is over. Returns TOOL_OK, or TOOL_FAILED

@@ -47,6 +47,10 @@ typedef struct tdm_model_config {
   int predict_depth;
   int staging_slots;
   tdm_moe_placement placement;
+  tdm_device *const *devices; /* expert parallelism: NULL, or ndevices devices, the first being
+                            `device`, between which each layer's routed experts are split
+                            (tandem/moe.h); attention and the dense weights stay on `device` */
+  int ndevices;
   int threads;           /* for reading and converting the weights (0: all cores) */
   bool dense_f32;        /* widen 16-bit and block-typed dense weights to f32 on the device
                             (twice the memory and the bytes a decode step reads, or more; the
