@@ -97,6 +97,8 @@ struct tdm_moe_model {
   float *part_h;              /* pinned: a shard's partial sum on its way (not peer) */
   float *xw_h;                /* pinned, the first's: xn [maxT x H], then wts [maxT x k] */
   tdm_event **part_ready;     /* the first's: [ndev - 1], each shard's partial of the layer */
+  int *unreleased, nunreleased; /* [L x E]: keys whose release failed, still pinned (retried) */
+  bool unsettled;             /* a pass's end could not wait for its queues (drain) */
   tdm_streamer *streamer;
   /* device side, per layer */
   tdm_moe_bf16 *router;           /* L x E x H */
@@ -294,15 +296,42 @@ static int fill_parallel(tdm_moe_model *m) {
 
 /* ---- setup ---- */
 
+/* Syncs q. A sync that fails may not have waited (its own command could not be queued: an
+ * allocation or the backend failed), while the next pass rewrites host buffers that the
+ * queue's work may still read or write: it is tried again, a few times, until one returns 0
+ * (the queue's errors are cleared by the first). Returns the first failure; m->unsettled says
+ * whether no try returned 0, which the next pass then settles first (settle()). */
+static int drain(tdm_moe_model *m, tdm_queue *q) {
+  int rc = tdm_queue_sync(q);
+  bool done = rc == 0;
+  for (int i = 0; i < 3 && !done; i++) done = tdm_queue_sync(q) == 0;
+  if (!done) m->unsettled = true;
+  return rc;
+}
+
+/* Frees host memory that a copy submitted on m->q reads, once the queue is done with it: the
+ * queue drained, else a stream-ordered free (kept, should that fail too: the copy may still
+ * read it). Returns drain's code. */
+static int free_after(tdm_moe_model *m, void *host) {
+  int rc = drain(m, m->q);
+  if (!m->unsettled)
+    tdm_free(host);
+  else if (tdm_free_async(m->q, host, 0, NULL, NULL) != 0)
+    (void)0;
+  return rc;
+}
+
 static int upload(tdm_moe_model *m, void *dst, const void *src, size_t n) {
   void *stage;
   int rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, n, &stage);
   if (rc) return rc;
   memcpy(stage, src, n);
   rc = tdm_memcpy(m->q, dst, stage, n, TDM_COPY_H2D, 0, NULL, NULL);
-  if (!rc) rc = tdm_queue_sync(m->q);
-  tdm_free(stage);
-  return rc;
+  if (rc) {
+    tdm_free(stage);
+    return rc;
+  }
+  return free_after(m, stage);
 }
 
 static int dev_alloc(tdm_moe_model *m, size_t n, void *out) {
@@ -426,7 +455,8 @@ static int setup_buffers(tdm_moe_model *m) {
                     (void **)&m->idx_all_h);
   if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, th, (void **)&m->x_h);
   if (!rc && (!(m->scratch = malloc((size_t)m->E * 3 * sizeof *m->scratch)) ||
-              !(m->fill = malloc((size_t)m->E * sizeof *m->fill))))
+              !(m->fill = malloc((size_t)m->E * sizeof *m->fill)) ||
+              !(m->unreleased = malloc((size_t)m->L * m->E * sizeof *m->unreleased))))
     rc = tdm_set_error(TDM_ENOMEM, 0, "no memory");
   if (!rc && m->pdepth) {
     size_t ptk = (size_t)m->pdepth * tk;
@@ -502,10 +532,13 @@ static int setup_device_routing(tdm_moe_model *m) {
     int rr = tdm_streamer_release(m->streamer, l, e, NULL);
     if (!rc) rc = rr;
   }
-  if (!rc) rc = tdm_memcpy(m->q, m->wofs, wofs, (size_t)keys * sizeof *wofs, TDM_COPY_H2D, 0,
-                           NULL, NULL);
-  if (!rc) rc = tdm_queue_sync(m->q);
-  if (wofs) tdm_free(wofs);
+  bool copying = false;
+  if (!rc) copying = !(rc = tdm_memcpy(m->q, m->wofs, wofs, (size_t)keys * sizeof *wofs,
+                                       TDM_COPY_H2D, 0, NULL, NULL));
+  if (copying)
+    rc = free_after(m, wofs);
+  else if (wofs)
+    tdm_free(wofs);
   if (!rc) m->device_routed = true;
   return rc;
 }
@@ -658,7 +691,7 @@ static int cal_experts(calib *c, int n, int g) {
 static int sync_host_queues(tdm_moe_model *m) {
   int rc = 0;
   for (int j = 0; j < m->nhq; j++) {
-    int src = tdm_queue_sync(m->hq[j]);
+    int src = drain(m, m->hq[j]);
     if (!rc) rc = src;
   }
   return rc;
@@ -1199,6 +1232,7 @@ void tdm_moe_model_destroy(tdm_moe_model *m) {
   free(m->rank);
   free(m->scratch);
   free(m->fill);
+  free(m->unreleased);
   free(m->chain);
   free(m->fmt);
   free(m);
@@ -1235,6 +1269,30 @@ static int upload_small(tdm_moe_model *m, void *dst, const void *src, size_t n) 
   if (m->cores_upload && n <= UPLOAD_SMALL_MAX)
     return m->ops->upload(m->ops_state, m->q, dst, src, n);
   return tdm_memcpy(m->q, dst, src, n, TDM_COPY_H2D, 0, NULL, NULL);
+}
+
+/* Releases an acquired expert. A release that fails leaves it pinned (tdm_streamer_release),
+ * which would hold its slot for good: the key is kept and released again at the end of the
+ * pass (pass_finish), once the queue has synced, and at the next pass's start if that fails
+ * too. */
+static int expert_release(tdm_moe_model *m, int l, int e, tdm_event *done) {
+  int rc = tdm_streamer_release(m->streamer, l, e, done);
+  if (rc && m->nunreleased < m->L * m->E) m->unreleased[m->nunreleased++] = l * m->E + e;
+  return rc;
+}
+
+/* The releases that failed, again (the queue is synced: no event is needed). The first
+ * failure is returned; what fails again stays for the next try. */
+static int release_again(tdm_moe_model *m) {
+  int rc = 0, k = 0;
+  for (int i = 0; i < m->nunreleased; i++) {
+    int key = m->unreleased[i];
+    int rr = tdm_streamer_release(m->streamer, key / m->E, key % m->E, NULL);
+    if (rr) m->unreleased[k++] = key;
+    if (!rc) rc = rr;
+  }
+  m->nunreleased = k;
+  return rc;
 }
 
 /* time_chain: a timed marker on the compute queue, layer l's `mark` (l < 0: the pass's start). */
@@ -1381,7 +1439,7 @@ static int layer_experts(tdm_moe_model *m, int l, bool overlap, tdm_moe_pass_sta
      * can be overwritten. Serialized, the next copy waits for this compute. */
     tdm_event *done = NULL;
     if (!rc && !overlap) rc = tdm_event_record(m->q, &done);
-    int rr = tdm_streamer_release(m->streamer, l, e, done);
+    int rr = expert_release(m, l, e, done);
     if (!rc) rc = rr;
     if (!rc && !overlap) rc = tdm_queue_wait(demand, done);
     if (done) tdm_event_release(done);
@@ -1406,7 +1464,7 @@ static int layer_experts(tdm_moe_model *m, int l, bool overlap, tdm_moe_pass_sta
  * is dropped. */
 static void batch_release(tdm_moe_model *m, int l, const int *b, int nb) {
   for (int i = 0; i < nb; i++) {
-    int rr = tdm_streamer_release(m->streamer, l, b[i], NULL);
+    int rr = expert_release(m, l, b[i], NULL);
     (void)rr;
   }
 }
@@ -1429,7 +1487,7 @@ static int group_flush(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pas
       !(rc = tdm_streamer_queues(m->streamer, &demand, NULL)))
     rc = tdm_queue_wait(demand, done);
   for (int i = 0; i < nb; i++) {
-    int rr = tdm_streamer_release(m->streamer, l, b[i], done);
+    int rr = expert_release(m, l, b[i], done);
     if (!rc) rc = rr;
   }
   if (done) tdm_event_release(done);
@@ -1941,8 +1999,8 @@ static int pass_start(tdm_moe_model *m, int T, bool overlap, bool on_device, tdm
   m->pass_T = T;
   m->pass_overlap = overlap;
   m->pass_on_device = on_device;
-  int *count = m->scratch, rc = 0;
-  if (!on_device) rc = pass_lead(m, T, overlap, count + 2 * m->E);
+  int *count = m->scratch, rc = release_again(m); /* a failed pass's leftovers, if any */
+  if (!rc && !on_device) rc = pass_lead(m, T, overlap, count + 2 * m->E);
   if (!rc && !on_device) rc = chain_mark(m, -1, 0);
   for (int d = 0; !rc && m->shards && d < m->ndev - 1; d++) {
     tdm_moe_model *s = m->shards[d];
@@ -1963,7 +2021,7 @@ static int pass_finish(tdm_moe_model *m, int rc, tdm_moe_pass_stats *st) {
     rc = tdm_memcpy(m->q, m->idx_all_h, m->idx_all, (size_t)m->L * T * m->k * sizeof(int32_t),
                     TDM_COPY_D2H, 0, NULL, NULL);
   double w0 = now_s();
-  int src = tdm_queue_sync(m->q);
+  int src = drain(m, m->q);
   /* A pass that failed may have left host experts running that the compute queue never
    * joined: they finish before the pass returns, so the next one can reuse their buffers. */
   if (rc) (void)sync_host_queues(m);
@@ -1971,6 +2029,8 @@ static int pass_finish(tdm_moe_model *m, int rc, tdm_moe_pass_stats *st) {
   if (m->chain) harvest_chain(m, st, !rc && !src);
   st->wait_seconds += now_s() - w0;
   if (!rc) rc = src;
+  int rr = release_again(m); /* the queue is synced: no pass of it holds these */
+  if (!rc) rc = rr;
   st->seconds = now_s() - m->pass_t0;
   tdm_streamer_stats s1, *s0 = &m->pass_s0;
   tdm_streamer_stats_get(m->streamer, &s1);
@@ -2001,6 +2061,25 @@ static int pass_finish(tdm_moe_model *m, int rc, tdm_moe_pass_stats *st) {
   return rc;
 }
 
+/* Before a pass writes its host buffers: the queues an earlier pass's end could not wait for
+ * (drain), waited for now; while that still fails, no pass runs. */
+static int settle(tdm_moe_model *m) {
+  for (int d = 0; d < m->ndev; d++) {
+    tdm_moe_model *x = d ? m->shards[d - 1] : m;
+    if (!x->unsettled) continue;
+    int rc = tdm_queue_sync(x->q);
+    for (int j = 0; !rc && j < x->nhq; j++) rc = tdm_queue_sync(x->hq[j]);
+    if (rc) {
+      char why[256];
+      snprintf(why, sizeof why, "%s", tdm_last_error());
+      return tdm_set_error(rc, 0, "the last MoE pass's work could not be waited for, nor can "
+                           "it now (%s)", why);
+    }
+    x->unsettled = false;
+  }
+  return 0;
+}
+
 static int check_ubatch(const tdm_moe_model *m, int T) {
   if (m->in_pass)
     return tdm_set_error(TDM_ESTATE, 0, "a MoE pass is underway (tdm_moe_pass_end ends it)");
@@ -2012,6 +2091,7 @@ static int check_ubatch(const tdm_moe_model *m, int T) {
 
 int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool overlap, tdm_moe_pass_stats *st) {
   int rc = check_ubatch(m, T);
+  if (!rc) rc = settle(m);
   if (rc) return rc;
   size_t bytes = (size_t)T * m->H * sizeof(float);
   float *xh = m->x_h;
@@ -2051,6 +2131,7 @@ bool tdm_moe_pass_on_device(const tdm_moe_model *m) {
 int tdm_moe_pass_begin(tdm_moe_model *m, int T, bool overlap, tdm_moe_pass_stats *st) {
   if (!m || !st) return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_pass_begin: NULL argument");
   int rc = check_ubatch(m, T);
+  if (!rc) rc = settle(m);
   if (rc) return rc;
   tdm_streamer_stats_get(m->streamer, &m->pass_s0);
   m->pass_t0 = now_s();

@@ -992,6 +992,125 @@ TEST_CASE(expert_parallel) {
   th_close();
 }
 
+/* The fault loops below take every point in the normal build, every FAULT_STRIDE-th in the
+ * sanitizer builds (a minute a device under ThreadSanitizer otherwise). */
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+#define FAULT_STRIDE 4
+#else
+#define FAULT_STRIDE 1
+#endif
+
+/* Live counts of the runtime's objects (queues, events, allocations), for leak checks. */
+static bool stats_back(const tdm_stats *base) {
+  tdm_stats now;
+  for (int i = 0; i < 2000; i++) { /* frees and releases finish on tandem's threads */
+    CHECK_OK(tdm_stats_get(&now));
+    if (now.queues == base->queues && now.events == base->events &&
+        now.allocations == base->allocations && now.pending == 0)
+      return true;
+    th_sleep_ms(1);
+  }
+  printf("queues %ld (base %ld), events %ld (base %ld), allocations %ld (base %ld), pending %ld\n",
+         now.queues, base->queues, now.events, base->events, now.allocations, base->allocations,
+         now.pending);
+  return false;
+}
+
+/* Expert parallelism under failure: the nth host allocation or backend call of a two-device
+ * model's creation, then of a pass (prefill-sized, then a decode token), fails, for every n
+ * until the call succeeds without one. A failed creation returns the injected code with its
+ * message and leaves nothing behind; a failed pass returns an error with a message, and the
+ * next pass, fault-free, gives the output of a pass that never failed (as does a pass whose
+ * fault hit what it may do without). */
+TEST_CASE(expert_parallel_faults) {
+  const char *second_id = second_device();
+  if (strncmp(second_id, "cpu:", 4) == 0 && strcmp(second_id, "cpu:0") != 0)
+    CHECK(setenv("TANDEM_CPU_DEVICES", "2", 1) == 0);
+  tdm_device *dev = th_open(), *second = NULL;
+  if (tdm_device_find(second_id, &second) != 0) {
+    th_close();
+    TH_SKIP("no second device %s beside %s", second_id, th_device_id);
+  }
+  const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
+  /* Two layers, and a prefill ubatch just past the small ones (GROUPED_MAX_T): every kind of
+   * step, in as few points as can be had, each failing once. */
+  enum { T = 34, MAX_N = 4000 };
+  tdm_device *both[2] = {dev, second};
+  tdm_moe_config c = {.preset = p, .layers = 2, .device = dev, .seed = th_seed(), .skew = 1.2,
+                      .max_tokens = T, .staging_slots = 2, .devices = both, .ndevices = 2};
+  size_t H = (size_t)p->hidden;
+  /* ref and y: a prefill's T rows, then a decode token's */
+  float *x = malloc(T * H * sizeof *x), *ref = malloc((T + 1) * H * sizeof *ref),
+        *y = malloc((T + 1) * H * sizeof *y);
+  CHECK(x && ref && y);
+  tdm_moe_pass_stats st;
+  tdm_moe_model *m = NULL;
+  int rc = tdm_moe_model_create(&c, &m);
+  if (rc == TDM_ENOTSUP) TH_SKIP("no MoE operations on %s: %s", th_device_id, tdm_last_error());
+  CHECK_OK(rc);
+  tdm_moe_make_input(m, x, T, 0, false);
+  CHECK_OK(tdm_moe_forward(m, x, ref, T, true, &st));
+  CHECK_OK(tdm_moe_forward(m, x, ref + T * H, 1, true, &st)); /* a decode token */
+  tdm_moe_model_destroy(m);
+  tdm_stats base;
+  CHECK_OK(tdm_stats_get(&base));
+  long n;
+  for (n = 0; n < MAX_N; n += FAULT_STRIDE) {
+    m = (tdm_moe_model *)(uintptr_t)0x5e;
+    CHECK_OK(tdm_fault_inject(TDM_FAULT_ALLOC | TDM_FAULT_BACKEND, n, 0));
+    rc = tdm_moe_model_create(&c, &m);
+    int fired = tdm_fault_fired();
+    CHECK_OK(tdm_fault_inject(0, -1, 0));
+    if (!fired) {
+      CHECK_OK(rc);
+      break;
+    }
+    if (rc == 0) { /* the fault hit what creation may do without */
+      tdm_moe_model_destroy(m);
+    } else {
+      CHECK_MSG(rc == TDM_ENOMEM || rc == TDM_EBACKEND, "creation, n=%ld: %s", n,
+                tdm_last_error());
+      CHECK(m == (tdm_moe_model *)(uintptr_t)0x5e);
+    }
+    CHECK_MSG(stats_back(&base), "creation, n=%ld: live objects left", n);
+  }
+  CHECK(n < MAX_N);
+  printf("creation: %ld points, every %d failed in turn\n", n, FAULT_STRIDE);
+  for (int decode = 0; decode < 2; decode++) {
+    int Tp = decode ? 1 : T;
+    float *want = decode ? ref + T * H : ref, *got = decode ? y + T * H : y;
+    for (n = 0; n < MAX_N; n += FAULT_STRIDE) {
+      CHECK_OK(tdm_fault_inject(TDM_FAULT_ALLOC | TDM_FAULT_BACKEND, n, 0));
+      rc = tdm_moe_forward(m, x, got, Tp, true, &st);
+      int fired = tdm_fault_fired();
+      CHECK_OK(tdm_fault_inject(0, -1, 0));
+      if (!fired) {
+        CHECK_OK(rc);
+        break;
+      }
+      char why[256];
+      snprintf(why, sizeof why, "%s", rc ? tdm_last_error() : "a fault and no failure");
+      if (rc) { /* else the fault hit what a pass may do without (a keep-alive's block) */
+        CHECK_MSG(strlen(tdm_last_error()) > 0, "%s pass, n=%ld: no message",
+                  decode ? "decode" : "prefill", n);
+        memset(got, 0xff, (size_t)Tp * H * sizeof *got);
+        CHECK_OK(tdm_moe_forward(m, x, got, Tp, true, &st));
+      }
+      CHECK_MSG(th_first_diff(got, want, (size_t)Tp * H * sizeof *got) < 0, "%s pass, n=%ld: "
+                "the output differs (%s)", decode ? "decode" : "prefill", n, why);
+    }
+    CHECK(n < MAX_N);
+    printf("%s pass: %ld points, every %d failed in turn\n", decode ? "decode" : "prefill", n,
+           FAULT_STRIDE);
+  }
+  tdm_moe_model_destroy(m);
+  CHECK_MSG(stats_back(&base), "after the passes: live objects left");
+  free(x);
+  free(ref);
+  free(y);
+  th_close();
+}
+
 TEST_CASE(moe_bad_input) {
   tdm_device *dev = th_open();
   CHECK(tdm_moe_preset_find("no-such-model") == NULL);
