@@ -882,13 +882,25 @@ TEST_CASE(auto_placement) {
   th_close();
 }
 
-/* The second device of expert_parallel: TANDEM_TEST_SECOND, else cuda:1 beside cuda:0, else
- * opencl:0 beside cpu:0, else cpu:0 (another backend: copies through pinned memory). */
-static const char *second_device(void) {
+/* The second device of the expert_parallel cases: TANDEM_TEST_SECOND, else cuda:1 beside
+ * cuda:0 (peer copies) where there is one, else opencl:0 beside cpu:0, else cpu:0 (another
+ * backend: copies through pinned memory). Opens the first; NULL (after th_close) when the
+ * second is absent. */
+static tdm_device *open_pair(tdm_device **first, const char **second_id) {
   const char *env = getenv("TANDEM_TEST_SECOND");
-  if (env && *env) return env;
-  if (strcmp(th_device_id, "cuda:0") == 0) return "cuda:1";
-  return strcmp(th_device_id, "cpu:0") == 0 ? "opencl:0" : "cpu:0";
+  *second_id = env && *env ? env : strcmp(th_device_id, "cpu:0") == 0 ? "opencl:0" : "cpu:0";
+  if (strncmp(*second_id, "cpu:", 4) == 0 && strcmp(*second_id, "cpu:0") != 0)
+    CHECK(setenv("TANDEM_CPU_DEVICES", "2", 1) == 0); /* before th_open's init */
+  *first = th_open();
+  tdm_device *second = NULL;
+  if (!(env && *env) && strcmp(th_device_id, "cuda:0") == 0 &&
+      tdm_device_find("cuda:1", &second) == 0) {
+    *second_id = "cuda:1";
+    return second;
+  }
+  if (tdm_device_find(*second_id, &second) == 0) return second;
+  th_close();
+  return NULL;
 }
 
 /* Expert parallelism (tdm_moe_config.devices): the routed experts split between this device
@@ -900,14 +912,9 @@ static const char *second_device(void) {
  * device's streamer sees fewer acquires than the pass. The configurations a split refuses,
  * each with its reason. */
 TEST_CASE(expert_parallel) {
-  const char *second_id = second_device();
-  if (strncmp(second_id, "cpu:", 4) == 0 && strcmp(second_id, "cpu:0") != 0)
-    CHECK(setenv("TANDEM_CPU_DEVICES", "2", 1) == 0); /* before th_open's init */
-  tdm_device *dev = th_open(), *second = NULL;
-  if (tdm_device_find(second_id, &second) != 0) {
-    th_close();
-    TH_SKIP("no second device %s beside %s", second_id, th_device_id);
-  }
+  const char *second_id;
+  tdm_device *dev, *second = open_pair(&dev, &second_id);
+  if (!second) TH_SKIP("no second device %s beside %s", second_id, th_device_id);
   const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
   CHECK(p != NULL);
   enum { T = 48, SMALL = 5, DECODE = 3 };
@@ -1023,14 +1030,9 @@ static bool stats_back(const tdm_stats *base) {
  * next pass, fault-free, gives the output of a pass that never failed (as does a pass whose
  * fault hit what it may do without). */
 TEST_CASE(expert_parallel_faults) {
-  const char *second_id = second_device();
-  if (strncmp(second_id, "cpu:", 4) == 0 && strcmp(second_id, "cpu:0") != 0)
-    CHECK(setenv("TANDEM_CPU_DEVICES", "2", 1) == 0);
-  tdm_device *dev = th_open(), *second = NULL;
-  if (tdm_device_find(second_id, &second) != 0) {
-    th_close();
-    TH_SKIP("no second device %s beside %s", second_id, th_device_id);
-  }
+  const char *second_id;
+  tdm_device *dev, *second = open_pair(&dev, &second_id);
+  if (!second) TH_SKIP("no second device %s beside %s", second_id, th_device_id);
   const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
   /* Two layers, and a prefill ubatch just past the small ones (GROUPED_MAX_T): every kind of
    * step, in as few points as can be had, each failing once. */
