@@ -404,16 +404,26 @@ static int staging_slots(const tdm_moe_model *m) {
   return m->cfg.staging_slots > 0 ? m->cfg.staging_slots : 16;
 }
 
-/* Expert parallelism: the routed experts this model's device computes (all, alone). */
-static bool owns(const tdm_moe_model *m, int e) {
-  return m->ndev <= 1 || e % m->ndev == m->dev_index;
+/* Expert parallelism: the device that computes expert e of layer l. A layer's experts are
+ * dealt out by popularity rank in snake order (ranks 0..n-1 to devices 0..n-1, the next n
+ * back from n-1 to 0, and so on), so that the devices' expected loads come out about even
+ * under any skew; a real model's experts, whose popularity is not known when it loads, are
+ * ranked by index. */
+static int owner(const tdm_moe_model *m, int l, int e) {
+  int n = m->ndev, r = m->rank[(size_t)l * m->E + e], pos = r % n;
+  return (r / n) % 2 == 0 ? pos : n - 1 - pos;
 }
 
-/* order[0..n) with the experts of other devices left out, in order; their count. */
-static int owned_only(const tdm_moe_model *m, int *order, int n) {
+/* Whether this model's device computes expert e of layer l (all of them, alone). */
+static bool owns(const tdm_moe_model *m, int l, int e) {
+  return m->ndev <= 1 || owner(m, l, e) == m->dev_index;
+}
+
+/* order[0..n) of layer l with the experts of other devices left out, in order; their count. */
+static int owned_only(const tdm_moe_model *m, int l, int *order, int n) {
   int kept = 0;
   for (int i = 0; i < n; i++)
-    if (owns(m, order[i])) order[kept++] = order[i];
+    if (owns(m, l, order[i])) order[kept++] = order[i];
   return kept;
 }
 
@@ -559,7 +569,7 @@ static int setup_streamer(tdm_moe_model *m) {
   for (int r = 0; r < m->E; r++)
     for (int l = 0; l < m->L; l++)
       for (int e = 0; e < m->E; e++)
-        if (m->rank[(size_t)l * m->E + e] == r && owns(m, e)) resident[n++] = l * m->E + e;
+        if (m->rank[(size_t)l * m->E + e] == r && owns(m, l, e)) resident[n++] = l * m->E + e;
   /* A budget that holds every expert (of its share) leaves a policy nothing to decide: all are
    * loaded at creation and stay (the static policy), whatever policy was asked for. */
   bool all = m->cfg.all_resident || m->cfg.budget_bytes / m->ebytes >= (size_t)n;
@@ -1240,6 +1250,11 @@ void tdm_moe_model_destroy(tdm_moe_model *m) {
 
 tdm_streamer *tdm_moe_streamer(tdm_moe_model *m) { return m->streamer; }
 
+tdm_streamer *tdm_moe_streamer_at(tdm_moe_model *m, int device) {
+  if (!m || device < 0 || device >= m->ndev) return NULL;
+  return device ? m->shards[device - 1]->streamer : m->streamer;
+}
+
 void tdm_moe_make_input(const tdm_moe_model *m, float *x, int n, uint64_t pos, bool decode) {
   uint64_t s = m->cfg.seed * 31u + (decode ? 0xdec0de : 0) + (decode ? 0 : pos);
   double a = decode ? m->cfg.locality : 0.0, b = sqrt(1.0 - a * a);
@@ -1406,7 +1421,7 @@ static int layer_order(const tdm_moe_model *m, int l, const int *count, int *ord
   for (int r = 0; r < E; r++)
     if (order[r] >= 0) order[n++] = order[r];
   *routed = n;
-  return owned_only(m, order, n);
+  return owned_only(m, l, order, n);
 }
 
 /* The routed experts order[0..n), in the streamer's order: what it staged ahead first, then
@@ -1700,7 +1715,7 @@ static int layer_experts_grouped(tdm_moe_model *m, int l, int T, bool overlap,
  * what is known now), so that no copy is made for an expert the host will compute. */
 static int lookahead_prefetch(tdm_moe_model *m, int l, int T, int *order, int n) {
   int rc, nh, candidates;
-  n = owned_only(m, order, n);
+  n = owned_only(m, l, order, n);
   if (n && T <= GROUPED_MAX_T && m->place.placement != TDM_MOE_PLACE_DEVICE &&
       ((rc = tdm_streamer_schedule(m->streamer, l, order, n)) ||
        (rc = place(m, l, order, &n, m->hsel, &nh, &candidates, true))))

@@ -947,18 +947,25 @@ TEST_CASE(expert_parallel) {
       m = make_model(dev, &base, false, budgets[b], 2, pol ? TDM_CACHE_LRU : TDM_CACHE_STATIC);
       for (int ov = 0; ov < 2; ov++) {
         memset(y, 0xff, n * sizeof *y);
+        uint64_t each[2] = {0, 0}; /* acquires on each device, over the ubatches */
         for (int i = 0, at = 0; i < 2 + DECODE; at += sizes[i++]) {
-          tdm_streamer_stats s0, s1;
-          CHECK_OK(tdm_streamer_stats_get(tdm_moe_streamer(m), &s0));
+          tdm_streamer_stats s0[2], s1[2];
+          for (int d = 0; d < 2; d++)
+            CHECK_OK(tdm_streamer_stats_get(tdm_moe_streamer_at(m, d), &s0[d]));
           CHECK_OK(tdm_moe_forward(m, x + at * H, y + at * H, sizes[i], ov, &st));
-          CHECK_OK(tdm_streamer_stats_get(tdm_moe_streamer(m), &s1));
+          for (int d = 0; d < 2; d++) {
+            CHECK_OK(tdm_streamer_stats_get(tdm_moe_streamer_at(m, d), &s1[d]));
+            each[d] += s1[d].acquires - s0[d].acquires;
+          }
           CHECK_EQ((long)st.device_routed_layers, 0L);
           CHECK_EQ(st.experts_computed, computed[i]);
           CHECK_EQ((long)st.acquires, (long)st.experts_computed);
-          CHECK_MSG(s1.acquires - s0.acquires < st.acquires, "ubatch %d: the first device "
-                    "acquired all %llu experts", sizes[i], (unsigned long long)st.acquires);
+          CHECK_EQ((long)st.acquires, (long)(s1[0].acquires - s0[0].acquires +
+                                             s1[1].acquires - s0[1].acquires));
           if (budgets[b] == 0) CHECK(st.bytes_copied > 0);
         }
+        CHECK_MSG(each[0] > 0 && each[1] > 0, "the devices acquired %llu and %llu experts",
+                  (unsigned long long)each[0], (unsigned long long)each[1]);
         for (size_t i = 0; i < n; i++) CHECK(isfinite(y[i]));
         double err = rel_l2(y, ref, n);
         worst = err > worst ? err : worst;
@@ -969,6 +976,7 @@ TEST_CASE(expert_parallel) {
       tdm_moe_model_destroy(m);
     }
   printf("%s and %s: at most %.3g (rel l2) from one device\n", th_device_id, second_id, worst);
+  CHECK(tdm_moe_streamer_at(NULL, 0) == NULL);
   /* What a split refuses. */
   tdm_moe_config c = base;
   c.budget_bytes = eb;

@@ -49,14 +49,14 @@ static const char moe_help[] =
     "                     mixtral-8x7b. The large presets hold tens to hundreds of GiB of\n"
     "                     experts: use --layers to run fewer layers so they fit in host memory\n"
     "  --device D         cpu:0, cuda:0, ... (default: the default device)\n"
-    "  --devices LIST     expert parallelism: the routed experts of each layer split by index\n"
-    "                     between these devices (2 to 8, comma-separated, e.g. cuda:0,cuda:1),\n"
-    "                     each streaming its share on its own copy queues; the first (which\n"
-    "                     is --device, or replaces it) routes and adds the others' partial\n"
-    "                     sums. Placement device (its default then); the budget and slots are\n"
-    "                     each device's;\n"
-    "                     the link figures use the sum of the devices' peaks, and the check a\n"
-    "                     tolerance (the sums group the experts by device)\n"
+    "  --devices LIST     expert parallelism: each layer's routed experts dealt out between\n"
+    "                     these devices (2 to 8, comma-separated, e.g. cuda:0,cuda:1) by\n"
+    "                     popularity, for even loads, each streaming its share on its own copy\n"
+    "                     queues; the first (which is --device, or replaces it) routes and\n"
+    "                     adds the others' partial sums. Placement device (its default then);\n"
+    "                     the budget and slots are each device's; the link utilization uses\n"
+    "                     the devices' peaks summed, and each device's is printed too; the\n"
+    "                     check takes a tolerance (the sums group the experts by device)\n"
     "  --layers N         layers to run (default: the preset's)\n"
     "  --tokens T         prefill tokens (default 256)\n"
     "  --ubatch U         tokens per forward pass, at most T (default: min(T, 2048))\n"
@@ -364,6 +364,8 @@ typedef struct run {
   int ok;                /* the check passed (1), failed (0), or none ran (-1) */
   const char *check;     /* which: "bitwise", "rel_l2" (experts on the host), or NULL */
   double rel_l2;         /* ||y - yref|| / ||yref|| over the whole output (NAN: no check) */
+  int ndev;              /* --devices: how many, and the expert bytes each one's link carried */
+  uint64_t dev_bytes[TDM_MOE_DEVICES_MAX];
 } run;
 
 /* The share of acquires n is (0 when there were none). */
@@ -473,8 +475,15 @@ static int do_run(tdm_moe_model *m, const moe_opts *o, int H, bool overlap, cons
     tdm_moe_make_input(m, x, warm, 1u << 30, false);
     rc = tdm_moe_forward(m, x, y, warm, overlap, &st);
   }
-  if (!rc) tdm_streamer_stats_reset(tdm_moe_streamer(m));
+  for (int d = 0; !rc && tdm_moe_streamer_at(m, d); d++)
+    tdm_streamer_stats_reset(tdm_moe_streamer_at(m, d));
   if (!rc) rc = workload(m, o, H, overlap, name, x, y, r);
+  for (int d = 0; !rc && o->devices && tdm_moe_streamer_at(m, d); d++) { /* each link's part */
+    tdm_streamer_stats ds;
+    if (tdm_streamer_stats_get(tdm_moe_streamer_at(m, d), &ds) == 0)
+      r->dev_bytes[d] = ds.bytes_copied;
+    r->ndev = d + 1;
+  }
   r->tokens_per_s = (o->tokens + o->decode) / r->seconds;
   if (!rc) token_latency(r, o->decode);
   return rc;
@@ -488,6 +497,7 @@ typedef struct session {
   tdm_device *dev;
   tdm_device *devs[TDM_MOE_DEVICES_MAX]; /* --devices, devs[0] == dev */
   int ndevs;
+  double peaks[TDM_MOE_DEVICES_MAX];     /* --devices: each one's link, GB/s (peak: their sum) */
   tdm_device_info info;
   tdm_moe_config cfg;
   long layers;
@@ -534,6 +544,7 @@ static int session_setup(session *s) {
     double peak;
     if ((rc = tool_measure_link(s->ndevs ? s->devs[d] : s->dev, &peak)))
       return tool_fail("measuring the link", rc);
+    s->peaks[d] = peak;
     s->peak += peak;
   }
   s->cfg = (tdm_moe_config){.preset = s->p, .layers = (int)s->layers, .device = s->dev,
@@ -722,6 +733,11 @@ static void json_run(bu_json *j, const run *r, long decode, long layers, bool li
   bu_json_uint(j, "device_routed_layers", r->device_routed);
   bu_json_double(j, "tokens_per_s", r->tokens_per_s, 3);
   bu_json_uint(j, "bytes_copied", r->all.bytes);
+  if (r->ndev) { /* --devices: what each device's link carried */
+    bu_json_array(j, "device_bytes_copied");
+    for (int d = 0; d < r->ndev; d++) bu_json_uint(j, NULL, r->dev_bytes[d]);
+    bu_json_end(j);
+  }
   /* --time-link: the share of the run the link had a copy on it, and its GB/s meanwhile
    * (null otherwise, and the rate also when nothing was copied) */
   bu_json_double(j, "link_busy_fraction",
@@ -861,6 +877,12 @@ static int print_json(const session *s, const figures *f) {
                                             o->time_host != 0);
   bu_json_end(&j);
   bu_json_double(&j, "link_utilization", f->link, 4);
+  if (mr->ndev) { /* --devices: each link, expert bytes it carried / wall time / its peak */
+    bu_json_array(&j, "device_link_utilization");
+    for (int d = 0; d < mr->ndev; d++)
+      bu_json_double(&j, NULL, (double)mr->dev_bytes[d] / mr->seconds / 1e9 / s->peaks[d], 4);
+    bu_json_end(&j);
+  }
   bu_json_double(&j, "hidden_fraction", f->hidden, 4);
   bu_json_double(&j, "overlap_efficiency", f->efficiency, 4);
   bu_json_double(&j, "copy_seconds_at_peak", f->copy_s, 6);
@@ -895,7 +917,8 @@ static void print_runs(const session *s) {
          "depth %d\n", b1, s->ss.resident_slots, s->ss.staging_slots, b2, s->ss.prefetch_depth);
   printf("  link       %.2f GB/s peak (one large pinned copy, this process%s)\n", s->peak,
          s->ndevs ? "; the devices' links together" : "");
-  if (s->ndevs) printf("  devices    %s: the routed experts split by index\n", o->devices);
+  if (s->ndevs) printf("  devices    %s: each layer's routed experts dealt out by popularity\n",
+                       o->devices);
   if (s->place.placement == TDM_MOE_PLACE_DEVICE)
     printf("  placement  device: every routed expert is computed on the device\n\n");
   else {
@@ -986,6 +1009,9 @@ static void print_decode(const session *s, const run *mr) {
 static void print_figures(const session *s, const figures *f) {
   const run *mr = f->main_run;
   printf("\n  link utilization   %.2f   expert bytes copied / wall time / peak\n", f->link);
+  for (int d = 0; d < mr->ndev; d++)
+    printf("    device %d's link %.2f   the bytes it copied / wall time / its peak (%.1f GB/s)\n",
+           d, (double)mr->dev_bytes[d] / mr->seconds / 1e9 / s->peaks[d], s->peaks[d]);
   if (s->o.time_link && mr->seconds > 0 && mr->link_busy > 0)
     printf("                     the link had a copy on it %.2f of the %s run (device "
            "timestamps: %.1f GB/s while busy)\n", mr->link_busy / mr->seconds, mr->name,

@@ -29,10 +29,10 @@ static const char run_help[] =
     "  -p, --prompt N       a prompt of N pseudo-random ids instead (default 32)\n"
     "  -n, --decode N       tokens to generate (default 16)\n"
     "  --device D           the device (default: $TANDEM_DEVICE, else the first)\n"
-    "  --devices LIST       expert parallelism: each layer's routed experts split by index\n"
-    "                       between these devices (2 to 8, e.g. cuda:0,cuda:1), attention and\n"
-    "                       the dense weights on the first (which is --device, or replaces\n"
-    "                       it); placement device (its default then)\n"
+    "  --devices LIST       expert parallelism: each layer's routed experts dealt out between\n"
+    "                       these devices (2 to 8, e.g. cuda:0,cuda:1), attention and the\n"
+    "                       dense weights on the first (which is --device, or replaces it);\n"
+    "                       placement device (its default then)\n"
     "  --device-budget B    device memory for resident experts: bytes (8GiB), or a share of\n"
     "                       all experts (50%); 0 streams every expert (default 0)\n"
     "  --ctx N              KV cache positions (default: prompt + decode)\n"
@@ -407,7 +407,7 @@ int tool_cmd_run(int argc, char **argv) {
     } else {
       printf("model: %s (%s, %s), %d layers, %d experts (top %d), vocabulary %d\n", o.model,
              info.arch, info.format, info.layers, info.experts, info.topk, info.vocab);
-      if (o.devices) printf("devices: %s, the routed experts split by index\n", o.devices);
+      if (o.devices) printf("devices: %s, each layer's routed experts dealt out\n", o.devices);
       printf("weights: experts %s (%.2f MiB each, in %s), dense %s on the device\n",
              info.weight_type, info.expert_bytes / 1048576.0, info.expert_type, info.dense_type);
       printf("prompt (%d): ", np);

@@ -130,9 +130,11 @@ typedef struct tdm_moe_config {
                               down projections are Q6_K in some layers). An expert's slot
                               takes the largest layer's bytes */
   /* Expert parallelism: NULL, or ndevices devices (2 to TDM_MOE_DEVICES_MAX, no repeats),
-   * devices[0] being `device`. Device d computes the routed experts e with e % ndevices == d
-   * of every layer, streamed from the one pinned host copy on its own copy queues into its
-   * own budget_bytes and staging slots (its resident set: its most popular experts). The
+   * devices[0] being `device`. Each layer's routed experts are dealt out to the devices by
+   * popularity rank in snake order (ranks 0..n-1 to devices 0..n-1, the next n back from n-1
+   * to 0...: even expected loads; a source's experts are ranked by index), each device's
+   * streamed from the one pinned host copy on its own copy queues into its own budget_bytes
+   * and staging slots (its resident set: its most popular experts). The
    * first device keeps the rest: the dense weights, the activations, RMSNorm, the router,
    * the shared experts. A layer's normalized input and routing go from it to the others,
    * each of which sums its experts' weighted outputs into a partial sum that comes back to be
@@ -255,6 +257,9 @@ TDM_API int tdm_moe_pass_layer(tdm_moe_model *m, int l, tdm_moe_pass_stats *st);
 TDM_API int tdm_moe_pass_end(tdm_moe_model *m, int rc, tdm_moe_pass_stats *st);
 
 TDM_API tdm_streamer *tdm_moe_streamer(tdm_moe_model *m);
+/* With several devices (tdm_moe_config.devices), device d's streamer (0: tdm_moe_streamer's);
+ * NULL for an index outside them. Its stats tell what crossed that device's link. */
+TDM_API tdm_streamer *tdm_moe_streamer_at(tdm_moe_model *m, int device);
 
 /* What the model's placement decided at creation. Under AUTO and HOST the cost model is
  * calibrated then, on expert-sized work: the link's GB/s from pinned host-to-device copies of
