@@ -126,6 +126,15 @@ static void compare(const char *what, const float *got, const ref *r) {
   }
 }
 
+/* Runs m (run()) against the reference, says so, and closes it. */
+static void check_and_close(tdm_model *m, const ref *r, const char *what) {
+  float *got = run(m, r);
+  compare(what, got, r);
+  printf("%s: within %.0e of the reference\n", what, TOLERANCE);
+  free(got);
+  tdm_model_close(m);
+}
+
 /* dense: the file's dense type ("F32", "F16", "BF16", "Q8_0"); experts: the format its
  * experts stay in where the device's table computes experts in their file's format
  * (expert_q), tdm_model_info's expert_type. A 16-bit dense type stays 16-bit on a table with
@@ -162,14 +171,10 @@ static void against_reference(const char *arch, const char *which, const char *d
     want = native && !ebf16 ? experts : "BF16";
     CHECK_MSG(strcmp(info.expert_type, want) == 0, "%s %s: experts %s, not %s", arch, which,
               info.expert_type, want);
-    float *got = run(m, &r);
     char what[128];
     snprintf(what, sizeof what, "%s %s (dense %s, experts %s)", arch, which, info.dense_type,
              info.expert_type);
-    compare(what, got, &r);
-    printf("%s: within %.0e of the reference\n", what, TOLERANCE);
-    free(got);
-    tdm_model_close(m);
+    check_and_close(m, &r, what);
   }
   ref_free(&r);
   th_close();
@@ -260,15 +265,10 @@ TEST_CASE(expert_parallel) {
   tdm_device *both[2] = {dev, second};
   for (int resident = 0; resident < 2; resident++) {
     tdm_model_config c = {.all_resident = resident, .devices = both, .ndevices = 2};
-    tdm_model *m = open_model(dev, "qwen3moe", "model.gguf", &c);
-    float *got = run(m, &r);
     char what[128];
     snprintf(what, sizeof what, "qwen3moe on %s and %s, %s", th_device_id, second_id,
              resident ? "all resident" : "budget 0");
-    compare(what, got, &r);
-    printf("%s: within %.0e of the reference\n", what, TOLERANCE);
-    free(got);
-    tdm_model_close(m);
+    check_and_close(open_model(dev, "qwen3moe", "model.gguf", &c), &r, what);
   }
   ref_free(&r);
   th_close();
