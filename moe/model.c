@@ -88,7 +88,7 @@ struct tdm_moe_model {
   void *host_map;                 /* host_experts' mapping when registered (host_experts_alloc) */
   size_t host_map_bytes;
   const void **host_ptrs;     /* per key */
-  /* expert parallelism (cfg.ndevices > 1; shard.c's part below) */
+  /* expert parallelism (cfg.ndevices > 1: "the other devices' share of a layer" below) */
   int ndev, dev_index;        /* the devices, and this model's index among them (0: the first) */
   tdm_moe_model **shards;     /* the first's: the other devices' models, [ndev - 1] */
   tdm_moe_model *first;       /* a shard's: the first device's model, whose host copy it reads */
@@ -301,23 +301,29 @@ static int fill_parallel(tdm_moe_model *m) {
  * queue's work may still read or write: it is tried again, a few times, until one returns 0
  * (the queue's errors are cleared by the first). Returns the first failure; m->unsettled says
  * whether no try returned 0, which the next pass then settles first (settle()). */
-static int drain(tdm_moe_model *m, tdm_queue *q) {
+static int drain_done(tdm_moe_model *m, tdm_queue *q, bool *done) {
   int rc = tdm_queue_sync(q);
-  bool done = rc == 0;
-  for (int i = 0; i < 3 && !done; i++) done = tdm_queue_sync(q) == 0;
-  if (!done) m->unsettled = true;
+  *done = rc == 0;
+  for (int i = 0; i < 3 && !*done; i++) *done = tdm_queue_sync(q) == 0;
+  if (!*done) m->unsettled = true;
   return rc;
 }
 
+static int drain(tdm_moe_model *m, tdm_queue *q) {
+  bool done;
+  return drain_done(m, q, &done);
+}
+
 /* Frees host memory that a copy submitted on m->q reads, once the queue is done with it: the
- * queue drained, else a stream-ordered free (kept, should that fail too: the copy may still
- * read it). Returns drain's code. */
+ * queue drained, else a stream-ordered free. Returns drain's code. */
 static int free_after(tdm_moe_model *m, void *host) {
-  int rc = drain(m, m->q);
-  if (!m->unsettled)
+  bool done;
+  int rc = drain_done(m, m->q, &done);
+  if (done) {
     tdm_free(host);
-  else if (tdm_free_async(m->q, host, 0, NULL, NULL) != 0)
-    (void)0;
+  } else if (tdm_free_async(m->q, host, 0, NULL, NULL) != 0) {
+    /* kept: the copy may still read it */
+  }
   return rc;
 }
 

@@ -860,6 +860,9 @@ static int print_json(const session *s, const figures *f) {
       bu_json_string(&j, NULL, di.id);
   }
   bu_json_end(&j);
+  bu_json_array(&j, "device_peak_gbps"); /* each one's link (peak_gbps: their sum) */
+  for (int d = 0; d < (s->ndevs ? s->ndevs : 1); d++) bu_json_double(&j, NULL, s->peaks[d], 3);
+  bu_json_end(&j);
   bu_json_string(&j, "placement", placement_name(s->place.placement));
   bu_json_int(&j, "host_queues", s->place.host_queues);
   bu_json_int(&j, "host_threads", s->place.host_threads);
