@@ -32,7 +32,7 @@ static const char run_help[] =
     "  --devices LIST       expert parallelism: each layer's routed experts dealt out between\n"
     "                       these devices (2 to 8, e.g. cuda:0,cuda:1), attention and the\n"
     "                       dense weights on the first (which is --device, or replaces it);\n"
-    "                       placement device (its default then)\n"
+    "                       placement device (its default then); the budget is each device's\n"
     "  --device-budget B    device memory for resident experts: bytes (8GiB), or a share of\n"
     "                       all experts (50%); 0 streams every expert (default 0)\n"
     "  --ctx N              KV cache positions (default: prompt + decode)\n"
