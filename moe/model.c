@@ -99,6 +99,11 @@ struct tdm_moe_model {
   tdm_event **part_ready;     /* the first's: [ndev - 1], each shard's partial of the layer */
   int *unreleased, nunreleased; /* [L x E]: keys whose release failed, still pinned (retried) */
   bool unsettled;             /* a pass's end could not wait for its queues (drain) */
+  const unsigned char *owners; /* [L x E]: each key's device (the first's table, shared) */
+  unsigned char *own_buf, *fixed; /* the first's: that table; keys held in a device's static
+                              resident set (fixed to it) */
+  uint64_t *load;             /* the first's: tokens routed to each key since the last
+                              tdm_moe_rebalance (or creation) */
   tdm_streamer *streamer;
   /* device side, per layer */
   tdm_moe_bf16 *router;           /* L x E x H */
@@ -410,14 +415,28 @@ static int staging_slots(const tdm_moe_model *m) {
   return m->cfg.staging_slots > 0 ? m->cfg.staging_slots : 16;
 }
 
-/* Expert parallelism: the device that computes expert e of layer l. A layer's experts are
- * dealt out by popularity rank in snake order (ranks 0..n-1 to devices 0..n-1, the next n
- * back from n-1 to 0, and so on), so that the devices' expected loads come out about even
- * under any skew; a real model's experts, whose popularity is not known when it loads, are
- * ranked by index. */
+/* Expert parallelism: the device that computes expert e of layer l (the first's table). */
 static int owner(const tdm_moe_model *m, int l, int e) {
-  int n = m->ndev, r = m->rank[(size_t)l * m->E + e], pos = r % n;
-  return (r / n) % 2 == 0 ? pos : n - 1 - pos;
+  return m->owners[(size_t)l * m->E + e];
+}
+
+/* The first's table at creation: a layer's experts dealt out by popularity rank in snake
+ * order (ranks 0..n-1 to devices 0..n-1, the next n back from n-1 to 0, and so on), so that
+ * the devices' expected loads come out about even under any skew; a real model's experts,
+ * whose popularity is not known when it loads, are ranked by index. tdm_moe_rebalance deals
+ * them out again by the load measured since. */
+static int setup_owners(tdm_moe_model *m) {
+  size_t keys = (size_t)m->L * m->E;
+  m->own_buf = malloc(keys);
+  m->fixed = calloc(keys, 1);
+  m->load = calloc(keys, sizeof *m->load);
+  if (!m->own_buf || !m->fixed || !m->load) return tdm_set_error(TDM_ENOMEM, 0, "no memory");
+  for (size_t key = 0; key < keys; key++) {
+    int n = m->ndev, r = m->rank[key], pos = r % n;
+    m->own_buf[key] = (unsigned char)((r / n) % 2 == 0 ? pos : n - 1 - pos);
+  }
+  m->owners = m->own_buf;
+  return 0;
 }
 
 /* Whether this model's device computes expert e of layer l (all of them, alone). */
@@ -579,6 +598,11 @@ static int setup_streamer(tdm_moe_model *m) {
   /* A budget that holds every expert (of its share) leaves a policy nothing to decide: all are
    * loaded at creation and stay (the static policy), whatever policy was asked for. */
   bool all = m->cfg.all_resident || m->cfg.budget_bytes / m->ebytes >= (size_t)n;
+  if (m->ndev > 1 && (all || m->cfg.policy == TDM_CACHE_STATIC)) { /* held for good: fixed */
+    unsigned char *fixed = m->first ? m->first->fixed : m->fixed;
+    size_t held = all ? (size_t)n : m->cfg.budget_bytes / m->ebytes;
+    for (long i = 0; i < n && (size_t)i < held; i++) fixed[resident[i]] = 1;
+  }
   tdm_streamer_config sc = {
       .compute = m->q,
       .layers = m->L,
@@ -1160,6 +1184,8 @@ static int model_create(const tdm_moe_config *cfg, tdm_moe_model *first, int ind
                host / 1073741824.0);
   if (!rc && !first) rc = fill_parallel(m);
   if (!rc) rc = setup_small_weights(m);
+  if (!rc && m->ndev > 1 && !first) rc = setup_owners(m);
+  if (first) m->owners = first->owners;
   const char *pg = getenv("TANDEM_MOE_PREFILL_GROUPED");
   m->prefill_grouped = !(pg && strcmp(pg, "0") == 0);
   if (!rc) rc = setup_buffers(m);
@@ -1249,6 +1275,9 @@ void tdm_moe_model_destroy(tdm_moe_model *m) {
   free(m->scratch);
   free(m->fill);
   free(m->unreleased);
+  free(m->own_buf);
+  free(m->fixed);
+  free(m->load);
   free(m->chain);
   free(m->fmt);
   free(m);
@@ -1259,6 +1288,48 @@ tdm_streamer *tdm_moe_streamer(tdm_moe_model *m) { return m->streamer; }
 tdm_streamer *tdm_moe_streamer_at(tdm_moe_model *m, int device) {
   if (!m || device < 0 || device >= m->ndev) return NULL;
   return device ? m->shards[device - 1]->streamer : m->streamer;
+}
+
+/* Per layer: the keys fixed in a resident set stay where they are; the others go, most loaded
+ * first (ties: the more popular), each to the device with the least load so far (ties: the
+ * fewer experts, then the lower index). The measured loads start again from 0. */
+int tdm_moe_rebalance(tdm_moe_model *m) {
+  if (!m) return tdm_set_error(TDM_EINVAL, 0, "tdm_moe_rebalance: m is NULL");
+  if (m->in_pass)
+    return tdm_set_error(TDM_ESTATE, 0, "tdm_moe_rebalance: a MoE pass is underway");
+  if (m->ndev <= 1) return 0;
+  int E = m->E, *order = m->scratch + 2 * E;
+  for (int l = 0; l < m->L; l++) {
+    const uint64_t *load = m->load + (size_t)l * E;
+    const int *rank = m->rank + (size_t)l * E;
+    unsigned char *own = m->own_buf + (size_t)l * E;
+    uint64_t dl[TDM_MOE_DEVICES_MAX] = {0};
+    int cnt[TDM_MOE_DEVICES_MAX] = {0}, nf = 0;
+    for (int e = 0; e < E; e++) {
+      if (m->fixed[(size_t)l * E + e]) {
+        dl[own[e]] += load[e];
+        cnt[own[e]]++;
+      } else {
+        int i = nf++; /* insertion, most loaded first, then by rank */
+        while (i > 0 && (load[order[i - 1]] < load[e] ||
+                         (load[order[i - 1]] == load[e] && rank[order[i - 1]] > rank[e]))) {
+          order[i] = order[i - 1];
+          i--;
+        }
+        order[i] = e;
+      }
+    }
+    for (int i = 0; i < nf; i++) {
+      int best = 0;
+      for (int d = 1; d < m->ndev; d++)
+        if (dl[d] < dl[best] || (dl[d] == dl[best] && cnt[d] < cnt[best])) best = d;
+      own[order[i]] = (unsigned char)best;
+      dl[best] += load[order[i]];
+      cnt[best]++;
+    }
+  }
+  memset(m->load, 0, (size_t)m->L * E * sizeof *m->load);
+  return 0;
 }
 
 void tdm_moe_make_input(const tdm_moe_model *m, float *x, int n, uint64_t pos, bool decode) {
@@ -1919,6 +1990,7 @@ static int layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stat
                  int *offset, int *order) {
   tdm_event *predicted = NULL;
   int rc = layer_route(m, l, T, st, count, offset, &predicted), n = 0, routed = 0;
+  for (int e = 0; !rc && m->load && e < m->E; e++) m->load[(size_t)l * m->E + e] += count[e];
   if (!rc && m->shards) rc = shards_layer(m, l, T, overlap, st, count, offset);
   if (!rc) {
     n = layer_order(m, l, count, order, &routed);

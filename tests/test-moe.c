@@ -906,7 +906,8 @@ static tdm_device *open_pair(tdm_device **first, const char **second_id) {
 /* Expert parallelism (tdm_moe_config.devices): the routed experts split between this device
  * and a second one (second_device()), at budgets of nothing, one expert, half and every expert
  * (each device's), static and LRU, overlapped and serialized; a prefill ubatch (a GEMM per
- * expert), a small one and decode tokens (experts in groups). The output is the one-device
+ * expert), a small one and decode tokens (experts in groups); then all again after
+ * tdm_moe_rebalance has dealt the experts out by the loads measured. The output is the one-device
  * model's within rounding (each device's part of the weighted sum is added on its own), each
  * routed expert is computed once, and the second device computes its share: the first
  * device's streamer sees fewer acquires than the pass. The configurations a split refuses,
@@ -945,14 +946,16 @@ TEST_CASE(expert_parallel) {
   for (int pol = 0; pol < 2; pol++)
     for (size_t b = 0; b < sizeof budgets / sizeof budgets[0]; b++) {
       m = make_model(dev, &base, false, budgets[b], 2, pol ? TDM_CACHE_LRU : TDM_CACHE_STATIC);
-      for (int ov = 0; ov < 2; ov++) {
+      /* the second time round, the experts dealt out again by the loads the first measured */
+      for (int ov = 0; ov < 4; ov++) {
+        if (ov == 2) CHECK_OK(tdm_moe_rebalance(m));
         memset(y, 0xff, n * sizeof *y);
         uint64_t each[2] = {0, 0}; /* acquires on each device, over the ubatches */
         for (int i = 0, at = 0; i < 2 + DECODE; at += sizes[i++]) {
           tdm_streamer_stats s0[2], s1[2];
           for (int d = 0; d < 2; d++)
             CHECK_OK(tdm_streamer_stats_get(tdm_moe_streamer_at(m, d), &s0[d]));
-          CHECK_OK(tdm_moe_forward(m, x + at * H, y + at * H, sizes[i], ov, &st));
+          CHECK_OK(tdm_moe_forward(m, x + at * H, y + at * H, sizes[i], ov % 2, &st));
           for (int d = 0; d < 2; d++) {
             CHECK_OK(tdm_streamer_stats_get(tdm_moe_streamer_at(m, d), &s1[d]));
             each[d] += s1[d].acquires - s0[d].acquires;
@@ -969,14 +972,22 @@ TEST_CASE(expert_parallel) {
         for (size_t i = 0; i < n; i++) CHECK(isfinite(y[i]));
         double err = rel_l2(y, ref, n);
         worst = err > worst ? err : worst;
-        CHECK_MSG(err < 1e-5, "%s and %s, policy %s, budget %zu, overlap %d: rel l2 %g against "
-                  "one device", th_device_id, second_id, pol ? "lru" : "static", budgets[b], ov,
-                  err);
+        CHECK_MSG(err < 1e-5, "%s and %s, policy %s, budget %zu, overlap %d%s: rel l2 %g "
+                  "against one device", th_device_id, second_id, pol ? "lru" : "static",
+                  budgets[b], ov % 2, ov >= 2 ? ", rebalanced" : "", err);
       }
       tdm_moe_model_destroy(m);
     }
   printf("%s and %s: at most %.3g (rel l2) from one device\n", th_device_id, second_id, worst);
   CHECK(tdm_moe_streamer_at(NULL, 0) == NULL);
+  /* Rebalancing: not during a pass; with one device, nothing to do. */
+  m = make_model(dev, &base, false, 0, 2, TDM_CACHE_STATIC);
+  CHECK_OK(tdm_moe_pass_begin(m, 1, true, &st));
+  CHECK_RC(tdm_moe_rebalance(m), TDM_ESTATE);
+  CHECK_OK(tdm_moe_pass_end(m, 0, &st));
+  CHECK_OK(tdm_moe_rebalance(m));
+  tdm_moe_model_destroy(m);
+  CHECK_RC(tdm_moe_rebalance(NULL), TDM_EINVAL);
   /* What a split refuses. */
   tdm_moe_config c = base;
   c.budget_bytes = eb;

@@ -29,7 +29,7 @@ static const char moe_help[] =
     "                  [--predict-depth D] [--experts-type T]\n"
     "                  [--placement auto|device|host] [--host-share S] [--host-queues N]\n"
     "                  [--host-threads N] [--time-link] [--time-host] [--time-chain]\n"
-    "                  [--no-overlap] [--no-check] [--json] [--trace FILE]\n"
+    "                  [--rebalance] [--no-overlap] [--no-check] [--json] [--trace FILE]\n"
     "\n"
     "Runs a stack of MoE layers, x += MoE(RMSNorm(x)), with the routed experts in pinned host\n"
     "memory, streamed to the device on copy queues while the compute queue works. The same\n"
@@ -57,6 +57,8 @@ static const char moe_help[] =
     "                     the budget and slots are each device's; the link utilization uses\n"
     "                     the devices' peaks summed, and each device's is printed too; the\n"
     "                     check takes a tolerance (the sums group the experts by device)\n"
+    "  --rebalance        with --devices: run the whole workload once, untimed, then deal\n"
+    "                     the experts out again by the load it measured\n"
     "  --layers N         layers to run (default: the preset's)\n"
     "  --tokens T         prefill tokens (default 256)\n"
     "  --ubatch U         tokens per forward pass, at most T (default: min(T, 2048))\n"
@@ -117,7 +119,7 @@ typedef struct moe_opts {
   size_t budget_bytes;
   long host_queues, host_threads, predict_depth;
   int policy, serialized_only, check, json, predict, placement, placement_given, time_link,
-      time_host, time_chain;
+      time_host, time_chain, rebalance;
 } moe_opts;
 
 static int parse_double(const char *s, double lo, double hi, double *out) {
@@ -171,13 +173,14 @@ enum {
   OPT_BUDGET, OPT_POLICY, OPT_SLOTS, OPT_DEPTH, OPT_SKEW, OPT_LOCALITY, OPT_SEED, OPT_PREDICT,
   OPT_NO_OVERLAP, OPT_NO_CHECK, OPT_JSON, OPT_TRACE, OPT_PLACEMENT, OPT_HOST_QUEUES,
   OPT_HOST_THREADS, OPT_HOST_SHARE, OPT_PREDICT_DEPTH, OPT_TIME_LINK,
-  OPT_TIME_HOST, OPT_TIME_CHAIN, OPT_EXPERTS_TYPE, OPT_DEVICES
+  OPT_TIME_HOST, OPT_TIME_CHAIN, OPT_EXPERTS_TYPE, OPT_DEVICES, OPT_REBALANCE
 };
 
 static const struct option moe_options[] = {
     {"preset", required_argument, NULL, OPT_PRESET},
     {"device", required_argument, NULL, OPT_DEVICE},
     {"devices", required_argument, NULL, OPT_DEVICES},
+    {"rebalance", no_argument, NULL, OPT_REBALANCE},
     {"layers", required_argument, NULL, OPT_LAYERS},
     {"tokens", required_argument, NULL, OPT_TOKENS},
     {"ubatch", required_argument, NULL, OPT_UBATCH},
@@ -214,6 +217,7 @@ static int parse_option(int c, const char *v, moe_opts *o) {
     case OPT_PRESET: o->preset = v; return 0;
     case OPT_DEVICE: o->device = v; return 0;
     case OPT_DEVICES: o->devices = v; return 0;
+    case OPT_REBALANCE: o->rebalance = 1; return 0;
     case OPT_TRACE: o->trace = v; return 0;
     case OPT_JSON: o->json = 1; return 0;
     case OPT_NO_OVERLAP: o->serialized_only = 1; return 0;
@@ -294,6 +298,7 @@ static int parse(int argc, char **argv, moe_opts *o) {
    * warm-up pass for rows the output buffers do not have. */
   if (!o->ubatch) o->ubatch = 2048;
   if (o->ubatch > o->tokens) o->ubatch = o->tokens;
+  if (o->rebalance && !o->devices) return USAGE("--rebalance needs --devices");
   if (o->devices && !o->placement_given) o->placement = TDM_MOE_PLACE_DEVICE;
   if (o->devices && o->placement != TDM_MOE_PLACE_DEVICE)
     return USAGE("--devices computes every routed expert on a device: --placement device only");
@@ -647,6 +652,14 @@ static int run_streamed(session *s) {
     tdm_moe_model_destroy(m);
     return tool_fail("loading the resident experts", rc);
   }
+  /* --rebalance: the whole workload once, untimed, then the experts dealt out again by the
+   * load it measured */
+  if (s->o.rebalance &&
+      ((rc = workload(m, &s->o, (int)s->H, true, "rebalance (measuring)", s->x, s->y, NULL)) ||
+       (rc = tdm_moe_rebalance(m)))) {
+    tdm_moe_model_destroy(m);
+    return tool_fail("rebalancing the experts", rc);
+  }
   const bool modes[2] = {true, false};
   for (int k = s->o.serialized_only ? 1 : 0; !rc && k < 2; k++) {
     run *r = &s->runs[s->nruns];
@@ -860,6 +873,7 @@ static int print_json(const session *s, const figures *f) {
       bu_json_string(&j, NULL, di.id);
   }
   bu_json_end(&j);
+  bu_json_bool(&j, "rebalanced", o->rebalance != 0); /* --rebalance */
   bu_json_array(&j, "device_peak_gbps"); /* each one's link (peak_gbps: their sum) */
   for (int d = 0; d < (s->ndevs ? s->ndevs : 1); d++) bu_json_double(&j, NULL, s->peaks[d], 3);
   bu_json_end(&j);

@@ -132,7 +132,8 @@ typedef struct tdm_moe_config {
   /* Expert parallelism: NULL, or ndevices devices (2 to TDM_MOE_DEVICES_MAX, no repeats),
    * devices[0] being `device`. Each layer's routed experts are dealt out to the devices by
    * popularity rank in snake order (ranks 0..n-1 to devices 0..n-1, the next n back from n-1
-   * to 0...: even expected loads; a source's experts are ranked by index), each device's
+   * to 0...: even expected loads; a source's experts are ranked by index; tdm_moe_rebalance
+   * deals them out again by measured load), each device's
    * streamed from the one pinned host copy on its own copy queues into its own budget_bytes
    * and staging slots (its resident set: its most popular experts). The
    * first device keeps the rest: the dense weights, the activations, RMSNorm, the router,
@@ -260,6 +261,12 @@ TDM_API tdm_streamer *tdm_moe_streamer(tdm_moe_model *m);
 /* With several devices (tdm_moe_config.devices), device d's streamer (0: tdm_moe_streamer's);
  * NULL for an index outside them. Its stats tell what crossed that device's link. */
 TDM_API tdm_streamer *tdm_moe_streamer_at(tdm_moe_model *m, int device);
+/* With several devices: deals each layer's routed experts out again by the tokens routed to
+ * each since creation (or the last call), so that the devices' loads come out even (the most
+ * loaded first, each to the least loaded device so far). Experts held in a device's static
+ * resident set stay with it. Between passes (TDM_ESTATE during one); with one device, 0 and
+ * nothing done. Results stay those of one device within rounding. */
+TDM_API int tdm_moe_rebalance(tdm_moe_model *m);
 
 /* What the model's placement decided at creation. Under AUTO and HOST the cost model is
  * calibrated then, on expert-sized work: the link's GB/s from pinned host-to-device copies of
