@@ -93,6 +93,7 @@ struct tdm_moe_model {
   tdm_moe_model **shards;     /* the first's: the other devices' models, [ndev - 1] */
   tdm_moe_model *first;       /* a shard's: the first device's model, whose host copy it reads */
   bool peer;                  /* a shard's: of the first's backend, so peer copies reach it */
+  bool staged;                /* the first's: a shard is not a peer (xw_h carries the input) */
   float *part;                /* device [maxT x H]: a shard's partial sum; the first's landing */
   float *part_h;              /* pinned: a shard's partial sum on its way (not peer) */
   float *xw_h;                /* pinned, the first's: xn [maxT x H], then wts [maxT x k] */
@@ -1237,6 +1238,7 @@ int tdm_moe_model_create(const tdm_moe_config *cfg, tdm_moe_model **out) {
     tdm_moe_config sc = *cfg;
     sc.device = cfg->devices[d];
     rc = model_create(&sc, m, d, &m->shards[d - 1]);
+    if (!rc) m->staged = m->staged || !m->shards[d - 1]->peer;
   }
   if (rc) {
     tdm_moe_model_destroy(m);
@@ -1949,10 +1951,8 @@ static int shard_layer(tdm_moe_model *s, tdm_moe_model *m, int l, int T, bool ov
 static int shards_layer(tdm_moe_model *m, int l, int T, bool overlap, tdm_moe_pass_stats *st,
                         const int *count, const int *offset) {
   size_t xb = (size_t)T * m->H * sizeof(float), tk = (size_t)T * m->k;
-  bool staged = false;
-  for (int d = 0; d < m->ndev - 1; d++) staged = staged || !m->shards[d]->peer;
   int rc = 0;
-  if (staged) {
+  if (m->staged) {
     rc = tdm_memcpy(m->q, m->xw_h, m->xn, xb, TDM_COPY_D2H, 0, NULL, NULL);
     if (!rc)
       rc = tdm_memcpy(m->q, m->xw_h + (size_t)m->maxT * m->H, m->wts, tk * sizeof(float),

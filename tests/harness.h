@@ -24,6 +24,7 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -360,8 +361,56 @@ TH_HELPER int th_gate_wait(th_gate *g, long limit_ms) {
   return rc;
 }
 
+/* Two devices, for cases that split work between them (expert parallelism): the case's, and
+ * TANDEM_TEST_SECOND, else cuda:1 beside cuda:0 (peer copies) where there is one, else
+ * opencl:0 beside cpu:0, else cpu:0 (another backend: copies through pinned memory). Opens
+ * the first; NULL (after th_close) when the second is absent. */
+TH_HELPER tdm_device *th_open_pair(tdm_device **first, const char **second_id) {
+  const char *env = getenv("TANDEM_TEST_SECOND");
+  *second_id = env && *env ? env : strcmp(th_device_id, "cpu:0") == 0 ? "opencl:0" : "cpu:0";
+  if (strncmp(*second_id, "cpu:", 4) == 0 && strcmp(*second_id, "cpu:0") != 0)
+    CHECK(setenv("TANDEM_CPU_DEVICES", "2", 1) == 0); /* before th_open's init */
+  *first = th_open();
+  tdm_device *second = NULL;
+  if (!(env && *env) && strcmp(th_device_id, "cuda:0") == 0 &&
+      tdm_device_find("cuda:1", &second) == 0) {
+    *second_id = "cuda:1";
+    return second;
+  }
+  if (tdm_device_find(*second_id, &second) == 0) return second;
+  th_close();
+  return NULL;
+}
+
 /* Generous limit for "this must happen eventually" waits (sanitizer builds are slow). */
 enum { TH_HANG_MS = 20000 };
+
+/* Whether the live counts (queues, events, allocations) come back to base's, with nothing
+ * pending, within TH_HANG_MS: the last frees and releases finish on tandem's threads just after
+ * the work they belong to, so this polls, and a leak is a failure rather than a hang. *now
+ * gets the last counts read, for the caller's message. */
+TH_HELPER bool th_stats_back(const tdm_stats *base, tdm_stats *now) {
+  for (long waited = 0; waited < TH_HANG_MS; waited++) {
+    CHECK_OK(tdm_stats_get(now));
+    if (now->queues == base->queues && now->events == base->events &&
+        now->allocations == base->allocations && now->pending == 0)
+      return true;
+    th_sleep_ms(1);
+  }
+  return false;
+}
+
+/* th_stats_back, failing the case (what, n: where) when the counts stay off. */
+#define TH_EXPECT_STATS_BACK(base, what, n)                                                   \
+  do {                                                                                        \
+    tdm_stats th_now_ = {0, 0, 0, 0};                                                         \
+    if (!th_stats_back((base), &th_now_))                                                     \
+      th_fail(__FILE__, __LINE__,                                                             \
+              "%s, n=%ld: live counts did not return to the baseline: queues %ld (base %ld), " \
+              "events %ld (base %ld), allocations %ld (base %ld), pending %ld",               \
+              (what), (long)(n), th_now_.queues, (base)->queues, th_now_.events,              \
+              (base)->events, th_now_.allocations, (base)->allocations, th_now_.pending);     \
+  } while (0)
 
 /* A host task held back by a gate: once the test opens it, copies n bytes from src to dst.
  * The way to keep an event pending until every submission that depends on it has returned. */

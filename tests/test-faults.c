@@ -92,20 +92,8 @@ static void fx_settle(void) {
  * the work they belong to completes, so this polls; the limit only turns a leak into a
  * failure instead of a hang. */
 static void expect_baseline(const char *what, long n) {
-  tdm_stats now = {0, 0, 0, 0};
   fx_settle();
-  for (long waited = 0; waited < TH_HANG_MS; waited++) {
-    CHECK_OK(tdm_stats_get(&now));
-    if (now.queues == F.base.queues && now.events == F.base.events &&
-        now.allocations == F.base.allocations && now.pending == 0)
-      return;
-    th_sleep_ms(1);
-  }
-  th_fail(__FILE__, __LINE__,
-          "%s, n=%ld: live counts did not return to the baseline: queues %ld (base %ld), "
-          "events %ld (base %ld), allocations %ld (base %ld), pending %ld",
-          what, n, now.queues, F.base.queues, now.events, F.base.events, now.allocations,
-          F.base.allocations, now.pending);
+  TH_EXPECT_STATS_BACK(&F.base, what, n);
 }
 
 static void fx_open(void) {

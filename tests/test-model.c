@@ -247,19 +247,13 @@ static void streamed(const char *arch) {
 TEST_CASE(streamed_equals_resident) { streamed("qwen3moe"); }
 
 /* Expert parallelism: the routed experts split between this device and a second one
- * (TANDEM_TEST_SECOND, else opencl:0 beside cpu:0, else cpu:0), attention on the first; all
+ * (th_open_pair: cuda:1 beside cuda:0 where there is one, else opencl:0 beside cpu:0, else
+ * cpu:0), attention on the first; all
  * resident and streamed at budget 0, within tolerance of the float64 reference, and greedy. */
 TEST_CASE(expert_parallel) {
-  const char *second_id = getenv("TANDEM_TEST_SECOND");
-  if (!second_id || !*second_id)
-    second_id = strcmp(th_device_id, "cpu:0") == 0 ? "opencl:0" : "cpu:0";
-  if (strncmp(second_id, "cpu:", 4) == 0 && strcmp(second_id, "cpu:0") != 0)
-    CHECK(setenv("TANDEM_CPU_DEVICES", "2", 1) == 0); /* before th_open's init */
-  tdm_device *dev = th_open(), *second = NULL;
-  if (tdm_device_find(second_id, &second) != 0) {
-    th_close();
-    TH_SKIP("no second device %s beside %s", second_id, th_device_id);
-  }
+  const char *second_id;
+  tdm_device *dev, *second = th_open_pair(&dev, &second_id);
+  if (!second) TH_SKIP("no second device %s beside %s", second_id, th_device_id);
   ref r;
   ref_load("qwen3moe", &r);
   tdm_device *both[2] = {dev, second};

@@ -882,39 +882,18 @@ TEST_CASE(auto_placement) {
   th_close();
 }
 
-/* The second device of the expert_parallel cases: TANDEM_TEST_SECOND, else cuda:1 beside
- * cuda:0 (peer copies) where there is one, else opencl:0 beside cpu:0, else cpu:0 (another
- * backend: copies through pinned memory). Opens the first; NULL (after th_close) when the
- * second is absent. */
-static tdm_device *open_pair(tdm_device **first, const char **second_id) {
-  const char *env = getenv("TANDEM_TEST_SECOND");
-  *second_id = env && *env ? env : strcmp(th_device_id, "cpu:0") == 0 ? "opencl:0" : "cpu:0";
-  if (strncmp(*second_id, "cpu:", 4) == 0 && strcmp(*second_id, "cpu:0") != 0)
-    CHECK(setenv("TANDEM_CPU_DEVICES", "2", 1) == 0); /* before th_open's init */
-  *first = th_open();
-  tdm_device *second = NULL;
-  if (!(env && *env) && strcmp(th_device_id, "cuda:0") == 0 &&
-      tdm_device_find("cuda:1", &second) == 0) {
-    *second_id = "cuda:1";
-    return second;
-  }
-  if (tdm_device_find(*second_id, &second) == 0) return second;
-  th_close();
-  return NULL;
-}
 
 /* Expert parallelism (tdm_moe_config.devices): the routed experts split between this device
- * and a second one (second_device()), at budgets of nothing, one expert, half and every expert
+ * and a second one (th_open_pair()), at budgets of nothing, one expert, half and every expert
  * (each device's), static and LRU, overlapped and serialized; a prefill ubatch (a GEMM per
  * expert), a small one and decode tokens (experts in groups); then all again after
  * tdm_moe_rebalance has dealt the experts out by the loads measured. The output is the one-device
  * model's within rounding (each device's part of the weighted sum is added on its own), each
- * routed expert is computed once, and the second device computes its share: the first
- * device's streamer sees fewer acquires than the pass. The configurations a split refuses,
- * each with its reason. */
+ * routed expert is computed once (the devices' acquires add up to the pass's), and each
+ * device computes a share. The configurations a split refuses, each with its reason. */
 TEST_CASE(expert_parallel) {
   const char *second_id;
-  tdm_device *dev, *second = open_pair(&dev, &second_id);
+  tdm_device *dev, *second = th_open_pair(&dev, &second_id);
   if (!second) TH_SKIP("no second device %s beside %s", second_id, th_device_id);
   const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
   CHECK(p != NULL);
@@ -1026,22 +1005,6 @@ TEST_CASE(expert_parallel) {
 #define FAULT_STRIDE 1
 #endif
 
-/* Live counts of the runtime's objects (queues, events, allocations), for leak checks. */
-static bool stats_back(const tdm_stats *base) {
-  tdm_stats now;
-  for (int i = 0; i < 2000; i++) { /* frees and releases finish on tandem's threads */
-    CHECK_OK(tdm_stats_get(&now));
-    if (now.queues == base->queues && now.events == base->events &&
-        now.allocations == base->allocations && now.pending == 0)
-      return true;
-    th_sleep_ms(1);
-  }
-  printf("queues %ld (base %ld), events %ld (base %ld), allocations %ld (base %ld), pending %ld\n",
-         now.queues, base->queues, now.events, base->events, now.allocations, base->allocations,
-         now.pending);
-  return false;
-}
-
 /* Expert parallelism under failure: the nth host allocation or backend call of a two-device
  * model's creation, then of a pass (prefill-sized, then a decode token), fails, for every n
  * until the call succeeds without one. A failed creation returns the injected code with its
@@ -1050,7 +1013,7 @@ static bool stats_back(const tdm_stats *base) {
  * fault hit what it may do without). */
 TEST_CASE(expert_parallel_faults) {
   const char *second_id;
-  tdm_device *dev, *second = open_pair(&dev, &second_id);
+  tdm_device *dev, *second = th_open_pair(&dev, &second_id);
   if (!second) TH_SKIP("no second device %s beside %s", second_id, th_device_id);
   const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
   /* Two layers, and a prefill ubatch just past the small ones (GROUPED_MAX_T): every kind of
@@ -1093,7 +1056,7 @@ TEST_CASE(expert_parallel_faults) {
                 tdm_last_error());
       CHECK(m == (tdm_moe_model *)(uintptr_t)0x5e);
     }
-    CHECK_MSG(stats_back(&base), "creation, n=%ld: live objects left", n);
+    TH_EXPECT_STATS_BACK(&base, "creation", n);
   }
   CHECK(n < MAX_N);
   printf("creation: %ld points, every %d failed in turn\n", n, FAULT_STRIDE);
@@ -1125,7 +1088,7 @@ TEST_CASE(expert_parallel_faults) {
            FAULT_STRIDE);
   }
   tdm_moe_model_destroy(m);
-  CHECK_MSG(stats_back(&base), "after the passes: live objects left");
+  TH_EXPECT_STATS_BACK(&base, "after the passes", 0);
   free(x);
   free(ref);
   free(y);
