@@ -276,15 +276,18 @@ cudaError_t cuda_gate_up_q16(moe_cuda *m, const float *x, uint32_t xlimit, const
                              float *h, void *scratch);
 int cuda_q16_preload(moe_cuda *m);
 /* cuda/gmm.cu: experts() and experts_q() on at least CUDA_GMM_MIN_N rows in all (prefill), the
- * whole table in two tensor-core launches (types tg for gate/up, td for down, any of moe_ops.h;
- * h: the workspace's first n x I floats); whether it takes a call's shape. */
+ * whole table in two tensor-core launches after a gather of the entries' activations (types tg
+ * for gate/up, td for down, any of moe_ops.h; ws: the workspace, whose first
+ * cuda_gmm_scratch() bytes it takes, less than tdm_moe__workspace's); whether it takes a
+ * call's shape. */
 #define CUDA_GMM_MIN_N 257
 bool cuda_gmm_takes(int n, int H, int I, const float *x);
 cudaError_t cuda_gmm(moe_cuda *m, const float *x, uint32_t xlimit, const int32_t *rows,
                      const int32_t *slot, uint32_t olimit, int n, const uint8_t *wbase,
                      long long wlimit, long long ebytes, int tg, int td,
                      const tdm_moe_group *groups, int G, int H, int I, size_t gu_rb, size_t d_rb,
-                     float *h, float *out);
+                     void *ws, float *out);
+size_t cuda_gmm_scratch(int n, int H, int I);
 int cuda_gmm_preload(moe_cuda *m);
 int cuda_get_rows(void *st, tdm_queue *q, float *y, const float *table, const int32_t *ids,
                   int T, int H, int V);

@@ -5,9 +5,11 @@
  * A block computes a tile of 64 of an entry's tokens against 128 weight rows: gate/up takes
  * 64 gate rows and the 64 up rows of the same outputs, so SwiGLU is applied to the
  * accumulators (a gate fragment and its up fragment hold the same elements), and h leaves as
- * f32 [n x I] at the entries' token positions; down takes 128 rows of Wd and writes each
- * token's output row at its slot. Activations are rounded to bf16 on their way into shared
- * memory (x, then h), as expert()'s GEMMs have them; sums are f32 (WMMA 16 x 16 x 16).
+ * bf16 [n x I] at the entries' token positions; down takes 128 rows of Wd and writes each
+ * token's output row at its slot. Activations are bf16, as expert()'s GEMMs have them: a first
+ * launch gathers each entry's row of x rounded to bf16 (the workspace's xb [n x H], after h),
+ * so that a tile's activations are contiguous rows that the copy engine of each SM
+ * (cp.async) brings into shared memory as they lie; sums are f32 (WMMA 16 x 16 x 16).
  *
  * The grid's x runs over tiles of tokens: ceil(n / 64) + G of them cover every entry's tiles
  * (each entry adds at most one partial tile), and a block finds its entry by a warp's scan of
@@ -21,7 +23,12 @@
  * Each step of KS values (a superblock) of the weight rows is copied into shared memory as it
  * lies, asynchronously (cp.async), a step ahead of the one the tensor cores work on; each 32
  * values of it are widened from there to bf16 while the tensor cores work on the 32 before
- * (two shared buffers of each, one barrier a 32, one more a step). */
+ * (two shared buffers of each). The activations' 32 values go the same way two 32s ahead, into
+ * a ring of GM_NA tiles: one barrier a 32. The 4- and 6-bit types widen two values an
+ * instruction in bf16 pairs (a code's bits put into the mantissa of 128.0, 128 taken off, then
+ * one fused multiply-add with the sub-block's scale and offset rounded to bf16); Q8_0 through
+ * f32 the same way (2^23 + 128 taken off). No integer-to-float conversion is issued: that
+ * unit takes 16 a clock on an SM, an eighth of the adds. */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <limits.h>
@@ -36,12 +43,13 @@
 #define GM_THREADS 256 /* 8 warps: 2 along the tokens, 4 along the rows */
 #define GM_LD 40       /* bf16 a shared row: 32 values and 8 of padding (80 bytes, off the banks) */
 #define GM_CLD (GM_BR + 4) /* floats a row of the epilogue's tile */
+#define GM_NA 3            /* activation tiles in flight: the one in use and two copying */
 
 /* A step of K for type T: KS values (a superblock of the K-quants, 8 blocks of Q8_0 or MXFP4,
  * 128 F16 or BF16), staged RB bytes a row (UB a 32-value unit where the units are separate),
  * RBP apart in shared memory (4-byte multiples of an odd count: off the banks; room for the
  * 1-3 bytes before a row that does not start at a multiple of 4, copied with it), twice; then
- * the two bf16 tiles (tokens, rows), twice. */
+ * GM_NA bf16 activation tiles (tokens) and two weight tiles (rows). */
 template <int T> struct gm_t {
   static constexpr bool kq = T == TDM_MOE_W_Q4_K || T == TDM_MOE_W_Q6_K;
   static constexpr int KS = T == TDM_MOE_W_F16 || T == TDM_MOE_W_BF16 ? 128 : 256;
@@ -49,8 +57,9 @@ template <int T> struct gm_t {
   static constexpr int RB = T == TDM_MOE_W_Q4_K ? 144 : T == TDM_MOE_W_Q6_K ? 210 : KS / 32 * UB;
   static constexpr int W = (RB + 3 + 3) / 4;
   static constexpr int RBP = 4 * (W % 2 ? W : W + 1);
-  static constexpr int TILE = (GM_BM + GM_BR) * GM_LD; /* bf16 of one pair of tiles */
-  static constexpr int MAIN = 2 * GM_BR * RBP + 2 * TILE * 2;
+  static constexpr int SUBS = KS / 32; /* 32-value units a step */
+  static constexpr int A_TILE = GM_BM * GM_LD, B_TILE = GM_BR * GM_LD; /* bf16 */
+  static constexpr int MAIN = 2 * GM_BR * RBP + (GM_NA * A_TILE + 2 * B_TILE) * 2;
   static constexpr int C = GM_BM * GM_CLD * 4; /* the epilogue's */
   static constexpr int SMEM = MAIN > C ? MAIN : C;
   static constexpr int BLOCKS = SMEM <= 74 * 1024 ? 3 : 2; /* an SM's (228 KiB) */
@@ -119,15 +128,27 @@ static __device__ __forceinline__ void cp_async4(void *dst, const void *src) {
 #endif
 }
 
+/* 16 bytes from src, or zeros where !valid (nothing is read then; src must still be a global
+ * address). */
+static __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+#endif
+}
+
 static __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
 }
 
-static __device__ __forceinline__ void cp_async_wait_all() {
+/* Waits until at most N of this thread's latest groups are still copying. */
+template <int N> static __device__ __forceinline__ void cp_async_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_all;" ::: "memory");
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
 
@@ -136,8 +157,8 @@ static __device__ __forceinline__ void cp_async_wait_all() {
  * words that hold the step's bytes, which start sh = 0..3 bytes into the first (sh[r]: MXFP4's
  * 17-byte blocks may start at any byte, the others' at even ones). The words around a row's
  * bytes lie in its allocation: an allocation starts at a multiple of 4, and a word holding one
- * of its bytes is in the page that holds that byte. cp_async_wait_all() and a barrier make
- * them visible. */
+ * of its bytes is in the page that holds that byte. The caller commits the group; a wait for
+ * it and a barrier make the bytes visible. */
 template <int T>
 static __device__ __forceinline__ void gm_stage(uint8_t *raw, uint8_t *sh,
                                                 const uint8_t *const *rowp, int k0, int su) {
@@ -154,42 +175,115 @@ static __device__ __forceinline__ void gm_stage(uint8_t *raw, uint8_t *sh,
     for (int w = lane; w < nw; w += 32) cp_async4(dst + 4 * w, from + 4 * w);
     if (lane == 0) sh[r] = (uint8_t)s;
   }
-  cp_async_commit();
 }
 
-/* This thread's 8 activations of the 32 at k0 (token tid / 4, values 8 (tid % 4) ..; arow
- * NULL: zeros), loaded ahead of the tensor cores' step so that they travel meanwhile. */
-static __device__ __forceinline__ void gm_load_a(const float *arow, int k0, float a[8]) {
-  if (arow) {
-    const float4 *src = (const float4 *)(arow + k0 + (threadIdx.x & 3) * 8);
-    const float4 q0 = src[0], q1 = src[1];
-    a[0] = q0.x, a[1] = q0.y, a[2] = q0.z, a[3] = q0.w;
-    a[4] = q1.x, a[5] = q1.y, a[6] = q1.z, a[7] = q1.w;
-  } else {
+/* Starts copying the tile's activations of the 32 values at k0 into tile: this thread's 16
+ * bytes (token tid / 4, values 8 (tid % 4) ..) of its bf16 row arow (NULL: zeros). */
+static __device__ __forceinline__ void gm_load_a(__nv_bfloat16 *tile, const __nv_bfloat16 *arow,
+                                                 const __nv_bfloat16 *any, int k0) {
+  const int tid = threadIdx.x, c = (tid & 3) * 8;
+  cp_async16(tile + (tid >> 2) * GM_LD + c, arow ? arow + k0 + c : any, arow != NULL);
+}
+
+/* ---- a row's 16 values as bf16 pairs, with no integer-to-float conversion ---- */
+
+/* Four 4- or 6-bit codes (a byte each, < 128) as two bf16 pairs of 128 + code. */
+static __device__ __forceinline__ void magic4(uint32_t q, __nv_bfloat162 *lo,
+                                              __nv_bfloat162 *hi) {
+  const uint32_t a = __byte_perm(q, 0x43434343u, 0x4140), b = __byte_perm(q, 0x43434343u, 0x4342);
+  *lo = *(const __nv_bfloat162 *)&a;
+  *hi = *(const __nv_bfloat162 *)&b;
+}
+
+static __device__ __forceinline__ uint32_t bf2_bits(__nv_bfloat162 v) {
+  return *(const uint32_t *)&v;
+}
+
+/* Half h (values 16h .. 16h + 15) of unit u of a staged Q4_K superblock b (even address, in
+ * shared memory): d sc q - dmin m as bf16, the scale and offset rounded to bf16 first and the
+ * product and difference rounded once. */
+static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, int u, int h,
+                                                     uint32_t p[8]) {
+  float d1, m1;
+  q4k_scale<false>(b, u, &d1, &m1);
+  const __nv_bfloat162 s = __float2bfloat162_rn(d1), nm = __float2bfloat162_rn(-m1);
+  const __nv_bfloat162 base = __float2bfloat162_rn(128.f);
+  const uint8_t *q = b + 16 + 32 * (u >> 1) + 16 * h;
+  const int shift = (u & 1) * 4;
 #pragma unroll
-    for (int j = 0; j < 8; j++) a[j] = 0.f;
+  for (int i = 0; i < 4; i++) {
+    const uint32_t w = (u_w<false>(q + 4 * i) >> shift) & 0x0F0F0F0Fu;
+    __nv_bfloat162 lo, hi;
+    magic4(w, &lo, &hi);
+    p[2 * i] = bf2_bits(__hfma2(__hsub2(lo, base), s, nm));
+    p[2 * i + 1] = bf2_bits(__hfma2(__hsub2(hi, base), s, nm));
   }
 }
 
-/* The 32 values of unit s of the staged step into a pair of tiles: this thread's activations
- * a and half of its weight row's unit (row tid / 2, half tid % 2, staged sh[row] bytes into
- * its place; invalid: zeros), as bf16. */
+/* The same for a staged Q6_K superblock: d sc (q - 32), d sc rounded to bf16 first. */
+static __device__ __forceinline__ void q6k_half_bf16(const uint8_t *b, int u, int h,
+                                                     uint32_t p[8]) {
+  const int hh = u >> 2, qq = u & 3;
+  const uint8_t *ql = b + 64 * hh + 32 * (qq & 1) + 16 * h, *qh = b + 128 + 32 * hh + 16 * h;
+  const float d = u_f16<false>(b + 208) * (float)(int8_t)u_b<false>(b + 192 + 8 * hh + 2 * qq + h);
+  const __nv_bfloat162 s = __float2bfloat162_rn(d), base = __float2bfloat162_rn(160.f);
+  const int sl = (qq >> 1) * 4, sh = 2 * qq;
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const uint32_t w = ((u_w<false>(ql + 4 * i) >> sl) & 0x0F0F0F0Fu) |
+                       (((u_w<false>(qh + 4 * i) >> sh) & 0x03030303u) << 4);
+    __nv_bfloat162 lo, hi;
+    magic4(w, &lo, &hi);
+    p[2 * i] = bf2_bits(__hmul2(__hsub2(lo, base), s));
+    p[2 * i + 1] = bf2_bits(__hmul2(__hsub2(hi, base), s));
+  }
+}
+
+/* The same for a staged Q8_0 block's half: d q, through f32 (2^23 + 128 + q taken off). */
+static __device__ __forceinline__ void q80_half_bf16(const uint8_t *b, int h, uint32_t p[8]) {
+  const float d = u_f16<false>(b);
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const uint32_t w = u_w<false>(b + 2 + 16 * h + 4 * i) ^ 0x80808080u;
+    float v[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+      v[j] = (__uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540 | j)) - 8388736.f) * d;
+    p[2 * i] = bf2_bits(__floats2bfloat162_rn(v[0], v[1]));
+    p[2 * i + 1] = bf2_bits(__floats2bfloat162_rn(v[2], v[3]));
+  }
+}
+
+/* Half h of unit s of the staged step of this thread's weight row (row tid / 2, half tid % 2,
+ * staged sh[row] bytes into its place; !wvalid: zeros) into the weight tile, as bf16. */
 template <int T>
 static __device__ __forceinline__ void gm_fill(__nv_bfloat16 *tile, const uint8_t *raw,
-                                               const uint8_t *sh, const float a[8], bool wvalid,
-                                               int s) {
+                                               const uint8_t *sh, bool wvalid, int s) {
   typedef gm_t<T> t;
-  const int tid = threadIdx.x;
-  float v[16];
-  if (wvalid)
-    unit16<T, false>(raw + (tid >> 1) * t::RBP + sh[tid >> 1], s, tid & 1, v);
-  else
-#pragma unroll
-    for (int j = 0; j < 16; j++) v[j] = 0.f;
-  *(uint4 *)(tile + (tid >> 2) * GM_LD + (tid & 3) * 8) = bf16x8(a);
-  uint4 *bd = (uint4 *)(tile + (GM_BM + (tid >> 1)) * GM_LD + (tid & 1) * 16);
-  bd[0] = bf16x8(v);
-  bd[1] = bf16x8(v + 8);
+  const int tid = threadIdx.x, h = tid & 1;
+  uint4 *bd = (uint4 *)(tile + (tid >> 1) * GM_LD + h * 16);
+  if (!wvalid) {
+    bd[0] = bd[1] = make_uint4(0u, 0u, 0u, 0u);
+    return;
+  }
+  const uint8_t *row = raw + (tid >> 1) * t::RBP + sh[tid >> 1];
+  uint32_t p[8];
+  if (T == TDM_MOE_W_Q4_K) {
+    q4k_half_bf16(row, s, h, p);
+  } else if (T == TDM_MOE_W_Q6_K) {
+    q6k_half_bf16(row, s, h, p);
+  } else if (T == TDM_MOE_W_Q8_0) {
+    q80_half_bf16(row + 34 * s, h, p);
+  } else {
+    float v[16];
+    unit16<T, false>(row, s, h, v);
+    const uint4 a = bf16x8(v), b = bf16x8(v + 8);
+    bd[0] = a;
+    bd[1] = b;
+    return;
+  }
+  bd[0] = make_uint4(p[0], p[1], p[2], p[3]);
+  bd[1] = make_uint4(p[4], p[5], p[6], p[7]);
 }
 
 typedef nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> gm_acc;
@@ -200,45 +294,50 @@ template <int T> static __device__ __forceinline__ uint8_t *gm_raw(int b) {
 }
 
 /* The main loop over K: acc[i][j] += A's rows wm + 16 i times the weight rows brow[j] .. + 16
- * of the block's 128 (i, j < 2). arow: this thread's activation row (token tid / 4; NULL:
- * zeros); rowp: the block's weight rows, visible to the block. Step st + 1 of the rows (KS
- * values) is copied into shared memory while step st is widened, 32 values at a time, into one
- * of two pairs of bf16 tiles while the tensor cores work on the other: a barrier a 32, and one
- * where a step begins (its copy has landed; the buffer of the step before is free). */
+ * of the block's 128 (i, j < 2). arow: this thread's bf16 activation row (token tid / 4; NULL:
+ * zeros), any: an address to name when it is NULL; rowp: the block's weight rows, visible to
+ * the block. Iteration g multiplies unit g's tiles, widens unit g + 1 into the other weight
+ * tile, and starts the copies of unit g + 2's activations and, where a step ends, of step
+ * st + 1's weight rows (into the buffer of step st - 1, whose last unit was widened in the
+ * iteration before): one commit group an iteration, so that waiting for all but the latest
+ * group before the barrier lands unit g + 1's activations and every step widened from. */
 template <int T>
-static __device__ __forceinline__ void gm_mainloop(const float *arow, const uint8_t *const *rowp,
-                                                   int K, int wm, const int brow[2],
-                                                   gm_acc acc[2][2]) {
+static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *arow,
+                                                   const __nv_bfloat16 *any,
+                                                   const uint8_t *const *rowp, int K, int wm,
+                                                   const int brow[2], gm_acc acc[2][2]) {
   using namespace nvcuda;
   typedef gm_t<T> t;
   __shared__ uint8_t sh[2][GM_BR];
-  __nv_bfloat16 *tiles = (__nv_bfloat16 *)(gm_smem + 2 * GM_BR * t::RBP);
+  __nv_bfloat16 *at = (__nv_bfloat16 *)(gm_smem + 2 * GM_BR * t::RBP);
+  __nv_bfloat16 *bt = at + GM_NA * t::A_TILE;
   const bool wvalid = rowp[threadIdx.x >> 1] != NULL;
 #pragma unroll
   for (int i = 0; i < 2; i++)
 #pragma unroll
     for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.f);
   const int nsub = K >> 5;
-  float a[8];
   gm_stage<T>(gm_raw<T>(0), sh[0], rowp, 0, min(t::KS, K) >> 5);
-  gm_load_a(arow, 0, a);
-  cp_async_wait_all();
-  __syncthreads();
+  gm_load_a(at, arow, any, 0);
+  cp_async_commit();
+  if (nsub > 1) gm_load_a(at + t::A_TILE, arow, any, 32);
   if (t::KS < K) gm_stage<T>(gm_raw<T>(1), sh[1], rowp, t::KS, min(t::KS, K - t::KS) >> 5);
-  gm_fill<T>(tiles, gm_raw<T>(0), sh[0], a, wvalid, 0);
+  cp_async_commit();
+  cp_async_wait<1>();
   __syncthreads();
-  for (int g = 0; g < nsub; g++) {
-    const int kx = (g + 1) * 32, st = kx / t::KS;
-    const bool more = g + 1 < nsub;
-    if (more && kx % t::KS == 0) {
-      cp_async_wait_all(); /* step st has landed, and the barrier shows it to every thread */
-      __syncthreads();
-      if (kx + t::KS < K) /* into the buffer of step st - 1, whose last unit was widened */
-        gm_stage<T>(gm_raw<T>((st + 1) & 1), sh[(st + 1) & 1], rowp, kx + t::KS,
-                    min(t::KS, K - kx - t::KS) >> 5);
+  gm_fill<T>(bt, gm_raw<T>(0), sh[0], wvalid, 0);
+  __syncthreads();
+  for (int g = 0, ga = 0; g < nsub; g++, ga = ga + 1 == GM_NA ? 0 : ga + 1) {
+    if (g + 2 < nsub) {
+      const int to = ga + 2 >= GM_NA ? ga + 2 - GM_NA : ga + 2;
+      gm_load_a(at + to * t::A_TILE, arow, any, 32 * (g + 2));
     }
-    if (more) gm_load_a(arow, kx, a);
-    const __nv_bfloat16 *ta = tiles + (g & 1) * t::TILE, *tb = ta + GM_BM * GM_LD;
+    const int kx = (g + 1) * 32, st = kx / t::KS;
+    if (kx % t::KS == 0 && kx + t::KS < K)
+      gm_stage<T>(gm_raw<T>((st + 1) & 1), sh[(st + 1) & 1], rowp, kx + t::KS,
+                  min(t::KS, K - kx - t::KS) >> 5);
+    cp_async_commit();
+    const __nv_bfloat16 *ta = at + ga * t::A_TILE, *tb = bt + (g & 1) * t::B_TILE;
 #pragma unroll
     for (int kk = 0; kk < 32; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
@@ -253,20 +352,23 @@ static __device__ __forceinline__ void gm_mainloop(const float *arow, const uint
         for (int i = 0; i < 2; i++) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
       }
     }
-    if (more)
-      gm_fill<T>(tiles + ((g + 1) & 1) * t::TILE, gm_raw<T>(st & 1), sh[st & 1], a, wvalid,
+    if (g + 1 < nsub)
+      gm_fill<T>(bt + ((g + 1) & 1) * t::B_TILE, gm_raw<T>(st & 1), sh[st & 1], wvalid,
                  (kx % t::KS) >> 5);
-    __syncthreads(); /* this pair of tiles is free; the other is written */
+    cp_async_wait<1>(); /* unit g + 1's activations, and every step widened from, landed */
+    __syncthreads();    /* this pair of tiles is free; the next is written and visible */
   }
+  cp_async_wait<0>(); /* nothing lands in the epilogue's shared memory */
 }
 
-/* h[first + m0 + r][n0 + c] = SwiGLU of the tile's gate and up sums: block (tile, n0 / 64);
+/* hb[first + m0 + r][n0 + c] = SwiGLU of the tile's gate and up sums, as bf16: block (tile,
+ * n0 / 64);
  * warp w takes tokens 32 (w % 2) .. and outputs 16 (w / 2) .. of both halves. */
 template <int T>
 static __global__ void __launch_bounds__(GM_THREADS, gm_t<T>::BLOCKS)
-    gm_gate_up_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int n,
-                      const uint8_t *wbase, long long wlimit, long long ebytes,
-                      const tdm_moe_group *groups, int G, int H, int I, size_t rb, float *h) {
+    gm_gate_up_kernel(const __nv_bfloat16 *xb, int n, const uint8_t *wbase, long long wlimit,
+                      long long ebytes, const tdm_moe_group *groups, int G, int H, int I,
+                      size_t rb, __nv_bfloat16 *hb) {
   using namespace nvcuda;
   __shared__ const uint8_t *rowp[GM_BR];
   wait_prior_grid();
@@ -275,11 +377,8 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T>::BLOCKS)
   if (!gm_find(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) return;
   const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * 64;
   const int mt = min(GM_BM, e.count - m0); /* tokens of this tile */
-  const float *arow = NULL;
-  if ((tid >> 2) < mt) {
-    const uint32_t r = (uint32_t)rows[e.first + m0 + (tid >> 2)];
-    if (r < xlimit) arow = x + (size_t)r * H;
-  }
+  const __nv_bfloat16 *arow =
+      (tid >> 2) < mt ? xb + (size_t)(e.first + m0 + (tid >> 2)) * H : NULL;
   if (tid < GM_BR) {
     const int o = n0 + (tid & 63); /* gate row o (tid < 64), up row I + o */
     rowp[tid] = o < I ? wbase + 2 * e.w + (size_t)(o + (tid >= 64 ? I : 0)) * rb : NULL;
@@ -288,7 +387,7 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T>::BLOCKS)
   const int wm = (warp & 1) * 32, wn = (warp >> 1) * 16;
   const int brow[2] = {wn, 64 + wn};
   gm_acc acc[2][2];
-  gm_mainloop<T>(arow, rowp, H, wm, brow, acc);
+  gm_mainloop<T>(arow, xb, rowp, H, wm, brow, acc);
   float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
 #pragma unroll
   for (int i = 0; i < 2; i++) {
@@ -302,15 +401,17 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T>::BLOCKS)
   __syncthreads();
   for (int q = tid; q < GM_BM * 64; q += GM_THREADS) {
     const int r = q >> 6, col = q & 63;
-    if (r < mt && n0 + col < I) h[(size_t)(e.first + m0 + r) * I + n0 + col] = c[r][col];
+    if (r < mt && n0 + col < I)
+      hb[(size_t)(e.first + m0 + r) * I + n0 + col] = __float2bfloat16_rn(c[r][col]);
   }
 }
 
-/* out[slot] row, outputs n0 .. n0 + 127, of the tile's tokens = h Wd^T: block (tile,
+/* out[slot] row, outputs n0 .. n0 + 127, of the tile's tokens = hb Wd^T: block (tile,
  * n0 / 128); warp w takes tokens 32 (w % 2) .. and outputs 32 (w / 2) .. */
 template <int T>
 static __global__ void __launch_bounds__(GM_THREADS, gm_t<T>::BLOCKS)
-    gm_down_kernel(const float *h, const int32_t *rows, uint32_t xlimit, const int32_t *slot,
+    gm_down_kernel(const __nv_bfloat16 *hb, const int32_t *rows, uint32_t xlimit,
+                   const int32_t *slot,
                    uint32_t olimit, int n, const uint8_t *wbase, long long wlimit,
                    long long ebytes, const tdm_moe_group *groups, int G, int H, int I,
                    size_t gu_rb, size_t rb, float *out) {
@@ -322,7 +423,8 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T>::BLOCKS)
   if (!gm_find(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) return;
   const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * GM_BR;
   const int mt = min(GM_BM, e.count - m0);
-  const float *arow = (tid >> 2) < mt ? h + (size_t)(e.first + m0 + (tid >> 2)) * I : NULL;
+  const __nv_bfloat16 *arow =
+      (tid >> 2) < mt ? hb + (size_t)(e.first + m0 + (tid >> 2)) * I : NULL;
   if (tid < GM_BR) {
     const uint8_t *w = wbase + 2 * e.w + 2 * (size_t)I * gu_rb;
     rowp[tid] = n0 + tid < H ? w + (size_t)(n0 + tid) * rb : NULL;
@@ -331,7 +433,7 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T>::BLOCKS)
   const int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;
   const int brow[2] = {wn, wn + 16};
   gm_acc acc[2][2];
-  gm_mainloop<T>(arow, rowp, I, wm, brow, acc);
+  gm_mainloop<T>(arow, hb, rowp, I, wm, brow, acc);
   float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
 #pragma unroll
   for (int i = 0; i < 2; i++)
@@ -354,28 +456,57 @@ bool cuda_gmm_takes(int n, int H, int I, const float *x) {
          (long long)n / GM_BM + 1 < INT_MAX / 2;
 }
 
+/* xb [n x H] = entry i's row rows[i] of x rounded to bf16 (zeros where it lies past xlimit):
+ * block (i, c), 8 values a thread. */
+static __global__ void __launch_bounds__(GM_THREADS)
+    gm_gather_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int H,
+                     __nv_bfloat16 *xb) {
+  wait_prior_grid();
+  const int c = ((int)blockIdx.y * GM_THREADS + (int)threadIdx.x) * 8;
+  if (c >= H) return;
+  const size_t i = blockIdx.x;
+  const uint32_t r = (uint32_t)rows[i];
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (r < xlimit) {
+    const float4 *src = (const float4 *)(x + (size_t)r * H + c);
+    const float4 a = src[0], b = src[1];
+    const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    v = bf16x8(f);
+  }
+  *(uint4 *)(xb + i * H + c) = v;
+}
+
+size_t cuda_gmm_scratch(int n, int H, int I) {
+  return ((size_t)n * I * 2 + 255) / 256 * 256 + (size_t)n * H * 2;
+}
+
 cudaError_t cuda_gmm(moe_cuda *m, const float *x, uint32_t xlimit, const int32_t *rows,
                      const int32_t *slot, uint32_t olimit, int n, const uint8_t *wbase,
                      long long wlimit, long long ebytes, int tg, int td,
                      const tdm_moe_group *groups, int G, int H, int I, size_t gu_rb, size_t d_rb,
-                     float *h, float *out) {
+                     void *ws, float *out) {
+  __nv_bfloat16 *hb = (__nv_bfloat16 *)ws;
+  __nv_bfloat16 *xb = (__nv_bfloat16 *)((uint8_t *)ws + ((size_t)n * I * 2 + 255) / 256 * 256);
   const unsigned tiles = (unsigned)((n + GM_BM - 1) / GM_BM + G);
+  const dim3 x_grid((unsigned)n, (unsigned)((H + 8 * GM_THREADS - 1) / (8 * GM_THREADS)));
   const dim3 gu_grid(tiles, (unsigned)((I + 63) / 64)), d_grid(tiles, (unsigned)((H + 127) / 128));
-  cudaError_t e;
+  cudaError_t e = launch_pdl(m, gm_gather_kernel, x_grid, GM_THREADS, 0, x, xlimit, rows, H, xb);
+  if (e != cudaSuccess) return e;
   BY_WTYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT>, gu_grid, GM_THREADS, gm_t<QT>::SMEM,
-                                x, xlimit, rows, n, wbase, wlimit, ebytes, groups, G, H, I, gu_rb,
-                                h));
+                                (const __nv_bfloat16 *)xb, n, wbase, wlimit, ebytes, groups, G,
+                                H, I, gu_rb, hb));
   if (e != cudaSuccess) return e;
   BY_WTYPE(td, e = launch_pdl(m, gm_down_kernel<QT>, d_grid, GM_THREADS, gm_t<QT>::SMEM,
-                                (const float *)h, rows,
-                                xlimit, slot, olimit, n, wbase, wlimit, ebytes, groups, G, H, I,
-                                gu_rb, d_rb, out));
+                                (const __nv_bfloat16 *)hb, rows, xlimit, slot, olimit, n, wbase,
+                                wlimit, ebytes, groups, G, H, I, gu_rb, d_rb, out));
   return e;
 }
 
 int cuda_gmm_preload(moe_cuda *m) {
   static const int types[] = {TDM_MOE_W_Q8_0, TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K,
                               TDM_MOE_W_MXFP4, TDM_MOE_W_BF16, TDM_MOE_W_F16};
+  cudaFuncAttributes a;
+  CK_CUDA(cudaFuncGetAttributes(&a, (const void *)gm_gather_kernel));
   for (int t : types) {
     BY_WTYPE(t, CK_CUDA(cudaFuncSetAttribute(gm_gate_up_kernel<QT>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize,

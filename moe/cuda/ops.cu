@@ -1014,7 +1014,7 @@ int cuda_experts(void *st, tdm_queue *q, const float *x, const int32_t *rows,
     const long long wbytes = wlimit > LLONG_MAX / 2 ? LLONG_MAX : 2 * wlimit;
     cudaError_t e = cuda_gmm(m, x, xlimit, rows, slot, olimit, n, (const uint8_t *)wbase, wbytes,
                              6 * (long long)H * I, TDM_MOE_W_BF16, TDM_MOE_W_BF16, groups, G, H,
-                             I, 2 * (size_t)H, 2 * (size_t)I, h, out);
+                             I, 2 * (size_t)H, 2 * (size_t)I, workspace, out);
     rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "the grouped expert GEMMs");
     leave(m, saved);
     return rc;

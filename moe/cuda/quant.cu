@@ -492,7 +492,7 @@ int cuda_experts_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
   cudaError_t e;
   if (cuda_gmm_takes(n, H, I, x)) { /* many tokens (prefill): gmm.cu */
     e = cuda_gmm(m, x, xlimit, rows, slot, olimit, n, wb, wlimit, ebytes, fmt.gu, fmt.d, groups,
-                 G, H, I, gu_rb, d_rb, h, out);
+                 G, H, I, gu_rb, d_rb, workspace, out);
     rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "the grouped quantized expert GEMMs");
     leave(m, saved);
     return rc;
