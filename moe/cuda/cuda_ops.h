@@ -75,6 +75,9 @@ typedef struct moe_cuda {
   bool q16;            /* Q4_K gate/up decode on 16-bit activations (q16.cu); open() decides */
   bool tf32;           /* prefill's projections on TF32 tensor cores, x and w split (xfmr.cu) */
   bool tc_attention;   /* prefill's attention on TF32 tensor cores, operands split (xfmr.cu) */
+  bool tf32_single;    /* TANDEM_MOE_CUDA_TF32=single: prefill's projections and tensor-core
+                        * attention take one TF32 product of unsplit operands (11 significant
+                        * bits each, f32 sums), not three */
   pthread_mutex_t plan_mu;            /* the plan cache: ops from several threads are allowed */
   gemm_plan *plans[PLAN_BUCKETS];
   const char *failed;  /* the last CUDA or cuBLAS call that failed */

@@ -719,6 +719,7 @@ static int cuda_open(tdm_queue *q, void **state) {
   m->q16 = !(q16 && strcmp(q16, "0") == 0);
   const char *tf32 = getenv("TANDEM_MOE_CUDA_TF32"); /* TF32 from Ampere (8.0) on */
   m->tf32 = !(tf32 && strcmp(tf32, "0") == 0) && major >= 8;
+  m->tf32_single = m->tf32 && tf32 && strcmp(tf32, "single") == 0;
   const char *tca = getenv("TANDEM_MOE_CUDA_TC_ATTENTION");
   m->tc_attention = !(tca && strcmp(tca, "0") == 0) && major >= 8;
   if ((rc = enter(m, &saved))) {

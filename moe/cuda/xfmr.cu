@@ -390,15 +390,28 @@ static __device__ __forceinline__ void split2(float v, uint32_t *hi, uint32_t *l
   *lo = __float_as_uint(tf32_round(v - h));
 }
 
-/* c += a b with a and b in two parts each: the small products first. */
+/* c += a b with a and b in two parts each: the small products first; or, unsplit (S false:
+ * lo unset), the one product. */
+template <bool S>
 static __device__ __forceinline__ void mma3(float c[4], const uint32_t ah[4], const uint32_t al[4],
                                             const uint32_t bh[2], const uint32_t bl[2]) {
-  mma_tf32(c, al, bh);
-  mma_tf32(c, ah, bl);
+  if (S) {
+    mma_tf32(c, al, bh);
+    mma_tf32(c, ah, bl);
+  }
   mma_tf32(c, ah, bh);
 }
 
-template <int HD>
+/* split2, or with S false v rounded to TF32 alone (lo left unset). */
+template <bool S>
+static __device__ __forceinline__ void part2(float v, uint32_t *hi, uint32_t *lo) {
+  if (S)
+    split2(v, hi, lo);
+  else
+    *hi = __float_as_uint(tf32_round(v));
+}
+
+template <int HD, bool S>
 static __global__ void __launch_bounds__(MA_WARPS * 32)
     attention_mma_kernel(float *out, const float *qv, const float *kc, const float *vc, int T,
                          int nh, int nkv, int pos0, const int32_t *dpos, int ctx, float scale) {
@@ -449,17 +462,17 @@ static __global__ void __launch_bounds__(MA_WARPS * 32)
     for (int k0 = 0; k0 < HD; k0 += 8) {
       uint32_t ah[4], al[4];
       const float *qa = Qs + (r0 + g) * LD + k0 + t, *qb = qa + 8 * LD;
-      split2(qa[0], &ah[0], &al[0]);
-      split2(qb[0], &ah[1], &al[1]);
-      split2(qa[4], &ah[2], &al[2]);
-      split2(qb[4], &ah[3], &al[3]);
+      part2<S>(qa[0], &ah[0], &al[0]);
+      part2<S>(qb[0], &ah[1], &al[1]);
+      part2<S>(qa[4], &ah[2], &al[2]);
+      part2<S>(qb[4], &ah[3], &al[3]);
 #pragma unroll
       for (int j = 0; j < MA_K / 8; j++) {
         uint32_t bh[2], bl[2];
         const float *kr = Ks + (8 * j + g) * LD + k0 + t;
-        split2(kr[0], &bh[0], &bl[0]);
-        split2(kr[4], &bh[1], &bl[1]);
-        mma3(sc[j], ah, al, bh, bl);
+        part2<S>(kr[0], &bh[0], &bl[0]);
+        part2<S>(kr[4], &bh[1], &bl[1]);
+        mma3<S>(sc[j], ah, al, bh, bl);
       }
     }
     /* the causal mask, then the online softmax of rows g (a) and g + 8 (b) across the quad */
@@ -510,17 +523,17 @@ static __global__ void __launch_bounds__(MA_WARPS * 32)
 #pragma unroll
     for (int j = 0; j < MA_K / 8; j++) {
       uint32_t ah[4], al[4];
-      split2(sc[j][0], &ah[0], &al[0]);
-      split2(sc[j][2], &ah[1], &al[1]);
-      split2(sc[j][1], &ah[2], &al[2]);
-      split2(sc[j][3], &ah[3], &al[3]);
+      part2<S>(sc[j][0], &ah[0], &al[0]);
+      part2<S>(sc[j][2], &ah[1], &al[1]);
+      part2<S>(sc[j][1], &ah[2], &al[2]);
+      part2<S>(sc[j][3], &ah[3], &al[3]);
       const float *v0 = Vs + (8 * j + 2 * t) * LD + g, *v1 = v0 + LD;
 #pragma unroll
       for (int n = 0; n < NT; n++) {
         uint32_t bh[2], bl[2];
-        split2(v0[8 * n], &bh[0], &bl[0]);
-        split2(v1[8 * n], &bh[1], &bl[1]);
-        mma3(o[n], ah, al, bh, bl);
+        part2<S>(v0[8 * n], &bh[0], &bl[0]);
+        part2<S>(v1[8 * n], &bh[1], &bl[1]);
+        mma3<S>(o[n], ah, al, bh, bl);
       }
     }
   }
@@ -537,8 +550,11 @@ static cudaError_t attention_mma(moe_cuda *m, float *out, const float *qv, const
                                  const float *vc, int T, int pos0, const int32_t *dpos, int ctx,
                                  int nh, int nkv, float scale) {
   dim3 grid((unsigned)((T + MA_Q - 1) / MA_Q), (unsigned)nh);
-  return launch_pdl(m, attention_mma_kernel<HD>, grid, MA_WARPS * 32, ma_smem<HD>(), out, qv,
-                    kc, vc, T, nh, nkv, pos0, dpos, ctx, scale);
+  if (m->tf32_single)
+    return launch_pdl(m, attention_mma_kernel<HD, false>, grid, MA_WARPS * 32, ma_smem<HD>(), out,
+                      qv, kc, vc, T, nh, nkv, pos0, dpos, ctx, scale);
+  return launch_pdl(m, attention_mma_kernel<HD, true>, grid, MA_WARPS * 32, ma_smem<HD>(), out,
+                    qv, kc, vc, T, nh, nkv, pos0, dpos, ctx, scale);
 }
 
 static int attention_launch(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
@@ -732,8 +748,9 @@ int cuda_widened_gemm(moe_cuda *m, widen_rows_fn widen, const void *w, int wtype
                       size_t ws_bytes) {
   const size_t wsf = ws_bytes / sizeof(float), tk = (size_t)T * K, wrow = exact ? 1 : 2;
   /* The workspace: x's two parts [T x K] each, then R rows of w (and as many of w_lo). With
-   * too little room for both parts and a row, or TF32 off, pieces of w are SGEMMs on x. */
-  const bool split = m->tf32 && wsf >= 2 * tk + wrow * (size_t)K;
+   * too little room for both parts and a row, or TF32 off, pieces of w are SGEMMs on x; with
+   * TF32 single, one TF32 GEMM each on x and w as they are. */
+  const bool split = m->tf32 && !m->tf32_single && wsf >= 2 * tk + wrow * (size_t)K;
   float *xhi = (float *)ws, *xlo = xhi + (split ? tk : 0), *wf = xlo + (split ? tk : 0);
   size_t R = (wsf - (split ? 2 * tk : 0)) / (split ? wrow : 1) / (size_t)K;
   if (R > (size_t)N) R = (size_t)N;
@@ -746,7 +763,7 @@ int cuda_widened_gemm(moe_cuda *m, widen_rows_fn widen, const void *w, int wtype
     if ((e = widen(m, w, wtype, n0, (size_t)c, K, wf)) != cudaSuccess)
       return cuda_fail(m, e, "widening a piece of weights");
     if (!split) {
-      rc = gemm32(m, false, wf, x, y + n0, c, T, K, N, beta);
+      rc = gemm32(m, m->tf32_single, wf, x, y + n0, c, T, K, N, beta);
       continue;
     }
     if (!exact && (e = tf32_split(m, wf, wlo, wf, (size_t)c * K)) != cudaSuccess)
@@ -803,8 +820,11 @@ int cuda_xfmr_preload(moe_cuda *m) {
                      (const void *)gemv_h_kernel<6>, (const void *)gemv_h_kernel<7>,
                      (const void *)gemv_h_kernel<8>, (const void *)attention_tiled_kernel<64>,
                      (const void *)attention_tiled_kernel<128>, (const void *)attn_prep_kernel,
-                     (const void *)tf32_split_kernel, (const void *)attention_mma_kernel<64>,
-                     (const void *)attention_mma_kernel<128>};
+                     (const void *)tf32_split_kernel,
+                     (const void *)attention_mma_kernel<64, true>,
+                     (const void *)attention_mma_kernel<128, true>,
+                     (const void *)attention_mma_kernel<64, false>,
+                     (const void *)attention_mma_kernel<128, false>};
   for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
@@ -814,9 +834,13 @@ int cuda_xfmr_preload(moe_cuda *m) {
                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fa_smem(128)));
   CK_CUDA(cudaFuncSetAttribute(attention_tiled_kernel<64>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fa_smem(64)));
-  CK_CUDA(cudaFuncSetAttribute(attention_mma_kernel<128>,
+  CK_CUDA(cudaFuncSetAttribute(attention_mma_kernel<128, true>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ma_smem<128>()));
-  CK_CUDA(cudaFuncSetAttribute(attention_mma_kernel<64>,
+  CK_CUDA(cudaFuncSetAttribute(attention_mma_kernel<64, true>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ma_smem<64>()));
+  CK_CUDA(cudaFuncSetAttribute(attention_mma_kernel<128, false>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ma_smem<128>()));
+  CK_CUDA(cudaFuncSetAttribute(attention_mma_kernel<64, false>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ma_smem<64>()));
   return 0;
 }
