@@ -38,9 +38,9 @@
 #include "cuda/cuda_ops.h"
 #include "cuda/unit32.h"
 
-#define GM_BM 64       /* tokens a tile */
 #define GM_BR 128      /* weight rows a tile */
-#define GM_THREADS 256 /* 8 warps: 2 along the tokens, 4 along the rows */
+#define GM_THREADS 256 /* 8 warps: BM / 32 along the tokens (BM: 64 or 128 a tile), the rest
+                        * along the rows */
 #define GM_LD 40       /* bf16 a shared row: 32 values and 8 of padding (80 bytes, off the banks) */
 #define GM_CLD (GM_BR + 4) /* floats a row of the epilogue's tile */
 #define GM_NA 3            /* activation tiles in flight: the one in use and two copying */
@@ -50,7 +50,7 @@
  * RBP apart in shared memory (4-byte multiples of an odd count: off the banks; room for the
  * 1-3 bytes before a row that does not start at a multiple of 4, copied with it), twice; then
  * GM_NA bf16 activation tiles (tokens) and two weight tiles (rows). */
-template <int T> struct gm_t {
+template <int T, int BM> struct gm_t {
   static constexpr bool kq = T == TDM_MOE_W_Q4_K || T == TDM_MOE_W_Q6_K;
   static constexpr int KS = T == TDM_MOE_W_F16 || T == TDM_MOE_W_BF16 ? 128 : 256;
   static constexpr int UB = T == TDM_MOE_W_Q8_0 ? 34 : T == TDM_MOE_W_MXFP4 ? 17 : 64;
@@ -58,18 +58,22 @@ template <int T> struct gm_t {
   static constexpr int W = (RB + 3 + 3) / 4;
   static constexpr int RBP = 4 * (W % 2 ? W : W + 1);
   static constexpr int SUBS = KS / 32; /* 32-value units a step */
-  static constexpr int A_TILE = GM_BM * GM_LD, B_TILE = GM_BR * GM_LD; /* bf16 */
+  static constexpr int WT = BM / 32, WR = GM_THREADS / 32 / WT; /* warps along tokens, rows */
+  static constexpr int NJ = GM_BR / 16 / WR; /* a warp's 16-row fragments: 2 or 4 */
+  static constexpr int A_TILE = BM * GM_LD, B_TILE = GM_BR * GM_LD; /* bf16 */
   static constexpr int MAIN = 2 * GM_BR * RBP + (GM_NA * A_TILE + 2 * B_TILE) * 2;
-  static constexpr int C = GM_BM * GM_CLD * 4; /* the epilogue's */
+  static constexpr int C = BM * GM_CLD * 4; /* the epilogue's */
   static constexpr int SMEM = MAIN > C ? MAIN : C;
-  static constexpr int BLOCKS = SMEM <= 74 * 1024 ? 3 : 2; /* an SM's (228 KiB) */
+  /* an SM's (228 KiB; a 128-token tile's 64 accumulators a thread want 2) */
+  static constexpr int BLOCKS = SMEM <= 74 * 1024 && BM == 64 ? 3 : 2;
 };
 
 extern __shared__ __align__(128) uint8_t gm_smem[];
 
-/* The tile `tile` of the table's tiles (entries in order, ceil(count / GM_BM) each; bad
+/* The tile `tile` of the table's tiles (entries in order, ceil(count / BM) each; bad
  * entries none): its entry and first token, by warp 0's scan, 32 entries a round; false past
  * the last tile. Every thread of the block calls it. */
+template <int BM>
 static __device__ bool gm_find(const tdm_moe_group *groups, int G, int n, long long wlimit,
                                long long ebytes, int tile, tdm_moe_group *eg, int *m0) {
   __shared__ int found_g, found_m0;
@@ -81,7 +85,7 @@ static __device__ bool gm_find(const tdm_moe_group *groups, int G, int n, long l
       int t = 0;
       if (g < G) {
         const tdm_moe_group e = groups[g];
-        if (qentry_ok(e, n, wlimit, ebytes)) t = (e.count + GM_BM - 1) / GM_BM;
+        if (qentry_ok(e, n, wlimit, ebytes)) t = (e.count + BM - 1) / BM;
       }
       int incl = t;
 #pragma unroll
@@ -94,7 +98,7 @@ static __device__ bool gm_find(const tdm_moe_group *groups, int G, int n, long l
       if (hit) {
         const int src = __ffs(hit) - 1;
         g_at = base + src;
-        m_at = (tile - __shfl_sync(0xffffffffu, lo, src)) * GM_BM;
+        m_at = (tile - __shfl_sync(0xffffffffu, lo, src)) * BM;
       }
       before += __shfl_sync(0xffffffffu, incl, 31);
     }
@@ -159,10 +163,10 @@ template <int N> static __device__ __forceinline__ void cp_async_wait() {
  * bytes lie in its allocation: an allocation starts at a multiple of 4, and a word holding one
  * of its bytes is in the page that holds that byte. The caller commits the group; a wait for
  * it and a barrier make the bytes visible. */
-template <int T>
+template <int T, int BM>
 static __device__ __forceinline__ void gm_stage(uint8_t *raw, uint8_t *sh,
                                                 const uint8_t *const *rowp, int k0, int su) {
-  typedef gm_t<T> t;
+  typedef gm_t<T, BM> t;
   const size_t off = t::kq ? (size_t)(k0 / 256) * t::RB : (size_t)(k0 / 32) * t::UB;
   const int sb = t::kq ? t::RB : su * t::UB, lane = threadIdx.x & 31;
   for (int r = threadIdx.x >> 5; r < GM_BR; r += GM_THREADS / 32) {
@@ -178,11 +182,15 @@ static __device__ __forceinline__ void gm_stage(uint8_t *raw, uint8_t *sh,
 }
 
 /* Starts copying the tile's activations of the 32 values at k0 into tile: this thread's 16
- * bytes (token tid / 4, values 8 (tid % 4) ..) of its bf16 row arow (NULL: zeros). */
-static __device__ __forceinline__ void gm_load_a(__nv_bfloat16 *tile, const __nv_bfloat16 *arow,
-                                                 const __nv_bfloat16 *any, int k0) {
-  const int tid = threadIdx.x, c = (tid & 3) * 8;
-  cp_async16(tile + (tid >> 2) * GM_LD + c, arow ? arow + k0 + c : any, arow != NULL);
+ * bytes (values 8 (tid % 4) ..) of tokens tid / 4, + 64, .. of the mt bf16 rows of K values at
+ * a (zeros past them). */
+template <int BM>
+static __device__ __forceinline__ void gm_load_a(__nv_bfloat16 *tile, const __nv_bfloat16 *a,
+                                                 int mt, int K, int k0) {
+  const int c = (threadIdx.x & 3) * 8;
+#pragma unroll
+  for (int r = threadIdx.x >> 2; r < BM; r += GM_THREADS / 4)
+    cp_async16(tile + r * GM_LD + c, r < mt ? a + (size_t)r * K + k0 + c : a, r < mt);
 }
 
 /* ---- a row's 16 values as bf16 pairs, with no integer-to-float conversion ---- */
@@ -256,10 +264,10 @@ static __device__ __forceinline__ void q80_half_bf16(const uint8_t *b, int h, ui
 
 /* Half h of unit s of the staged step of this thread's weight row (row tid / 2, half tid % 2,
  * staged sh[row] bytes into its place; !wvalid: zeros) into the weight tile, as bf16. */
-template <int T>
+template <int T, int BM>
 static __device__ __forceinline__ void gm_fill(__nv_bfloat16 *tile, const uint8_t *raw,
                                                const uint8_t *sh, bool wvalid, int s) {
-  typedef gm_t<T> t;
+  typedef gm_t<T, BM> t;
   const int tid = threadIdx.x, h = tid & 1;
   uint4 *bd = (uint4 *)(tile + (tid >> 1) * GM_LD + h * 16);
   if (!wvalid) {
@@ -289,25 +297,25 @@ static __device__ __forceinline__ void gm_fill(__nv_bfloat16 *tile, const uint8_
 typedef nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> gm_acc;
 
 /* Buffer b of the staged steps. */
-template <int T> static __device__ __forceinline__ uint8_t *gm_raw(int b) {
-  return gm_smem + b * GM_BR * gm_t<T>::RBP;
+template <int T, int BM> static __device__ __forceinline__ uint8_t *gm_raw(int b) {
+  return gm_smem + b * GM_BR * gm_t<T, BM>::RBP;
 }
 
 /* The main loop over K: acc[i][j] += A's rows wm + 16 i times the weight rows brow[j] .. + 16
- * of the block's 128 (i, j < 2). arow: this thread's bf16 activation row (token tid / 4; NULL:
- * zeros), any: an address to name when it is NULL; rowp: the block's weight rows, visible to
- * the block. Iteration g multiplies unit g's tiles, widens unit g + 1 into the other weight
- * tile, and starts the copies of unit g + 2's activations and, where a step ends, of step
- * st + 1's weight rows (into the buffer of step st - 1, whose last unit was widened in the
- * iteration before): one commit group an iteration, so that waiting for all but the latest
- * group before the barrier lands unit g + 1's activations and every step widened from. */
-template <int T>
-static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *arow,
-                                                   const __nv_bfloat16 *any,
+ * of the block's 128 (i < 2, j < NJ). a: the tile's mt bf16 activation rows of K values (zeros
+ * past them); rowp: the block's weight rows, visible to the block. Iteration g multiplies unit
+ * g's tiles, widens unit g + 1 into the other weight tile, and starts the copies of unit g +
+ * 2's activations and, where a step ends, of step st + 1's weight rows (into the buffer of
+ * step st - 1, whose last unit was widened in the iteration before): one commit group an
+ * iteration, so that waiting for all but the latest group before the barrier lands unit g +
+ * 1's activations and every step widened from. */
+template <int T, int BM>
+static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int mt,
                                                    const uint8_t *const *rowp, int K, int wm,
-                                                   const int brow[2], gm_acc acc[2][2]) {
+                                                   const int *brow,
+                                                   gm_acc acc[2][gm_t<T, BM>::NJ]) {
   using namespace nvcuda;
-  typedef gm_t<T> t;
+  typedef gm_t<T, BM> t;
   __shared__ uint8_t sh[2][GM_BR];
   __nv_bfloat16 *at = (__nv_bfloat16 *)(gm_smem + 2 * GM_BR * t::RBP);
   __nv_bfloat16 *bt = at + GM_NA * t::A_TILE;
@@ -315,26 +323,26 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *arow,
 #pragma unroll
   for (int i = 0; i < 2; i++)
 #pragma unroll
-    for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.f);
+    for (int j = 0; j < t::NJ; j++) wmma::fill_fragment(acc[i][j], 0.f);
   const int nsub = K >> 5;
-  gm_stage<T>(gm_raw<T>(0), sh[0], rowp, 0, min(t::KS, K) >> 5);
-  gm_load_a(at, arow, any, 0);
+  gm_stage<T, BM>(gm_raw<T, BM>(0), sh[0], rowp, 0, min(t::KS, K) >> 5);
+  gm_load_a<BM>(at, a, mt, K, 0);
   cp_async_commit();
-  if (nsub > 1) gm_load_a(at + t::A_TILE, arow, any, 32);
-  if (t::KS < K) gm_stage<T>(gm_raw<T>(1), sh[1], rowp, t::KS, min(t::KS, K - t::KS) >> 5);
+  if (nsub > 1) gm_load_a<BM>(at + t::A_TILE, a, mt, K, 32);
+  if (t::KS < K) gm_stage<T, BM>(gm_raw<T, BM>(1), sh[1], rowp, t::KS, min(t::KS, K - t::KS) >> 5);
   cp_async_commit();
   cp_async_wait<1>();
   __syncthreads();
-  gm_fill<T>(bt, gm_raw<T>(0), sh[0], wvalid, 0);
+  gm_fill<T, BM>(bt, gm_raw<T, BM>(0), sh[0], wvalid, 0);
   __syncthreads();
   for (int g = 0, ga = 0; g < nsub; g++, ga = ga + 1 == GM_NA ? 0 : ga + 1) {
     if (g + 2 < nsub) {
       const int to = ga + 2 >= GM_NA ? ga + 2 - GM_NA : ga + 2;
-      gm_load_a(at + to * t::A_TILE, arow, any, 32 * (g + 2));
+      gm_load_a<BM>(at + to * t::A_TILE, a, mt, K, 32 * (g + 2));
     }
     const int kx = (g + 1) * 32, st = kx / t::KS;
     if (kx % t::KS == 0 && kx + t::KS < K)
-      gm_stage<T>(gm_raw<T>((st + 1) & 1), sh[(st + 1) & 1], rowp, kx + t::KS,
+      gm_stage<T, BM>(gm_raw<T, BM>((st + 1) & 1), sh[(st + 1) & 1], rowp, kx + t::KS,
                   min(t::KS, K - kx - t::KS) >> 5);
     cp_async_commit();
     const __nv_bfloat16 *ta = at + ga * t::A_TILE, *tb = bt + (g & 1) * t::B_TILE;
@@ -345,7 +353,7 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *arow,
       for (int i = 0; i < 2; i++)
         wmma::load_matrix_sync(fa[i], ta + (wm + 16 * i) * GM_LD + kk, GM_LD);
 #pragma unroll
-      for (int j = 0; j < 2; j++) {
+      for (int j = 0; j < t::NJ; j++) {
         wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
         wmma::load_matrix_sync(fb, tb + brow[j] * GM_LD + kk, GM_LD);
 #pragma unroll
@@ -353,7 +361,7 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *arow,
       }
     }
     if (g + 1 < nsub)
-      gm_fill<T>(bt + ((g + 1) & 1) * t::B_TILE, gm_raw<T>(st & 1), sh[st & 1], wvalid,
+      gm_fill<T, BM>(bt + ((g + 1) & 1) * t::B_TILE, gm_raw<T, BM>(st & 1), sh[st & 1], wvalid,
                  (kx % t::KS) >> 5);
     cp_async_wait<1>(); /* unit g + 1's activations, and every step widened from, landed */
     __syncthreads();    /* this pair of tiles is free; the next is written and visible */
@@ -362,10 +370,10 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *arow,
 }
 
 /* hb[first + m0 + r][n0 + c] = SwiGLU of the tile's gate and up sums, as bf16: block (tile,
- * n0 / 64);
- * warp w takes tokens 32 (w % 2) .. and outputs 16 (w / 2) .. of both halves. */
-template <int T>
-static __global__ void __launch_bounds__(GM_THREADS, gm_t<T>::BLOCKS)
+ * n0 / 64); warp w takes tokens 32 (w % WT) .. and outputs 8 NJ (w / WT) .. + 8 NJ of both
+ * halves (fragments j < NJ / 2 of gate, the rest of up: the same outputs). */
+template <int T, int BM>
+static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
     gm_gate_up_kernel(const __nv_bfloat16 *xb, int n, const uint8_t *wbase, long long wlimit,
                       long long ebytes, const tdm_moe_group *groups, int G, int H, int I,
                       size_t rb, __nv_bfloat16 *hb) {
@@ -374,32 +382,37 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T>::BLOCKS)
   wait_prior_grid();
   tdm_moe_group e;
   int m0;
-  if (!gm_find(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) return;
+  if (!gm_find<BM>(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) return;
+  typedef gm_t<T, BM> t;
   const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * 64;
-  const int mt = min(GM_BM, e.count - m0); /* tokens of this tile */
-  const __nv_bfloat16 *arow =
-      (tid >> 2) < mt ? xb + (size_t)(e.first + m0 + (tid >> 2)) * H : NULL;
+  const int mt = min(BM, e.count - m0); /* tokens of this tile */
   if (tid < GM_BR) {
     const int o = n0 + (tid & 63); /* gate row o (tid < 64), up row I + o */
     rowp[tid] = o < I ? wbase + 2 * e.w + (size_t)(o + (tid >= 64 ? I : 0)) * rb : NULL;
   }
   __syncthreads();
-  const int wm = (warp & 1) * 32, wn = (warp >> 1) * 16;
-  const int brow[2] = {wn, 64 + wn};
-  gm_acc acc[2][2];
-  gm_mainloop<T>(arow, xb, rowp, H, wm, brow, acc);
+  constexpr int HJ = t::NJ / 2; /* gate fragments a warp */
+  const int wm = (warp % t::WT) * 32, wn = (warp / t::WT) * 16 * HJ;
+  int brow[t::NJ];
+#pragma unroll
+  for (int j = 0; j < HJ; j++) brow[j] = wn + 16 * j, brow[HJ + j] = 64 + wn + 16 * j;
+  gm_acc acc[2][t::NJ];
+  gm_mainloop<T, BM>(xb + (size_t)(e.first + m0) * H, mt, rowp, H, wm, brow, acc);
   float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
 #pragma unroll
-  for (int i = 0; i < 2; i++) {
+  for (int i = 0; i < 2; i++)
 #pragma unroll
-    for (int t = 0; t < acc[i][0].num_elements; t++) {
-      const float g = acc[i][0].x[t];
-      acc[i][0].x[t] = g / (1.f + expf(-g)) * acc[i][1].x[t];
+    for (int j = 0; j < HJ; j++) {
+#pragma unroll
+      for (int q = 0; q < acc[i][j].num_elements; q++) {
+        const float g = acc[i][j].x[q];
+        acc[i][j].x[q] = g / (1.f + expf(-g)) * acc[i][HJ + j].x[q];
+      }
+      wmma::store_matrix_sync(&c[wm + 16 * i][wn + 16 * j], acc[i][j], GM_CLD,
+                              wmma::mem_row_major);
     }
-    wmma::store_matrix_sync(&c[wm + 16 * i][wn], acc[i][0], GM_CLD, wmma::mem_row_major);
-  }
   __syncthreads();
-  for (int q = tid; q < GM_BM * 64; q += GM_THREADS) {
+  for (int q = tid; q < BM * 64; q += GM_THREADS) {
     const int r = q >> 6, col = q & 63;
     if (r < mt && n0 + col < I)
       hb[(size_t)(e.first + m0 + r) * I + n0 + col] = __float2bfloat16_rn(c[r][col]);
@@ -407,9 +420,9 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T>::BLOCKS)
 }
 
 /* out[slot] row, outputs n0 .. n0 + 127, of the tile's tokens = hb Wd^T: block (tile,
- * n0 / 128); warp w takes tokens 32 (w % 2) .. and outputs 32 (w / 2) .. */
-template <int T>
-static __global__ void __launch_bounds__(GM_THREADS, gm_t<T>::BLOCKS)
+ * n0 / 128); warp w takes tokens 32 (w % WT) .. and outputs 16 NJ (w / WT) .. */
+template <int T, int BM>
+static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
     gm_down_kernel(const __nv_bfloat16 *hb, const int32_t *rows, uint32_t xlimit,
                    const int32_t *slot,
                    uint32_t olimit, int n, const uint8_t *wbase, long long wlimit,
@@ -420,25 +433,26 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T>::BLOCKS)
   wait_prior_grid();
   tdm_moe_group e;
   int m0;
-  if (!gm_find(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) return;
+  if (!gm_find<BM>(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) return;
+  typedef gm_t<T, BM> t;
   const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * GM_BR;
-  const int mt = min(GM_BM, e.count - m0);
-  const __nv_bfloat16 *arow =
-      (tid >> 2) < mt ? hb + (size_t)(e.first + m0 + (tid >> 2)) * I : NULL;
+  const int mt = min(BM, e.count - m0);
   if (tid < GM_BR) {
     const uint8_t *w = wbase + 2 * e.w + 2 * (size_t)I * gu_rb;
     rowp[tid] = n0 + tid < H ? w + (size_t)(n0 + tid) * rb : NULL;
   }
   __syncthreads();
-  const int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;
-  const int brow[2] = {wn, wn + 16};
-  gm_acc acc[2][2];
-  gm_mainloop<T>(arow, hb, rowp, I, wm, brow, acc);
+  const int wm = (warp % t::WT) * 32, wn = (warp / t::WT) * 16 * t::NJ;
+  int brow[t::NJ];
+#pragma unroll
+  for (int j = 0; j < t::NJ; j++) brow[j] = wn + 16 * j;
+  gm_acc acc[2][t::NJ];
+  gm_mainloop<T, BM>(hb + (size_t)(e.first + m0) * I, mt, rowp, I, wm, brow, acc);
   float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
 #pragma unroll
   for (int i = 0; i < 2; i++)
 #pragma unroll
-    for (int j = 0; j < 2; j++)
+    for (int j = 0; j < t::NJ; j++)
       wmma::store_matrix_sync(&c[wm + 16 * i][wn + 16 * j], acc[i][j], GM_CLD,
                               wmma::mem_row_major);
   __syncthreads();
@@ -453,7 +467,7 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T>::BLOCKS)
 
 bool cuda_gmm_takes(int n, int H, int I, const float *x) {
   return n >= CUDA_GMM_MIN_N && H % 32 == 0 && I % 32 == 0 && !((uintptr_t)x & 15) &&
-         (long long)n / GM_BM + 1 < INT_MAX / 2;
+         (long long)n / 64 + 1 < INT_MAX / 2;
 }
 
 /* xb [n x H] = entry i's row rows[i] of x rounded to bf16 (zeros where it lies past xlimit):
@@ -480,26 +494,44 @@ size_t cuda_gmm_scratch(int n, int H, int I) {
   return ((size_t)n * I * 2 + 255) / 256 * 256 + (size_t)n * H * 2;
 }
 
+template <int BM>
+static cudaError_t gmm_launch(moe_cuda *m, const float *x, uint32_t xlimit, const int32_t *rows,
+                              const int32_t *slot, uint32_t olimit, int n, const uint8_t *wbase,
+                              long long wlimit, long long ebytes, int tg, int td,
+                              const tdm_moe_group *groups, int G, int H, int I, size_t gu_rb,
+                              size_t d_rb, void *ws, float *out) {
+  __nv_bfloat16 *hb = (__nv_bfloat16 *)ws;
+  __nv_bfloat16 *xb = (__nv_bfloat16 *)((uint8_t *)ws + ((size_t)n * I * 2 + 255) / 256 * 256);
+  const unsigned tiles = (unsigned)((n + BM - 1) / BM + G);
+  const dim3 x_grid((unsigned)n, (unsigned)((H + 8 * GM_THREADS - 1) / (8 * GM_THREADS)));
+  const dim3 gu_grid(tiles, (unsigned)((I + 63) / 64)), d_grid(tiles, (unsigned)((H + 127) / 128));
+  cudaError_t e = launch_pdl(m, gm_gather_kernel, x_grid, GM_THREADS, 0, x, xlimit, rows, H, xb);
+  if (e != cudaSuccess) return e;
+  BY_WTYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT, BM>, gu_grid, GM_THREADS,
+                                gm_t<QT, BM>::SMEM, (const __nv_bfloat16 *)xb, n, wbase, wlimit,
+                                ebytes, groups, G, H, I, gu_rb, hb));
+  if (e != cudaSuccess) return e;
+  BY_WTYPE(td, e = launch_pdl(m, gm_down_kernel<QT, BM>, d_grid, GM_THREADS,
+                                gm_t<QT, BM>::SMEM, (const __nv_bfloat16 *)hb, rows, xlimit,
+                                slot, olimit, n, wbase, wlimit, ebytes, groups, G, H, I, gu_rb,
+                                d_rb, out));
+  return e;
+}
+
+/* Tiles of 128 tokens where m->gmm_bm says so (TANDEM_MOE_CUDA_GMM_BM=128), or, with auto,
+ * where the entries average 96 tokens or more: each tile widens its experts' weights once, so
+ * a large ubatch's experts take half the widening. */
 cudaError_t cuda_gmm(moe_cuda *m, const float *x, uint32_t xlimit, const int32_t *rows,
                      const int32_t *slot, uint32_t olimit, int n, const uint8_t *wbase,
                      long long wlimit, long long ebytes, int tg, int td,
                      const tdm_moe_group *groups, int G, int H, int I, size_t gu_rb, size_t d_rb,
                      void *ws, float *out) {
-  __nv_bfloat16 *hb = (__nv_bfloat16 *)ws;
-  __nv_bfloat16 *xb = (__nv_bfloat16 *)((uint8_t *)ws + ((size_t)n * I * 2 + 255) / 256 * 256);
-  const unsigned tiles = (unsigned)((n + GM_BM - 1) / GM_BM + G);
-  const dim3 x_grid((unsigned)n, (unsigned)((H + 8 * GM_THREADS - 1) / (8 * GM_THREADS)));
-  const dim3 gu_grid(tiles, (unsigned)((I + 63) / 64)), d_grid(tiles, (unsigned)((H + 127) / 128));
-  cudaError_t e = launch_pdl(m, gm_gather_kernel, x_grid, GM_THREADS, 0, x, xlimit, rows, H, xb);
-  if (e != cudaSuccess) return e;
-  BY_WTYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT>, gu_grid, GM_THREADS, gm_t<QT>::SMEM,
-                                (const __nv_bfloat16 *)xb, n, wbase, wlimit, ebytes, groups, G,
-                                H, I, gu_rb, hb));
-  if (e != cudaSuccess) return e;
-  BY_WTYPE(td, e = launch_pdl(m, gm_down_kernel<QT>, d_grid, GM_THREADS, gm_t<QT>::SMEM,
-                                (const __nv_bfloat16 *)hb, rows, xlimit, slot, olimit, n, wbase,
-                                wlimit, ebytes, groups, G, H, I, gu_rb, d_rb, out));
-  return e;
+  const bool big = m->gmm_bm == 128 || (m->gmm_bm == 0 && (long long)n >= 96LL * G);
+  if (big)
+    return gmm_launch<128>(m, x, xlimit, rows, slot, olimit, n, wbase, wlimit, ebytes, tg, td,
+                           groups, G, H, I, gu_rb, d_rb, ws, out);
+  return gmm_launch<64>(m, x, xlimit, rows, slot, olimit, n, wbase, wlimit, ebytes, tg, td,
+                        groups, G, H, I, gu_rb, d_rb, ws, out);
 }
 
 int cuda_gmm_preload(moe_cuda *m) {
@@ -508,12 +540,18 @@ int cuda_gmm_preload(moe_cuda *m) {
   cudaFuncAttributes a;
   CK_CUDA(cudaFuncGetAttributes(&a, (const void *)gm_gather_kernel));
   for (int t : types) {
-    BY_WTYPE(t, CK_CUDA(cudaFuncSetAttribute(gm_gate_up_kernel<QT>,
+    BY_WTYPE(t, CK_CUDA(cudaFuncSetAttribute(gm_gate_up_kernel<QT, 64>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               gm_t<QT>::SMEM));
-               CK_CUDA(cudaFuncSetAttribute(gm_down_kernel<QT>,
+                                               gm_t<QT, 64>::SMEM));
+               CK_CUDA(cudaFuncSetAttribute(gm_down_kernel<QT, 64>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            gm_t<QT>::SMEM)));
+                                            gm_t<QT, 64>::SMEM));
+               CK_CUDA(cudaFuncSetAttribute(gm_gate_up_kernel<QT, 128>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            gm_t<QT, 128>::SMEM));
+               CK_CUDA(cudaFuncSetAttribute(gm_down_kernel<QT, 128>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            gm_t<QT, 128>::SMEM)));
   }
   return 0;
 }
