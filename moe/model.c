@@ -8,7 +8,8 @@
  * bitwise equal):
  * - a large ubatch (more than GROUPED_MAX_T tokens), where the table runs that many rows as
  *   GEMMs (experts_gemm_rows: CUDA), runs experts() as decode does below, the ready experts a
- *   group (never on the host, and routed by the host); elsewhere, or with
+ *   group (never on the host); with every expert resident it routes on the device as decode
+ *   does (up to DEVICE_ROUTED_ROWS routing entries), else on the host; elsewhere, or with
  *   TANDEM_MOE_PREFILL_GROUPED=0, expert() per routed expert, a GEMM each, in the streamer's
  *   order, each as its weights land;
  * - a small one (decode) runs experts(): a group of experts per submission, so the host's cost
@@ -68,6 +69,7 @@ size_t tdm_moe_host_bytes(const tdm_moe_preset *p, int layers) {
  * ones run a GEMM per expert. At 32 tokens and top-8 of 128 experts an expert averages two
  * tokens: matrix-vector work, which the grouped kernels do at the weights' bandwidth. */
 #define GROUPED_MAX_T 32
+#define DEVICE_ROUTED_ROWS 16384 /* the most routing entries (T k) a device-routed pass sorts */
 #define PREFILL_GROUP 8 /* experts a large ubatch's group waits for, where one is landing */
 
 /* time_chain's markers in a layer, in the order the compute queue passes them. */
@@ -126,11 +128,13 @@ struct tdm_moe_model {
   int32_t *rs, *rs_h;
   tdm_moe_group *groups, *groups_h; /* E entries each: one layer's groups */
   const tdm_moe_bf16 *wbase;  /* the streamer's slots (one allocation), once seen */
-  bool device_routed;         /* every expert resident: small ubatches route on the device */
-  bool prefill_grouped;       /* large ubatches in groups where the table runs many rows as
-                               * GEMMs (unless TANDEM_MOE_PREFILL_GROUPED=0) */
+  bool device_routed;         /* every expert resident: grouped ubatches route on the device */
+  long prefill_from;          /* rows in all from which a large ubatch's experts run in groups
+                               * (the table's experts_gemm_rows; TANDEM_MOE_PREFILL_GROUPED=0:
+                               * never, =N: from N rows on any table); 0: never */
+  int route_T;                /* the largest ubatch a device-routed pass takes */
   int64_t *wofs;              /* device [L x E]: each expert's weights from wbase */
-  int32_t *idx_all, *idx_all_h; /* device-routed passes: [L x min(maxT, GROUPED_MAX_T) x k] */
+  int32_t *idx_all, *idx_all_h; /* device-routed passes: [L x route_T x k] */
   void *graphs[GROUPED_MAX_T + 1]; /* device-routed passes recorded once per ubatch size, where
                                       the op table can record (graph_begin) */
   float *x_h;                 /* pinned: a ubatch's activations, in and out */
@@ -456,14 +460,19 @@ static int owned_only(const tdm_moe_model *m, int l, int *order, int n) {
 /* Whether a ubatch of T tokens runs its experts in groups (experts()), not one by one: a
  * small one always; a large one where the table computes many rows as GEMMs. */
 static bool grouped(const tdm_moe_model *m, int T) {
-  int from = m->ops->experts_gemm_rows;
-  return T <= GROUPED_MAX_T || (m->prefill_grouped && from > 0 && (long)T * m->k >= from);
+  return T <= GROUPED_MAX_T || (m->prefill_from > 0 && (long)T * m->k >= m->prefill_from);
+}
+
+/* Whether a pass of T tokens routes on the device: every expert resident, one device, and a
+ * grouped ubatch of at most DEVICE_ROUTED_ROWS rows (group() sorts them in one block). */
+static bool routes_on_device(const tdm_moe_model *m, int T) {
+  return m->device_routed && T <= m->route_T && grouped(m, T);
 }
 
 static int setup_buffers(tdm_moe_model *m) {
   int T = m->maxT, Imax = m->I > m->p.shared_ffn ? m->I : m->p.shared_ffn;
   size_t th = (size_t)T * m->H * sizeof(float), tk = (size_t)T * m->k;
-  int Tg = T < GROUPED_MAX_T ? T : GROUPED_MAX_T; /* the largest device-routed ubatch */
+  int Tg = T < GROUPED_MAX_T ? T : GROUPED_MAX_T; /* the largest small ubatch */
   size_t tgk = (size_t)Tg * m->k;
   /* One workspace serves both ways: expert() on up to T tokens, experts() on the largest
    * grouped ubatch's rows. */
@@ -485,10 +494,6 @@ static int setup_buffers(tdm_moe_model *m) {
   if (!rc)
     rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, (size_t)m->E * sizeof(tdm_moe_group),
                     (void **)&m->groups_h);
-  if (!rc) rc = dev_alloc(m, (size_t)m->L * tgk * sizeof(int32_t), &m->idx_all);
-  if (!rc)
-    rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, (size_t)m->L * tgk * sizeof(int32_t),
-                    (void **)&m->idx_all_h);
   if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, th, (void **)&m->x_h);
   if (!rc && (!(m->scratch = malloc((size_t)m->E * 3 * sizeof *m->scratch)) ||
               !(m->fill = malloc((size_t)m->E * sizeof *m->fill)) ||
@@ -555,10 +560,19 @@ static int weights_offset(tdm_moe_model *m, const void *w, int64_t *off) {
 /* Every expert is resident, in a slot that never changes: their places, as offsets from the
  * slots' allocation, go to the device once (acquiring each expert once to learn it), so a
  * small ubatch's routing can be grouped there and never come back to the host. */
+/* Every expert resident: the experts' offsets on the device for group(), and room for each
+ * layer's routing of the largest ubatch that routes there (kept for the pass's figures). */
 static int setup_device_routing(tdm_moe_model *m) {
   long keys = (long)m->L * m->E;
   int64_t *wofs = NULL;
-  int rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, (size_t)keys * sizeof *wofs, (void **)&wofs);
+  int T = m->maxT < GROUPED_MAX_T ? m->maxT : GROUPED_MAX_T;
+  if (grouped(m, m->maxT)) T = m->maxT < DEVICE_ROUTED_ROWS / m->k ? m->maxT
+                                                                  : DEVICE_ROUTED_ROWS / m->k;
+  size_t all = (size_t)m->L * T * m->k * sizeof(int32_t);
+  int rc = dev_alloc(m, all, &m->idx_all);
+  if (!rc) rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, all, (void **)&m->idx_all_h);
+  if (!rc)
+    rc = tdm_malloc(m->cfg.device, TDM_MEM_PINNED, (size_t)keys * sizeof *wofs, (void **)&wofs);
   if (!rc) rc = dev_alloc(m, (size_t)keys * sizeof *wofs, &m->wofs);
   for (long key = 0; !rc && key < keys; key++) {
     const void *w;
@@ -575,7 +589,10 @@ static int setup_device_routing(tdm_moe_model *m) {
     rc = free_after(m, wofs);
   else if (wofs)
     tdm_free(wofs);
-  if (!rc) m->device_routed = true;
+  if (!rc) {
+    m->device_routed = true;
+    m->route_T = T;
+  }
   return rc;
 }
 
@@ -1121,6 +1138,17 @@ static int set_formats(tdm_moe_model *m, const tdm_moe_config *cfg) {
 
 /* The model of one device: the first (first NULL, index 0), or device `index` of cfg->devices,
  * which reads first's host copy of the experts. */
+/* TANDEM_MOE_PREFILL_GROUPED: unset or 1, the table's experts_gemm_rows; 0, never; N > 1,
+ * from N rows in all on any table (so that a table with no GEMM path, the CPU's, runs and
+ * tests the grouped prefill too). */
+static long prefill_from(const tdm_moe_model *m) {
+  const char *v = getenv("TANDEM_MOE_PREFILL_GROUPED");
+  char *end = NULL;
+  long n = v && *v ? strtol(v, &end, 10) : 1;
+  if (v && *v && (*end || n < 0)) n = 1; /* not a count: the default */
+  return n != 1 ? n : m->ops ? m->ops->experts_gemm_rows : 0;
+}
+
 static int model_create(const tdm_moe_config *cfg, tdm_moe_model *first, int index,
                         tdm_moe_model **out) {
   tdm_moe_model *m = calloc(1, sizeof *m);
@@ -1187,8 +1215,7 @@ static int model_create(const tdm_moe_config *cfg, tdm_moe_model *first, int ind
   if (!rc) rc = setup_small_weights(m);
   if (!rc && m->ndev > 1 && !first) rc = setup_owners(m);
   if (first) m->owners = first->owners;
-  const char *pg = getenv("TANDEM_MOE_PREFILL_GROUPED");
-  m->prefill_grouped = !(pg && strcmp(pg, "0") == 0);
+  m->prefill_from = prefill_from(m);
   if (!rc) rc = setup_buffers(m);
   if (!rc) rc = setup_streamer(m);
   if (!rc && cfg->placement != TDM_MOE_PLACE_DEVICE) rc = setup_host(m);
@@ -1873,7 +1900,7 @@ static int layer_device(tdm_moe_model *m, int l, int T) {
 static int device_layers(tdm_moe_model *m, int T) {
   const tdm_moe_ops *ops = m->ops;
   int rc = 0;
-  if (!ops->graph_begin) {
+  if (!ops->graph_begin || T > GROUPED_MAX_T) {
     for (int l = 0; !rc && l < m->L; l++) rc = layer_device(m, l, T);
     return rc;
   }
@@ -2189,7 +2216,7 @@ int tdm_moe_forward(tdm_moe_model *m, const float *x, float *y, int T, bool over
   size_t bytes = (size_t)T * m->H * sizeof(float);
   float *xh = m->x_h;
   memcpy(xh, x, bytes);
-  bool on_device = T <= GROUPED_MAX_T && m->device_routed;
+  bool on_device = routes_on_device(m, T);
   tdm_streamer_stats_get(m->streamer, &m->pass_s0);
   m->pass_t0 = now_s();
   /* Every expert resident: nothing else is on the link, so the copy engines take the input.
@@ -2228,7 +2255,7 @@ int tdm_moe_pass_begin(tdm_moe_model *m, int T, bool overlap, tdm_moe_pass_stats
   if (rc) return rc;
   tdm_streamer_stats_get(m->streamer, &m->pass_s0);
   m->pass_t0 = now_s();
-  rc = pass_start(m, T, overlap, T <= GROUPED_MAX_T && m->device_routed, st);
+  rc = pass_start(m, T, overlap, routes_on_device(m, T), st);
   if (rc) (void)pass_finish(m, rc, st);
   return rc;
 }

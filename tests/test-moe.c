@@ -503,23 +503,25 @@ TEST_CASE(streamed_equals_resident) {
   th_close();
 }
 
-/* A large ubatch's experts in groups (the default), where the table runs
- * many rows as GEMMs (experts_gemm_rows; skipped elsewhere): 80 tokens of top-4 (320 rows),
- * streamed at budgets of nothing, one expert and half, overlapped and serialized, bitwise
- * equal to the all-resident model's output; the groups differ from run to run (experts join a
- * group as they land), an expert's output must not. */
+/* A large ubatch's experts in groups: the default where the table runs many rows as GEMMs
+ * (experts_gemm_rows), and TANDEM_MOE_PREFILL_GROUPED=64 elsewhere: 80 tokens of top-4 (320
+ * rows), streamed at budgets of nothing, one expert and half, overlapped and serialized,
+ * bitwise equal to the all-resident model's output, whose pass routes on the device (group()
+ * there, nothing back to the host); the groups differ from run to run (experts join a group as
+ * they land), an expert's output must not. */
 TEST_CASE(streamed_equals_resident_grouped) {
   tdm_device *dev = th_open();
   const tdm_moe_ops *ops = tdm_moe_ops_for(dev);
-  if (!ops || ops->experts_gemm_rows <= 0) {
-    th_close();
-    TH_SKIP("the %s table runs no rows as GEMMs in experts()", th_device_id);
-  }
+  CHECK(ops != NULL);
   const tdm_moe_preset *p = tdm_moe_preset_find("tiny");
   CHECK(p != NULL);
   enum { T = 80 };
-  CHECK(T * p->topk >= ops->experts_gemm_rows);
-  CHECK(unsetenv("TANDEM_MOE_PREFILL_GROUPED") == 0);
+  if (ops->experts_gemm_rows > 0) {
+    CHECK(T * p->topk >= ops->experts_gemm_rows);
+    CHECK(unsetenv("TANDEM_MOE_PREFILL_GROUPED") == 0);
+  } else {
+    CHECK(setenv("TANDEM_MOE_PREFILL_GROUPED", "64", 1) == 0);
+  }
   tdm_moe_config base = {.preset = p, .device = dev, .seed = th_seed(), .skew = 1.2,
                          .locality = 0.7, .max_tokens = T};
   size_t H = (size_t)p->hidden, eb = tdm_moe_expert_bytes(p);
@@ -531,6 +533,9 @@ TEST_CASE(streamed_equals_resident_grouped) {
   tdm_moe_model *m = make_model(dev, &base, true, 0, 2, TDM_CACHE_STATIC);
   tdm_moe_make_input(m, x, T, 0, false);
   CHECK_OK(tdm_moe_forward(m, x, ref, T, true, &st));
+  CHECK_EQ((long)st.device_routed_layers, (long)p->layers);
+  CHECK_EQ((long)st.experts_computed, (long)st.acquires);
+  CHECK(st.acquires > 0);
   for (size_t i = 0; i < T * H; i++) CHECK(isfinite(ref[i]));
   tdm_moe_model_destroy(m);
   const size_t budgets[] = {0, eb, all / 2};
@@ -540,12 +545,14 @@ TEST_CASE(streamed_equals_resident_grouped) {
       memset(y, 0xff, T * H * sizeof *y);
       CHECK_OK(tdm_moe_forward(m, x, y, T, ov, &st));
       if (budgets[b] == 0) CHECK(st.bytes_copied > 0);
+      CHECK_EQ((long)st.device_routed_layers, 0L);
       long at = th_first_diff(y, ref, T * H * sizeof *y);
       CHECK_MSG(at < 0, "budget %zu, overlap %d: output differs from the all-resident output "
                 "at byte %ld", budgets[b], ov, at);
     }
     tdm_moe_model_destroy(m);
   }
+  CHECK(unsetenv("TANDEM_MOE_PREFILL_GROUPED") == 0);
   free(x);
   free(ref);
   free(y);

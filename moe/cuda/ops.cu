@@ -513,23 +513,24 @@ static __global__ void router_topk_kernel(const float *logits, int E, int k, int
  * Every position comes from a count, never from a race: deterministic, and the same layout as
  * the CPU and OpenCL tables give. */
 #define GROUP_MAX_E 4096    /* counts and offsets in shared memory: 32 KiB */
-#define GROUP_IDX_SHARED 2048 /* routing entries staged in shared memory: 8 KiB */
+#define GROUP_IDX_SHARED 16384 /* routing entries staged in (dynamic) shared memory: 64 KiB */
 
 static __global__ void group_kernel(const int32_t *idx, int T, int k, int E, const int64_t *wofs,
                                     int32_t *rows, int32_t *slot, tdm_moe_group *groups) {
   wait_prior_grid();
-  __shared__ int cnt[GROUP_MAX_E], first[GROUP_MAX_E], sidx[GROUP_IDX_SHARED];
+  extern __shared__ int group_sidx[]; /* the routing, where it fits (the launch sizes it) */
+  __shared__ int cnt[GROUP_MAX_E], first[GROUP_MAX_E];
   __shared__ int run_tok[MOE_THREADS], run_nz[MOE_THREADS];
   const int tk = T * k, tid = threadIdx.x;
   const bool staged = tk <= GROUP_IDX_SHARED;
   if (staged)
-    for (int i = tid; i < tk; i += MOE_THREADS) sidx[i] = idx[i];
+    for (int i = tid; i < tk; i += MOE_THREADS) group_sidx[i] = idx[i];
+  for (int e = tid; e < E; e += MOE_THREADS) cnt[e] = 0;
   __syncthreads();
-  const int32_t *ix = staged ? sidx : idx;
-  for (int e = tid; e < E; e += MOE_THREADS) {
-    int c = 0;
-    for (int i = 0; i < tk; i++) c += ix[i] == e;
-    cnt[e] = c;
+  const int32_t *ix = staged ? group_sidx : idx;
+  for (int i = tid; i < tk; i += MOE_THREADS) { /* counts are sums: their order is no matter */
+    const int e = ix[i];
+    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
   }
   __syncthreads();
   /* This thread's run of experts [e0, e1): its entries and its routed experts, then an
@@ -680,6 +681,9 @@ static int preload(moe_cuda *m) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
   }
+  /* group's staged routing: past the 48 KiB a kernel has without asking */
+  CK_CUDA(cudaFuncSetAttribute(group_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               (int)(GROUP_IDX_SHARED * sizeof(int))));
   int rc = cuda_xfmr_preload(m);
   return rc ? rc : cuda_quant_preload(m);
 }
@@ -1050,8 +1054,9 @@ static int cuda_group(void *st, tdm_queue *q, const int32_t *idx, int T, int k, 
                          E, GROUP_MAX_E);
   int saved, rc = enter(m, &saved);
   if (rc) return rc;
-  cudaError_t e = launch_pdl(m, group_kernel, 1, MOE_THREADS, 0, idx, T, k, E, wofs, rows, slot,
-                             groups);
+  const size_t smem = (long long)T * k <= GROUP_IDX_SHARED ? (size_t)T * k * sizeof(int) : 0;
+  cudaError_t e = launch_pdl(m, group_kernel, 1, MOE_THREADS, smem, idx, T, k, E, wofs, rows,
+                             slot, groups);
   rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "group_kernel");
   leave(m, saved);
   return rc;
