@@ -343,7 +343,7 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
     const int kx = (g + 1) * 32, st = kx / t::KS;
     if (kx % t::KS == 0 && kx + t::KS < K)
       gm_stage<T, BM>(gm_raw<T, BM>((st + 1) & 1), sh[(st + 1) & 1], rowp, kx + t::KS,
-                  min(t::KS, K - kx - t::KS) >> 5);
+                      min(t::KS, K - kx - t::KS) >> 5);
     cp_async_commit();
     const __nv_bfloat16 *ta = at + ga * t::A_TILE, *tb = bt + (g & 1) * t::B_TILE;
 #pragma unroll
@@ -362,7 +362,7 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
     }
     if (g + 1 < nsub)
       gm_fill<T, BM>(bt + ((g + 1) & 1) * t::B_TILE, gm_raw<T, BM>(st & 1), sh[st & 1], wvalid,
-                 (kx % t::KS) >> 5);
+                     (kx % t::KS) >> 5);
     cp_async_wait<1>(); /* unit g + 1's activations, and every step widened from, landed */
     __syncthreads();    /* this pair of tiles is free; the next is written and visible */
   }
