@@ -885,12 +885,13 @@ static void check_group(fixture *f, const int32_t *idx, int T, int k, int E, con
 }
 
 /* E = 16 has more entries than experts at 40 tokens; E = 600 fewer, and more experts than a
- * block has threads (several to a thread where the table splits them), and at 600 tokens more
- * entries than fit in shared memory on the CUDA table. */
+ * block has threads (several to a thread where the table splits them); at 600 tokens a
+ * prefill's table, staged in shared memory on the CUDA table, and at 4200 more entries than
+ * it stages (16384). */
 TEST_CASE(group_ref) {
   enum { K = 4 };
   const int Es[] = {16, 600};
-  const int Ts[] = {1, 5, 40, 600};
+  const int Ts[] = {1, 5, 40, 600, 4200};
   fixture f = setup();
   need_op(&f, f.ops->group != NULL, "group");
   for (size_t ei = 0; ei < sizeof Es / sizeof Es[0]; ei++) {

@@ -19,7 +19,8 @@ extern "C" {
 #define MOE_THREADS 256 /* threads per block for every kernel here (a power of two) */
 #define MOE_WARPS (MOE_THREADS / 32)
 #define ROUTER_TOKENS 8   /* tokens per router block: each weight row read serves them all */
-#define ROUTER_SMEM 49152 /* the router's dynamic shared memory, at most (no opt-in) */
+#define ROUTER_SMEM 49152 /* the router's dynamic shared memory for its logits, at most */
+#define ROUTER_SMEM_STAGED (96 * 1024) /* ... with the block's rows of x too (opt-in) */
 #define ROUTER_SPLIT_T 64   /* ubatches of at most this many tokens route in two kernels */
 #define ROUTER_SPLIT_LOGITS (64 * 4096) /* ... when T x E logits fit the scratch (1 MiB) */
 #define BLAS_WS_BYTES (32u << 20) /* cuBLAS's recommended workspace on Hopper */

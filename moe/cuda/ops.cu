@@ -113,6 +113,10 @@ static __device__ void router_token(float *p, unsigned char *taken, int E, int k
     for (int r = 0; r < k; r++) weights[r] = weights[r] / chosen;
 }
 
+/* A block per tpb tokens; shared memory: tpb x E floats (the logits), tpb x E bytes, then
+ * (STAGED) the block's tpb rows of x, read once rather than once per expert row: every lane's
+ * sums are in the same order either way, so the bits are too. */
+template <bool STAGED>
 static __global__ void router_kernel(const float *x, const uint16_t *wr, const float *bias, int T,
                                      int H, int E, int k, int renorm, int tpb, int32_t *idx,
                                      float *weights) {
@@ -123,12 +127,19 @@ static __global__ void router_kernel(const float *x, const uint16_t *wr, const f
   const int t0 = blockIdx.x * tpb;
   const int tt = min(tpb, T - t0);
   const float *xb = x + (size_t)t0 * H;
+  if (STAGED) { /* after the bytes, at a 16-byte multiple */
+    float *xs = smem + ((size_t)tpb * E * 5 + 15) / 16 * 4;
+    for (size_t i = threadIdx.x; i < (size_t)tt * H; i += MOE_THREADS) xs[i] = xb[i];
+    __syncthreads();
+    xb = xs;
+  }
 
   for (int e = warp; e < E; e += MOE_WARPS) {
     const uint16_t *we = wr + (size_t)e * H;
     float acc[ROUTER_TOKENS];
 #pragma unroll
     for (int j = 0; j < ROUTER_TOKENS; j++) acc[j] = 0.f;
+#pragma unroll 4
     for (int c = lane; c < H; c += 32) {
       float wv = bf16_to_f32(we[c]);
 #pragma unroll
@@ -573,15 +584,22 @@ static __global__ void group_kernel(const int32_t *idx, int T, int k, int E, con
     groups[j] = ent;
   }
   __syncthreads();
-  for (int e = tid; e < E; e += MOE_THREADS) {
+  /* A warp per expert lays out its entries, 32 of the routing at a time, in order. */
+  const int lane = tid & 31;
+  for (int e = tid >> 5; e < E; e += MOE_WARPS) {
     if (!cnt[e]) continue;
     int a = first[e];
-    for (int i = 0; i < tk; i++)
-      if (ix[i] == e) {
-        rows[a] = i / k;
-        slot[a] = i;
-        a++;
+    for (int base = 0; base < tk; base += 32) {
+      const int i = base + lane;
+      const bool hit = i < tk && ix[i] == e;
+      const unsigned m = __ballot_sync(0xffffffffu, hit);
+      if (hit) {
+        const int at = a + __popc(m & ((1u << lane) - 1u));
+        rows[at] = i / k;
+        slot[at] = i;
       }
+      a += __popc(m);
+    }
   }
 }
 
@@ -668,7 +686,8 @@ static int blas_setup(moe_cuda *m) {
  * loads a kernel without launching it. */
 static int preload(moe_cuda *m) {
   const void *k[] = {
-      (const void *)rmsnorm_kernel, (const void *)router_kernel, (const void *)gather_kernel,
+      (const void *)rmsnorm_kernel, (const void *)router_kernel<false>,
+      (const void *)router_kernel<true>, (const void *)gather_kernel,
       (const void *)swiglu_kernel, (const void *)scatter_kernel,
       (const void *)router_logits_kernel, (const void *)router_topk_kernel,
       (const void *)group_kernel, (const void *)combine_kernel, (const void *)upload16_kernel,
@@ -681,9 +700,12 @@ static int preload(moe_cuda *m) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
   }
-  /* group's staged routing: past the 48 KiB a kernel has without asking */
+  /* group's staged routing and the router's staged rows: past the 48 KiB a kernel has
+   * without asking */
   CK_CUDA(cudaFuncSetAttribute(group_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                (int)(GROUP_IDX_SHARED * sizeof(int))));
+  CK_CUDA(cudaFuncSetAttribute(router_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               (int)ROUTER_SMEM_STAGED));
   int rc = cuda_xfmr_preload(m);
   return rc ? rc : cuda_quant_preload(m);
 }
@@ -791,10 +813,20 @@ static int launch_router(moe_cuda *m, const float *x, const tdm_moe_bf16 *wr, co
   int tpb = ROUTER_SMEM / (E * 5);
   if (tpb > ROUTER_TOKENS) tpb = ROUTER_TOKENS;
   if (tpb > T) tpb = T;
-  size_t smem = (size_t)tpb * E * 5;
+  /* x's rows staged too where ROUTER_SMEM_STAGED holds them with the logits */
+  const size_t per = (size_t)E * 5 + (size_t)H * sizeof(float);
+  const bool staged = per + 16 <= ROUTER_SMEM_STAGED;
+  if (staged && (size_t)tpb * per + 16 > ROUTER_SMEM_STAGED)
+    tpb = (int)((ROUTER_SMEM_STAGED - 16) / per);
+  size_t smem = staged ? ((size_t)tpb * E * 5 + 15) / 16 * 16 + (size_t)tpb * H * sizeof(float)
+                       : (size_t)tpb * E * 5;
   int blocks = (int)(((long long)T + tpb - 1) / tpb);
-  router_kernel<<<blocks, MOE_THREADS, smem, m->s>>>(x, wr, bias, T, H, E, k, renorm != 0, tpb, idx,
-                                                     weights);
+  if (staged)
+    router_kernel<true><<<blocks, MOE_THREADS, smem, m->s>>>(x, wr, bias, T, H, E, k,
+                                                             renorm != 0, tpb, idx, weights);
+  else
+    router_kernel<false><<<blocks, MOE_THREADS, smem, m->s>>>(x, wr, bias, T, H, E, k,
+                                                              renorm != 0, tpb, idx, weights);
   cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? 0 : cuda_fail(m, e, "router_kernel");
 }
