@@ -346,18 +346,20 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
                       min(t::KS, K - kx - t::KS) >> 5);
     cp_async_commit();
     const __nv_bfloat16 *ta = at + ga * t::A_TILE, *tb = bt + (g & 1) * t::B_TILE;
+    if (wm < mt) { /* a warp past the tile's tokens has none to multiply */
 #pragma unroll
-    for (int kk = 0; kk < 32; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
+      for (int kk = 0; kk < 32; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
 #pragma unroll
-      for (int i = 0; i < 2; i++)
-        wmma::load_matrix_sync(fa[i], ta + (wm + 16 * i) * GM_LD + kk, GM_LD);
+        for (int i = 0; i < 2; i++)
+          wmma::load_matrix_sync(fa[i], ta + (wm + 16 * i) * GM_LD + kk, GM_LD);
 #pragma unroll
-      for (int j = 0; j < t::NJ; j++) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
-        wmma::load_matrix_sync(fb, tb + brow[j] * GM_LD + kk, GM_LD);
+        for (int j = 0; j < t::NJ; j++) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+          wmma::load_matrix_sync(fb, tb + brow[j] * GM_LD + kk, GM_LD);
 #pragma unroll
-        for (int i = 0; i < 2; i++) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
+          for (int i = 0; i < 2; i++) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
+        }
       }
     }
     if (g + 1 < nsub)
