@@ -127,10 +127,15 @@ static int enqueue(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
     case TDM__CMD_COPY: {
       void *dst = cmd->u.copy.dst;
       const void *src = cmd->u.copy.src;
-      /* The core's registry says what the memory is: no pointer queries on this path. */
-      tdm_mem_kind dk = cmd->u.copy.d.kind, sk = cmd->u.copy.s.kind;
+      /* The core's registry says what the memory is: no pointer queries on this path. Pinned
+       * memory of another backend's device (bdev -1) is host memory CUDA never pinned: a
+       * cudaMemcpyAsync from it would read it at once, not in stream order, so it is copied
+       * as pageable memory. */
+      const tdm__memref *dm = &cmd->u.copy.d, *sm = &cmd->u.copy.s;
+      tdm_mem_kind dk = dm->kind, sk = sm->kind;
       bool dd = dk == TDM_MEM_DEVICE, sd = sk == TDM_MEM_DEVICE;
-      bool dpage = dk == 0 || dk == TDM_MEM_HOST, spage = sk == 0 || sk == TDM_MEM_HOST;
+      bool dpage = dk == 0 || dk == TDM_MEM_HOST || (dk == TDM_MEM_PINNED && dm->bdev < 0);
+      bool spage = sk == 0 || sk == TDM_MEM_HOST || (sk == TDM_MEM_PINNED && sm->bdev < 0);
       if (cmd->u.copy.n && ((!dd && !sd) || (dd && spage) || (sd && dpage)))
         return host_work(bq, si, cmd);
       what = "cudaMemcpyAsync";
