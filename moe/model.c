@@ -559,9 +559,8 @@ static int weights_offset(tdm_moe_model *m, const void *w, int64_t *off) {
 
 /* Every expert is resident, in a slot that never changes: their places, as offsets from the
  * slots' allocation, go to the device once (acquiring each expert once to learn it), so a
- * small ubatch's routing can be grouped there and never come back to the host. */
-/* Every expert resident: the experts' offsets on the device for group(), and room for each
- * layer's routing of the largest ubatch that routes there (kept for the pass's figures). */
+ * grouped ubatch's routing can be grouped there and never come back to the host; and room for
+ * each layer's routing of the largest ubatch that routes there (kept for the pass's figures). */
 static int setup_device_routing(tdm_moe_model *m) {
   long keys = (long)m->L * m->E;
   int64_t *wofs = NULL;
@@ -1136,8 +1135,6 @@ static int set_formats(tdm_moe_model *m, const tdm_moe_config *cfg) {
   return 0;
 }
 
-/* The model of one device: the first (first NULL, index 0), or device `index` of cfg->devices,
- * which reads first's host copy of the experts. */
 /* TANDEM_MOE_PREFILL_GROUPED: unset or 1, the table's experts_gemm_rows; 0, never; N > 1,
  * from N rows in all on any table (so that a table with no GEMM path, the CPU's, runs and
  * tests the grouped prefill too). */
@@ -1149,6 +1146,8 @@ static long prefill_from(const tdm_moe_model *m) {
   return n != 1 ? n : m->ops ? m->ops->experts_gemm_rows : 0;
 }
 
+/* The model of one device: the first (first NULL, index 0), or device `index` of cfg->devices,
+ * which reads first's host copy of the experts. */
 static int model_create(const tdm_moe_config *cfg, tdm_moe_model *first, int index,
                         tdm_moe_model **out) {
   tdm_moe_model *m = calloc(1, sizeof *m);

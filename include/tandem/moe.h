@@ -194,9 +194,11 @@ typedef struct tdm_moe_pass_stats {
   uint64_t host_experts;    /* routed experts computed on the host instead of copied (not
                                acquired, so in none of the three counts above):
                                experts_computed = acquires + host_experts */
-  uint64_t device_routed_layers; /* layers whose routing stayed on the device (a small ubatch
-                               with every expert resident): their experts count as resident
-                               hits, read from the routing after the pass */
+  uint64_t device_routed_layers; /* layers whose routing stayed on the device (a grouped
+                               ubatch with every expert resident: a small one, or a prefill's
+                               of up to 16384 routing entries where the table groups it):
+                               their experts count as resident hits, read from the routing
+                               after the pass */
   uint64_t host_candidates; /* routed experts that were neither on the device nor on their way
                                when placed (placement AUTO or HOST; 0 under DEVICE): the pool
                                host_experts was taken from */
@@ -248,10 +250,10 @@ TDM_API float *tdm_moe_activations(const tdm_moe_model *m);
  * record them and the layers into one graph (graph_begin) where the pass is on the device
  * (below). The model owns the state; the program never closes it. */
 TDM_API const tdm_moe_ops *tdm_moe_model_ops(const tdm_moe_model *m, void **state);
-/* True while a pass is underway whose every layer runs on the device: a small ubatch with
- * every expert resident, routed on the device, so that its layers submit work and never wait
- * on the host, and the same buffers serve every such pass of T tokens: a graph recorded around
- * tdm_moe_pass_layer() calls replays them. */
+/* True while a pass is underway whose every layer runs on the device: a grouped ubatch (a
+ * small one, or a prefill's as above) with every expert resident, routed on the device, so
+ * that its layers submit work and never wait on the host, and the same buffers serve every
+ * such pass of T tokens: a graph recorded around tdm_moe_pass_layer() calls replays them. */
 TDM_API bool tdm_moe_pass_on_device(const tdm_moe_model *m);
 TDM_API int tdm_moe_pass_begin(tdm_moe_model *m, int T, bool overlap, tdm_moe_pass_stats *st);
 TDM_API int tdm_moe_pass_layer(tdm_moe_model *m, int l, tdm_moe_pass_stats *st);
