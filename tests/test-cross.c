@@ -26,29 +26,46 @@ static tdm_device *cpu_device(tdm_device *dev) {
 }
 
 /* The device's queue waits for a host task on cpu:0 that fills the source of its copy; the
- * host task is held back until every submission has returned. */
-TEST_CASE(device_waits_for_cpu_task) {
+ * host task is held back until every submission has returned. The copy's source and the way
+ * back are pinned memory of `owner`: the device's own, or cpu:0's, which to the device's
+ * backend is host memory it never pinned. The copy must still read it in queue order, after
+ * the wait (CUDA had taken cpu:0's for its own pinned memory, and cudaMemcpyAsync read it at
+ * once, before the task had filled it); and cpu:0's way back is seen by a cpu:0 host task
+ * that waits for the device's copy into it. */
+static void gated_copy_through(tdm_device *dev, tdm_device *cpu, tdm_device *owner) {
   uint64_t rng = th_seed();
-  tdm_device *dev = th_open(), *cpu = cpu_device(dev);
   tdm_queue *qd, *qc;
   CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &qd));
   CHECK_OK(tdm_queue_create(cpu, TDM_QUEUE_IN_ORDER, &qc));
   unsigned char *want = malloc(N), *src, *back, *d;
+  CHECK(want != NULL);
   th_fill_random(want, N, &rng);
-  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, N, (void **)&src));
-  CHECK_OK(tdm_malloc(dev, TDM_MEM_PINNED, N, (void **)&back));
+  CHECK_OK(tdm_malloc(owner, TDM_MEM_PINNED, N, (void **)&src));
+  CHECK_OK(tdm_malloc(owner, TDM_MEM_PINNED, N, (void **)&back));
   CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, N, (void **)&d));
   memset(src, 0, N);
+  memset(back, 0, N);
   th_gate gate;
   th_gate_init(&gate);
   th_gated_copy fa = {&gate, src, want, N};
-  tdm_event *filled;
+  tdm_event *filled, *copied = NULL;
   CHECK_OK(tdm_host_task(qc, th_gated_copy_task, &fa, 0, NULL, &filled));
   CHECK_OK(tdm_queue_wait(qd, filled)); /* returns at once: the task is still held */
   CHECK_OK(tdm_memcpy(qd, d, src, N, TDM_COPY_H2D, 0, NULL, NULL));
-  CHECK_OK(tdm_memcpy(qd, back, d, N, TDM_COPY_D2H, 0, NULL, NULL));
-  CHECK_RC(tdm_event_query(filled), TDM_EAGAIN);
+  CHECK_OK(tdm_memcpy(qd, back, d, N, TDM_COPY_D2H, 0, NULL, owner == cpu ? &copied : NULL));
+  struct check_arg ca = {back, want, 0};
+  if (copied) {
+    CHECK_OK(tdm_queue_wait(qc, copied));
+    CHECK_OK(tdm_host_task(qc, check_task, &ca, 0, NULL, NULL));
+  } else {
+    CHECK_RC(tdm_event_query(filled), TDM_EAGAIN);
+  }
   th_gate_open(&gate);
+  if (copied) {
+    CHECK_OK(tdm_queue_sync(qc));
+    CHECK(atomic_load(&ca.ran) == 1);
+    CHECK_OK(tdm_event_release(copied));
+  }
   CHECK_OK(tdm_queue_sync(qd));
   CHECK_MEM_EQ(back, want, N);
   CHECK_OK(tdm_event_release(filled));
@@ -59,52 +76,17 @@ TEST_CASE(device_waits_for_cpu_task) {
   CHECK_OK(tdm_free(d));
   th_gate_destroy(&gate);
   free(want);
+}
+
+TEST_CASE(device_waits_for_cpu_task) {
+  tdm_device *dev = th_open();
+  gated_copy_through(dev, cpu_device(dev), dev);
   th_close();
 }
 
-/* As above, with the copy's source pinned memory of cpu:0, which to the device's backend is
- * host memory it never pinned: the copy must still read it in queue order, after the wait
- * (CUDA had taken it for its own pinned memory, and cudaMemcpyAsync read it at once, before
- * the task had filled it); and the way back, the device's copy into cpu:0's pinned memory,
- * seen by a cpu:0 host task that waits for it. */
 TEST_CASE(device_copies_cpu_pinned_in_order) {
-  uint64_t rng = th_seed();
   tdm_device *dev = th_open(), *cpu = cpu_device(dev);
-  tdm_queue *qd, *qc;
-  CHECK_OK(tdm_queue_create(dev, TDM_QUEUE_IN_ORDER, &qd));
-  CHECK_OK(tdm_queue_create(cpu, TDM_QUEUE_IN_ORDER, &qc));
-  unsigned char *want = malloc(N), *src, *back, *d;
-  CHECK(want != NULL);
-  th_fill_random(want, N, &rng);
-  CHECK_OK(tdm_malloc(cpu, TDM_MEM_PINNED, N, (void **)&src));
-  CHECK_OK(tdm_malloc(cpu, TDM_MEM_PINNED, N, (void **)&back));
-  CHECK_OK(tdm_malloc(dev, TDM_MEM_DEVICE, N, (void **)&d));
-  memset(src, 0, N);
-  memset(back, 0, N);
-  th_gate gate;
-  th_gate_init(&gate);
-  th_gated_copy fa = {&gate, src, want, N};
-  tdm_event *filled, *copied;
-  CHECK_OK(tdm_host_task(qc, th_gated_copy_task, &fa, 0, NULL, &filled));
-  CHECK_OK(tdm_queue_wait(qd, filled));
-  CHECK_OK(tdm_memcpy(qd, d, src, N, TDM_COPY_H2D, 0, NULL, NULL));
-  CHECK_OK(tdm_memcpy(qd, back, d, N, TDM_COPY_D2H, 0, NULL, &copied));
-  CHECK_OK(tdm_queue_wait(qc, copied));
-  struct check_arg ca = {back, want, 0};
-  CHECK_OK(tdm_host_task(qc, check_task, &ca, 0, NULL, NULL));
-  th_gate_open(&gate);
-  CHECK_OK(tdm_queue_sync(qc));
-  CHECK(atomic_load(&ca.ran) == 1);
-  CHECK_OK(tdm_queue_sync(qd));
-  CHECK_OK(tdm_event_release(filled));
-  CHECK_OK(tdm_event_release(copied));
-  CHECK_OK(tdm_queue_destroy(qd));
-  CHECK_OK(tdm_queue_destroy(qc));
-  CHECK_OK(tdm_free(src));
-  CHECK_OK(tdm_free(back));
-  CHECK_OK(tdm_free(d));
-  th_gate_destroy(&gate);
-  free(want);
+  gated_copy_through(dev, cpu, cpu);
   th_close();
 }
 
