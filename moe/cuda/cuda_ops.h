@@ -182,6 +182,38 @@ static __device__ __forceinline__ float tf32_round(float v) {
   return __uint_as_float((r & 0x7f800000u) == 0x7f800000u ? u & 0xffffe000u : r);
 }
 
+/* Asynchronous copies from global to shared memory (sm_80 on; gmm.cu, xfmr.cu). */
+static __device__ __forceinline__ void cp_async4(void *dst, const void *src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+#endif
+}
+
+/* 16 bytes from src, or zeros where !valid (nothing is read then; src must still be a global
+ * address). */
+static __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+#endif
+}
+
+static __device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+/* Waits until at most N of this thread's latest groups are still copying. */
+template <int N> static __device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
 /* Weights in a file's format, read where they lie (quant.cu, q16.cu). */
 static __device__ __forceinline__ uint16_t ld16(const uint8_t *p) { /* p even */
   return __ldg((const unsigned short *)p);

@@ -125,37 +125,6 @@ static __device__ __forceinline__ uint4 bf16x8(const float *f) {
   return make_uint4(p[0], p[1], p[2], p[3]);
 }
 
-static __device__ __forceinline__ void cp_async4(void *dst, const void *src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
-#endif
-}
-
-/* 16 bytes from src, or zeros where !valid (nothing is read then; src must still be a global
- * address). */
-static __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-#endif
-}
-
-static __device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-/* Waits until at most N of this thread's latest groups are still copying. */
-template <int N> static __device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
 /* Starts copying the step at k0 (su units) of the tile's weight rows (rowp, NULL: a row past
  * the weights) into raw, a warp a row at a time, its lanes on consecutive 4-byte words: the
  * words that hold the step's bytes, which start sh = 0..3 bytes into the first (sh[r]: MXFP4's

@@ -359,18 +359,21 @@ static cudaError_t attention_tiled(moe_cuda *m, float *out, const float *qv, con
  * TF32 holds exactly (hi, and lo = the rest: 22 bits together, as the projections' split) and
  * each product as three (lo hi + hi lo + hi hi), so that the result keeps f32's precision
  * within a few roundings. A block takes MA_Q queries of one head, a warp 16 of them; the cache
- * goes MA_K positions a step through shared memory, each row padded by 4 floats, so that a
+ * goes MA_K positions a step through shared memory, in a ring of two stages that cp.async fills
+ * one step ahead of the one the tensor cores read; each row is padded by 4 floats, so that a
  * fragment's 32 loads meet 32 banks. A warp's scores stay in its registers, in the layout of
  * PTX's accumulators (thread (g, t) = (lane / 4, lane % 4) holds rows g and g + 8, columns 2t
  * and 2t + 1 of each 8), and are the left operand of the product with the values where they
  * lie: a step's 8 positions are taken in the order 0, 2, 4, 6, 1, 3, 5, 7, the order in which
- * the values' rows are read. One order of operations for every run: the same bits each time. */
+ * the values' rows are read. Blocks go last queries first: with the causal mask they have the
+ * most positions to read, and the short ones fill the tail. One order of operations for every
+ * run: the same bits each time. */
 #define MA_Q 64
 #define MA_K 32
 #define MA_WARPS (MA_Q / 16)
 
 template <int HD> static constexpr size_t ma_smem() {
-  return (size_t)(MA_Q + 2 * MA_K) * (HD + 4) * sizeof(float);
+  return (size_t)(MA_Q + 4 * MA_K) * (HD + 4) * sizeof(float);
 }
 
 /* c += a b, a 16 x 8 (row), b 8 x 8 (column), f32 sums */
@@ -384,10 +387,17 @@ static __device__ __forceinline__ void mma_tf32(float c[4], const uint32_t a[4],
 #endif
 }
 
+/* tf32_round's bits in two instructions instead of its eight, for every finite v that does not
+ * round past f32's largest value, as attention's operands (scaled queries, the cache,
+ * probabilities) are: an infinity stays one, but a finite v that rounds past becomes one
+ * (tf32_round cuts it instead), and so may a NaN. */
+static __device__ __forceinline__ uint32_t tf32_bits(float v) {
+  return (__float_as_uint(v) + 0x1000u) & 0xffffe000u;
+}
+
 static __device__ __forceinline__ void split2(float v, uint32_t *hi, uint32_t *lo) {
-  const float h = tf32_round(v);
-  *hi = __float_as_uint(h);
-  *lo = __float_as_uint(tf32_round(v - h));
+  *hi = tf32_bits(v);
+  *lo = tf32_bits(v - __uint_as_float(*hi));
 }
 
 /* c += a b with a and b in two parts each: the small products first; or, unsplit (S false:
@@ -408,7 +418,23 @@ static __device__ __forceinline__ void part2(float v, uint32_t *hi, uint32_t *lo
   if (S)
     split2(v, hi, lo);
   else
-    *hi = __float_as_uint(tf32_round(v));
+    *hi = tf32_bits(v);
+}
+
+/* Starts copying the cache's positions p0 .. p0 + MA_K - 1 (zeros past last) into Ks and Vs. */
+template <int HD>
+static __device__ __forceinline__ void ma_load(float *Ks, float *Vs, const float *kc,
+                                               const float *vc, size_t kvrow, int kvh, int p0,
+                                               int last) {
+  constexpr int LD = HD + 4, V4 = HD / 4;
+  for (int i = threadIdx.x; i < MA_K * V4; i += MA_WARPS * 32) {
+    const int j = i / V4, d = (i % V4) * 4, p = p0 + j;
+    const bool in = p <= last;
+    const size_t at = in ? (size_t)p * kvrow + (size_t)kvh * HD + d : 0;
+    cp_async16(Ks + j * LD + d, kc + at, in);
+    cp_async16(Vs + j * LD + d, vc + at, in);
+  }
+  cp_async_commit();
 }
 
 template <int HD, bool S>
@@ -419,11 +445,14 @@ static __global__ void __launch_bounds__(MA_WARPS * 32)
   pos0 = pos_at(dpos, pos0, ctx, T);
   constexpr int LD = HD + 4, NT = HD / 8, V4 = HD / 4;
   extern __shared__ float4 ma_smem_f4[];
-  float *Qs = (float *)ma_smem_f4, *Ks = Qs + MA_Q * LD, *Vs = Ks + MA_K * LD;
-  const int h = blockIdx.y, kvh = h / (nh / nkv), t0 = blockIdx.x * MA_Q;
+  float *Qs = (float *)ma_smem_f4, *ring = Qs + MA_Q * LD; /* stage s: K, then V */
+  const int h = blockIdx.y, kvh = h / (nh / nkv);
+  const int t0 = (int)(gridDim.x - 1 - blockIdx.x) * MA_Q;
   const int nq = T - t0 < MA_Q ? T - t0 : MA_Q;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const size_t qrow = (size_t)nh * HD, kvrow = (size_t)nkv * HD;
+  const int r0 = warp * 16, last = pos0 + t0 + nq - 1;
+  ma_load<HD>(ring, ring + MA_K * LD, kc, vc, kvrow, kvh, 0, last);
   for (int i = threadIdx.x; i < MA_Q * V4; i += MA_WARPS * 32) {
     const int r = i / V4, d = (i % V4) * 4;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -433,109 +462,106 @@ static __global__ void __launch_bounds__(MA_WARPS * 32)
     }
     *(float4 *)(Qs + r * LD + d) = v;
   }
-  const int r0 = warp * 16, last = pos0 + t0 + nq - 1;
   const bool va = r0 + g < nq, vb = r0 + g + 8 < nq; /* rows g and g + 8 are queries */
   const int pa = pos0 + t0 + r0 + g, pb = pa + 8;    /* ... at these positions */
   const int wlast = r0 < nq ? pos0 + t0 + (r0 + 15 < nq ? r0 + 15 : nq - 1) : -1;
   float o[NT][4], ma = -INFINITY, mb = -INFINITY, la = 0.f, lb = 0.f;
 #pragma unroll
   for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  for (int p0 = 0; p0 <= last; p0 += MA_K) {
-    __syncthreads(); /* the last tile's readers are done (and Qs is written, the first time) */
-    for (int i = threadIdx.x; i < MA_K * V4; i += MA_WARPS * 32) {
-      const int j = i / V4, d = (i % V4) * 4, p = p0 + j;
-      float4 k = make_float4(0.f, 0.f, 0.f, 0.f), v = k;
-      if (p <= last) {
-        const size_t at = (size_t)p * kvrow + (size_t)kvh * HD + d;
-        k = *(const float4 *)(kc + at);
-        v = *(const float4 *)(vc + at);
-      }
-      *(float4 *)(Ks + j * LD + d) = k;
-      *(float4 *)(Vs + j * LD + d) = v;
+  for (int p0 = 0, st = 0; p0 <= last; p0 += MA_K, st ^= 1) {
+    const float *Ks = ring + 2 * st * MA_K * LD, *Vs = Ks + MA_K * LD;
+    if (p0 + MA_K <= last) {
+      float *nk = ring + 2 * (st ^ 1) * MA_K * LD;
+      ma_load<HD>(nk, nk + MA_K * LD, kc, vc, kvrow, kvh, p0 + MA_K, last);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
     }
-    __syncthreads();
-    if (p0 > wlast) continue; /* every position of the tile is after the warp's queries */
-    float sc[MA_K / 8][4];
+    __syncthreads(); /* this step's tile landed for every thread (and Qs is written) */
+    if (p0 <= wlast) { /* else every position of the tile is after the warp's queries */
+      float sc[MA_K / 8][4];
 #pragma unroll
-    for (int j = 0; j < MA_K / 8; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+      for (int j = 0; j < MA_K / 8; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
 #pragma unroll 4
-    for (int k0 = 0; k0 < HD; k0 += 8) {
-      uint32_t ah[4], al[4];
-      const float *qa = Qs + (r0 + g) * LD + k0 + t, *qb = qa + 8 * LD;
-      part2<S>(qa[0], &ah[0], &al[0]);
-      part2<S>(qb[0], &ah[1], &al[1]);
-      part2<S>(qa[4], &ah[2], &al[2]);
-      part2<S>(qb[4], &ah[3], &al[3]);
+      for (int k0 = 0; k0 < HD; k0 += 8) {
+        uint32_t ah[4], al[4];
+        const float *qa = Qs + (r0 + g) * LD + k0 + t, *qb = qa + 8 * LD;
+        part2<S>(qa[0], &ah[0], &al[0]);
+        part2<S>(qb[0], &ah[1], &al[1]);
+        part2<S>(qa[4], &ah[2], &al[2]);
+        part2<S>(qb[4], &ah[3], &al[3]);
 #pragma unroll
-      for (int j = 0; j < MA_K / 8; j++) {
-        uint32_t bh[2], bl[2];
-        const float *kr = Ks + (8 * j + g) * LD + k0 + t;
-        part2<S>(kr[0], &bh[0], &bl[0]);
-        part2<S>(kr[4], &bh[1], &bl[1]);
-        mma3<S>(sc[j], ah, al, bh, bl);
+        for (int j = 0; j < MA_K / 8; j++) {
+          uint32_t bh[2], bl[2];
+          const float *kr = Ks + (8 * j + g) * LD + k0 + t;
+          part2<S>(kr[0], &bh[0], &bl[0]);
+          part2<S>(kr[4], &bh[1], &bl[1]);
+          mma3<S>(sc[j], ah, al, bh, bl);
+        }
       }
-    }
-    /* the causal mask, then the online softmax of rows g (a) and g + 8 (b) across the quad */
-    float xa = -INFINITY, xb = -INFINITY;
+      /* the causal mask, then the online softmax of rows g (a) and g + 8 (b) across the quad */
+      float xa = -INFINITY, xb = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < MA_K / 8; j++)
+      for (int j = 0; j < MA_K / 8; j++)
 #pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int p = p0 + 8 * j + 2 * t + e;
-        if (!va || p > pa) sc[j][e] = -INFINITY;
-        if (!vb || p > pb) sc[j][2 + e] = -INFINITY;
-        xa = fmaxf(xa, sc[j][e]);
-        xb = fmaxf(xb, sc[j][2 + e]);
+        for (int e = 0; e < 2; e++) {
+          const int p = p0 + 8 * j + 2 * t + e;
+          if (!va || p > pa) sc[j][e] = -INFINITY;
+          if (!vb || p > pb) sc[j][2 + e] = -INFINITY;
+          xa = fmaxf(xa, sc[j][e]);
+          xb = fmaxf(xb, sc[j][2 + e]);
+        }
+#pragma unroll
+      for (int off = 1; off < 4; off <<= 1) {
+        xa = fmaxf(xa, __shfl_xor_sync(0xffffffffu, xa, off));
+        xb = fmaxf(xb, __shfl_xor_sync(0xffffffffu, xb, off));
       }
+      const float na = fmaxf(ma, xa), nb = fmaxf(mb, xb);
+      const float ca = na == -INFINITY ? 1.f : expf(ma - na);
+      const float cb = nb == -INFINITY ? 1.f : expf(mb - nb);
+      float sa = 0.f, sb = 0.f;
 #pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      xa = fmaxf(xa, __shfl_xor_sync(0xffffffffu, xa, off));
-      xb = fmaxf(xb, __shfl_xor_sync(0xffffffffu, xb, off));
-    }
-    const float na = fmaxf(ma, xa), nb = fmaxf(mb, xb);
-    const float ca = na == -INFINITY ? 1.f : expf(ma - na);
-    const float cb = nb == -INFINITY ? 1.f : expf(mb - nb);
-    float sa = 0.f, sb = 0.f;
+      for (int j = 0; j < MA_K / 8; j++)
 #pragma unroll
-    for (int j = 0; j < MA_K / 8; j++)
+        for (int e = 0; e < 2; e++) {
+          sc[j][e] = sc[j][e] == -INFINITY ? 0.f : expf(sc[j][e] - na);
+          sc[j][2 + e] = sc[j][2 + e] == -INFINITY ? 0.f : expf(sc[j][2 + e] - nb);
+          sa += sc[j][e];
+          sb += sc[j][2 + e];
+        }
 #pragma unroll
-      for (int e = 0; e < 2; e++) {
-        sc[j][e] = sc[j][e] == -INFINITY ? 0.f : expf(sc[j][e] - na);
-        sc[j][2 + e] = sc[j][2 + e] == -INFINITY ? 0.f : expf(sc[j][2 + e] - nb);
-        sa += sc[j][e];
-        sb += sc[j][2 + e];
+      for (int off = 1; off < 4; off <<= 1) {
+        sa += __shfl_xor_sync(0xffffffffu, sa, off);
+        sb += __shfl_xor_sync(0xffffffffu, sb, off);
       }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      sa += __shfl_xor_sync(0xffffffffu, sa, off);
-      sb += __shfl_xor_sync(0xffffffffu, sb, off);
-    }
-    la = la * ca + sa;
-    lb = lb * cb + sb;
-    ma = na;
-    mb = nb;
-#pragma unroll
-    for (int n = 0; n < NT; n++) {
-      o[n][0] *= ca, o[n][1] *= ca;
-      o[n][2] *= cb, o[n][3] *= cb;
-    }
-    /* o += P V: P's fragment is the scores' registers (columns 2t, 2t + 1 as t, t + 4) */
-#pragma unroll
-    for (int j = 0; j < MA_K / 8; j++) {
-      uint32_t ah[4], al[4];
-      part2<S>(sc[j][0], &ah[0], &al[0]);
-      part2<S>(sc[j][2], &ah[1], &al[1]);
-      part2<S>(sc[j][1], &ah[2], &al[2]);
-      part2<S>(sc[j][3], &ah[3], &al[3]);
-      const float *v0 = Vs + (8 * j + 2 * t) * LD + g, *v1 = v0 + LD;
+      la = la * ca + sa;
+      lb = lb * cb + sb;
+      ma = na;
+      mb = nb;
 #pragma unroll
       for (int n = 0; n < NT; n++) {
-        uint32_t bh[2], bl[2];
-        part2<S>(v0[8 * n], &bh[0], &bl[0]);
-        part2<S>(v1[8 * n], &bh[1], &bl[1]);
-        mma3<S>(o[n], ah, al, bh, bl);
+        o[n][0] *= ca, o[n][1] *= ca;
+        o[n][2] *= cb, o[n][3] *= cb;
+      }
+      /* o += P V: P's fragment is the scores' registers (columns 2t, 2t + 1 as t, t + 4) */
+#pragma unroll
+      for (int j = 0; j < MA_K / 8; j++) {
+        uint32_t ah[4], al[4];
+        part2<S>(sc[j][0], &ah[0], &al[0]);
+        part2<S>(sc[j][2], &ah[1], &al[1]);
+        part2<S>(sc[j][1], &ah[2], &al[2]);
+        part2<S>(sc[j][3], &ah[3], &al[3]);
+        const float *v0 = Vs + (8 * j + 2 * t) * LD + g, *v1 = v0 + LD;
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+          uint32_t bh[2], bl[2];
+          part2<S>(v0[8 * n], &bh[0], &bl[0]);
+          part2<S>(v1[8 * n], &bh[1], &bl[1]);
+          mma3<S>(o[n], ah, al, bh, bl);
+        }
       }
     }
+    __syncthreads(); /* every reader of this stage is done before the next step refills it */
   }
   float *oa = out + (size_t)(t0 + r0 + g) * qrow + (size_t)h * HD + 2 * t, *ob = oa + 8 * qrow;
 #pragma unroll
