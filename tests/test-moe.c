@@ -928,6 +928,12 @@ TEST_CASE(expert_parallel) {
   base.devices = both;
   base.ndevices = 2;
   const size_t budgets[] = {0, eb, all / 4, all};
+  /* CUDA's prefill experts take their activations as bf16 (test-moe-ops says why), the other
+   * backends as f32: a CUDA device beside one of another backend is held to HOST_TOL, as host
+   * experts beside a CUDA device are; other pairs compute the same sums in other orders. */
+  const bool cuda_mixed = (strncmp(th_device_id, "cuda:", 5) == 0) !=
+                          (strncmp(second_id, "cuda:", 5) == 0);
+  const double tol = cuda_mixed ? HOST_TOL : 1e-5;
   double worst = 0;
   for (int pol = 0; pol < 2; pol++)
     for (size_t b = 0; b < sizeof budgets / sizeof budgets[0]; b++) {
@@ -958,7 +964,7 @@ TEST_CASE(expert_parallel) {
         for (size_t i = 0; i < n; i++) CHECK(isfinite(y[i]));
         double err = rel_l2(y, ref, n);
         worst = err > worst ? err : worst;
-        CHECK_MSG(err < 1e-5, "%s and %s, policy %s, budget %zu, overlap %d%s: rel l2 %g "
+        CHECK_MSG(err < tol, "%s and %s, policy %s, budget %zu, overlap %d%s: rel l2 %g "
                   "against one device", th_device_id, second_id, pol ? "lru" : "static",
                   budgets[b], ov % 2, ov >= 2 ? ", rebalanced" : "", err);
       }

@@ -18,11 +18,11 @@ extern "C" {
 
 #define MOE_THREADS 256 /* threads per block for every kernel here (a power of two) */
 #define MOE_WARPS (MOE_THREADS / 32)
-#define ROUTER_TOKENS 8   /* tokens per router block: each weight row read serves them all */
-#define ROUTER_SMEM 49152 /* the router's dynamic shared memory for its logits, at most */
-#define ROUTER_SMEM_STAGED (96 * 1024) /* ... with the block's rows of x too (opt-in) */
-#define ROUTER_SPLIT_T 64   /* ubatches of at most this many tokens route in two kernels */
-#define ROUTER_SPLIT_LOGITS (64 * 4096) /* ... when T x E logits fit the scratch (1 MiB) */
+#define ROUTER_TOKENS 8   /* tokens per small-ubatch router block: a weight row serves them all */
+#define ROUTER_SMEM 49152 /* the top-k kernel's dynamic shared memory (5 bytes an expert) */
+#define ROUTER_SPLIT_T 64 /* ubatches of at most this many tokens: router_logits_kernel, when
+                           * T x E logits fit the scratch */
+#define ROUTER_LOGITS (1 << 20) /* the logits' scratch, floats (4 MiB; larger ubatches: parts) */
 #define BLAS_WS_BYTES (32u << 20) /* cuBLAS's recommended workspace on Hopper */
 #define WS_ALIGN 256
 
@@ -70,7 +70,7 @@ typedef struct moe_cuda {
   cublasHandle_t blas; /* bound to s, with ws as its workspace */
   cublasLtHandle_t lt; /* the plans' handle; its calls name s and ws themselves */
   void *ws;            /* cuBLAS's workspace: cudaMalloc'd (256-byte aligned, as it requires) */
-  float *logits;       /* the small-ubatch router's logits: ROUTER_SPLIT_LOGITS floats */
+  float *logits;       /* the router's logits or their parts: ROUTER_LOGITS floats */
   int gx_shape;        /* experts()'s kernels: GX_SHAPE_NARROW unless forced at open() */
   bool pdl;            /* launch_pdl() launches as programmatic dependents (open() decides) */
   bool q16;            /* Q4_K gate/up decode on 16-bit activations (q16.cu); open() decides */

@@ -6,7 +6,8 @@
  * router, SwiGLU, gather/scatter and combine are kernels here; the expert GEMMs are cuBLASLt
  * (cuBLAS where cuBLASLt has no algorithm for a shape), on that stream.
  *
- * Determinism: no kernel here uses atomics; every sum has a fixed order that does not depend
+ * Determinism: no kernel here adds floats with atomics (group's counts are integer sums in
+ * shared memory); every sum has a fixed order that does not depend
  * on timing or on how tokens are grouped into blocks. The expert GEMMs go through cuBLASLt with
  * one plan per shape (descriptors and the algorithm its heuristic picks, made at a shape's
  * first use and kept): the same shape always runs the same algorithm, with the same workspace,
@@ -56,11 +57,13 @@ static __global__ void rmsnorm_kernel(float *y, const float *x, const float *w, 
 }
 
 /* ---- router ----
- * One block per ROUTER_TOKENS tokens (tt of them in this block). Phase 1: warps take experts
- * round-robin; each lane sums x[t][c] * wr[e][c] over its columns c = lane + 32j in ascending
- * order (one fmaf per term), then a fixed warp tree, then the bias: a token's logit does not
- * depend on which block it fell in. Phase 2: one warp per token turns its logits into
- * probabilities and picks the top k. Shared memory: p[tt][E] floats, then taken[tt][E] bytes. */
+ * Two ways to the logits, each followed by router_topk_kernel (one warp per token: the
+ * probabilities, then the top k). Small ubatches (T <= ROUTER_SPLIT_T): router_logits_kernel
+ * below. Larger ones: router_gemm_kernel, tiles of RG_T tokens by RG_E experts with H in
+ * RG_SPLIT consecutive parts, each part one fmaf chain in ascending order of the hidden index
+ * (a thread's accumulator), the parts then added in order and the bias last by the top-k
+ * kernel. Either way a token's logit does not depend on which tile or block it fell in, only
+ * on T's side of ROUTER_SPLIT_T. */
 
 /* a better than b: larger p, or equal p and lower index; NaN ranks lowest. */
 static __device__ __forceinline__ bool better(float pa, int ia, float pb, int ib) {
@@ -111,54 +114,6 @@ static __device__ void router_token(float *p, unsigned char *taken, int E, int k
   }
   if (renorm && lane == 0)
     for (int r = 0; r < k; r++) weights[r] = weights[r] / chosen;
-}
-
-/* A block per tpb tokens; shared memory: tpb x E floats (the logits), tpb x E bytes, then
- * (STAGED) the block's tpb rows of x, read once rather than once per expert row: every lane's
- * sums are in the same order either way, so the bits are too. */
-template <bool STAGED>
-static __global__ void router_kernel(const float *x, const uint16_t *wr, const float *bias, int T,
-                                     int H, int E, int k, int renorm, int tpb, int32_t *idx,
-                                     float *weights) {
-  extern __shared__ float smem[];
-  float *p = smem;
-  unsigned char *taken = (unsigned char *)(smem + (size_t)tpb * E);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int t0 = blockIdx.x * tpb;
-  const int tt = min(tpb, T - t0);
-  const float *xb = x + (size_t)t0 * H;
-  if (STAGED) { /* after the bytes, at a 16-byte multiple */
-    float *xs = smem + ((size_t)tpb * E * 5 + 15) / 16 * 4;
-    for (size_t i = threadIdx.x; i < (size_t)tt * H; i += MOE_THREADS) xs[i] = xb[i];
-    __syncthreads();
-    xb = xs;
-  }
-
-  for (int e = warp; e < E; e += MOE_WARPS) {
-    const uint16_t *we = wr + (size_t)e * H;
-    float acc[ROUTER_TOKENS];
-#pragma unroll
-    for (int j = 0; j < ROUTER_TOKENS; j++) acc[j] = 0.f;
-#pragma unroll 4
-    for (int c = lane; c < H; c += 32) {
-      float wv = bf16_to_f32(we[c]);
-#pragma unroll
-      for (int j = 0; j < ROUTER_TOKENS; j++)
-        if (j < tt) acc[j] = fmaf(xb[(size_t)j * H + c], wv, acc[j]);
-    }
-#pragma unroll
-    for (int j = 0; j < ROUTER_TOKENS; j++) {
-      if (j >= tt) break;
-      float v = warp_sum(acc[j]);
-      if (lane == 0) p[(size_t)j * E + e] = bias ? v + bias[e] : v;
-    }
-  }
-  __syncthreads();
-  for (int j = warp; j < tt; j += MOE_WARPS) {
-    size_t t = (size_t)t0 + j;
-    router_token(p + (size_t)j * E, taken + (size_t)j * E, E, k, renorm, idx + t * k,
-                 weights + t * k);
-  }
 }
 
 /* ---- expert ----
@@ -457,15 +412,13 @@ static __global__ void __launch_bounds__(MOE_THREADS, MINB)
 }
 
 /* ---- the router for small ubatches (T <= ROUTER_SPLIT_T) ----
- * router_kernel gives each ROUTER_TOKENS tokens one block, which reads all E x H router weights
- * alone: a decode step's router was a single block, and 16 tokens took two blocks 0.3 ms on
- * the H200 (bench/results/h200-decode-kernels). At 256 tokens (32 blocks) it was the faster
- * of the two again (bench/results/h200-router-split), hence the limit. Here the logits are
- * spread over E warps per ROUTER_TOKENS tokens (blockIdx.y: one expert's row each, read 16
- * bytes at a time, each of the tokens dotted with it, then the fixed warp tree), and a second
- * kernel, one warp per token, turns them into the top k as router_kernel does. Its logits add
- * up in another order than router_kernel's, so the two paths may differ in the last bit; which
- * one runs depends on T and E alone. */
+ * A decode step's few tokens would give router_gemm_kernel a handful of blocks (one block per
+ * 8 tokens took 0.3 ms for 16 tokens on the H200, bench/results/h200-decode-kernels). Here the
+ * logits are spread over E warps per ROUTER_TOKENS tokens (blockIdx.y: one expert's row each,
+ * read 16 bytes at a time, each of the tokens dotted with it, then the fixed warp tree, then
+ * the bias), and router_topk_kernel follows. Its logits add up in another order than
+ * router_gemm_kernel's, so the two paths may differ in the last bit; which one runs depends
+ * on T and E alone. */
 static __global__ void router_logits_kernel(const float *x, const uint16_t *wr, const float *bias,
                                             int T, int H, int E, bool vec, float *logits) {
   wait_prior_grid();
@@ -503,24 +456,80 @@ static __global__ void router_logits_kernel(const float *x, const uint16_t *wr, 
   }
 }
 
-/* One warp (block) per token; shared memory: E floats, then E bytes. */
-static __global__ void router_topk_kernel(const float *logits, int E, int k, int renorm,
+/* One warp (block) per token; shared memory: E floats, then E bytes. The token's logits are
+ * the sum of its nparts rows of part (pstride floats apart), in order, plus the bias (NULL:
+ * none). */
+static __global__ void router_topk_kernel(const float *part, int nparts, size_t pstride,
+                                          const float *bias, int E, int k, int renorm,
                                           int32_t *idx, float *weights) {
   wait_prior_grid();
   extern __shared__ float smem[];
   float *p = smem;
   unsigned char *taken = (unsigned char *)(smem + E);
   const size_t t = blockIdx.x;
-  for (int e = threadIdx.x; e < E; e += 32) p[e] = logits[t * E + e];
+  for (int e = threadIdx.x; e < E; e += 32) {
+    float v = part[t * E + e];
+    for (int s = 1; s < nparts; s++) v += part[s * pstride + t * E + e];
+    p[e] = bias ? v + bias[e] : v;
+  }
   __syncwarp();
   router_token(p, taken, E, k, renorm, idx + t * k, weights + t * k);
 }
 
+/* The logits of larger ubatches, in parts: block (ei, ti, s) sums x[t][c] wr[e][c] over c in
+ * part s of H (RG_KS values each, a multiple of RG_KC) for its RG_T tokens and RG_E experts,
+ * RG_KC values a step through shared memory (x as it is, wr widened to f32; zeros past T, E
+ * and H, which add nothing). Thread (tt, ee) = (tid / 16, tid % 16) keeps the four sums of
+ * tokens tt, tt + 16 and experts ee, ee + 16. part[s][t][e], T x E floats a part. */
+#define RG_T 32
+#define RG_E 32
+#define RG_KC 32
+#define RG_SPLIT 4
+
+static __global__ void __launch_bounds__(MOE_THREADS)
+    router_gemm_kernel(const float *x, const uint16_t *wr, int T, int H, int E, int ks,
+                       float *part) {
+  wait_prior_grid();
+  __shared__ float xs[RG_T][RG_KC + 1], ws[RG_E][RG_KC + 1];
+  const int tid = threadIdx.x, tt = tid >> 4, ee = tid & 15;
+  const int e0 = blockIdx.x * RG_E, t0 = blockIdx.y * RG_T, s = blockIdx.z;
+  const int c0 = s * ks, c1 = min(H, c0 + ks);
+  float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+  for (int k0 = c0; k0 < c1; k0 += RG_KC) {
+#pragma unroll
+    for (int q = 0; q < RG_T * RG_KC / MOE_THREADS; q++) {
+      const int i = tid + q * MOE_THREADS, r = i / RG_KC, c = i % RG_KC;
+      const bool in = k0 + c < c1;
+      xs[r][c] = in && t0 + r < T ? x[(size_t)(t0 + r) * H + k0 + c] : 0.f;
+      ws[r][c] = in && e0 + r < E ? bf16_to_f32(wr[(size_t)(e0 + r) * H + k0 + c]) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int c = 0; c < RG_KC; c++) {
+      const float a0 = xs[tt][c], a1 = xs[tt + 16][c], b0 = ws[ee][c], b1 = ws[ee + 16][c];
+      acc[0][0] = fmaf(a0, b0, acc[0][0]);
+      acc[0][1] = fmaf(a0, b1, acc[0][1]);
+      acc[1][0] = fmaf(a1, b0, acc[1][0]);
+      acc[1][1] = fmaf(a1, b1, acc[1][1]);
+    }
+    __syncthreads();
+  }
+  float *ps = part + (size_t)s * T * E;
+#pragma unroll
+  for (int i = 0; i < 2; i++)
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+      const int t = t0 + tt + 16 * i, e = e0 + ee + 16 * j;
+      if (t < T && e < E) ps[(size_t)t * E + e] = acc[i][j];
+    }
+}
+
 /* ---- group(): the routing grouped on the device, one block ----
- * The routing is staged in shared memory (when it fits); thread e counts expert e's choices;
- * each thread takes a run of consecutive experts, and a scan over the threads' runs gives every
+ * The routing is staged in shared memory (when it fits) and counted by expert with shared
+ * atomics (sums: their order is no matter); each thread takes a run of consecutive experts, and a scan over the threads' runs gives every
  * routed expert its place among the routed ones and its first entry, so the experts are laid
- * out in ascending order without a serial pass; thread e then writes its tokens in token order.
+ * out in ascending order without a serial pass; one warp then places the entries in routing
+ * order, so that each expert's tokens come in token order.
  * Every position comes from a count, never from a race: deterministic, and the same layout as
  * the CPU and OpenCL tables give. */
 #define GROUP_MAX_E 4096    /* counts and offsets in shared memory: 32 KiB */
@@ -584,22 +593,23 @@ static __global__ void group_kernel(const int32_t *idx, int T, int k, int E, con
     groups[j] = ent;
   }
   __syncthreads();
-  /* A warp per expert lays out its entries, 32 of the routing at a time, in order. */
-  const int lane = tid & 31;
-  for (int e = tid >> 5; e < E; e += MOE_WARPS) {
-    if (!cnt[e]) continue;
-    int a = first[e];
-    for (int base = 0; base < tk; base += 32) {
-      const int i = base + lane;
-      const bool hit = i < tk && ix[i] == e;
-      const unsigned m = __ballot_sync(0xffffffffu, hit);
-      if (hit) {
-        const int at = a + __popc(m & ((1u << lane) - 1u));
-        rows[at] = i / k;
-        slot[at] = i;
-      }
-      a += __popc(m);
+  /* Warp 0 lays out every entry, 32 of the routing at a time, in order: the lanes that chose
+   * one expert (__match_any_sync) take its next places in lane order, and the lowest of them
+   * moves the expert's cursor (first[], from here on) past them. */
+  if (tid >= 32) return;
+  const int lane = tid;
+  for (int base = 0; base < tk; base += 32) {
+    const int i = base + lane, e = i < tk ? ix[i] : -1;
+    const bool ok = e >= 0 && e < E;
+    const unsigned same = __match_any_sync(0xffffffffu, ok ? e : -1);
+    if (ok) {
+      const int at = first[e] + __popc(same & ((1u << lane) - 1u));
+      rows[at] = i / k;
+      slot[at] = i;
     }
+    __syncwarp();
+    if (ok && lane == __ffs(same) - 1) first[e] += __popc(same);
+    __syncwarp();
   }
 }
 
@@ -667,7 +677,7 @@ static void release(moe_cuda *m) {
  * workspace to cuBLAS's pool, so the workspace is set after it. */
 static int blas_setup(moe_cuda *m) {
   CK_CUDA(cudaMalloc(&m->ws, BLAS_WS_BYTES));
-  CK_CUDA(cudaMalloc(&m->logits, (size_t)ROUTER_SPLIT_LOGITS * sizeof(float)));
+  CK_CUDA(cudaMalloc(&m->logits, (size_t)ROUTER_LOGITS * sizeof(float)));
   CK_BLAS(cublasCreate(&m->blas));
   CK_BLAS(cublasSetStream(m->blas, m->s));
   CK_BLAS(cublasSetWorkspace(m->blas, m->ws, BLAS_WS_BYTES));
@@ -686,8 +696,7 @@ static int blas_setup(moe_cuda *m) {
  * loads a kernel without launching it. */
 static int preload(moe_cuda *m) {
   const void *k[] = {
-      (const void *)rmsnorm_kernel, (const void *)router_kernel<false>,
-      (const void *)router_kernel<true>, (const void *)gather_kernel,
+      (const void *)rmsnorm_kernel, (const void *)router_gemm_kernel, (const void *)gather_kernel,
       (const void *)swiglu_kernel, (const void *)scatter_kernel,
       (const void *)router_logits_kernel, (const void *)router_topk_kernel,
       (const void *)group_kernel, (const void *)combine_kernel, (const void *)upload16_kernel,
@@ -700,12 +709,9 @@ static int preload(moe_cuda *m) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
   }
-  /* group's staged routing and the router's staged rows: past the 48 KiB a kernel has
-   * without asking */
+  /* group's staged routing: past the 48 KiB a kernel has without asking */
   CK_CUDA(cudaFuncSetAttribute(group_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                (int)(GROUP_IDX_SHARED * sizeof(int))));
-  CK_CUDA(cudaFuncSetAttribute(router_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               (int)ROUTER_SMEM_STAGED));
   int rc = cuda_xfmr_preload(m);
   return rc ? rc : cuda_quant_preload(m);
 }
@@ -799,36 +805,34 @@ static int launch_router(moe_cuda *m, const float *x, const tdm_moe_bf16 *wr, co
   if (E > ROUTER_SMEM / 5) /* p (4 bytes) and taken (1 byte) per expert */
     return tdm_set_error(TDM_EINVAL, 0, "moe router: %d experts need more shared memory than "
                          "the kernel takes", E);
-  if (T <= ROUTER_SPLIT_T && (size_t)T * E <= ROUTER_SPLIT_LOGITS) {
+  if (T <= ROUTER_SPLIT_T && (size_t)T * E <= ROUTER_LOGITS) {
     bool vec = H % 8 == 0 && !((uintptr_t)x & 15) && !((uintptr_t)wr & 15);
     const dim3 grid((unsigned)((E + MOE_WARPS - 1) / MOE_WARPS),
                     (unsigned)((T + ROUTER_TOKENS - 1) / ROUTER_TOKENS));
     cudaError_t e = launch_pdl(m, router_logits_kernel, grid, MOE_THREADS, 0, x, wr, bias, T, H,
                                E, vec, m->logits);
     if (e == cudaSuccess)
-      e = launch_pdl(m, router_topk_kernel, T, 32, (size_t)E * 5, (const float *)m->logits, E, k,
-                     (int)(renorm != 0), idx, weights);
+      e = launch_pdl(m, router_topk_kernel, T, 32, (size_t)E * 5, (const float *)m->logits, 1,
+                     (size_t)0, (const float *)NULL, E, k, (int)(renorm != 0), idx, weights);
     return e == cudaSuccess ? 0 : cuda_fail(m, e, "the small-ubatch router kernels");
   }
-  int tpb = ROUTER_SMEM / (E * 5);
-  if (tpb > ROUTER_TOKENS) tpb = ROUTER_TOKENS;
-  if (tpb > T) tpb = T;
-  /* x's rows staged too where ROUTER_SMEM_STAGED holds them with the logits */
-  const size_t per = (size_t)E * 5 + (size_t)H * sizeof(float);
-  const bool staged = per + 16 <= ROUTER_SMEM_STAGED;
-  if (staged && (size_t)tpb * per + 16 > ROUTER_SMEM_STAGED)
-    tpb = (int)((ROUTER_SMEM_STAGED - 16) / per);
-  size_t smem = staged ? ((size_t)tpb * E * 5 + 15) / 16 * 16 + (size_t)tpb * H * sizeof(float)
-                       : (size_t)tpb * E * 5;
-  int blocks = (int)(((long long)T + tpb - 1) / tpb);
-  if (staged)
-    router_kernel<true><<<blocks, MOE_THREADS, smem, m->s>>>(x, wr, bias, T, H, E, k,
-                                                             renorm != 0, tpb, idx, weights);
-  else
-    router_kernel<false><<<blocks, MOE_THREADS, smem, m->s>>>(x, wr, bias, T, H, E, k,
-                                                              renorm != 0, tpb, idx, weights);
-  cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? 0 : cuda_fail(m, e, "router_kernel");
+  /* in chunks of tokens whose parts fit the scratch */
+  const int ks = (H + RG_SPLIT * RG_KC - 1) / (RG_SPLIT * RG_KC) * RG_KC;
+  const int nparts = (H + ks - 1) / ks;
+  const int chunk = (int)(ROUTER_LOGITS / ((size_t)nparts * E));
+  for (int t0 = 0; t0 < T; t0 += chunk) {
+    const int tc = min(chunk, T - t0);
+    const dim3 grid((unsigned)((E + RG_E - 1) / RG_E), (unsigned)((tc + RG_T - 1) / RG_T),
+                    (unsigned)nparts);
+    cudaError_t e = launch_pdl(m, router_gemm_kernel, grid, MOE_THREADS, 0, x + (size_t)t0 * H,
+                               (const uint16_t *)wr, tc, H, E, ks, m->logits);
+    if (e == cudaSuccess)
+      e = launch_pdl(m, router_topk_kernel, tc, 32, (size_t)E * 5, (const float *)m->logits,
+                     nparts, (size_t)tc * E, bias, E, k, (int)(renorm != 0),
+                     idx + (size_t)t0 * k, weights + (size_t)t0 * k);
+    if (e != cudaSuccess) return cuda_fail(m, e, "the router kernels");
+  }
+  return 0;
 }
 
 static int cuda_router(void *st, tdm_queue *q, const float *x, const tdm_moe_bf16 *wr,
