@@ -76,8 +76,9 @@ typedef struct moe_cuda {
   bool q16;            /* Q4_K gate/up decode on 16-bit activations (q16.cu); open() decides */
   bool tf32;           /* prefill's projections on TF32 tensor cores, x and w split (xfmr.cu) */
   bool tc_attention;   /* prefill's attention on TF32 tensor cores, operands split (xfmr.cu) */
-  int gmm_bm;          /* gmm.cu's tokens a tile: 64, 128, or 0 (by the table's tokens an
-                        * entry); TANDEM_MOE_CUDA_GMM_BM, read at open (default 64) */
+  int gmm_bm;          /* gmm.cu's tokens a tile: 64, 128, or 0 (by the weights' types and the
+                        * table's tokens an entry); TANDEM_MOE_CUDA_GMM_BM, read at open
+                        * (default 0, auto) */
   bool tf32_single;    /* TANDEM_MOE_CUDA_TF32=single: prefill's projections and tensor-core
                         * attention take one TF32 product of unsplit operands (11 significant
                         * bits each, f32 sums), not three */

@@ -527,15 +527,19 @@ static cudaError_t gmm_launch(moe_cuda *m, const float *x, uint32_t xlimit, cons
   return e;
 }
 
-/* Tiles of 128 tokens where m->gmm_bm says so (TANDEM_MOE_CUDA_GMM_BM=128), or, with auto,
- * where the entries average 96 tokens or more: each tile widens its experts' weights once, so
- * a large ubatch's experts take half the widening. */
+/* Tiles of 128 tokens where m->gmm_bm says so (TANDEM_MOE_CUDA_GMM_BM=128), or, by default
+ * (auto), where both projections' weights are K-quants and the entries average 96 tokens or
+ * more: each tile widens its experts' weights once, so a large ubatch's experts take half the
+ * widening, which won for Q4_K and Q6_K at 128 tokens an expert and lost for Q8_0, BF16 and
+ * F16 (bench/results/h100-prefill-profile-57fe784, h100-prefill-ub2048-5493d72). */
 cudaError_t cuda_gmm(moe_cuda *m, const float *x, uint32_t xlimit, const int32_t *rows,
                      const int32_t *slot, uint32_t olimit, int n, const uint8_t *wbase,
                      long long wlimit, long long ebytes, int tg, int td,
                      const tdm_moe_group *groups, int G, int H, int I, size_t gu_rb, size_t d_rb,
                      void *ws, float *out) {
-  const bool big = m->gmm_bm == 128 || (m->gmm_bm == 0 && (long long)n >= 96LL * G);
+  const bool kq = (tg == TDM_MOE_W_Q4_K || tg == TDM_MOE_W_Q6_K) &&
+                  (td == TDM_MOE_W_Q4_K || td == TDM_MOE_W_Q6_K);
+  const bool big = m->gmm_bm == 128 || (m->gmm_bm == 0 && kq && (long long)n >= 96LL * G);
   if (big)
     return gmm_launch<128>(m, x, xlimit, rows, slot, olimit, n, wbase, wlimit, ebytes, tg, td,
                            groups, G, H, I, gu_rb, d_rb, ws, out);

@@ -753,7 +753,7 @@ static int cuda_open(tdm_queue *q, void **state) {
   m->tf32 = !(tf32 && strcmp(tf32, "0") == 0) && major >= 8;
   m->tf32_single = m->tf32 && tf32 && strcmp(tf32, "single") == 0;
   const char *bm = getenv("TANDEM_MOE_CUDA_GMM_BM");
-  m->gmm_bm = !bm ? 64 : strcmp(bm, "128") == 0 ? 128 : strcmp(bm, "auto") == 0 ? 0 : 64;
+  m->gmm_bm = !bm ? 0 : strcmp(bm, "128") == 0 ? 128 : strcmp(bm, "64") == 0 ? 64 : 0;
   const char *tca = getenv("TANDEM_MOE_CUDA_TC_ATTENTION");
   m->tc_attention = !(tca && strcmp(tca, "0") == 0) && major >= 8;
   if ((rc = enter(m, &saved))) {
