@@ -526,8 +526,7 @@ static const struct attention_case {
     {50, 23, 4, 1, 64},
     {33, 40, 4, 4, 128},
     /* and on tensor cores (CUDA, aligned buffers): blocks of 64 queries, 16 a warp; a last
-     * block with warps past the queries, positions past a warp's last query; so few blocks
-     * that the cache is cut into ranges (3, 4 and 4 of them; some empty for a block's rows) */
+     * block with warps past the queries, positions past a warp's last query */
     {130, 0, 8, 2, 128},
     {70, 45, 4, 2, 64},
     {17, 300, 2, 1, 128},
@@ -557,15 +556,6 @@ TEST_CASE(tf32_single) {
   attention_cases();
   tol = REL_TOL;
   CHECK(unsetenv("TANDEM_MOE_CUDA_TF32") == 0);
-}
-
-/* CUDA's TANDEM_MOE_CUDA_ATTN_SPLIT=0 (read at open): the tensor-core attention in one range
- * of the cache a block, as the cases' larger ubatches take it. */
-TEST_CASE(attention_one_range) {
-  if (strncmp(th_device_id, "cuda", 4) != 0) TH_SKIP("ranges are CUDA's (%s)", th_device_id);
-  CHECK(setenv("TANDEM_MOE_CUDA_ATTN_SPLIT", "0", 1) == 0);
-  attention_cases();
-  CHECK(unsetenv("TANDEM_MOE_CUDA_ATTN_SPLIT") == 0);
 }
 
 /* ---- Order after host work --------------------------------------------------------------- */

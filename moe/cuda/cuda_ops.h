@@ -23,7 +23,6 @@ extern "C" {
 #define ROUTER_SPLIT_T 64 /* ubatches of at most this many tokens: router_logits_kernel, when
                            * T x E logits fit the scratch */
 #define ROUTER_LOGITS (1 << 20) /* the logits' scratch, floats (4 MiB; larger ubatches: parts) */
-#define ATTN_PART_FLOATS (8u << 20) /* prefill attention's partial sums (32 MiB; xfmr.cu) */
 #define BLAS_WS_BYTES (32u << 20) /* cuBLAS's recommended workspace on Hopper */
 #define WS_ALIGN 256
 
@@ -77,9 +76,6 @@ typedef struct moe_cuda {
   bool q16;            /* Q4_K gate/up decode on 16-bit activations (q16.cu); open() decides */
   bool tf32;           /* prefill's projections on TF32 tensor cores, x and w split (xfmr.cu) */
   bool tc_attention;   /* prefill's attention on TF32 tensor cores, operands split (xfmr.cu) */
-  float *attn_part;    /* its partial sums over ranges of the cache: ATTN_PART_FLOATS, where
-                        * tc_attention and TANDEM_MOE_CUDA_ATTN_SPLIT is not 0; else NULL */
-  int sms;             /* the device's multiprocessors */
   int gmm_bm;          /* gmm.cu's tokens a tile: 64, 128, or 0 (by the weights' types and the
                         * table's tokens an entry); TANDEM_MOE_CUDA_GMM_BM, read at open
                         * (default 0, auto) */

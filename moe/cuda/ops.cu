@@ -668,7 +668,6 @@ static void release(moe_cuda *m) {
   if (m->blas) cublasDestroy(m->blas);
   if (m->ws) cudaFree(m->ws);
   if (m->logits) cudaFree(m->logits);
-  if (m->attn_part) cudaFree(m->attn_part);
   if (m->cap) cudaStreamDestroy(m->cap);
   pthread_mutex_destroy(&m->plan_mu);
   free(m);
@@ -743,7 +742,6 @@ static int cuda_open(tdm_queue *q, void **state) {
   m->dev = *(const int *)ordinal;
   m->gx_shape = gx_shape_configured();
   int saved, major = 0;
-  cudaError_t e_attn;
   const char *pdl = getenv("TANDEM_MOE_CUDA_PDL");
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, m->dev) != cudaSuccess)
     major = 0;
@@ -758,19 +756,11 @@ static int cuda_open(tdm_queue *q, void **state) {
   m->gmm_bm = !bm ? 0 : strcmp(bm, "128") == 0 ? 128 : strcmp(bm, "64") == 0 ? 64 : 0;
   const char *tca = getenv("TANDEM_MOE_CUDA_TC_ATTENTION");
   m->tc_attention = !(tca && strcmp(tca, "0") == 0) && major >= 8;
-  if (cudaDeviceGetAttribute(&m->sms, cudaDevAttrMultiProcessorCount, m->dev) != cudaSuccess)
-    m->sms = 1;
-  cudaGetLastError();
-  const char *split = getenv("TANDEM_MOE_CUDA_ATTN_SPLIT");
-  const bool attn_split = m->tc_attention && !(split && strcmp(split, "0") == 0);
   if ((rc = enter(m, &saved))) {
     free(m);
     return rc;
   }
   rc = blas_setup(m);
-  if (!rc && attn_split &&
-      (e_attn = cudaMalloc(&m->attn_part, (size_t)ATTN_PART_FLOATS * sizeof(float))))
-    rc = cuda_fail(m, e_attn, "cudaMalloc");
   if (!rc) rc = preload(m);
   if (rc) release(m);
   leave(m, saved);

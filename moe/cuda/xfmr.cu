@@ -366,17 +366,11 @@ static cudaError_t attention_tiled(moe_cuda *m, float *out, const float *qv, con
  * and 2t + 1 of each 8), and are the left operand of the product with the values where they
  * lie: a step's 8 positions are taken in the order 0, 2, 4, 6, 1, 3, 5, 7, the order in which
  * the values' rows are read. Blocks go last queries first: with the causal mask they have the
- * most positions to read, and the short ones fill the tail. Where the query tiles and heads
- * are too few blocks to fill the GPU (a ubatch of 512 has 8 tiles of 32 heads), the cache is
- * cut into up to MA_SPLIT ranges of whole steps, one block each (blockIdx.z): a block writes its
- * rows' unnormalized sums with their running maximum and total to m->attn_part, and
- * attention_merge_kernel adds the ranges in order, each scaled to the largest maximum. How
- * many ranges depends on T, the heads, the position and the GPU's multiprocessors alone.
- * One order of operations for every run: the same bits each time. */
+ * most positions to read, and the short ones fill the tail. One order of operations for every
+ * run: the same bits each time. */
 #define MA_Q 64
 #define MA_K 32
 #define MA_WARPS (MA_Q / 16)
-#define MA_SPLIT 4
 
 template <int HD> static constexpr size_t ma_smem() {
   return (size_t)(MA_Q + 4 * MA_K) * (HD + 4) * sizeof(float);
@@ -443,14 +437,10 @@ static __device__ __forceinline__ void ma_load(float *Ks, float *Vs, const float
   cp_async_commit();
 }
 
-/* part (NULL: out is written): block z takes the cache's steps z tps .. z tps + tps - 1 and
- * writes, for each of its rows, the sums (T x nh x HD floats a range, then T x nh pairs of the
- * maximum and the total, after every range's sums). */
 template <int HD, bool S>
 static __global__ void __launch_bounds__(MA_WARPS * 32)
     attention_mma_kernel(float *out, const float *qv, const float *kc, const float *vc, int T,
-                         int nh, int nkv, int pos0, const int32_t *dpos, int ctx, float scale,
-                         float *part, int tps) {
+                         int nh, int nkv, int pos0, const int32_t *dpos, int ctx, float scale) {
   wait_prior_grid();
   pos0 = pos_at(dpos, pos0, ctx, T);
   constexpr int LD = HD + 4, NT = HD / 8, V4 = HD / 4;
@@ -462,9 +452,7 @@ static __global__ void __launch_bounds__(MA_WARPS * 32)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const size_t qrow = (size_t)nh * HD, kvrow = (size_t)nkv * HD;
   const int r0 = warp * 16, last = pos0 + t0 + nq - 1;
-  const int pbeg = part ? (int)blockIdx.z * tps * MA_K : 0;
-  const int pend = part ? min(last, pbeg + tps * MA_K - 1) : last; /* whole steps but the last */
-  if (pbeg <= pend) ma_load<HD>(ring, ring + MA_K * LD, kc, vc, kvrow, kvh, pbeg, last);
+  ma_load<HD>(ring, ring + MA_K * LD, kc, vc, kvrow, kvh, 0, last);
   for (int i = threadIdx.x; i < MA_Q * V4; i += MA_WARPS * 32) {
     const int r = i / V4, d = (i % V4) * 4;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -480,9 +468,9 @@ static __global__ void __launch_bounds__(MA_WARPS * 32)
   float o[NT][4], ma = -INFINITY, mb = -INFINITY, la = 0.f, lb = 0.f;
 #pragma unroll
   for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  for (int p0 = pbeg, st = 0; p0 <= pend; p0 += MA_K, st ^= 1) {
+  for (int p0 = 0, st = 0; p0 <= last; p0 += MA_K, st ^= 1) {
     const float *Ks = ring + 2 * st * MA_K * LD, *Vs = Ks + MA_K * LD;
-    if (p0 + MA_K <= pend) {
+    if (p0 + MA_K <= last) {
       float *nk = ring + 2 * (st ^ 1) * MA_K * LD;
       ma_load<HD>(nk, nk + MA_K * LD, kc, vc, kvrow, kvh, p0 + MA_K, last);
       cp_async_wait<1>();
@@ -575,20 +563,6 @@ static __global__ void __launch_bounds__(MA_WARPS * 32)
     }
     __syncthreads(); /* every reader of this stage is done before the next step refills it */
   }
-  if (part) { /* this range's sums as they are, and the rows' maximum and total */
-    const size_t rows = (size_t)T * nh, ra = (size_t)(t0 + r0 + g) * nh + h, rb = ra + 8 * nh;
-    float *pa_ = part + ((size_t)blockIdx.z * rows + ra) * HD + 2 * t;
-    float *pb_ = part + ((size_t)blockIdx.z * rows + rb) * HD + 2 * t;
-    float *ml = part + (size_t)gridDim.z * rows * HD + (size_t)blockIdx.z * rows * 2;
-#pragma unroll
-    for (int n = 0; n < NT; n++) {
-      if (va) *(float2 *)(pa_ + 8 * n) = make_float2(o[n][0], o[n][1]);
-      if (vb) *(float2 *)(pb_ + 8 * n) = make_float2(o[n][2], o[n][3]);
-    }
-    if (t == 0 && va) *(float2 *)(ml + 2 * ra) = make_float2(ma, la);
-    if (t == 0 && vb) *(float2 *)(ml + 2 * rb) = make_float2(mb, lb);
-    return;
-  }
   float *oa = out + (size_t)(t0 + r0 + g) * qrow + (size_t)h * HD + 2 * t, *ob = oa + 8 * qrow;
 #pragma unroll
   for (int n = 0; n < NT; n++) {
@@ -597,75 +571,16 @@ static __global__ void __launch_bounds__(MA_WARPS * 32)
   }
 }
 
-/* out's row t, head h, from ns ranges' sums in part (attention_mma_kernel's layout): a warp a
- * row and head, the ranges added in order, each scaled by e^(its maximum - the largest), over
- * the totals scaled the same way. A range with no position for the row (maximum -inf) adds
- * nothing. */
-template <int HD>
-static __global__ void attention_merge_kernel(float *out, const float *part, int ns, int T,
-                                              int nh) {
-  wait_prior_grid();
-  const size_t rows = (size_t)T * nh;
-  const size_t r = (size_t)blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
-  if (r >= rows) return;
-  const int lane = threadIdx.x & 31;
-  const float *ml = part + (size_t)ns * rows * HD;
-  float mx = -INFINITY;
-  for (int s = 0; s < ns; s++) mx = fmaxf(mx, ml[2 * (s * rows + r)]);
-  float acc[HD / 32], tot = 0.f;
-#pragma unroll
-  for (int i = 0; i < HD / 32; i++) acc[i] = 0.f;
-  for (int s = 0; s < ns; s++) {
-    const float m = ml[2 * (s * rows + r)];
-    if (m == -INFINITY) continue;
-    const float w = expf(m - mx);
-    tot += w * ml[2 * (s * rows + r) + 1];
-    const float *o = part + (s * rows + r) * HD;
-#pragma unroll
-    for (int i = 0; i < HD / 32; i++) acc[i] += w * o[lane + 32 * i];
-  }
-  float *y = out + r * HD; /* row t's head h: (t nh + h) HD, as the queries lie */
-#pragma unroll
-  for (int i = 0; i < HD / 32; i++) y[lane + 32 * i] = acc[i] / tot;
-}
-
-/* How many ranges of the cache a prefill's attention takes, and how many steps each: enough
- * blocks for four an SM where m->attn_part holds their sums, never more ranges than steps.
- * attention_at (the position on the device, where only the cache's length is known) takes
- * one: the ranges' bounds would depend on that length rather than on the position. */
-static int attention_ranges(const moe_cuda *m, int T, int pos0, const int32_t *dpos, int nh,
-                            int hd, int *tps) {
-  if (!m->attn_part || dpos) return 1;
-  const long long blocks = (long long)((T + MA_Q - 1) / MA_Q) * nh;
-  const int steps = (pos0 + T + MA_K - 1) / MA_K;
-  long long ns = (4LL * m->sms + blocks - 1) / blocks;
-  const long long fit = (long long)(ATTN_PART_FLOATS / ((size_t)T * nh * (hd + 2)));
-  if (ns > fit) ns = fit;
-  if (ns > MA_SPLIT) ns = MA_SPLIT;
-  if (ns > steps) ns = steps;
-  if (ns < 2) return 1;
-  *tps = (int)((steps + ns - 1) / ns);
-  return (steps + *tps - 1) / *tps;
-}
-
 template <int HD>
 static cudaError_t attention_mma(moe_cuda *m, float *out, const float *qv, const float *kc,
                                  const float *vc, int T, int pos0, const int32_t *dpos, int ctx,
                                  int nh, int nkv, float scale) {
-  int tps = 0;
-  const int ns = attention_ranges(m, T, pos0, dpos, nh, HD, &tps);
-  float *part = ns > 1 ? m->attn_part : NULL;
-  dim3 grid((unsigned)((T + MA_Q - 1) / MA_Q), (unsigned)nh, (unsigned)ns);
-  cudaError_t e =
-      m->tf32_single
-          ? launch_pdl(m, attention_mma_kernel<HD, false>, grid, MA_WARPS * 32, ma_smem<HD>(),
-                       out, qv, kc, vc, T, nh, nkv, pos0, dpos, ctx, scale, part, tps)
-          : launch_pdl(m, attention_mma_kernel<HD, true>, grid, MA_WARPS * 32, ma_smem<HD>(),
-                       out, qv, kc, vc, T, nh, nkv, pos0, dpos, ctx, scale, part, tps);
-  if (e != cudaSuccess || !part) return e;
-  const unsigned rows = (unsigned)T * (unsigned)nh;
-  return launch_pdl(m, attention_merge_kernel<HD>, (rows + MOE_WARPS - 1) / MOE_WARPS,
-                    MOE_THREADS, 0, out, (const float *)part, ns, T, nh);
+  dim3 grid((unsigned)((T + MA_Q - 1) / MA_Q), (unsigned)nh);
+  if (m->tf32_single)
+    return launch_pdl(m, attention_mma_kernel<HD, false>, grid, MA_WARPS * 32, ma_smem<HD>(), out,
+                      qv, kc, vc, T, nh, nkv, pos0, dpos, ctx, scale);
+  return launch_pdl(m, attention_mma_kernel<HD, true>, grid, MA_WARPS * 32, ma_smem<HD>(), out,
+                    qv, kc, vc, T, nh, nkv, pos0, dpos, ctx, scale);
 }
 
 static int attention_launch(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,
@@ -935,9 +850,7 @@ int cuda_xfmr_preload(moe_cuda *m) {
                      (const void *)attention_mma_kernel<64, true>,
                      (const void *)attention_mma_kernel<128, true>,
                      (const void *)attention_mma_kernel<64, false>,
-                     (const void *)attention_mma_kernel<128, false>,
-                     (const void *)attention_merge_kernel<64>,
-                     (const void *)attention_merge_kernel<128>};
+                     (const void *)attention_mma_kernel<128, false>};
   for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
     cudaFuncAttributes a;
     CK_CUDA(cudaFuncGetAttributes(&a, k[i]));
