@@ -7,8 +7,8 @@
  * (cuBLAS where cuBLASLt has no algorithm for a shape), on that stream.
  *
  * Determinism: no kernel here adds floats with atomics (group's counts are integer sums in
- * shared memory); every sum has a fixed order that does not depend
- * on timing or on how tokens are grouped into blocks. The expert GEMMs go through cuBLASLt with
+ * shared memory); every sum has a fixed order that does not depend on timing or on how tokens
+ * are grouped into blocks. The expert GEMMs go through cuBLASLt with
  * one plan per shape (descriptors and the algorithm its heuristic picks, made at a shape's
  * first use and kept): the same shape always runs the same algorithm, with the same workspace,
  * so its result is bitwise repeatable for one toolkit and one GPU model (architecture and SM
@@ -477,7 +477,7 @@ static __global__ void router_topk_kernel(const float *part, int nparts, size_t 
 }
 
 /* The logits of larger ubatches, in parts: block (ei, ti, s) sums x[t][c] wr[e][c] over c in
- * part s of H (RG_KS values each, a multiple of RG_KC) for its RG_T tokens and RG_E experts,
+ * part s of H (ks values each, a multiple of RG_KC) for its RG_T tokens and RG_E experts,
  * RG_KC values a step through shared memory (x as it is, wr widened to f32; zeros past T, E
  * and H, which add nothing). Thread (tt, ee) = (tid / 16, tid % 16) keeps the four sums of
  * tokens tt, tt + 16 and experts ee, ee + 16. part[s][t][e], T x E floats a part. */
@@ -526,10 +526,11 @@ static __global__ void __launch_bounds__(MOE_THREADS)
 
 /* ---- group(): the routing grouped on the device, one block ----
  * The routing is staged in shared memory (when it fits) and counted by expert with shared
- * atomics (sums: their order is no matter); each thread takes a run of consecutive experts, and a scan over the threads' runs gives every
- * routed expert its place among the routed ones and its first entry, so the experts are laid
- * out in ascending order without a serial pass; one warp then places the entries in routing
- * order, so that each expert's tokens come in token order.
+ * atomics (sums: their order is no matter); each thread takes a run of consecutive experts,
+ * and a scan over the threads' runs gives every routed expert its place among the routed ones
+ * and its first entry, so the experts are laid out in ascending order without a serial pass;
+ * one warp then places the entries in routing order, so that each expert's tokens come in
+ * token order.
  * Every position comes from a count, never from a race: deterministic, and the same layout as
  * the CPU and OpenCL tables give. */
 #define GROUP_MAX_E 4096    /* counts and offsets in shared memory: 32 KiB */
