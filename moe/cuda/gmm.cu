@@ -176,49 +176,20 @@ static __device__ __forceinline__ uint32_t bf2_bits(__nv_bfloat162 v) {
   return *(const uint32_t *)&v;
 }
 
-/* Four bytes of a staged row at p: one load where the row lies at a multiple of 4 (A), else
- * two. */
-template <bool A> static __device__ __forceinline__ uint32_t gm_w(const uint8_t *p) {
-  if (A) return *(const uint32_t *)p;
-  return u_w<false>(p);
-}
-
-/* v (0 <= v < 2^23) as a float, exactly, without the integer-to-float unit. */
-static __device__ __forceinline__ float gm_i2f(int v) {
-  return __int_as_float(0x4B000000 | v) - 8388608.f;
-}
-
 /* Half h (values 16h .. 16h + 15) of unit u of a staged Q4_K superblock b (even address, in
- * shared memory; A: a multiple of 4): d sc q - dmin m as bf16, the scale and offset rounded to
- * bf16 first and the product and difference rounded once. The scale and offset are
- * q4k_scale's, the same floats. */
-template <bool A>
+ * shared memory): d sc q - dmin m as bf16, the scale and offset rounded to bf16 first and the
+ * product and difference rounded once. */
 static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, int u, int h,
                                                      uint32_t p[8]) {
-  float d, dmin;
-  if (A) {
-    const float2 dd = __half22float2(*(const __half2 *)b);
-    d = dd.x, dmin = dd.y;
-  } else {
-    d = u_f16<false>(b), dmin = u_f16<false>(b + 2);
-  }
-  const uint8_t *sc = b + 4;
-  int si, mi;
-  if (u < 4) {
-    si = sc[u] & 63;
-    mi = sc[u + 4] & 63;
-  } else {
-    si = (sc[u + 4] & 0xF) | ((sc[u - 4] >> 6) << 4);
-    mi = (sc[u + 4] >> 4) | ((sc[u] >> 6) << 4);
-  }
-  const __nv_bfloat162 s = __float2bfloat162_rn(d * gm_i2f(si));
-  const __nv_bfloat162 nm = __float2bfloat162_rn(-(dmin * gm_i2f(mi)));
+  float d1, m1;
+  q4k_scale<false>(b, u, &d1, &m1);
+  const __nv_bfloat162 s = __float2bfloat162_rn(d1), nm = __float2bfloat162_rn(-m1);
   const __nv_bfloat162 base = __float2bfloat162_rn(128.f);
   const uint8_t *q = b + 16 + 32 * (u >> 1) + 16 * h;
   const int shift = (u & 1) * 4;
 #pragma unroll
   for (int i = 0; i < 4; i++) {
-    const uint32_t w = (gm_w<A>(q + 4 * i) >> shift) & 0x0F0F0F0Fu;
+    const uint32_t w = (u_w<false>(q + 4 * i) >> shift) & 0x0F0F0F0Fu;
     __nv_bfloat162 lo, hi;
     magic4(w, &lo, &hi);
     p[2 * i] = bf2_bits(__hfma2(__hsub2(lo, base), s, nm));
@@ -227,19 +198,17 @@ static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, int u, in
 }
 
 /* The same for a staged Q6_K superblock: d sc (q - 32), d sc rounded to bf16 first. */
-template <bool A>
 static __device__ __forceinline__ void q6k_half_bf16(const uint8_t *b, int u, int h,
                                                      uint32_t p[8]) {
   const int hh = u >> 2, qq = u & 3;
   const uint8_t *ql = b + 64 * hh + 32 * (qq & 1) + 16 * h, *qh = b + 128 + 32 * hh + 16 * h;
-  const int sc = (int)(int8_t)u_b<false>(b + 192 + 8 * hh + 2 * qq + h);
-  const float d = u_f16<false>(b + 208) * (gm_i2f(sc + 128) - 128.f); /* (float)sc */
+  const float d = u_f16<false>(b + 208) * (float)(int8_t)u_b<false>(b + 192 + 8 * hh + 2 * qq + h);
   const __nv_bfloat162 s = __float2bfloat162_rn(d), base = __float2bfloat162_rn(160.f);
   const int sl = (qq >> 1) * 4, sh = 2 * qq;
 #pragma unroll
   for (int i = 0; i < 4; i++) {
-    const uint32_t w = ((gm_w<A>(ql + 4 * i) >> sl) & 0x0F0F0F0Fu) |
-                       (((gm_w<A>(qh + 4 * i) >> sh) & 0x03030303u) << 4);
+    const uint32_t w = ((u_w<false>(ql + 4 * i) >> sl) & 0x0F0F0F0Fu) |
+                       (((u_w<false>(qh + 4 * i) >> sh) & 0x03030303u) << 4);
     __nv_bfloat162 lo, hi;
     magic4(w, &lo, &hi);
     p[2 * i] = bf2_bits(__hmul2(__hsub2(lo, base), s));
@@ -274,19 +243,12 @@ static __device__ __forceinline__ void gm_fill(__nv_bfloat16 *tile, const uint8_
     bd[0] = bd[1] = make_uint4(0u, 0u, 0u, 0u);
     return;
   }
-  const int at = sh[tid >> 1];
-  const uint8_t *row = raw + (tid >> 1) * t::RBP + at;
+  const uint8_t *row = raw + (tid >> 1) * t::RBP + sh[tid >> 1];
   uint32_t p[8];
-  if (T == TDM_MOE_W_Q4_K) { /* a row's staged step lies at a multiple of 4 where at is 0 */
-    if (at == 0)
-      q4k_half_bf16<true>(row, s, h, p);
-    else
-      q4k_half_bf16<false>(row, s, h, p);
+  if (T == TDM_MOE_W_Q4_K) {
+    q4k_half_bf16(row, s, h, p);
   } else if (T == TDM_MOE_W_Q6_K) {
-    if (at == 0)
-      q6k_half_bf16<true>(row, s, h, p);
-    else
-      q6k_half_bf16<false>(row, s, h, p);
+    q6k_half_bf16(row, s, h, p);
   } else if (T == TDM_MOE_W_Q8_0) {
     q80_half_bf16(row + 34 * s, h, p);
   } else {
@@ -531,7 +493,7 @@ static cudaError_t gmm_launch(moe_cuda *m, const float *x, uint32_t xlimit, cons
  * (auto), where both projections' weights are K-quants and the entries average 96 tokens or
  * more: each tile widens its experts' weights once, so a large ubatch's experts take half the
  * widening, which won for Q4_K and Q6_K at 128 tokens an expert and lost for Q8_0, BF16 and
- * F16 (bench/results/h100-prefill-profile-57fe784, h100-prefill-ub2048-5493d72). */
+ * F16 (bench/results/h100-prefill-profile-57fe784, h100-prefill-router-5493d72). */
 cudaError_t cuda_gmm(moe_cuda *m, const float *x, uint32_t xlimit, const int32_t *rows,
                      const int32_t *slot, uint32_t olimit, int n, const uint8_t *wbase,
                      long long wlimit, long long ebytes, int tg, int td,

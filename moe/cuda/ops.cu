@@ -485,6 +485,7 @@ static __global__ void router_topk_kernel(const float *part, int nparts, size_t 
 #define RG_E 32
 #define RG_KC 32
 #define RG_SPLIT 4
+static_assert(RG_T == RG_E, "one loop stages a step of x's and of wr's rows");
 
 static __global__ void __launch_bounds__(MOE_THREADS)
     router_gemm_kernel(const float *x, const uint16_t *wr, int T, int H, int E, int ks,

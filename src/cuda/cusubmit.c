@@ -119,6 +119,13 @@ static int host_work(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
   return 0;
 }
 
+/* Memory a copy must take through the host, in stream order: pageable or unknown memory, and
+ * pinned memory of another backend's device (bdev -1), which CUDA never pinned, so that a
+ * cudaMemcpyAsync would read it at once rather than in stream order. */
+static bool pageable(const tdm__memref *r) {
+  return r->kind == 0 || r->kind == TDM_MEM_HOST || (r->kind == TDM_MEM_PINNED && r->bdev < 0);
+}
+
 static int enqueue(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
   cudaStream_t s = bq->s[si];
   cudaError_t e = cudaSuccess;
@@ -127,15 +134,9 @@ static int enqueue(tdm__bqueue *bq, int si, tdm__cmd *cmd) {
     case TDM__CMD_COPY: {
       void *dst = cmd->u.copy.dst;
       const void *src = cmd->u.copy.src;
-      /* The core's registry says what the memory is: no pointer queries on this path. Pinned
-       * memory of another backend's device (bdev -1) is host memory CUDA never pinned: a
-       * cudaMemcpyAsync from it would read it at once, not in stream order, so it is copied
-       * as pageable memory. */
-      const tdm__memref *dm = &cmd->u.copy.d, *sm = &cmd->u.copy.s;
-      tdm_mem_kind dk = dm->kind, sk = sm->kind;
-      bool dd = dk == TDM_MEM_DEVICE, sd = sk == TDM_MEM_DEVICE;
-      bool dpage = dk == 0 || dk == TDM_MEM_HOST || (dk == TDM_MEM_PINNED && dm->bdev < 0);
-      bool spage = sk == 0 || sk == TDM_MEM_HOST || (sk == TDM_MEM_PINNED && sm->bdev < 0);
+      /* The core's registry says what the memory is: no pointer queries on this path. */
+      bool dd = cmd->u.copy.d.kind == TDM_MEM_DEVICE, sd = cmd->u.copy.s.kind == TDM_MEM_DEVICE;
+      bool dpage = pageable(&cmd->u.copy.d), spage = pageable(&cmd->u.copy.s);
       if (cmd->u.copy.n && ((!dd && !sd) || (dd && spage) || (sd && dpage)))
         return host_work(bq, si, cmd);
       what = "cudaMemcpyAsync";
