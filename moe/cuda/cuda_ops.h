@@ -183,23 +183,47 @@ static __device__ __forceinline__ float tf32_round(float v) {
   return __uint_as_float((r & 0x7f800000u) == 0x7f800000u ? u & 0xffffe000u : r);
 }
 
-/* Asynchronous copies from global to shared memory (sm_80 on; gmm.cu, xfmr.cu). */
-static __device__ __forceinline__ void cp_async4(void *dst, const void *src) {
+/* A shared variable's address in the shared window (what ldmatrix and cp.async take). */
+static __device__ __forceinline__ uint32_t smem_u32(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* Asynchronous copies from global to shared memory (sm_80 on; gmm.cu, xfmr.cu): dst a shared
+ * window address (the _s forms) or a shared variable's. */
+static __device__ __forceinline__ void cp_async4_s(uint32_t dst, const void *src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 #endif
 }
 
 /* 16 bytes from src, or zeros where !valid (nothing is read then; src must still be a global
  * address). */
-static __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
+static __device__ __forceinline__ void cp_async16_n(uint32_t dst, const void *src, uint32_t n);
+static __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void *src, bool valid) {
+  cp_async16_n(dst, src, valid ? 16u : 0u);
+}
+
+/* The same with the bytes read given: 16, or 0 for zeros. */
+static __device__ __forceinline__ void cp_async16_n(uint32_t dst, const void *src, uint32_t n) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src),
-               "r"(valid ? 16 : 0)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n)
                : "memory");
 #endif
+}
+
+/* v, kept in a register: the compiler may not compute it again where it is used (a thread's
+ * addresses, computed once before a loop). */
+static __device__ __forceinline__ uint32_t kept(uint32_t v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
+
+static __device__ __forceinline__ void cp_async4(void *dst, const void *src) {
+  cp_async4_s(smem_u32(dst), src);
+}
+
+static __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
+  cp_async16_s(smem_u32(dst), src, valid);
 }
 
 static __device__ __forceinline__ void cp_async_commit() {

@@ -32,7 +32,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <limits.h>
-#include <mma.h>
 #include <stdint.h>
 
 #include "cuda/cuda_ops.h"
@@ -126,40 +125,32 @@ static __device__ __forceinline__ uint4 bf16x8(const float *f) {
 }
 
 /* Starts copying the step at k0 (su units) of the tile's weight rows (rowp, NULL: a row past
- * the weights) into raw, a warp a row at a time, its lanes on consecutive 4-byte words: the
- * words that hold the step's bytes, which start sh = 0..3 bytes into the first (sh[r]: MXFP4's
- * 17-byte blocks may start at any byte, the others' at even ones). The words around a row's
- * bytes lie in its allocation: an allocation starts at a multiple of 4, and a word holding one
- * of its bytes is in the page that holds that byte. The caller commits the group; a wait for
- * it and a barrier make the bytes visible. */
+ * the weights) into raw, 8 lanes a row (a warp's copy reads 4 rows' 32 consecutive bytes), on
+ * 4-byte words: the words that hold the step's bytes, which start sh = 0..3 bytes into the first
+ * (sh[r]: MXFP4's 17-byte blocks may start at any byte, the others' at even ones). The words
+ * around a row's bytes lie in its allocation: an allocation starts at a multiple of 4, and a
+ * word holding one of its bytes is in the page that holds that byte. The caller commits the
+ * group; a wait for it and a barrier make the bytes visible. */
 template <int T, int BM>
 static __device__ __forceinline__ void gm_stage(uint8_t *raw, uint8_t *sh,
                                                 const uint8_t *const *rowp, int k0, int su) {
   typedef gm_t<T, BM> t;
+  constexpr int NW = (3 + t::RB + 3) / 4; /* words a row at most */
   const size_t off = t::kq ? (size_t)(k0 / 256) * t::RB : (size_t)(k0 / 32) * t::UB;
-  const int sb = t::kq ? t::RB : su * t::UB, lane = threadIdx.x & 31;
-  for (int r = threadIdx.x >> 5; r < GM_BR; r += GM_THREADS / 32) {
+  const int sb = t::kq ? t::RB : su * t::UB, sub = threadIdx.x & 7;
+#pragma unroll
+  for (int r = threadIdx.x >> 3; r < GM_BR; r += GM_THREADS / 8) {
     const uint8_t *src = rowp[r];
     if (!src) continue;
     src += off;
     const int s = (int)((uintptr_t)src & 3), nw = (s + sb + 3) >> 2;
-    const uint8_t *from = src - s;
-    uint8_t *dst = raw + r * t::RBP;
-    for (int w = lane; w < nw; w += 32) cp_async4(dst + 4 * w, from + 4 * w);
-    if (lane == 0) sh[r] = (uint8_t)s;
-  }
-}
-
-/* Starts copying the tile's activations of the 32 values at k0 into tile: this thread's 16
- * bytes (values 8 (tid % 4) ..) of tokens tid / 4, + 64, .. of the mt bf16 rows of K values at
- * a (zeros past them). */
-template <int BM>
-static __device__ __forceinline__ void gm_load_a(__nv_bfloat16 *tile, const __nv_bfloat16 *a,
-                                                 int mt, int K, int k0) {
-  const int c = (threadIdx.x & 3) * 8;
+    const uint8_t *from = src - s + 4 * sub;
+    const uint32_t dst = smem_u32(raw + r * t::RBP) + 4 * sub;
 #pragma unroll
-  for (int r = threadIdx.x >> 2; r < BM; r += GM_THREADS / 4)
-    cp_async16(tile + r * GM_LD + c, r < mt ? a + (size_t)r * K + k0 + c : a, r < mt);
+    for (int w = 0; w < NW; w += 8)
+      if (w + sub < nw) cp_async4_s(dst + 4 * w, from + 4 * w);
+    if (sub == 0) sh[r] = (uint8_t)s;
+  }
 }
 
 /* ---- a row's 16 values as bf16 pairs, with no integer-to-float conversion ---- */
@@ -176,13 +167,26 @@ static __device__ __forceinline__ uint32_t bf2_bits(__nv_bfloat162 v) {
   return *(const uint32_t *)&v;
 }
 
+/* (float)v for v < 2^23, without the conversion unit: v in the mantissa of 2^23. */
+static __device__ __forceinline__ float small_f(uint32_t v) {
+  return __uint_as_float(0x4B000000u | v) - 8388608.f;
+}
+
 /* Half h (values 16h .. 16h + 15) of unit u of a staged Q4_K superblock b (even address, in
  * shared memory): d sc q - dmin m as bf16, the scale and offset rounded to bf16 first and the
  * product and difference rounded once. */
 static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, int u, int h,
                                                      uint32_t p[8]) {
-  float d1, m1;
-  q4k_scale<false>(b, u, &d1, &m1);
+  const uint8_t *sc = b + 4; /* tdm_moe__scale_min_k4's 6-bit sc and m */
+  uint32_t is, im;
+  if (u < 4) {
+    is = sc[u] & 63;
+    im = sc[u + 4] & 63;
+  } else {
+    is = (sc[u + 4] & 0xF) | ((sc[u - 4] >> 6) << 4);
+    im = (sc[u + 4] >> 4) | ((sc[u] >> 6) << 4);
+  }
+  const float d1 = u_f16<false>(b) * small_f(is), m1 = u_f16<false>(b + 2) * small_f(im);
   const __nv_bfloat162 s = __float2bfloat162_rn(d1), nm = __float2bfloat162_rn(-m1);
   const __nv_bfloat162 base = __float2bfloat162_rn(128.f);
   const uint8_t *q = b + 16 + 32 * (u >> 1) + 16 * h;
@@ -231,19 +235,23 @@ static __device__ __forceinline__ void q80_half_bf16(const uint8_t *b, int h, ui
   }
 }
 
-/* Half h of unit s of the staged step of this thread's weight row (row tid / 2, half tid % 2,
- * staged sh[row] bytes into its place; !wvalid: zeros) into the weight tile, as bf16. */
-template <int T, int BM>
-static __device__ __forceinline__ void gm_fill(__nv_bfloat16 *tile, const uint8_t *raw,
-                                               const uint8_t *sh, bool wvalid, int s) {
-  typedef gm_t<T, BM> t;
-  const int tid = threadIdx.x, h = tid & 1;
-  uint4 *bd = (uint4 *)(tile + (tid >> 1) * GM_LD + h * 16);
+/* 16 bytes into shared memory at a shared window address. */
+static __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+/* Half h of unit s of the staged step at row (this thread's weight row; !wvalid: zeros) into
+ * its 16 places of the weight tile at bd (a shared window address), as bf16. */
+template <int T>
+static __device__ __forceinline__ void gm_fill(uint32_t bd, const uint8_t *row, int h, bool wvalid,
+                                               int s) {
   if (!wvalid) {
-    bd[0] = bd[1] = make_uint4(0u, 0u, 0u, 0u);
+    sts128(bd, make_uint4(0u, 0u, 0u, 0u));
+    sts128(bd + 16, make_uint4(0u, 0u, 0u, 0u));
     return;
   }
-  const uint8_t *row = raw + (tid >> 1) * t::RBP + sh[tid >> 1];
   uint32_t p[8];
   if (T == TDM_MOE_W_Q4_K) {
     q4k_half_bf16(row, s, h, p);
@@ -254,88 +262,156 @@ static __device__ __forceinline__ void gm_fill(__nv_bfloat16 *tile, const uint8_
   } else {
     float v[16];
     unit16<T, false>(row, s, h, v);
-    const uint4 a = bf16x8(v), b = bf16x8(v + 8);
-    bd[0] = a;
-    bd[1] = b;
+    sts128(bd, bf16x8(v));
+    sts128(bd + 16, bf16x8(v + 8));
     return;
   }
-  bd[0] = make_uint4(p[0], p[1], p[2], p[3]);
-  bd[1] = make_uint4(p[4], p[5], p[6], p[7]);
+  sts128(bd, make_uint4(p[0], p[1], p[2], p[3]));
+  sts128(bd + 16, make_uint4(p[4], p[5], p[6], p[7]));
 }
 
-typedef nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> gm_acc;
+/* ---- the tensor cores: ldmatrix and mma.sync on bf16 ---- */
 
-/* Buffer b of the staged steps. */
-template <int T, int BM> static __device__ __forceinline__ uint8_t *gm_raw(int b) {
-  return gm_smem + b * GM_BR * gm_t<T, BM>::RBP;
+/* Four 8 x 8 matrices of 16-bit values: lane l gives the address of row l % 8 of matrix l / 8
+ * and gets its share of each, in r[0..3]. */
+static __device__ __forceinline__ void ldsm4(uint32_t r[4], uint32_t addr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+#endif
 }
 
-/* The main loop over K: acc[i][j] += A's rows wm + 16 i times the weight rows brow[j] .. + 16
- * of the block's 128 (i < 2, j < NJ). a: the tile's mt bf16 activation rows of K values (zeros
- * past them); rowp: the block's weight rows, visible to the block. Iteration g multiplies unit
- * g's tiles, widens unit g + 1 into the other weight tile, and starts the copies of unit g +
- * 2's activations and, where a step ends, of step st + 1's weight rows (into the buffer of
- * step st - 1, whose last unit was widened in the iteration before): one commit group an
- * iteration, so that waiting for all but the latest group before the barrier lands unit g +
- * 1's activations and every step widened from. */
+/* c += a b: a 16 x 16 (row), b 16 x 8 (column), bf16, f32 sums. */
+static __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0,
+                                                uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+               "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+/* The first weight row of a warp's fragment j, from its first row wn: gate/up's fragments j <
+ * NJ / 2 are gate rows wn + 16 j, the rest the up rows 64 later (the same outputs); down's are
+ * wn + 16 j. */
+template <bool GU, int NJ> static __device__ __forceinline__ constexpr int gm_frow(int j) {
+  return GU && j >= NJ / 2 ? 64 + 16 * (j - NJ / 2) : 16 * j;
+}
+
+/* Where staged step buffer b's bytes of weight row r start, from gm_smem. */
 template <int T, int BM>
+static __device__ __forceinline__ uint32_t gm_row(const uint8_t sh[2][GM_BR], int b, int r) {
+  return (uint32_t)((b * GM_BR + r) * gm_t<T, BM>::RBP) + sh[b][r];
+}
+
+/* The main loop over K: acc[i][j][nh] += the tile's tokens wm + 16 i .. + 15 times the weight
+ * rows wn + gm_frow(j) + 8 nh .. + 7 of the block's 128 (i < 2, j < NJ, nh < 2), in the
+ * accumulators' layout of mma.sync (lane (g, q) = (lane / 4, lane % 4) holds tokens g and g + 8,
+ * rows 2q and 2q + 1). a: the tile's mt bf16 activation rows of K values (zeros past them);
+ * rowp: the block's weight rows, visible to the block. Iteration g multiplies unit g's tiles,
+ * widens unit g + 1 into the other weight tile, and starts the copies of unit g + 2's
+ * activations and, where a step ends, of step st + 2's weight rows (into the buffer of step st,
+ * whose last unit was widened in the iteration before): one commit group an iteration, so that
+ * waiting for all but the latest group before the barrier lands unit g + 1's activations and
+ * every step widened from. A step's units are unrolled, so that a unit's offsets in its step
+ * are constants; a thread's shared addresses are computed once. */
+template <int T, int BM, bool GU>
 static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int mt,
                                                    const uint8_t *const *rowp, int K, int wm,
-                                                   const int *brow,
-                                                   gm_acc acc[2][gm_t<T, BM>::NJ]) {
-  using namespace nvcuda;
+                                                   int wn, float (&acc)[2][gm_t<T, BM>::NJ][2][4]) {
   typedef gm_t<T, BM> t;
+  constexpr int NJ = t::NJ, SUBS = t::SUBS, NR = BM / 64;
+  constexpr uint32_t A0 = 2 * GM_BR * t::RBP, ATB = t::A_TILE * 2, B0 = A0 + GM_NA * ATB;
+  constexpr uint32_t BTB = t::B_TILE * 2;
   __shared__ uint8_t sh[2][GM_BR];
-  __nv_bfloat16 *at = (__nv_bfloat16 *)(gm_smem + 2 * GM_BR * t::RBP);
-  __nv_bfloat16 *bt = at + GM_NA * t::A_TILE;
-  const bool wvalid = rowp[threadIdx.x >> 1] != NULL;
+  const int tid = threadIdx.x, lane = tid & 31, r = tid >> 1, h = tid & 1;
+  const uint32_t s0 = smem_u32(gm_smem);
+  /* ldmatrix: the tokens' 16 x 16 (lanes 0-15 rows 0-15 at k, 16-31 at k + 8), the weights'
+   * two 8-row blocks (lanes 0-7 rows 0-7 at k, 8-15 at k + 8; 16-31 rows 8-15 the same) */
+  const uint32_t a_ld = kept(s0 + A0 + ((wm + (lane & 15)) * GM_LD + (lane >> 4) * 8) * 2);
+  const uint32_t b_ld = kept(
+      s0 + B0 + ((wn + (lane & 7) + ((lane >> 4) << 3)) * GM_LD + ((lane >> 3) & 1) * 8) * 2);
+  const uint32_t fill = kept(s0 + B0 + (r * GM_LD + 16 * h) * 2);
+  const bool wvalid = rowp[r] != NULL;
+  /* this thread's activation copies: 16 bytes of tokens tid / 4 (+ 64), asz[i] of them read */
+  const int ar = tid >> 2, ac = (tid & 3) * 8;
+  const char *asrc[NR];
+  uint32_t asz[NR];
+#pragma unroll
+  for (int i = 0; i < NR; i++) {
+    asz[i] = kept(ar + 64 * i < mt ? 16u : 0u);
+    asrc[i] = (const char *)(asz[i] ? a + (size_t)(ar + 64 * i) * K + ac : a);
+  }
+  const uint32_t a_st = kept(s0 + A0 + (ar * GM_LD + ac) * 2);
+  auto load_a = [&](uint32_t slot) {
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+      cp_async16_n(a_st + slot + i * 64 * GM_LD * 2, asrc[i], asz[i]);
+      asrc[i] += 4 * asz[i]; /* 32 values on */
+    }
+  };
 #pragma unroll
   for (int i = 0; i < 2; i++)
 #pragma unroll
-    for (int j = 0; j < t::NJ; j++) wmma::fill_fragment(acc[i][j], 0.f);
+    for (int j = 0; j < NJ; j++)
+#pragma unroll
+      for (int nh = 0; nh < 2; nh++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) acc[i][j][nh][q] = 0.f;
   const int nsub = K >> 5;
-  gm_stage<T, BM>(gm_raw<T, BM>(0), sh[0], rowp, 0, min(t::KS, K) >> 5);
-  gm_load_a<BM>(at, a, mt, K, 0);
+  gm_stage<T, BM>(gm_smem, sh[0], rowp, 0, min(t::KS, K) >> 5);
+  load_a(0);
   cp_async_commit();
-  if (nsub > 1) gm_load_a<BM>(at + t::A_TILE, a, mt, K, 32);
-  if (t::KS < K) gm_stage<T, BM>(gm_raw<T, BM>(1), sh[1], rowp, t::KS, min(t::KS, K - t::KS) >> 5);
+  if (nsub > 1) load_a(ATB);
+  if (t::KS < K)
+    gm_stage<T, BM>(gm_smem + GM_BR * t::RBP, sh[1], rowp, t::KS, min(t::KS, K - t::KS) >> 5);
   cp_async_commit();
   cp_async_wait<1>();
   __syncthreads();
-  gm_fill<T, BM>(bt, gm_raw<T, BM>(0), sh[0], wvalid, 0);
+  gm_fill<T>(fill, gm_smem + gm_row<T, BM>(sh, 0, r), h, wvalid, 0);
   __syncthreads();
-  for (int g = 0, ga = 0; g < nsub; g++, ga = ga + 1 == GM_NA ? 0 : ga + 1) {
-    if (g + 2 < nsub) {
-      const int to = ga + 2 >= GM_NA ? ga + 2 - GM_NA : ga + 2;
-      gm_load_a<BM>(at + to * t::A_TILE, a, mt, K, 32 * (g + 2));
-    }
-    const int kx = (g + 1) * 32, st = kx / t::KS;
-    if (kx % t::KS == 0 && kx + t::KS < K)
-      gm_stage<T, BM>(gm_raw<T, BM>((st + 1) & 1), sh[(st + 1) & 1], rowp, kx + t::KS,
-                      min(t::KS, K - kx - t::KS) >> 5);
-    cp_async_commit();
-    const __nv_bfloat16 *ta = at + ga * t::A_TILE, *tb = bt + (g & 1) * t::B_TILE;
-    if (wm < mt) { /* a warp past the tile's tokens has none to multiply */
+  uint32_t ga = 0; /* the ring's tile of unit g, in bytes */
+  for (int g0 = 0, st = 0; g0 < nsub; g0 += SUBS, st++) {
+    const uint8_t *cur = gm_smem + kept(gm_row<T, BM>(sh, st & 1, r));
 #pragma unroll
-      for (int kk = 0; kk < 32; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
+    for (int u = 0; u < SUBS; u++) {
+      const int g = g0 + u;
+      if (g >= nsub) break; /* a last step of fewer units */
+      if (g + 2 < nsub) load_a(ga == 0 ? 2 * ATB : ga - ATB);
+      const int k2 = (g0 + 2 * SUBS) * 32;
+      if (u == SUBS - 1 && k2 < K)
+        gm_stage<T, BM>(gm_smem + (st & 1) * GM_BR * t::RBP, sh[st & 1], rowp, k2,
+                        min(t::KS, K - k2) >> 5);
+      cp_async_commit();
+      if (wm < mt) { /* a warp past the tile's tokens has none to multiply */
+        const uint32_t at = a_ld + ga, bt = b_ld + (u & 1) * BTB;
 #pragma unroll
-        for (int i = 0; i < 2; i++)
-          wmma::load_matrix_sync(fa[i], ta + (wm + 16 * i) * GM_LD + kk, GM_LD);
+        for (int kk = 0; kk < 2; kk++) {
+          uint32_t fa[2][4];
 #pragma unroll
-        for (int j = 0; j < t::NJ; j++) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
-          wmma::load_matrix_sync(fb, tb + brow[j] * GM_LD + kk, GM_LD);
+          for (int i = 0; i < 2; i++) ldsm4(fa[i], at + (16 * i * GM_LD + 16 * kk) * 2);
 #pragma unroll
-          for (int i = 0; i < 2; i++) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
+          for (int j = 0; j < NJ; j++) {
+            uint32_t fb[4];
+            ldsm4(fb, bt + (gm_frow<GU, NJ>(j) * GM_LD + 16 * kk) * 2);
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+              mma_bf16(acc[i][j][0], fa[i], fb[0], fb[1]);
+              mma_bf16(acc[i][j][1], fa[i], fb[2], fb[3]);
+            }
+          }
         }
       }
+      if (g + 1 < nsub) {
+        const uint8_t *row = u == SUBS - 1 ? gm_smem + gm_row<T, BM>(sh, (st + 1) & 1, r) : cur;
+        gm_fill<T>(fill + ((u + 1) & 1) * BTB, row, h, wvalid, (u + 1) % SUBS);
+      }
+      cp_async_wait<1>(); /* unit g + 1's activations, and every step widened from, landed */
+      __syncthreads();    /* this pair of tiles is free; the next is written and visible */
+      ga = ga == (GM_NA - 1) * ATB ? 0 : ga + ATB;
     }
-    if (g + 1 < nsub)
-      gm_fill<T, BM>(bt + ((g + 1) & 1) * t::B_TILE, gm_raw<T, BM>(st & 1), sh[st & 1], wvalid,
-                     (kx % t::KS) >> 5);
-    cp_async_wait<1>(); /* unit g + 1's activations, and every step widened from, landed */
-    __syncthreads();    /* this pair of tiles is free; the next is written and visible */
   }
   cp_async_wait<0>(); /* nothing lands in the epilogue's shared memory */
 }
@@ -348,7 +424,6 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
     gm_gate_up_kernel(const __nv_bfloat16 *xb, int n, const uint8_t *wbase, long long wlimit,
                       long long ebytes, const tdm_moe_group *groups, int G, int H, int I,
                       size_t rb, __nv_bfloat16 *hb) {
-  using namespace nvcuda;
   __shared__ const uint8_t *rowp[GM_BR];
   wait_prior_grid();
   tdm_moe_group e;
@@ -364,24 +439,22 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
   __syncthreads();
   constexpr int HJ = t::NJ / 2; /* gate fragments a warp */
   const int wm = (warp % t::WT) * 32, wn = (warp / t::WT) * 16 * HJ;
-  int brow[t::NJ];
-#pragma unroll
-  for (int j = 0; j < HJ; j++) brow[j] = wn + 16 * j, brow[HJ + j] = 64 + wn + 16 * j;
-  gm_acc acc[2][t::NJ];
-  gm_mainloop<T, BM>(xb + (size_t)(e.first + m0) * H, mt, rowp, H, wm, brow, acc);
+  float acc[2][t::NJ][2][4];
+  gm_mainloop<T, BM, true>(xb + (size_t)(e.first + m0) * H, mt, rowp, H, wm, wn, acc);
   float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
+  const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
 #pragma unroll
   for (int i = 0; i < 2; i++)
 #pragma unroll
-    for (int j = 0; j < HJ; j++) {
+    for (int j = 0; j < HJ; j++)
 #pragma unroll
-      for (int q = 0; q < acc[i][j].num_elements; q++) {
-        const float g = acc[i][j].x[q];
-        acc[i][j].x[q] = g / (1.f + expf(-g)) * acc[i][HJ + j].x[q];
-      }
-      wmma::store_matrix_sync(&c[wm + 16 * i][wn + 16 * j], acc[i][j], GM_CLD,
-                              wmma::mem_row_major);
-    }
+      for (int nh = 0; nh < 2; nh++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+          const float gv = acc[i][j][nh][q];
+          c[wm + 16 * i + g + 8 * (q >> 1)][wn + 16 * j + 8 * nh + q2 + (q & 1)] =
+              gv / (1.f + expf(-gv)) * acc[i][HJ + j][nh][q];
+        }
   __syncthreads();
   for (int q = tid; q < BM * 64; q += GM_THREADS) {
     const int r = q >> 6, col = q & 63;
@@ -399,7 +472,6 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
                    uint32_t olimit, int n, const uint8_t *wbase, long long wlimit,
                    long long ebytes, const tdm_moe_group *groups, int G, int H, int I,
                    size_t gu_rb, size_t rb, float *out) {
-  using namespace nvcuda;
   __shared__ const uint8_t *rowp[GM_BR];
   wait_prior_grid();
   tdm_moe_group e;
@@ -414,18 +486,20 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
   }
   __syncthreads();
   const int wm = (warp % t::WT) * 32, wn = (warp / t::WT) * 16 * t::NJ;
-  int brow[t::NJ];
-#pragma unroll
-  for (int j = 0; j < t::NJ; j++) brow[j] = wn + 16 * j;
-  gm_acc acc[2][t::NJ];
-  gm_mainloop<T, BM>(hb + (size_t)(e.first + m0) * I, mt, rowp, I, wm, brow, acc);
+  float acc[2][t::NJ][2][4];
+  gm_mainloop<T, BM, false>(hb + (size_t)(e.first + m0) * I, mt, rowp, I, wm, wn, acc);
   float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
+  const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
 #pragma unroll
   for (int i = 0; i < 2; i++)
 #pragma unroll
     for (int j = 0; j < t::NJ; j++)
-      wmma::store_matrix_sync(&c[wm + 16 * i][wn + 16 * j], acc[i][j], GM_CLD,
-                              wmma::mem_row_major);
+#pragma unroll
+      for (int nh = 0; nh < 2; nh++)
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+          c[wm + 16 * i + g + 8 * (q >> 1)][wn + 16 * j + 8 * nh + q2 + (q & 1)] =
+              acc[i][j][nh][q];
   __syncthreads();
   for (int r = warp; r < mt; r += GM_THREADS / 32) {
     const int at = e.first + m0 + r;
