@@ -167,6 +167,18 @@ static __device__ __forceinline__ uint32_t bf2_bits(__nv_bfloat162 v) {
   return *(const uint32_t *)&v;
 }
 
+/* The 16 bytes at p (shared memory, an even address) as 4 words: a word a load where p is a
+ * multiple of 4 (a step's rows are, where their expert and row size are), else two halves. */
+static __device__ __forceinline__ void lds16(const uint8_t *p, uint32_t w[4]) {
+  if (((uintptr_t)p & 3) == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = *(const uint32_t *)(p + 4 * i);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = u_w<false>(p + 4 * i);
+  }
+}
+
 /* (float)v for v < 2^23, without the conversion unit: v in the mantissa of 2^23. */
 static __device__ __forceinline__ float small_f(uint32_t v) {
   return __uint_as_float(0x4B000000u | v) - 8388608.f;
@@ -189,11 +201,12 @@ static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, int u, in
   const float d1 = u_f16<false>(b) * small_f(is), m1 = u_f16<false>(b + 2) * small_f(im);
   const __nv_bfloat162 s = __float2bfloat162_rn(d1), nm = __float2bfloat162_rn(-m1);
   const __nv_bfloat162 base = __float2bfloat162_rn(128.f);
-  const uint8_t *q = b + 16 + 32 * (u >> 1) + 16 * h;
+  uint32_t qw[4];
+  lds16(b + 16 + 32 * (u >> 1) + 16 * h, qw);
   const int shift = (u & 1) * 4;
 #pragma unroll
   for (int i = 0; i < 4; i++) {
-    const uint32_t w = (u_w<false>(q + 4 * i) >> shift) & 0x0F0F0F0Fu;
+    const uint32_t w = (qw[i] >> shift) & 0x0F0F0F0Fu;
     __nv_bfloat162 lo, hi;
     magic4(w, &lo, &hi);
     p[2 * i] = bf2_bits(__hfma2(__hsub2(lo, base), s, nm));
@@ -209,10 +222,12 @@ static __device__ __forceinline__ void q6k_half_bf16(const uint8_t *b, int u, in
   const float d = u_f16<false>(b + 208) * (float)(int8_t)u_b<false>(b + 192 + 8 * hh + 2 * qq + h);
   const __nv_bfloat162 s = __float2bfloat162_rn(d), base = __float2bfloat162_rn(160.f);
   const int sl = (qq >> 1) * 4, sh = 2 * qq;
+  uint32_t lw[4], hw[4];
+  lds16(ql, lw);
+  lds16(qh, hw);
 #pragma unroll
   for (int i = 0; i < 4; i++) {
-    const uint32_t w = ((u_w<false>(ql + 4 * i) >> sl) & 0x0F0F0F0Fu) |
-                       (((u_w<false>(qh + 4 * i) >> sh) & 0x03030303u) << 4);
+    const uint32_t w = ((lw[i] >> sl) & 0x0F0F0F0Fu) | (((hw[i] >> sh) & 0x03030303u) << 4);
     __nv_bfloat162 lo, hi;
     magic4(w, &lo, &hi);
     p[2 * i] = bf2_bits(__hmul2(__hsub2(lo, base), s));
@@ -223,9 +238,11 @@ static __device__ __forceinline__ void q6k_half_bf16(const uint8_t *b, int u, in
 /* The same for a staged Q8_0 block's half: d q, through f32 (2^23 + 128 + q taken off). */
 static __device__ __forceinline__ void q80_half_bf16(const uint8_t *b, int h, uint32_t p[8]) {
   const float d = u_f16<false>(b);
+  uint32_t qw[4];
+  lds16(b + 2 + 16 * h, qw);
 #pragma unroll
   for (int i = 0; i < 4; i++) {
-    const uint32_t w = u_w<false>(b + 2 + 16 * h + 4 * i) ^ 0x80808080u;
+    const uint32_t w = qw[i] ^ 0x80808080u;
     float v[4];
 #pragma unroll
     for (int j = 0; j < 4; j++)
@@ -326,7 +343,10 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
   constexpr uint32_t A0 = 2 * GM_BR * t::RBP, ATB = t::A_TILE * 2, B0 = A0 + GM_NA * ATB;
   constexpr uint32_t BTB = t::B_TILE * 2;
   __shared__ uint8_t sh[2][GM_BR];
-  const int tid = threadIdx.x, lane = tid & 31, r = tid >> 1, h = tid & 1;
+  /* the widening's: row r, half h (a warp's lanes 0-15 take 16 rows' first halves, 16-31
+   * their second: the tile's stores meet every bank once a phase) */
+  const int tid = threadIdx.x, lane = tid & 31, h = (tid >> 4) & 1;
+  const int r = (tid & 15) + 16 * (tid >> 5);
   const uint32_t s0 = smem_u32(gm_smem);
   /* ldmatrix: the tokens' 16 x 16 (lanes 0-15 rows 0-15 at k, 16-31 at k + 8), the weights'
    * two 8-row blocks (lanes 0-7 rows 0-7 at k, 8-15 at k + 8; 16-31 rows 8-15 the same) */
