@@ -2,16 +2,17 @@
  * table in two tensor-core launches, gate|up with SwiGLU, then down, each reading the weights
  * in their format (unit32.h), widened to bf16 a 32-value step at a time in shared memory.
  *
- * A block computes a tile of 64 of an entry's tokens against 128 weight rows: gate/up takes
- * 64 gate rows and the 64 up rows of the same outputs, so SwiGLU is applied to the
+ * A block computes a tile of 64 (or 128) of an entry's tokens against 128 weight rows: gate/up
+ * takes 64 gate rows and the 64 up rows of the same outputs, so SwiGLU is applied to the
  * accumulators (a gate fragment and its up fragment hold the same elements), and h leaves as
  * bf16 [n x I] at the entries' token positions; down takes 128 rows of Wd and writes each
  * token's output row at its slot. Activations are bf16, as expert()'s GEMMs have them: a first
  * launch gathers each entry's row of x rounded to bf16 (the workspace's xb [n x H], after h),
  * so that a tile's activations are contiguous rows that the copy engine of each SM
- * (cp.async) brings into shared memory as they lie; sums are f32 (WMMA 16 x 16 x 16).
+ * (cp.async) brings into shared memory as they lie; sums are f32 (mma.sync m16n8k16 on bf16,
+ * its operands loaded by ldmatrix).
  *
- * The grid's x runs over tiles of tokens: ceil(n / 64) + G of them cover every entry's tiles
+ * The grid's x runs over tiles of tokens: ceil(n / BM) + G of them cover every entry's tiles
  * (each entry adds at most one partial tile), and a block finds its entry by a warp's scan of
  * the table (device data, read when the kernel runs), so that the host never learns the
  * counts. A bad entry (moe_ops.h: rows outside [0, n), weights outside the allocation) counts
@@ -28,7 +29,11 @@
  * instruction in bf16 pairs (a code's bits put into the mantissa of 128.0, 128 taken off, then
  * one fused multiply-add with the sub-block's scale and offset rounded to bf16); Q8_0 through
  * f32 the same way (2^23 + 128 taken off). No integer-to-float conversion is issued: that
- * unit takes 16 a clock on an SM, an eighth of the adds. */
+ * unit takes 16 a clock on an SM, an eighth of the adds. A step's units are unrolled and a
+ * thread's shared addresses computed once (kept), so a unit of Q4_K with tiles of 64 tokens
+ * issues 148 instructions a thread, 16 of them mma.sync (356 with WMMA and addresses computed
+ * at each use); the kernels are then bound by the shared memory's bandwidth
+ * (bench/results/h100-gmm-mma-f4aa486). */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <limits.h>
