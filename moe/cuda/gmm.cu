@@ -189,21 +189,42 @@ static __device__ __forceinline__ float small_f(uint32_t v) {
   return __uint_as_float(0x4B000000u | v) - 8388608.f;
 }
 
+/* What a staged K-quant superblock's units share, read once a step (a thread's scale bytes
+ * from 16-byte loads, not a byte a unit): Q4_K's d and dmin (w[0]) and 12 bytes of packed 6-bit
+ * scales and mins (w[1..3]); Q6_K's 16 8-bit scales (w[0..3]) and d. */
+struct gm_hdr {
+  uint32_t w[4];
+  float d;
+};
+
+template <int T>
+static __device__ __forceinline__ void gm_header(const uint8_t *b, gm_hdr *hd) {
+  if (T == TDM_MOE_W_Q4_K) {
+    lds16(b, hd->w);
+  } else if (T == TDM_MOE_W_Q6_K) {
+    lds16(b + 192, hd->w);
+    hd->d = u_f16<false>(b + 208);
+  }
+}
+
 /* Half h (values 16h .. 16h + 15) of unit u of a staged Q4_K superblock b (even address, in
- * shared memory): d sc q - dmin m as bf16, the scale and offset rounded to bf16 first and the
- * product and difference rounded once. */
-static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, int u, int h,
-                                                     uint32_t p[8]) {
-  const uint8_t *sc = b + 4; /* tdm_moe__scale_min_k4's 6-bit sc and m */
+ * shared memory; hd its header): d sc q - dmin m as bf16, the scale and offset rounded to bf16
+ * first and the product and difference rounded once. */
+static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, const gm_hdr &hd, int u,
+                                                     int h, uint32_t p[8]) {
+  const uint32_t *sc = hd.w + 1; /* tdm_moe__scale_min_k4's 6-bit sc and m, byte by byte */
   uint32_t is, im;
   if (u < 4) {
-    is = sc[u] & 63;
-    im = sc[u + 4] & 63;
+    is = (sc[0] >> (8 * u)) & 63;
+    im = (sc[1] >> (8 * u)) & 63;
   } else {
-    is = (sc[u + 4] & 0xF) | ((sc[u - 4] >> 6) << 4);
-    im = (sc[u + 4] >> 4) | ((sc[u] >> 6) << 4);
+    const int k = 8 * (u - 4);
+    is = ((sc[2] >> k) & 0xF) | (((sc[0] >> (k + 6)) & 3) << 4);
+    im = ((sc[2] >> (k + 4)) & 0xF) | (((sc[1] >> (k + 6)) & 3) << 4);
   }
-  const float d1 = u_f16<false>(b) * small_f(is), m1 = u_f16<false>(b + 2) * small_f(im);
+  const float d = __half2float(__ushort_as_half((unsigned short)(hd.w[0] & 0xFFFF)));
+  const float dmin = __half2float(__ushort_as_half((unsigned short)(hd.w[0] >> 16)));
+  const float d1 = d * small_f(is), m1 = dmin * small_f(im);
   const __nv_bfloat162 s = __float2bfloat162_rn(d1), nm = __float2bfloat162_rn(-m1);
   const __nv_bfloat162 base = __float2bfloat162_rn(128.f);
   uint32_t qw[4];
@@ -219,12 +240,14 @@ static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, int u, in
   }
 }
 
-/* The same for a staged Q6_K superblock: d sc (q - 32), d sc rounded to bf16 first. */
-static __device__ __forceinline__ void q6k_half_bf16(const uint8_t *b, int u, int h,
-                                                     uint32_t p[8]) {
+/* The same for a staged Q6_K superblock: d sc (q - 32), d sc rounded to bf16 first (sc: byte
+ * 8 (u / 4) + 2 (u % 4) + h of the scales). */
+static __device__ __forceinline__ void q6k_half_bf16(const uint8_t *b, const gm_hdr &hd, int u,
+                                                     int h, uint32_t p[8]) {
   const int hh = u >> 2, qq = u & 3;
   const uint8_t *ql = b + 64 * hh + 32 * (qq & 1) + 16 * h, *qh = b + 128 + 32 * hh + 16 * h;
-  const float d = u_f16<false>(b + 208) * (float)(int8_t)u_b<false>(b + 192 + 8 * hh + 2 * qq + h);
+  const uint32_t sw = hd.w[2 * hh + (qq >> 1)] >> (16 * (qq & 1) + 8 * h);
+  const float d = hd.d * (float)(int8_t)(sw & 0xFF);
   const __nv_bfloat162 s = __float2bfloat162_rn(d), base = __float2bfloat162_rn(160.f);
   const int sl = (qq >> 1) * 4, sh = 2 * qq;
   uint32_t lw[4], hw[4];
@@ -267,8 +290,8 @@ static __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
 /* Half h of unit s of the staged step at row (this thread's weight row; !wvalid: zeros) into
  * its 16 places of the weight tile at bd (a shared window address), as bf16. */
 template <int T>
-static __device__ __forceinline__ void gm_fill(uint32_t bd, const uint8_t *row, int h, bool wvalid,
-                                               int s) {
+static __device__ __forceinline__ void gm_fill(uint32_t bd, const uint8_t *row, const gm_hdr &hd,
+                                               int h, bool wvalid, int s) {
   if (!wvalid) {
     sts128(bd, make_uint4(0u, 0u, 0u, 0u));
     sts128(bd + 16, make_uint4(0u, 0u, 0u, 0u));
@@ -276,9 +299,9 @@ static __device__ __forceinline__ void gm_fill(uint32_t bd, const uint8_t *row, 
   }
   uint32_t p[8];
   if (T == TDM_MOE_W_Q4_K) {
-    q4k_half_bf16(row, s, h, p);
+    q4k_half_bf16(row, hd, s, h, p);
   } else if (T == TDM_MOE_W_Q6_K) {
-    q6k_half_bf16(row, s, h, p);
+    q6k_half_bf16(row, hd, s, h, p);
   } else if (T == TDM_MOE_W_Q8_0) {
     q80_half_bf16(row + 34 * s, h, p);
   } else {
@@ -395,11 +418,18 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
   cp_async_commit();
   cp_async_wait<1>();
   __syncthreads();
-  gm_fill<T>(fill, gm_smem + gm_row<T, BM>(sh, 0, r), h, wvalid, 0);
+  {
+    const uint8_t *row = gm_smem + gm_row<T, BM>(sh, 0, r);
+    gm_hdr hd;
+    if (wvalid) gm_header<T>(row, &hd);
+    gm_fill<T>(fill, row, hd, h, wvalid, 0);
+  }
   __syncthreads();
   uint32_t ga = 0; /* the ring's tile of unit g, in bytes */
   for (int g0 = 0, st = 0; g0 < nsub; g0 += SUBS, st++) {
     const uint8_t *cur = gm_smem + kept(gm_row<T, BM>(sh, st & 1, r));
+    gm_hdr hd;
+    if (wvalid) gm_header<T>(cur, &hd);
 #pragma unroll
     for (int u = 0; u < SUBS; u++) {
       const int g = g0 + u;
@@ -430,8 +460,14 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
         }
       }
       if (g + 1 < nsub) {
-        const uint8_t *row = u == SUBS - 1 ? gm_smem + gm_row<T, BM>(sh, (st + 1) & 1, r) : cur;
-        gm_fill<T>(fill + ((u + 1) & 1) * BTB, row, h, wvalid, (u + 1) % SUBS);
+        if (u < SUBS - 1) {
+          gm_fill<T>(fill + ((u + 1) & 1) * BTB, cur, hd, h, wvalid, u + 1);
+        } else { /* the next step's first unit */
+          const uint8_t *row = gm_smem + gm_row<T, BM>(sh, (st + 1) & 1, r);
+          gm_hdr hn;
+          if (wvalid) gm_header<T>(row, &hn);
+          gm_fill<T>(fill + ((u + 1) & 1) * BTB, row, hn, h, wvalid, 0);
+        }
       }
       cp_async_wait<1>(); /* unit g + 1's activations, and every step widened from, landed */
       __syncthreads();    /* this pair of tiles is free; the next is written and visible */
