@@ -196,19 +196,18 @@ static __device__ __forceinline__ void cp_async4_s(uint32_t dst, const void *src
 #endif
 }
 
-/* 16 bytes from src, or zeros where !valid (nothing is read then; src must still be a global
- * address). */
-static __device__ __forceinline__ void cp_async16_n(uint32_t dst, const void *src, uint32_t n);
-static __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void *src, bool valid) {
-  cp_async16_n(dst, src, valid ? 16u : 0u);
-}
-
-/* The same with the bytes read given: 16, or 0 for zeros. */
+/* 16 bytes from src, n of them read (16, or 0 for zeros: nothing is read then, but src must
+ * still be a global address). */
 static __device__ __forceinline__ void cp_async16_n(uint32_t dst, const void *src, uint32_t n) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n)
                : "memory");
 #endif
+}
+
+/* The same, zeros where !valid. */
+static __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void *src, bool valid) {
+  cp_async16_n(dst, src, valid ? 16u : 0u);
 }
 
 /* v, kept in a register: the compiler may not compute it again where it is used (a thread's
