@@ -189,7 +189,7 @@ static __device__ __forceinline__ uint32_t smem_u32(const void *p) {
 }
 
 /* Asynchronous copies from global to shared memory (sm_80 on; gmm.cu, xfmr.cu): dst a shared
- * window address (the _s forms) or a shared variable's. */
+ * window address, or a shared variable (cp_async16). */
 static __device__ __forceinline__ void cp_async4_s(uint32_t dst, const void *src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
@@ -205,11 +205,6 @@ static __device__ __forceinline__ void cp_async16_n(uint32_t dst, const void *sr
 #endif
 }
 
-/* The same, zeros where !valid. */
-static __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void *src, bool valid) {
-  cp_async16_n(dst, src, valid ? 16u : 0u);
-}
-
 /* v, kept in a register: the compiler may not compute it again where it is used (a thread's
  * addresses, computed once before a loop). */
 static __device__ __forceinline__ uint32_t kept(uint32_t v) {
@@ -217,12 +212,9 @@ static __device__ __forceinline__ uint32_t kept(uint32_t v) {
   return v;
 }
 
-static __device__ __forceinline__ void cp_async4(void *dst, const void *src) {
-  cp_async4_s(smem_u32(dst), src);
-}
-
+/* cp_async16_n to a shared variable, zeros where !valid. */
 static __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
-  cp_async16_s(smem_u32(dst), src, valid);
+  cp_async16_n(smem_u32(dst), src, valid ? 16u : 0u);
 }
 
 static __device__ __forceinline__ void cp_async_commit() {

@@ -172,26 +172,13 @@ static __device__ __forceinline__ uint32_t bf2_bits(__nv_bfloat162 v) {
   return *(const uint32_t *)&v;
 }
 
-/* (float)v for v < 2^23, without the conversion unit: v in the mantissa of 2^23. */
-static __device__ __forceinline__ float small_f(uint32_t v) {
-  return __uint_as_float(0x4B000000u | v) - 8388608.f;
-}
-
 /* Half h (values 16h .. 16h + 15) of unit u of a staged Q4_K superblock b (even address, in
  * shared memory): d sc q - dmin m as bf16, the scale and offset rounded to bf16 first and the
  * product and difference rounded once. */
 static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, int u, int h,
                                                      uint32_t p[8]) {
-  const uint8_t *sc = b + 4; /* tdm_moe__scale_min_k4's 6-bit sc and m */
-  uint32_t is, im;
-  if (u < 4) {
-    is = sc[u] & 63;
-    im = sc[u + 4] & 63;
-  } else {
-    is = (sc[u + 4] & 0xF) | ((sc[u - 4] >> 6) << 4);
-    im = (sc[u + 4] >> 4) | ((sc[u] >> 6) << 4);
-  }
-  const float d1 = u_f16<false>(b) * small_f(is), m1 = u_f16<false>(b + 2) * small_f(im);
+  float d1, m1;
+  q4k_scale<false>(b, u, &d1, &m1);
   const __nv_bfloat162 s = __float2bfloat162_rn(d1), nm = __float2bfloat162_rn(-m1);
   const __nv_bfloat162 base = __float2bfloat162_rn(128.f);
   const uint8_t *q = b + 16 + 32 * (u >> 1) + 16 * h;
