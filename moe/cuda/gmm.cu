@@ -172,20 +172,62 @@ static __device__ __forceinline__ uint32_t bf2_bits(__nv_bfloat162 v) {
   return *(const uint32_t *)&v;
 }
 
+/* The 16 bytes at p (shared memory, an even address) as 4 words: a word a load where p is a
+ * multiple of 4 (a step's rows are, where their expert and row size are), else two halves. */
+static __device__ __forceinline__ void lds16(const uint8_t *p, uint32_t w[4]) {
+  if (((uintptr_t)p & 3) == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = *(const uint32_t *)(p + 4 * i);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = u_w<false>(p + 4 * i);
+  }
+}
+
+/* What a staged K-quant superblock's units share, read once a step (a thread's scale bytes
+ * from 16-byte loads, not a byte a unit): Q4_K's d and dmin (w[0]) and 12 bytes of packed 6-bit
+ * scales and mins (w[1..3]); Q6_K's 16 8-bit scales (w[0..3]) and d. */
+struct gm_hdr {
+  uint32_t w[4];
+  float d;
+};
+
+template <int T>
+static __device__ __forceinline__ void gm_header(const uint8_t *b, gm_hdr *hd) {
+  if (T == TDM_MOE_W_Q4_K) {
+    lds16(b, hd->w);
+  } else if (T == TDM_MOE_W_Q6_K) {
+    lds16(b + 192, hd->w);
+    hd->d = u_f16<false>(b + 208);
+  }
+}
+
 /* Half h (values 16h .. 16h + 15) of unit u of a staged Q4_K superblock b (even address, in
- * shared memory): d sc q - dmin m as bf16, the scale and offset rounded to bf16 first and the
- * product and difference rounded once. */
-static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, int u, int h,
-                                                     uint32_t p[8]) {
-  float d1, m1;
-  q4k_scale<false>(b, u, &d1, &m1);
+ * shared memory; hd its header): d sc q - dmin m as bf16, the scale and offset rounded to bf16
+ * first and the product and difference rounded once. */
+static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, const gm_hdr &hd, int u,
+                                                     int h, uint32_t p[8]) {
+  const uint32_t *sc = hd.w + 1; /* tdm_moe__scale_min_k4's 6-bit sc and m, byte by byte */
+  uint32_t is, im;
+  if (u < 4) {
+    is = (sc[0] >> (8 * u)) & 63;
+    im = (sc[1] >> (8 * u)) & 63;
+  } else {
+    const int k = 8 * (u - 4);
+    is = ((sc[2] >> k) & 0xF) | (((sc[0] >> (k + 6)) & 3) << 4);
+    im = ((sc[2] >> (k + 4)) & 0xF) | (((sc[1] >> (k + 6)) & 3) << 4);
+  }
+  const float d = __half2float(__ushort_as_half((unsigned short)(hd.w[0] & 0xFFFF)));
+  const float dmin = __half2float(__ushort_as_half((unsigned short)(hd.w[0] >> 16)));
+  const float d1 = d * small_f(is), m1 = dmin * small_f(im);
   const __nv_bfloat162 s = __float2bfloat162_rn(d1), nm = __float2bfloat162_rn(-m1);
   const __nv_bfloat162 base = __float2bfloat162_rn(128.f);
-  const uint8_t *q = b + 16 + 32 * (u >> 1) + 16 * h;
+  uint32_t qw[4];
+  lds16(b + 16 + 32 * (u >> 1) + 16 * h, qw);
   const int shift = (u & 1) * 4;
 #pragma unroll
   for (int i = 0; i < 4; i++) {
-    const uint32_t w = (u_w<false>(q + 4 * i) >> shift) & 0x0F0F0F0Fu;
+    const uint32_t w = (qw[i] >> shift) & 0x0F0F0F0Fu;
     __nv_bfloat162 lo, hi;
     magic4(w, &lo, &hi);
     p[2 * i] = bf2_bits(__hfma2(__hsub2(lo, base), s, nm));
@@ -193,18 +235,22 @@ static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, int u, in
   }
 }
 
-/* The same for a staged Q6_K superblock: d sc (q - 32), d sc rounded to bf16 first. */
-static __device__ __forceinline__ void q6k_half_bf16(const uint8_t *b, int u, int h,
-                                                     uint32_t p[8]) {
+/* The same for a staged Q6_K superblock: d sc (q - 32), d sc rounded to bf16 first (sc: byte
+ * 8 (u / 4) + 2 (u % 4) + h of the scales). */
+static __device__ __forceinline__ void q6k_half_bf16(const uint8_t *b, const gm_hdr &hd, int u,
+                                                     int h, uint32_t p[8]) {
   const int hh = u >> 2, qq = u & 3;
   const uint8_t *ql = b + 64 * hh + 32 * (qq & 1) + 16 * h, *qh = b + 128 + 32 * hh + 16 * h;
-  const float d = u_f16<false>(b + 208) * (float)(int8_t)u_b<false>(b + 192 + 8 * hh + 2 * qq + h);
+  const uint32_t sw = hd.w[2 * hh + (qq >> 1)] >> (16 * (qq & 1) + 8 * h);
+  const float d = hd.d * (float)(int8_t)(sw & 0xFF);
   const __nv_bfloat162 s = __float2bfloat162_rn(d), base = __float2bfloat162_rn(160.f);
   const int sl = (qq >> 1) * 4, sh = 2 * qq;
+  uint32_t lw[4], hw[4];
+  lds16(ql, lw);
+  lds16(qh, hw);
 #pragma unroll
   for (int i = 0; i < 4; i++) {
-    const uint32_t w = ((u_w<false>(ql + 4 * i) >> sl) & 0x0F0F0F0Fu) |
-                       (((u_w<false>(qh + 4 * i) >> sh) & 0x03030303u) << 4);
+    const uint32_t w = ((lw[i] >> sl) & 0x0F0F0F0Fu) | (((hw[i] >> sh) & 0x03030303u) << 4);
     __nv_bfloat162 lo, hi;
     magic4(w, &lo, &hi);
     p[2 * i] = bf2_bits(__hmul2(__hsub2(lo, base), s));
@@ -215,9 +261,11 @@ static __device__ __forceinline__ void q6k_half_bf16(const uint8_t *b, int u, in
 /* The same for a staged Q8_0 block's half: d q, through f32 (2^23 + 128 + q taken off). */
 static __device__ __forceinline__ void q80_half_bf16(const uint8_t *b, int h, uint32_t p[8]) {
   const float d = u_f16<false>(b);
+  uint32_t qw[4];
+  lds16(b + 2 + 16 * h, qw);
 #pragma unroll
   for (int i = 0; i < 4; i++) {
-    const uint32_t w = u_w<false>(b + 2 + 16 * h + 4 * i) ^ 0x80808080u;
+    const uint32_t w = qw[i] ^ 0x80808080u;
     float v[4];
 #pragma unroll
     for (int j = 0; j < 4; j++)
@@ -237,8 +285,8 @@ static __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
 /* Half h of unit s of the staged step at row (this thread's weight row; !wvalid: zeros) into
  * its 16 places of the weight tile at bd (a shared window address), as bf16. */
 template <int T>
-static __device__ __forceinline__ void gm_fill(uint32_t bd, const uint8_t *row, int h, bool wvalid,
-                                               int s) {
+static __device__ __forceinline__ void gm_fill(uint32_t bd, const uint8_t *row, const gm_hdr &hd,
+                                               int h, bool wvalid, int s) {
   if (!wvalid) {
     sts128(bd, make_uint4(0u, 0u, 0u, 0u));
     sts128(bd + 16, make_uint4(0u, 0u, 0u, 0u));
@@ -246,9 +294,9 @@ static __device__ __forceinline__ void gm_fill(uint32_t bd, const uint8_t *row, 
   }
   uint32_t p[8];
   if (T == TDM_MOE_W_Q4_K) {
-    q4k_half_bf16(row, s, h, p);
+    q4k_half_bf16(row, hd, s, h, p);
   } else if (T == TDM_MOE_W_Q6_K) {
-    q6k_half_bf16(row, s, h, p);
+    q6k_half_bf16(row, hd, s, h, p);
   } else if (T == TDM_MOE_W_Q8_0) {
     q80_half_bf16(row + 34 * s, h, p);
   } else {
@@ -318,7 +366,10 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
   constexpr uint32_t A0 = 2 * GM_BR * t::RBP, ATB = t::A_TILE * 2, B0 = A0 + GM_NA * ATB;
   constexpr uint32_t BTB = t::B_TILE * 2;
   __shared__ uint8_t sh[2][GM_BR];
-  const int tid = threadIdx.x, lane = tid & 31, r = tid >> 1, h = tid & 1;
+  /* the widening's: row r, half h (a warp's lanes 0-15 take 16 rows' first halves, 16-31
+   * their second: the tile's stores meet every bank once a phase) */
+  const int tid = threadIdx.x, lane = tid & 31, h = (tid >> 4) & 1;
+  const int r = (tid & 15) + 16 * (tid >> 5);
   const uint32_t s0 = smem_u32(gm_smem);
   /* ldmatrix: the tokens' 16 x 16 (lanes 0-15 rows 0-15 at k, 16-31 at k + 8), the weights'
    * two 8-row blocks (lanes 0-7 rows 0-7 at k, 8-15 at k + 8; 16-31 rows 8-15 the same) */
@@ -362,11 +413,18 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
   cp_async_commit();
   cp_async_wait<1>();
   __syncthreads();
-  gm_fill<T>(fill, gm_smem + gm_row<T, BM>(sh, 0, r), h, wvalid, 0);
+  {
+    const uint8_t *row = gm_smem + gm_row<T, BM>(sh, 0, r);
+    gm_hdr hd;
+    if (wvalid) gm_header<T>(row, &hd);
+    gm_fill<T>(fill, row, hd, h, wvalid, 0);
+  }
   __syncthreads();
   uint32_t ga = 0; /* the ring's tile of unit g, in bytes */
   for (int g0 = 0, st = 0; g0 < nsub; g0 += SUBS, st++) {
     const uint8_t *cur = gm_smem + kept(gm_row<T, BM>(sh, st & 1, r));
+    gm_hdr hd;
+    if (wvalid) gm_header<T>(cur, &hd);
 #pragma unroll
     for (int u = 0; u < SUBS; u++) {
       const int g = g0 + u;
@@ -397,8 +455,14 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
         }
       }
       if (g + 1 < nsub) {
-        const uint8_t *row = u == SUBS - 1 ? gm_smem + gm_row<T, BM>(sh, (st + 1) & 1, r) : cur;
-        gm_fill<T>(fill + ((u + 1) & 1) * BTB, row, h, wvalid, (u + 1) % SUBS);
+        if (u < SUBS - 1) {
+          gm_fill<T>(fill + ((u + 1) & 1) * BTB, cur, hd, h, wvalid, u + 1);
+        } else { /* the next step's first unit */
+          const uint8_t *row = gm_smem + gm_row<T, BM>(sh, (st + 1) & 1, r);
+          gm_hdr hn;
+          if (wvalid) gm_header<T>(row, &hn);
+          gm_fill<T>(fill + ((u + 1) & 1) * BTB, row, hn, h, wvalid, 0);
+        }
       }
       cp_async_wait<1>(); /* unit g + 1's activations, and every step widened from, landed */
       __syncthreads();    /* this pair of tiles is free; the next is written and visible */
