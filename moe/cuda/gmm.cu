@@ -62,10 +62,16 @@ template <int T, int BM> struct gm_t {
   static constexpr int W = (RB + 3 + 3) / 4;
   static constexpr int RBP = 4 * (W % 2 ? W : W + 1);
   static constexpr int SUBS = KS / 32; /* 32-value units a step */
-  static constexpr int WT = BM / 32, WR = GM_THREADS / 32 / WT; /* warps along tokens, rows */
+  /* Q8_0, Q4_K and Q6_K: each warp widens its weight fragments in registers (gm_mainloop_rf);
+   * the others are widened into a shared weight tile (gm_mainloop) */
+  static constexpr bool rf = T == TDM_MOE_W_Q8_0 || kq;
+  static constexpr int MI = rf ? BM / 32 : 2; /* a warp's 16-token fragments */
+  static constexpr int WT = BM / 16 / MI, WR = GM_THREADS / 32 / WT; /* warps along tokens, rows */
   static constexpr int NJ = GM_BR / 16 / WR; /* a warp's 16-row fragments: 2 or 4 */
+  static constexpr int TS = SUBS + 1;        /* words a weight row of the scale table */
   static constexpr int A_TILE = BM * GM_LD, B_TILE = GM_BR * GM_LD; /* bf16 */
-  static constexpr int MAIN = 2 * GM_BR * RBP + (GM_NA * A_TILE + 2 * B_TILE) * 2;
+  static constexpr int MAIN = rf ? 2 * GM_BR * RBP + 2 * GM_BR * TS * 4 + GM_NA * A_TILE * 2
+                                 : 2 * GM_BR * RBP + (GM_NA * A_TILE + 2 * B_TILE) * 2;
   static constexpr int C = BM * GM_CLD * 4; /* the epilogue's */
   static constexpr int SMEM = MAIN > C ? MAIN : C;
   /* an SM's (228 KiB; a 128-token tile's 64 accumulators a thread want 2) */
@@ -472,6 +478,235 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
   cp_async_wait<0>(); /* nothing lands in the epilogue's shared memory */
 }
 
+/* ---- Q8_0, Q4_K and Q6_K: weight fragments widened in registers ----
+ * Each warp widens its own fragments of mma.sync's right operand (thread (g, q) = (lane / 4,
+ * lane % 4) of an 8-row block holds row g's values 2q, 2q + 1 and 2q + 8, 2q + 9 of each 16)
+ * straight from the staged step, with no weight tile in between: shared memory then carries
+ * only the staged bytes, the activations and a table of each step's scales. The values are
+ * gm_fill's, in the same places of the same products: the results are the same bits. */
+
+static __device__ __forceinline__ uint32_t lds_u16(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+
+static __device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+
+static __device__ __forceinline__ void sts_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+/* A thread's 4 bytes of a staged 16: bytes 2q, 2q + 8, 2q + 1, 2q + 9 of the 16 at p, in this
+ * order (p + 2q even). */
+static __device__ __forceinline__ uint32_t lds_frag(uint32_t p) {
+  return __byte_perm(lds_u16(p), lds_u16(p + 8), 0x5140);
+}
+
+/* Unit u's scale entry of the staged superblock or block row b (hd its header): Q4_K's d sc
+ * and -dmin m as a bf16 pair; Q6_K's d sc of the unit's two halves as a bf16 pair; Q8_0's d as
+ * f32. */
+template <int T>
+static __device__ __forceinline__ uint32_t gf_scale(const uint8_t *b, const gm_hdr &hd, int u) {
+  if (T == TDM_MOE_W_Q4_K) {
+    const uint32_t *sc = hd.w + 1;
+    uint32_t is, im;
+    if (u < 4) {
+      is = (sc[0] >> (8 * u)) & 63;
+      im = (sc[1] >> (8 * u)) & 63;
+    } else {
+      const int k = 8 * (u - 4);
+      is = ((sc[2] >> k) & 0xF) | (((sc[0] >> (k + 6)) & 3) << 4);
+      im = ((sc[2] >> (k + 4)) & 0xF) | (((sc[1] >> (k + 6)) & 3) << 4);
+    }
+    const float d = __half2float(__ushort_as_half((unsigned short)(hd.w[0] & 0xFFFF)));
+    const float dmin = __half2float(__ushort_as_half((unsigned short)(hd.w[0] >> 16)));
+    return bf2_bits(__floats2bfloat162_rn(d * small_f(is), -(dmin * small_f(im))));
+  } else if (T == TDM_MOE_W_Q6_K) {
+    const int i = u >> 1; /* u may be known only when the kernel runs: no index into hd.w */
+    const uint32_t wi = i & 2 ? (i & 1 ? hd.w[3] : hd.w[2]) : (i & 1 ? hd.w[1] : hd.w[0]);
+    const uint32_t sw = wi >> (16 * (u & 1));
+    return bf2_bits(__floats2bfloat162_rn(hd.d * (float)(int8_t)(sw & 0xFF),
+                                          hd.d * (float)(int8_t)((sw >> 8) & 0xFF)));
+  } else {
+    return __float_as_uint(u_f16<false>(b + 34 * u));
+  }
+}
+
+/* bf16 pairs (128 + c) of the 4- or 6-bit codes in bytes 0 and 2 of w (lo) and 1 and 3 (hi),
+ * after w >> sft and the mask m (0x000F000F for 4 bits, 0x00FF00FF for codes already cut). */
+static __device__ __forceinline__ void magic_pair(uint32_t w, int sft, uint32_t m, uint32_t *lo,
+                                                  uint32_t *hi) {
+  *lo = ((w >> sft) & m) | 0x43004300u;
+  *hi = ((w >> (sft + 8)) & m) | 0x43004300u;
+}
+
+/* The fragment (b[0]: values 2q, 2q + 1; b[1]: 2q + 8, 2q + 9) of values 16 kk .. + 15 of
+ * unit u of the staged row at rb (a shared window address), e its scale entry; w: Q4_K's
+ * bytes of the unit pair (lds_frag at even u, kept for the odd one). */
+template <int T>
+static __device__ __forceinline__ void gf_frag(uint32_t rb, uint32_t e, int u, int kk, int q,
+                                               uint32_t w, uint32_t b[2]) {
+  const __nv_bfloat162 base = __float2bfloat162_rn(T == TDM_MOE_W_Q6_K ? 160.f : 128.f);
+  uint32_t lo, hi;
+  if (T == TDM_MOE_W_Q4_K) {
+    magic_pair(w, (u & 1) * 4, 0x000F000Fu, &lo, &hi);
+    const uint32_t s = __byte_perm(e, e, 0x1010), nm = __byte_perm(e, e, 0x3232);
+    const __nv_bfloat162 s2 = *(const __nv_bfloat162 *)&s, nm2 = *(const __nv_bfloat162 *)&nm;
+    b[0] = bf2_bits(__hfma2(__hsub2(*(const __nv_bfloat162 *)&lo, base), s2, nm2));
+    b[1] = bf2_bits(__hfma2(__hsub2(*(const __nv_bfloat162 *)&hi, base), s2, nm2));
+  } else if (T == TDM_MOE_W_Q6_K) {
+    const int hh = u >> 2, qq = u & 3;
+    const uint32_t wl = lds_frag(rb + 64 * hh + 32 * (qq & 1) + 16 * kk + 2 * q);
+    const uint32_t wh = lds_frag(rb + 128 + 32 * hh + 16 * kk + 2 * q);
+    const uint32_t c = ((wl >> ((qq >> 1) * 4)) & 0x0F0F0F0Fu) |
+                       (((wh >> (2 * qq)) & 0x03030303u) << 4);
+    magic_pair(c, 0, 0x00FF00FFu, &lo, &hi);
+    const uint32_t s = __byte_perm(e, e, kk ? 0x3232 : 0x1010);
+    const __nv_bfloat162 s2 = *(const __nv_bfloat162 *)&s;
+    b[0] = bf2_bits(__hmul2(__hsub2(*(const __nv_bfloat162 *)&lo, base), s2));
+    b[1] = bf2_bits(__hmul2(__hsub2(*(const __nv_bfloat162 *)&hi, base), s2));
+  } else { /* Q8_0: d q through f32, as q80_half_bf16 */
+    const float d = __uint_as_float(e);
+    const uint32_t x = lds_frag(rb + 34 * u + 2 + 16 * kk + 2 * q) ^ 0x80808080u;
+    float v[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+      v[j] = (__uint_as_float(__byte_perm(x, 0x4B000000u, 0x7540 | j)) - 8388736.f) * d;
+    b[0] = bf2_bits(__floats2bfloat162_rn(v[0], v[2]));
+    b[1] = bf2_bits(__floats2bfloat162_rn(v[1], v[3]));
+  }
+}
+
+/* gm_mainloop for Q8_0, Q4_K and Q6_K, with each warp's weight fragments widened in registers
+ * (gf_frag) from the staged step, and a warp's MI 16-token fragments (BM / 32: two warps
+ * along the tokens, four along the rows). Iteration g multiplies unit g, starts the copies of
+ * unit g + 2's activations and, at a step's first unit, of the next step's weight rows (into
+ * the buffer of the step before, read to its end in the iteration before), and, at a step's
+ * last unit, fills the next step's scale table (its rows landed SUBS - 2 iterations after
+ * their copy began). One commit group an iteration, as gm_mainloop. */
+template <int T, int BM, bool GU>
+static __device__ __forceinline__ void gm_mainloop_rf(
+    const __nv_bfloat16 *a, int mt, const uint8_t *const *rowp, int K, int wm, int wn,
+    float (&acc)[gm_t<T, BM>::MI][gm_t<T, BM>::NJ][2][4]) {
+  typedef gm_t<T, BM> t;
+  constexpr int NJ = t::NJ, MI = t::MI, SUBS = t::SUBS, NR = BM / 64;
+  static_assert(SUBS >= 3, "a step's rows land SUBS - 2 iterations after their copy");
+  constexpr uint32_t TB = 2 * GM_BR * t::RBP, TBB = GM_BR * t::TS * 4;
+  constexpr uint32_t A0 = TB + 2 * TBB, ATB = t::A_TILE * 2;
+  __shared__ uint8_t sh[2][GM_BR];
+  const int tid = threadIdx.x, lane = tid & 31, q = lane & 3, gr = lane >> 2;
+  const uint32_t s0 = smem_u32(gm_smem);
+  const uint32_t a_ld = kept(s0 + A0 + ((wm + (lane & 15)) * GM_LD + (lane >> 4) * 8) * 2);
+  const int ar = tid >> 2, ac = (tid & 3) * 8;
+  const char *asrc[NR];
+  uint32_t asz[NR];
+#pragma unroll
+  for (int i = 0; i < NR; i++) {
+    asz[i] = kept(ar + 64 * i < mt ? 16u : 0u);
+    asrc[i] = (const char *)(asz[i] ? a + (size_t)(ar + 64 * i) * K + ac : a);
+  }
+  const uint32_t a_st = kept(s0 + A0 + (ar * GM_LD + ac) * 2);
+  auto load_a = [&](uint32_t slot) {
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+      cp_async16_n(a_st + slot + i * 64 * GM_LD * 2, asrc[i], asz[i]);
+      asrc[i] += 4 * asz[i];
+    }
+  };
+  /* the scale table of step buffer b: row tid / 2, units SUBS / 2 (tid % 2) .. */
+  const int tr = tid >> 1, tu = (tid & 1) * (SUBS / 2);
+  const bool tvalid = rowp[tr] != NULL;
+  auto table = [&](int b) {
+    if (!tvalid) return;
+    const uint8_t *row = gm_smem + gm_row<T, BM>(sh, b, tr);
+    gm_hdr hd;
+    gm_header<T>(row, &hd);
+    const uint32_t at = s0 + TB + b * TBB + (tr * t::TS + tu) * 4;
+#pragma unroll
+    for (int i = 0; i < SUBS / 2; i++) sts_u32(at + 4 * i, gf_scale<T>(row, hd, tu + i));
+  };
+#pragma unroll
+  for (int i = 0; i < MI; i++)
+#pragma unroll
+    for (int j = 0; j < NJ; j++)
+#pragma unroll
+      for (int nh = 0; nh < 2; nh++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) acc[i][j][nh][c] = 0.f;
+  const int nsub = K >> 5;
+  gm_stage<T, BM>(gm_smem, sh[0], rowp, 0, min(t::KS, K) >> 5);
+  load_a(0);
+  cp_async_commit();
+  if (nsub > 1) load_a(ATB);
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+  table(0);
+  __syncthreads();
+  uint32_t ga = 0;
+  for (int g0 = 0, st = 0; g0 < nsub; g0 += SUBS, st++) {
+    const int b = st & 1;
+    uint32_t rb[NJ][2], tb[NJ][2], w[NJ][2][2];
+#pragma unroll
+    for (int j = 0; j < NJ; j++)
+#pragma unroll
+      for (int nh = 0; nh < 2; nh++) {
+        const int r = wn + gm_frow<GU, NJ>(j) + 8 * nh + gr;
+        rb[j][nh] = s0 + gm_row<T, BM>(sh, b, r);
+        tb[j][nh] = s0 + TB + b * TBB + r * t::TS * 4;
+      }
+#pragma unroll
+    for (int u = 0; u < SUBS; u++) {
+      const int g = g0 + u;
+      if (g >= nsub) break;
+      if (g + 2 < nsub) load_a(ga == 0 ? 2 * ATB : ga - ATB);
+      if (u == 0 && g0 + SUBS < nsub)
+        gm_stage<T, BM>(gm_smem + (b ^ 1) * GM_BR * t::RBP, sh[b ^ 1], rowp, (g0 + SUBS) * 32,
+                        min(SUBS, nsub - g0 - SUBS));
+      cp_async_commit();
+      if (wm < mt) { /* a warp past the tile's tokens has none to multiply */
+        uint32_t e[NJ][2];
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+          for (int nh = 0; nh < 2; nh++) {
+            e[j][nh] = lds_u32(tb[j][nh] + 4 * u);
+            if (T == TDM_MOE_W_Q4_K && (u & 1) == 0)
+#pragma unroll
+              for (int kk = 0; kk < 2; kk++)
+                w[j][nh][kk] = lds_frag(rb[j][nh] + 16 + 32 * (u >> 1) + 16 * kk + 2 * q);
+          }
+        const uint32_t at = a_ld + ga;
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+          uint32_t fa[MI][4];
+#pragma unroll
+          for (int i = 0; i < MI; i++) ldsm4(fa[i], at + (16 * i * GM_LD + 16 * kk) * 2);
+#pragma unroll
+          for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int nh = 0; nh < 2; nh++) {
+              uint32_t fb[2];
+              gf_frag<T>(rb[j][nh], e[j][nh], u, kk, q, w[j][nh][kk], fb);
+#pragma unroll
+              for (int i = 0; i < MI; i++) mma_bf16(acc[i][j][nh], fa[i], fb[0], fb[1]);
+            }
+        }
+      }
+      if (u == SUBS - 1 && g0 + SUBS < nsub) table(b ^ 1);
+      cp_async_wait<1>(); /* unit g + 1's activations, and the next step's rows, landed */
+      __syncthreads();
+      ga = ga == (GM_NA - 1) * ATB ? 0 : ga + ATB;
+    }
+  }
+  cp_async_wait<0>();
+}
+
 /* hb[first + m0 + r][n0 + c] = SwiGLU of the tile's gate and up sums, as bf16: block (tile,
  * n0 / 64); warp w takes tokens 32 (w % WT) .. and outputs 8 NJ (w / WT) .. + 8 NJ of both
  * halves (fragments j < NJ / 2 of gate, the rest of up: the same outputs). */
@@ -494,13 +729,17 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
   }
   __syncthreads();
   constexpr int HJ = t::NJ / 2; /* gate fragments a warp */
-  const int wm = (warp % t::WT) * 32, wn = (warp / t::WT) * 16 * HJ;
-  float acc[2][t::NJ][2][4];
-  gm_mainloop<T, BM, true>(xb + (size_t)(e.first + m0) * H, mt, rowp, H, wm, wn, acc);
+  const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * HJ;
+  float acc[t::MI][t::NJ][2][4];
+  const __nv_bfloat16 *a = xb + (size_t)(e.first + m0) * H;
+  if constexpr (t::rf)
+    gm_mainloop_rf<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
+  else
+    gm_mainloop<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
   float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
   const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
 #pragma unroll
-  for (int i = 0; i < 2; i++)
+  for (int i = 0; i < t::MI; i++)
 #pragma unroll
     for (int j = 0; j < HJ; j++)
 #pragma unroll
@@ -541,13 +780,17 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
     rowp[tid] = n0 + tid < H ? w + (size_t)(n0 + tid) * rb : NULL;
   }
   __syncthreads();
-  const int wm = (warp % t::WT) * 32, wn = (warp / t::WT) * 16 * t::NJ;
-  float acc[2][t::NJ][2][4];
-  gm_mainloop<T, BM, false>(hb + (size_t)(e.first + m0) * I, mt, rowp, I, wm, wn, acc);
+  const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * t::NJ;
+  float acc[t::MI][t::NJ][2][4];
+  const __nv_bfloat16 *a = hb + (size_t)(e.first + m0) * I;
+  if constexpr (t::rf)
+    gm_mainloop_rf<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
+  else
+    gm_mainloop<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
   float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
   const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
 #pragma unroll
-  for (int i = 0; i < 2; i++)
+  for (int i = 0; i < t::MI; i++)
 #pragma unroll
     for (int j = 0; j < t::NJ; j++)
 #pragma unroll
