@@ -1,6 +1,8 @@
 /* cuda/gmm.cu: experts() and experts_q() on many tokens an expert (prefill): every entry of the
  * table in two tensor-core launches, gate|up with SwiGLU, then down, each reading the weights
- * in their format (unit32.h), widened to bf16 a 32-value step at a time in shared memory.
+ * in their format (unit32.h), widened to bf16 32 values at a time: Q8_0, Q4_K and Q6_K by each
+ * warp into its own operand fragments, in registers; F16, BF16 and MXFP4 into a weight tile in
+ * shared memory that the warps then load.
  *
  * A block computes a tile of 64 (or 128) of an entry's tokens against 128 weight rows: gate/up
  * takes 64 gate rows and the 64 up rows of the same outputs, so SwiGLU is applied to the
@@ -22,18 +24,24 @@
  * (each output element is one fragment's sum over K in a fixed order).
  *
  * Each step of KS values (a superblock) of the weight rows is copied into shared memory as it
- * lies, asynchronously (cp.async), a step ahead of the one the tensor cores work on; each 32
- * values of it are widened from there to bf16 while the tensor cores work on the 32 before
- * (two shared buffers of each). The activations' 32 values go the same way two 32s ahead, into
- * a ring of GM_NA tiles: one barrier a 32. The 4- and 6-bit types widen two values an
+ * lies, asynchronously (cp.async), a step ahead of the one the tensor cores work on. Q8_0, Q4_K
+ * and Q6_K (gm_mainloop_rf): a step's scales are first worked out into a table, a word a row
+ * and unit; then each warp widens the 32 values of each of its rows that its mma.sync operand
+ * takes from the staged bytes, as it multiplies, so that shared memory carries no widened
+ * weights (a weight tile's stores and loads bound the kernels before). The others
+ * (gm_mainloop): each 32 values are widened to bf16 into a shared tile while the tensor cores
+ * work on the 32 before (two tiles). The activations' 32 values go two 32s ahead, into a ring
+ * of GM_NA tiles: one barrier a 32. The 4- and 6-bit types widen two values an
  * instruction in bf16 pairs (a code's bits put into the mantissa of 128.0, 128 taken off, then
  * one fused multiply-add with the sub-block's scale and offset rounded to bf16); Q8_0 through
  * f32 the same way (2^23 + 128 taken off). No integer-to-float conversion is issued: that
  * unit takes 16 a clock on an SM, an eighth of the adds. A step's units are unrolled and a
- * thread's shared addresses computed once (kept), so a unit of Q4_K with tiles of 64 tokens
- * issues 148 instructions a thread, 16 of them mma.sync (356 with WMMA and addresses computed
- * at each use); the kernels are then bound by the shared memory's bandwidth
- * (bench/results/h100-gmm-mma-f4aa486). */
+ * thread's shared addresses computed once (kept). With a shared weight tile, a unit of Q4_K
+ * issued 148 instructions a thread and the kernels were bound by the shared memory's
+ * bandwidth, 92% busy (bench/results/h100-gmm-mma-f4aa486); in registers, a warp with tokens
+ * issues about 200 a unit, a warp past the tile's tokens (half of them at 32 tokens an expert)
+ * none, and shared memory carries about a third of the bytes. Both ways, a weight's bf16 value
+ * and its place in the products are the same, and so are the results. */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <limits.h>
@@ -43,8 +51,8 @@
 #include "cuda/unit32.h"
 
 #define GM_BR 128      /* weight rows a tile */
-#define GM_THREADS 256 /* 8 warps: BM / 32 along the tokens (BM: 64 or 128 a tile), the rest
-                        * along the rows */
+#define GM_THREADS 256 /* 8 warps: BM / 32 along the tokens (BM: 64 or 128 a tile; 2 for Q8_0
+                        * and the K-quants), the rest along the rows */
 #define GM_LD 40       /* bf16 a shared row: 32 values and 8 of padding (80 bytes, off the banks) */
 #define GM_CLD (GM_BR + 4) /* floats a row of the epilogue's tile */
 #define GM_NA 3            /* activation tiles in flight: the one in use and two copying */
