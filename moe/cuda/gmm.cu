@@ -160,7 +160,10 @@ static __device__ __forceinline__ void gm_stage(uint8_t *raw, uint8_t *sh,
 #pragma unroll
   for (int r = threadIdx.x >> 3; r < GM_BR; r += GM_THREADS / 8) {
     const uint8_t *src = rowp[r];
-    if (!src) continue;
+    if (!src) { /* no bytes; an even offset, for gm_mainloop_rf's loads from the row */
+      if (sub == 0) sh[r] = 0;
+      continue;
+    }
     src += off;
     const int s = (int)((uintptr_t)src & 3), nw = (s + sb + 3) >> 2;
     const uint8_t *from = src - s + 4 * sub;
