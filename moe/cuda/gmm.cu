@@ -76,7 +76,7 @@ template <int T, int BM> struct gm_t {
   static constexpr int MI = rf ? BM / 32 : 2; /* a warp's 16-token fragments */
   static constexpr int WT = BM / 16 / MI, WR = GM_THREADS / 32 / WT; /* warps along tokens, rows */
   static constexpr int NJ = GM_BR / 16 / WR; /* a warp's 16-row fragments: 2 or 4 */
-  static constexpr int TS = SUBS + 1;        /* words a weight row of the scale table */
+  static constexpr int TS = 2 * SUBS + 2; /* words a weight row of the scale table (2 a unit) */
   static constexpr int A_TILE = BM * GM_LD, B_TILE = GM_BR * GM_LD; /* bf16 */
   static constexpr int MAIN = rf ? 2 * GM_BR * RBP + 2 * GM_BR * TS * 4 + GM_NA * A_TILE * 2
                                  : 2 * GM_BR * RBP + (GM_NA * A_TILE + 2 * B_TILE) * 2;
@@ -502,14 +502,14 @@ static __device__ __forceinline__ uint32_t lds_u16(uint32_t addr) {
   return v;
 }
 
-static __device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+static __device__ __forceinline__ uint2 lds_u64(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
   return v;
 }
 
-static __device__ __forceinline__ void sts_u32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+static __device__ __forceinline__ void sts_u64(uint32_t addr, uint2 v) {
+  asm volatile("st.shared.v2.u32 [%0], {%1,%2};" ::"r"(addr), "r"(v.x), "r"(v.y) : "memory");
 }
 
 /* A thread's 4 bytes of a staged 16: bytes 2q, 2q + 8, 2q + 1, 2q + 9 of the 16 at p, in this
@@ -518,11 +518,11 @@ static __device__ __forceinline__ uint32_t lds_frag(uint32_t p) {
   return __byte_perm(lds_u16(p), lds_u16(p + 8), 0x5140);
 }
 
-/* Unit u's scale entry of the staged superblock or block row b (hd its header): Q4_K's d sc
- * and -dmin m as a bf16 pair; Q6_K's d sc of the unit's two halves as a bf16 pair; Q8_0's d as
- * f32. */
+/* Unit u's scale entry of the staged superblock or block row b (hd its header), as the
+ * fragments take them: Q4_K's d sc and -dmin m, each as a bf16 pair of itself; Q6_K's d sc of
+ * the unit's two halves, the same; Q8_0's d as f32. */
 template <int T>
-static __device__ __forceinline__ uint32_t gf_scale(const uint8_t *b, const gm_hdr &hd, int u) {
+static __device__ __forceinline__ uint2 gf_scale(const uint8_t *b, const gm_hdr &hd, int u) {
   if (T == TDM_MOE_W_Q4_K) {
     const uint32_t *sc = hd.w + 1;
     uint32_t is, im;
@@ -536,54 +536,54 @@ static __device__ __forceinline__ uint32_t gf_scale(const uint8_t *b, const gm_h
     }
     const float d = __half2float(__ushort_as_half((unsigned short)(hd.w[0] & 0xFFFF)));
     const float dmin = __half2float(__ushort_as_half((unsigned short)(hd.w[0] >> 16)));
-    return bf2_bits(__floats2bfloat162_rn(d * small_f(is), -(dmin * small_f(im))));
+    return make_uint2(bf2_bits(__float2bfloat162_rn(d * small_f(is))),
+                      bf2_bits(__float2bfloat162_rn(-(dmin * small_f(im)))));
   } else if (T == TDM_MOE_W_Q6_K) {
     const int i = u >> 1; /* u may be known only when the kernel runs: no index into hd.w */
     const uint32_t wi = i & 2 ? (i & 1 ? hd.w[3] : hd.w[2]) : (i & 1 ? hd.w[1] : hd.w[0]);
     const uint32_t sw = wi >> (16 * (u & 1));
-    return bf2_bits(__floats2bfloat162_rn(hd.d * (float)(int8_t)(sw & 0xFF),
-                                          hd.d * (float)(int8_t)((sw >> 8) & 0xFF)));
+    return make_uint2(bf2_bits(__float2bfloat162_rn(hd.d * (float)(int8_t)(sw & 0xFF))),
+                      bf2_bits(__float2bfloat162_rn(hd.d * (float)(int8_t)((sw >> 8) & 0xFF))));
   } else {
-    return __float_as_uint(u_f16<false>(b + 34 * u));
+    return make_uint2(__float_as_uint(u_f16<false>(b + 34 * u)), 0u);
   }
 }
 
 /* bf16 pairs (128 + c) of the 4- or 6-bit codes in bytes 0 and 2 of w (lo) and 1 and 3 (hi),
- * after w >> sft and the mask m (0x000F000F for 4 bits, 0x00FF00FF for codes already cut). */
-static __device__ __forceinline__ void magic_pair(uint32_t w, int sft, uint32_t m, uint32_t *lo,
-                                                  uint32_t *hi) {
-  *lo = ((w >> sft) & m) | 0x43004300u;
-  *hi = ((w >> (sft + 8)) & m) | 0x43004300u;
+ * after w >> sft and the mask m (0x000F000F for 4 bits, 0x00FF00FF for codes already cut); mc:
+ * 0x43004300 in a register, so that each pair is one three-input logic instruction. */
+static __device__ __forceinline__ void magic_pair(uint32_t w, int sft, uint32_t m, uint32_t mc,
+                                                  uint32_t *lo, uint32_t *hi) {
+  *lo = ((w >> sft) & m) | mc;
+  *hi = ((w >> (sft + 8)) & m) | mc;
 }
 
 /* The fragment (b[0]: values 2q, 2q + 1; b[1]: 2q + 8, 2q + 9) of values 16 kk .. + 15 of
- * unit u of the staged row at rb (a shared window address), e its scale entry; w: Q4_K's
- * bytes of the unit pair (lds_frag at even u, kept for the odd one). */
+ * unit u of the staged row at rb - 2q (rb: a shared window address), e its scale entry, mc
+ * magic_pair's; w: Q4_K's bytes of the unit pair (lds_frag at even u, kept for the odd one). */
 template <int T>
-static __device__ __forceinline__ void gf_frag(uint32_t rb, uint32_t e, int u, int kk, int q,
+static __device__ __forceinline__ void gf_frag(uint32_t rb, uint2 e, int u, int kk, uint32_t mc,
                                                uint32_t w, uint32_t b[2]) {
   const __nv_bfloat162 base = __float2bfloat162_rn(T == TDM_MOE_W_Q6_K ? 160.f : 128.f);
   uint32_t lo, hi;
   if (T == TDM_MOE_W_Q4_K) {
-    magic_pair(w, (u & 1) * 4, 0x000F000Fu, &lo, &hi);
-    const uint32_t s = __byte_perm(e, e, 0x1010), nm = __byte_perm(e, e, 0x3232);
-    const __nv_bfloat162 s2 = *(const __nv_bfloat162 *)&s, nm2 = *(const __nv_bfloat162 *)&nm;
+    magic_pair(w, (u & 1) * 4, 0x000F000Fu, mc, &lo, &hi);
+    const __nv_bfloat162 s2 = *(const __nv_bfloat162 *)&e.x, nm2 = *(const __nv_bfloat162 *)&e.y;
     b[0] = bf2_bits(__hfma2(__hsub2(*(const __nv_bfloat162 *)&lo, base), s2, nm2));
     b[1] = bf2_bits(__hfma2(__hsub2(*(const __nv_bfloat162 *)&hi, base), s2, nm2));
   } else if (T == TDM_MOE_W_Q6_K) {
     const int hh = u >> 2, qq = u & 3;
-    const uint32_t wl = lds_frag(rb + 64 * hh + 32 * (qq & 1) + 16 * kk + 2 * q);
-    const uint32_t wh = lds_frag(rb + 128 + 32 * hh + 16 * kk + 2 * q);
+    const uint32_t wl = lds_frag(rb + 64 * hh + 32 * (qq & 1) + 16 * kk);
+    const uint32_t wh = lds_frag(rb + 128 + 32 * hh + 16 * kk);
     const uint32_t c = ((wl >> ((qq >> 1) * 4)) & 0x0F0F0F0Fu) |
                        (((wh >> (2 * qq)) & 0x03030303u) << 4);
-    magic_pair(c, 0, 0x00FF00FFu, &lo, &hi);
-    const uint32_t s = __byte_perm(e, e, kk ? 0x3232 : 0x1010);
-    const __nv_bfloat162 s2 = *(const __nv_bfloat162 *)&s;
+    magic_pair(c, 0, 0x00FF00FFu, mc, &lo, &hi);
+    const __nv_bfloat162 s2 = *(const __nv_bfloat162 *)(kk ? &e.y : &e.x);
     b[0] = bf2_bits(__hmul2(__hsub2(*(const __nv_bfloat162 *)&lo, base), s2));
     b[1] = bf2_bits(__hmul2(__hsub2(*(const __nv_bfloat162 *)&hi, base), s2));
   } else { /* Q8_0: d q through f32, as q80_half_bf16 */
-    const float d = __uint_as_float(e);
-    const uint32_t x = lds_frag(rb + 34 * u + 2 + 16 * kk + 2 * q) ^ 0x80808080u;
+    const float d = __uint_as_float(e.x);
+    const uint32_t x = lds_frag(rb + 34 * u + 2 + 16 * kk) ^ 0x80808080u;
     float v[4];
 #pragma unroll
     for (int j = 0; j < 4; j++)
@@ -612,6 +612,9 @@ static __device__ __forceinline__ void gm_mainloop_rf(
   __shared__ uint8_t sh[2][GM_BR];
   const int tid = threadIdx.x, lane = tid & 31, q = lane & 3, gr = lane >> 2;
   const uint32_t s0 = smem_u32(gm_smem);
+  /* 0x43004300, in a register: K's sign bit (0) keeps the compiler from folding it into two
+   * logic instructions with one immediate each */
+  const uint32_t mc = 0x43004300u | ((uint32_t)K & 0x80000000u);
   const uint32_t a_ld = kept(s0 + A0 + ((wm + (lane & 15)) * GM_LD + (lane >> 4) * 8) * 2);
   const int ar = tid >> 2, ac = (tid & 3) * 8;
   const char *asrc[NR];
@@ -637,9 +640,9 @@ static __device__ __forceinline__ void gm_mainloop_rf(
     const uint8_t *row = gm_smem + gm_row<T, BM>(sh, b, tr);
     gm_hdr hd;
     gm_header<T>(row, &hd);
-    const uint32_t at = s0 + TB + b * TBB + (tr * t::TS + tu) * 4;
+    const uint32_t at = s0 + TB + b * TBB + (tr * t::TS + 2 * tu) * 4;
 #pragma unroll
-    for (int i = 0; i < SUBS / 2; i++) sts_u32(at + 4 * i, gf_scale<T>(row, hd, tu + i));
+    for (int i = 0; i < SUBS / 2; i++) sts_u64(at + 8 * i, gf_scale<T>(row, hd, tu + i));
   };
 #pragma unroll
   for (int i = 0; i < MI; i++)
@@ -668,7 +671,7 @@ static __device__ __forceinline__ void gm_mainloop_rf(
 #pragma unroll
       for (int nh = 0; nh < 2; nh++) {
         const int r = wn + gm_frow<GU, NJ>(j) + 8 * nh + gr;
-        rb[j][nh] = s0 + gm_row<T, BM>(sh, b, r);
+        rb[j][nh] = s0 + gm_row<T, BM>(sh, b, r) + 2 * q;
         tb[j][nh] = s0 + TB + b * TBB + r * t::TS * 4;
       }
 #pragma unroll
@@ -681,16 +684,16 @@ static __device__ __forceinline__ void gm_mainloop_rf(
                         min(SUBS, nsub - g0 - SUBS));
       cp_async_commit();
       if (wm < mt) { /* a warp past the tile's tokens has none to multiply */
-        uint32_t e[NJ][2];
+        uint2 e[NJ][2];
 #pragma unroll
         for (int j = 0; j < NJ; j++)
 #pragma unroll
           for (int nh = 0; nh < 2; nh++) {
-            e[j][nh] = lds_u32(tb[j][nh] + 4 * u);
+            e[j][nh] = lds_u64(tb[j][nh] + 8 * u);
             if (T == TDM_MOE_W_Q4_K && (u & 1) == 0)
 #pragma unroll
               for (int kk = 0; kk < 2; kk++)
-                w[j][nh][kk] = lds_frag(rb[j][nh] + 16 + 32 * (u >> 1) + 16 * kk + 2 * q);
+                w[j][nh][kk] = lds_frag(rb[j][nh] + 16 + 32 * (u >> 1) + 16 * kk);
           }
         const uint32_t at = a_ld + ga;
 #pragma unroll
@@ -703,7 +706,7 @@ static __device__ __forceinline__ void gm_mainloop_rf(
 #pragma unroll
             for (int nh = 0; nh < 2; nh++) {
               uint32_t fb[2];
-              gf_frag<T>(rb[j][nh], e[j][nh], u, kk, q, w[j][nh][kk], fb);
+              gf_frag<T>(rb[j][nh], e[j][nh], u, kk, mc, w[j][nh][kk], fb);
 #pragma unroll
               for (int i = 0; i < MI; i++) mma_bf16(acc[i][j][nh], fa[i], fb[0], fb[1]);
             }
