@@ -299,10 +299,10 @@ TEST_CASE(experts_q_ref) {
 /* Many rows in all (more than a GPU's experts_gemm_rows, where CUDA runs the table as
  * tensor-core GEMMs in tiles of 64 tokens): entries of 0, 1, 63, 64, 65 and up to 96 tokens
  * (one tile, one and a bit, a tile and a half), 384 rows, every format, with H 768 (gate/up
- * in three steps of 256 values: a step's copies and scales made while the one before runs,
- * into the buffers of the one before that) and I 256, against fp64; then the types of 32-value
- * blocks with rows that end in part of a 256-value step (H 1312, I 288) and every other expert
- * 2 bytes off 16. */
+ * in three steps of 256 values: a step copied while the one before it runs, into the buffer
+ * of the one before that) and I 256, against fp64; then the types of 32-value blocks with rows
+ * that end in part of a 256-value step (H 1312, I 288) and every other expert 2 bytes off
+ * 16. */
 /* Entries of many rows: none, one, a tile less one, a tile, a tile and one, and more; 384 in
  * all, one per slot of T = 96 tokens of top-4. */
 static const int MANY[] = {65, 0, 96, 1, 63, 64, 45, 50};
