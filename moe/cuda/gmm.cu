@@ -1,6 +1,8 @@
 /* cuda/gmm.cu: experts() and experts_q() on many tokens an expert (prefill): every entry of the
  * table in two tensor-core launches, gate|up with SwiGLU, then down, each reading the weights
- * in their format (unit32.h), widened to bf16 a 32-value step at a time in shared memory.
+ * in their format (unit32.h), widened to bf16 32 values at a time: Q8_0, Q4_K and Q6_K by each
+ * warp into its own operand fragments, in registers; F16, BF16 and MXFP4 into a weight tile in
+ * shared memory that the warps then load.
  *
  * A block computes a tile of 64 (or 128) of an entry's tokens against 128 weight rows: gate/up
  * takes 64 gate rows and the 64 up rows of the same outputs, so SwiGLU is applied to the
@@ -22,18 +24,24 @@
  * (each output element is one fragment's sum over K in a fixed order).
  *
  * Each step of KS values (a superblock) of the weight rows is copied into shared memory as it
- * lies, asynchronously (cp.async), a step ahead of the one the tensor cores work on; each 32
- * values of it are widened from there to bf16 while the tensor cores work on the 32 before
- * (two shared buffers of each). The activations' 32 values go the same way two 32s ahead, into
- * a ring of GM_NA tiles: one barrier a 32. The 4- and 6-bit types widen two values an
+ * lies, asynchronously (cp.async), a step ahead of the one the tensor cores work on. Q8_0, Q4_K
+ * and Q6_K (gm_mainloop_rf): a step's scales are first worked out into a table, a word a row
+ * and unit; then each warp widens the 32 values of each of its rows that its mma.sync operand
+ * takes from the staged bytes, as it multiplies, so that shared memory carries no widened
+ * weights (a weight tile's stores and loads bound the kernels before). The others
+ * (gm_mainloop): each 32 values are widened to bf16 into a shared tile while the tensor cores
+ * work on the 32 before (two tiles). The activations' 32 values go two 32s ahead, into a ring
+ * of GM_NA tiles: one barrier a 32. The 4- and 6-bit types widen two values an
  * instruction in bf16 pairs (a code's bits put into the mantissa of 128.0, 128 taken off, then
  * one fused multiply-add with the sub-block's scale and offset rounded to bf16); Q8_0 through
  * f32 the same way (2^23 + 128 taken off). No integer-to-float conversion is issued: that
  * unit takes 16 a clock on an SM, an eighth of the adds. A step's units are unrolled and a
- * thread's shared addresses computed once (kept), so a unit of Q4_K with tiles of 64 tokens
- * issues 148 instructions a thread, 16 of them mma.sync (356 with WMMA and addresses computed
- * at each use); the kernels are then bound by the shared memory's bandwidth
- * (bench/results/h100-gmm-mma-f4aa486). */
+ * thread's shared addresses computed once (kept). With a shared weight tile, a unit of Q4_K
+ * issued 148 instructions a thread and the kernels were bound by the shared memory's
+ * bandwidth, 92% busy (bench/results/h100-gmm-mma-f4aa486); in registers, a warp with tokens
+ * issues 182 a unit, a warp past the tile's tokens (half of them at 32 tokens an expert)
+ * none, and shared memory carries about a third of the bytes. Both ways, a weight's bf16 value
+ * and its place in the products are the same, and so are the results. */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <limits.h>
@@ -41,10 +49,11 @@
 
 #include "cuda/cuda_ops.h"
 #include "cuda/unit32.h"
+#include "cuda/widen16.h"
 
 #define GM_BR 128      /* weight rows a tile */
-#define GM_THREADS 256 /* 8 warps: BM / 32 along the tokens (BM: 64 or 128 a tile), the rest
-                        * along the rows */
+#define GM_THREADS 256 /* 8 warps: BM / 32 along the tokens (BM: 64 or 128 a tile; 2 for Q8_0
+                        * and the K-quants), the rest along the rows */
 #define GM_LD 40       /* bf16 a shared row: 32 values and 8 of padding (80 bytes, off the banks) */
 #define GM_CLD (GM_BR + 4) /* floats a row of the epilogue's tile */
 #define GM_NA 3            /* activation tiles in flight: the one in use and two copying */
@@ -62,10 +71,16 @@ template <int T, int BM> struct gm_t {
   static constexpr int W = (RB + 3 + 3) / 4;
   static constexpr int RBP = 4 * (W % 2 ? W : W + 1);
   static constexpr int SUBS = KS / 32; /* 32-value units a step */
-  static constexpr int WT = BM / 32, WR = GM_THREADS / 32 / WT; /* warps along tokens, rows */
+  /* Q8_0, Q4_K and Q6_K: each warp widens its weight fragments in registers (gm_mainloop_rf);
+   * the others are widened into a shared weight tile (gm_mainloop) */
+  static constexpr bool rf = T == TDM_MOE_W_Q8_0 || kq;
+  static constexpr int MI = rf ? BM / 32 : 2; /* a warp's 16-token fragments */
+  static constexpr int WT = BM / 16 / MI, WR = GM_THREADS / 32 / WT; /* warps along tokens, rows */
   static constexpr int NJ = GM_BR / 16 / WR; /* a warp's 16-row fragments: 2 or 4 */
+  static constexpr int TS = 2 * SUBS + 2; /* words a weight row of the scale table (2 a unit) */
   static constexpr int A_TILE = BM * GM_LD, B_TILE = GM_BR * GM_LD; /* bf16 */
-  static constexpr int MAIN = 2 * GM_BR * RBP + (GM_NA * A_TILE + 2 * B_TILE) * 2;
+  static constexpr int MAIN = rf ? 2 * GM_BR * RBP + 2 * GM_BR * TS * 4 + GM_NA * A_TILE * 2
+                                 : 2 * GM_BR * RBP + (GM_NA * A_TILE + 2 * B_TILE) * 2;
   static constexpr int C = BM * GM_CLD * 4; /* the epilogue's */
   static constexpr int SMEM = MAIN > C ? MAIN : C;
   /* an SM's (228 KiB; a 128-token tile's 64 accumulators a thread want 2) */
@@ -118,17 +133,6 @@ static __device__ bool gm_find(const tdm_moe_group *groups, int G, int n, long l
   return true;
 }
 
-/* Eight floats as bf16 (rounded to nearest even), 16 bytes. */
-static __device__ __forceinline__ uint4 bf16x8(const float *f) {
-  uint32_t p[4];
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    const __nv_bfloat162 b = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-    p[i] = *(const uint32_t *)&b;
-  }
-  return make_uint4(p[0], p[1], p[2], p[3]);
-}
-
 /* Starts copying the step at k0 (su units) of the tile's weight rows (rowp, NULL: a row past
  * the weights) into raw, 8 lanes a row (a warp's copy reads 4 rows' 32 consecutive bytes), on
  * 4-byte words: the words that hold the step's bytes, which start sh = 0..3 bytes into the first
@@ -146,7 +150,10 @@ static __device__ __forceinline__ void gm_stage(uint8_t *raw, uint8_t *sh,
 #pragma unroll
   for (int r = threadIdx.x >> 3; r < GM_BR; r += GM_THREADS / 8) {
     const uint8_t *src = rowp[r];
-    if (!src) continue;
+    if (!src) { /* no bytes; an even offset, for gm_mainloop_rf's loads from the row */
+      if (sub == 0) sh[r] = 0;
+      continue;
+    }
     src += off;
     const int s = (int)((uintptr_t)src & 3), nw = (s + sb + 3) >> 2;
     const uint8_t *from = src - s + 4 * sub;
@@ -156,133 +163,6 @@ static __device__ __forceinline__ void gm_stage(uint8_t *raw, uint8_t *sh,
       if (w + sub < nw) cp_async4_s(dst + 4 * w, from + 4 * w);
     if (sub == 0) sh[r] = (uint8_t)s;
   }
-}
-
-/* ---- a row's 16 values as bf16 pairs, with no integer-to-float conversion ---- */
-
-/* Four 4- or 6-bit codes (a byte each, < 128) as two bf16 pairs of 128 + code. */
-static __device__ __forceinline__ void magic4(uint32_t q, __nv_bfloat162 *lo,
-                                              __nv_bfloat162 *hi) {
-  const uint32_t a = __byte_perm(q, 0x43434343u, 0x4140), b = __byte_perm(q, 0x43434343u, 0x4342);
-  *lo = *(const __nv_bfloat162 *)&a;
-  *hi = *(const __nv_bfloat162 *)&b;
-}
-
-static __device__ __forceinline__ uint32_t bf2_bits(__nv_bfloat162 v) {
-  return *(const uint32_t *)&v;
-}
-
-/* Half h (values 16h .. 16h + 15) of unit u of a staged Q4_K superblock b (even address, in
- * shared memory): d sc q - dmin m as bf16, the scale and offset rounded to bf16 first and the
- * product and difference rounded once. */
-static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, int u, int h,
-                                                     uint32_t p[8]) {
-  float d1, m1;
-  q4k_scale<false>(b, u, &d1, &m1);
-  const __nv_bfloat162 s = __float2bfloat162_rn(d1), nm = __float2bfloat162_rn(-m1);
-  const __nv_bfloat162 base = __float2bfloat162_rn(128.f);
-  const uint8_t *q = b + 16 + 32 * (u >> 1) + 16 * h;
-  const int shift = (u & 1) * 4;
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    const uint32_t w = (u_w<false>(q + 4 * i) >> shift) & 0x0F0F0F0Fu;
-    __nv_bfloat162 lo, hi;
-    magic4(w, &lo, &hi);
-    p[2 * i] = bf2_bits(__hfma2(__hsub2(lo, base), s, nm));
-    p[2 * i + 1] = bf2_bits(__hfma2(__hsub2(hi, base), s, nm));
-  }
-}
-
-/* The same for a staged Q6_K superblock: d sc (q - 32), d sc rounded to bf16 first. */
-static __device__ __forceinline__ void q6k_half_bf16(const uint8_t *b, int u, int h,
-                                                     uint32_t p[8]) {
-  const int hh = u >> 2, qq = u & 3;
-  const uint8_t *ql = b + 64 * hh + 32 * (qq & 1) + 16 * h, *qh = b + 128 + 32 * hh + 16 * h;
-  const float d = u_f16<false>(b + 208) * (float)(int8_t)u_b<false>(b + 192 + 8 * hh + 2 * qq + h);
-  const __nv_bfloat162 s = __float2bfloat162_rn(d), base = __float2bfloat162_rn(160.f);
-  const int sl = (qq >> 1) * 4, sh = 2 * qq;
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    const uint32_t w = ((u_w<false>(ql + 4 * i) >> sl) & 0x0F0F0F0Fu) |
-                       (((u_w<false>(qh + 4 * i) >> sh) & 0x03030303u) << 4);
-    __nv_bfloat162 lo, hi;
-    magic4(w, &lo, &hi);
-    p[2 * i] = bf2_bits(__hmul2(__hsub2(lo, base), s));
-    p[2 * i + 1] = bf2_bits(__hmul2(__hsub2(hi, base), s));
-  }
-}
-
-/* The same for a staged Q8_0 block's half: d q, through f32 (2^23 + 128 + q taken off). */
-static __device__ __forceinline__ void q80_half_bf16(const uint8_t *b, int h, uint32_t p[8]) {
-  const float d = u_f16<false>(b);
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    const uint32_t w = u_w<false>(b + 2 + 16 * h + 4 * i) ^ 0x80808080u;
-    float v[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-      v[j] = (__uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540 | j)) - 8388736.f) * d;
-    p[2 * i] = bf2_bits(__floats2bfloat162_rn(v[0], v[1]));
-    p[2 * i + 1] = bf2_bits(__floats2bfloat162_rn(v[2], v[3]));
-  }
-}
-
-/* 16 bytes into shared memory at a shared window address. */
-static __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
-  asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
-}
-
-/* Half h of unit s of the staged step at row (this thread's weight row; !wvalid: zeros) into
- * its 16 places of the weight tile at bd (a shared window address), as bf16. */
-template <int T>
-static __device__ __forceinline__ void gm_fill(uint32_t bd, const uint8_t *row, int h, bool wvalid,
-                                               int s) {
-  if (!wvalid) {
-    sts128(bd, make_uint4(0u, 0u, 0u, 0u));
-    sts128(bd + 16, make_uint4(0u, 0u, 0u, 0u));
-    return;
-  }
-  uint32_t p[8];
-  if (T == TDM_MOE_W_Q4_K) {
-    q4k_half_bf16(row, s, h, p);
-  } else if (T == TDM_MOE_W_Q6_K) {
-    q6k_half_bf16(row, s, h, p);
-  } else if (T == TDM_MOE_W_Q8_0) {
-    q80_half_bf16(row + 34 * s, h, p);
-  } else {
-    float v[16];
-    unit16<T, false>(row, s, h, v);
-    sts128(bd, bf16x8(v));
-    sts128(bd + 16, bf16x8(v + 8));
-    return;
-  }
-  sts128(bd, make_uint4(p[0], p[1], p[2], p[3]));
-  sts128(bd + 16, make_uint4(p[4], p[5], p[6], p[7]));
-}
-
-/* ---- the tensor cores: ldmatrix and mma.sync on bf16 ---- */
-
-/* Four 8 x 8 matrices of 16-bit values: lane l gives the address of row l % 8 of matrix l / 8
- * and gets its share of each, in r[0..3]. */
-static __device__ __forceinline__ void ldsm4(uint32_t r[4], uint32_t addr) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-#endif
-}
-
-/* c += a b: a 16 x 16 (row), b 16 x 8 (column), bf16, f32 sums. */
-static __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0,
-                                                uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-               "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
 }
 
 /* The first weight row of a warp's fragment j, from its first row wn: gate/up's fragments j <
@@ -318,7 +198,10 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
   constexpr uint32_t A0 = 2 * GM_BR * t::RBP, ATB = t::A_TILE * 2, B0 = A0 + GM_NA * ATB;
   constexpr uint32_t BTB = t::B_TILE * 2;
   __shared__ uint8_t sh[2][GM_BR];
-  const int tid = threadIdx.x, lane = tid & 31, r = tid >> 1, h = tid & 1;
+  /* the widening's: row r, half h (a warp's lanes 0-15 take 16 rows' first halves, 16-31
+   * their second: the tile's stores meet every bank once a phase) */
+  const int tid = threadIdx.x, lane = tid & 31, h = (tid >> 4) & 1;
+  const int r = (tid & 15) + 16 * (tid >> 5);
   const uint32_t s0 = smem_u32(gm_smem);
   /* ldmatrix: the tokens' 16 x 16 (lanes 0-15 rows 0-15 at k, 16-31 at k + 8), the weights'
    * two 8-row blocks (lanes 0-7 rows 0-7 at k, 8-15 at k + 8; 16-31 rows 8-15 the same) */
@@ -362,11 +245,18 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
   cp_async_commit();
   cp_async_wait<1>();
   __syncthreads();
-  gm_fill<T>(fill, gm_smem + gm_row<T, BM>(sh, 0, r), h, wvalid, 0);
+  {
+    const uint8_t *row = gm_smem + gm_row<T, BM>(sh, 0, r);
+    gm_hdr hd;
+    if (wvalid) gm_header<T>(row, &hd);
+    gm_fill<T>(fill, row, hd, h, wvalid, 0);
+  }
   __syncthreads();
   uint32_t ga = 0; /* the ring's tile of unit g, in bytes */
   for (int g0 = 0, st = 0; g0 < nsub; g0 += SUBS, st++) {
     const uint8_t *cur = gm_smem + kept(gm_row<T, BM>(sh, st & 1, r));
+    gm_hdr hd;
+    if (wvalid) gm_header<T>(cur, &hd);
 #pragma unroll
     for (int u = 0; u < SUBS; u++) {
       const int g = g0 + u;
@@ -397,8 +287,14 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
         }
       }
       if (g + 1 < nsub) {
-        const uint8_t *row = u == SUBS - 1 ? gm_smem + gm_row<T, BM>(sh, (st + 1) & 1, r) : cur;
-        gm_fill<T>(fill + ((u + 1) & 1) * BTB, row, h, wvalid, (u + 1) % SUBS);
+        if (u < SUBS - 1) {
+          gm_fill<T>(fill + ((u + 1) & 1) * BTB, cur, hd, h, wvalid, u + 1);
+        } else { /* the next step's first unit */
+          const uint8_t *row = gm_smem + gm_row<T, BM>(sh, (st + 1) & 1, r);
+          gm_hdr hn;
+          if (wvalid) gm_header<T>(row, &hn);
+          gm_fill<T>(fill + ((u + 1) & 1) * BTB, row, hn, h, wvalid, 0);
+        }
       }
       cp_async_wait<1>(); /* unit g + 1's activations, and every step widened from, landed */
       __syncthreads();    /* this pair of tiles is free; the next is written and visible */
@@ -406,6 +302,134 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
     }
   }
   cp_async_wait<0>(); /* nothing lands in the epilogue's shared memory */
+}
+
+/* gm_mainloop for Q8_0, Q4_K and Q6_K, with each warp's weight fragments widened in registers
+ * (gf_frag) from the staged step, and a warp's MI 16-token fragments (BM / 32: two warps
+ * along the tokens, four along the rows). Iteration g multiplies unit g, starts the copies of
+ * unit g + 2's activations and, at a step's first unit, of the next step's weight rows (into
+ * the buffer of the step before, read to its end in the iteration before), and, at a step's
+ * last unit, fills the next step's scale table (its rows landed SUBS - 2 iterations after
+ * their copy began). One commit group an iteration, as gm_mainloop. */
+template <int T, int BM, bool GU>
+static __device__ __forceinline__ void gm_mainloop_rf(
+    const __nv_bfloat16 *a, int mt, const uint8_t *const *rowp, int K, int wm, int wn,
+    float (&acc)[gm_t<T, BM>::MI][gm_t<T, BM>::NJ][2][4]) {
+  typedef gm_t<T, BM> t;
+  constexpr int NJ = t::NJ, MI = t::MI, SUBS = t::SUBS, NR = BM / 64;
+  static_assert(SUBS >= 3, "a step's rows land SUBS - 2 iterations after their copy");
+  constexpr uint32_t TB = 2 * GM_BR * t::RBP, TBB = GM_BR * t::TS * 4;
+  constexpr uint32_t A0 = TB + 2 * TBB, ATB = t::A_TILE * 2;
+  __shared__ uint8_t sh[2][GM_BR];
+  const int tid = threadIdx.x, lane = tid & 31, q = lane & 3, gr = lane >> 2;
+  const uint32_t s0 = smem_u32(gm_smem);
+  /* 0x43004300, in a register: K's sign bit (0) keeps the compiler from folding it into two
+   * logic instructions with one immediate each */
+  const uint32_t mc = 0x43004300u | ((uint32_t)K & 0x80000000u);
+  const uint32_t a_ld = kept(s0 + A0 + ((wm + (lane & 15)) * GM_LD + (lane >> 4) * 8) * 2);
+  const int ar = tid >> 2, ac = (tid & 3) * 8;
+  const char *asrc[NR];
+  uint32_t asz[NR];
+#pragma unroll
+  for (int i = 0; i < NR; i++) {
+    asz[i] = kept(ar + 64 * i < mt ? 16u : 0u);
+    asrc[i] = (const char *)(asz[i] ? a + (size_t)(ar + 64 * i) * K + ac : a);
+  }
+  const uint32_t a_st = kept(s0 + A0 + (ar * GM_LD + ac) * 2);
+  auto load_a = [&](uint32_t slot) {
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+      cp_async16_n(a_st + slot + i * 64 * GM_LD * 2, asrc[i], asz[i]);
+      asrc[i] += 4 * asz[i];
+    }
+  };
+  /* the scale table of step buffer b: row tid / 2, units SUBS / 2 (tid % 2) .. */
+  const int tr = tid >> 1, tu = (tid & 1) * (SUBS / 2);
+  const bool tvalid = rowp[tr] != NULL;
+  auto table = [&](int b) {
+    if (!tvalid) return;
+    const uint8_t *row = gm_smem + gm_row<T, BM>(sh, b, tr);
+    gm_hdr hd;
+    gm_header<T>(row, &hd);
+    const uint32_t at = s0 + TB + b * TBB + (tr * t::TS + 2 * tu) * 4;
+#pragma unroll
+    for (int i = 0; i < SUBS / 2; i++) sts_u64(at + 8 * i, gf_scale<T>(row, hd, tu + i));
+  };
+#pragma unroll
+  for (int i = 0; i < MI; i++)
+#pragma unroll
+    for (int j = 0; j < NJ; j++)
+#pragma unroll
+      for (int nh = 0; nh < 2; nh++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) acc[i][j][nh][c] = 0.f;
+  const int nsub = K >> 5;
+  gm_stage<T, BM>(gm_smem, sh[0], rowp, 0, min(t::KS, K) >> 5);
+  load_a(0);
+  cp_async_commit();
+  if (nsub > 1) load_a(ATB);
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+  table(0);
+  __syncthreads();
+  uint32_t ga = 0;
+  for (int g0 = 0, st = 0; g0 < nsub; g0 += SUBS, st++) {
+    const int b = st & 1;
+    uint32_t rb[NJ][2], tb[NJ][2], w[NJ][2][2];
+#pragma unroll
+    for (int j = 0; j < NJ; j++)
+#pragma unroll
+      for (int nh = 0; nh < 2; nh++) {
+        const int r = wn + gm_frow<GU, NJ>(j) + 8 * nh + gr;
+        rb[j][nh] = s0 + gm_row<T, BM>(sh, b, r) + 2 * q;
+        tb[j][nh] = s0 + TB + b * TBB + r * t::TS * 4;
+      }
+#pragma unroll
+    for (int u = 0; u < SUBS; u++) {
+      const int g = g0 + u;
+      if (g >= nsub) break;
+      if (g + 2 < nsub) load_a(ga == 0 ? 2 * ATB : ga - ATB);
+      if (u == 0 && g0 + SUBS < nsub)
+        gm_stage<T, BM>(gm_smem + (b ^ 1) * GM_BR * t::RBP, sh[b ^ 1], rowp, (g0 + SUBS) * 32,
+                        min(SUBS, nsub - g0 - SUBS));
+      cp_async_commit();
+      if (wm < mt) { /* a warp past the tile's tokens has none to multiply */
+        uint2 e[NJ][2];
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+          for (int nh = 0; nh < 2; nh++) {
+            e[j][nh] = lds_u64(tb[j][nh] + 8 * u);
+            if (T == TDM_MOE_W_Q4_K && (u & 1) == 0)
+#pragma unroll
+              for (int kk = 0; kk < 2; kk++)
+                w[j][nh][kk] = lds_frag(rb[j][nh] + 16 + 32 * (u >> 1) + 16 * kk);
+          }
+        const uint32_t at = a_ld + ga;
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+          uint32_t fa[MI][4];
+#pragma unroll
+          for (int i = 0; i < MI; i++) ldsm4(fa[i], at + (16 * i * GM_LD + 16 * kk) * 2);
+#pragma unroll
+          for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int nh = 0; nh < 2; nh++) {
+              uint32_t fb[2];
+              gf_frag<T>(rb[j][nh], e[j][nh], u, kk, mc, w[j][nh][kk], fb);
+#pragma unroll
+              for (int i = 0; i < MI; i++) mma_bf16(acc[i][j][nh], fa[i], fb[0], fb[1]);
+            }
+        }
+      }
+      if (u == SUBS - 1 && g0 + SUBS < nsub) table(b ^ 1);
+      cp_async_wait<1>(); /* unit g + 1's activations, and the next step's rows, landed */
+      __syncthreads();
+      ga = ga == (GM_NA - 1) * ATB ? 0 : ga + ATB;
+    }
+  }
+  cp_async_wait<0>();
 }
 
 /* hb[first + m0 + r][n0 + c] = SwiGLU of the tile's gate and up sums, as bf16: block (tile,
@@ -430,13 +454,17 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
   }
   __syncthreads();
   constexpr int HJ = t::NJ / 2; /* gate fragments a warp */
-  const int wm = (warp % t::WT) * 32, wn = (warp / t::WT) * 16 * HJ;
-  float acc[2][t::NJ][2][4];
-  gm_mainloop<T, BM, true>(xb + (size_t)(e.first + m0) * H, mt, rowp, H, wm, wn, acc);
+  const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * HJ;
+  float acc[t::MI][t::NJ][2][4];
+  const __nv_bfloat16 *a = xb + (size_t)(e.first + m0) * H;
+  if constexpr (t::rf)
+    gm_mainloop_rf<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
+  else
+    gm_mainloop<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
   float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
   const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
 #pragma unroll
-  for (int i = 0; i < 2; i++)
+  for (int i = 0; i < t::MI; i++)
 #pragma unroll
     for (int j = 0; j < HJ; j++)
 #pragma unroll
@@ -477,13 +505,17 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
     rowp[tid] = n0 + tid < H ? w + (size_t)(n0 + tid) * rb : NULL;
   }
   __syncthreads();
-  const int wm = (warp % t::WT) * 32, wn = (warp / t::WT) * 16 * t::NJ;
-  float acc[2][t::NJ][2][4];
-  gm_mainloop<T, BM, false>(hb + (size_t)(e.first + m0) * I, mt, rowp, I, wm, wn, acc);
+  const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * t::NJ;
+  float acc[t::MI][t::NJ][2][4];
+  const __nv_bfloat16 *a = hb + (size_t)(e.first + m0) * I;
+  if constexpr (t::rf)
+    gm_mainloop_rf<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
+  else
+    gm_mainloop<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
   float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
   const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
 #pragma unroll
-  for (int i = 0; i < 2; i++)
+  for (int i = 0; i < t::MI; i++)
 #pragma unroll
     for (int j = 0; j < t::NJ; j++)
 #pragma unroll
