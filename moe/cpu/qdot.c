@@ -83,19 +83,13 @@ QDOT_TARGET void load_unit(const uint8_t *src, int t, size_t u, unit *un) {
     float d;
     memcpy(&d, &bits, sizeof d);
     un->s[0] = un->s[1] = d;
-    __m128i raw = _mm_loadu_si128((const __m128i *)(b + 1));
-    __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
-    __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    /* twice E2M1's magnitude by the code's low 3 bits; bit 3 the sign */
-    const __m256i mag = _mm256_setr_epi32(0, 1, 2, 3, 4, 6, 8, 12);
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) {
-      __m256i code = _mm256_cvtepu8_epi32(part[i]);
-      __m256 v = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(mag, code));
-      __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(8)), 28);
-      un->q[i] = _mm256_xor_ps(v, _mm256_castsi256_ps(sign));
-    }
+    /* a code's value, twice E2M1's, from a byte table (code 8 is +0), sign included */
+    const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 1));
+    const __m128i n4 = _mm256_castsi256_si128(nib);
+    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(raw, n4));
+    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), n4));
+    bytes_to_f32(_mm256_set_m128i(hi, lo), 1, un->q);
   }
 }
 
