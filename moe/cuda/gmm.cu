@@ -9,17 +9,18 @@
  * accumulators (a gate fragment and its up fragment hold the same elements), and h leaves as
  * bf16 [n x I] at the entries' token positions; down takes 128 rows of Wd and writes each
  * token's output row at its slot. Activations are bf16, as expert()'s GEMMs have them: a first
- * launch gathers each entry's row of x rounded to bf16 (the workspace's xb [n x H], after h),
+ * launch gathers the tiles' rows of x rounded to bf16 (the workspace's xb [n x H], after h),
  * so that a tile's activations are contiguous rows that the copy engine of each SM
  * (cp.async) brings into shared memory as they lie; sums are f32 (mma.sync m16n8k16 on bf16,
  * its operands loaded by ldmatrix).
  *
  * The grid's x runs over tiles of tokens: ceil(n / BM) + G of them cover every entry's tiles
- * (each entry adds at most one partial tile), and a block finds its entry by a warp's scan of
- * the table (device data, read when the kernel runs), so that the host never learns the
- * counts. A bad entry (moe_ops.h: rows outside [0, n), weights outside the allocation) counts
- * no tiles and is skipped whole; a token whose row lies outside x's allocation, or whose slot
- * outside out's, has its slot left unwritten. A token's result depends on its expert, its own
+ * (each entry adds at most one partial tile), a block taking every gridDim.x-th of them where
+ * that many blocks would fill the GPU more than GM_WAVES times over (gm_blocks), and a block
+ * finds each tile's entry by a warp's scan of the table (device data, read when the kernel
+ * runs), so that the host never learns the counts. A bad entry (moe_ops.h: rows outside
+ * [0, n), weights outside the allocation) counts no tiles and is skipped whole; a token whose
+ * row lies outside x's allocation, or whose slot outside out's, has its slot left unwritten. A token's result depends on its expert, its own
  * activations and the type only: the tile it falls in, its neighbours and G do not change a bit
  * (each output element is one fragment's sum over K in a fixed order).
  *
@@ -444,42 +445,45 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
   wait_prior_grid();
   tdm_moe_group e;
   int m0;
-  if (!gm_find<BM>(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) return;
-  typedef gm_t<T, BM> t;
-  const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * 64;
-  const int mt = min(BM, e.count - m0); /* tokens of this tile */
-  if (tid < GM_BR) {
-    const int o = n0 + (tid & 63); /* gate row o (tid < 64), up row I + o */
-    rowp[tid] = o < I ? wbase + 2 * e.w + (size_t)(o + (tid >= 64 ? I : 0)) * rb : NULL;
-  }
-  __syncthreads();
-  constexpr int HJ = t::NJ / 2; /* gate fragments a warp */
-  const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * HJ;
-  float acc[t::MI][t::NJ][2][4];
-  const __nv_bfloat16 *a = xb + (size_t)(e.first + m0) * H;
-  if constexpr (t::rf)
-    gm_mainloop_rf<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
-  else
-    gm_mainloop<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
-  float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
-  const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
+  for (int tile = (int)blockIdx.x; gm_find<BM>(groups, G, n, wlimit, ebytes, tile, &e, &m0);
+       tile += (int)gridDim.x) {
+    typedef gm_t<T, BM> t;
+    const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * 64;
+    const int mt = min(BM, e.count - m0); /* tokens of this tile */
+    if (tid < GM_BR) {
+      const int o = n0 + (tid & 63); /* gate row o (tid < 64), up row I + o */
+      rowp[tid] = o < I ? wbase + 2 * e.w + (size_t)(o + (tid >= 64 ? I : 0)) * rb : NULL;
+    }
+    __syncthreads();
+    constexpr int HJ = t::NJ / 2; /* gate fragments a warp */
+    const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * HJ;
+    float acc[t::MI][t::NJ][2][4];
+    const __nv_bfloat16 *a = xb + (size_t)(e.first + m0) * H;
+    if constexpr (t::rf)
+      gm_mainloop_rf<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
+    else
+      gm_mainloop<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
+    float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
+    const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
 #pragma unroll
-  for (int i = 0; i < t::MI; i++)
+    for (int i = 0; i < t::MI; i++)
 #pragma unroll
-    for (int j = 0; j < HJ; j++)
+      for (int j = 0; j < HJ; j++)
 #pragma unroll
-      for (int nh = 0; nh < 2; nh++)
+        for (int nh = 0; nh < 2; nh++)
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-          const float gv = acc[i][j][nh][q];
-          c[wm + 16 * i + g + 8 * (q >> 1)][wn + 16 * j + 8 * nh + q2 + (q & 1)] =
-              gv / (1.f + expf(-gv)) * acc[i][HJ + j][nh][q];
-        }
-  __syncthreads();
-  for (int q = tid; q < BM * 64; q += GM_THREADS) {
-    const int r = q >> 6, col = q & 63;
-    if (r < mt && n0 + col < I)
-      hb[(size_t)(e.first + m0 + r) * I + n0 + col] = __float2bfloat16_rn(c[r][col]);
+          for (int q = 0; q < 4; q++) {
+            const float gv = acc[i][j][nh][q];
+            c[wm + 16 * i + g + 8 * (q >> 1)][wn + 16 * j + 8 * nh + q2 + (q & 1)] =
+                gv / (1.f + expf(-gv)) * acc[i][HJ + j][nh][q];
+          }
+    __syncthreads();
+    for (int q = tid; q < BM * 64; q += GM_THREADS) {
+      const int r = q >> 6, col = q & 63;
+      if (r < mt && n0 + col < I)
+        hb[(size_t)(e.first + m0 + r) * I + n0 + col] = __float2bfloat16_rn(c[r][col]);
+    }
+    __syncthreads(); /* c, rowp and gm_find's cell read: the next tile may write them */
   }
 }
 
@@ -496,41 +500,44 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
   wait_prior_grid();
   tdm_moe_group e;
   int m0;
-  if (!gm_find<BM>(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) return;
-  typedef gm_t<T, BM> t;
-  const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * GM_BR;
-  const int mt = min(BM, e.count - m0);
-  if (tid < GM_BR) {
-    const uint8_t *w = wbase + 2 * e.w + 2 * (size_t)I * gu_rb;
-    rowp[tid] = n0 + tid < H ? w + (size_t)(n0 + tid) * rb : NULL;
-  }
-  __syncthreads();
-  const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * t::NJ;
-  float acc[t::MI][t::NJ][2][4];
-  const __nv_bfloat16 *a = hb + (size_t)(e.first + m0) * I;
-  if constexpr (t::rf)
-    gm_mainloop_rf<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
-  else
-    gm_mainloop<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
-  float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
-  const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
+  for (int tile = (int)blockIdx.x; gm_find<BM>(groups, G, n, wlimit, ebytes, tile, &e, &m0);
+       tile += (int)gridDim.x) {
+    typedef gm_t<T, BM> t;
+    const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * GM_BR;
+    const int mt = min(BM, e.count - m0);
+    if (tid < GM_BR) {
+      const uint8_t *w = wbase + 2 * e.w + 2 * (size_t)I * gu_rb;
+      rowp[tid] = n0 + tid < H ? w + (size_t)(n0 + tid) * rb : NULL;
+    }
+    __syncthreads();
+    const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * t::NJ;
+    float acc[t::MI][t::NJ][2][4];
+    const __nv_bfloat16 *a = hb + (size_t)(e.first + m0) * I;
+    if constexpr (t::rf)
+      gm_mainloop_rf<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
+    else
+      gm_mainloop<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
+    float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
+    const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
 #pragma unroll
-  for (int i = 0; i < t::MI; i++)
+    for (int i = 0; i < t::MI; i++)
 #pragma unroll
-    for (int j = 0; j < t::NJ; j++)
+      for (int j = 0; j < t::NJ; j++)
 #pragma unroll
-      for (int nh = 0; nh < 2; nh++)
+        for (int nh = 0; nh < 2; nh++)
 #pragma unroll
-        for (int q = 0; q < 4; q++)
-          c[wm + 16 * i + g + 8 * (q >> 1)][wn + 16 * j + 8 * nh + q2 + (q & 1)] =
-              acc[i][j][nh][q];
-  __syncthreads();
-  for (int r = warp; r < mt; r += GM_THREADS / 32) {
-    const int at = e.first + m0 + r;
-    const uint32_t sl = (uint32_t)slot[at];
-    if (sl >= olimit || (uint32_t)rows[at] >= xlimit) continue;
-    float *dst = out + (size_t)sl * H + n0;
-    for (int col = tid & 31; col < GM_BR && n0 + col < H; col += 32) dst[col] = c[r][col];
+          for (int q = 0; q < 4; q++)
+            c[wm + 16 * i + g + 8 * (q >> 1)][wn + 16 * j + 8 * nh + q2 + (q & 1)] =
+                acc[i][j][nh][q];
+    __syncthreads();
+    for (int r = warp; r < mt; r += GM_THREADS / 32) {
+      const int at = e.first + m0 + r;
+      const uint32_t sl = (uint32_t)slot[at];
+      if (sl >= olimit || (uint32_t)rows[at] >= xlimit) continue;
+      float *dst = out + (size_t)sl * H + n0;
+      for (int col = tid & 31; col < GM_BR && n0 + col < H; col += 32) dst[col] = c[r][col];
+    }
+    __syncthreads(); /* c, rowp and gm_find's cell read: the next tile may write them */
   }
 }
 
@@ -539,28 +546,56 @@ bool cuda_gmm_takes(int n, int H, int I, const float *x) {
          (long long)n / 64 + 1 < INT_MAX / 2;
 }
 
-/* xb [n x H] = entry i's row rows[i] of x rounded to bf16 (zeros where it lies past xlimit):
- * block (i, c), 8 values a thread. */
+/* xb's rows that the table's tiles read, each entry's row rows[i] of x rounded to bf16 (zeros
+ * where it lies past xlimit); no other row: a group of a few experts among a large ubatch's
+ * entries gathers its own. Block (b, c) takes tiles b, b + gridDim.x, .., 8 values a thread. */
+template <int BM>
 static __global__ void __launch_bounds__(GM_THREADS)
-    gm_gather_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int H,
-                     __nv_bfloat16 *xb) {
+    gm_gather_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int n,
+                     long long wlimit, long long ebytes, const tdm_moe_group *groups, int G,
+                     int H, __nv_bfloat16 *xb) {
   wait_prior_grid();
   const int c = ((int)blockIdx.y * GM_THREADS + (int)threadIdx.x) * 8;
-  if (c >= H) return;
-  const size_t i = blockIdx.x;
-  const uint32_t r = (uint32_t)rows[i];
-  uint4 v = make_uint4(0u, 0u, 0u, 0u);
-  if (r < xlimit) {
-    const float4 *src = (const float4 *)(x + (size_t)r * H + c);
-    const float4 a = src[0], b = src[1];
-    const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    v = bf16x8(f);
+  tdm_moe_group e;
+  int m0;
+  for (int tile = (int)blockIdx.x; gm_find<BM>(groups, G, n, wlimit, ebytes, tile, &e, &m0);
+       tile += (int)gridDim.x) {
+    const int mt = min(BM, e.count - m0);
+#pragma unroll 4
+    for (int r = 0; r < mt && c < H; r++) {
+      const size_t i = (size_t)(e.first + m0 + r);
+      const uint32_t row = (uint32_t)rows[i];
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (row < xlimit) {
+        const float4 *src = (const float4 *)(x + (size_t)row * H + c);
+        const float4 a = src[0], b = src[1];
+        const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        v = bf16x8(f);
+      }
+      *(uint4 *)(xb + i * H + c) = v;
+    }
+    __syncthreads(); /* gm_find's cell read: the next tile writes it */
   }
-  *(uint4 *)(xb + i * H + c) = v;
 }
 
 size_t cuda_gmm_scratch(int n, int H, int I) {
   return ((size_t)n * I * 2 + 255) / 256 * 256 + (size_t)n * H * 2;
+}
+
+/* Blocks along the tiles of a kernel with `cols` blocks along its outputs: every tile where
+ * that fills the GPU at most GM_WAVES times over, else that many (each block takes every
+ * gridDim.x-th tile): the grid is sized by n, all of a ubatch's entries, while a group of a few
+ * experts (a large ubatch whose experts stream) has tiles for a few of them only, and a block
+ * without a tile still costs its start. m->gmm_blocks > 0 caps them further (the tests' way
+ * to have each block take several tiles). */
+#define GM_WAVES 4
+template <int BM>
+static unsigned gm_blocks(const moe_cuda *m, unsigned tiles, unsigned cols, int type) {
+  int per_sm = 2;
+  BY_WTYPE(type, per_sm = gm_t<QT, BM>::BLOCKS);
+  const long long most = ((long long)GM_WAVES * m->sms * per_sm + cols - 1) / cols;
+  unsigned b = m->sms <= 0 || most >= (long long)tiles ? tiles : (unsigned)(most > 0 ? most : 1);
+  return m->gmm_blocks > 0 && (unsigned)m->gmm_blocks < b ? (unsigned)m->gmm_blocks : b;
 }
 
 template <int BM>
@@ -572,9 +607,12 @@ static cudaError_t gmm_launch(moe_cuda *m, const float *x, uint32_t xlimit, cons
   __nv_bfloat16 *hb = (__nv_bfloat16 *)ws;
   __nv_bfloat16 *xb = (__nv_bfloat16 *)((uint8_t *)ws + ((size_t)n * I * 2 + 255) / 256 * 256);
   const unsigned tiles = (unsigned)((n + BM - 1) / BM + G);
-  const dim3 x_grid((unsigned)n, (unsigned)((H + 8 * GM_THREADS - 1) / (8 * GM_THREADS)));
-  const dim3 gu_grid(tiles, (unsigned)((I + 63) / 64)), d_grid(tiles, (unsigned)((H + 127) / 128));
-  cudaError_t e = launch_pdl(m, gm_gather_kernel, x_grid, GM_THREADS, 0, x, xlimit, rows, H, xb);
+  const unsigned gu_cols = (unsigned)((I + 63) / 64), d_cols = (unsigned)((H + 127) / 128);
+  const dim3 x_grid(tiles, (unsigned)((H + 8 * GM_THREADS - 1) / (8 * GM_THREADS)));
+  const dim3 gu_grid(gm_blocks<BM>(m, tiles, gu_cols, tg), gu_cols);
+  const dim3 d_grid(gm_blocks<BM>(m, tiles, d_cols, td), d_cols);
+  cudaError_t e = launch_pdl(m, gm_gather_kernel<BM>, x_grid, GM_THREADS, 0, x, xlimit, rows, n,
+                             wlimit, ebytes, groups, G, H, xb);
   if (e != cudaSuccess) return e;
   BY_WTYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT, BM>, gu_grid, GM_THREADS,
                                 gm_t<QT, BM>::SMEM, (const __nv_bfloat16 *)xb, n, wbase, wlimit,
@@ -611,7 +649,8 @@ int cuda_gmm_preload(moe_cuda *m) {
   static const int types[] = {TDM_MOE_W_Q8_0, TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K,
                               TDM_MOE_W_MXFP4, TDM_MOE_W_BF16, TDM_MOE_W_F16};
   cudaFuncAttributes a;
-  CK_CUDA(cudaFuncGetAttributes(&a, (const void *)gm_gather_kernel));
+  CK_CUDA(cudaFuncGetAttributes(&a, (const void *)gm_gather_kernel<64>));
+  CK_CUDA(cudaFuncGetAttributes(&a, (const void *)gm_gather_kernel<128>));
   for (int t : types) {
     BY_WTYPE(t, CK_CUDA(cudaFuncSetAttribute(gm_gate_up_kernel<QT, 64>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
