@@ -332,10 +332,10 @@ TEST_CASE(experts_q_many) {
   teardown(f);
 }
 
-/* The grouped prefill kernels with each block taking several tiles (CUDA: at most 2 blocks
- * along the tiles, TANDEM_MOE_CUDA_GMM_BLOCKS), on every entry of the table and then on its
- * last NMANY - 3 entries alone, as a streamed group of a few experts runs among a ubatch's
- * entries: every token right, no other slot written. */
+/* The grouped prefill kernels with each block taking many work items (CUDA: 2 blocks a launch,
+ * TANDEM_MOE_CUDA_GMM_BLOCKS), on every entry of the table and then on its last NMANY - 3
+ * entries alone, as a streamed group of a few experts runs among a ubatch's entries: every
+ * token right, no other slot written. */
 TEST_CASE(experts_q_strided) {
   CHECK(setenv("TANDEM_MOE_CUDA_GMM_BLOCKS", "2", 1) == 0);
   fixture f0 = setup_q(1), *f = &f0;

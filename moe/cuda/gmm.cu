@@ -14,11 +14,13 @@
  * (cp.async) brings into shared memory as they lie; sums are f32 (mma.sync m16n8k16 on bf16,
  * its operands loaded by ldmatrix).
  *
- * The grid's x runs over tiles of tokens: ceil(n / BM) + G of them cover every entry's tiles
- * (each entry adds at most one partial tile), a block taking every gridDim.x-th of them where
- * that many blocks would fill the GPU more than GM_WAVES times over (gm_blocks), and a block
- * finds each tile's entry by a warp's scan of the table (device data, read when the kernel
- * runs), so that the host never learns the counts. A bad entry (moe_ops.h: rows outside
+ * Tiles of tokens: ceil(n / BM) + G of them cover every entry's tiles (each entry adds at most
+ * one partial tile). The gather's grid runs over them; gate/up and down start as many blocks as
+ * the GPU holds at once, which take (tile, block of outputs) items from a counter until none
+ * is left (gm_next), so that a launch for a few experts among a large ubatch's entries (a
+ * streamed group) starts no blocks without a tile and tiles of any size spread evenly. A block
+ * finds a tile's entry by a warp's scan of the table (device data, read when the kernel runs),
+ * so that the host never learns the counts. A bad entry (moe_ops.h: rows outside
  * [0, n), weights outside the allocation) counts no tiles and is skipped whole; a token whose
  * row lies outside x's allocation, or whose slot outside out's, has its slot left unwritten. A token's result depends on its expert, its own
  * activations and the type only: the tile it falls in, its neighbours and G do not change a bit
@@ -132,6 +134,24 @@ static __device__ bool gm_find(const tdm_moe_group *groups, int G, int n, long l
   *eg = groups[found_g];
   *m0 = found_m0;
   return true;
+}
+
+/* A block's next work item of gate/up or down (a tile and a block of outputs, `cols` of them a
+ * tile): thread 0 takes the launch's next item from *ctr (zeroed by the gather before it), in
+ * tile-major order, so that a tile's blocks of outputs run together (its activations and its
+ * expert's weights stay in L2) and a block takes items as it frees, whatever the tiles'
+ * sizes. False past the last tile (the same in every thread). */
+template <int BM>
+static __device__ bool gm_next(unsigned *ctr, unsigned total, int cols,
+                               const tdm_moe_group *groups, int G, int n, long long wlimit,
+                               long long ebytes, tdm_moe_group *e, int *m0, int *col) {
+  __shared__ unsigned item;
+  if (threadIdx.x == 0) item = atomicAdd(ctr, 1u);
+  __syncthreads();
+  const unsigned it = item;
+  if (it >= total) return false;
+  *col = (int)(it % (unsigned)cols);
+  return gm_find<BM>(groups, G, n, wlimit, ebytes, (int)(it / (unsigned)cols), e, m0);
 }
 
 /* Starts copying the step at k0 (su units) of the tile's weight rows (rowp, NULL: a row past
@@ -440,15 +460,14 @@ template <int T, int BM>
 static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
     gm_gate_up_kernel(const __nv_bfloat16 *xb, int n, const uint8_t *wbase, long long wlimit,
                       long long ebytes, const tdm_moe_group *groups, int G, int H, int I,
-                      size_t rb, __nv_bfloat16 *hb) {
+                      size_t rb, __nv_bfloat16 *hb, unsigned *ctr, unsigned total, int cols) {
   __shared__ const uint8_t *rowp[GM_BR];
   wait_prior_grid();
   tdm_moe_group e;
-  int m0;
-  for (int tile = (int)blockIdx.x; gm_find<BM>(groups, G, n, wlimit, ebytes, tile, &e, &m0);
-       tile += (int)gridDim.x) {
+  int m0, col;
+  while (gm_next<BM>(ctr, total, cols, groups, G, n, wlimit, ebytes, &e, &m0, &col)) {
     typedef gm_t<T, BM> t;
-    const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * 64;
+    const int tid = threadIdx.x, warp = tid >> 5, n0 = col * 64;
     const int mt = min(BM, e.count - m0); /* tokens of this tile */
     if (tid < GM_BR) {
       const int o = n0 + (tid & 63); /* gate row o (tid < 64), up row I + o */
@@ -483,7 +502,7 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
       if (r < mt && n0 + col < I)
         hb[(size_t)(e.first + m0 + r) * I + n0 + col] = __float2bfloat16_rn(c[r][col]);
     }
-    __syncthreads(); /* c, rowp and gm_find's cell read: the next tile may write them */
+    __syncthreads(); /* c, rowp and gm_next's cells read: the next item may write them */
   }
 }
 
@@ -495,15 +514,15 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
                    const int32_t *slot,
                    uint32_t olimit, int n, const uint8_t *wbase, long long wlimit,
                    long long ebytes, const tdm_moe_group *groups, int G, int H, int I,
-                   size_t gu_rb, size_t rb, float *out) {
+                   size_t gu_rb, size_t rb, float *out, unsigned *ctr, unsigned total,
+                   int cols) {
   __shared__ const uint8_t *rowp[GM_BR];
   wait_prior_grid();
   tdm_moe_group e;
-  int m0;
-  for (int tile = (int)blockIdx.x; gm_find<BM>(groups, G, n, wlimit, ebytes, tile, &e, &m0);
-       tile += (int)gridDim.x) {
+  int m0, col;
+  while (gm_next<BM>(ctr, total, cols, groups, G, n, wlimit, ebytes, &e, &m0, &col)) {
     typedef gm_t<T, BM> t;
-    const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * GM_BR;
+    const int tid = threadIdx.x, warp = tid >> 5, n0 = col * GM_BR;
     const int mt = min(BM, e.count - m0);
     if (tid < GM_BR) {
       const uint8_t *w = wbase + 2 * e.w + 2 * (size_t)I * gu_rb;
@@ -537,7 +556,7 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
       float *dst = out + (size_t)sl * H + n0;
       for (int col = tid & 31; col < GM_BR && n0 + col < H; col += 32) dst[col] = c[r][col];
     }
-    __syncthreads(); /* c, rowp and gm_find's cell read: the next tile may write them */
+    __syncthreads(); /* c, rowp and gm_next's cells read: the next item may write them */
   }
 }
 
@@ -548,18 +567,20 @@ bool cuda_gmm_takes(int n, int H, int I, const float *x) {
 
 /* xb's rows that the table's tiles read, each entry's row rows[i] of x rounded to bf16 (zeros
  * where it lies past xlimit); no other row: a group of a few experts among a large ubatch's
- * entries gathers its own. Block (b, c) takes tiles b, b + gridDim.x, .., 8 values a thread. */
+ * entries gathers its own. Block (b, c) takes tile b, 8 values a thread. Before it, the work
+ * counters of gate/up and down (ctr[0], ctr[1]) are zeroed: the kernel before this one has
+ * completed, and the two after it read them once it has. */
 template <int BM>
 static __global__ void __launch_bounds__(GM_THREADS)
     gm_gather_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int n,
                      long long wlimit, long long ebytes, const tdm_moe_group *groups, int G,
-                     int H, __nv_bfloat16 *xb) {
+                     int H, __nv_bfloat16 *xb, unsigned *ctr) {
   wait_prior_grid();
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 2) ctr[threadIdx.x] = 0u;
   const int c = ((int)blockIdx.y * GM_THREADS + (int)threadIdx.x) * 8;
   tdm_moe_group e;
   int m0;
-  for (int tile = (int)blockIdx.x; gm_find<BM>(groups, G, n, wlimit, ebytes, tile, &e, &m0);
-       tile += (int)gridDim.x) {
+  if (gm_find<BM>(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) {
     const int mt = min(BM, e.count - m0);
 #pragma unroll 4
     for (int r = 0; r < mt && c < H; r++) {
@@ -574,28 +595,27 @@ static __global__ void __launch_bounds__(GM_THREADS)
       }
       *(uint4 *)(xb + i * H + c) = v;
     }
-    __syncthreads(); /* gm_find's cell read: the next tile writes it */
   }
 }
 
+/* h, then xb, then the two work counters */
 size_t cuda_gmm_scratch(int n, int H, int I) {
-  return ((size_t)n * I * 2 + 255) / 256 * 256 + (size_t)n * H * 2;
+  return ((size_t)n * I * 2 + 255) / 256 * 256 + ((size_t)n * H * 2 + 255) / 256 * 256 + 256;
 }
 
-/* Blocks along the tiles of a kernel with `cols` blocks along its outputs: every tile where
- * that fills the GPU at most GM_WAVES times over, else that many (each block takes every
- * gridDim.x-th tile): the grid is sized by n, all of a ubatch's entries, while a group of a few
- * experts (a large ubatch whose experts stream) has tiles for a few of them only, and a block
- * without a tile still costs its start. m->gmm_blocks > 0 caps them further (the tests' way
- * to have each block take several tiles). */
-#define GM_WAVES 4
+/* Blocks of a gate/up or down launch with `total` work items: as many as the GPU holds at once
+ * (they take items until none is left: gm_next), or one an item where fewer, or where the
+ * device's size is not known; m->gmm_blocks > 0 caps them further (the tests' way to have each
+ * block take several items). A launch's grid is sized by the work, not by n: a group of a few
+ * experts among a large ubatch's entries (a streamed group) starts no blocks without a tile. */
 template <int BM>
-static unsigned gm_blocks(const moe_cuda *m, unsigned tiles, unsigned cols, int type) {
+static unsigned gm_blocks(const moe_cuda *m, unsigned total, int type) {
   int per_sm = 2;
   BY_WTYPE(type, per_sm = gm_t<QT, BM>::BLOCKS);
-  const long long most = ((long long)GM_WAVES * m->sms * per_sm + cols - 1) / cols;
-  unsigned b = m->sms <= 0 || most >= (long long)tiles ? tiles : (unsigned)(most > 0 ? most : 1);
-  return m->gmm_blocks > 0 && (unsigned)m->gmm_blocks < b ? (unsigned)m->gmm_blocks : b;
+  const long long held = (long long)m->sms * per_sm;
+  unsigned b = held > 0 && held < (long long)total ? (unsigned)held : total;
+  if (m->gmm_blocks > 0 && (unsigned)m->gmm_blocks < b) b = (unsigned)m->gmm_blocks;
+  return b > 0 ? b : 1;
 }
 
 template <int BM>
@@ -605,23 +625,28 @@ static cudaError_t gmm_launch(moe_cuda *m, const float *x, uint32_t xlimit, cons
                               const tdm_moe_group *groups, int G, int H, int I, size_t gu_rb,
                               size_t d_rb, void *ws, float *out) {
   __nv_bfloat16 *hb = (__nv_bfloat16 *)ws;
-  __nv_bfloat16 *xb = (__nv_bfloat16 *)((uint8_t *)ws + ((size_t)n * I * 2 + 255) / 256 * 256);
-  const unsigned tiles = (unsigned)((n + BM - 1) / BM + G);
-  const unsigned gu_cols = (unsigned)((I + 63) / 64), d_cols = (unsigned)((H + 127) / 128);
-  const dim3 x_grid(tiles, (unsigned)((H + 8 * GM_THREADS - 1) / (8 * GM_THREADS)));
-  const dim3 gu_grid(gm_blocks<BM>(m, tiles, gu_cols, tg), gu_cols);
-  const dim3 d_grid(gm_blocks<BM>(m, tiles, d_cols, td), d_cols);
+  const size_t hb_bytes = ((size_t)n * I * 2 + 255) / 256 * 256;
+  __nv_bfloat16 *xb = (__nv_bfloat16 *)((uint8_t *)ws + hb_bytes);
+  unsigned *ctr = (unsigned *)((uint8_t *)ws + hb_bytes + ((size_t)n * H * 2 + 255) / 256 * 256);
+  const long long tiles = (n + BM - 1) / BM + (long long)G;
+  const int gu_cols = (I + 63) / 64, d_cols = (H + 127) / 128;
+  const long long gu_total = tiles * gu_cols, d_total = tiles * d_cols;
+  if (gu_total > INT_MAX / 2 || d_total > INT_MAX / 2) return cudaErrorInvalidValue;
+  const dim3 x_grid((unsigned)tiles, (unsigned)((H + 8 * GM_THREADS - 1) / (8 * GM_THREADS)));
+  const unsigned gu_blocks = gm_blocks<BM>(m, (unsigned)gu_total, tg);
+  const unsigned d_blocks = gm_blocks<BM>(m, (unsigned)d_total, td);
   cudaError_t e = launch_pdl(m, gm_gather_kernel<BM>, x_grid, GM_THREADS, 0, x, xlimit, rows, n,
-                             wlimit, ebytes, groups, G, H, xb);
+                             wlimit, ebytes, groups, G, H, xb, ctr);
   if (e != cudaSuccess) return e;
-  BY_WTYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT, BM>, gu_grid, GM_THREADS,
+  BY_WTYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT, BM>, gu_blocks, GM_THREADS,
                                 gm_t<QT, BM>::SMEM, (const __nv_bfloat16 *)xb, n, wbase, wlimit,
-                                ebytes, groups, G, H, I, gu_rb, hb));
+                                ebytes, groups, G, H, I, gu_rb, hb, ctr, (unsigned)gu_total,
+                                gu_cols));
   if (e != cudaSuccess) return e;
-  BY_WTYPE(td, e = launch_pdl(m, gm_down_kernel<QT, BM>, d_grid, GM_THREADS,
+  BY_WTYPE(td, e = launch_pdl(m, gm_down_kernel<QT, BM>, d_blocks, GM_THREADS,
                                 gm_t<QT, BM>::SMEM, (const __nv_bfloat16 *)hb, rows, xlimit,
                                 slot, olimit, n, wbase, wlimit, ebytes, groups, G, H, I, gu_rb,
-                                d_rb, out));
+                                d_rb, out, ctr + 1, (unsigned)d_total, d_cols));
   return e;
 }
 
