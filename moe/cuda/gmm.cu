@@ -186,6 +186,30 @@ static __device__ __forceinline__ void gm_stage(uint8_t *raw, uint8_t *sh,
   }
 }
 
+/* A thread's share of a tile's activation copies into a ring tile at base (shared): 16 bytes
+ * of tokens tid / 4 + 64 i (i < NR), sz[i] of them read (0 past the tile's mt tokens: zeros);
+ * each load() copies the next 32 values of each. */
+template <int NR> struct gm_acopy {
+  const char *src[NR];
+  uint32_t sz[NR], st;
+  __device__ __forceinline__ gm_acopy(const __nv_bfloat16 *a, int mt, int K, uint32_t base) {
+    const int ar = (int)threadIdx.x >> 2, ac = ((int)threadIdx.x & 3) * 8;
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+      sz[i] = kept(ar + 64 * i < mt ? 16u : 0u);
+      src[i] = (const char *)(sz[i] ? a + (size_t)(ar + 64 * i) * K + ac : a);
+    }
+    st = kept(base + (ar * GM_LD + ac) * 2);
+  }
+  __device__ __forceinline__ void load(uint32_t slot) {
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+      cp_async16_n(st + slot + i * 64 * GM_LD * 2, src[i], sz[i]);
+      src[i] += 4 * sz[i]; /* 32 values on */
+    }
+  }
+};
+
 /* The first weight row of a warp's fragment j, from its first row wn: gate/up's fragments j <
  * NJ / 2 are gate rows wn + 16 j, the rest the up rows 64 later (the same outputs); down's are
  * wn + 16 j. */
@@ -231,23 +255,8 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
       s0 + B0 + ((wn + (lane & 7) + ((lane >> 4) << 3)) * GM_LD + ((lane >> 3) & 1) * 8) * 2);
   const uint32_t fill = kept(s0 + B0 + (r * GM_LD + 16 * h) * 2);
   const bool wvalid = rowp[r] != NULL;
-  /* this thread's activation copies: 16 bytes of tokens tid / 4 (+ 64), asz[i] of them read */
-  const int ar = tid >> 2, ac = (tid & 3) * 8;
-  const char *asrc[NR];
-  uint32_t asz[NR];
-#pragma unroll
-  for (int i = 0; i < NR; i++) {
-    asz[i] = kept(ar + 64 * i < mt ? 16u : 0u);
-    asrc[i] = (const char *)(asz[i] ? a + (size_t)(ar + 64 * i) * K + ac : a);
-  }
-  const uint32_t a_st = kept(s0 + A0 + (ar * GM_LD + ac) * 2);
-  auto load_a = [&](uint32_t slot) {
-#pragma unroll
-    for (int i = 0; i < NR; i++) {
-      cp_async16_n(a_st + slot + i * 64 * GM_LD * 2, asrc[i], asz[i]);
-      asrc[i] += 4 * asz[i]; /* 32 values on */
-    }
-  };
+  gm_acopy<NR> acp(a, mt, K, s0 + A0);
+  auto load_a = [&](uint32_t slot) { acp.load(slot); };
 #pragma unroll
   for (int i = 0; i < 2; i++)
 #pragma unroll
@@ -348,22 +357,8 @@ static __device__ __forceinline__ void gm_mainloop_rf(
    * logic instructions with one immediate each */
   const uint32_t mc = 0x43004300u | ((uint32_t)K & 0x80000000u);
   const uint32_t a_ld = kept(s0 + A0 + ((wm + (lane & 15)) * GM_LD + (lane >> 4) * 8) * 2);
-  const int ar = tid >> 2, ac = (tid & 3) * 8;
-  const char *asrc[NR];
-  uint32_t asz[NR];
-#pragma unroll
-  for (int i = 0; i < NR; i++) {
-    asz[i] = kept(ar + 64 * i < mt ? 16u : 0u);
-    asrc[i] = (const char *)(asz[i] ? a + (size_t)(ar + 64 * i) * K + ac : a);
-  }
-  const uint32_t a_st = kept(s0 + A0 + (ar * GM_LD + ac) * 2);
-  auto load_a = [&](uint32_t slot) {
-#pragma unroll
-    for (int i = 0; i < NR; i++) {
-      cp_async16_n(a_st + slot + i * 64 * GM_LD * 2, asrc[i], asz[i]);
-      asrc[i] += 4 * asz[i];
-    }
-  };
+  gm_acopy<NR> acp(a, mt, K, s0 + A0);
+  auto load_a = [&](uint32_t slot) { acp.load(slot); };
   /* the scale table of step buffer b: row tid / 2, units SUBS / 2 (tid % 2) .. */
   const int tr = tid >> 1, tu = (tid & 1) * (SUBS / 2);
   const bool tvalid = rowp[tr] != NULL;

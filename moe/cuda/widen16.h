@@ -65,12 +65,11 @@ static __device__ __forceinline__ void gm_header(const uint8_t *b, gm_hdr *hd) {
   }
 }
 
-/* Half h (values 16h .. 16h + 15) of unit u of a staged Q4_K superblock b (even address, in
- * shared memory; hd its header): d sc q - dmin m as bf16, the scale and offset rounded to bf16
- * first and the product and difference rounded once. */
-static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, const gm_hdr &hd, int u,
-                                                     int h, uint32_t p[8]) {
-  const uint32_t *sc = hd.w + 1; /* tdm_moe__scale_min_k4's 6-bit sc and m, byte by byte */
+/* Unit u's scale d sc and offset dmin m of a staged Q4_K superblock's header hd (the 6-bit sc
+ * and m of tdm_moe__scale_min_k4, byte by byte). */
+static __device__ __forceinline__ void q4k_unit_scale(const gm_hdr &hd, int u, float *d1,
+                                                      float *m1) {
+  const uint32_t *sc = hd.w + 1;
   uint32_t is, im;
   if (u < 4) {
     is = (sc[0] >> (8 * u)) & 63;
@@ -82,7 +81,17 @@ static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, const gm_
   }
   const float d = __half2float(__ushort_as_half((unsigned short)(hd.w[0] & 0xFFFF)));
   const float dmin = __half2float(__ushort_as_half((unsigned short)(hd.w[0] >> 16)));
-  const float d1 = d * small_f(is), m1 = dmin * small_f(im);
+  *d1 = d * small_f(is);
+  *m1 = dmin * small_f(im);
+}
+
+/* Half h (values 16h .. 16h + 15) of unit u of a staged Q4_K superblock b (even address, in
+ * shared memory; hd its header): d sc q - dmin m as bf16, the scale and offset rounded to bf16
+ * first and the product and difference rounded once. */
+static __device__ __forceinline__ void q4k_half_bf16(const uint8_t *b, const gm_hdr &hd, int u,
+                                                     int h, uint32_t p[8]) {
+  float d1, m1;
+  q4k_unit_scale(hd, u, &d1, &m1);
   const __nv_bfloat162 s = __float2bfloat162_rn(d1), nm = __float2bfloat162_rn(-m1);
   const __nv_bfloat162 base = __float2bfloat162_rn(128.f);
   uint32_t qw[4];
@@ -231,20 +240,9 @@ static __device__ __forceinline__ uint32_t lds_frag(uint32_t p) {
 template <int T>
 static __device__ __forceinline__ uint2 gf_scale(const uint8_t *b, const gm_hdr &hd, int u) {
   if (T == TDM_MOE_W_Q4_K) {
-    const uint32_t *sc = hd.w + 1;
-    uint32_t is, im;
-    if (u < 4) {
-      is = (sc[0] >> (8 * u)) & 63;
-      im = (sc[1] >> (8 * u)) & 63;
-    } else {
-      const int k = 8 * (u - 4);
-      is = ((sc[2] >> k) & 0xF) | (((sc[0] >> (k + 6)) & 3) << 4);
-      im = ((sc[2] >> (k + 4)) & 0xF) | (((sc[1] >> (k + 6)) & 3) << 4);
-    }
-    const float d = __half2float(__ushort_as_half((unsigned short)(hd.w[0] & 0xFFFF)));
-    const float dmin = __half2float(__ushort_as_half((unsigned short)(hd.w[0] >> 16)));
-    return make_uint2(bf2_bits(__float2bfloat162_rn(d * small_f(is))),
-                      bf2_bits(__float2bfloat162_rn(-(dmin * small_f(im)))));
+    float d1, m1;
+    q4k_unit_scale(hd, u, &d1, &m1);
+    return make_uint2(bf2_bits(__float2bfloat162_rn(d1)), bf2_bits(__float2bfloat162_rn(-m1)));
   } else if (T == TDM_MOE_W_Q6_K) {
     const int i = u >> 1; /* u may be known only when the kernel runs: no index into hd.w */
     const uint32_t wi = i & 2 ? (i & 1 ? hd.w[3] : hd.w[2]) : (i & 1 ? hd.w[1] : hd.w[0]);
