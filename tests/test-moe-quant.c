@@ -332,41 +332,6 @@ TEST_CASE(experts_q_many) {
   teardown(f);
 }
 
-/* The grouped prefill kernels with each block taking many work items (CUDA: 2 blocks a launch,
- * TANDEM_MOE_CUDA_GMM_BLOCKS), on every entry of the table and then on its last NMANY - 3
- * entries alone, as a streamed group of a few experts runs among a ubatch's entries: every
- * token right, no other slot written. */
-TEST_CASE(experts_q_strided) {
-  CHECK(setenv("TANDEM_MOE_CUDA_GMM_BLOCKS", "2", 1) == 0);
-  fixture f0 = setup_q(1), *f = &f0;
-  CHECK(unsetenv("TANDEM_MOE_CUDA_GMM_BLOCKS") == 0);
-  if (strcmp(f->ops->name, "cuda") != 0) {
-    const char *name = f->ops->name;
-    teardown(f);
-    TH_SKIP("tiles shared among blocks are the CUDA table's (the %s table has no grid)", name);
-  }
-  static const tdm_moe_wfmt fmts[] = {{TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K},
-                                      {TDM_MOE_W_Q8_0, TDM_MOE_W_Q8_0},
-                                      {TDM_MOE_W_BF16, TDM_MOE_W_BF16}};
-  T = 96;
-  for (int i = 0; i < 6; i++) {
-    const tdm_moe_wfmt fmt = fmts[i % 3];
-    const int g0 = i < 3 ? 0 : 3;
-    char what[64];
-    snprintf(what, sizeof what, "experts_q {%s, %s} strided, entries %d..", type_name(fmt.gu),
-             type_name(fmt.d), g0);
-    qcase c = qcase_setup(f, fmt, 512, 256, MANY, NMANY);
-    sentinel(f, &c);
-    CHECK_OK(f->ops->experts_q(f->st, f->q, c.dx, c.drows, c.dslot, c.n, c.dw, c.fmt,
-                               c.dgroups + g0, c.G - g0, c.H, c.I, c.dout, c.ws, c.ws_bytes));
-    read_back(f, &c);
-    check_entries(f, &c, g0, c.G, what);
-    qcase_teardown(&c);
-  }
-  T = 24;
-  teardown(f);
-}
-
 /* Bad device data among many rows (moe_ops.h): after the case's good entries, one whose
  * weights end past the allocation, one with first + count = n + 1 and one with count -1; a
  * good entry's token whose row is x's last row + 1, another's whose slot is out's last + 1.

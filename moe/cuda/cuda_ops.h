@@ -67,9 +67,6 @@ typedef struct moe_cuda {
   bool recording;      /* between graph_begin and graph_end */
   int rec_failed;      /* a CUDA or cuBLAS failure while recording: its code (graph_end's) */
   int dev;             /* its device ordinal */
-  int sms;             /* its multiprocessors (0: not known) */
-  int gmm_blocks;      /* gmm.cu's blocks along the tiles at most: TANDEM_MOE_CUDA_GMM_BLOCKS,
-                        * read at open (default 0: as gm_blocks() sizes them) */
   cublasHandle_t blas; /* bound to s, with ws as its workspace */
   cublasLtHandle_t lt; /* the plans' handle; its calls name s and ws themselves */
   void *ws;            /* cuBLAS's workspace: cudaMalloc'd (256-byte aligned, as it requires) */

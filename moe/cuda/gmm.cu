@@ -9,20 +9,17 @@
  * accumulators (a gate fragment and its up fragment hold the same elements), and h leaves as
  * bf16 [n x I] at the entries' token positions; down takes 128 rows of Wd and writes each
  * token's output row at its slot. Activations are bf16, as expert()'s GEMMs have them: a first
- * launch gathers the tiles' rows of x rounded to bf16 (the workspace's xb [n x H], after h),
+ * launch gathers each entry's row of x rounded to bf16 (the workspace's xb [n x H], after h),
  * so that a tile's activations are contiguous rows that the copy engine of each SM
  * (cp.async) brings into shared memory as they lie; sums are f32 (mma.sync m16n8k16 on bf16,
  * its operands loaded by ldmatrix).
  *
- * Tiles of tokens: ceil(n / BM) + G of them cover every entry's tiles (each entry adds at most
- * one partial tile). The gather's grid runs over them; gate/up and down start as many blocks as
- * the GPU holds at once, which take (tile, block of outputs) items from a counter until none
- * is left (gm_next), so that a launch for a few experts among a large ubatch's entries (a
- * streamed group) starts no blocks without a tile and tiles of any size spread evenly. A block
- * finds a tile's entry by a warp's scan of the table (device data, read when the kernel runs),
- * so that the host never learns the counts. A bad entry (moe_ops.h: rows outside
- * [0, n), weights outside the allocation) counts no tiles and is skipped whole; a token whose
- * row lies outside x's allocation, or whose slot outside out's, has its slot left unwritten. A token's result depends on its expert, its own
+ * The grid's x runs over tiles of tokens: ceil(n / BM) + G of them cover every entry's tiles
+ * (each entry adds at most one partial tile), and a block finds its entry by a warp's scan of
+ * the table (device data, read when the kernel runs), so that the host never learns the
+ * counts. A bad entry (moe_ops.h: rows outside [0, n), weights outside the allocation) counts
+ * no tiles and is skipped whole; a token whose row lies outside x's allocation, or whose slot
+ * outside out's, has its slot left unwritten. A token's result depends on its expert, its own
  * activations and the type only: the tile it falls in, its neighbours and G do not change a bit
  * (each output element is one fragment's sum over K in a fixed order).
  *
@@ -134,24 +131,6 @@ static __device__ bool gm_find(const tdm_moe_group *groups, int G, int n, long l
   *eg = groups[found_g];
   *m0 = found_m0;
   return true;
-}
-
-/* A block's next work item of gate/up or down (a tile and a block of outputs, `cols` of them a
- * tile): thread 0 takes the launch's next item from *ctr (zeroed by the gather before it), in
- * tile-major order, so that a tile's blocks of outputs run together (its activations and its
- * expert's weights stay in L2) and a block takes items as it frees, whatever the tiles'
- * sizes. False past the last tile (the same in every thread). */
-template <int BM>
-static __device__ bool gm_next(unsigned *ctr, unsigned total, int cols,
-                               const tdm_moe_group *groups, int G, int n, long long wlimit,
-                               long long ebytes, tdm_moe_group *e, int *m0, int *col) {
-  __shared__ unsigned item;
-  if (threadIdx.x == 0) item = atomicAdd(ctr, 1u);
-  __syncthreads();
-  const unsigned it = item;
-  if (it >= total) return false;
-  *col = (int)(it % (unsigned)cols);
-  return gm_find<BM>(groups, G, n, wlimit, ebytes, (int)(it / (unsigned)cols), e, m0);
 }
 
 /* Starts copying the step at k0 (su units) of the tile's weight rows (rowp, NULL: a row past
@@ -455,49 +434,47 @@ template <int T, int BM>
 static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
     gm_gate_up_kernel(const __nv_bfloat16 *xb, int n, const uint8_t *wbase, long long wlimit,
                       long long ebytes, const tdm_moe_group *groups, int G, int H, int I,
-                      size_t rb, __nv_bfloat16 *hb, unsigned *ctr, unsigned total, int cols) {
+                      size_t rb, __nv_bfloat16 *hb) {
   __shared__ const uint8_t *rowp[GM_BR];
   wait_prior_grid();
   tdm_moe_group e;
-  int m0, col;
-  while (gm_next<BM>(ctr, total, cols, groups, G, n, wlimit, ebytes, &e, &m0, &col)) {
-    typedef gm_t<T, BM> t;
-    const int tid = threadIdx.x, warp = tid >> 5, n0 = col * 64;
-    const int mt = min(BM, e.count - m0); /* tokens of this tile */
-    if (tid < GM_BR) {
-      const int o = n0 + (tid & 63); /* gate row o (tid < 64), up row I + o */
-      rowp[tid] = o < I ? wbase + 2 * e.w + (size_t)(o + (tid >= 64 ? I : 0)) * rb : NULL;
-    }
-    __syncthreads();
-    constexpr int HJ = t::NJ / 2; /* gate fragments a warp */
-    const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * HJ;
-    float acc[t::MI][t::NJ][2][4];
-    const __nv_bfloat16 *a = xb + (size_t)(e.first + m0) * H;
-    if constexpr (t::rf)
-      gm_mainloop_rf<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
-    else
-      gm_mainloop<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
-    float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
-    const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
+  int m0;
+  if (!gm_find<BM>(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) return;
+  typedef gm_t<T, BM> t;
+  const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * 64;
+  const int mt = min(BM, e.count - m0); /* tokens of this tile */
+  if (tid < GM_BR) {
+    const int o = n0 + (tid & 63); /* gate row o (tid < 64), up row I + o */
+    rowp[tid] = o < I ? wbase + 2 * e.w + (size_t)(o + (tid >= 64 ? I : 0)) * rb : NULL;
+  }
+  __syncthreads();
+  constexpr int HJ = t::NJ / 2; /* gate fragments a warp */
+  const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * HJ;
+  float acc[t::MI][t::NJ][2][4];
+  const __nv_bfloat16 *a = xb + (size_t)(e.first + m0) * H;
+  if constexpr (t::rf)
+    gm_mainloop_rf<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
+  else
+    gm_mainloop<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
+  float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
+  const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
 #pragma unroll
-    for (int i = 0; i < t::MI; i++)
+  for (int i = 0; i < t::MI; i++)
 #pragma unroll
-      for (int j = 0; j < HJ; j++)
+    for (int j = 0; j < HJ; j++)
 #pragma unroll
-        for (int nh = 0; nh < 2; nh++)
+      for (int nh = 0; nh < 2; nh++)
 #pragma unroll
-          for (int q = 0; q < 4; q++) {
-            const float gv = acc[i][j][nh][q];
-            c[wm + 16 * i + g + 8 * (q >> 1)][wn + 16 * j + 8 * nh + q2 + (q & 1)] =
-                gv / (1.f + expf(-gv)) * acc[i][HJ + j][nh][q];
-          }
-    __syncthreads();
-    for (int q = tid; q < BM * 64; q += GM_THREADS) {
-      const int r = q >> 6, col = q & 63;
-      if (r < mt && n0 + col < I)
-        hb[(size_t)(e.first + m0 + r) * I + n0 + col] = __float2bfloat16_rn(c[r][col]);
-    }
-    __syncthreads(); /* c, rowp and gm_next's cells read: the next item may write them */
+        for (int q = 0; q < 4; q++) {
+          const float gv = acc[i][j][nh][q];
+          c[wm + 16 * i + g + 8 * (q >> 1)][wn + 16 * j + 8 * nh + q2 + (q & 1)] =
+              gv / (1.f + expf(-gv)) * acc[i][HJ + j][nh][q];
+        }
+  __syncthreads();
+  for (int q = tid; q < BM * 64; q += GM_THREADS) {
+    const int r = q >> 6, col = q & 63;
+    if (r < mt && n0 + col < I)
+      hb[(size_t)(e.first + m0 + r) * I + n0 + col] = __float2bfloat16_rn(c[r][col]);
   }
 }
 
@@ -509,49 +486,46 @@ static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
                    const int32_t *slot,
                    uint32_t olimit, int n, const uint8_t *wbase, long long wlimit,
                    long long ebytes, const tdm_moe_group *groups, int G, int H, int I,
-                   size_t gu_rb, size_t rb, float *out, unsigned *ctr, unsigned total,
-                   int cols) {
+                   size_t gu_rb, size_t rb, float *out) {
   __shared__ const uint8_t *rowp[GM_BR];
   wait_prior_grid();
   tdm_moe_group e;
-  int m0, col;
-  while (gm_next<BM>(ctr, total, cols, groups, G, n, wlimit, ebytes, &e, &m0, &col)) {
-    typedef gm_t<T, BM> t;
-    const int tid = threadIdx.x, warp = tid >> 5, n0 = col * GM_BR;
-    const int mt = min(BM, e.count - m0);
-    if (tid < GM_BR) {
-      const uint8_t *w = wbase + 2 * e.w + 2 * (size_t)I * gu_rb;
-      rowp[tid] = n0 + tid < H ? w + (size_t)(n0 + tid) * rb : NULL;
-    }
-    __syncthreads();
-    const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * t::NJ;
-    float acc[t::MI][t::NJ][2][4];
-    const __nv_bfloat16 *a = hb + (size_t)(e.first + m0) * I;
-    if constexpr (t::rf)
-      gm_mainloop_rf<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
-    else
-      gm_mainloop<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
-    float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
-    const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
+  int m0;
+  if (!gm_find<BM>(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) return;
+  typedef gm_t<T, BM> t;
+  const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * GM_BR;
+  const int mt = min(BM, e.count - m0);
+  if (tid < GM_BR) {
+    const uint8_t *w = wbase + 2 * e.w + 2 * (size_t)I * gu_rb;
+    rowp[tid] = n0 + tid < H ? w + (size_t)(n0 + tid) * rb : NULL;
+  }
+  __syncthreads();
+  const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * t::NJ;
+  float acc[t::MI][t::NJ][2][4];
+  const __nv_bfloat16 *a = hb + (size_t)(e.first + m0) * I;
+  if constexpr (t::rf)
+    gm_mainloop_rf<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
+  else
+    gm_mainloop<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
+  float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
+  const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
 #pragma unroll
-    for (int i = 0; i < t::MI; i++)
+  for (int i = 0; i < t::MI; i++)
 #pragma unroll
-      for (int j = 0; j < t::NJ; j++)
+    for (int j = 0; j < t::NJ; j++)
 #pragma unroll
-        for (int nh = 0; nh < 2; nh++)
+      for (int nh = 0; nh < 2; nh++)
 #pragma unroll
-          for (int q = 0; q < 4; q++)
-            c[wm + 16 * i + g + 8 * (q >> 1)][wn + 16 * j + 8 * nh + q2 + (q & 1)] =
-                acc[i][j][nh][q];
-    __syncthreads();
-    for (int r = warp; r < mt; r += GM_THREADS / 32) {
-      const int at = e.first + m0 + r;
-      const uint32_t sl = (uint32_t)slot[at];
-      if (sl >= olimit || (uint32_t)rows[at] >= xlimit) continue;
-      float *dst = out + (size_t)sl * H + n0;
-      for (int col = tid & 31; col < GM_BR && n0 + col < H; col += 32) dst[col] = c[r][col];
-    }
-    __syncthreads(); /* c, rowp and gm_next's cells read: the next item may write them */
+        for (int q = 0; q < 4; q++)
+          c[wm + 16 * i + g + 8 * (q >> 1)][wn + 16 * j + 8 * nh + q2 + (q & 1)] =
+              acc[i][j][nh][q];
+  __syncthreads();
+  for (int r = warp; r < mt; r += GM_THREADS / 32) {
+    const int at = e.first + m0 + r;
+    const uint32_t sl = (uint32_t)slot[at];
+    if (sl >= olimit || (uint32_t)rows[at] >= xlimit) continue;
+    float *dst = out + (size_t)sl * H + n0;
+    for (int col = tid & 31; col < GM_BR && n0 + col < H; col += 32) dst[col] = c[r][col];
   }
 }
 
@@ -560,57 +534,28 @@ bool cuda_gmm_takes(int n, int H, int I, const float *x) {
          (long long)n / 64 + 1 < INT_MAX / 2;
 }
 
-/* xb's rows that the table's tiles read, each entry's row rows[i] of x rounded to bf16 (zeros
- * where it lies past xlimit); no other row: a group of a few experts among a large ubatch's
- * entries gathers its own. Block (b, c) takes tile b, 8 values a thread. Before it, the work
- * counters of gate/up and down (ctr[0], ctr[1]) are zeroed: the kernel before this one has
- * completed, and the two after it read them once it has. */
-template <int BM>
+/* xb [n x H] = entry i's row rows[i] of x rounded to bf16 (zeros where it lies past xlimit):
+ * block (i, c), 8 values a thread. */
 static __global__ void __launch_bounds__(GM_THREADS)
-    gm_gather_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int n,
-                     long long wlimit, long long ebytes, const tdm_moe_group *groups, int G,
-                     int H, __nv_bfloat16 *xb, unsigned *ctr) {
+    gm_gather_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int H,
+                     __nv_bfloat16 *xb) {
   wait_prior_grid();
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 2) ctr[threadIdx.x] = 0u;
   const int c = ((int)blockIdx.y * GM_THREADS + (int)threadIdx.x) * 8;
-  tdm_moe_group e;
-  int m0;
-  if (gm_find<BM>(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) {
-    const int mt = min(BM, e.count - m0);
-#pragma unroll 4
-    for (int r = 0; r < mt && c < H; r++) {
-      const size_t i = (size_t)(e.first + m0 + r);
-      const uint32_t row = (uint32_t)rows[i];
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (row < xlimit) {
-        const float4 *src = (const float4 *)(x + (size_t)row * H + c);
-        const float4 a = src[0], b = src[1];
-        const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        v = bf16x8(f);
-      }
-      *(uint4 *)(xb + i * H + c) = v;
-    }
+  if (c >= H) return;
+  const size_t i = blockIdx.x;
+  const uint32_t r = (uint32_t)rows[i];
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (r < xlimit) {
+    const float4 *src = (const float4 *)(x + (size_t)r * H + c);
+    const float4 a = src[0], b = src[1];
+    const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    v = bf16x8(f);
   }
+  *(uint4 *)(xb + i * H + c) = v;
 }
 
-/* h, then xb, then the two work counters */
 size_t cuda_gmm_scratch(int n, int H, int I) {
-  return ((size_t)n * I * 2 + 255) / 256 * 256 + ((size_t)n * H * 2 + 255) / 256 * 256 + 256;
-}
-
-/* Blocks of a gate/up or down launch with `total` work items: as many as the GPU holds at once
- * (they take items until none is left: gm_next), or one an item where fewer, or where the
- * device's size is not known; m->gmm_blocks > 0 caps them further (the tests' way to have each
- * block take several items). A launch's grid is sized by the work, not by n: a group of a few
- * experts among a large ubatch's entries (a streamed group) starts no blocks without a tile. */
-template <int BM>
-static unsigned gm_blocks(const moe_cuda *m, unsigned total, int type) {
-  int per_sm = 2;
-  BY_WTYPE(type, per_sm = gm_t<QT, BM>::BLOCKS);
-  const long long held = (long long)m->sms * per_sm;
-  unsigned b = held > 0 && held < (long long)total ? (unsigned)held : total;
-  if (m->gmm_blocks > 0 && (unsigned)m->gmm_blocks < b) b = (unsigned)m->gmm_blocks;
-  return b > 0 ? b : 1;
+  return ((size_t)n * I * 2 + 255) / 256 * 256 + (size_t)n * H * 2;
 }
 
 template <int BM>
@@ -620,28 +565,20 @@ static cudaError_t gmm_launch(moe_cuda *m, const float *x, uint32_t xlimit, cons
                               const tdm_moe_group *groups, int G, int H, int I, size_t gu_rb,
                               size_t d_rb, void *ws, float *out) {
   __nv_bfloat16 *hb = (__nv_bfloat16 *)ws;
-  const size_t hb_bytes = ((size_t)n * I * 2 + 255) / 256 * 256;
-  __nv_bfloat16 *xb = (__nv_bfloat16 *)((uint8_t *)ws + hb_bytes);
-  unsigned *ctr = (unsigned *)((uint8_t *)ws + hb_bytes + ((size_t)n * H * 2 + 255) / 256 * 256);
-  const long long tiles = (n + BM - 1) / BM + (long long)G;
-  const int gu_cols = (I + 63) / 64, d_cols = (H + 127) / 128;
-  const long long gu_total = tiles * gu_cols, d_total = tiles * d_cols;
-  if (gu_total > INT_MAX / 2 || d_total > INT_MAX / 2) return cudaErrorInvalidValue;
-  const dim3 x_grid((unsigned)tiles, (unsigned)((H + 8 * GM_THREADS - 1) / (8 * GM_THREADS)));
-  const unsigned gu_blocks = gm_blocks<BM>(m, (unsigned)gu_total, tg);
-  const unsigned d_blocks = gm_blocks<BM>(m, (unsigned)d_total, td);
-  cudaError_t e = launch_pdl(m, gm_gather_kernel<BM>, x_grid, GM_THREADS, 0, x, xlimit, rows, n,
-                             wlimit, ebytes, groups, G, H, xb, ctr);
+  __nv_bfloat16 *xb = (__nv_bfloat16 *)((uint8_t *)ws + ((size_t)n * I * 2 + 255) / 256 * 256);
+  const unsigned tiles = (unsigned)((n + BM - 1) / BM + G);
+  const dim3 x_grid((unsigned)n, (unsigned)((H + 8 * GM_THREADS - 1) / (8 * GM_THREADS)));
+  const dim3 gu_grid(tiles, (unsigned)((I + 63) / 64)), d_grid(tiles, (unsigned)((H + 127) / 128));
+  cudaError_t e = launch_pdl(m, gm_gather_kernel, x_grid, GM_THREADS, 0, x, xlimit, rows, H, xb);
   if (e != cudaSuccess) return e;
-  BY_WTYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT, BM>, gu_blocks, GM_THREADS,
+  BY_WTYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT, BM>, gu_grid, GM_THREADS,
                                 gm_t<QT, BM>::SMEM, (const __nv_bfloat16 *)xb, n, wbase, wlimit,
-                                ebytes, groups, G, H, I, gu_rb, hb, ctr, (unsigned)gu_total,
-                                gu_cols));
+                                ebytes, groups, G, H, I, gu_rb, hb));
   if (e != cudaSuccess) return e;
-  BY_WTYPE(td, e = launch_pdl(m, gm_down_kernel<QT, BM>, d_blocks, GM_THREADS,
+  BY_WTYPE(td, e = launch_pdl(m, gm_down_kernel<QT, BM>, d_grid, GM_THREADS,
                                 gm_t<QT, BM>::SMEM, (const __nv_bfloat16 *)hb, rows, xlimit,
                                 slot, olimit, n, wbase, wlimit, ebytes, groups, G, H, I, gu_rb,
-                                d_rb, out, ctr + 1, (unsigned)d_total, d_cols));
+                                d_rb, out));
   return e;
 }
 
@@ -669,8 +606,7 @@ int cuda_gmm_preload(moe_cuda *m) {
   static const int types[] = {TDM_MOE_W_Q8_0, TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K,
                               TDM_MOE_W_MXFP4, TDM_MOE_W_BF16, TDM_MOE_W_F16};
   cudaFuncAttributes a;
-  CK_CUDA(cudaFuncGetAttributes(&a, (const void *)gm_gather_kernel<64>));
-  CK_CUDA(cudaFuncGetAttributes(&a, (const void *)gm_gather_kernel<128>));
+  CK_CUDA(cudaFuncGetAttributes(&a, (const void *)gm_gather_kernel));
   for (int t : types) {
     BY_WTYPE(t, CK_CUDA(cudaFuncSetAttribute(gm_gate_up_kernel<QT, 64>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize,

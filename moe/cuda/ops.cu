@@ -747,8 +747,6 @@ static int cuda_open(tdm_queue *q, void **state) {
   const char *pdl = getenv("TANDEM_MOE_CUDA_PDL");
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, m->dev) != cudaSuccess)
     major = 0;
-  if (cudaDeviceGetAttribute(&m->sms, cudaDevAttrMultiProcessorCount, m->dev) != cudaSuccess)
-    m->sms = 0;
   cudaGetLastError(); /* a failed query only means no programmatic launches, no TF32 */
   m->pdl = !(pdl && strcmp(pdl, "0") == 0) && major >= 9;
   const char *q16 = getenv("TANDEM_MOE_CUDA_Q16");
@@ -758,8 +756,6 @@ static int cuda_open(tdm_queue *q, void **state) {
   m->tf32_single = m->tf32 && tf32 && strcmp(tf32, "single") == 0;
   const char *bm = getenv("TANDEM_MOE_CUDA_GMM_BM");
   m->gmm_bm = !bm ? 0 : strcmp(bm, "128") == 0 ? 128 : strcmp(bm, "64") == 0 ? 64 : 0;
-  const char *gb = getenv("TANDEM_MOE_CUDA_GMM_BLOCKS");
-  m->gmm_blocks = gb ? atoi(gb) : 0;
   const char *tca = getenv("TANDEM_MOE_CUDA_TC_ATTENTION");
   m->tc_attention = !(tca && strcmp(tca, "0") == 0) && major >= 8;
   if ((rc = enter(m, &saved))) {
