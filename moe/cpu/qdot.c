@@ -10,8 +10,8 @@
 #include "qdot_x86.h"
 
 /* What runs: TANDEM_MOE_CPU_QDOT (read once) 0 none (ops.c widens the rows first), 1 AVX2,
- * 2 AVX-512 where the CPU has it, 3 (the default) as 2 with Q8_0, Q4_K and Q6_K rows on
- * 16-bit activations (qdot16.c); each only where the CPU has it. */
+ * 2 AVX-512 where the CPU has it, 3 (the default) as 2 with every type's rows on 16-bit
+ * activations (qdot16.c); each only where the CPU has it. */
 static bool ok, ok512, ok16;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static void check_cpu(void) {
@@ -31,7 +31,8 @@ bool tdm_moe__qdot_ready(void) {
 
 bool tdm_moe__qdot16_takes(int type) {
   pthread_once(&once, check_cpu);
-  return ok16 && (type == TDM_MOE_W_Q8_0 || type == TDM_MOE_W_Q4_K || type == TDM_MOE_W_Q6_K);
+  return ok16 && (type == TDM_MOE_W_Q8_0 || type == TDM_MOE_W_Q4_K || type == TDM_MOE_W_Q6_K ||
+                  type == TDM_MOE_W_MXFP4);
 }
 
 /* A unit of 32 values: q[4] (values 8i .. 8i + 7 as f32 integers), their scales (s[0] for
@@ -78,18 +79,9 @@ QDOT_TARGET void load_unit(const uint8_t *src, int t, size_t u, unit *un) {
     un->s[1] = d * sc[1];
     bytes_to_f32(q6k_quarter(b, c), 1, un->q);
   } else { /* TDM_MOE_W_MXFP4 */
-    const uint8_t *b = src + 17 * u;
-    const uint32_t e = b[0], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
     float d;
-    memcpy(&d, &bits, sizeof d);
+    bytes_to_f32(mxfp4_block(src + 17 * u, &d), 1, un->q);
     un->s[0] = un->s[1] = d;
-    /* a code's value, twice E2M1's, from a byte table (code 8 is +0), sign included */
-    const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 1));
-    const __m128i n4 = _mm256_castsi256_si128(nib);
-    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(raw, n4));
-    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), n4));
-    bytes_to_f32(_mm256_set_m128i(hi, lo), 1, un->q);
   }
 }
 

@@ -27,11 +27,11 @@ void tdm_moe__qdot(const uint8_t *src, int type, size_t K, const float *const *x
                    size_t n);
 
 /* ---- 16-bit activations (qdot16.c) ----
- * Q8_0, Q4_K and Q6_K rows dotted in integers with each token's activations rounded to 16-bit
- * integers in blocks of 32 (tdm_moe__x16, once a token and call): within about 1e-5 of the
- * f32 dot, not within f32 rounding; bitwise repeatable, and a token's result does not depend
- * on the other tokens. Where the CPU has AVX2 and TANDEM_MOE_CPU_QDOT is 3 (the default). AVX2
- * only: a Q4_K variant in AVX-512 VNNI was 5-20% slower a thread
+ * Q8_0, Q4_K, Q6_K and MXFP4 rows dotted in integers with each token's activations rounded
+ * to 16-bit integers in blocks of 32 (tdm_moe__x16, once a token and call): within about 1e-5
+ * of the f32 dot, not within f32 rounding; bitwise repeatable, and a token's result does not
+ * depend on the other tokens. Where the CPU has AVX2 and TANDEM_MOE_CPU_QDOT is 3 (the
+ * default). AVX2 only: a Q4_K variant in AVX-512 VNNI was 5-20% slower a thread
  * (bench/results/cpu-qdot16-avx512/). */
 
 /* Whether tdm_moe__qdot16 takes rows of this type on this CPU. */

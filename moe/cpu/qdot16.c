@@ -1,4 +1,5 @@
-/* cpu/qdot16.c: Q8_0, Q4_K and Q6_K rows dotted in integers with 16-bit activations (qdot.h).
+/* cpu/qdot16.c: Q8_0, Q4_K, Q6_K and MXFP4 rows dotted in integers with 16-bit activations
+ * (qdot.h).
  *
  * qdot.c widens every weight to f32 before its multiply-add: for Q4_K that is most of the
  * work, and a thread dotted Q4_K rows at half the rate it reads memory
@@ -101,11 +102,13 @@ QDOT_TARGET void group16(const uint8_t *src, int t, size_t K, const void *const 
         }
       }
     }
-  } else if (t == TDM_MOE_W_Q8_0) {
+  } else if (t == TDM_MOE_W_Q8_0 || t == TDM_MOE_W_MXFP4) { /* a block of 32 a step */
     for (size_t u = 0; u < K / 32; u++) {
-      const uint8_t *b = src + 34 * u;
-      const float d = f16(b);
-      const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
+      float d;
+      const __m256i w = t == TDM_MOE_W_Q8_0
+                            ? _mm256_loadu_si256((const __m256i *)(src + 34 * u + 2))
+                            : mxfp4_block(src + 17 * u, &d);
+      if (t == TDM_MOE_W_Q8_0) d = f16(src + 34 * u);
 #pragma GCC unroll 4
       for (int i = 0; i < T; i++) {
         __m256i m[2];
@@ -156,6 +159,8 @@ __attribute__((target("avx2,fma,f16c"))) void tdm_moe__qdot16(const uint8_t *src
     TOKENS16(TDM_MOE_W_Q4_K);
   else if (type == TDM_MOE_W_Q8_0)
     TOKENS16(TDM_MOE_W_Q8_0);
+  else if (type == TDM_MOE_W_MXFP4)
+    TOKENS16(TDM_MOE_W_MXFP4);
   else
     TOKENS16(TDM_MOE_W_Q6_K);
 }

@@ -24,6 +24,20 @@ QDOT_TARGET float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+/* The MXFP4 block at b (17 bytes: the E8M0 exponent, then 32 codes as nibbles, values 0-15
+ * low, 16-31 high): its codes as 32 signed bytes in order, twice E2M1's value from a byte
+ * table (code 8 is +0), and *d the scale that undoes the doubling, 2^(e - 128) (e < 2: the
+ * subnormal f32 of it), so that value = *d * byte. */
+QDOT_TARGET __m256i mxfp4_block(const uint8_t *b, float *d) {
+  const uint32_t e = b[0], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+  memcpy(d, &bits, sizeof *d);
+  const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 1)), n4 = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(raw, n4));
+  const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), n4));
+  return _mm256_set_m128i(hi, lo);
+}
+
 /* Quarter c (of 8: half c / 4, quarter c % 4 of it) of the Q6_K block at b as 32 signed
  * bytes q - 32 (moe/quant.h's layout). */
 QDOT_TARGET __m256i q6k_quarter(const uint8_t *b, int c) {
