@@ -105,10 +105,13 @@ QDOT_TARGET void group16(const uint8_t *src, int t, size_t K, const void *const 
   } else if (t == TDM_MOE_W_Q8_0 || t == TDM_MOE_W_MXFP4) { /* a block of 32 a step */
     for (size_t u = 0; u < K / 32; u++) {
       float d;
-      const __m256i w = t == TDM_MOE_W_Q8_0
-                            ? _mm256_loadu_si256((const __m256i *)(src + 34 * u + 2))
-                            : mxfp4_block(src + 17 * u, &d);
-      if (t == TDM_MOE_W_Q8_0) d = f16(src + 34 * u);
+      __m256i w;
+      if (t == TDM_MOE_W_Q8_0) {
+        d = f16(src + 34 * u);
+        w = _mm256_loadu_si256((const __m256i *)(src + 34 * u + 2));
+      } else {
+        w = mxfp4_block(src + 17 * u, &d);
+      }
 #pragma GCC unroll 4
       for (int i = 0; i < T; i++) {
         __m256i m[2];

@@ -235,7 +235,6 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
   const uint32_t fill = kept(s0 + B0 + (r * GM_LD + 16 * h) * 2);
   const bool wvalid = rowp[r] != NULL;
   gm_acopy<NR> acp(a, mt, K, s0 + A0);
-  auto load_a = [&](uint32_t slot) { acp.load(slot); };
 #pragma unroll
   for (int i = 0; i < 2; i++)
 #pragma unroll
@@ -246,9 +245,9 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
         for (int q = 0; q < 4; q++) acc[i][j][nh][q] = 0.f;
   const int nsub = K >> 5;
   gm_stage<T, BM>(gm_smem, sh[0], rowp, 0, min(t::KS, K) >> 5);
-  load_a(0);
+  acp.load(0);
   cp_async_commit();
-  if (nsub > 1) load_a(ATB);
+  if (nsub > 1) acp.load(ATB);
   if (t::KS < K)
     gm_stage<T, BM>(gm_smem + GM_BR * t::RBP, sh[1], rowp, t::KS, min(t::KS, K - t::KS) >> 5);
   cp_async_commit();
@@ -270,7 +269,7 @@ static __device__ __forceinline__ void gm_mainloop(const __nv_bfloat16 *a, int m
     for (int u = 0; u < SUBS; u++) {
       const int g = g0 + u;
       if (g >= nsub) break; /* a last step of fewer units */
-      if (g + 2 < nsub) load_a(ga == 0 ? 2 * ATB : ga - ATB);
+      if (g + 2 < nsub) acp.load(ga == 0 ? 2 * ATB : ga - ATB);
       const int k2 = (g0 + 2 * SUBS) * 32;
       if (u == SUBS - 1 && k2 < K)
         gm_stage<T, BM>(gm_smem + (st & 1) * GM_BR * t::RBP, sh[st & 1], rowp, k2,
@@ -337,7 +336,6 @@ static __device__ __forceinline__ void gm_mainloop_rf(
   const uint32_t mc = 0x43004300u | ((uint32_t)K & 0x80000000u);
   const uint32_t a_ld = kept(s0 + A0 + ((wm + (lane & 15)) * GM_LD + (lane >> 4) * 8) * 2);
   gm_acopy<NR> acp(a, mt, K, s0 + A0);
-  auto load_a = [&](uint32_t slot) { acp.load(slot); };
   /* the scale table of step buffer b: row tid / 2, units SUBS / 2 (tid % 2) .. */
   const int tr = tid >> 1, tu = (tid & 1) * (SUBS / 2);
   const bool tvalid = rowp[tr] != NULL;
@@ -360,9 +358,9 @@ static __device__ __forceinline__ void gm_mainloop_rf(
         for (int c = 0; c < 4; c++) acc[i][j][nh][c] = 0.f;
   const int nsub = K >> 5;
   gm_stage<T, BM>(gm_smem, sh[0], rowp, 0, min(t::KS, K) >> 5);
-  load_a(0);
+  acp.load(0);
   cp_async_commit();
-  if (nsub > 1) load_a(ATB);
+  if (nsub > 1) acp.load(ATB);
   cp_async_commit();
   cp_async_wait<1>();
   __syncthreads();
@@ -384,7 +382,7 @@ static __device__ __forceinline__ void gm_mainloop_rf(
     for (int u = 0; u < SUBS; u++) {
       const int g = g0 + u;
       if (g >= nsub) break;
-      if (g + 2 < nsub) load_a(ga == 0 ? 2 * ATB : ga - ATB);
+      if (g + 2 < nsub) acp.load(ga == 0 ? 2 * ATB : ga - ATB);
       if (u == 0 && g0 + SUBS < nsub)
         gm_stage<T, BM>(gm_smem + (b ^ 1) * GM_BR * t::RBP, sh[b ^ 1], rowp, (g0 + SUBS) * 32,
                         min(SUBS, nsub - g0 - SUBS));
