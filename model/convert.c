@@ -1,7 +1,7 @@
 /* convert.c: a tensor's elements as f32 (exact from F32, F16 and BF16, and from the block types
- * Q8_0, Q4_K, Q6_K and MXFP4 as ggml widens them: quant.c) or as bf16 (exact from BF16, rounded
- * to nearest even from the others), for the weights a model loads. Other quantized types are
- * refused by name. */
+ * Q8_0, Q4_K, Q6_K, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1 and Q5_K as ggml widens them: quant.c) or as
+ * bf16 (exact from BF16, rounded to nearest even from the others), for the weights a model
+ * loads. Other quantized types are refused by name. */
 #include <stdbool.h>
 #include <string.h>
 
@@ -15,8 +15,8 @@ static int check_range(const tdm_mf_tensor *t, size_t first, size_t n, const cha
   bool plain = t->type == TDM_MF_F32 || t->type == TDM_MF_F16 || t->type == TDM_MF_BF16;
   if (!plain && !tdm_mf_dequant_type(t->type))
     return tdm_set_error(TDM_ENOTSUP, 0, "%s: tensor %s is %s; tandem loads F32, F16, BF16, "
-                         "Q8_0, Q4_K, Q6_K and MXFP4 tensors", path, t->name,
-                         tdm_mf_type_name(t->type));
+                         "Q8_0, Q4_K, Q6_K, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1 and Q5_K tensors",
+                         path, t->name, tdm_mf_type_name(t->type));
   int block = 1, bytes = 0;
   tdm_mf_type_block(t->type, &block, &bytes);
   if (first % (size_t)block || n % (size_t)block)

@@ -471,8 +471,8 @@ TEST_CASE(block_sizes_match_package) {
   cJSON_Delete(side);
 }
 
-/* The model library's dequantization of Q8_0, Q4_K, Q6_K and MXFP4 blocks (model/quant.c)
- * against the gguf package's (gguf.quants) on random blocks with edge scales (zero, the
+/* The model library's dequantization of Q8_0, Q4_K, Q6_K, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1 and
+ * Q5_K blocks (model/quant.c) against the gguf package's (gguf.quants) on random blocks with edge scales (zero, the
  * largest and smallest f16, E8M0's extremes): the same bits, value for value. */
 TEST_CASE(dequant_matches_package) {
   char path[1024];
@@ -485,8 +485,8 @@ TEST_CASE(dequant_matches_package) {
   char magic[8];
   int32_t sections;
   CHECK(fread(magic, 1, 8, f) == 8 && memcmp(magic, "TNDQNT01", 8) == 0);
-  CHECK(fread(&sections, sizeof sections, 1, f) == 1 && sections == 4);
-  int seen[4] = {0};
+  CHECK(fread(&sections, sizeof sections, 1, f) == 1 && sections == 9);
+  int seen[9] = {0};
   for (int s = 0; s < sections; s++) {
     int32_t hdr[2];
     CHECK(fread(hdr, sizeof hdr, 1, f) == 1);
@@ -514,12 +514,13 @@ TEST_CASE(dequant_matches_package) {
     seen[s] = type;
     free(raw); free(want); free(got);
   }
-  CHECK(seen[0] == TDM_MF_Q8_0 && seen[1] == TDM_MF_Q4_K && seen[2] == TDM_MF_Q6_K &&
-        seen[3] == TDM_MF_MXFP4);
+  static const int want[9] = {TDM_MF_Q8_0, TDM_MF_Q4_K, TDM_MF_Q6_K, TDM_MF_MXFP4, TDM_MF_Q4_0,
+                              TDM_MF_Q4_1, TDM_MF_Q5_0, TDM_MF_Q5_1, TDM_MF_Q5_K};
+  for (int s = 0; s < 9; s++) CHECK_EQ(seen[s], want[s]);
   uint8_t none[4] = {0};
   float out[2];
   CHECK_EQ(tdm_mf_dequant(TDM_MF_F16, none, 1, out), -1); /* not a block type it widens */
-  CHECK(!tdm_mf_dequant_type(TDM_MF_Q4_0) && !tdm_mf_dequant_type(TDM_MF_BF16));
+  CHECK(!tdm_mf_dequant_type(TDM_MF_Q3_K) && !tdm_mf_dequant_type(TDM_MF_BF16));
   fclose(f);
 }
 

@@ -15,7 +15,7 @@ add_library(tandem_model_gguf STATIC
   ${PROJECT_SOURCE_DIR}/model/gguf.c
   ${PROJECT_SOURCE_DIR}/model/gguf-meta.c
   ${PROJECT_SOURCE_DIR}/moe/quant.c)
-set_source_files_properties(${PROJECT_SOURCE_DIR}/moe/quant.c
+set_source_files_properties(${PROJECT_SOURCE_DIR}/moe/quant.c ${PROJECT_SOURCE_DIR}/model/quant.c
   PROPERTIES COMPILE_OPTIONS "-ffp-contract=off")
 set_target_properties(tandem_model_gguf PROPERTIES POSITION_INDEPENDENT_CODE ON)
 target_include_directories(tandem_model_gguf

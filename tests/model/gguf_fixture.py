@@ -7,8 +7,8 @@ writes <folder>/gguf-fixture.gguf and <folder>/gguf-fixture.json. The file is sm
 every metadata value type, arrays of numbers, strings, bools and arrays, a 5000-token
 vocabulary, a qwen3moe-shaped set of tensors in F32, F16 and BF16 (3D expert tensors among
 them), a 4D tensor, integer tensors and a Q8_0 one, with a data alignment of 64 (not the
-default 32). Beside them, quant-fixture.bin: random blocks of Q8_0, Q4_K, Q6_K and MXFP4 (edge
-scales among them) and the package's dequantization of each (gguf.quants), which the model
+default 32). Beside them, quant-fixture.bin: random blocks of Q8_0, Q4_K, Q6_K, MXFP4, Q4_0,
+Q4_1, Q5_0, Q5_1 and Q5_K (edge scales among them) and the package's dequantization of each (gguf.quants), which the model
 library's own must match bit for bit. Without the gguf package it writes nothing and exits 77
 (skipped), and the C cases that need the files skip too.
 
@@ -206,10 +206,15 @@ def random_blocks(qt, n: int, rng) -> np.ndarray:
     scale[: len(edges)] = edges
     if qt == QT.Q8_0:
         b[:, 0:2] = f16_bytes(scale)
-    elif qt == QT.Q4_K:
+    elif qt in (QT.Q4_K, QT.Q5_K):
         b[:, 0:2] = f16_bytes(scale)
         b[:, 2:4] = f16_bytes(np.roll(scale, 1))
         b[0, 4:16] = 0
+    elif qt in (QT.Q4_0, QT.Q5_0):
+        b[:, 0:2] = f16_bytes(scale)
+    elif qt in (QT.Q4_1, QT.Q5_1):
+        b[:, 0:2] = f16_bytes(scale)
+        b[:, 2:4] = f16_bytes(np.roll(scale, 2))
     elif qt == QT.Q6_K:
         b[:, 208:210] = f16_bytes(scale)
         b[0, 192:208] = 0
@@ -220,7 +225,7 @@ def random_blocks(qt, n: int, rng) -> np.ndarray:
 
 def write_quant_fixture(path: str) -> None:
     rng = np.random.default_rng(12345)
-    types = [QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.MXFP4]
+    types = [QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.MXFP4, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q5_K]
     with open(path, "wb") as fp:
         fp.write(b"TNDQNT01")
         fp.write(np.array([len(types)], dtype="<i4").tobytes())

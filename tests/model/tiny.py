@@ -12,7 +12,8 @@ ref_model.py (the float64 reference):
   DIR/meta.json    the shapes, dtypes and seed
 
 usage: tiny.py --arch qwen3moe|mixtral --out DIR [--seed N] [--layers L]
-               [--dtype f32|f16|bf16|q8_0] [--experts-dtype f32|f16|bf16|q8_0|mxfp4|q4_k_m]
+               [--dtype f32|f16|bf16|q8_0|q4_k_m]
+               [--experts-dtype f32|f16|bf16|q8_0|mxfp4|q4_k_m|q5_k]
                [--tied] [--vocab V] [--hidden H] [--heads N]
                [--kv-heads N] [--head-dim D] [--experts E] [--top-k K] [--moe-ffn I] [--ctx C]
                [--rope-theta T] [--eps E]
@@ -30,7 +31,10 @@ q4_k_m mixes the types as llama.cpp's Q4_K_M files do: Q4_K gate and up projecti
 projections in Q6_K in even layers and Q4_K in odd ones (it needs --hidden and --moe-ffn
 multiples of 256). The gguf package has no quantizer for these, so this file has its own
 (plain round-to-nearest under the block's largest scale, not llama.cpp's search); the values
-are what gguf.quants.dequantize makes of its blocks, and are not bf16 values.
+are what gguf.quants.dequantize makes of its blocks, and are not bf16 values. --dtype q4_k_m
+types every tensor as llama.cpp's quantizer types a Q4_K_M file (q4_k_m_type: Mixtral's
+attention output in Q5_K, its k and v in Q8_0, Q5_0, Q5_1 and Q8_0 where a row is no whole
+number of 256 values), Q5_K by this file's quantizer and the 32-value types by the package's.
 """
 import argparse
 import json
@@ -51,9 +55,13 @@ DEFAULTS = {
                     moe_ffn=32, ffn=32, layers=2, ctx=256, rope_theta=1e4, eps=1e-6),
 }
 DTYPES = ("f32", "f16", "bf16")
-QTYPES = ("q8_0", "mxfp4", "q4_k", "q6_k")  # block types, GGUF only (F32 values in the
-                                            # safetensors); q4_k_m is a mix of the last two
-KTYPES = ("q4_k", "q6_k")
+# block types, GGUF only (F32 values in the safetensors); q4_k_m is a mix of them
+QTYPES = ("q8_0", "mxfp4", "q4_k", "q6_k", "q5_k", "q4_0", "q4_1", "q5_0", "q5_1")
+KTYPES = ("q4_k", "q6_k", "q5_k")
+# types whose blocks the file gets as they were made (quantizing their values again need not
+# give the same blocks): (values, bytes) a block
+KEPT = {"q4_k": (256, 144), "q6_k": (256, 210), "q5_k": (256, 176), "q4_0": (32, 18),
+        "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24)}
 
 
 # ---- rounding and encoding: values are kept as float32 arrays holding exactly representable
@@ -133,43 +141,81 @@ def q6_k_quantize(x):
                            d.astype(np.float16).view(np.uint8).reshape(-1, 2)], axis=1)
 
 
-# K-type blocks by their values' bytes: quantizing the dequantized values of a block again
+def q5_k_quantize(x):
+    """Q5_K blocks [n, 176] of blocks x [n, 256]: Q4_K's grid with 5-bit values (0..31), the
+    fifth bits of sub-blocks 2c and 2c + 1 in bits 2c and 2c + 1 of qh."""
+    sub = x.reshape(-1, 8, 32)
+    mn = np.minimum(sub.min(axis=2), 0.0)
+    sc = (sub.max(axis=2) - mn) / 31.0
+    d = f16_round(np.maximum(sc.max(axis=1), 1e-8) / 63.0)
+    dmin = f16_round(np.maximum((-mn).max(axis=1), 1e-8) / 63.0)
+    isc = np.clip(np.round(sc / d[:, None]), 1, 63).astype(np.int64)
+    imn = np.clip(np.round(-mn / dmin[:, None]), 0, 63).astype(np.int64)
+    step = (d[:, None] * isc)[:, :, None]
+    q = np.clip(np.round((sub + (dmin[:, None] * imn)[:, :, None]) / step), 0, 31)
+    q = q.astype(np.uint8)                          # [block, sub-block, 32]
+    scales = np.zeros((x.shape[0], 12), dtype=np.uint8)
+    for i in range(4):  # packed as Q4_K's
+        scales[:, i] = isc[:, i] | ((isc[:, i + 4] >> 4) << 6)
+        scales[:, i + 4] = imn[:, i] | ((imn[:, i + 4] >> 4) << 6)
+        scales[:, i + 8] = (isc[:, i + 4] & 15) | ((imn[:, i + 4] & 15) << 4)
+    lo = (q & 15).reshape(-1, 4, 2, 32)
+    qs = (lo[:, :, 0, :] | (lo[:, :, 1, :] << 4)).reshape(-1, 128)
+    qh = np.zeros((x.shape[0], 32), dtype=np.uint8)
+    for j in range(8):
+        qh |= ((q[:, j, :] >> 4) << j).astype(np.uint8)
+    return np.concatenate([d.astype(np.float16).view(np.uint8).reshape(-1, 2),
+                           dmin.astype(np.float16).view(np.uint8).reshape(-1, 2), scales, qh,
+                           qs], axis=1)
+
+
+def gguf_qtype(dtype):
+    import gguf
+    return gguf.GGMLQuantizationType[dtype.upper()]
+
+
+# Kept types' blocks by their values' bytes: quantizing the dequantized values of a block again
 # need not give the same block, so the file gets the blocks the values came from.
 _KBLOCKS = {}
 
 
-def k_blocks(a, dtype):
+def kept_blocks(a, dtype):
     x = np.asarray(a, dtype=np.float32)
-    flat = x.reshape(-1, 256)
-    out = np.empty((flat.shape[0], 144 if dtype == "q4_k" else 210), dtype=np.uint8)
+    n, nb = KEPT[dtype]
+    flat = x.reshape(-1, n)
+    out = np.empty((flat.shape[0], nb), dtype=np.uint8)
     for i, row in enumerate(flat):
         out[i] = _KBLOCKS[(dtype, row.tobytes())]
-    return out.reshape(*x.shape[:-1], x.shape[-1] // 256 * out.shape[1])
+    return out.reshape(*x.shape[:-1], x.shape[-1] // n * nb)
 
 
 def q_blocks(a, dtype):
     import gguf
     if dtype == "q8_0":
         return q8_0_blocks(a)
-    if dtype in KTYPES:
-        return k_blocks(a, dtype)
+    if dtype in KEPT:
+        return kept_blocks(a, dtype)
     return gguf.quants.quantize(np.asarray(a, dtype=np.float32), gguf.GGMLQuantizationType.MXFP4)
 
 
 def dequant(blocks, dtype):
     import gguf
-    T = gguf.GGMLQuantizationType
-    qt = {"q8_0": T.Q8_0, "mxfp4": T.MXFP4, "q4_k": T.Q4_K, "q6_k": T.Q6_K}
-    return gguf.quants.dequantize(blocks, qt[dtype]).astype(np.float32)
+    return gguf.quants.dequantize(blocks, gguf_qtype(dtype)).astype(np.float32)
 
 
-def k_round(a, dtype):
-    """a quantized to a K type: the values of its blocks (which _KBLOCKS keeps)."""
+def kept_round(a, dtype):
+    """a quantized to a kept type: the values of its blocks (which _KBLOCKS keeps). The K types
+    by this file's quantizers, the 32-value ones by the gguf package's."""
+    import gguf
     x = np.asarray(a, dtype=np.float32)
-    if x.shape[-1] % 256:
-        raise ValueError(f"{dtype} rows of {x.shape[-1]} values: not a multiple of 256")
-    flat = x.reshape(-1, 256)
-    blocks = q4_k_quantize(flat) if dtype == "q4_k" else q6_k_quantize(flat)
+    n = KEPT[dtype][0]
+    if x.shape[-1] % n:
+        raise ValueError(f"{dtype} rows of {x.shape[-1]} values: not a multiple of {n}")
+    flat = x.reshape(-1, n)
+    if dtype in KTYPES:
+        blocks = {"q4_k": q4_k_quantize, "q6_k": q6_k_quantize, "q5_k": q5_k_quantize}[dtype](flat)
+    else:
+        blocks = gguf.quants.quantize(flat, gguf_qtype(dtype)).reshape(flat.shape[0], -1)
     vals = dequant(blocks, dtype).reshape(flat.shape)
     for v, b in zip(vals, blocks):
         _KBLOCKS[(dtype, v.tobytes())] = b
@@ -178,8 +224,8 @@ def k_round(a, dtype):
 
 def round_to(a, dtype):
     a = np.asarray(a, dtype=np.float32)
-    if dtype in KTYPES:
-        return k_round(a, dtype)
+    if dtype in KEPT:
+        return kept_round(a, dtype)
     if dtype in QTYPES:
         return dequant(q_blocks(a, dtype), dtype)
     if dtype == "f16":
@@ -213,6 +259,37 @@ def llama_permute(w, n_head):
     return w.reshape(n_head, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# ---- llama.cpp's Q4_K_M mix: the type its quantizer (llama-quant.cpp) gives each tensor of a
+# Q4_K_M file, for the dense weights as well as the experts. Norms and routers stay F32.
+
+def more_bits(i, n):
+    """llama.cpp's layers that get more bits: the first and last eighths, and every third."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def q4_k_m_type(kind, layer, layers, experts, ncols, tied=False):
+    """kind: embd, output, attn_q, attn_k, attn_v, attn_output, gate, up or down (experts);
+    ncols: the row's length (values), whose blocks must fit: a K type falls back to Q5_0 (from
+    Q4_K), Q5_1 (from Q5_K) or Q8_0 (from Q6_K) where a row is no whole number of 256, as the
+    quantizer does."""
+    if kind == "output" or (kind == "embd" and tied):
+        return "q6_k" if ncols % 256 == 0 else "q8_0"
+    t = "q4_k"
+    if kind == "attn_v":
+        t = "q8_0" if experts == 8 else "q6_k" if more_bits(layer, layers) else "q4_k"
+    elif kind == "attn_k" and experts == 8:
+        t = "q8_0"
+    elif kind == "attn_output" and experts == 8:
+        t = "q5_k"
+    elif kind == "down" and more_bits(layer, layers):
+        t = "q6_k"
+    if ncols % 256:
+        t = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}.get(t, t)
+    if ncols % 32:
+        t = "f16"
+    return t
+
+
 # ---- the random model, as HF names -> (values, storage dtype)
 
 def make_weights(arch, cfg, seed, dtype, experts_dtype, tied, router_bf16=False):
@@ -228,6 +305,13 @@ def make_weights(arch, cfg, seed, dtype, experts_dtype, tied, router_bf16=False)
     # Norms and routers, which llama.cpp keeps in F32, are never block types: with a block
     # dtype for the rest they are F32.
     plain = dtype if dtype in DTYPES else "f32"
+    L_all = cfg["layers"]
+
+    def dt(kind, layer, ncols):
+        """A dense projection's dtype: llama.cpp's Q4_K_M mix under dtype q4_k_m."""
+        if dtype != "q4_k_m":
+            return dtype
+        return q4_k_m_type(kind, layer, L_all, E, ncols, tied)
 
     def router(name):
         # router_bf16: values bf16 holds exactly, whatever the file's type, for engines that
@@ -241,21 +325,24 @@ def make_weights(arch, cfg, seed, dtype, experts_dtype, tied, router_bf16=False)
         w[name] = (round_to(1.0 + 0.1 * rng.standard_normal(n), plain), plain)
 
     def edt(kind, layer):
-        """An expert projection's dtype: q4_k_m's mix, else experts_dtype."""
+        """An expert projection's dtype: with dtype q4_k_m, llama.cpp's mix; with experts_dtype
+        q4_k_m alone, Q6_K down projections in even layers; else experts_dtype."""
+        if dtype == "q4_k_m":
+            return q4_k_m_type(kind, layer, L_all, E, I if kind == "down" else H)
         if experts_dtype != "q4_k_m":
             return experts_dtype
         return "q6_k" if kind == "down" and layer % 2 == 0 else "q4_k"
 
     # The embedding is scaled like a projection too: as a tied head its logits stay O(1), and
     # the input token does not dominate the residual stream (greedy would just repeat it).
-    lin("model.embed_tokens.weight", cfg["vocab"], H)
+    lin("model.embed_tokens.weight", cfg["vocab"], H, dt("embd", 0, H))
     for L in range(cfg["layers"]):
         p = f"model.layers.{L}."
         norm(p + "input_layernorm.weight", H)
-        lin(p + "self_attn.q_proj.weight", qd, H)
-        lin(p + "self_attn.k_proj.weight", kvd, H)
-        lin(p + "self_attn.v_proj.weight", kvd, H)
-        lin(p + "self_attn.o_proj.weight", H, qd)
+        lin(p + "self_attn.q_proj.weight", qd, H, dt("attn_q", L, H))
+        lin(p + "self_attn.k_proj.weight", kvd, H, dt("attn_k", L, H))
+        lin(p + "self_attn.v_proj.weight", kvd, H, dt("attn_v", L, H))
+        lin(p + "self_attn.o_proj.weight", H, qd, dt("attn_output", L, qd))
         if arch == "qwen3moe":
             norm(p + "self_attn.q_norm.weight", hd)
             norm(p + "self_attn.k_norm.weight", hd)
@@ -276,7 +363,7 @@ def make_weights(arch, cfg, seed, dtype, experts_dtype, tied, router_bf16=False)
                 lin(q + "w2.weight", H, I, edt("down", L))   # down
     norm("model.norm.weight", H)
     if not tied:
-        lin("lm_head.weight", cfg["vocab"], H)
+        lin("lm_head.weight", cfg["vocab"], H, dt("output", 0, H))
     return w
 
 
@@ -284,8 +371,8 @@ def make_weights(arch, cfg, seed, dtype, experts_dtype, tied, router_bf16=False)
 # Layout: u64 little-endian header length N, N bytes of JSON (space-padded to a multiple of 8),
 # then the tensors' bytes; data_offsets are relative to the end of the header.
 
-ST_DTYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "F32", "mxfp4": "F32",
-            "q4_k": "F32", "q6_k": "F32"}
+ST_DTYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
+ST_DTYPE.update({q: "F32" for q in QTYPES})
 
 
 def write_safetensors(path, tensors):
@@ -308,7 +395,7 @@ def write_safetensors(path, tensors):
 def write_hf(d, arch, cfg, weights, dtype, tied, hf_config="v4"):
     os.makedirs(d, exist_ok=True)
     torch_dtype = {"f32": "float32", "f16": "float16", "bf16": "bfloat16",
-                   "q8_0": "float32"}[dtype]
+                   "q8_0": "float32", "q4_k_m": "float32"}[dtype]
     c = dict(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
              num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
              num_key_value_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
@@ -368,8 +455,8 @@ def add_metadata(w, ga, name, cfg, layers, ffn, dtype):
     """A GGUF's keys as llama.cpp's converter writes them (ga: its architecture, "qwen3moe" or
     "llama"), and a placeholder gpt2 tokenizer. Also bench/model/big_gguf.py's."""
     w.add_name(name)
-    # llama_ftype ALL_F32, MOSTLY_F16, MOSTLY_BF16, MOSTLY_Q8_0
-    w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[dtype])
+    # llama_ftype ALL_F32, MOSTLY_F16, MOSTLY_BF16, MOSTLY_Q8_0, MOSTLY_Q4_K_M
+    w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_k_m": 15}[dtype])
     w.add_vocab_size(cfg["vocab"])
     w.add_block_count(layers)
     w.add_context_length(cfg["ctx"])
@@ -399,8 +486,8 @@ def add_metadata(w, ga, name, cfg, layers, ffn, dtype):
 def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied):
     import gguf
     T = gguf.GGMLQuantizationType
-    gtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "mxfp4": T.MXFP4,
-             "q4_k": T.Q4_K, "q6_k": T.Q6_K}
+    gtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16}
+    gtype.update({q: gguf_qtype(q) for q in QTYPES})
     ga = "qwen3moe" if arch == "qwen3moe" else "llama"
     w = gguf.GGUFWriter(path, ga)
     add_metadata(w, ga, f"tiny-{arch}", cfg, cfg["layers"], cfg["ffn"], dtype)
@@ -417,17 +504,22 @@ def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied):
     def hf(name):
         return weights[name][0]
 
-    put("token_embd.weight", hf("model.embed_tokens.weight"), dtype)
+    def ty(name):  # the dtype it was rounded to
+        return weights[name][1]
+
+    put("token_embd.weight", hf("model.embed_tokens.weight"), ty("model.embed_tokens.weight"))
     for L in range(cfg["layers"]):
         p, b = f"model.layers.{L}.", f"blk.{L}."
         q, k = hf(p + "self_attn.q_proj.weight"), hf(p + "self_attn.k_proj.weight")
         if ga == "llama":
             q, k = llama_permute(q, cfg["heads"]), llama_permute(k, cfg["kv_heads"])
         put(b + "attn_norm.weight", hf(p + "input_layernorm.weight"), "f32")
-        put(b + "attn_q.weight", q, dtype)
-        put(b + "attn_k.weight", k, dtype)
-        put(b + "attn_v.weight", hf(p + "self_attn.v_proj.weight"), dtype)
-        put(b + "attn_output.weight", hf(p + "self_attn.o_proj.weight"), dtype)
+        put(b + "attn_q.weight", q, ty(p + "self_attn.q_proj.weight"))
+        put(b + "attn_k.weight", k, ty(p + "self_attn.k_proj.weight"))
+        put(b + "attn_v.weight", hf(p + "self_attn.v_proj.weight"),
+            ty(p + "self_attn.v_proj.weight"))
+        put(b + "attn_output.weight", hf(p + "self_attn.o_proj.weight"),
+            ty(p + "self_attn.o_proj.weight"))
         if ga == "qwen3moe":
             put(b + "attn_q_norm.weight", hf(p + "self_attn.q_norm.weight"), "f32")
             put(b + "attn_k_norm.weight", hf(p + "self_attn.k_norm.weight"), "f32")
@@ -443,7 +535,7 @@ def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied):
             put(f"{b}{gname}.weight", stack, weights[f"{m}experts.0.{hname}.weight"][1])
     put("output_norm.weight", hf("model.norm.weight"), "f32")
     if not tied:
-        put("output.weight", hf("lm_head.weight"), dtype)
+        put("output.weight", hf("lm_head.weight"), ty("lm_head.weight"))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -483,9 +575,10 @@ def main(argv=None):
     ap.add_argument("--arch", required=True, choices=sorted(DEFAULTS))
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", choices=DTYPES + ("q8_0",), default="f32",
-                    help="non-expert weights (f32)")
-    ap.add_argument("--experts-dtype", choices=DTYPES + ("q8_0", "mxfp4", "q4_k_m"),
+    ap.add_argument("--dtype", choices=DTYPES + ("q8_0", "q4_k_m"), default="f32",
+                    help="non-expert weights (f32); q4_k_m: every tensor as llama.cpp's "
+                         "quantizer types a Q4_K_M file, the experts too")
+    ap.add_argument("--experts-dtype", choices=DTYPES + ("q8_0", "mxfp4", "q4_k_m", "q5_k"),
                     default="bf16",
                     help="experts (bf16)")
     ap.add_argument("--tied", action="store_true", help="no lm_head/output: the embedding is the head")
