@@ -2,8 +2,8 @@
 tensor (a 16-layer Qwen3-30B-A3B is 10 GB in F16: nothing is held whole), for the whole-model
 benchmarks (`tandem bench -m` against llama.cpp's llama-bench on the same file).
 
-usage: big_gguf.py --shape qwen3-30b-a3b|mixtral-8x7b --layers L --out FILE [--dtype f16|bf16]
-                   [--experts f16|bf16|q8_0|q4_k_m] [--seed N]
+usage: big_gguf.py --shape qwen3-30b-a3b|mixtral-8x7b --layers L --out FILE
+                   [--dtype f16|bf16|q4_k_m] [--experts f16|bf16|q8_0|q4_k_m] [--seed N]
 
 The metadata and tensor names are those of tests/model/tiny.py (llama.cpp's own), and so is
 the vocabulary's form (a gpt2 tokenizer of placeholder tokens). The values are uniform with
@@ -15,7 +15,11 @@ the norms F32 near 1.
 --experts q8_0 or q4_k_m stores the experts in GGUF's blocks (the rest stays in --dtype): random
 bytes with scales set so that the values keep about the fan-in scale (Q8_0: d = s / 127; Q4_K:
 d and dmin of s / 472 and s / 63; Q6_K: positive int8 scales under d = s / 4064). q4_k_m is
-llama.cpp's mix: Q4_K gate and up, Q6_K down in even layers and Q4_K in odd ones.
+a mix: Q4_K gate and up, Q6_K down in even layers and Q4_K in odd ones. --dtype q4_k_m types
+every tensor as llama.cpp's quantizer types a Q4_K_M file (tiny.q4_k_m_type: the embedding and
+the projections in Q4_K, the LM head and some layers' v and expert down projections in Q6_K,
+Mixtral's attention output in Q5_K and its k and v in Q8_0), as a file a user quantized with
+llama.cpp would hold (Q5_K: d and dmin of s / 976 and s / 63).
 """
 import argparse
 import os
@@ -74,14 +78,16 @@ def f16_bytes(v):
 
 
 def random_blocks(src, qtype, rows, cols, scale):
-    """[rows, cols / block * bytes] uint8: random blocks of qtype (q8_0, q4_k, q6_k)."""
-    block, nbytes = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210)}[qtype]
+    """[rows, cols / block * bytes] uint8: random blocks of qtype (q8_0, q4_k, q5_k, q6_k)."""
+    block, nbytes = {"q8_0": (32, 34), "q4_k": (256, 144), "q5_k": (256, 176),
+                     "q6_k": (256, 210)}[qtype]
     n = rows * (cols // block)
     b = src.bytes(n * nbytes).reshape(n, nbytes)
     if qtype == "q8_0":
         b[:, 0:2] = f16_bytes(np.full(n, scale / 127.0))
-    elif qtype == "q4_k":
-        b[:, 0:2] = f16_bytes(np.full(n, 2.0 * scale / (63 * 15)))
+    elif qtype in ("q4_k", "q5_k"):
+        top = 15 if qtype == "q4_k" else 31
+        b[:, 0:2] = f16_bytes(np.full(n, 2.0 * scale / (63 * top)))
         b[:, 2:4] = f16_bytes(np.full(n, scale / 63.0))
     else:
         b[:, 192:208] = 64 | (b[:, 192:208] & 63)
@@ -90,10 +96,26 @@ def random_blocks(src, qtype, rows, cols, scale):
 
 
 def expert_qtype(experts, name, layer):
-    """A q4_k_m expert tensor's block type (llama.cpp's mix), else experts' own."""
+    """A q4_k_m expert tensor's block type (the even layers' mix), else experts' own."""
     if experts != "q4_k_m":
         return experts
     return "q6_k" if "down" in name and layer % 2 == 0 else "q4_k"
+
+
+KINDS = {"token_embd": "embd", "output": "output", "attn_q": "attn_q", "attn_k": "attn_k",
+         "attn_v": "attn_v", "attn_output": "attn_output", "ffn_gate_exps": "gate",
+         "ffn_up_exps": "up", "ffn_down_exps": "down"}
+
+
+def tensor_qtype(a, cfg, L, name, kind, shape):
+    """The block type a tensor is written in, or None (F32, or --dtype's 16 bits)."""
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
+    if a.dtype == "q4_k_m" and kind in ("dense", "expert"):
+        role = KINDS[name.split(".")[-2]]
+        return tiny.q4_k_m_type(role, layer, L, cfg["experts"], shape[-1])
+    if kind == "expert":
+        return expert_qtype(a.experts or a.dtype, name, layer)
+    return None
 
 
 def plan(cfg, L):
@@ -125,7 +147,8 @@ def main(argv=None):
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--dtype", choices=("f16", "bf16"), default="f16")
+    ap.add_argument("--dtype", choices=("f16", "bf16", "q4_k_m"), default="f16",
+                    help="f16 or bf16; q4_k_m: every tensor as llama.cpp types a Q4_K_M file")
     ap.add_argument("--experts", choices=("f16", "bf16", "q8_0", "q4_k_m"), default=None,
                     help="the experts' type (default: --dtype)")
     ap.add_argument("--seed", type=int, default=1)
@@ -137,18 +160,19 @@ def main(argv=None):
     cfg, L = dict(SHAPES[a.shape]), a.layers
     if a.vocab:
         cfg["vocab"] = a.vocab
-    experts = a.experts or a.dtype
+    if a.dtype == "q4_k_m" and a.experts not in (None, "q4_k_m"):
+        ap.error("--dtype q4_k_m types the experts too")
     T = gguf.GGMLQuantizationType
-    QT = {"q8_0": (T.Q8_0, 32, 34), "q4_k": (T.Q4_K, 256, 144), "q6_k": (T.Q6_K, 256, 210)}
-    wtype = T.F16 if a.dtype == "f16" else T.BF16
+    QT = {"q8_0": (T.Q8_0, 32, 34), "q4_k": (T.Q4_K, 256, 144), "q5_k": (T.Q5_K, 256, 176),
+          "q6_k": (T.Q6_K, 256, 210)}
+    wtype = T.BF16 if a.dtype == "bf16" else T.F16
     w = gguf.GGUFWriter(a.out, cfg["arch"])
     tiny.add_metadata(w, cfg["arch"], f"{a.shape}-{L}L-random", cfg, L, cfg["moe_ffn"], a.dtype)
     tensors = plan(cfg, L)
     f32 = lambda kind: kind in ("norm", "router")  # noqa: E731
-    layer_of = lambda name: int(name.split(".")[1]) if name.startswith("blk.") else -1  # noqa
     for name, shape, kind, _ in tensors:
         n = int(np.prod(shape))
-        qt = expert_qtype(experts, name, layer_of(name)) if kind == "expert" else None
+        qt = tensor_qtype(a, cfg, L, name, kind, shape)
         if qt in QT:
             gt, block, nbytes = QT[qt]
             byte_shape = (*shape[:-1], shape[-1] // block * nbytes)  # uint8 data: rows of bytes
@@ -157,7 +181,7 @@ def main(argv=None):
         elif f32(kind):
             w.add_tensor_info(name, shape, np.dtype(np.float32), n * 4)
         else:
-            w.add_tensor_info(name, shape, np.dtype(np.float16) if a.dtype == "f16"
+            w.add_tensor_info(name, shape, np.dtype(np.float16) if a.dtype != "bf16"
                               else np.dtype(np.uint16), n * 2,
                               raw_dtype=wtype)
     w.write_header_to_file()
@@ -166,7 +190,7 @@ def main(argv=None):
     src = Source(a.seed, a.dtype)
     t0, done = time.time(), 0
     for name, shape, kind, fan in tensors:
-        qt = expert_qtype(experts, name, layer_of(name)) if kind == "expert" else None
+        qt = tensor_qtype(a, cfg, L, name, kind, shape)
         if qt in QT:
             data = random_blocks(src, qt, int(np.prod(shape[:-1])), shape[-1], np.sqrt(3.0 / fan))
             w.write_tensor_data(data)
@@ -180,7 +204,7 @@ def main(argv=None):
             v = tiny.round_to(v, "bf16").astype(np.float32)
         if f32(kind):
             data = v.astype(np.float32)
-        elif a.dtype == "f16":
+        elif a.dtype != "bf16":
             data = v.astype(np.float16)
         else:
             data = tiny.bf16_bits(v)
