@@ -472,8 +472,9 @@ TEST_CASE(block_sizes_match_package) {
 }
 
 /* The model library's dequantization of Q8_0, Q4_K, Q6_K, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1 and
- * Q5_K blocks (model/quant.c) against the gguf package's (gguf.quants) on random blocks with edge scales (zero, the
- * largest and smallest f16, E8M0's extremes): the same bits, value for value. */
+ * Q5_K blocks (model/quant.c) against the gguf package's (gguf.quants) on random blocks with
+ * edge scales (zero, the largest and smallest f16, E8M0's extremes): the same bits, value for
+ * value. */
 TEST_CASE(dequant_matches_package) {
   char path[1024];
   snprintf(path, sizeof path, "%s", fixture_path());

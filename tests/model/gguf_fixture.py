@@ -8,8 +8,8 @@ every metadata value type, arrays of numbers, strings, bools and arrays, a 5000-
 vocabulary, a qwen3moe-shaped set of tensors in F32, F16 and BF16 (3D expert tensors among
 them), a 4D tensor, integer tensors and a Q8_0 one, with a data alignment of 64 (not the
 default 32). Beside them, quant-fixture.bin: random blocks of Q8_0, Q4_K, Q6_K, MXFP4, Q4_0,
-Q4_1, Q5_0, Q5_1 and Q5_K (edge scales among them) and the package's dequantization of each (gguf.quants), which the model
-library's own must match bit for bit. Without the gguf package it writes nothing and exits 77
+Q4_1, Q5_0, Q5_1 and Q5_K (edge scales among them) and the package's dequantization of each
+(gguf.quants), which the model library's own must match bit for bit. Without the gguf package it writes nothing and exits 77
 (skipped), and the C cases that need the files skip too.
 
 The sidecar holds integers as decimal strings (JSON numbers are doubles, which lose u64s),
