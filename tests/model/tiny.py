@@ -98,29 +98,36 @@ def f16_round(a):
     return np.asarray(a, dtype=np.float32).astype(np.float16).astype(np.float32)
 
 
-def q4_k_quantize(x):
-    """Q4_K blocks [n, 144] of blocks x [n, 256]: per sub-block of 32 an affine 4-bit grid
-    from its minimum (at most 0) to its maximum, its scale and minimum in 6 bits under the
-    block's f16 d and dmin."""
+def k_affine(x, top):
+    """Q4_K's and Q5_K's grid of blocks x [n, 256]: per sub-block of 32 an affine grid of
+    values 0..top from its minimum (at most 0) to its maximum, its scale and minimum in 6 bits
+    under the block's f16 d and dmin. Returns d, dmin, the 6-bit scales and minimums [n, 8],
+    the values [n, 8, 32] (uint8) and ggml's packing of the scales and minimums [n, 12]."""
     sub = x.reshape(-1, 8, 32)
     mn = np.minimum(sub.min(axis=2), 0.0)
-    sc = (sub.max(axis=2) - mn) / 15.0
+    sc = (sub.max(axis=2) - mn) / float(top)
     d = f16_round(np.maximum(sc.max(axis=1), 1e-8) / 63.0)
     dmin = f16_round(np.maximum((-mn).max(axis=1), 1e-8) / 63.0)
     isc = np.clip(np.round(sc / d[:, None]), 1, 63).astype(np.int64)
     imn = np.clip(np.round(-mn / dmin[:, None]), 0, 63).astype(np.int64)
     step = (d[:, None] * isc)[:, :, None]
-    q = np.clip(np.round((sub + (dmin[:, None] * imn)[:, :, None]) / step), 0, 15)
-    q = q.astype(np.uint8).reshape(-1, 4, 2, 32)  # [block, 64-chunk, low/high nibble, 32]
+    q = np.clip(np.round((sub + (dmin[:, None] * imn)[:, :, None]) / step), 0, top)
     scales = np.zeros((x.shape[0], 12), dtype=np.uint8)
     for i in range(4):  # ggml's packing of eight 6-bit scales and mins into 12 bytes
         scales[:, i] = isc[:, i] | ((isc[:, i + 4] >> 4) << 6)
         scales[:, i + 4] = imn[:, i] | ((imn[:, i + 4] >> 4) << 6)
         scales[:, i + 8] = (isc[:, i + 4] & 15) | ((imn[:, i + 4] & 15) << 4)
+    head = np.concatenate([d.astype(np.float16).view(np.uint8).reshape(-1, 2),
+                           dmin.astype(np.float16).view(np.uint8).reshape(-1, 2), scales], axis=1)
+    return head, q.astype(np.uint8)
+
+
+def q4_k_quantize(x):
+    """Q4_K blocks [n, 144] of blocks x [n, 256]: k_affine's grid with 4-bit values."""
+    head, q = k_affine(x, 15)
+    q = q.reshape(-1, 4, 2, 32)  # [block, 64-chunk, low/high nibble, 32]
     qs = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(-1, 128)
-    return np.concatenate([d.astype(np.float16).view(np.uint8).reshape(-1, 2),
-                           dmin.astype(np.float16).view(np.uint8).reshape(-1, 2), scales, qs],
-                          axis=1)
+    return np.concatenate([head, qs], axis=1)
 
 
 def q6_k_quantize(x):
@@ -142,31 +149,15 @@ def q6_k_quantize(x):
 
 
 def q5_k_quantize(x):
-    """Q5_K blocks [n, 176] of blocks x [n, 256]: Q4_K's grid with 5-bit values (0..31), the
-    fifth bits of sub-blocks 2c and 2c + 1 in bits 2c and 2c + 1 of qh."""
-    sub = x.reshape(-1, 8, 32)
-    mn = np.minimum(sub.min(axis=2), 0.0)
-    sc = (sub.max(axis=2) - mn) / 31.0
-    d = f16_round(np.maximum(sc.max(axis=1), 1e-8) / 63.0)
-    dmin = f16_round(np.maximum((-mn).max(axis=1), 1e-8) / 63.0)
-    isc = np.clip(np.round(sc / d[:, None]), 1, 63).astype(np.int64)
-    imn = np.clip(np.round(-mn / dmin[:, None]), 0, 63).astype(np.int64)
-    step = (d[:, None] * isc)[:, :, None]
-    q = np.clip(np.round((sub + (dmin[:, None] * imn)[:, :, None]) / step), 0, 31)
-    q = q.astype(np.uint8)                          # [block, sub-block, 32]
-    scales = np.zeros((x.shape[0], 12), dtype=np.uint8)
-    for i in range(4):  # packed as Q4_K's
-        scales[:, i] = isc[:, i] | ((isc[:, i + 4] >> 4) << 6)
-        scales[:, i + 4] = imn[:, i] | ((imn[:, i + 4] >> 4) << 6)
-        scales[:, i + 8] = (isc[:, i + 4] & 15) | ((imn[:, i + 4] & 15) << 4)
+    """Q5_K blocks [n, 176] of blocks x [n, 256]: k_affine's grid with 5-bit values, the fifth
+    bits of sub-blocks 2c and 2c + 1 in bits 2c and 2c + 1 of qh."""
+    head, q = k_affine(x, 31)                       # q: [block, sub-block, 32]
     lo = (q & 15).reshape(-1, 4, 2, 32)
     qs = (lo[:, :, 0, :] | (lo[:, :, 1, :] << 4)).reshape(-1, 128)
     qh = np.zeros((x.shape[0], 32), dtype=np.uint8)
     for j in range(8):
         qh |= ((q[:, j, :] >> 4) << j).astype(np.uint8)
-    return np.concatenate([d.astype(np.float16).view(np.uint8).reshape(-1, 2),
-                           dmin.astype(np.float16).view(np.uint8).reshape(-1, 2), scales, qh,
-                           qs], axis=1)
+    return np.concatenate([head, qh, qs], axis=1)
 
 
 def gguf_qtype(dtype):
