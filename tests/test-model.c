@@ -464,15 +464,15 @@ TEST_CASE(bad_input) {
   th_close();
 }
 
-/* Mutants of a valid GGUF (truncations, byte flips, 8-byte fields overwritten with huge or
- * small values) opened as models: each loads and runs a token, or is refused with a message
- * naming the file; never a crash (the ASan build runs this too). */
-TEST_CASE(mutants) {
-  tdm_device *dev = th_open();
+/* Mutants of a valid GGUF, the fixture `name` (truncations, byte flips, 8-byte fields
+ * overwritten with huge or small values) opened as models: each loads and runs a token, or is
+ * refused with a message naming the file; never a crash (the ASan build runs this too). The
+ * CPU runs `many` of them, other devices a fifteenth. */
+static void mutants(tdm_device *dev, const char *name, int many) {
   char path[1024], mut[1024];
-  snprintf(path, sizeof path, "%s/qwen3moe/model.gguf", model_dir());
+  snprintf(path, sizeof path, "%s/%s/model.gguf", model_dir(), name);
   /* one file a process: the suite's devices run at once */
-  snprintf(mut, sizeof mut, "%s/qwen3moe/mutant-%d.gguf", model_dir(), (int)getpid());
+  snprintf(mut, sizeof mut, "%s/%s/mutant-%d.gguf", model_dir(), name, (int)getpid());
   FILE *f = fopen(path, "rb");
   CHECK(f != NULL);
   CHECK(fseek(f, 0, SEEK_END) == 0);
@@ -486,7 +486,7 @@ TEST_CASE(mutants) {
    * opens in milliseconds; a few where opening builds a device's kernels. */
   tdm_device_info di;
   CHECK_OK(tdm_device_info_get(dev, &di));
-  int loaded = 0, refused = 0, n = strcmp(di.backend, "cpu") == 0 ? 300 : 20;
+  int loaded = 0, refused = 0, n = strcmp(di.backend, "cpu") == 0 ? many : many / 15;
   if (getenv("TANDEM_TEST_MODEL_MUTANTS")) n = atoi(getenv("TANDEM_TEST_MODEL_MUTANTS"));
   for (int i = 0; i < n; i++) {
     memcpy(bad, good, (size_t)size);
@@ -526,9 +526,18 @@ TEST_CASE(mutants) {
     }
   }
   remove(mut);
-  printf("%d mutants: %d loaded and ran, %d refused with a message\n", n, loaded, refused);
+  printf("%s: %d mutants: %d loaded and ran, %d refused with a message\n", name, n, loaded,
+         refused);
   free(good);
   free(bad);
+}
+
+/* The plain file, and one whose tensors mix the block types of a llama.cpp Q4_K_M file (Q4_K,
+ * Q5_K, Q6_K, Q8_0 and F32), so that a mutated type or size lands among them. */
+TEST_CASE(mutants) {
+  tdm_device *dev = th_open();
+  mutants(dev, "qwen3moe", 300);
+  mutants(dev, "mixtral-llama-q4_k_m", 150);
   th_close();
 }
 
