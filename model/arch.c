@@ -12,34 +12,117 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gguf.h"
 #include "safetensors.h"
 #include "tandem.h"
 
+/* A shard's split.no and split.count (0 and 1 for a file that is not split); the getters'
+ * messages name the file and the key. */
+static int split_keys(tdm_gguf *g, uint64_t *no, uint64_t *count) {
+  *no = 0;
+  *count = 1;
+  int rc = tdm_gguf_get_u64(g, "split.count", count);
+  if (rc == TDM_ENOENT) return 0;
+  if (rc || (rc = tdm_gguf_get_u64(g, "split.no", no))) return rc;
+  if (*count < 1 || *count > 99999 || *no >= *count)
+    return tdm_set_error(TDM_EINVAL, 0, "%s: shard split.no %llu of split.count %llu",
+                         tdm_gguf_path(g), (unsigned long long)*no,
+                         (unsigned long long)*count);
+  return 0;
+}
+
+/* The other shards of a split GGUF whose first shard f->g is open: each named as the first is
+ * with its own number, numbered so, of the same count, and no tensor in two of them. */
+static int open_shards(mfile *f) {
+  uint64_t no, count;
+  int rc = split_keys(f->g, &no, &count);
+  if (rc || count == 1) return rc;
+  char tail[48];
+  snprintf(tail, sizeof tail, "-%05llu-of-%05llu.gguf", 1ULL, (unsigned long long)count);
+  size_t n = strlen(f->path), t = strlen(tail);
+  if (no != 0 || n < t || strcmp(f->path + n - t, tail) != 0)
+    return tdm_set_error(TDM_EINVAL, 0, "%s: shard %llu of a GGUF split in %llu: open the "
+                         "first, named PREFIX%s", f->path, (unsigned long long)no + 1,
+                         (unsigned long long)count, tail);
+  f->more = calloc((size_t)count - 1, sizeof *f->more);
+  char *path = malloc(n + sizeof tail); /* the prefix, then a tail of t characters */
+  if (!f->more || !path) {
+    free(path);
+    return tdm_set_error(TDM_ENOMEM, 0, "%s: no memory for its %llu shards", f->path,
+                         (unsigned long long)count);
+  }
+  uint64_t tensors = tdm_gguf_tensor_count(f->g), want = 0;
+  for (uint64_t i = 1; !rc && i < count; i++) {
+    memcpy(path, f->path, n - t);
+    snprintf(path + (n - t), t + sizeof tail, "-%05llu-of-%05llu.gguf",
+             (unsigned long long)i + 1, (unsigned long long)count);
+    tdm_gguf *g = NULL;
+    if ((rc = tdm_gguf_open(path, &g))) break; /* its message names the shard's path */
+    f->more[f->nmore++] = g;
+    uint64_t gno, gcount;
+    if ((rc = split_keys(g, &gno, &gcount))) break;
+    if (gno != i || gcount != count) {
+      rc = tdm_set_error(TDM_EINVAL, 0, "%s: says it is shard %llu of %llu, not %llu of %llu",
+                         path, (unsigned long long)gno + 1, (unsigned long long)gcount,
+                         (unsigned long long)i + 1, (unsigned long long)count);
+      break;
+    }
+    for (size_t k = 0; k < tdm_gguf_tensor_count(g); k++) {
+      const char *name = tdm_gguf_tensor_at(g, k)->name;
+      for (int s = -1; s < f->nmore - 1; s++)
+        if (tdm_gguf_tensor_find(s < 0 ? f->g : f->more[s], name)) {
+          rc = tdm_set_error(TDM_EINVAL, 0, "%s: tensor %s is in two of its shards (%s)",
+                             f->path, name, path);
+          break;
+        }
+      if (rc) break;
+    }
+    tensors += tdm_gguf_tensor_count(g);
+  }
+  if (!rc && tdm_gguf_get_u64(f->g, "split.tensors.count", &want) == 0 && want != tensors)
+    rc = tdm_set_error(TDM_EINVAL, 0, "%s: split.tensors.count is %llu; its %llu shards hold "
+                       "%llu tensors", f->path, (unsigned long long)want,
+                       (unsigned long long)count, (unsigned long long)tensors);
+  free(path);
+  return rc;
+}
+
 int mfile_open(mfile *f, const char *path) {
   memset(f, 0, sizeof *f);
   f->path = path;
   size_t n = strlen(path);
-  if (n >= 5 && strcmp(path + n - 5, ".gguf") == 0) return tdm_gguf_open(path, &f->g);
-  /* Not named .gguf: a folder is safetensors, a file is tried as GGUF (its magic decides). */
-  FILE *probe = fopen(path, "rb");
-  char magic[4] = {0};
-  bool gguf = probe && fread(magic, 1, 4, probe) == 4 && memcmp(magic, "GGUF", 4) == 0;
-  if (probe) fclose(probe);
-  return gguf ? tdm_gguf_open(path, &f->g) : tdm_st_open(path, &f->s);
+  bool gguf = n >= 5 && strcmp(path + n - 5, ".gguf") == 0;
+  if (!gguf) { /* not named .gguf: a folder is safetensors, a file is tried as GGUF (its magic) */
+    FILE *probe = fopen(path, "rb");
+    char magic[4] = {0};
+    gguf = probe && fread(magic, 1, 4, probe) == 4 && memcmp(magic, "GGUF", 4) == 0;
+    if (probe) fclose(probe);
+  }
+  if (!gguf) return tdm_st_open(path, &f->s);
+  int rc = tdm_gguf_open(path, &f->g);
+  if (!rc && (rc = open_shards(f))) mfile_close(f);
+  return rc;
 }
 
 void mfile_close(mfile *f) {
   if (f->g) tdm_gguf_close(f->g);
+  for (int i = 0; i < f->nmore; i++) tdm_gguf_close(f->more[i]);
+  free(f->more);
   if (f->s) tdm_st_close(f->s);
   f->g = NULL;
+  f->more = NULL;
+  f->nmore = 0;
   f->s = NULL;
 }
 
 const tdm_mf_tensor *mfile_find(const mfile *f, const char *name) {
-  return f->g ? tdm_gguf_tensor_find(f->g, name) : tdm_st_tensor_find(f->s, name);
+  if (!f->g) return tdm_st_tensor_find(f->s, name);
+  const tdm_mf_tensor *t = tdm_gguf_tensor_find(f->g, name);
+  for (int i = 0; !t && i < f->nmore; i++) t = tdm_gguf_tensor_find(f->more[i], name);
+  return t;
 }
 
 /* ---- hyperparameters --------------------------------------------------------------------- */

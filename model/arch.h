@@ -15,9 +15,14 @@
 typedef struct tdm_gguf tdm_gguf;
 typedef struct tdm_st tdm_st;
 
-/* A model file: a GGUF file or a safetensors folder. */
+/* A model file: a GGUF file or a safetensors folder. A GGUF split into shards (llama.cpp's
+ * gguf-split, the gguf package's writer: split.count files named PREFIX-00001-of-0000N.gguf,
+ * the metadata in the first) is opened by its first shard's path: g is that shard, more[] the
+ * others, and the tensors are found in any of them. */
 typedef struct mfile {
   tdm_gguf *g;
+  tdm_gguf **more;
+  int nmore;
   tdm_st *s;
   const char *path;
 } mfile;

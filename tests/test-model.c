@@ -11,6 +11,7 @@
 #include <tandem/moe_ops.h>
 
 #include <math.h>
+#include <sys/stat.h>
 
 /* Relative to the row's largest reference logit (at least 1): f32 and float64 on the same
  * weights (the experts and the router are bf16-exact in the files) differ by ~1e-5. */
@@ -254,6 +255,60 @@ TEST_CASE(qwen3moe_q5_k_experts_widened) {
   free(got);
   tdm_model_close(m);
   ref_free(&r);
+  th_close();
+}
+
+/* A GGUF in four shards (llama.cpp's gguf-split layout), opened by its first. */
+TEST_CASE(qwen3moe_shards_gguf) {
+  against_reference("qwen3moe-shards", "model-00001-of-00004.gguf", "Q8_0", "Q8_0");
+}
+
+static void copy_file(const char *from, const char *to) {
+  FILE *in = fopen(from, "rb"), *out = fopen(to, "wb");
+  CHECK_MSG(in && out, "copying %s to %s", from, to);
+  char buf[65536];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, in)) > 0) CHECK(fwrite(buf, 1, n, out) == n);
+  fclose(in);
+  CHECK(fclose(out) == 0);
+}
+
+/* A split file opened by another shard than the first, a shard missing, and a shard in
+ * another's place: each an error that names the file to look at. */
+TEST_CASE(shards_bad_input) {
+  tdm_device *dev = th_open();
+  char dir[1024], from[1200], to[1200];
+  tdm_model *m = NULL;
+  tdm_model_config cfg = {.device = dev, .path = from};
+  snprintf(from, sizeof from, "%s/qwen3moe-shards/model-00002-of-00004.gguf", model_dir());
+  CHECK_RC(tdm_model_open(&cfg, &m), TDM_EINVAL);
+  CHECK_MSG(m == NULL && strstr(tdm_last_error(), "model-00002-of-00004.gguf") &&
+                strstr(tdm_last_error(), "open the first"), "%s", tdm_last_error());
+  /* a folder of this process's own (the suite's devices run at once) */
+  snprintf(dir, sizeof dir, "%s/qwen3moe-shards/bad-%d", model_dir(), (int)getpid());
+  CHECK(mkdir(dir, 0755) == 0);
+  for (int i = 1; i <= 3; i++) {
+    snprintf(from, sizeof from, "%s/qwen3moe-shards/model-%05d-of-00004.gguf", model_dir(), i);
+    snprintf(to, sizeof to, "%s/model-%05d-of-00004.gguf", dir, i);
+    copy_file(from, to);
+  }
+  cfg.path = to;
+  snprintf(to, sizeof to, "%s/model-00001-of-00004.gguf", dir);
+  CHECK_RC(tdm_model_open(&cfg, &m), TDM_ENOENT);
+  CHECK_MSG(m == NULL && strstr(tdm_last_error(), "model-00004-of-00004.gguf"), "%s",
+            tdm_last_error());
+  snprintf(from, sizeof from, "%s/model-00003-of-00004.gguf", dir);
+  snprintf(to, sizeof to, "%s/model-00004-of-00004.gguf", dir);
+  copy_file(from, to);
+  snprintf(to, sizeof to, "%s/model-00001-of-00004.gguf", dir);
+  CHECK_RC(tdm_model_open(&cfg, &m), TDM_EINVAL);
+  CHECK_MSG(m == NULL && strstr(tdm_last_error(), "model-00004-of-00004.gguf") &&
+                strstr(tdm_last_error(), "shard 3 of 4, not 4 of 4"), "%s", tdm_last_error());
+  for (int i = 1; i <= 4; i++) {
+    snprintf(to, sizeof to, "%s/model-%05d-of-00004.gguf", dir, i);
+    remove(to);
+  }
+  CHECK(rmdir(dir) == 0);
   th_close();
 }
 

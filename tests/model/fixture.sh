@@ -21,8 +21,9 @@ prompt=5,17,200,33,1,99,42,7,128,64,3,250,9
 # every tensor typed as llama.cpp's quantizer types a Q4_K_M file (Mixtral: attention output
 # in Q5_K, k and v in Q8_0; Qwen3-MoE with 16 experts: attention output in Q5_0, its rows of
 # 64 values being no whole 256-value block); Q5_K experts (a Q5_K_M file's), which tandem
-# widens to bf16 at load; last, a Qwen3-MoE folder whose config.json is laid out as
-# transformers 5 writes it.
+# widens to bf16 at load; a Q8_0 file in four shards of 12 tensors (model-00001-of-00004.gguf,
+# ..., as llama.cpp's gguf-split writes them); last, a Qwen3-MoE folder whose config.json is
+# laid out as transformers 5 writes it.
 models="qwen3moe:--arch qwen3moe
 mixtral:--arch mixtral
 qwen3moe-f16:--arch qwen3moe --dtype f16 --seed 5
@@ -33,6 +34,7 @@ qwen3moe-q4_k_m:--arch qwen3moe --experts-dtype q4_k_m --hidden 256 --moe-ffn 25
 mixtral-llama-q4_k_m:--arch mixtral --dtype q4_k_m --hidden 256 --moe-ffn 256 --head-dim 64 --seed 17
 qwen3moe-llama-q4_k_m:--arch qwen3moe --dtype q4_k_m --hidden 256 --moe-ffn 256 --experts 16 --seed 19
 qwen3moe-q5_k:--arch qwen3moe --experts-dtype q5_k --hidden 256 --moe-ffn 256 --seed 21
+qwen3moe-shards:--arch qwen3moe --dtype q8_0 --experts-dtype q8_0 --shard-tensors 12 --seed 25
 qwen3moe-v5:--arch qwen3moe --hf-config v5 --seed 15"
 echo "$models" | while IFS=: read -r name args; do
   rm -rf "${dir:?}/$name"

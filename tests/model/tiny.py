@@ -16,7 +16,7 @@ usage: tiny.py --arch qwen3moe|mixtral --out DIR [--seed N] [--layers L]
                [--experts-dtype f32|f16|bf16|q8_0|mxfp4|q4_k_m|q5_k]
                [--tied] [--vocab V] [--hidden H] [--heads N]
                [--kv-heads N] [--head-dim D] [--experts E] [--top-k K] [--moe-ffn I] [--ctx C]
-               [--rope-theta T] [--eps E]
+               [--rope-theta T] [--eps E] [--shard-tensors N]
 
 Every weight is drawn once, rounded once to the dtype it is stored in, and written to both
 files from those same values; where llama.cpp keeps a tensor in F32 (norms, the router) the
@@ -474,13 +474,15 @@ def add_metadata(w, ga, name, cfg, layers, ffn, dtype):
     w.add_eos_token_id(cfg["vocab"] - 1)
 
 
-def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied):
+def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied, shard_tensors=0):
     import gguf
     T = gguf.GGMLQuantizationType
     gtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16}
     gtype.update({q: gguf_qtype(q) for q in QTYPES})
     ga = "qwen3moe" if arch == "qwen3moe" else "llama"
-    w = gguf.GGUFWriter(path, ga)
+    # shard_tensors > 0: shards of that many tensors (PATH-00001-of-0000N.gguf, ...), as
+    # llama.cpp's gguf-split writes them, the metadata in the first
+    w = gguf.GGUFWriter(path, ga, split_max_tensors=shard_tensors)
     add_metadata(w, ga, f"tiny-{arch}", cfg, cfg["layers"], cfg["ffn"], dtype)
 
     def put(name, vals, dt):
@@ -534,7 +536,7 @@ def write_gguf(path, arch, cfg, weights, dtype, experts_dtype, tied):
 
 
 def write_tiny(out, arch, seed=0, dtype="f32", experts_dtype="bf16", tied=False,
-               router_bf16=False, hf_config="v4", **over):
+               router_bf16=False, hf_config="v4", shard_tensors=0, **over):
     """Writes out/hf, out/model.gguf and out/meta.json; returns the meta dict."""
     if arch not in DEFAULTS:
         raise ValueError(f"arch must be one of {sorted(DEFAULTS)}")
@@ -553,9 +555,12 @@ def write_tiny(out, arch, seed=0, dtype="f32", experts_dtype="bf16", tied=False,
     os.makedirs(out, exist_ok=True)
     weights = make_weights(arch, cfg, seed, dtype, experts_dtype, tied, router_bf16)
     write_hf(os.path.join(out, "hf"), arch, cfg, weights, dtype, tied, hf_config)
-    write_gguf(os.path.join(out, "model.gguf"), arch, cfg, weights, dtype, experts_dtype, tied)
+    write_gguf(os.path.join(out, "model.gguf"), arch, cfg, weights, dtype, experts_dtype, tied,
+               shard_tensors)
+    first = sorted(f for f in os.listdir(out) if f.startswith("model-00001-of-"))
     meta = dict(arch=arch, seed=seed, dtype=dtype, experts_dtype=experts_dtype, tied=tied,
-                norm_topk_prob=True, hf="hf", gguf="model.gguf", **cfg)
+                norm_topk_prob=True, hf="hf",
+                gguf=first[0] if shard_tensors and first else "model.gguf", **cfg)
     with open(os.path.join(out, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
     return meta
@@ -583,10 +588,13 @@ def main(argv=None):
                     help="config.json as transformers 4 writes it (v4), or 5 (v5: "
                          "num_local_experts, rope_parameters)")
     ap.add_argument("--eps", type=float)
+    ap.add_argument("--shard-tensors", type=int, default=0,
+                    help="the GGUF in shards of this many tensors (model-00001-of-0000N.gguf, "
+                         "...), as llama.cpp's gguf-split writes them")
     a = vars(ap.parse_args(argv))
     meta = write_tiny(a.pop("out"), a.pop("arch"), a.pop("seed"), a.pop("dtype"),
                       a.pop("experts_dtype"), a.pop("tied"), a.pop("router_bf16"),
-                      a.pop("hf_config"), **a)
+                      a.pop("hf_config"), a.pop("shard_tensors"), **a)
     print(json.dumps(meta))
     return 0
 
