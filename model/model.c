@@ -46,6 +46,7 @@ struct tdm_model {
   tdm_moe_wfmt *efmt;            /* [L]: the experts' formats as the file keeps them; NULL:
                                     widened to bf16 */
   char etype[32];                /* tdm_model_info's expert_type */
+  char dtype[16];                /* and its dense_type */
   int ctx, U, pos;
   bool skip_moe;                 /* tdm_model_skip_moe */
   size_t device_bytes;
@@ -435,6 +436,26 @@ static int open_moe(tdm_model *m) {
   return rc;
 }
 
+/* A projection's type on the device, by its dweight.wtype. */
+static const char *dense_name(int wtype) {
+  static const char *const names[] = {"F32", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K", "MXFP4"};
+  return wtype >= 0 && wtype <= TDM_MOE_W_MXFP4 ? names[wtype] : "?";
+}
+
+/* tdm_model_info's dense_type into m->dtype: the first layer's query projection's type on the
+ * device, "+..." after it where another projection or the LM head has another (a llama.cpp
+ * Q4_K_M file's Q6_K head, a Mixtral's Q8_0 k and v and its Q5_K output widened to f32). */
+static void dense_mix(tdm_model *m) {
+  int first = m->lw[0].wq.wtype;
+  bool mixed = m->output.wtype != first; /* tied: the embedding's, as the device keeps it */
+  for (int l = 0; l < m->hp.L; l++) {
+    const layer_w *w = &m->lw[l];
+    mixed |= w->wq.wtype != first || w->wk.wtype != first || w->wv.wtype != first ||
+             w->wo.wtype != first;
+  }
+  snprintf(m->dtype, sizeof m->dtype, "%s%s", dense_name(first), mixed ? "+..." : "");
+}
+
 int tdm_model_open(const tdm_model_config *cfg, tdm_model **out) {
   if (!cfg || !cfg->path || !cfg->device || !out)
     return tdm_set_error(TDM_EINVAL, 0, "tdm_model_open: NULL argument");
@@ -473,6 +494,7 @@ int tdm_model_open(const tdm_model_config *cfg, tdm_model **out) {
     m->ops = tdm_moe_model_ops(m->moe, &m->ops_state);
   }
   if (!rc) rc = load_dense(m);
+  if (!rc) dense_mix(m);
   if (!rc) rc = setup_buffers(m);
   if (rc) {
     tdm_model_close(m);
@@ -508,12 +530,6 @@ void tdm_model_close(tdm_model *m) {
   free(m);
 }
 
-/* A projection's type on the device, by its dweight.wtype. */
-static const char *dense_name(int wtype) {
-  static const char *const names[] = {"F32", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K", "MXFP4"};
-  return wtype >= 0 && wtype <= TDM_MOE_W_MXFP4 ? names[wtype] : "?";
-}
-
 int tdm_model_info_get(const tdm_model *m, tdm_model_info *out) {
   if (!m || !out) return tdm_set_error(TDM_EINVAL, 0, "tdm_model_info_get: NULL argument");
   const hparams *hp = &m->hp;
@@ -528,7 +544,7 @@ int tdm_model_info_get(const tdm_model *m, tdm_model_info *out) {
       .tied_embeddings = hp->tied, .expert_bytes = eb,
       .host_bytes = eb * (size_t)hp->E * (size_t)hp->L, .device_bytes = m->device_bytes,
       .weight_type = m->wtype, .expert_type = m->etype,
-      .dense_type = dense_name(m->lw[0].wq.wtype)};
+      .dense_type = m->dtype};
   return 0;
 }
 

@@ -136,7 +136,8 @@ static void check_and_close(tdm_model *m, const ref *r, const char *what) {
   tdm_model_close(m);
 }
 
-/* dense: the file's dense type ("F32", "F16", "BF16", "Q8_0"); experts: the format its
+/* dense: the file's dense type ("F32", "F16", "BF16", "Q8_0"; "Q4_K+...": Q4_K query
+ * projections among others, tdm_model_info's dense_type); experts: the format its
  * experts stay in where the device's table computes experts in their file's format
  * (expert_q), tdm_model_info's expert_type. A 16-bit dense type stays 16-bit on a table with
  * the 16-bit operations, a block type in its blocks on a table with matmul_q, and either is
@@ -221,10 +222,10 @@ TEST_CASE(qwen3moe_q4_k_m_gguf) {
  * Q5_0 (rows of 64 values: its fallback from Q4_K); the dense projections in Q4_K, the LM head
  * in Q6_K, the experts Q4_K with Q6_K down projections in the last layer. */
 TEST_CASE(mixtral_llama_q4_k_m_gguf) {
-  against_reference("mixtral-llama-q4_k_m", "model.gguf", "Q4_K", "Q4_K+...");
+  against_reference("mixtral-llama-q4_k_m", "model.gguf", "Q4_K+...", "Q4_K+...");
 }
 TEST_CASE(qwen3moe_llama_q4_k_m_gguf) {
-  against_reference("qwen3moe-llama-q4_k_m", "model.gguf", "Q4_K", "Q4_K+...");
+  against_reference("qwen3moe-llama-q4_k_m", "model.gguf", "Q4_K+...", "Q4_K+...");
 }
 /* Q5_K experts (a Q5_K_M file's), for which no table has kernels: widened to bf16 at load,
  * they run as another model's (bf16 does not hold their values), so the logits are held to

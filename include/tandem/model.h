@@ -93,7 +93,9 @@ typedef struct tdm_model_info {
                               valid until the thread's next peek */
   const char *dense_type;  /* the projections' type on the device: "F32", "F16", "BF16",
                               "Q8_0", "Q4_K", "Q6_K" or "MXFP4" (the first layer's query
-                              projection's; tdm_model_peek: the file's) */
+                              projection's, "+..." after it where another projection or the LM
+                              head has another; tdm_model_peek: the file's first query
+                              projection's) */
 } tdm_model_info;
 
 /* Figures of one tdm_model_eval call, summed over its ubatches. */
