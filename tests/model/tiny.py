@@ -101,8 +101,8 @@ def f16_round(a):
 def k_affine(x, top):
     """Q4_K's and Q5_K's grid of blocks x [n, 256]: per sub-block of 32 an affine grid of
     values 0..top from its minimum (at most 0) to its maximum, its scale and minimum in 6 bits
-    under the block's f16 d and dmin. Returns d, dmin, the 6-bit scales and minimums [n, 8],
-    the values [n, 8, 32] (uint8) and ggml's packing of the scales and minimums [n, 12]."""
+    under the block's f16 d and dmin. Returns the blocks' first 16 bytes [n, 16] (d, dmin and
+    ggml's packing of the scales and minimums) and the values [n, 8, 32] (uint8)."""
     sub = x.reshape(-1, 8, 32)
     mn = np.minimum(sub.min(axis=2), 0.0)
     sc = (sub.max(axis=2) - mn) / float(top)
