@@ -61,26 +61,18 @@ static int open_shards(mfile *f) {
              (unsigned long long)i + 1, (unsigned long long)count);
     tdm_gguf *g = NULL;
     if ((rc = tdm_gguf_open(path, &g))) break; /* its message names the shard's path */
-    f->more[f->nmore++] = g;
     uint64_t gno, gcount;
-    if ((rc = split_keys(g, &gno, &gcount))) break;
-    if (gno != i || gcount != count) {
+    if (!(rc = split_keys(g, &gno, &gcount)) && (gno != i || gcount != count))
       rc = tdm_set_error(TDM_EINVAL, 0, "%s: says it is shard %llu of %llu, not %llu of %llu",
                          path, (unsigned long long)gno + 1, (unsigned long long)gcount,
                          (unsigned long long)i + 1, (unsigned long long)count);
-      break;
-    }
-    for (size_t k = 0; k < tdm_gguf_tensor_count(g); k++) {
-      const char *name = tdm_gguf_tensor_at(g, k)->name;
-      for (int s = -1; s < f->nmore - 1; s++)
-        if (tdm_gguf_tensor_find(s < 0 ? f->g : f->more[s], name)) {
-          rc = tdm_set_error(TDM_EINVAL, 0, "%s: tensor %s is in two of its shards (%s)",
-                             f->path, name, path);
-          break;
-        }
-      if (rc) break;
-    }
+    /* a name the shards before it hold (mfile_find: g is not among them yet) */
+    for (size_t k = 0; !rc && k < tdm_gguf_tensor_count(g); k++)
+      if (mfile_find(f, tdm_gguf_tensor_at(g, k)->name))
+        rc = tdm_set_error(TDM_EINVAL, 0, "%s: tensor %s is in two of its shards (%s)",
+                           f->path, tdm_gguf_tensor_at(g, k)->name, path);
     tensors += tdm_gguf_tensor_count(g);
+    f->more[f->nmore++] = g; /* closed with the others */
   }
   if (!rc && tdm_gguf_get_u64(f->g, "split.tensors.count", &want) == 0 && want != tensors)
     rc = tdm_set_error(TDM_EINVAL, 0, "%s: split.tensors.count is %llu; its %llu shards hold "
