@@ -224,7 +224,7 @@ static int dev_alloc(tdm_model *m, size_t bytes, void *out) {
   return rc;
 }
 
-/* A projection of a block type (Q8_0, Q4_K, Q6_K, MXFP4) to the device as the file keeps it,
+/* A projection of a block type (Q8_0, Q4_K, Q6_K, MXFP4, Q5_K) to the device as the file keeps it,
  * where the table multiplies such weights (matmul_q): its type, else 0. */
 static int block_kept(const tdm_model *m, tensor_role r, const tdm_mf_tensor *t) {
   int wt = tdm_mf_moe_wtype(t->type);
@@ -438,8 +438,9 @@ static int open_moe(tdm_model *m) {
 
 /* A projection's type on the device, by its dweight.wtype. */
 static const char *dense_name(int wtype) {
-  static const char *const names[] = {"F32", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K", "MXFP4"};
-  return wtype >= 0 && wtype <= TDM_MOE_W_MXFP4 ? names[wtype] : "?";
+  static const char *const names[] = {"F32",  "F16",  "BF16",  "Q8_0",
+                                      "Q4_K", "Q6_K", "MXFP4", "Q5_K"};
+  return wtype >= 0 && wtype <= TDM_MOE_W_Q5_K ? names[wtype] : "?";
 }
 
 /* tdm_model_info's dense_type into m->dtype: the first layer's query projection's type on the

@@ -1,13 +1,13 @@
 /* quant.c: GGUF's block-quantized types, by the file's type ids, widened to f32 exactly as ggml
  * widens them (its dequantize_row_*; the gguf package's gguf.quants, which the tests compare
  * with bit for bit), and named in libtandem_moe's types for the experts that stay quantized.
- * - Q8_0, Q4_K, Q6_K and MXFP4: libtandem_moe's widening (tdm_moe_dequant_row), the same code
- *   as its kernels' references;
- * - Q4_0, Q4_1, Q5_0, Q5_1 and Q5_K: here. libtandem_moe has no kernels for them, so a model
- *   takes them for its dense weights only (widened as it loads them), where llama.cpp's mixes
- *   put them: Q5_K in Mixtral's attention output in a Q4_K_M file, Q5_0 and Q5_1 where a row
- *   is no whole number of 256-value blocks (llama.cpp's quantizer falls back from Q4_K and
- *   Q5_K), the 32-value types in the files of those names.
+ * - Q8_0, Q4_K, Q6_K, MXFP4 and Q5_K: libtandem_moe's widening (tdm_moe_dequant_row), the
+ *   same code as its kernels' references (Q5_K's are a projection's only: matmul_q; Q5_K
+ *   experts are widened to bf16, as libtandem_moe has no expert format with it);
+ * - Q4_0, Q4_1, Q5_0 and Q5_1: here. libtandem_moe has no kernels for them, so a model takes
+ *   them for its dense weights only (widened as it loads them), where llama.cpp's mixes put
+ *   them: Q5_0 and Q5_1 where a row is no whole number of 256-value blocks (llama.cpp's
+ *   quantizer falls back from Q4_K and Q5_K), the 32-value types in the files of those names.
  * Compiled without floating-point contraction (model/CMakeLists.txt): each value is computed
  * in ggml's f32 operations in its order. All little-endian, as GGUF files are. */
 #include <stdbool.h>
@@ -24,6 +24,7 @@ int tdm_mf_moe_wtype(int type) {
   case TDM_MF_Q4_K: return TDM_MOE_W_Q4_K;
   case TDM_MF_Q6_K: return TDM_MOE_W_Q6_K;
   case TDM_MF_MXFP4: return TDM_MOE_W_MXFP4;
+  case TDM_MF_Q5_K: return TDM_MOE_W_Q5_K;
   default: return 0;
   }
 }
@@ -65,32 +66,6 @@ static void q32(int type, const uint8_t *b, float *y) {
   }
 }
 
-/* Q5_K: 256 values in 8 sub-blocks of 32, value = d sc q - dmin m with 6-bit sc and m (packed
- * in 12 bytes as Q4_K's are) and 5-bit q. Layout: d, dmin (f16), scales[12], qh[32], qs[128];
- * sub-blocks 2c and 2c + 1 take the low and the high nibbles of qs[32c .. 32c + 31], and bits
- * 2c and 2c + 1 of qh[0 .. 31] as their fifth bits. 176 bytes. */
-static void q5_k(const uint8_t *b, float *y) {
-  const float d = f16_at(b), dmin = f16_at(b + 2);
-  const uint8_t *s = b + 4, *qh = b + 16, *qs = b + 48;
-  for (int sb = 0; sb < 8; sb++) {
-    int sc, m;
-    if (sb < 4) {
-      sc = s[sb] & 63;
-      m = s[sb + 4] & 63;
-    } else {
-      sc = (s[sb + 4] & 0xF) | (s[sb - 4] >> 6) << 4;
-      m = (s[sb + 4] >> 4) | (s[sb] >> 6) << 4;
-    }
-    const float d1 = d * (float)sc, m1 = dmin * (float)m;
-    const uint8_t *q = qs + 32 * (sb / 2);
-    const int shift = 4 * (sb & 1);
-    for (int l = 0; l < 32; l++) {
-      const int v = (q[l] >> shift & 0xF) | ((qh[l] >> sb) & 1) << 4;
-      y[32 * sb + l] = d1 * (float)v - m1;
-    }
-  }
-}
-
 int tdm_mf_dequant(int type, const void *blocks, size_t nblocks, float *y) {
   int block, bytes;
   if (!tdm_mf_dequant_type(type) || tdm_mf_type_block(type, &block, &bytes) != 0) return -1;
@@ -99,12 +74,7 @@ int tdm_mf_dequant(int type, const void *blocks, size_t nblocks, float *y) {
                ? -1
                : 0;
   const uint8_t *b = blocks;
-  for (size_t i = 0; i < nblocks; i++, b += bytes, y += block) {
-    if (type == TDM_MF_Q5_K)
-      q5_k(b, y);
-    else
-      q32(type, b, y);
-  }
+  for (size_t i = 0; i < nblocks; i++, b += bytes, y += block) q32(type, b, y);
   return 0;
 }
 

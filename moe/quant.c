@@ -13,6 +13,7 @@ size_t tdm_moe_row_bytes(int wtype, int64_t n) {
 }
 
 size_t tdm_moe_expert_size(tdm_moe_wfmt f, int H, int I) {
+  if (f.gu == TDM_MOE_W_Q5_K || f.d == TDM_MOE_W_Q5_K) return 0; /* a projection's type only */
   size_t gu = tdm_moe_row_bytes(f.gu, H), d = tdm_moe_row_bytes(f.d, I);
   if (!gu || !d || I <= 0 || H <= 0) return 0;
   if (gu > SIZE_MAX / 2 / (size_t)I || d > SIZE_MAX / (size_t)H) return 0;

@@ -1,5 +1,5 @@
 /* quant.h: inside libtandem_moe, GGUF's block-quantized weight types (tandem/moe_ops.h's
- * TDM_MOE_W_Q8_0, _Q4_K, _Q6_K, _MXFP4) widened to f32 as ggml defines them (its
+ * TDM_MOE_W_Q8_0, _Q4_K, _Q6_K, _MXFP4, _Q5_K) widened to f32 as ggml defines them (its
  * dequantize_row_* in ggml-quants.c; the gguf package's gguf.quants, which the tests compare
  * with). One definition of each block, inline, for two users:
  * - quant.c, the exact widening (tdm_moe_dequant_row), compiled without floating-point
@@ -75,6 +75,26 @@ QUANT_INLINE void tdm_moe__q4_k(const uint8_t *restrict b, float *restrict y) {
   }
 }
 
+/* Q5_K: 256 values in 8 sub-blocks of 32, value = d sc q - dmin m as Q4_K's, with 5-bit q.
+ * Layout: d, dmin (f16), scales[12] (packed as Q4_K's), qh[32], qs[128]; sub-blocks 2c and
+ * 2c + 1 take the low and the high nibbles of qs[32c .. 32c + 31], and bits 2c and 2c + 1 of
+ * qh[0 .. 31] as their fifth bits. 176 bytes. */
+QUANT_INLINE void tdm_moe__q5_k(const uint8_t *restrict b, float *restrict y) {
+  float d = tdm_moe__f16_at(b), min = tdm_moe__f16_at(b + 2);
+  const uint8_t *scales = b + 4, *qh = b + 16, *q = b + 48;
+  for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
+    uint8_t sc, m;
+    tdm_moe__scale_min_k4(is + 0, scales, &sc, &m);
+    float d1 = d * sc, m1 = min * m;
+    tdm_moe__scale_min_k4(is + 1, scales, &sc, &m);
+    float d2 = d * sc, m2 = min * m;
+    for (int l = 0; l < 32; l++)
+      y[j + l] = d1 * (float)((q[l] & 0xF) | ((qh[l] >> is) & 1) << 4) - m1;
+    for (int l = 0; l < 32; l++)
+      y[j + 32 + l] = d2 * (float)((q[l] >> 4) | ((qh[l] >> (is + 1)) & 1) << 4) - m2;
+  }
+}
+
 /* Q6_K: 256 values in 16 sub-blocks of 16, value = d sc q with int8 sc and 6-bit q - 32.
  * Layout: ql[128] (low 4 bits), qh[64] (high 2), scales[16] (int8), d (f16). 210 bytes. Per
  * half of 128 values, quarter k (32 values) takes ql's first or second 32 bytes (k odd), their
@@ -132,6 +152,9 @@ QUANT_INLINE void tdm_moe__dequant_blocks(int type, const uint8_t *restrict src,
   case TDM_MOE_W_Q6_K:
     for (size_t k = 0; k < K; k += 256, src += 210) tdm_moe__q6_k(src, y + k);
     break;
+  case TDM_MOE_W_Q5_K:
+    for (size_t k = 0; k < K; k += 256, src += 176) tdm_moe__q5_k(src, y + k);
+    break;
   default: /* TDM_MOE_W_MXFP4: the callers checked the type */
     for (size_t k = 0; k < K; k += 32, src += 17) tdm_moe__mxfp4(src, y + k);
     break;
@@ -147,6 +170,7 @@ QUANT_INLINE void tdm_moe__wtype_block(int wtype, int *values, int *bytes) {
   case TDM_MOE_W_Q4_K: *values = 256, *bytes = 144; return;
   case TDM_MOE_W_Q6_K: *values = 256, *bytes = 210; return;
   case TDM_MOE_W_MXFP4: *values = 32, *bytes = 17; return;
+  case TDM_MOE_W_Q5_K: *values = 256, *bytes = 176; return;
   default: *values = 0, *bytes = 0; return;
   }
 }

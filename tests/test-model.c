@@ -218,7 +218,7 @@ TEST_CASE(qwen3moe_q4_k_m_gguf) {
   against_reference("qwen3moe-q4_k_m", "model.gguf", "F32", "Q4_K+Q6_K+...");
 }
 /* Every tensor typed as llama.cpp's quantizer types a Q4_K_M file (tiny.py's q4_k_m_type):
- * Mixtral's attention output in Q5_K and k and v in Q8_0; Qwen3-MoE's attention output in
+ * Mixtral's attention output in Q5_K (matmul_q on the CPU and CUDA) and k and v in Q8_0; Qwen3-MoE's attention output in
  * Q5_0 (rows of 64 values: its fallback from Q4_K); the dense projections in Q4_K, the LM head
  * in Q6_K, the experts Q4_K with Q6_K down projections in the last layer. */
 TEST_CASE(mixtral_llama_q4_k_m_gguf) {

@@ -12,8 +12,8 @@
  * CPU's direct-path threshold of 8) in every format, Q4_K_M's mix of Q4_K and Q6_K among them;
  * `expert_q_ref` the single-expert entry; `bf16_matches_experts` wants experts_q() in {BF16,
  * BF16} bitwise equal to experts(); `row_sizes` and `bad_args` the sizes and the errors;
- * `matmul_q_ref` a projection in each block type. A table without expert_q() / experts_q()
- * (or matmul_q()) skips, visibly (77).
+ * `matmul_q_ref` a projection in each block type, Q5_K among them (a projection's type only).
+ * A table without expert_q() / experts_q() (or matmul_q()) skips, visibly (77).
  */
 #include "harness.h"
 #include "moe-fixture.h"
@@ -77,6 +77,14 @@ static void rnd_row(fixture *f, int t, int K, uint8_t *dst) {
       put16(dst, f16_bits(d));
       put16(dst + 2, f16_bits(d * (1.0f + (float)th_rand_below(s, 400) / 100.0f)));
       for (int j = 4; j < 144; j++) dst[j] = (uint8_t)th_rand(s);
+    }
+    return;
+  case TDM_MOE_W_Q5_K: /* Q4_K's scales, q of 5 bits: every bit of qh and qs random */
+    for (int b = 0; b < K / 256; b++, dst += 176) {
+      float d = unit / 220.0f * (0.5f + (float)th_rand_below(s, 100) / 100.0f);
+      put16(dst, f16_bits(d));
+      put16(dst + 2, f16_bits(d * (1.0f + (float)th_rand_below(s, 400) / 100.0f)));
+      for (int j = 4; j < 176; j++) dst[j] = (uint8_t)th_rand(s);
     }
     return;
   case TDM_MOE_W_Q6_K:
@@ -251,8 +259,9 @@ static void check_entries(fixture *f, const qcase *c, int g0, int g1, const char
 }
 
 static const char *type_name(int t) {
-  static const char *const names[] = {"?", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K", "MXFP4"};
-  return t >= 1 && t <= 6 ? names[t] : "?";
+  static const char *const names[] = {"?",    "F16",  "BF16",  "Q8_0",
+                                      "Q4_K", "Q6_K", "MXFP4", "Q5_K"};
+  return t >= 1 && t <= 7 ? names[t] : "?";
 }
 
 /* Every format the header names, Q4_K_M's mix among them. */
@@ -501,7 +510,9 @@ TEST_CASE(row_sizes) {
   CHECK(tdm_moe_row_bytes(TDM_MOE_W_Q8_0, 48) == 0);  /* not whole blocks */
   CHECK(tdm_moe_row_bytes(TDM_MOE_W_Q4_K, 128) == 0);
   CHECK(tdm_moe_row_bytes(TDM_MOE_W_Q8_0, 0) == 0 && tdm_moe_row_bytes(TDM_MOE_W_Q8_0, -32) == 0);
-  CHECK(tdm_moe_row_bytes(0, 32) == 0 && tdm_moe_row_bytes(7, 32) == 0);
+  CHECK(tdm_moe_row_bytes(TDM_MOE_W_Q5_K, 512) == 352);
+  CHECK(tdm_moe_row_bytes(TDM_MOE_W_Q5_K, 32) == 0);
+  CHECK(tdm_moe_row_bytes(0, 32) == 0 && tdm_moe_row_bytes(8, 32) == 0);
   /* Q4_K_M's mix: gate and up rows of Q4_K, down rows of Q6_K. */
   CHECK(tdm_moe_expert_size((tdm_moe_wfmt){TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K}, 2048, 768) ==
         2 * 768 * 8 * 144 + 2048 * 3 * 210);
@@ -510,6 +521,9 @@ TEST_CASE(row_sizes) {
   CHECK(tdm_moe_expert_size((tdm_moe_wfmt){TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K}, 2048, 100) == 0);
   CHECK(tdm_moe_expert_size((tdm_moe_wfmt){TDM_MOE_W_Q8_0, TDM_MOE_W_Q8_0}, 0, 64) == 0);
   CHECK(tdm_moe_expert_size((tdm_moe_wfmt){TDM_MOE_W_Q8_0, 9}, 64, 64) == 0);
+  /* Q5_K is a projection's type (matmul_q), no expert's */
+  CHECK(tdm_moe_expert_size((tdm_moe_wfmt){TDM_MOE_W_Q5_K, TDM_MOE_W_Q5_K}, 256, 256) == 0);
+  CHECK(tdm_moe_expert_size((tdm_moe_wfmt){TDM_MOE_W_Q4_K, TDM_MOE_W_Q5_K}, 256, 256) == 0);
   CHECK(tdm_moe_expert_size((tdm_moe_wfmt){TDM_MOE_W_BF16, TDM_MOE_W_BF16}, INT32_MAX - 1,
                             INT32_MAX - 1) == 0); /* past size_t */
   float y[64];
@@ -536,7 +550,8 @@ TEST_CASE(bad_args) {
   static const int counts[] = {2, 3};
   tdm_moe_wfmt q8 = {TDM_MOE_W_Q8_0, TDM_MOE_W_Q8_0};
   qcase c = qcase_setup(f, q8, 256, 256, counts, 2);
-  const tdm_moe_wfmt bad[] = {{0, TDM_MOE_W_Q8_0}, {TDM_MOE_W_Q8_0, 99}, {-1, -1}};
+  const tdm_moe_wfmt bad[] = {{0, TDM_MOE_W_Q8_0}, {TDM_MOE_W_Q8_0, 99}, {-1, -1},
+                              {TDM_MOE_W_Q5_K, TDM_MOE_W_Q5_K}};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     CHECK(f->ops->experts_q(f->st, f->q, c.dx, c.drows, c.dslot, c.n, c.dw, bad[i], c.dgroups,
                             c.G, c.H, c.I, c.dout, c.ws, c.ws_bytes) == TDM_EINVAL);
@@ -624,7 +639,8 @@ TEST_CASE(matmul_q_ref) {
     TH_SKIP("the %s table has no matmul_q(): a model widens block-typed projections to f32",
             name);
   }
-  static const int types[] = {TDM_MOE_W_Q8_0, TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K, TDM_MOE_W_MXFP4};
+  static const int types[] = {TDM_MOE_W_Q8_0, TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K, TDM_MOE_W_MXFP4,
+                              TDM_MOE_W_Q5_K};
   static const int shapes[][4] = {{1, 512, 70, 70},  {5, 256, 33, 33}, {8, 512, 40, 40},
                                   {13, 256, 37, 5},  {30, 512, 64, 64}, {1, 1280, 9, 9},
                                   {3, 1280, 9, 9},

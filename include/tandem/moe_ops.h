@@ -70,14 +70,20 @@ static inline float tdm_moe_f16_to_f32(uint16_t h) {
  *   TDM_MOE_W_Q6_K   256 values in 210 bytes: 6-bit q in 4 + 2 bits, sixteen int8 scales, an
  *                    f16 d; value d sc (q - 32)
  *   TDM_MOE_W_MXFP4  32 values in 17 bytes: an E8M0 exponent e, 32 E2M1 values in nibbles;
- *                    value 2^(e - 127) x the E2M1 value */
+ *                    value 2^(e - 127) x the E2M1 value
+ *   TDM_MOE_W_Q5_K   256 values in 176 bytes: Q4_K's d, dmin and packed scales and mins, then
+ *                    32 bytes of fifth bits and 128 of 4-bit q; value d sc q - dmin m. A
+ *                    projection's type only (matmul_q, tdm_moe_dequant_row): no expert
+ *                    format takes it (tdm_moe_expert_size is 0), since llama.cpp puts it in
+ *                    dense tensors (a Mixtral Q4_K_M file's attention output) */
 enum {
   TDM_MOE_W_F16 = 1,
   TDM_MOE_W_BF16 = 2,
   TDM_MOE_W_Q8_0 = 3,
   TDM_MOE_W_Q4_K = 4,
   TDM_MOE_W_Q6_K = 5,
-  TDM_MOE_W_MXFP4 = 6
+  TDM_MOE_W_MXFP4 = 6,
+  TDM_MOE_W_Q5_K = 7
 };
 
 /* An expert's weight format: the type of its gate and up rows (of H values each) and the type
@@ -92,8 +98,8 @@ typedef struct tdm_moe_wfmt {
  * multiple of the type's block. */
 TDM_API size_t tdm_moe_row_bytes(int wtype, int64_t n);
 
-/* The bytes of one expert of format f (the layout above): 0 when a row's size is 0 or the
- * total does not fit in size_t. */
+/* The bytes of one expert of format f (the layout above): 0 when a row's size is 0, a type is
+ * not an expert's (TDM_MOE_W_Q5_K), or the total does not fit in size_t. */
 TDM_API size_t tdm_moe_expert_size(tdm_moe_wfmt f, int H, int I);
 
 /* A row of n values of type wtype at src (tdm_moe_row_bytes(wtype, n) bytes, any alignment)
@@ -297,13 +303,14 @@ typedef struct tdm_moe_ops {
                    const tdm_moe_group *groups, int G, int H, int I, float *out,
                    void *workspace, size_t workspace_bytes);
 
-  /* matmul_h() with w [N x K] in a block type (TDM_MOE_W_Q8_0, _Q4_K, _Q6_K or _MXFP4: each
-   * row tdm_moe_row_bytes(wtype, K) bytes, back to back, K whole blocks), so that a file's
-   * quantized projections and LM head are read in their blocks: computing on the values
-   * tdm_moe_dequant_row() gives, within f32 rounding (the CPU's, on one or two tokens, on
-   * 16-bit activations as experts_q() may: within about 1e-4). A few tokens read each row
-   * once; more widen pieces of w into the workspace (at least K floats), as matmul_h() does
-   * (CUDA: on TF32 tensor cores, w's widened values split in two parts as well as x's).
+  /* matmul_h() with w [N x K] in a block type (TDM_MOE_W_Q8_0, _Q4_K, _Q6_K, _MXFP4 or
+   * _Q5_K: each row tdm_moe_row_bytes(wtype, K) bytes, back to back, K whole blocks), so that
+   * a file's quantized projections and LM head are read in their blocks: computing on the
+   * values tdm_moe_dequant_row() gives, within f32 rounding (the CPU's, on one or two tokens
+   * of a type but Q5_K, on 16-bit activations as experts_q() may: within about 1e-4). A few
+   * tokens read each row once; more widen pieces of w into the workspace (at least K floats),
+   * as matmul_h() does (CUDA: on TF32 tensor cores, w's widened values split in two parts as
+   * well as x's).
    * Optional: NULL where a backend has none (OpenCL for now), and a model widens such
    * weights to f32 when it loads them. Another type, or K not whole blocks: TDM_EINVAL. */
   int (*matmul_q)(void *st, tdm_queue *q, float *y, const float *x, const void *w, int wtype,

@@ -189,7 +189,7 @@ int tdm_moe__cpu_matmul_h(void *st, tdm_queue *q, float *y, const float *x, cons
 int tdm_moe__cpu_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *w,
                           int wtype, int T, int K, int N, float beta, void *ws,
                           size_t ws_bytes) {
-  if (wtype < TDM_MOE_W_Q8_0 || wtype > TDM_MOE_W_MXFP4)
+  if (wtype < TDM_MOE_W_Q8_0 || wtype > TDM_MOE_W_Q5_K)
     return tdm_set_error(TDM_EINVAL, 0, "moe matmul_q: weight type %d is not a block type",
                          wtype);
   return matmul_w(st, q, y, x, w, wtype, T, K, N, beta, ws, ws_bytes, "matmul_q");

@@ -55,6 +55,7 @@ extern "C" {
  * activations, are contiguous across lanes (a few wide loads a chunk, not two bytes a lane). */
 template <int T> struct qlay { enum { R = 1, L = 8, S = 0 }; };     /* F16, Q8_0 */
 template <> struct qlay<TDM_MOE_W_Q4_K> { enum { R = 2, L = 4, S = 32 }; };
+template <> struct qlay<TDM_MOE_W_Q5_K> { enum { R = 2, L = 4, S = 32 }; };
 template <> struct qlay<TDM_MOE_W_MXFP4> { enum { R = 2, L = 4, S = 16 }; };
 template <> struct qlay<TDM_MOE_W_Q6_K> { enum { R = 4, L = 2, S = 32 }; };
 
@@ -77,6 +78,20 @@ static __device__ __forceinline__ int lane8(const uint8_t *row, int c, int lane,
     for (int e = 0; e < 4; e++) {
       v[e] = d1[0] * (float)((q >> (8 * e)) & 0xF) - m1[0];
       v[4 + e] = d1[1] * (float)((q >> (8 * e + 4)) & 0xF) - m1[1];
+    }
+    return 256 * c + 64 * pr + i;
+  } else if (T == TDM_MOE_W_Q5_K) { /* Q4_K's lanes, with bits 2 pr and 2 pr + 1 of qh */
+    const uint8_t *b = row + 176 * (size_t)c;
+    const int pr = lane >> 3, i = 4 * (lane & 7);
+    float d1[2], m1[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) q4k_scale<true>(b, 2 * pr + h, &d1[h], &m1[h]);
+    const uint32_t q = ld32(b + 48 + 32 * pr + i), qh = ld32(b + 16 + i) >> (2 * pr);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const uint32_t hb = qh >> (8 * e);
+      v[e] = d1[0] * (float)(((q >> (8 * e)) & 0xF) | (hb & 1) << 4) - m1[0];
+      v[4 + e] = d1[1] * (float)(((q >> (8 * e + 4)) & 0xF) | (hb & 2) << 3) - m1[1];
     }
     return 256 * c + 64 * pr + i;
   } else if (T == TDM_MOE_W_Q6_K) {
@@ -573,7 +588,7 @@ int cuda_expert_q(void *st, tdm_queue *q, const float *x, const int32_t *rows,
   return rc;
 }
 
-/* ---- matmul_q: a projection in its blocks ----
+/* ---- matmul_q: a projection in its blocks (the experts' block types and Q5_K) ----
  * A few tokens (decode) read each row once, as experts_q's decode kernels read an expert's
  * rows: a warp a row, 256 values at a time with the lanes side by side (lane8), dotted with
  * every token in a fixed order, then the fixed warp tree. More tokens widen pieces of w to f32
@@ -654,14 +669,14 @@ static cudaError_t widen_q(moe_cuda *m, const void *w, int wtype, size_t n0, siz
   const size_t rb = tdm_moe_row_bytes(wtype, K);
   const uint8_t *wb = (const uint8_t *)w + n0 * rb;
   const dim3 grid((unsigned)((c + MOE_WARPS - 1) / MOE_WARPS));
-  BY_QTYPE(wtype, mq_widen_kernel<QT><<<grid, MOE_THREADS, 0, m->s>>>(wb, rb, (int)c, K, dst));
+  BY_MQTYPE(wtype, mq_widen_kernel<QT><<<grid, MOE_THREADS, 0, m->s>>>(wb, rb, (int)c, K, dst));
   return cudaGetLastError();
 }
 
 int cuda_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *w, int wtype,
                   int T, int K, int N, float beta, void *ws, size_t ws_bytes) {
   moe_cuda *m = (moe_cuda *)st;
-  if (wtype < TDM_MOE_W_Q8_0 || wtype > TDM_MOE_W_MXFP4 || !type_ok(wtype, K))
+  if (wtype < TDM_MOE_W_Q8_0 || wtype > TDM_MOE_W_Q5_K || !type_ok(wtype, K))
     return tdm_set_error(TDM_EINVAL, 0, "moe matmul_q: weight type %d with rows of %d values: "
                          "not a block type, or rows that are not whole blocks", wtype, K);
   if (check_queue(m, q) || !y || !x || !w || T < 0 || N <= 0 || (beta != 0.f && beta != 1.f) ||
@@ -676,7 +691,7 @@ int cuda_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *
   if (T <= MQ_MAX_T) {
     const dim3 grid((unsigned)((N + MOE_WARPS - 1) / MOE_WARPS));
     cudaError_t e;
-    BY_QTYPE(wtype, e = launch_pdl(m, mq_gemv_kernel<QT>, grid, MOE_THREADS, 0, y, x, wb, rb, T,
+    BY_MQTYPE(wtype, e = launch_pdl(m, mq_gemv_kernel<QT>, grid, MOE_THREADS, 0, y, x, wb, rb, T,
                                    K, N, (int)(beta != 0.f)));
     rc = e == cudaSuccess ? 0 : cuda_fail(m, e, "mq_gemv_kernel");
     leave(m, saved);
@@ -706,6 +721,11 @@ int cuda_quant_preload(moe_cuda *m) {
   if (!rc) rc = quant_preload_type<TDM_MOE_W_Q6_K>(m);
   if (!rc) rc = quant_preload_type<TDM_MOE_W_MXFP4>(m);
   if (!rc) rc = quant_preload_type<TDM_MOE_W_F16>(m);
+  if (!rc) { /* Q5_K: matmul_q's kernels only, a projection's type */
+    cudaFuncAttributes a;
+    CK_CUDA(cudaFuncGetAttributes(&a, (const void *)mq_gemv_kernel<TDM_MOE_W_Q5_K>));
+    CK_CUDA(cudaFuncGetAttributes(&a, (const void *)mq_widen_kernel<TDM_MOE_W_Q5_K>));
+  }
   if (!rc) rc = cuda_q16_preload(m);
   return rc ? rc : cuda_gmm_preload(m);
 }

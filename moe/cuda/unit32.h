@@ -1,7 +1,8 @@
 /* cuda/unit32.h: a row of a file's weight format read 32 values at a time (a Q8_0 or MXFP4
- * block; a Q4_K sub-block: its 6-bit scale and min, and one nibble of 32 bytes; a quarter of a
- * Q6_K half-block; 32 F16 or BF16 values), in moe/quant.h's f32 operations and order (the
- * compiler may fuse Q4_K's d sc q - dmin m into one rounding), so that a weight is the value
+ * block; a Q4_K or Q5_K sub-block: its 6-bit scale and min, and one nibble of 32 bytes (Q5_K:
+ * and a bit of 32 more); a quarter of a Q6_K half-block; 32 F16 or BF16 values), in
+ * moe/quant.h's f32 operations and order (the compiler may fuse d sc q - dmin m into one
+ * rounding), so that a weight is the value
  * tdm_moe_dequant_row gives within that rounding; and BY_QTYPE, a body compiled for each block
  * type. The prefill kernels of cuda/quant.cu and cuda/gmm.cu read their weights this way. */
 #ifndef TANDEM_MOE_CUDA_UNIT32_H
@@ -79,6 +80,19 @@ static __device__ __forceinline__ void unit16(const uint8_t *row, int u, int h, 
       v[l] = d1 * (float)((w >> shift) & 0xF) - m1;
       v[l + 1] = d1 * (float)((w >> (8 + shift)) & 0xF) - m1;
     }
+  } else if (T == TDM_MOE_W_Q5_K) { /* Q4_K's sub-block, bit j of qh's bytes its fifth bits */
+    const uint8_t *b = row + 176 * (size_t)(u >> 3);
+    const int j = u & 7;
+    float d1, m1;
+    q4k_scale<G>(b, j, &d1, &m1);
+    const uint8_t *q = b + 48 + 32 * (j >> 1) + 16 * h, *qh = b + 16 + 16 * h;
+    const int shift = (j & 1) * 4;
+#pragma unroll
+    for (int l = 0; l < 16; l += 2) {
+      const uint32_t w = u_h<G>(q + l), hb = u_h<G>(qh + l) >> j;
+      v[l] = d1 * (float)(((w >> shift) & 0xF) | (hb & 1) << 4) - m1;
+      v[l + 1] = d1 * (float)(((w >> (8 + shift)) & 0xF) | ((hb >> 8) & 1) << 4) - m1;
+    }
   } else if (T == TDM_MOE_W_Q6_K) {
     const uint8_t *b = row + 210 * (size_t)(u >> 3);
     const int j = u & 7, hh = j >> 2, qq = j & 3;
@@ -131,7 +145,8 @@ static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v
 }
 
 /* BODY compiled for each type the kernels take, with QT the type, and run for t (the callers
- * checked it: anything else is F16): BY_QTYPE the block types and F16; BY_WTYPE BF16 too. */
+ * checked it: anything else is F16): BY_QTYPE the experts' block types and F16; BY_WTYPE BF16
+ * too; BY_MQTYPE (matmul_q's kernels) Q5_K too, a projection's type only. */
 #define QTYPE_CASE(T, ...)  \
   case T: {                 \
     constexpr int QT = T;   \
@@ -149,6 +164,11 @@ static __device__ __forceinline__ void unit32(const uint8_t *row, int u, float v
   } break;
 #define BY_QTYPE(t, ...)                                                 \
   switch (t) { QTYPE_BLOCKS(__VA_ARGS__) QTYPE_ELSE_F16(__VA_ARGS__) }
+#define BY_MQTYPE(t, ...)                                                                \
+  switch (t) {                                                                           \
+    QTYPE_BLOCKS(__VA_ARGS__) QTYPE_CASE(TDM_MOE_W_Q5_K, __VA_ARGS__)                   \
+    QTYPE_ELSE_F16(__VA_ARGS__)                                                          \
+  }
 #define BY_WTYPE(t, ...)                                                                 \
   switch (t) {                                                                           \
     QTYPE_BLOCKS(__VA_ARGS__) QTYPE_CASE(TDM_MOE_W_BF16, __VA_ARGS__)                   \
