@@ -79,6 +79,11 @@ typedef struct moe_cuda {
   int gmm_bm;          /* gmm.cu's tokens a tile: 64, 128, or 0 (by the weights' types and the
                         * table's tokens an entry); TANDEM_MOE_CUDA_GMM_BM, read at open
                         * (default 0, auto) */
+  bool gmm_counter;    /* gmm.cu's blocks take work items from a counter (TANDEM_MOE_CUDA_GMM_SCHED
+                        * =counter), else a block a tile (grid, the default); read at open */
+  int sms;             /* the device's multiprocessors (0: not known) */
+  int gmm_blocks;      /* counter mode's blocks a launch at most (TANDEM_MOE_CUDA_GMM_BLOCKS, the
+                        * tests' way to have a block take many items; 0: as the GPU holds) */
   bool tf32_single;    /* TANDEM_MOE_CUDA_TF32=single: prefill's projections and tensor-core
                         * attention take one TF32 product of unsplit operands (11 significant
                         * bits each, f32 sums), not three */

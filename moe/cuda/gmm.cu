@@ -14,11 +14,16 @@
  * (cp.async) brings into shared memory as they lie; sums are f32 (mma.sync m16n8k16 on bf16,
  * its operands loaded by ldmatrix).
  *
- * The grid's x runs over tiles of tokens: ceil(n / BM) + G of them cover every entry's tiles
- * (each entry adds at most one partial tile), and a block finds its entry by a warp's scan of
- * the table (device data, read when the kernel runs), so that the host never learns the
- * counts. A bad entry (moe_ops.h: rows outside [0, n), weights outside the allocation) counts
- * no tiles and is skipped whole; a token whose row lies outside x's allocation, or whose slot
+ * Tiles of tokens: ceil(n / BM) + G of them cover every entry's tiles (each entry adds at most
+ * one partial tile), and a block finds a tile's entry by a warp's scan of the table (device
+ * data, read when the kernel runs), so that the host never learns the counts. Two ways to run
+ * them (m->gmm_counter, TANDEM_MOE_CUDA_GMM_SCHED): a grid of a block a tile and block of
+ * outputs, whose blocks past the last tile return at once; or (counter) as many blocks as the
+ * GPU holds at once, which take (tile, block of outputs) items from a counter until none is
+ * left (gm_next), after a gather of the tiles' rows only, so that a launch for a few experts
+ * among a large ubatch's entries (a streamed group) starts no blocks and gathers no rows
+ * without a tile. A bad entry (moe_ops.h: rows outside [0, n), weights outside the
+ * allocation) counts no tiles and is skipped whole; a token whose row lies outside x's allocation, or whose slot
  * outside out's, has its slot left unwritten. A token's result depends on its expert, its own
  * activations and the type only: the tile it falls in, its neighbours and G do not change a bit
  * (each output element is one fragment's sum over K in a fixed order).
@@ -131,6 +136,24 @@ static __device__ bool gm_find(const tdm_moe_group *groups, int G, int n, long l
   *eg = groups[found_g];
   *m0 = found_m0;
   return true;
+}
+
+/* A block's next work item of gate/up or down in counter mode (a tile and a block of outputs,
+ * `cols` of them a tile): thread 0 takes the launch's next item from *ctr (zeroed by the
+ * gather before it), in tile-major order, so that a tile's blocks of outputs run together
+ * (its activations and its expert's weights stay in L2) and a block takes items as it frees,
+ * whatever the tiles' sizes. False past the last tile (the same in every thread). */
+template <int BM>
+static __device__ bool gm_next(unsigned *ctr, unsigned total, int cols,
+                               const tdm_moe_group *groups, int G, int n, long long wlimit,
+                               long long ebytes, tdm_moe_group *e, int *m0, int *col) {
+  __shared__ unsigned item;
+  if (threadIdx.x == 0) item = atomicAdd(ctr, 1u);
+  __syncthreads();
+  const unsigned it = item;
+  if (it >= total) return false;
+  *col = (int)(it % (unsigned)cols);
+  return gm_find<BM>(groups, G, n, wlimit, ebytes, (int)(it / (unsigned)cols), e, m0);
 }
 
 /* Starts copying the step at k0 (su units) of the tile's weight rows (rowp, NULL: a row past
@@ -425,105 +448,119 @@ static __device__ __forceinline__ void gm_mainloop_rf(
   cp_async_wait<0>();
 }
 
-/* hb[first + m0 + r][n0 + c] = SwiGLU of the tile's gate and up sums, as bf16: block (tile,
+/* The item of gate/up or down a block takes next: with C (counter), gm_next's; else its own,
+ * once (tile blockIdx.x, block of outputs blockIdx.y). */
+#define GM_ITEMS(C, ctr, total, cols, e, m0, col)                                            \
+  (C ? gm_next<BM>(ctr, total, cols, groups, G, n, wlimit, ebytes, &e, &m0, &col)           \
+     : gm_find<BM>(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0))
+
+/* hb[first + m0 + r][n0 + c] = SwiGLU of the tile's gate and up sums, as bf16: item (tile,
  * n0 / 64); warp w takes tokens 32 (w % WT) .. and outputs 8 NJ (w / WT) .. + 8 NJ of both
- * halves (fragments j < NJ / 2 of gate, the rest of up: the same outputs). */
-template <int T, int BM>
+ * halves (fragments j < NJ / 2 of gate, the rest of up: the same outputs). C: counter mode. */
+template <int T, int BM, bool C>
 static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
     gm_gate_up_kernel(const __nv_bfloat16 *xb, int n, const uint8_t *wbase, long long wlimit,
                       long long ebytes, const tdm_moe_group *groups, int G, int H, int I,
-                      size_t rb, __nv_bfloat16 *hb) {
+                      size_t rb, __nv_bfloat16 *hb, unsigned *ctr, unsigned total, int cols) {
   __shared__ const uint8_t *rowp[GM_BR];
   wait_prior_grid();
   tdm_moe_group e;
-  int m0;
-  if (!gm_find<BM>(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) return;
-  typedef gm_t<T, BM> t;
-  const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * 64;
-  const int mt = min(BM, e.count - m0); /* tokens of this tile */
-  if (tid < GM_BR) {
-    const int o = n0 + (tid & 63); /* gate row o (tid < 64), up row I + o */
-    rowp[tid] = o < I ? wbase + 2 * e.w + (size_t)(o + (tid >= 64 ? I : 0)) * rb : NULL;
-  }
-  __syncthreads();
-  constexpr int HJ = t::NJ / 2; /* gate fragments a warp */
-  const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * HJ;
-  float acc[t::MI][t::NJ][2][4];
-  const __nv_bfloat16 *a = xb + (size_t)(e.first + m0) * H;
-  if constexpr (t::rf)
-    gm_mainloop_rf<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
-  else
-    gm_mainloop<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
-  float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
-  const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
+  int m0, col = (int)blockIdx.y;
+  while (GM_ITEMS(C, ctr, total, cols, e, m0, col)) {
+    typedef gm_t<T, BM> t;
+    const int tid = threadIdx.x, warp = tid >> 5, n0 = col * 64;
+    const int mt = min(BM, e.count - m0); /* tokens of this tile */
+    if (tid < GM_BR) {
+      const int o = n0 + (tid & 63); /* gate row o (tid < 64), up row I + o */
+      rowp[tid] = o < I ? wbase + 2 * e.w + (size_t)(o + (tid >= 64 ? I : 0)) * rb : NULL;
+    }
+    __syncthreads();
+    constexpr int HJ = t::NJ / 2; /* gate fragments a warp */
+    const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * HJ;
+    float acc[t::MI][t::NJ][2][4];
+    const __nv_bfloat16 *a = xb + (size_t)(e.first + m0) * H;
+    if constexpr (t::rf)
+      gm_mainloop_rf<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
+    else
+      gm_mainloop<T, BM, true>(a, mt, rowp, H, wm, wn, acc);
+    float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
+    const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
 #pragma unroll
-  for (int i = 0; i < t::MI; i++)
+    for (int i = 0; i < t::MI; i++)
 #pragma unroll
-    for (int j = 0; j < HJ; j++)
+      for (int j = 0; j < HJ; j++)
 #pragma unroll
-      for (int nh = 0; nh < 2; nh++)
+        for (int nh = 0; nh < 2; nh++)
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-          const float gv = acc[i][j][nh][q];
-          c[wm + 16 * i + g + 8 * (q >> 1)][wn + 16 * j + 8 * nh + q2 + (q & 1)] =
-              gv / (1.f + expf(-gv)) * acc[i][HJ + j][nh][q];
-        }
-  __syncthreads();
-  for (int q = tid; q < BM * 64; q += GM_THREADS) {
-    const int r = q >> 6, col = q & 63;
-    if (r < mt && n0 + col < I)
-      hb[(size_t)(e.first + m0 + r) * I + n0 + col] = __float2bfloat16_rn(c[r][col]);
+          for (int q = 0; q < 4; q++) {
+            const float gv = acc[i][j][nh][q];
+            c[wm + 16 * i + g + 8 * (q >> 1)][wn + 16 * j + 8 * nh + q2 + (q & 1)] =
+                gv / (1.f + expf(-gv)) * acc[i][HJ + j][nh][q];
+          }
+    __syncthreads();
+    for (int q = tid; q < BM * 64; q += GM_THREADS) {
+      const int r = q >> 6, o = q & 63;
+      if (r < mt && n0 + o < I)
+        hb[(size_t)(e.first + m0 + r) * I + n0 + o] = __float2bfloat16_rn(c[r][o]);
+    }
+    if (!C) return;
+    __syncthreads(); /* c, rowp and gm_next's cells read: the next item may write them */
   }
 }
 
-/* out[slot] row, outputs n0 .. n0 + 127, of the tile's tokens = hb Wd^T: block (tile,
- * n0 / 128); warp w takes tokens 32 (w % WT) .. and outputs 16 NJ (w / WT) .. */
-template <int T, int BM>
+/* out[slot] row, outputs n0 .. n0 + 127, of the tile's tokens = hb Wd^T: item (tile,
+ * n0 / 128); warp w takes tokens 32 (w % WT) .. and outputs 16 NJ (w / WT) .. C: counter
+ * mode. */
+template <int T, int BM, bool C>
 static __global__ void __launch_bounds__(GM_THREADS, gm_t<T, BM>::BLOCKS)
     gm_down_kernel(const __nv_bfloat16 *hb, const int32_t *rows, uint32_t xlimit,
                    const int32_t *slot,
                    uint32_t olimit, int n, const uint8_t *wbase, long long wlimit,
                    long long ebytes, const tdm_moe_group *groups, int G, int H, int I,
-                   size_t gu_rb, size_t rb, float *out) {
+                   size_t gu_rb, size_t rb, float *out, unsigned *ctr, unsigned total,
+                   int cols) {
   __shared__ const uint8_t *rowp[GM_BR];
   wait_prior_grid();
   tdm_moe_group e;
-  int m0;
-  if (!gm_find<BM>(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) return;
-  typedef gm_t<T, BM> t;
-  const int tid = threadIdx.x, warp = tid >> 5, n0 = (int)blockIdx.y * GM_BR;
-  const int mt = min(BM, e.count - m0);
-  if (tid < GM_BR) {
-    const uint8_t *w = wbase + 2 * e.w + 2 * (size_t)I * gu_rb;
-    rowp[tid] = n0 + tid < H ? w + (size_t)(n0 + tid) * rb : NULL;
-  }
-  __syncthreads();
-  const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * t::NJ;
-  float acc[t::MI][t::NJ][2][4];
-  const __nv_bfloat16 *a = hb + (size_t)(e.first + m0) * I;
-  if constexpr (t::rf)
-    gm_mainloop_rf<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
-  else
-    gm_mainloop<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
-  float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
-  const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
+  int m0, col = (int)blockIdx.y;
+  while (GM_ITEMS(C, ctr, total, cols, e, m0, col)) {
+    typedef gm_t<T, BM> t;
+    const int tid = threadIdx.x, warp = tid >> 5, n0 = col * GM_BR;
+    const int mt = min(BM, e.count - m0);
+    if (tid < GM_BR) {
+      const uint8_t *w = wbase + 2 * e.w + 2 * (size_t)I * gu_rb;
+      rowp[tid] = n0 + tid < H ? w + (size_t)(n0 + tid) * rb : NULL;
+    }
+    __syncthreads();
+    const int wm = (warp % t::WT) * 16 * t::MI, wn = (warp / t::WT) * 16 * t::NJ;
+    float acc[t::MI][t::NJ][2][4];
+    const __nv_bfloat16 *a = hb + (size_t)(e.first + m0) * I;
+    if constexpr (t::rf)
+      gm_mainloop_rf<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
+    else
+      gm_mainloop<T, BM, false>(a, mt, rowp, I, wm, wn, acc);
+    float(*c)[GM_CLD] = (float(*)[GM_CLD])gm_smem;
+    const int lane = tid & 31, g = lane >> 2, q2 = (lane & 3) * 2;
 #pragma unroll
-  for (int i = 0; i < t::MI; i++)
+    for (int i = 0; i < t::MI; i++)
 #pragma unroll
-    for (int j = 0; j < t::NJ; j++)
+      for (int j = 0; j < t::NJ; j++)
 #pragma unroll
-      for (int nh = 0; nh < 2; nh++)
+        for (int nh = 0; nh < 2; nh++)
 #pragma unroll
-        for (int q = 0; q < 4; q++)
-          c[wm + 16 * i + g + 8 * (q >> 1)][wn + 16 * j + 8 * nh + q2 + (q & 1)] =
-              acc[i][j][nh][q];
-  __syncthreads();
-  for (int r = warp; r < mt; r += GM_THREADS / 32) {
-    const int at = e.first + m0 + r;
-    const uint32_t sl = (uint32_t)slot[at];
-    if (sl >= olimit || (uint32_t)rows[at] >= xlimit) continue;
-    float *dst = out + (size_t)sl * H + n0;
-    for (int col = tid & 31; col < GM_BR && n0 + col < H; col += 32) dst[col] = c[r][col];
+          for (int q = 0; q < 4; q++)
+            c[wm + 16 * i + g + 8 * (q >> 1)][wn + 16 * j + 8 * nh + q2 + (q & 1)] =
+                acc[i][j][nh][q];
+    __syncthreads();
+    for (int r = warp; r < mt; r += GM_THREADS / 32) {
+      const int at = e.first + m0 + r;
+      const uint32_t sl = (uint32_t)slot[at];
+      if (sl >= olimit || (uint32_t)rows[at] >= xlimit) continue;
+      float *dst = out + (size_t)sl * H + n0;
+      for (int o = tid & 31; o < GM_BR && n0 + o < H; o += 32) dst[o] = c[r][o];
+    }
+    if (!C) return;
+    __syncthreads(); /* c, rowp and gm_next's cells read: the next item may write them */
   }
 }
 
@@ -552,8 +589,56 @@ static __global__ void __launch_bounds__(GM_THREADS)
   *(uint4 *)(xb + i * H + c) = v;
 }
 
-size_t cuda_gmm_scratch(int n, int H, int I) {
-  return ((size_t)n * I * 2 + 255) / 256 * 256 + (size_t)n * H * 2;
+/* Counter mode's gather: the rows of xb that the table's tiles read, as gm_gather_kernel has
+ * them; no other row, so that a group of a few experts among a large ubatch's entries gathers
+ * its own. Block (b, c) takes tile b. Before it, the work counters of gate/up and down (ctr[0],
+ * ctr[1]) are zeroed: the kernel before this one has completed, and the two after it read them
+ * once it has. */
+template <int BM>
+static __global__ void __launch_bounds__(GM_THREADS)
+    gm_gather_tiles_kernel(const float *x, uint32_t xlimit, const int32_t *rows, int n,
+                           long long wlimit, long long ebytes, const tdm_moe_group *groups,
+                           int G, int H, __nv_bfloat16 *xb, unsigned *ctr) {
+  wait_prior_grid();
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 2) ctr[threadIdx.x] = 0u;
+  const int c = ((int)blockIdx.y * GM_THREADS + (int)threadIdx.x) * 8;
+  tdm_moe_group e;
+  int m0;
+  if (!gm_find<BM>(groups, G, n, wlimit, ebytes, (int)blockIdx.x, &e, &m0)) return;
+  const int mt = min(BM, e.count - m0);
+#pragma unroll 4
+  for (int r = 0; r < mt && c < H; r++) {
+    const size_t i = (size_t)(e.first + m0 + r);
+    const uint32_t row = (uint32_t)rows[i];
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (row < xlimit) {
+      const float4 *src = (const float4 *)(x + (size_t)row * H + c);
+      const float4 a = src[0], b = src[1];
+      const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      v = bf16x8(f);
+    }
+    *(uint4 *)(xb + i * H + c) = v;
+  }
+}
+
+/* h [n x I] bf16, then xb [n x H] bf16, then counter mode's two work counters */
+static size_t xb_at(int n, int I) { return ((size_t)n * I * 2 + 255) / 256 * 256; }
+static size_t ctr_at(int n, int H, int I) {
+  return xb_at(n, I) + ((size_t)n * H * 2 + 255) / 256 * 256;
+}
+size_t cuda_gmm_scratch(int n, int H, int I) { return ctr_at(n, H, I) + 256; }
+
+/* Counter mode's blocks of a gate/up or down launch of `total` items: as many as the GPU holds
+ * at once, or one an item where fewer (or where the device's size is not known);
+ * m->gmm_blocks > 0 caps them further (the tests' way to have each block take many items). */
+template <int BM>
+static unsigned gm_blocks(const moe_cuda *m, long long total, int type) {
+  int per_sm = 2;
+  BY_WTYPE(type, per_sm = gm_t<QT, BM>::BLOCKS);
+  const long long held = (long long)m->sms * per_sm;
+  long long b = held > 0 && held < total ? held : total;
+  if (m->gmm_blocks > 0 && m->gmm_blocks < b) b = m->gmm_blocks;
+  return b > 0 ? (unsigned)b : 1u;
 }
 
 template <int BM>
@@ -562,21 +647,41 @@ static cudaError_t gmm_launch(moe_cuda *m, const float *x, uint32_t xlimit, cons
                               long long wlimit, long long ebytes, int tg, int td,
                               const tdm_moe_group *groups, int G, int H, int I, size_t gu_rb,
                               size_t d_rb, void *ws, float *out) {
-  __nv_bfloat16 *hb = (__nv_bfloat16 *)ws;
-  __nv_bfloat16 *xb = (__nv_bfloat16 *)((uint8_t *)ws + ((size_t)n * I * 2 + 255) / 256 * 256);
-  const unsigned tiles = (unsigned)((n + BM - 1) / BM + G);
-  const dim3 x_grid((unsigned)n, (unsigned)((H + 8 * GM_THREADS - 1) / (8 * GM_THREADS)));
-  const dim3 gu_grid(tiles, (unsigned)((I + 63) / 64)), d_grid(tiles, (unsigned)((H + 127) / 128));
-  cudaError_t e = launch_pdl(m, gm_gather_kernel, x_grid, GM_THREADS, 0, x, xlimit, rows, H, xb);
+  __nv_bfloat16 *hb = (__nv_bfloat16 *)ws, *xb = (__nv_bfloat16 *)((uint8_t *)ws + xb_at(n, I));
+  const unsigned tiles = (unsigned)((n + BM - 1) / BM + G), gu_cols = (unsigned)((I + 63) / 64);
+  const unsigned d_cols = (unsigned)((H + 127) / 128);
+  const unsigned xc = (unsigned)((H + 8 * GM_THREADS - 1) / (8 * GM_THREADS));
+  cudaError_t e;
+  if (!m->gmm_counter) {
+    const dim3 x_grid((unsigned)n, xc), gu_grid(tiles, gu_cols), d_grid(tiles, d_cols);
+    e = launch_pdl(m, gm_gather_kernel, x_grid, GM_THREADS, 0, x, xlimit, rows, H, xb);
+    if (e != cudaSuccess) return e;
+    BY_WTYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT, BM, false>, gu_grid, GM_THREADS,
+                                  gm_t<QT, BM>::SMEM, (const __nv_bfloat16 *)xb, n, wbase,
+                                  wlimit, ebytes, groups, G, H, I, gu_rb, hb, (unsigned *)NULL,
+                                  0u, 0));
+    if (e != cudaSuccess) return e;
+    BY_WTYPE(td, e = launch_pdl(m, gm_down_kernel<QT, BM, false>, d_grid, GM_THREADS,
+                                  gm_t<QT, BM>::SMEM, (const __nv_bfloat16 *)hb, rows, xlimit,
+                                  slot, olimit, n, wbase, wlimit, ebytes, groups, G, H, I, gu_rb,
+                                  d_rb, out, (unsigned *)NULL, 0u, 0));
+    return e;
+  }
+  unsigned *ctr = (unsigned *)((uint8_t *)ws + ctr_at(n, H, I));
+  const long long gu_total = (long long)tiles * gu_cols, d_total = (long long)tiles * d_cols;
+  if (gu_total > INT_MAX || d_total > INT_MAX) return cudaErrorInvalidValue;
+  e = launch_pdl(m, gm_gather_tiles_kernel<BM>, dim3(tiles, xc), GM_THREADS, 0, x, xlimit, rows,
+                 n, wlimit, ebytes, groups, G, H, xb, ctr);
   if (e != cudaSuccess) return e;
-  BY_WTYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT, BM>, gu_grid, GM_THREADS,
-                                gm_t<QT, BM>::SMEM, (const __nv_bfloat16 *)xb, n, wbase, wlimit,
-                                ebytes, groups, G, H, I, gu_rb, hb));
+  BY_WTYPE(tg, e = launch_pdl(m, gm_gate_up_kernel<QT, BM, true>,
+                                gm_blocks<BM>(m, gu_total, tg), GM_THREADS, gm_t<QT, BM>::SMEM,
+                                (const __nv_bfloat16 *)xb, n, wbase, wlimit, ebytes, groups, G,
+                                H, I, gu_rb, hb, ctr, (unsigned)gu_total, (int)gu_cols));
   if (e != cudaSuccess) return e;
-  BY_WTYPE(td, e = launch_pdl(m, gm_down_kernel<QT, BM>, d_grid, GM_THREADS,
-                                gm_t<QT, BM>::SMEM, (const __nv_bfloat16 *)hb, rows, xlimit,
-                                slot, olimit, n, wbase, wlimit, ebytes, groups, G, H, I, gu_rb,
-                                d_rb, out));
+  BY_WTYPE(td, e = launch_pdl(m, gm_down_kernel<QT, BM, true>, gm_blocks<BM>(m, d_total, td),
+                                GM_THREADS, gm_t<QT, BM>::SMEM, (const __nv_bfloat16 *)hb, rows,
+                                xlimit, slot, olimit, n, wbase, wlimit, ebytes, groups, G, H, I,
+                                gu_rb, d_rb, out, ctr + 1, (unsigned)d_total, (int)d_cols));
   return e;
 }
 
@@ -600,24 +705,32 @@ cudaError_t cuda_gmm(moe_cuda *m, const float *x, uint32_t xlimit, const int32_t
                         groups, G, H, I, gu_rb, d_rb, ws, out);
 }
 
+/* The four kernels of type T (gate/up and down, tiles of 64 and 128) in mode C, their dynamic
+ * shared memory allowed. */
+template <int T, bool C>
+static int gm_preload_type(moe_cuda *m) {
+  CK_CUDA(cudaFuncSetAttribute(gm_gate_up_kernel<T, 64, C>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, gm_t<T, 64>::SMEM));
+  CK_CUDA(cudaFuncSetAttribute(gm_down_kernel<T, 64, C>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, gm_t<T, 64>::SMEM));
+  CK_CUDA(cudaFuncSetAttribute(gm_gate_up_kernel<T, 128, C>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, gm_t<T, 128>::SMEM));
+  CK_CUDA(cudaFuncSetAttribute(gm_down_kernel<T, 128, C>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, gm_t<T, 128>::SMEM));
+  return 0;
+}
+
 int cuda_gmm_preload(moe_cuda *m) {
   static const int types[] = {TDM_MOE_W_Q8_0, TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K,
                               TDM_MOE_W_MXFP4, TDM_MOE_W_BF16, TDM_MOE_W_F16};
   cudaFuncAttributes a;
   CK_CUDA(cudaFuncGetAttributes(&a, (const void *)gm_gather_kernel));
+  CK_CUDA(cudaFuncGetAttributes(&a, (const void *)gm_gather_tiles_kernel<64>));
+  CK_CUDA(cudaFuncGetAttributes(&a, (const void *)gm_gather_tiles_kernel<128>));
   for (int t : types) {
-    BY_WTYPE(t, CK_CUDA(cudaFuncSetAttribute(gm_gate_up_kernel<QT, 64>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               gm_t<QT, 64>::SMEM));
-               CK_CUDA(cudaFuncSetAttribute(gm_down_kernel<QT, 64>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            gm_t<QT, 64>::SMEM));
-               CK_CUDA(cudaFuncSetAttribute(gm_gate_up_kernel<QT, 128>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            gm_t<QT, 128>::SMEM));
-               CK_CUDA(cudaFuncSetAttribute(gm_down_kernel<QT, 128>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            gm_t<QT, 128>::SMEM)));
+    BY_WTYPE(t, int rc = gm_preload_type<QT, false>(m);
+             if (!rc) rc = gm_preload_type<QT, true>(m);
+             if (rc) return rc);
   }
   return 0;
 }
