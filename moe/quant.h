@@ -58,6 +58,17 @@ QUANT_INLINE void tdm_moe__scale_min_k4(int j, const uint8_t *q, uint8_t *d, uin
   }
 }
 
+/* Sub-blocks is and is + 1 of a Q4_K or Q5_K block (its d and min given): their scales d sc
+ * and offsets min m, as ggml computes them. */
+QUANT_INLINE void tdm_moe__k4_pair(const uint8_t *scales, int is, float d, float min,
+                                   float dm[4]) {
+  uint8_t sc, m;
+  tdm_moe__scale_min_k4(is + 0, scales, &sc, &m);
+  dm[0] = d * sc, dm[1] = min * m;
+  tdm_moe__scale_min_k4(is + 1, scales, &sc, &m);
+  dm[2] = d * sc, dm[3] = min * m;
+}
+
 /* Q4_K: 256 values in 8 sub-blocks of 32, value = d sc q - dmin m with 6-bit sc and m. Layout:
  * d, dmin (f16), scales[12], qs[128] (low nibbles: the first 32 of 64, high: the next). 144
  * bytes. */
@@ -65,13 +76,10 @@ QUANT_INLINE void tdm_moe__q4_k(const uint8_t *restrict b, float *restrict y) {
   float d = tdm_moe__f16_at(b), min = tdm_moe__f16_at(b + 2);
   const uint8_t *scales = b + 4, *q = b + 16;
   for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
-    uint8_t sc, m;
-    tdm_moe__scale_min_k4(is + 0, scales, &sc, &m);
-    float d1 = d * sc, m1 = min * m;
-    tdm_moe__scale_min_k4(is + 1, scales, &sc, &m);
-    float d2 = d * sc, m2 = min * m;
-    for (int l = 0; l < 32; l++) y[j + l] = d1 * (q[l] & 0xF) - m1;
-    for (int l = 0; l < 32; l++) y[j + 32 + l] = d2 * (q[l] >> 4) - m2;
+    float dm[4];
+    tdm_moe__k4_pair(scales, is, d, min, dm);
+    for (int l = 0; l < 32; l++) y[j + l] = dm[0] * (q[l] & 0xF) - dm[1];
+    for (int l = 0; l < 32; l++) y[j + 32 + l] = dm[2] * (q[l] >> 4) - dm[3];
   }
 }
 
@@ -83,15 +91,12 @@ QUANT_INLINE void tdm_moe__q5_k(const uint8_t *restrict b, float *restrict y) {
   float d = tdm_moe__f16_at(b), min = tdm_moe__f16_at(b + 2);
   const uint8_t *scales = b + 4, *qh = b + 16, *q = b + 48;
   for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
-    uint8_t sc, m;
-    tdm_moe__scale_min_k4(is + 0, scales, &sc, &m);
-    float d1 = d * sc, m1 = min * m;
-    tdm_moe__scale_min_k4(is + 1, scales, &sc, &m);
-    float d2 = d * sc, m2 = min * m;
+    float dm[4];
+    tdm_moe__k4_pair(scales, is, d, min, dm);
     for (int l = 0; l < 32; l++)
-      y[j + l] = d1 * (float)((q[l] & 0xF) | ((qh[l] >> is) & 1) << 4) - m1;
+      y[j + l] = dm[0] * (float)((q[l] & 0xF) | ((qh[l] >> is) & 1) << 4) - dm[1];
     for (int l = 0; l < 32; l++)
-      y[j + 32 + l] = d2 * (float)((q[l] >> 4) | ((qh[l] >> (is + 1)) & 1) << 4) - m2;
+      y[j + 32 + l] = dm[2] * (float)((q[l] >> 4) | ((qh[l] >> (is + 1)) & 1) << 4) - dm[3];
   }
 }
 

@@ -60,30 +60,24 @@ QDOT_TARGET void load_unit(const uint8_t *src, int t, size_t u, unit *un) {
     const uint8_t *b = src + 34 * u;
     un->s[0] = un->s[1] = f16(b);
     bytes_to_f32(_mm256_loadu_si256((const __m256i *)(b + 2)), 1, un->q);
-  } else if (t == TDM_MOE_W_Q4_K) {
-    const uint8_t *b = src + 144 * (u >> 3);
-    const int j = (int)(u & 7);
+  } else if (t == TDM_MOE_W_Q4_K || t == TDM_MOE_W_Q5_K) {
+    /* sub-block j's nibbles; Q5_K's fifth bits are bit j of each of qh's 32 bytes */
+    const int q5 = t == TDM_MOE_W_Q5_K, j = (int)(u & 7);
+    const uint8_t *b = src + (q5 ? 176 : 144) * (u >> 3);
     uint8_t sc, m;
     tdm_moe__scale_min_k4(j, b + 4, &sc, &m);
     un->s[0] = un->s[1] = f16(b) * sc;
     un->m = f16(b + 2) * m;
-    __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (j >> 1)));
+    __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (q5 ? 48 : 16) + 32 * (j >> 1)));
     if (j & 1) raw = _mm256_srli_epi16(raw, 4);
-    bytes_to_f32(_mm256_and_si256(raw, nib), 0, un->q);
-  } else if (t == TDM_MOE_W_Q5_K) { /* Q4_K's unit with bit j of each of qh's 32 bytes on top */
-    const uint8_t *b = src + 176 * (u >> 3);
-    const int j = (int)(u & 7);
-    uint8_t sc, m;
-    tdm_moe__scale_min_k4(j, b + 4, &sc, &m);
-    un->s[0] = un->s[1] = f16(b) * sc;
-    un->m = f16(b + 2) * m;
-    __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * (j >> 1)));
-    if (j & 1) raw = _mm256_srli_epi16(raw, 4);
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-    const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)),
-                                         _mm256_set1_epi8(1));
-    bytes_to_f32(_mm256_or_si256(_mm256_and_si256(raw, nib), _mm256_slli_epi16(bit, 4)), 0,
-                 un->q);
+    raw = _mm256_and_si256(raw, nib);
+    if (q5) {
+      const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+      const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)),
+                                           _mm256_set1_epi8(1));
+      raw = _mm256_or_si256(raw, _mm256_slli_epi16(bit, 4));
+    }
+    bytes_to_f32(raw, 0, un->q);
   } else if (t == TDM_MOE_W_Q6_K) {
     const uint8_t *b = src + 210 * (u >> 3);
     const int c = (int)(u & 7);
