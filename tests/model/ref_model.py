@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """ref_model.py: the float64 NumPy reference forward pass of Qwen3-MoE and Mixtral, which the
 C tests check the engine's logits against. It loads a Hugging Face folder (config.json and
-safetensors, read by the small reader below) or a GGUF file (gguf-py's GGUFReader), widens
+safetensors, read by the small reader below) or a GGUF file (gguf-py's GGUFReader; block
+types widened by its gguf.quants, so a file llama.cpp's quantizer wrote runs too), widens
 every weight to float64 and runs the models as their definitions say; nothing is fused or
 approximated (RoPE angles included, which HF and llama.cpp compute in float32).
 
@@ -144,6 +145,11 @@ def gguf_tensor(t):
         return bf16_to_f64(np.ascontiguousarray(t.data).view("<u2"))
     if t.tensor_type in (T.F32, T.F16, T.F64):
         return np.asarray(t.data, dtype=np.float64)
+    if t.tensor_type in gguf.GGML_QUANT_SIZES:   # a block type: the gguf package's widening
+        try:
+            return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float64)
+        except NotImplementedError:
+            pass
     raise ValueError(f"{t.name}: tensor type {t.tensor_type.name} is not implemented")
 
 
