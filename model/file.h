@@ -62,9 +62,10 @@ typedef struct tdm_mf_tensor {
 int64_t tdm_mf_elements(const tdm_mf_tensor *t);
 
 /* Block-quantized types widened to f32 exactly as ggml widens them (quant.c): whether type is
- * one of them (Q8_0, Q4_K, Q6_K and MXFP4, which libtandem_moe also computes in; Q4_0, Q4_1,
- * Q5_0, Q5_1 and Q5_K, which a model widens as it loads them), and nblocks whole blocks of it
- * at `blocks` into y (nblocks x the type's block of values): 0, or -1 for another type. */
+ * one of them (Q8_0, Q4_K, Q6_K and MXFP4, which libtandem_moe also computes in; Q5_K, which
+ * it computes in as a projection's type only; Q4_0, Q4_1, Q5_0 and Q5_1, which a model widens
+ * as it loads them), and nblocks whole blocks of it at `blocks` into y (nblocks x the type's
+ * block of values): 0, or -1 for another type. */
 int tdm_mf_dequant_type(int type);
 int tdm_mf_dequant(int type, const void *blocks, size_t nblocks, float *y);
 
