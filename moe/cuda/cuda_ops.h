@@ -59,6 +59,9 @@ typedef struct gemm_plan {
   cublasLtMatmulAlgo_t algo;
 } gemm_plan;
 
+/* gmm.cu's ways to run its tiles (moe_cuda.gmm_sched) */
+enum { GM_GRID = 0, GM_COUNTER = 1, GM_AUTO = 2, GM_AUTO_G = 32 };
+
 typedef struct moe_cuda {
   tdm_queue *q;        /* the queue open() bound the state to */
   cudaStream_t s;      /* where ops launch: the queue's stream, or cap while recording */
@@ -79,8 +82,9 @@ typedef struct moe_cuda {
   int gmm_bm;          /* gmm.cu's tokens a tile: 64, 128, or 0 (by the weights' types and the
                         * table's tokens an entry); TANDEM_MOE_CUDA_GMM_BM, read at open
                         * (default 0, auto) */
-  bool gmm_counter;    /* gmm.cu's blocks take work items from a counter (TANDEM_MOE_CUDA_GMM_SCHED
-                        * =counter), else a block a tile (grid, the default); read at open */
+  int gmm_sched;       /* how gmm.cu runs its tiles (TANDEM_MOE_CUDA_GMM_SCHED, read at open):
+                        * GM_GRID (the default), GM_COUNTER, or GM_AUTO (counter for a table
+                        * of at most GM_AUTO_G entries: a streamed group) */
   int sms;             /* the device's multiprocessors (0: not known) */
   int gmm_blocks;      /* counter mode's blocks a launch at most (TANDEM_MOE_CUDA_GMM_BLOCKS, the
                         * tests' way to have a block take many items; 0: as the GPU holds) */

@@ -16,17 +16,19 @@
  *
  * Tiles of tokens: ceil(n / BM) + G of them cover every entry's tiles (each entry adds at most
  * one partial tile), and a block finds a tile's entry by a warp's scan of the table (device
- * data, read when the kernel runs), so that the host never learns the counts. Two ways to run
- * them (m->gmm_counter, TANDEM_MOE_CUDA_GMM_SCHED): a grid of a block a tile and block of
- * outputs, whose blocks past the last tile return at once; or (counter) as many blocks as the
+ * data, read when the kernel runs), so that the host never learns the counts. Three ways to
+ * run them (m->gmm_sched, TANDEM_MOE_CUDA_GMM_SCHED): a grid of a block a tile and block of
+ * outputs, whose blocks past the last tile return at once; (counter) as many blocks as the
  * GPU holds at once, which take (tile, block of outputs) items from a counter until none is
  * left (gm_next), after a gather of the tiles' rows only, so that a launch for a few experts
  * among a large ubatch's entries (a streamed group) starts no blocks and gathers no rows
- * without a tile. A bad entry (moe_ops.h: rows outside [0, n), weights outside the
- * allocation) counts no tiles and is skipped whole; a token whose row lies outside x's allocation, or whose slot
- * outside out's, has its slot left unwritten. A token's result depends on its expert, its own
- * activations and the type only: the tile it falls in, its neighbours and G do not change a bit
- * (each output element is one fragment's sum over K in a fixed order).
+ * without a tile; or (auto) the counter for a table of at most GM_AUTO_G entries, else the
+ * grid. Each tile is computed the same way in all three. A bad entry (moe_ops.h: rows outside
+ * [0, n), weights outside the allocation) counts no tiles and is skipped whole; a token whose
+ * row lies outside x's allocation, or whose slot outside out's, has its slot left unwritten. A
+ * token's result depends on its expert, its own activations and the type only: the tile it
+ * falls in, its neighbours, G and the way the tiles run do not change a bit (each output
+ * element is one fragment's sum over K in a fixed order).
  *
  * Each step of KS values (a superblock) of the weight rows is copied into shared memory as it
  * lies, asynchronously (cp.async), a step ahead of the one the tensor cores work on. Q8_0, Q4_K
@@ -652,7 +654,7 @@ static cudaError_t gmm_launch(moe_cuda *m, const float *x, uint32_t xlimit, cons
   const unsigned d_cols = (unsigned)((H + 127) / 128);
   const unsigned xc = (unsigned)((H + 8 * GM_THREADS - 1) / (8 * GM_THREADS));
   cudaError_t e;
-  if (!m->gmm_counter) {
+  if (m->gmm_sched == GM_GRID || (m->gmm_sched == GM_AUTO && G > GM_AUTO_G)) {
     const dim3 x_grid((unsigned)n, xc), gu_grid(tiles, gu_cols), d_grid(tiles, d_cols);
     e = launch_pdl(m, gm_gather_kernel, x_grid, GM_THREADS, 0, x, xlimit, rows, H, xb);
     if (e != cudaSuccess) return e;
