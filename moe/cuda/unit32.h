@@ -2,9 +2,9 @@
  * block; a Q4_K or Q5_K sub-block: its 6-bit scale and min, and one nibble of 32 bytes (Q5_K:
  * and a bit of 32 more); a quarter of a Q6_K half-block; 32 F16 or BF16 values), in
  * moe/quant.h's f32 operations and order (the compiler may fuse d sc q - dmin m into one
- * rounding), so that a weight is the value
- * tdm_moe_dequant_row gives within that rounding; and BY_QTYPE, a body compiled for each block
- * type. The prefill kernels of cuda/quant.cu and cuda/gmm.cu read their weights this way. */
+ * rounding), so that a weight is the value tdm_moe_dequant_row gives within that rounding; and
+ * BY_QTYPE, a body compiled for each block type. The prefill kernels of cuda/quant.cu and
+ * cuda/gmm.cu read their weights this way. */
 #ifndef TANDEM_MOE_CUDA_UNIT32_H
 #define TANDEM_MOE_CUDA_UNIT32_H
 #include "cuda/cuda_ops.h"
