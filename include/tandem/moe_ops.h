@@ -308,11 +308,11 @@ typedef struct tdm_moe_ops {
    * a file's quantized projections and LM head are read in their blocks: computing on the
    * values tdm_moe_dequant_row() gives, within f32 rounding (the CPU's, on one or two tokens
    * of a type but Q5_K, on 16-bit activations as experts_q() may: within about 1e-4). A few
-   * tokens read each row once; more widen pieces of w into the workspace (at least K floats),
-   * as matmul_h() does (CUDA: on TF32 tensor cores, w's widened values split in two parts as
-   * well as x's).
-   * Optional: NULL where a backend has none (OpenCL for now), and a model widens such
-   * weights to f32 when it loads them. Another type, or K not whole blocks: TDM_EINVAL. */
+   * tokens (up to 8) read each row once; more widen pieces of w into the workspace (at least
+   * K floats), as matmul_h() does (CUDA: on TF32 tensor cores, w's widened values split in two
+   * parts as well as x's). Optional: NULL where a backend has none (the CPU, CUDA and OpenCL
+   * tables have it), and a model widens such weights to f32 when it loads them. Another type,
+   * or K not whole blocks: TDM_EINVAL. */
   int (*matmul_q)(void *st, tdm_queue *q, float *y, const float *x, const void *w, int wtype,
                   int T, int K, int N, float beta, void *workspace, size_t workspace_bytes);
 

@@ -23,7 +23,7 @@
  * (tdm_moe__ocl_xfmr_source) and quant.c's (tdm_moe__ocl_quant_source); ops.c names them. */
 enum {
   K_RMSNORM, K_ROUTER, K_WIDEN, K_GATHER, K_SWIGLU, K_SCATTER, K_COMBINE, K_GATEUP, K_DOWN,
-  K_GROUP, K_GET_ROWS, K_ROPE, K_ATTENTION, K_QWIDEN, K_QGATEUP, K_QDOWN, K_COUNT
+  K_GROUP, K_GET_ROWS, K_ROPE, K_ATTENTION, K_QWIDEN, K_QGATEUP, K_QDOWN, K_QMATMUL, K_COUNT
 };
 
 extern const char tdm_moe__ocl_xfmr_source[];
@@ -99,6 +99,8 @@ int tdm_moe__ocl_get_rows(void *st, tdm_queue *q, float *y, const float *table,
                           const int32_t *ids, int T, int H, int V);
 int tdm_moe__ocl_matmul(void *st, tdm_queue *q, float *y, const float *x, const float *w, int T,
                         int K, int N, float beta);
+int tdm_moe__ocl_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *w,
+                          int wtype, int T, int K, int N, float beta, void *ws, size_t ws_bytes);
 int tdm_moe__ocl_rope(void *st, tdm_queue *q, float *x, int T, int nh, int hd, int pos0,
                       float base, float freq_scale, int neox);
 int tdm_moe__ocl_attention(void *st, tdm_queue *q, float *out, const float *qv, const float *kc,

@@ -426,7 +426,7 @@ static const char moe_cl_source[] =
 static const char *const kernel_names[K_COUNT] = {
     "moe_rmsnorm", "moe_router", "moe_widen", "moe_gather", "moe_swiglu", "moe_scatter",
     "moe_combine", "moe_gateup", "moe_down", "moe_group", "moe_get_rows", "moe_rope",
-    "moe_attention", "moe_qwiden", "moe_qgateup", "moe_qdown"};
+    "moe_attention", "moe_qwiden", "moe_qgateup", "moe_qdown", "moe_qmatmul"};
 
 /* ---- state (ocl_ops.h) ---- */
 
@@ -1178,6 +1178,7 @@ const tdm_moe_ops tdm_moe__opencl_ops = {
     .combine = ocl_moe_combine,
     .get_rows = tdm_moe__ocl_get_rows,
     .matmul = tdm_moe__ocl_matmul,
+    .matmul_q = tdm_moe__ocl_matmul_q,
     .rope = tdm_moe__ocl_rope,
     .attention = tdm_moe__ocl_attention,
     .host_call = ocl_moe_host_call,

@@ -1,17 +1,20 @@
 /* opencl/quant.c: the OpenCL kernels of experts in their file's format (expert_q() and
- * experts_q() of tandem/moe_ops.h; ops.c submits them): GGUF's Q8_0, Q4_K, Q6_K and MXFP4
- * blocks and F16, widened where they are read. Plain and correct rather than fast: a row's
+ * experts_q() of tandem/moe_ops.h; ops.c submits them) and of projections in theirs (matmul_q;
+ * xfmr.c submits it): GGUF's Q8_0, Q4_K, Q6_K and MXFP4 blocks (and Q5_K, a projection's type)
+ * and F16, widened where they are read. Plain and correct rather than fast: a row's
  * units of 32 values (moe_unit32, moe/quant.h's values in its f32 operations and order) are
  * widened into private memory, one work-item a weight row.
  * - moe_qwiden: expert_q()'s rows widened to f32 into the workspace, where expert()'s SGEMMs
  *   read them as they read a bf16 expert's.
  * - moe_qgateup, moe_qdown: experts_q()'s, one work-item a row of an entry's expert, its
  *   tokens four at a time; each sum runs over the row's values in ascending order (fma), so
- *   a token's result does not depend on the other tokens or entries. */
+ *   a token's result does not depend on the other tokens or entries.
+ * - moe_qmatmul: matmul_q()'s on a few tokens, one work-item a weight row and four tokens,
+ *   summed as moe_qdown sums (more tokens: moe_qwiden's pieces and CLBlast's SGEMM). */
 #include "ocl_ops.h"
 
 _Static_assert(TDM_MOE_W_F16 == 1 && TDM_MOE_W_Q8_0 == 3 && TDM_MOE_W_Q4_K == 4 &&
-                   TDM_MOE_W_Q6_K == 5 && TDM_MOE_W_MXFP4 == 6,
+                   TDM_MOE_W_Q6_K == 5 && TDM_MOE_W_MXFP4 == 6 && TDM_MOE_W_Q5_K == 7,
                "the kernels below name moe_ops.h's types by number");
 
 const char tdm_moe__ocl_quant_source[] =
@@ -26,14 +29,15 @@ const char tdm_moe__ocl_quant_source[] =
     "\n"
     "ushort moe_u16(__global const uchar *p) { return (ushort)(p[0] | (p[1] << 8)); }\n"
     "\n"
-    "/* Values 32u .. 32u + 31 of a row of type t (1 F16, 3 Q8_0, 4 Q4_K, 5 Q6_K, 6 MXFP4). */\n"
+    "/* Values 32u .. 32u + 31 of a row of type t (1 F16, 3 Q8_0, 4 Q4_K, 5 Q6_K, 6 MXFP4,\n"
+    " * 7 Q5_K). */\n"
     "void moe_unit32(int t, __global const uchar *row, int u, float *v) {\n"
     "  if (t == 3) {\n"
     "    __global const uchar *b = row + 34 * (size_t)u;\n"
     "    const float d = moe_f16(moe_u16(b));\n"
     "    for (int j = 0; j < 32; j++) v[j] = (float)(char)b[2 + j] * d;\n"
-    "  } else if (t == 4) {\n"
-    "    __global const uchar *b = row + 144 * (size_t)(u >> 3), *sc = b + 4;\n"
+    "  } else if (t == 4 || t == 7) { /* Q5_K: Q4_K's with bit j of 32 bytes qh */\n"
+    "    __global const uchar *b = row + (t == 4 ? 144 : 176) * (size_t)(u >> 3), *sc = b + 4;\n"
     "    const int j = u & 7;\n"
     "    int s, m;\n"
     "    if (j < 4) {\n"
@@ -44,9 +48,12 @@ const char tdm_moe__ocl_quant_source[] =
     "      m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);\n"
     "    }\n"
     "    const float d1 = moe_f16(moe_u16(b)) * (float)s, m1 = moe_f16(moe_u16(b + 2)) * (float)m;\n"
-    "    __global const uchar *q = b + 16 + 32 * (j >> 1);\n"
+    "    __global const uchar *q = b + (t == 4 ? 16 : 48) + 32 * (j >> 1), *qh = b + 16;\n"
     "    const int shift = (j & 1) * 4;\n"
-    "    for (int l = 0; l < 32; l++) v[l] = d1 * (float)((q[l] >> shift) & 0xF) - m1;\n"
+    "    for (int l = 0; l < 32; l++) {\n"
+    "      const int hb = t == 4 ? 0 : ((qh[l] >> j) & 1) << 4;\n"
+    "      v[l] = d1 * (float)(((q[l] >> shift) & 0xF) | hb) - m1;\n"
+    "    }\n"
     "  } else if (t == 5) {\n"
     "    __global const uchar *b = row + 210 * (size_t)(u >> 3);\n"
     "    const int j = u & 7, h = j >> 2, qq = j & 3;\n"
@@ -154,5 +161,28 @@ const char tdm_moe__ocl_quant_source[] =
     "      const uint r = (uint)rb_[ro + first + k0 + k], s = (uint)sb[so + first + k0 + k];\n"
     "      if (r < x_rows && s < out_rows) ob[oo + (size_t)s * H + c] = a[k];\n"
     "    }\n"
+    "  }\n"
+    "}\n\n"
+    "/* (row n, tokens 4g ..): y[t][n] = x[t] . w[n] (+ y[t][n] where beta), the rows of type wt,\n"
+    " * rb bytes, K values each; a sum runs over the row in ascending order (fma). */\n"
+    "__kernel void moe_qmatmul(__global float *yb, ulong yo, __global const float *xb, ulong xo,\n"
+    "                          __global const uchar *wb, ulong wo, ulong rb, int T, int K, int N,\n"
+    "                          int beta, int wt) {\n"
+    "  const int n = (int)get_global_id(0), t0 = 4 * (int)get_global_id(1);\n"
+    "  if (n >= N || t0 >= T) return;\n"
+    "  const int nt = min(4, T - t0);\n"
+    "  __global const uchar *row = wb + wo + (size_t)n * rb;\n"
+    "  float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};\n"
+    "  for (int u = 0; u < K / 32; u++) {\n"
+    "    float v[32];\n"
+    "    moe_unit32(wt, row, u, v);\n"
+    "    for (int k = 0; k < nt; k++) {\n"
+    "      __global const float *x = xb + xo + (size_t)(t0 + k) * K + 32 * u;\n"
+    "      for (int j = 0; j < 32; j++) a[k] = fma(x[j], v[j], a[k]);\n"
+    "    }\n"
+    "  }\n"
+    "  for (int k = 0; k < nt; k++) {\n"
+    "    __global float *y = yb + yo + (size_t)(t0 + k) * N + n;\n"
+    "    *y = beta ? *y + a[k] : a[k];\n"
     "  }\n"
     "}\n";

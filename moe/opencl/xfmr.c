@@ -1,6 +1,7 @@
 /* opencl/xfmr.c: a transformer's operations besides the MoE layers for the OpenCL backend (the
- * get_rows, matmul, rope and attention entries of tdm_moe__opencl_ops): kernels of their own,
- * built into ops.c's program, and CLBlast's SGEMM for the projections. Submission, deferral
+ * get_rows, matmul, matmul_q, rope and attention entries of tdm_moe__opencl_ops): kernels of
+ * their own, built into ops.c's program (matmul_q's in quant.c's part), and CLBlast's SGEMM for
+ * the projections. Submission, deferral
  * and errors are ops.c's (ocl_ops.h); moe/cpu/xfmr.c is the reference for what they compute.
  *
  * Precision. RoPE's angle p * freq_scale * base^(-2i/hd) reaches thousands of radians at long
@@ -257,6 +258,81 @@ int tdm_moe__ocl_matmul(void *st, tdm_queue *q, float *y, const float *x, const 
       (rc = blast_reach("w", a.w, nw)))
     return rc;
   return tdm_moe__ocl_submit(m, run_matmul, &a, sizeof a);
+}
+
+/* ---- matmul_q: a projection in its blocks ------------------------------------------------ */
+
+/* Tokens up to which moe_qmatmul reads each row once for all of them; more widen pieces of w
+ * into the workspace for CLBlast's SGEMM, as the CPU's and CUDA's tables do. */
+enum { QMM_DIRECT_T = 8 };
+
+typedef struct matmulq_job {
+  clbuf y, x, w, ws;
+  size_t T, K, N, R; /* R: rows of w a piece (T > QMM_DIRECT_T) */
+  cl_ulong rb;
+  float beta;
+  cl_int wt;
+} matmulq_job;
+
+static int run_matmul_q(moe_ocl *m, const void *args) {
+  const matmulq_job *a = args;
+  cl_int T = (cl_int)a->T, K = (cl_int)a->K, N = (cl_int)a->N, beta = a->beta != 0.0f;
+  if (a->T <= QMM_DIRECT_T) {
+    karg k[] = {KBUF(a->y), KBUF(a->x), KBUF(a->w), KVAL(a->rb), KVAL(T),
+                KVAL(K),    KVAL(N),    KVAL(beta), KVAL(a->wt)};
+    size_t global[2] = {round_up(a->N, m->wg), (a->T + 3) / 4};
+    return LAUNCH(m, "matmul_q", K_QMATMUL, k, 2, global, NULL);
+  }
+  for (size_t n0 = 0; n0 < a->N; n0 += a->R) {
+    cl_int c = (cl_int)(a->N - n0 < a->R ? a->N - n0 : a->R);
+    clbuf src = {a->w.mem, a->w.off + n0 * a->rb};
+    karg widen[] = {KBUF(a->ws), KBUF(src), KVAL(a->rb), KVAL(K), KVAL(c), KVAL(a->wt)};
+    size_t g[2] = {a->K / 32, (size_t)c};
+    int rc = LAUNCH(m, "matmul_q", K_QWIDEN, widen, 2, g, NULL);
+    if (rc) return rc;
+    CLBlastStatusCode st = CLBlastSgemm(
+        CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes, a->T, (size_t)c, a->K,
+        1.0f, a->x.mem, a->x.off, a->K, a->ws.mem, a->ws.off, a->K, a->beta, a->y.mem,
+        a->y.off + n0, a->N, &m->cq, NULL);
+    if (st != CLBlastSuccess) return tdm_moe__ocl_blast_fail("matmul_q", "CLBlastSgemm", st);
+  }
+  return 0;
+}
+
+int tdm_moe__ocl_matmul_q(void *st, tdm_queue *q, float *y, const float *x, const void *w,
+                          int wtype, int T, int K, int N, float beta, void *ws,
+                          size_t ws_bytes) {
+  moe_ocl *m = st;
+  int rc = tdm_moe__ocl_check_state(m, q, "matmul_q");
+  if (rc) return rc;
+  size_t rb = wtype >= TDM_MOE_W_Q8_0 && wtype <= TDM_MOE_W_Q5_K && K % 32 == 0
+                  ? tdm_moe_row_bytes(wtype, K)
+                  : 0;
+  if (!rb)
+    return tdm_set_error(TDM_EINVAL, 0, "moe matmul_q: weight type %d with rows of %d values: "
+                         "not a block type, or rows that are not whole blocks", wtype, K);
+  if (!y || !x || !w || T < 0 || N <= 0 || (beta != 0.0f && beta != 1.0f) ||
+      (T > QMM_DIRECT_T && (!ws || ws_bytes / sizeof(float) < (size_t)K)))
+    return tdm_moe__ocl_bad_args("matmul_q");
+  if (T == 0) return 0;
+  matmulq_job a = {.T = (size_t)T, .K = (size_t)K, .N = (size_t)N, .rb = rb, .beta = beta,
+                   .wt = wtype};
+  size_t ny = elems(T, N, 1), nx = elems(T, K, 1);
+  if (T > QMM_DIRECT_T) {
+    a.R = ws_bytes / sizeof(float) / (size_t)K;
+    if (a.R > (size_t)N) a.R = (size_t)N;
+  }
+  if ((rc = tdm_moe__ocl_resolve(m, "matmul_q", "y", y, ny, sizeof(float), &a.y, NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "matmul_q", "x", x, nx, sizeof(float), &a.x, NULL)) ||
+      (rc = tdm_moe__ocl_resolve(m, "matmul_q", "w", w, rb * (size_t)N, 1, &a.w, NULL)))
+    return rc;
+  if (T > QMM_DIRECT_T &&
+      ((rc = tdm_moe__ocl_resolve(m, "matmul_q", "workspace", ws, a.R * (size_t)K, sizeof(float),
+                                  &a.ws, NULL)) ||
+       (rc = blast_reach("y", a.y, ny)) || (rc = blast_reach("x", a.x, nx)) ||
+       (rc = blast_reach("workspace", a.ws, a.R * (size_t)K))))
+    return rc;
+  return tdm_moe__ocl_submit(m, run_matmul_q, &a, sizeof a);
 }
 
 /* ---- rope -------------------------------------------------------------------------------- */
