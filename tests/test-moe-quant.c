@@ -11,9 +11,8 @@
  * a sentinel. `experts_q_ref` runs tables of experts on 0 to 20 tokens each (both sides of the
  * CPU's direct-path threshold of 8) in every format, Q4_K_M's mix of Q4_K and Q6_K among them;
  * `expert_q_ref` the single-expert entry; `bf16_matches_experts` wants experts_q() in {BF16,
- * BF16} bitwise equal to experts(); `experts_q_counter` CUDA's grouped prefill kernels with
- * blocks that take work items from a counter; `row_sizes` and `bad_args` the sizes and the
- * errors;
+ * BF16} bitwise equal to experts(); `experts_q_grid` and `experts_q_counter` CUDA's grouped
+ * prefill kernels run each way; `row_sizes` and `bad_args` the sizes and the errors;
  * `matmul_q_ref` a projection in each block type, Q5_K among them (a projection's type only).
  * A table without expert_q() / experts_q() (or matmul_q()) skips, visibly (77).
  */
@@ -343,20 +342,21 @@ TEST_CASE(experts_q_many) {
   teardown(f);
 }
 
-/* The grouped prefill kernels in counter mode (CUDA: TANDEM_MOE_CUDA_GMM_SCHED=counter), each
- * block taking many work items (TANDEM_MOE_CUDA_GMM_BLOCKS=2), on every entry of the table and
- * then on its last NMANY - 3 entries alone, as a streamed group of a few experts runs among a
- * ubatch's entries: every token right, no other slot written. */
-TEST_CASE(experts_q_counter) {
-  CHECK(setenv("TANDEM_MOE_CUDA_GMM_SCHED", "counter", 1) == 0);
-  CHECK(setenv("TANDEM_MOE_CUDA_GMM_BLOCKS", "2", 1) == 0);
+/* The grouped prefill kernels run each way (CUDA: TANDEM_MOE_CUDA_GMM_SCHED; the default,
+ * auto, takes the counter for the small tables of the other cases): a grid of a block a tile,
+ * and the counter with each block taking many work items (TANDEM_MOE_CUDA_GMM_BLOCKS=2), on
+ * every entry of the table and then on its last NMANY - 3 entries alone, as a streamed group
+ * of a few experts runs among a ubatch's entries: every token right, no other slot written. */
+static void sched_case(const char *sched, const char *blocks) {
+  CHECK(setenv("TANDEM_MOE_CUDA_GMM_SCHED", sched, 1) == 0);
+  CHECK(setenv("TANDEM_MOE_CUDA_GMM_BLOCKS", blocks, 1) == 0);
   fixture f0 = setup_q(1), *f = &f0;
   CHECK(unsetenv("TANDEM_MOE_CUDA_GMM_SCHED") == 0);
   CHECK(unsetenv("TANDEM_MOE_CUDA_GMM_BLOCKS") == 0);
   if (strcmp(f->ops->name, "cuda") != 0) {
     const char *name = f->ops->name;
     teardown(f);
-    TH_SKIP("counter mode is the CUDA table's (the %s table has no grid)", name);
+    TH_SKIP("the ways to run tiles are the CUDA table's (the %s table has no grid)", name);
   }
   static const tdm_moe_wfmt fmts[] = {{TDM_MOE_W_Q4_K, TDM_MOE_W_Q6_K},
                                       {TDM_MOE_W_Q8_0, TDM_MOE_W_Q8_0},
@@ -365,9 +365,9 @@ TEST_CASE(experts_q_counter) {
   for (int i = 0; i < 6; i++) {
     const tdm_moe_wfmt fmt = fmts[i % 3];
     const int g0 = i < 3 ? 0 : 3;
-    char what[64];
-    snprintf(what, sizeof what, "experts_q {%s, %s} counter, entries %d..", type_name(fmt.gu),
-             type_name(fmt.d), g0);
+    char what[80];
+    snprintf(what, sizeof what, "experts_q {%s, %s} %s, entries %d..", type_name(fmt.gu),
+             type_name(fmt.d), sched, g0);
     qcase c = qcase_setup(f, fmt, 512, 256, MANY, NMANY);
     sentinel(f, &c);
     CHECK_OK(f->ops->experts_q(f->st, f->q, c.dx, c.drows, c.dslot, c.n, c.dw, c.fmt,
@@ -379,6 +379,9 @@ TEST_CASE(experts_q_counter) {
   T = 24;
   teardown(f);
 }
+
+TEST_CASE(experts_q_grid) { sched_case("grid", "0"); }
+TEST_CASE(experts_q_counter) { sched_case("counter", "2"); }
 
 /* Bad device data among many rows (moe_ops.h): after the case's good entries, one whose
  * weights end past the allocation, one with first + count = n + 1 and one with count -1; a

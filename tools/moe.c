@@ -67,7 +67,8 @@ static const char moe_help[] =
     "                     all experts (25%); 0 keeps nothing resident (default 0)\n"
     "  --cache-policy C   static: the most popular experts stay resident (prefill); lru: every\n"
     "                     slot is one LRU cache (decode). Default static\n"
-    "  --slots N          staging slots besides the budget (default 16)\n"
+    "  --slots N          staging slots besides the budget (default 16, or 64 where --ubatch\n"
+    "                     is over 4096)\n"
     "  --prefetch-depth N prefetch copies in flight at most (default: static, a layer's\n"
     "                     experts; lru, the staging slots)\n"
     "  --skew S           Zipf exponent of expert popularity (default 1.0)\n"
@@ -272,7 +273,7 @@ static int parse_option(int c, const char *v, moe_opts *o) {
 
 /* Returns 0, 1 after printing the help, or -1 after a usage error. */
 static int parse(int argc, char **argv, moe_opts *o) {
-  *o = (moe_opts){.preset = "tiny", .tokens = 256, .slots = 16, .seed = 1, .skew = 1.0,
+  *o = (moe_opts){.preset = "tiny", .tokens = 256, .slots = 0, .seed = 1, .skew = 1.0,
                   .locality = 0.8, .budget_pct = -1, .check = 1,
                   .placement = TDM_MOE_PLACE_AUTO, .etype = "bf16",
                   .fmt = {TDM_MOE_W_BF16, TDM_MOE_W_BF16}};

@@ -65,7 +65,9 @@ typedef struct tdm_moe_config {
   size_t budget_bytes;     /* resident experts on the device; one that holds every expert makes
                               them all resident (loaded at creation, the static policy) */
   bool all_resident;       /* every expert resident: the reference run */
-  int staging_slots;       /* slots besides the budget that always exist (0: 16) */
+  int staging_slots;       /* slots besides the budget that always exist (0: 16, or 64 where
+                              max_tokens is over 4096: a large ubatch's streamed groups fill
+                              the GPU better) */
   int prefetch_depth;      /* prefetch copies in flight at most (0: the policy's default:
                               under TDM_CACHE_STATIC a layer's experts, so a prefill ubatch's
                               copies all queue in the order they are needed and the next

@@ -83,8 +83,8 @@ typedef struct moe_cuda {
                         * table's tokens an entry); TANDEM_MOE_CUDA_GMM_BM, read at open
                         * (default 0, auto) */
   int gmm_sched;       /* how gmm.cu runs its tiles (TANDEM_MOE_CUDA_GMM_SCHED, read at open):
-                        * GM_GRID (the default), GM_COUNTER, or GM_AUTO (counter for a table
-                        * of at most GM_AUTO_G entries: a streamed group) */
+                        * GM_GRID, GM_COUNTER, or GM_AUTO (the default: counter for a table of
+                        * at most GM_AUTO_G entries, a streamed group; else grid) */
   int sms;             /* the device's multiprocessors (0: not known) */
   int gmm_blocks;      /* counter mode's blocks a launch at most (TANDEM_MOE_CUDA_GMM_BLOCKS, the
                         * tests' way to have a block take many items; 0: as the GPU holds) */

@@ -757,10 +757,10 @@ static int cuda_open(tdm_queue *q, void **state) {
   const char *bm = getenv("TANDEM_MOE_CUDA_GMM_BM");
   m->gmm_bm = !bm ? 0 : strcmp(bm, "128") == 0 ? 128 : strcmp(bm, "64") == 0 ? 64 : 0;
   const char *sched = getenv("TANDEM_MOE_CUDA_GMM_SCHED");
-  m->gmm_sched = !sched                       ? GM_GRID
+  m->gmm_sched = !sched                       ? GM_AUTO
                  : strcmp(sched, "counter") == 0 ? GM_COUNTER
-                 : strcmp(sched, "auto") == 0    ? GM_AUTO
-                                                 : GM_GRID;
+                 : strcmp(sched, "grid") == 0    ? GM_GRID
+                                                 : GM_AUTO;
   m->gmm_blocks = (int)tdm_moe__env_long("TANDEM_MOE_CUDA_GMM_BLOCKS", 0, INT_MAX, 0);
   if (cudaDeviceGetAttribute(&m->sms, cudaDevAttrMultiProcessorCount, m->dev) != cudaSuccess) {
     m->sms = 0; /* counter mode then starts a block an item */
