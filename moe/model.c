@@ -418,7 +418,7 @@ static int setup_small_weights(tdm_moe_model *m) {
 /* The streamer's staging slots: the configuration's, else 16, or 64 where a ubatch may hold
  * more than 4096 tokens: such a ubatch's streamed experts run in groups of those that have
  * landed, and 16 slots kept the groups too small to fill a GPU (Q4_K_M experts of Qwen3-30B-A3B
- * at 8192 tokens: 1.33x the tokens/s with 64, bench/results/h100-gmm-sched-91f0227). */
+ * at 8192 tokens: 1.33x the tokens/s with 64, bench/results/h100-gmm-sched-0e8fcfe). */
 enum { STAGING_SLOTS = 16, STAGING_SLOTS_LARGE = 64, LARGE_UBATCH = 4096 };
 static int staging_slots(const tdm_moe_model *m) {
   if (m->cfg.staging_slots > 0) return m->cfg.staging_slots;
