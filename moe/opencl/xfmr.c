@@ -1,8 +1,8 @@
 /* opencl/xfmr.c: a transformer's operations besides the MoE layers for the OpenCL backend (the
  * get_rows, matmul, matmul_q, rope and attention entries of tdm_moe__opencl_ops): kernels of
  * their own, built into ops.c's program (matmul_q's in quant.c's part), and CLBlast's SGEMM for
- * the projections. Submission, deferral
- * and errors are ops.c's (ocl_ops.h); moe/cpu/xfmr.c is the reference for what they compute.
+ * the projections. Submission, deferral and errors are ops.c's (ocl_ops.h); moe/cpu/xfmr.c is
+ * the reference for what they compute.
  *
  * Precision. RoPE's angle p * freq_scale * base^(-2i/hd) reaches thousands of radians at long
  * positions, where a float angle is off by ~1e-4 and so are its cos and sin; the CPU computes
