@@ -73,21 +73,16 @@ static void rnd_row(fixture *f, int t, int K, uint8_t *dst) {
     }
     return;
   case TDM_MOE_W_Q4_K:
-    for (int b = 0; b < K / 256; b++, dst += 144) {
+  case TDM_MOE_W_Q5_K: { /* d, dmin, then random scales and q (Q5_K: qh's fifth bits too) */
+    const int bytes = t == TDM_MOE_W_Q4_K ? 144 : 176;
+    for (int b = 0; b < K / 256; b++, dst += bytes) {
       float d = unit / 220.0f * (0.5f + (float)th_rand_below(s, 100) / 100.0f);
       put16(dst, f16_bits(d));
       put16(dst + 2, f16_bits(d * (1.0f + (float)th_rand_below(s, 400) / 100.0f)));
-      for (int j = 4; j < 144; j++) dst[j] = (uint8_t)th_rand(s);
+      for (int j = 4; j < bytes; j++) dst[j] = (uint8_t)th_rand(s);
     }
     return;
-  case TDM_MOE_W_Q5_K: /* Q4_K's scales, q of 5 bits: every bit of qh and qs random */
-    for (int b = 0; b < K / 256; b++, dst += 176) {
-      float d = unit / 220.0f * (0.5f + (float)th_rand_below(s, 100) / 100.0f);
-      put16(dst, f16_bits(d));
-      put16(dst + 2, f16_bits(d * (1.0f + (float)th_rand_below(s, 400) / 100.0f)));
-      for (int j = 4; j < 176; j++) dst[j] = (uint8_t)th_rand(s);
-    }
-    return;
+  }
   case TDM_MOE_W_Q6_K:
     for (int b = 0; b < K / 256; b++, dst += 210) {
       for (int j = 0; j < 192; j++) dst[j] = (uint8_t)th_rand(s);
